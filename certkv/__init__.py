@@ -1,0 +1,25 @@
+"""certkv: certified KV-cache eviction.
+
+Importing this package is cheap and has no side effects: torch, transformers and kvpress are
+imported only when a function that needs them is called.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_model": ("certkv.models", "load_model"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'certkv' has no attribute {name!r}")
+
+
+__all__ = ["__version__", *_LAZY]
