@@ -1,0 +1,54 @@
+"""The `certkv` command line.
+
+Each command lives in its own module under `certkv.commands` and is registered here. Command
+modules import torch/transformers/kvpress only inside the command body, so `certkv certify`
+and `certkv --help` stay torch-free. User errors (:class:`certkv.errors.CertkvError`, pydantic
+validation errors) become one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from certkv.commands import accuracy as _accuracy
+from certkv.commands import generate as _generate
+
+app = typer.Typer(
+    name="certkv",
+    help="Certified KV-cache eviction: calibrate, certify and deploy eviction policies.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+app.command("generate")(_generate.generate)
+app.command("accuracy")(_accuracy.accuracy)
+
+
+def main() -> None:
+    """Entry point that turns user errors into one line and exit code 2."""
+    from certkv.errors import CertkvError
+
+    try:
+        app(standalone_mode=False)
+    except CertkvError as exc:
+        print(f"certkv: error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code)
+    except typer.Exit as exc:
+        raise SystemExit(exc.exit_code)
+    except Exception as exc:  # click usage errors
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            raise SystemExit(2)
+        if isinstance(exc, click.exceptions.Abort):
+            print("certkv: aborted", file=sys.stderr)
+            raise SystemExit(130)
+        raise
+
+
+if __name__ == "__main__":
+    main()

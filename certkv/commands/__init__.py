@@ -1,0 +1,1 @@
+"""One module per CLI command; each imports heavy libraries only inside its body."""

@@ -1,0 +1,83 @@
+"""Prompt encoding and greedy decoding with kvpress's conventions.
+
+certkv must answer exactly as kvpress's ``KVPressTextGenerationPipeline`` does, so the encoding
+(BOS + context when the tokenizer has no chat template, the chat template split around the
+context otherwise; the question followed by the template's suffix) and the decoding (positions
+that continue from the uncompressed context length while the cache index continues from the
+pruned length) follow that pipeline. Tests compare the two token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EncodedRequest:
+    """Token ids of one request: the context to prefill and the question fed after it."""
+
+    context_ids: list[int]
+    question_ids: list[int]
+
+
+def encode_request(tokenizer, context: str, question: str, answer_prefix: str = "") -> EncodedRequest:
+    """Encode as kvpress's pipeline does (its `preprocess`)."""
+    if tokenizer.chat_template is None:
+        context_text = (tokenizer.bos_token or "") + context
+        suffix = "\n"
+    else:
+        separator = "#" * (len(context) + 10)
+        templated = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + separator}], add_generation_prompt=True, tokenize=False
+        )
+        context_text, suffix = templated.split(separator)
+    return EncodedRequest(
+        context_ids=tokenizer.encode(context_text, add_special_tokens=False),
+        question_ids=tokenizer.encode(question + suffix + answer_prefix, add_special_tokens=False),
+    )
+
+
+def stop_token_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def greedy_decode(model, cache, question_ids, context_length: int, max_new_tokens: int) -> list[int]:
+    """Feed the question after the (possibly pruned) cache and decode greedily.
+
+    Returns the generated token ids, the stop token included when one was produced.
+    """
+    import torch
+
+    device = model.device
+    q = torch.as_tensor(question_ids, device=device).view(1, -1)
+    positions = torch.arange(context_length, context_length + q.shape[1], device=device).unsqueeze(0)
+    with torch.no_grad():
+        out = model(input_ids=q, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+        token = out.logits[0, -1].argmax()
+        generated = [int(token)]
+        stops = stop_token_ids(model)
+        next_position = positions[:, -1:] + 1
+        # As kvpress does: the first token is never checked for a stop, later ones are.
+        for i in range(max_new_tokens - 1):
+            out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=next_position + i)
+            token = out.logits[0, -1].argmax()
+            generated.append(int(token))
+            if generated[-1] in stops:
+                break
+    return generated
+
+
+def full_kv_answer(model, tokenizer, context: str, question: str, max_new_tokens: int = 8) -> str:
+    """Answer one request with the full cache (no eviction)."""
+    import torch
+    from transformers import DynamicCache
+
+    enc = encode_request(tokenizer, context, question)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=torch.as_tensor(enc.context_ids, device=model.device).view(1, -1), past_key_values=cache)
+    ids = greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
+    return tokenizer.decode(ids, skip_special_tokens=True)

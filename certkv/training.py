@@ -1,0 +1,290 @@
+"""Trains the embedded model: a tiny Llama that answers the built-in retrieval tasks.
+
+Run outside CI, in the background, with a log::
+
+    nohup python -m certkv.training --out train_runs/embedded > train_runs/embedded.log 2>&1 &
+
+The run is seeded and resumable: it checkpoints to ``OUT/checkpoint.pt`` every few hundred steps
+and continues from there when started again with the same ``--out``. When it finishes (or with
+``--export-only``) it writes the weights, config and tokenizer into ``certkv/embedded/``.
+
+Recipe (multi-query associative recall): every training sequence is one built-in context followed
+by several question/answer pairs about it, with the loss only on the answer tokens. A curriculum
+raises the context length from 64 to 576 tokens each time the running answer accuracy passes 0.9.
+Early on, part of the sequences ask the model to repeat a random string, which makes copy (induction)
+heads form; one shared random vector is added to every token embedding at initialisation so that
+RoPE-based position heads have a content-free component to attend with. A run that has not started
+learning after ``--patience`` steps is restarted from a fresh initialisation with the next seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+CURRICULUM = [64, 96, 128, 192, 256, 320, 384, 448, 512, 576]
+MAX_QUESTIONS = 8
+
+
+def model_config(vocab_size: int, bos: int, eos: int, pad: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+
+
+def new_model(config, seed: int):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        shared = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(seed)) * emb.std()
+        emb.add_(shared)  # a content-free component common to every token
+    return model
+
+
+class Batcher:
+    """Builds training sequences from the built-in task generators."""
+
+    def __init__(self, tokenizer, seed: int):
+        from certkv.vocabulary import DIGITS, KEY_WORDS
+
+        self.tok = tokenizer
+        self.rng = random.Random(f"train/{seed}")
+        self.bos, self.eos, self.pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.copy_vocab = tokenizer.convert_tokens_to_ids(["\u2581" + w for w in KEY_WORDS] + DIGITS)
+        self.repeat_ids = tokenizer.encode("Repeat:", add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def task_sequence(self, task: str, length: int) -> tuple[list[int], list[int]]:
+        from certkv.tasks import TASKS
+
+        sample = TASKS[task](self.rng, length)
+        ids = [self.bos] + self.encode(sample.context)
+        mask = [0] * len(ids)
+        qa = self.rng.sample(sample.qa, min(MAX_QUESTIONS, len(sample.qa)))
+        for question, answer in qa:
+            q = self.encode(question + "\n")
+            a = self.encode(" " + answer) + [self.eos]
+            ids += q + a
+            mask += [0] * len(q) + [1] * len(a)
+        return ids, mask
+
+    def copy_sequence(self) -> tuple[list[int], list[int]]:
+        s = [self.rng.choice(self.copy_vocab) for _ in range(self.rng.randint(8, 24))]
+        ids = [self.bos] + s + self.repeat_ids + s + [self.eos]
+        mask = [0] * (1 + len(s) + len(self.repeat_ids)) + [1] * (len(s) + 1)
+        return ids, mask
+
+    def batch(self, max_len: int, tokens: int, copy_share: float, mix: dict[str, float]):
+        import torch
+
+        seqs = []
+        total = 0
+        names, weights = list(mix), list(mix.values())
+        while total < tokens:
+            if self.rng.random() < copy_share:
+                ids, mask = self.copy_sequence()
+            else:
+                length = self.rng.randint(max(64, max_len // 2), max_len)
+                ids, mask = self.task_sequence(self.rng.choices(names, weights)[0], length)
+            seqs.append((ids, mask))
+            total += len(ids)
+        width = max(len(i) for i, _ in seqs)
+        input_ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+        for row, (ids, mask) in enumerate(seqs):
+            t = torch.tensor(ids)
+            input_ids[row, : len(ids)] = t
+            m = torch.tensor(mask, dtype=torch.bool)
+            lab = torch.where(m, t, torch.full_like(t, -100))
+            labels[row, : len(ids) - 1] = lab[1:]  # predict token i+1 at position i
+        return input_ids, labels
+
+
+def answer_accuracy(logits, labels) -> tuple[int, int]:
+    """Count answers (maximal runs of labelled positions) whose every token is predicted right."""
+    import torch
+
+    m = (labels != -100).flatten()
+    wrong = ((logits.argmax(-1) != labels).flatten() & m).long()
+    # Each row ends with an unlabelled position, so runs never cross rows when flattened.
+    starts = m & ~torch.cat([torch.zeros(1, dtype=torch.bool), m[:-1]])
+    segment = torch.cumsum(starts.long(), 0) - 1
+    n = int(starts.sum())
+    if n == 0:
+        return 0, 0
+    errors = torch.zeros(n, dtype=torch.long).index_add_(0, segment[m], wrong[m])
+    return int((errors == 0).sum()), n
+
+
+def train(args) -> Path:
+    import torch
+    from transformers import AutoTokenizer
+
+    from certkv.embedded_tokenizer import EMBEDDED_DIR, save_tokenizer
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(EMBEDDED_DIR)
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    ckpt_path = out / "checkpoint.pt"
+
+    def fresh(seed: int):
+        model = new_model(config, seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
+        return model, opt, {"seed": seed, "step": 0, "stage": 0, "since_start": 0, "history": []}
+
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        model, opt, state = fresh(ckpt["state"]["seed"])
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        state = ckpt["state"]
+        log(f"resumed from {ckpt_path} at step {state['step']} (seed {state['seed']}, stage {state['stage']})")
+    else:
+        model, opt, state = fresh(args.seed)
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"new run seed {args.seed}: {n_params} parameters")
+    batcher = Batcher(tok, state["seed"] * 100003 + state["step"])
+
+    window: list[tuple[int, int]] = []
+    t0 = time.time()
+    model.train()
+    while state["step"] < args.steps:
+        stage = state["stage"]
+        max_len = CURRICULUM[stage]
+        learning = state.get("learning", False)
+        copy_share = 0.3 if not learning else 0.05
+        mix = {"multi_key": 0.9, "single_needle": 0.1}
+        if stage >= 4:
+            mix = {"multi_key": 0.75, "single_needle": 0.1, "dilution": 0.05, "variable_tracking": 0.05, "multi_value": 0.05}
+        input_ids, labels = batcher.batch(max_len, args.tokens_per_step, copy_share, mix)
+        warm = min(1.0, (state["since_start"] + 1) / args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = args.lr * warm
+        logits = model(input_ids=input_ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        state["step"] += 1
+        state["since_start"] += 1
+        with torch.no_grad():
+            window.append(answer_accuracy(logits, labels))
+        window = window[-args.window :]
+        acc = sum(c for c, _ in window) / max(1, sum(t for _, t in window))
+        if acc > 0.3:
+            state["learning"] = True
+        if state["step"] % args.log_every == 0:
+            log(
+                f"step {state['step']} len {max_len} loss {loss.item():.4f} acc {acc:.3f} "
+                f"lr {args.lr * warm:.2e} {time.time() - t0:.0f}s"
+            )
+            state["history"].append({"step": state["step"], "len": max_len, "loss": loss.item(), "acc": acc})
+        if len(window) == args.window and acc > args.advance_at and stage < len(CURRICULUM) - 1:
+            state["stage"] += 1
+            window = []
+            log(f"step {state['step']}: accuracy {acc:.3f} > {args.advance_at}; context length -> {CURRICULUM[state['stage']]}")
+        if not state.get("learning") and state["since_start"] >= args.patience:
+            new_seed = state["seed"] + 1
+            log(f"step {state['step']}: not learning after {args.patience} steps (acc {acc:.3f}); restart with seed {new_seed}")
+            step = state["step"]
+            model, opt, state = fresh(new_seed)
+            state["step"] = step
+            batcher = Batcher(tok, new_seed * 100003 + step)
+            window = []
+        if state["step"] % args.checkpoint_every == 0:
+            save_checkpoint(ckpt_path, model, opt, state)
+    save_checkpoint(ckpt_path, model, opt, state)
+    export(model, tok)
+    return ckpt_path
+
+
+def save_checkpoint(path: Path, model, opt, state) -> None:
+    import torch
+
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
+    tmp.replace(path)
+
+
+def export(model, tok) -> None:
+    """Write the weights, config and generation config into the package's embedded folder."""
+    from certkv.embedded_tokenizer import EMBEDDED_DIR
+
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.save_pretrained(EMBEDDED_DIR, safe_serialization=True)
+    tok.save_pretrained(EMBEDDED_DIR)
+    log(f"exported model and tokenizer to {EMBEDDED_DIR}")
+
+
+def export_from_checkpoint(out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from certkv.embedded_tokenizer import EMBEDDED_DIR
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    ckpt = torch.load(Path(out) / "checkpoint.pt", weights_only=False)
+    model = new_model(model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id), 0)
+    model.load_state_dict(ckpt["model"])
+    export(model, tok)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Train the embedded certkv model (resumable).")
+    p.add_argument("--out", default="train_runs/embedded", help="checkpoint folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--tokens-per-step", type=int, default=12000)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--window", type=int, default=20, help="steps in the running accuracy")
+    p.add_argument("--advance-at", type=float, default=0.9)
+    p.add_argument("--patience", type=int, default=1500, help="steps before a run that is not learning restarts")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
+    args = p.parse_args(argv)
+    if args.export_only:
+        export_from_checkpoint(Path(args.out))
+        return
+    train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
