@@ -10,6 +10,12 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "load_model": ("certkv.models", "load_model"),
+    "certify": ("certkv.certifier", "certify"),
+    "CertificationSpec": ("certkv.certifier", "CertificationSpec"),
+    "load_operating_point": ("certkv.certifier", "load_operating_point"),
+    "LossTable": ("certkv.loss_table", "LossTable"),
+    "read_loss_table": ("certkv.loss_table", "read_loss_table"),
+    "validate": ("certkv.validation", "validate"),
 }
 
 
