@@ -1,0 +1,184 @@
+"""Repeated-split validation, and a simulation with known true risks that checks the promise."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from scipy.stats import binom
+
+from certkv.certifier import CertificationSpec, certify, decide, select_candidates
+from certkv.errors import CertkvError
+from certkv.stats import binomial_p_value_table
+from certkv.validation import calibration_masks, empirical_eligible, validate
+
+# ----------------------------------------------------------------------------- simulation
+
+# Nested candidates, conservative first. The 0.05 candidate sits exactly at ε (choosing it is NOT
+# an error); 0.051 is the hardest bad candidate: just above ε, so an anti-conservative procedure
+# picks it often.
+TRUE_RISKS = np.array([0.01, 0.02, 0.035, 0.05, 0.051, 0.08, 0.15])
+KV = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+NAMES = [f"sim@{kv:.2f}" for kv in KV]
+N_SIM, REPS, EPS, DELTA = 500, 20_000, 0.05, 0.05
+MC_LIMIT = DELTA + 3 * np.sqrt(DELTA * (1 - DELTA) / REPS)  # δ + 3 Monte-Carlo SE ≈ 0.0546
+
+
+def simulate_uniforms(seed: int = 12345) -> np.ndarray:
+    """One uniform per request and replication: a request violates candidate j when u < r_j, so
+    a request violating a conservative candidate also violates every more aggressive one."""
+    return np.random.default_rng(seed).random((REPS, N_SIM), dtype=np.float32)
+
+
+def violation_counts(u: np.ndarray) -> np.ndarray:
+    return np.stack([(u < r).sum(axis=1) for r in TRUE_RISKS], axis=1)  # (REPS, candidates)
+
+
+def certkv_error_rate(k: np.ndarray, confidence: float) -> float:
+    """Share of replications where the certifier's choice has true risk > ε."""
+    spec = CertificationSpec(tolerance=0.0, risk=EPS, confidence=confidence, sequences=[NAMES])
+    p = binomial_p_value_table(N_SIM, EPS)[k]
+    _, chosen = decide(p, np.broadcast_to(KV, k.shape), k, spec)
+    return bad_choice(chosen).mean()
+
+
+def bad_choice(chosen: np.ndarray) -> np.ndarray:
+    return (chosen >= 0) & (TRUE_RISKS[np.maximum(chosen, 0)] > EPS)
+
+
+@pytest.fixture(scope="module")
+def simulation():
+    u = simulate_uniforms()
+    return u, violation_counts(u)
+
+
+def test_certify_controls_the_error_rate_and_thresholding_does_not(simulation):
+    _, k = simulation
+    certified = certkv_error_rate(k, confidence=1 - DELTA)
+    thresholding = bad_choice(
+        select_candidates(empirical_eligible(k, N_SIM, EPS), np.broadcast_to(KV, k.shape), k)
+    ).mean()
+    # Exact: certify errs iff the 0.051 candidate has k ≤ 16 (the largest k certified at n = 500;
+    # nested counts make the 0.05 candidate pass then too), probability ≈ 0.028.
+    k_star = int(np.flatnonzero(binomial_p_value_table(N_SIM, EPS) <= DELTA)[-1])
+    exact = binom.cdf(k_star, N_SIM, 0.051)
+    se = np.sqrt(exact * (1 - exact) / REPS)
+    assert certified <= MC_LIMIT
+    assert abs(certified - exact) < 5 * se
+    # Thresholding picks a candidate with k/n ≤ ε: the 0.051 candidate about half the time.
+    assert thresholding > DELTA + 10 * np.sqrt(DELTA * (1 - DELTA) / REPS)
+    assert thresholding > 0.3
+
+
+def test_the_simulation_catches_an_anti_conservative_procedure(simulation):
+    # Testing at 2δ (confidence 0.90) overpromises: its error rate (≈ 0.073) breaks the same
+    # limit, so the assertion above is able to fail.
+    _, k = simulation
+    assert certkv_error_rate(k, confidence=1 - 2 * DELTA) > MC_LIMIT
+
+
+def test_certify_makes_the_same_choice_as_the_vectorised_core(simulation):
+    u, k = simulation
+    spec = CertificationSpec(tolerance=0.0, risk=EPS, confidence=1 - DELTA, sequences=[NAMES])
+    p = binomial_p_value_table(N_SIM, EPS)[k[:25]]
+    _, chosen = decide(p, np.broadcast_to(KV, p.shape), k[:25], spec)
+    for rep in range(25):
+        violated = u[rep][:, None] < TRUE_RISKS[None, :]
+        rows = [
+            {"request_id": str(i), "policy": name, "kv_retained": float(kv),
+             "loss": float(violated[i, j])}
+            for i in range(N_SIM) for j, (name, kv) in enumerate(zip(NAMES, KV))
+        ]
+        op = certify(rows, spec)
+        expected = "full" if chosen[rep] < 0 else NAMES[chosen[rep]]
+        assert op.policy == expected, rep
+
+
+# ----------------------------------------------------------------------------- validate()
+
+
+def loss_rows(n: int = 300, risks=(0.0, 0.02, 0.04, 0.1), seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    u = rng.random(n)
+    return [
+        {"request_id": f"r{i:04d}", "policy": f"p@{1 - 0.2 * (j + 1):.2f}",
+         "kv_retained": round(1 - 0.2 * (j + 1), 2), "loss": float(u[i] < r),
+         "task": "a" if i % 3 else "b"}
+        for i in range(n) for j, r in enumerate(risks)
+    ]
+
+
+def spec_for(rows, **kw) -> CertificationSpec:
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    return CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[names], **kw)
+
+
+def test_validate_reports_both_methods():
+    rows = loss_rows()
+    result = validate(rows, spec_for(rows), n_splits=300, seed=1)
+    assert (result.n_requests, result.n_calibration, result.n_test) == (300, 150, 150)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert set(data["methods"]) == {"certkv", "empirical_thresholding"}
+    for method in data["methods"].values():
+        assert len(method["test_risks"]) == 300
+        assert method["exceed_count"] == sum(r > 0.05 for r in method["test_risks"])
+        assert method["exceed_ci_low"] <= method["exceed_fraction"] <= method["exceed_ci_high"]
+        assert sum(method["chosen"].values()) == 300
+        assert 0.0 <= method["fallback_share"] <= 1.0
+    # Thresholding keeps less cache and exceeds ε more often than the certificate.
+    cert, emp = result.methods["certkv"], result.methods["empirical_thresholding"]
+    assert emp.mean_kv_retained <= cert.mean_kv_retained
+    assert emp.exceed_fraction >= cert.exceed_fraction
+
+
+def test_validate_is_reproducible_per_seed():
+    rows = loss_rows()
+    a = validate(rows, spec_for(rows), n_splits=50, seed=3).methods["certkv"].test_risks
+    b = validate(rows, spec_for(rows), n_splits=50, seed=3).methods["certkv"].test_risks
+    c = validate(rows, spec_for(rows), n_splits=50, seed=4).methods["certkv"].test_risks
+    assert a == b and a != c
+
+
+def test_validate_split_matches_certify_on_the_calibration_half():
+    rows = loss_rows(n=200)
+    spec = spec_for(rows)
+    result = validate(rows, spec, n_splits=5, seed=7)
+    ids = sorted({r["request_id"] for r in rows})
+    masks = calibration_masks(np.random.default_rng(7), 5, len(ids), 100)
+    for split in range(5):
+        cal = {ids[i] for i in np.flatnonzero(masks[split])}
+        op = certify([r for r in rows if r["request_id"] in cal], spec)
+        test = [r for r in rows if r["request_id"] not in cal and r["policy"] == op.policy]
+        risk = 0.0 if op.fallback else sum(r["loss"] > 0 for r in test) / len(test)
+        assert result.methods["certkv"].test_risks[split] == pytest.approx(risk)
+
+
+def test_fallback_counts_as_safe():
+    rows = loss_rows(risks=(0.3, 0.5))
+    result = validate(rows, spec_for(rows), n_splits=20)
+    cert = result.methods["certkv"]
+    assert cert.fallback_share == 1.0 and cert.mean_kv_retained == 1.0
+    assert cert.test_risks == [0.0] * 20 and cert.exceed_count == 0
+    assert cert.chosen == {"full": 20}
+
+
+def test_validate_handles_several_blocks_of_splits():
+    rows = loss_rows(n=60)
+    result = validate(rows, spec_for(rows, procedure="holm"), n_splits=600, seed=2)
+    assert len(result.methods["empirical_thresholding"].test_risks) == 600
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"n_splits": 0}, "n_splits"),
+        ({"n_splits": 2.5}, "n_splits"),
+        ({"calibration_fraction": 1.0}, "calibration_fraction"),
+        ({"calibration_fraction": 0.001}, "both halves"),
+    ],
+)
+def test_validate_input_errors(kwargs, match):
+    rows = loss_rows(n=20)
+    with pytest.raises(CertkvError, match=match):
+        validate(rows, spec_for(rows), **kwargs)
