@@ -1,0 +1,390 @@
+"""The contract: what is certified, on which requests, against which candidates.
+
+A contract is pre-registered: its tolerance, risk, confidence, candidate sequences and procedure
+are fixed before calibration, and its hash is stored with the records so that a store can never be
+certified against a contract it was not calibrated for. Validation is strict (unknown keys, wrong
+types and out-of-range values are errors) because a silently ignored typo in a contract changes the
+guarantee. Validation imports no torch: press names are checked against the static registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from certkv import press_registry
+from certkv.errors import CertkvError, format_validation_error
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def _error(message: str) -> PydanticCustomError:
+    """A validation error whose message is shown as written (no "Value error," prefix)."""
+    return PydanticCustomError("certkv", message)
+
+
+class _Strict(BaseModel):
+    """Base: unknown keys are errors and strings are never coerced into numbers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RequestsSpec(_Strict):
+    """Where calibration requests come from."""
+
+    source: str = Field(min_length=1, description="JSONL path relative to the contract, or builtin:<mix>")
+    limit: int | None = Field(default=None, ge=1, description="use at most this many requests")
+    seed: int = 0
+    context_length: str | int | None = Field(default=None, description="builtin sources only; default 256-512")
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        if value.startswith("builtin:"):
+            from certkv.requests import parse_mix
+
+            try:
+                parse_mix(value.removeprefix("builtin:"))
+            except CertkvError as exc:
+                raise _error(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_context_length(self) -> "RequestsSpec":
+        if self.context_length is None:
+            return self
+        if not self.is_builtin:
+            raise _error("context_length applies only to builtin:<mix> sources; remove it for a JSONL file")
+        from certkv.requests import parse_context_length
+
+        try:
+            parse_context_length(self.context_length)
+        except CertkvError as exc:
+            raise _error(str(exc)) from None
+        return self
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.source.startswith("builtin:")
+
+
+class Protocol(_Strict):
+    """How each request is run; part of the hash because it changes every answer."""
+
+    query_aware: bool = False
+    max_new_tokens: int = Field(default=8, ge=1)
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise _error(f"device must be auto, cpu, mps, cuda or cuda:N, got {value!r}")
+        return value
+
+
+KvRetained = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class Policy(_Strict):
+    """One candidate sequence: a press tried at decreasing retentions, most KV first."""
+
+    press: str
+    kv_retained: list[KvRetained] = Field(min_length=1)
+    press_kwargs: dict[str, Any] = Field(default_factory=dict)
+    label: str | None = Field(default=None, description="used instead of the press in policy names")
+
+    @field_validator("press")
+    @classmethod
+    def _check_press(cls, value: str) -> str:
+        if not press_registry.is_known_press(value):
+            raise _error(press_registry.unknown_press_message(value))
+        if press_registry.press_info(value).knob is None:
+            raise _error(
+                f"press {value!r} has no setting that kv_retained maps to (kvpress configures it by its "
+                "own parameters), so it cannot be certified by kv_retained"
+            )
+        return value
+
+    @field_validator("kv_retained")
+    @classmethod
+    def _check_order(cls, values: list[float]) -> list[float]:
+        for prev, cur in zip(values, values[1:]):
+            if cur == prev:
+                raise _error(
+                    f"kv_retained lists {cur} twice; a sequence is tested in the order written, "
+                    "conservative (most KV) first, so values must be strictly decreasing"
+                )
+            if cur > prev:
+                raise _error(
+                    f"kv_retained must be strictly decreasing, got {values}: a sequence is tested in the "
+                    "order written, conservative (most KV) first"
+                )
+        return values
+
+    @field_validator("press_kwargs")
+    @classmethod
+    def _check_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        for reserved in ("compression_ratio", "target_compression_ratio"):
+            if reserved in kwargs:
+                raise _error(f"press_kwargs must not set {reserved}; kv_retained sets it")
+        try:
+            nested = press_registry.nested_press_specs(kwargs)
+        except CertkvError as exc:
+            raise _error(str(exc)) from None
+        for path, spec, _ in nested:
+            if not press_registry.is_known_press(spec):
+                raise _error(f"press_kwargs.{path}: {press_registry.unknown_press_message(spec)}")
+        try:
+            json.dumps(kwargs, sort_keys=True)
+        except TypeError as exc:
+            raise _error(f"press_kwargs must hold plain YAML values: {exc}") from None
+        return kwargs
+
+    @field_validator("label")
+    @classmethod
+    def _check_label(cls, value: str | None) -> str | None:
+        if value is not None and not _LABEL_RE.match(value):
+            raise _error(f"label {value!r} may use letters, digits and _ . : - only (no @ or spaces)")
+        return value
+
+    @property
+    def display_name(self) -> str:
+        """The prefix of this entry's policy names."""
+        return self.label or self.press
+
+
+class Gate(_Strict):
+    """Pre-registered gate settings; each value is a candidate setting, not a tuned one."""
+
+    agreement_drop: list[Annotated[float, Field(ge=0.0)]] = Field(default_factory=list)
+    certificate: list[Annotated[float, Field(gt=0.0)]] = Field(default_factory=list)
+
+    @field_validator("agreement_drop", "certificate")
+    @classmethod
+    def _unique(cls, values: list[float]) -> list[float]:
+        if len(set(values)) != len(values):
+            raise _error(f"gate values must be distinct, got {values}")
+        return values
+
+
+def policy_name(display: str, kv_retained: float) -> str:
+    """The policy name of a candidate, e.g. ``snapkv@0.50``."""
+    return f"{display}@{kv_retained:.2f}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (press, kv_retained) candidate in test order: `sequence` indexes policies, `position`
+    is its place within that sequence (0 = most conservative)."""
+
+    policy: str
+    press: str
+    kv_retained: float
+    press_kwargs: dict[str, Any] = field(default_factory=dict)
+    sequence: int = 0
+    position: int = 0
+    label: str | None = None
+
+
+class Contract(_Strict):
+    """A validated contract. Build it with :func:`load_contract` so relative paths resolve."""
+
+    name: str
+    model: str = Field(default="embedded", min_length=1)
+    requests: RequestsSpec
+    protocol: Protocol = Field(default_factory=Protocol)
+    utility: Literal["exact_match", "contains", "f1", "rouge_l", "agreement"]
+    tolerance: float = Field(ge=0.0)
+    risk: float = Field(gt=0.0, lt=1.0)
+    confidence: float = Field(gt=0.0, lt=1.0)
+    procedure: Literal["fixed_sequence", "bonferroni", "holm"] = "fixed_sequence"
+    policies: list[Policy] = Field(min_length=1)
+    gate: Gate | None = None
+    store: str | None = Field(default=None, min_length=1, description="relative to the contract's folder")
+
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise _error(f"name {value!r} may use letters, digits and _ . - only (it names the store folder)")
+        return value
+
+    @field_validator("tolerance", "risk", "confidence")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _error("must be a finite number")
+        return value
+
+    @field_validator("policies")
+    @classmethod
+    def _check_policies(cls, policies: list[Policy]) -> list[Policy]:
+        seen: dict[str, int] = {}
+        kwargs_of: dict[str, tuple[int, dict[str, Any]]] = {}
+        for i, p in enumerate(policies):
+            display = p.display_name
+            if display in kwargs_of and kwargs_of[display][1] != p.press_kwargs:
+                j = kwargs_of[display][0]
+                raise _error(
+                    f"entries {j} and {i} both name their policies {display!r} but differ in press_kwargs; "
+                    "give them distinct `label`s"
+                )
+            kwargs_of.setdefault(display, (i, p.press_kwargs))
+            for kv in p.kv_retained:
+                name = policy_name(display, kv)
+                if name in seen:
+                    raise _error(
+                        f"policy {name!r} appears twice (entries {seen[name]} and {i}); every candidate must "
+                        "have a distinct name (kv_retained is shown with 2 decimals)"
+                    )
+                seen[name] = i
+        return policies
+
+    # -- derived views -------------------------------------------------------------------------
+
+    @property
+    def base_dir(self) -> Path:
+        """The folder relative paths resolve against (the contract file's folder)."""
+        return self._base_dir
+
+    def with_base_dir(self, base_dir: str | Path) -> "Contract":
+        """Set the folder that relative paths resolve against; returns self."""
+        self._base_dir = Path(base_dir)
+        return self
+
+    def canonical_json(self) -> str:
+        """The validated contract as canonical JSON (sorted keys, defaults filled in)."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def sha256(self) -> str:
+        """Hash of :meth:`canonical_json`: comments, key order and formatting do not change it."""
+        return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
+
+    def candidates(self) -> list[Candidate]:
+        """Every candidate, sequence by sequence, each sequence in its test order."""
+        return [
+            Candidate(
+                policy=policy_name(p.display_name, kv),
+                press=p.press,
+                kv_retained=kv,
+                press_kwargs=dict(p.press_kwargs),
+                sequence=s,
+                position=k,
+                label=p.label,
+            )
+            for s, p in enumerate(self.policies)
+            for k, kv in enumerate(p.kv_retained)
+        ]
+
+    def sequences(self) -> list[list[str]]:
+        """Policy names per sequence, in test order."""
+        return [[policy_name(p.display_name, kv) for kv in p.kv_retained] for p in self.policies]
+
+    def resolved_store_path(self) -> Path:
+        """The store folder: `store` relative to the contract's folder, default ``runs/<name>``."""
+        return self._resolve(self.store or f"runs/{self.name}")
+
+    def resolved_requests_path(self) -> Path | None:
+        """The JSONL request file, or None for a builtin source."""
+        return None if self.requests.is_builtin else self._resolve(self.requests.source)
+
+    def check_requests_source(self) -> None:
+        """Fail with one line when the request file is missing; called at calibration time, not at
+        validation, so a contract for data the user has yet to download still validates."""
+        path = self.resolved_requests_path()
+        if path is not None and not path.is_file():
+            raise CertkvError(
+                f"requests.source: request file {path} does not exist (paths are relative to the "
+                f"contract's folder {self._base_dir}); create it or fix the path"
+            )
+
+    def load_requests(self):
+        """Load the contract's requests (JSONL or builtin) after checking the source exists."""
+        from certkv.requests import load_requests
+
+        self.check_requests_source()
+        path = self.resolved_requests_path()
+        source = self.requests.source if path is None else str(path)
+        context_length = self.requests.context_length if self.requests.context_length is not None else "256-512"
+        return load_requests(source, self.requests.limit, self.requests.seed, str(context_length))
+
+    def _resolve(self, path: str) -> Path:
+        p = Path(path).expanduser()
+        return Path(os.path.normpath(p if p.is_absolute() else self._base_dir / p))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML keeps the last one silently) and reads
+    ``5e-2`` as a float (YAML 1.1 needs a dot, which users rarely write)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in keys:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {mark.line + 1}, column {mark.column + 1})", mark
+                )
+            keys.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_contract(data: Any, source: str = "contract", base_dir: str | Path | None = None) -> Contract:
+    """Validate an already-parsed mapping; errors become one-line CertkvErrors naming `source`."""
+    if not isinstance(data, dict):
+        kind = "an empty file" if data is None else type(data).__name__
+        raise CertkvError(f"{source}: the top level must be a mapping of contract keys (name, requests, ...), got {kind}")
+    try:
+        contract = Contract.model_validate(data)
+    except ValidationError as exc:
+        raise CertkvError(format_validation_error(exc, source)) from None
+    return contract.with_base_dir(base_dir if base_dir is not None else Path.cwd())
+
+
+def load_contract(path: str | Path) -> Contract:
+    """Read and validate a contract file; relative paths in it resolve against its folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise CertkvError(f"contract file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CertkvError(f"{path}: cannot read the contract ({exc})") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise CertkvError(f"{path}: invalid YAML{where}: {problem}") from None
+    return parse_contract(data, str(path), path.resolve().parent)

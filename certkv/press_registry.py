@@ -1,0 +1,289 @@
+"""Press names, lazy resolution and construction.
+
+Contracts name presses by short registry names (``snapkv``, ``streaming_llm``, ...) or by an import
+path ``package.module:Class``. Validating a contract must not import torch, so the kvpress table
+below is static: it is checked against ``kvpress.__all__`` by the test suite so it cannot drift from
+the installed kvpress (0.5.5). Classes are imported only when a press is built at calibration time.
+
+Every registry entry records how ``kv_retained`` maps onto the press (its *retention knob*): most
+presses take ``compression_ratio = 1 − kv_retained``; wrappers (adakv, criticalkv, chunkkv, ...)
+forward that attribute to their inner press. Presses whose eviction is configured by something else
+(ThinK prunes key channels, DuoAttention compresses heads, DMS uses a threshold, ...) have no knob:
+a contract cannot certify them by kv_retained, and saying so at validation time is better than a
+calibration run whose nominal retention means nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from certkv.errors import CertkvError
+
+#: press_kwargs keys whose values are presses themselves (a name, an import path, or a nested
+#: ``{press: ..., press_kwargs: {...}}`` mapping). ``presses`` holds a list of them (ComposedPress).
+PRESS_PARAMS = ("press", "base_press", "prefilling_press", "decoding_press")
+PRESS_LIST_PARAMS = ("presses",)
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class PressInfo:
+    """One registry entry.
+
+    `target` is ``"package.module:Class"`` or the class itself. `knob` is the dotted attribute that
+    receives ``1 − kv_retained`` after construction (``None``: the press has no such setting).
+    """
+
+    name: str
+    target: Any
+    knob: str | None = "compression_ratio"
+
+
+# name -> (kvpress class name, retention knob). Names are the kvpress module names without
+# "_press", i.e. snake_case of the class name without "Press" as kvpress spells its files.
+_KVPRESS: dict[str, tuple[str, str | None]] = {
+    # Scorer presses: compression_ratio field, base ScorerPress top-k compress().
+    "snapkv": ("SnapKVPress", "compression_ratio"),
+    "streaming_llm": ("StreamingLLMPress", "compression_ratio"),
+    "knorm": ("KnormPress", "compression_ratio"),
+    "tova": ("TOVAPress", "compression_ratio"),
+    "observed_attention": ("ObservedAttentionPress", "compression_ratio"),
+    "random": ("RandomPress", "compression_ratio"),
+    "expected_attention": ("ExpectedAttentionPress", "compression_ratio"),
+    "expected_attention_stats": ("ExpectedAttentionStatsPress", "compression_ratio"),
+    "keydiff": ("KeyDiffPress", "compression_ratio"),
+    "lagkv": ("LagKVPress", "compression_ratio"),
+    "qfilter": ("QFilterPress", "compression_ratio"),
+    "cur": ("CURPress", "compression_ratio"),
+    "leverage": ("LeverageScorePress", "compression_ratio"),
+    "compactor": ("CompactorPress", "compression_ratio"),
+    "non_causal_attention": ("NonCausalAttnPress", "compression_ratio"),
+    "kvzap": ("KVzapPress", "compression_ratio"),
+    "cap": ("CapPress", "compression_ratio"),
+    "pyramidkv": ("PyramidKVPress", "compression_ratio"),
+    # Other presses with a compression_ratio field.
+    "finch": ("FinchPress", "compression_ratio"),
+    "kvzip": ("KVzipPress", "compression_ratio"),
+    "fastkvzip": ("FastKVzipPress", "compression_ratio"),
+    "kvgrad": ("KVgradPress", "compression_ratio"),
+    "restorekv": ("RestoreKVPress", "compression_ratio"),
+    "kvcompose": ("KVComposePress", "compression_ratio"),
+    "lukv": ("LUKVPress", "compression_ratio"),
+    # Wrappers whose compression_ratio property forwards to the inner `press`.
+    "adakv": ("AdaKVPress", "compression_ratio"),
+    "criticalkv": ("CriticalKVPress", "compression_ratio"),
+    "critical_adakv": ("CriticalAdaKVPress", "compression_ratio"),
+    "chunkkv": ("ChunkKVPress", "compression_ratio"),
+    "entropy_gated_chunkkv": ("EntropyGatedChunkKVPress", "compression_ratio"),
+    "block": ("BlockPress", "compression_ratio"),
+    "chunk": ("ChunkPress", "compression_ratio"),
+    "key_rerotation": ("KeyRerotationPress", "compression_ratio"),
+    "merging": ("MergingPress", "compression_ratio"),
+    # Wrappers configured otherwise.
+    "prefill_decoding": ("PrefillDecodingPress", "prefilling_press.compression_ratio"),
+    "compression_ratio_decoding": ("CompressionRatioDecodingPress", "target_compression_ratio"),
+    "decoding": ("DecodingPress", None),  # target_size in tokens
+    "cam": ("CAMPress", None),  # decoding-time, target_size in tokens
+    "composed": ("ComposedPress", None),  # ratio is the product of the inner presses' ratios
+    "per_layer_compression": ("PerLayerCompressionPress", None),  # compression_ratios per layer
+    "dms": ("DMSPress", None),  # score threshold; the ratio is an outcome
+    # Not token eviction by a ratio.
+    "think": ("ThinKPress", None),  # key channel pruning
+    "duo_attention": ("DuoAttentionPress", None),  # head_compression_ratio
+    "simlayerkv": ("SimLayerKVPress", None),  # lazy-layer threshold
+}
+
+#: kvpress exports that are not presses a contract can name (abstract bases, the pipeline).
+KVPRESS_NOT_PRESSES = frozenset({"BasePress", "ScorerPress", "KVPressTextGenerationPipeline"})
+
+_REGISTRY: dict[str, PressInfo] = {
+    name: PressInfo(name, f"kvpress:{cls}", knob) for name, (cls, knob) in _KVPRESS.items()
+}
+
+
+def kvpress_table() -> dict[str, str]:
+    """The static kvpress table as ``{name: class name}`` (used by the drift test)."""
+    return {name: cls for name, (cls, _) in _KVPRESS.items()}
+
+
+def register_press(name: str, target: Any, *, knob: str | None = "compression_ratio", replace: bool = False) -> None:
+    """Register a press under `name`; `target` is ``"package.module:Class"`` or a class.
+
+    certkv's own presses register the same way as kvpress's, so contracts name them alike. Passing
+    an import path keeps registration free of imports. Re-registering a name needs `replace=True`
+    so a typo cannot silently shadow a kvpress press.
+    """
+    if not _NAME_RE.match(name):
+        raise CertkvError(f"press name {name!r} must be lower snake_case (letters, digits, underscores)")
+    if isinstance(target, str) and not _IMPORT_PATH_RE.match(target):
+        raise CertkvError(f"press target {target!r} must be an import path like package.module:Class")
+    if name in _REGISTRY and not replace:
+        raise CertkvError(f"press {name!r} is already registered; pass replace=True to override it")
+    _REGISTRY[name] = PressInfo(name, target, knob)
+
+
+def known_presses() -> list[str]:
+    """Every registered press name, sorted."""
+    return sorted(_REGISTRY)
+
+
+def is_import_path(spec: str) -> bool:
+    """Whether `spec` looks like ``package.module:Class``."""
+    return bool(_IMPORT_PATH_RE.match(spec))
+
+
+def is_known_press(spec: str) -> bool:
+    """Whether `spec` is a registry name or an import path; imports nothing."""
+    return spec in _REGISTRY or is_import_path(spec)
+
+
+def press_info(spec: str) -> PressInfo:
+    """The registry entry of `spec`; an import path gets the default knob ``compression_ratio``."""
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if is_import_path(spec):
+        return PressInfo(spec, spec, "compression_ratio")
+    raise CertkvError(unknown_press_message(spec))
+
+
+def unknown_press_message(spec: str) -> str:
+    """One line naming close matches, so a typo is fixed without reading the docs."""
+    close = difflib.get_close_matches(str(spec), known_presses(), n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else f"known presses: {', '.join(known_presses())}."
+    return f"unknown press {spec!r}; {hint} An import path like package.module:Class is accepted too"
+
+
+def compression_ratio_for(kv_retained: float) -> float:
+    """kvpress's ``compression_ratio`` for a retention, rounded so ``1 − 0.7`` is the literal 0.3.
+
+    Rounding gives the double a kvpress user writing the ratio by hand would pass, so kvpress's own
+    ``int(n * (1 − ratio))`` budget and certkv's fast path agree.
+    """
+    return round(1.0 - float(kv_retained), 12)
+
+
+def resolve_press_class(spec: str | type) -> type:
+    """Import and return the class of a registry name or ``package.module:Class``."""
+    if isinstance(spec, type):
+        return spec
+    target = press_info(spec).target
+    if isinstance(target, type):
+        return target
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CertkvError(f"press {spec!r}: cannot import module {module_name!r} ({exc})") from None
+    try:
+        cls = getattr(module, attr)
+    except AttributeError:
+        raise CertkvError(f"press {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(cls, type):
+        raise CertkvError(f"press {spec!r}: {target} is not a class")
+    return cls
+
+
+def nested_press_specs(press_kwargs: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any]]]:
+    """The inner presses of `press_kwargs` as ``(key path, spec, kwargs)``, outermost first.
+
+    Used by contract validation to check inner press names without importing anything.
+    """
+    out: list[tuple[str, str, Mapping[str, Any]]] = []
+    for key, value in press_kwargs.items():
+        if key in PRESS_PARAMS and value is not None:
+            items = [(key, value)]
+        elif key in PRESS_LIST_PARAMS and isinstance(value, list):
+            items = [(f"{key}.{i}", v) for i, v in enumerate(value)]
+        else:
+            continue
+        for path, item in items:
+            spec, kwargs = _split_nested(path, item)
+            out.append((path, spec, kwargs))
+            out.extend((f"{path}.{p}", s, k) for p, s, k in nested_press_specs(kwargs))
+    return out
+
+
+def _split_nested(path: str, item: Any) -> tuple[str, Mapping[str, Any]]:
+    """Read a nested press: ``"snapkv"`` or ``{press: snapkv, press_kwargs: {...}}``."""
+    if isinstance(item, str):
+        return item, {}
+    if isinstance(item, Mapping):
+        extra = set(item) - {"press", "press_kwargs"}
+        if "press" not in item or extra:
+            raise CertkvError(
+                f"press_kwargs.{path}: a nested press is a name or a mapping with keys press and "
+                f"press_kwargs, got keys {sorted(item)}"
+            )
+        kwargs = item.get("press_kwargs") or {}
+        if not isinstance(item["press"], str) or not isinstance(kwargs, Mapping):
+            raise CertkvError(f"press_kwargs.{path}: press must be a name and press_kwargs a mapping")
+        return item["press"], kwargs
+    raise CertkvError(f"press_kwargs.{path}: expected a press name or mapping, got {type(item).__name__}")
+
+
+def instantiate(spec: str | type, press_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Construct a press with `press_kwargs`, building nested presses first; sets no retention."""
+    cls = resolve_press_class(spec)
+    kwargs = dict(press_kwargs or {})
+    for key, value in list(kwargs.items()):
+        if key in PRESS_PARAMS and value is not None:
+            inner_spec, inner_kwargs = _split_nested(key, value)
+            kwargs[key] = instantiate(inner_spec, inner_kwargs)
+        elif key in PRESS_LIST_PARAMS and isinstance(value, list):
+            kwargs[key] = [instantiate(*_split_nested(f"{key}.{i}", v)) for i, v in enumerate(value)]
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError, AssertionError) as exc:
+        name = spec if isinstance(spec, str) else cls.__name__
+        raise CertkvError(f"press {name!r} rejected press_kwargs {dict(press_kwargs or {})}: {exc}") from None
+
+
+def build_press(spec: str | type, kv_retained: float, press_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Build a ready press keeping `kv_retained` of the context's KV entries.
+
+    Sets the press's retention knob to ``1 − kv_retained`` (for wrappers the knob forwards to the
+    inner press). A press without a knob is an error unless it is a class passed directly.
+    """
+    if not 0.0 < float(kv_retained) <= 1.0:
+        raise CertkvError(f"kv_retained must lie in (0, 1], got {kv_retained}")
+    knob = press_info(spec).knob if isinstance(spec, str) else "compression_ratio"
+    name = spec if isinstance(spec, str) else spec.__name__
+    if knob is None:
+        raise CertkvError(f"press {name!r} has no setting that kv_retained maps to, so it cannot be certified by kv_retained")
+    press = instantiate(spec, press_kwargs)
+    *owners, attr = knob.split(".")
+    target = press
+    for owner in owners:
+        target = getattr(target, owner, None)
+        if target is None:
+            raise CertkvError(f"press {name!r} needs {owner} in press_kwargs to set kv_retained")
+    if not hasattr(target, attr):
+        raise CertkvError(f"press {name!r} has no {knob} attribute, so kv_retained cannot be applied")
+    try:
+        setattr(target, attr, compression_ratio_for(kv_retained))
+    except (AttributeError, ValueError, AssertionError) as exc:
+        raise CertkvError(f"press {name!r}: cannot set {knob}: {exc}") from None
+    return press
+
+
+def is_score_based(spec: str | type | Any) -> bool:
+    """Whether a press ranks KV entries by a score and keeps the top-k with ScorerPress.compress.
+
+    Such presses can be evaluated on certkv's fast path: one full prefill yields every press's
+    scores, and each retention is a top-k of them. Imports kvpress (calibration time only).
+    """
+    from kvpress import ScorerPress
+
+    if isinstance(spec, str):
+        cls = resolve_press_class(spec)
+    elif isinstance(spec, type):
+        cls = spec
+    else:
+        cls = type(spec)
+    return issubclass(cls, ScorerPress) and cls.compress is ScorerPress.compress
