@@ -13,6 +13,7 @@ import sys
 import typer
 
 from certkv.commands import accuracy as _accuracy
+from certkv.commands import export as _export
 from certkv.commands import generate as _generate
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app = typer.Typer(
 
 app.command("generate")(_generate.generate)
 app.command("accuracy")(_accuracy.accuracy)
+app.command("export")(_export.export)
 
 
 def main() -> None:
