@@ -177,13 +177,21 @@ class SequenceResult(BaseModel):
 
 
 class OperatingPoint(BaseModel):
-    """The certified choice and the evidence for it; serialises to DESIGN.md's JSON."""
+    """The certified choice and the evidence for it; serialises to DESIGN.md's JSON.
+
+    Top-level ``n``, ``violations``, ``risk_upper_bound`` and ``p_value`` are the chosen
+    candidate's. On a fallback they describe the full cache, which loses nothing by definition:
+    0 violations, bound 0.0 and no p-value (null); ``reason`` says what failed.
+    ``kv_retained`` is nominal, ``mean_kv_retained`` the mean memory actually used and
+    ``kv_retained_actual`` the mean realised retention (null when the records lack it).
+    """
 
     model_config = ConfigDict(extra="forbid")
     policy: str
     press: str
     kv_retained: float
     mean_kv_retained: float
+    kv_retained_actual: float | None = None
     fallback: bool
     reason: str | None = None
     contract: ContractSummary
@@ -360,6 +368,7 @@ def certify(
         press=best.press,
         kv_retained=best.kv_retained,
         mean_kv_retained=best.mean_kv_retained,
+        kv_retained_actual=best.kv_retained_actual,
         fallback=False,
         n=best.n,
         violations=best.violations,
@@ -387,12 +396,19 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
     """Nothing certified: use the full cache (zero loss by definition) and say what failed."""
     first = next(c for c in candidates if not c.certified)
     failed = sum(not c.certified for c in candidates)
-    others = f" (and {failed - 1} other candidates failed)" if failed > 1 else ""
+    others = ""
+    if failed > 1:
+        others = f" (and {failed - 1} other candidate{'s' if failed > 2 else ''} failed)"
+    # Under Holm a candidate can pass its own level yet fail because the step-down stopped.
+    verdict = (
+        f"> ε = {spec.risk:g}" if first.risk_upper_bound > spec.risk
+        else f"≤ ε = {spec.risk:g} but Holm's step-down stopped before it"
+    )
     reason = (
         f"no candidate was certified; the first to fail was {first.policy!r} (sequence "
         f"{first.sequence}, position {first.position}): {first.violations}/{first.n} violations, "
-        f"risk upper bound {first.risk_upper_bound:.4g} > ε = {spec.risk:g} at confidence "
-        f"{1.0 - first.level:.4g}{others}; using the full cache"
+        f"risk upper bound {first.risk_upper_bound:.4g} at confidence {1.0 - first.level:.4g} "
+        f"{verdict}{others}; using the full cache"
     )
     per_task = {}
     if task_names:
@@ -406,6 +422,7 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
         press=REFERENCE_POLICY,
         kv_retained=1.0,
         mean_kv_retained=1.0,
+        kv_retained_actual=1.0,
         fallback=True,
         reason=reason,
         n=table.n_requests,

@@ -25,6 +25,8 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from itertools import repeat
+from operator import itemgetter
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -162,13 +164,12 @@ def as_loss_table(records) -> LossTable:
         return records
     if isinstance(records, (str, os.PathLike)):
         return read_loss_table(records)
-    try:
+    if isinstance(records, Iterable) and not isinstance(records, (bytes, Mapping)):
         return LossTable.from_records(records)
-    except TypeError:
-        raise CertkvError(
-            f"records must be a LossTable, a CSV/JSONL path or a list of dicts, "
-            f"got {type(records).__name__}"
-        ) from None
+    raise CertkvError(
+        f"records must be a LossTable, a CSV/JSONL path or a list of dicts, "
+        f"got {type(records).__name__}"
+    )
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -226,7 +227,7 @@ def _columns_from_mappings(rows, source: str, where, *, blank_is_missing: bool =
     columns = {}
     for column in REQUIRED_COLUMNS:
         try:
-            columns[column] = [row[column] for row in rows]
+            columns[column] = list(map(itemgetter(column), rows))
         except KeyError:
             bad = next(i for i, row in enumerate(rows) if column not in row)
             raise CertkvError(
@@ -238,18 +239,20 @@ def _columns_from_mappings(rows, source: str, where, *, blank_is_missing: bool =
             raise CertkvError(f"{source}: {where(bad)}: expected a mapping of column to value")
     for column in OPTIONAL_COLUMNS:
         values = [row.get(column) for row in rows]
-        if blank_is_missing:
+        if blank_is_missing and "" in values:
             values = [None if v == "" else v for v in values]
-        columns[column] = values if any(v is not None for v in values) else None
+        columns[column] = None if values.count(None) == len(values) else values
     return columns
 
 
 def _strings(values: list, column: str, source: str, where) -> list[str]:
     """Identifiers as strings; a missing or empty identifier is an error naming the row."""
-    out = [v if isinstance(v, str) else str(v) for v in values]
-    for i, (raw, text) in enumerate(zip(values, out)):
-        if raw is None or not text.strip():
-            raise CertkvError(f"{source}: {where(i)}: {column} is empty; give every row a {column}")
+    # Checked on the distinct values first: a fast path for the usual, valid table.
+    out = list(map(str, values))
+    if None in values or any(not text.strip() for text in set(out)):
+        bad = next(i for i, (raw, text) in enumerate(zip(values, out))
+                   if raw is None or not text.strip())
+        raise CertkvError(f"{source}: {where(bad)}: {column} is empty; give every row a {column}")
     return out
 
 
@@ -297,10 +300,9 @@ def _check_range(array, rows, column, low, high, source, where, *, low_open: boo
 
 
 def _codes(values: Sequence[str], mapping: dict[str, int]) -> np.ndarray:
-    """Integer codes of ``values``, extending ``mapping`` in first-seen order."""
-    return np.fromiter(
-        (mapping.setdefault(v, len(mapping)) for v in values), dtype=np.int64, count=len(values)
-    )
+    """Integer codes of ``values``, filling the empty ``mapping`` in first-seen order."""
+    mapping.update((v, i) for i, v in enumerate(dict.fromkeys(values)))
+    return np.fromiter(map(mapping.__getitem__, values), dtype=np.int64, count=len(values))
 
 
 def _build(columns: dict, source: str, where) -> LossTable:
@@ -311,11 +313,11 @@ def _build(columns: dict, source: str, where) -> LossTable:
     universe = sorted(set(request_ids))
     request_map = {r: i for i, r in enumerate(universe)}
     request_codes = np.fromiter(
-        (request_map[r] for r in request_ids), dtype=np.int64, count=len(request_ids)
+        map(request_map.__getitem__, request_ids), dtype=np.int64, count=len(request_ids)
     )
     tasks = _request_tasks(columns["task"], request_codes, universe, source, where)
 
-    keep = np.fromiter((p != REFERENCE_POLICY for p in policy_names), dtype=bool,
+    keep = np.fromiter(map(REFERENCE_POLICY.__ne__, policy_names), dtype=bool,
                        count=len(policy_names))
     rows = np.flatnonzero(keep)
     if rows.size == 0:
@@ -375,7 +377,9 @@ def _build(columns: dict, source: str, where) -> LossTable:
 
 def _press_names(values, pick, policy_names, source, where) -> list[str]:
     """The press of each candidate row: the column when given, else the part before '@'."""
-    derived = [p.split("@", 1)[0] for p in pick(policy_names)]
+    names = pick(policy_names)
+    prefix = {p: p.split("@", 1)[0] for p in set(names)}
+    derived = list(map(prefix.__getitem__, names))
     if values is None:
         return derived
     given = pick(values)
@@ -386,12 +390,10 @@ def _request_tasks(values, request_codes, universe, source, where):
     """One task per request (from any of its rows); conflicting tasks are an error."""
     if values is None:
         return None
-    task_map: dict[str, int] = {}
-    codes = np.fromiter(
-        (-1 if v is None else task_map.setdefault(str(v), len(task_map)) for v in values),
-        dtype=np.int64,
-        count=len(values),
-    )
+    present = [v for v in dict.fromkeys(values) if v is not None]
+    task_map = {v: i for i, v in enumerate(present)}
+    codes = np.fromiter(map(task_map.get, values, repeat(-1)), dtype=np.int64,
+                        count=len(values))
     has = codes >= 0
     n_req = len(universe)
     low = np.full(n_req, np.iinfo(np.int64).max)
@@ -407,7 +409,7 @@ def _request_tasks(values, request_codes, universe, source, where):
             f"{source}: {where(row)}: request {universe[r]!r} has rows with different tasks; "
             "give each request a single task"
         )
-    names = list(task_map)
+    names = [str(v) for v in task_map]
     return tuple(names[int(c)] if c >= 0 else None for c in high)
 
 

@@ -43,7 +43,13 @@ _BLOCK = 256  # splits per matrix product: bounds memory at 256 × requests floa
 
 
 class MethodResult(BaseModel):
-    """How one selection method fared over all splits."""
+    """How one selection method fared over all splits.
+
+    ``exceed_fraction``: share of splits whose chosen policy's test-half violation rate exceeds ε,
+    with its two-sided 95% Clopper–Pearson interval. ``mean_kv_retained``: mean over splits of the
+    chosen policy's mean memory on the test half (1.0 for a fallback). ``chosen``: how often each
+    policy was chosen ("full" for fallbacks). ``test_risks``: per-split test violation rates.
+    """
 
     model_config = ConfigDict(extra="forbid")
     method: str

@@ -410,3 +410,18 @@ def test_certify_never_imports_torch(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "a@0.50 []"
+
+
+def test_requests_without_a_task_are_grouped_as_no_task():
+    rows = records({"p@0.50": (0.5, 0)}, n=6, tasks=["x"], full_rows=False)
+    for row in rows[:2]:
+        row["task"] = None
+    table = LossTable.from_records(rows)
+    assert table.tasks == (None, None, "x", "x", "x", "x")
+    op = certify(table, make_spec(["p@0.50"], risk=0.5, confidence=0.5))
+    assert {name: t.n for name, t in op.per_task.items()} == {"(no task)": 2, "x": 4}
+
+
+def test_records_of_the_wrong_type_are_rejected():
+    with pytest.raises(CertkvError, match="records must be"):
+        certify(5, make_spec(["a"]))
