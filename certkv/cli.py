@@ -13,6 +13,7 @@ import sys
 import typer
 
 from certkv.commands import accuracy as _accuracy
+from certkv.commands import calibrate as _calibrate
 from certkv.commands import export as _export
 from certkv.commands import generate as _generate
 
@@ -26,6 +27,7 @@ app = typer.Typer(
 
 app.command("generate")(_generate.generate)
 app.command("accuracy")(_accuracy.accuracy)
+app.command("calibrate")(_calibrate.calibrate)
 app.command("export")(_export.export)
 
 

@@ -72,6 +72,10 @@ def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = 
     torch_dtype = resolve_dtype(dtype, device)
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     kwargs = {"local_files_only": True} if (local or offline) else {}
+    from transformers.utils import logging as hf_logging
+
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a weight-loading bar per call would drown certkv's own output
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
@@ -85,6 +89,9 @@ def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = 
             f"model {name_or_path!r} is not available {where}; download it first "
             f"(`hf download {name_or_path}`) or pass a local folder"
         ) from None
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
     model.to(device)
     model.eval()
     if tokenizer.pad_token_id is None:

@@ -1,0 +1,137 @@
+"""Answers one request with the full cache and with every candidate press, from one prefill.
+
+Score-based presses (plain kvpress ScorerPress subclasses) take the fast path: their top-k indices
+are recorded during the single full prefill (:mod:`certkv.engine.scoring`) and their answers are
+decoded together (:mod:`certkv.engine.batched_decode`). Any other press (wrappers, threshold or
+decoding-time presses) runs through kvpress's own context manager with a prefill of its own: correct,
+slower, and labelled ``path="pipeline"`` in the records.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from certkv.engine.batched_decode import decode_candidates, padded_cache
+from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
+from certkv.generation import encode_request, greedy_decode, stop_token_ids
+
+
+@dataclass
+class Candidate:
+    """One eviction policy to evaluate: a press object at a nominal KV fraction."""
+
+    policy: str
+    press: object
+    press_name: str
+    kv_retained: float
+
+
+@dataclass
+class CandidateAnswer:
+    policy: str
+    press: str
+    kv_retained: float
+    kv_retained_actual: float
+    answer: str
+    token_ids: list[int]
+    path: str
+    seconds: float = 0.0
+
+
+@dataclass
+class RequestResult:
+    """Full-KV answer and every candidate's answer for one request."""
+
+    full: CandidateAnswer
+    candidates: list[CandidateAnswer] = field(default_factory=list)
+    context_length: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """Evaluates a fixed list of candidates on requests, one full prefill per request."""
+
+    def __init__(self, model, tokenizer, candidates: list[Candidate], max_new_tokens: int = 8):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.candidates = list(candidates)
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_token_ids(model)
+        self.fast = [c for c in self.candidates if is_fast_path_press(c.press)]
+        self.slow = [c for c in self.candidates if not is_fast_path_press(c.press)]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def run(self, context: str, question: str) -> RequestResult:
+        import torch
+        from transformers import DynamicCache
+
+        enc = encode_request(self.tokenizer, context, question)
+        n_ctx = len(enc.context_ids)
+        seconds: dict[str, float] = {}
+        t0 = time.perf_counter()
+        selections = Selections()
+        cache = DynamicCache()
+        context_ids = torch.as_tensor(enc.context_ids, device=self.model.device).view(1, -1)
+        with torch.no_grad(), scoring_hooks(self.model, {c.policy: c.press for c in self.fast}, selections):
+            self.model.model(input_ids=context_ids, past_key_values=cache)
+        t1 = time.perf_counter()
+        seconds["prefill"] = t1 - t0
+
+        draft = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens)
+        cache.crop(n_ctx)
+        t2 = time.perf_counter()
+        seconds["full_decode"] = t2 - t1
+        full = CandidateAnswer("full", "full", 1.0, 1.0, self._decode(draft), draft, "full")
+
+        answers: dict[str, CandidateAnswer] = {}
+        if self.fast:
+            batch, mask, lengths = padded_cache(cache, [selections.by_candidate[c.policy] for c in self.fast], n_ctx)
+            token_lists = decode_candidates(
+                self.model, batch, mask, enc.question_ids, draft, n_ctx, self.max_new_tokens, self.stop_ids
+            )
+            for c, kept, ids in zip(self.fast, lengths, token_lists):
+                answers[c.policy] = CandidateAnswer(
+                    c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "fast"
+                )
+        t3 = time.perf_counter()
+        seconds["candidates_fast"] = t3 - t2
+        for c in self.slow:
+            answers[c.policy] = self._run_pipeline(c, enc, context_ids)
+        seconds["candidates_pipeline"] = time.perf_counter() - t3
+        return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds)
+
+    def _run_pipeline(self, c: Candidate, enc, context_ids) -> CandidateAnswer:
+        """kvpress's own path: prefill under the press's context manager, then decode."""
+        import torch
+        from transformers import DynamicCache
+
+        t0 = time.perf_counter()
+        n_ctx = context_ids.shape[1]
+        cache = DynamicCache()
+        with torch.no_grad(), c.press(self.model):
+            self.model.model(input_ids=context_ids, past_key_values=cache)
+        kept = _kept_entries(cache, self.model)
+        ids = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens)
+        return CandidateAnswer(
+            c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "pipeline",
+            time.perf_counter() - t0,
+        )
+
+
+def _kept_entries(cache, model) -> float:
+    """Mean number of context entries kept per layer and KV head (head-wise masks counted out)."""
+    language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    total = 0.0
+    layers = list(language_model.layers)
+    for layer_idx, layer in enumerate(layers):
+        length = cache.layers[layer_idx].keys.shape[2]
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        if masked is not None:
+            n_heads = cache.layers[layer_idx].keys.shape[1]
+            total += length - masked[0].numel() / n_heads
+        else:
+            total += length
+    return total / len(layers)

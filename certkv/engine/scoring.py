@@ -1,0 +1,104 @@
+"""Scores of every score-based press from ONE full prefill.
+
+kvpress prunes layer *i* after layer *i*'s attention has run over the whole context, so the hidden
+states that reach every layer are those of the uncompressed prefill. A forward hook on each
+attention layer can therefore call each press's ``score()`` with exactly the arguments kvpress's
+own hook would pass, and keep the top-k indices that kvpress's ``ScorerPress.compress`` would keep
+(same ``topk`` call, same order, same tie-breaking), without pruning anything. Every candidate's
+compressed cache is then gathered from the full cache afterwards.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, is_dataclass
+
+
+# Presses whose score() does not read compression_ratio: one score per layer serves every ratio.
+# Any other press is scored once per candidate (StreamingLLM's score, for one, depends on it).
+RATIO_FREE_SCORES = ("SnapKVPress", "KnormPress", "TOVAPress", "RandomPress", "ObservedAttentionPress")
+
+
+def is_fast_path_press(press) -> bool:
+    """True when `press` is a plain ScorerPress whose compress() is kvpress's top-k gather."""
+    from kvpress import ScorerPress
+
+    return isinstance(press, ScorerPress) and type(press).compress is ScorerPress.compress
+
+
+def score_key(press) -> tuple:
+    """Candidates with equal keys share one score tensor per layer."""
+    name = type(press).__name__
+    params = {}
+    if is_dataclass(press):
+        params = {f.name: repr(getattr(press, f.name)) for f in fields(press)}
+    if name in RATIO_FREE_SCORES:
+        params.pop("compression_ratio", None)
+    else:
+        params["__id__"] = id(press)
+    return (type(press).__module__, name, tuple(sorted(params.items())))
+
+
+@dataclass
+class Selections:
+    """Per candidate, per layer: the kept indices of shape (batch, kv_heads, n_kept), topk order."""
+
+    by_candidate: dict[str, list] = field(default_factory=dict)
+    context_length: int = 0
+
+
+@contextmanager
+def scoring_hooks(model, presses: dict[str, object], selections: Selections):
+    """Register hooks that record each press's kept indices during the next full prefill.
+
+    `presses` maps a candidate's policy name to its press object.
+    """
+    from kvpress.presses.base_press import is_prefilling
+    from kvpress.utils import compute_n_kept, extract_keys_and_values
+
+    language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    for press in presses.values():
+        press.post_init_from_model(model)
+    groups: dict[tuple, list[str]] = {}
+    for policy, press in presses.items():
+        groups.setdefault(score_key(press), []).append(policy)
+    for policy in presses:
+        selections.by_candidate[policy] = []
+
+    def hook(module, args, kwargs, output):
+        hidden_states = kwargs["hidden_states"]
+        q_len = hidden_states.shape[1]
+        if not is_prefilling(kwargs["cache_position"], q_len):
+            return output
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        k_len = keys.shape[2]
+        selections.context_length = k_len
+        for policies in groups.values():
+            first = presses[policies[0]]
+            scores = None
+            for policy in policies:
+                press = presses[policy]
+                if press.compression_ratio == 0:
+                    selections.by_candidate[policy].append(None)  # kvpress keeps the cache untouched
+                    continue
+                if scores is None:
+                    scores = first.score(module, hidden_states, keys, values, output[1], kwargs)
+                n_kept = compute_n_kept(k_len, press.compression_ratio)
+                selections.by_candidate[policy].append(scores.topk(n_kept, dim=-1).indices)
+        return output
+
+    added_rotary = []
+    handles = []
+    try:
+        for layer in language_model.layers:
+            attn = layer.self_attn
+            if not hasattr(attn, "rotary_emb"):
+                attn.rotary_emb = language_model.rotary_emb  # some presses read it, as in kvpress
+                added_rotary.append(attn)
+            handles.append(attn.register_forward_hook(hook, with_kwargs=True))
+        yield selections
+    finally:
+        for h in handles:
+            h.remove()
+        for attn in added_rotary:
+            del attn.rotary_emb

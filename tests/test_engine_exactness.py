@@ -1,0 +1,74 @@
+"""The single-prefill fast path answers exactly as kvpress's own pipeline, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def pipe(embedded):
+    from transformers import pipeline
+
+    import kvpress  # noqa: F401  (registers the pipeline)
+
+    model, tokenizer = embedded
+    return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+
+
+def _candidates(ratios):
+    from kvpress import KnormPress, RandomPress, SnapKVPress, StreamingLLMPress, TOVAPress
+
+    from certkv.engine.engine import Candidate
+
+    out = []
+    for kv in ratios:
+        for name, cls, kwargs in [
+            ("snapkv", SnapKVPress, {}),
+            ("streaming_llm", StreamingLLMPress, {}),
+            ("knorm", KnormPress, {}),
+            ("tova", TOVAPress, {}),
+            ("random", RandomPress, {"seed": 11}),
+        ]:
+            out.append(Candidate(f"{name}@{kv:.2f}", cls(compression_ratio=round(1 - kv, 6), **kwargs), name, kv))
+    return out
+
+
+def test_fast_path_matches_kvpress_pipeline(embedded, pipe):
+    from certkv.engine.engine import Engine
+    from certkv.requests import generate_requests
+
+    model, tokenizer = embedded
+    candidates = _candidates([1.0, 0.9, 0.6, 0.4, 0.2, 0.1])
+    engine = Engine(model, tokenizer, candidates, max_new_tokens=8)
+    assert not engine.slow, "every press here is score-based and must take the fast path"
+    requests = generate_requests("all", 8, seed=31337, context_length="200-512")
+    distinct = set()
+    for req in requests:
+        result = engine.run(req.context, req.question)
+        assert result.full.answer == pipe(req.context, question=req.question, max_new_tokens=8)["answer"]
+        for cand, got in zip(candidates, result.candidates):
+            want = pipe(req.context, question=req.question, press=cand.press, max_new_tokens=8)["answer"]
+            assert got.answer == want, (req.id, cand.policy)
+            assert got.path == "fast"
+            distinct.add((req.id, got.answer))
+            expected_kept = max(1, int(result.context_length * cand.kv_retained + 1e-9))
+            assert abs(got.kv_retained_actual * result.context_length - expected_kept) <= 1
+    # The comparison must cover answers that differ from the full-KV answer, or it proves little.
+    assert len(distinct) > 2 * len(requests)
+
+
+def test_non_scorer_press_takes_the_pipeline_path(embedded, pipe):
+    from kvpress import AdaKVPress, SnapKVPress
+
+    from certkv.engine.engine import Candidate, Engine
+    from certkv.requests import generate_requests
+
+    model, tokenizer = embedded
+    press = AdaKVPress(SnapKVPress(compression_ratio=0.6))
+    engine = Engine(model, tokenizer, [Candidate("adakv@0.40", press, "adakv", 0.4)], max_new_tokens=8)
+    assert engine.slow and not engine.fast
+    for req in generate_requests("demo", 3, seed=5, context_length=300):
+        got = engine.run(req.context, req.question).candidates[0]
+        want = pipe(req.context, question=req.question, press=press, max_new_tokens=8)["answer"]
+        assert got.answer == want and got.path == "pipeline"
+        assert 0.3 < got.kv_retained_actual < 0.5

@@ -1,0 +1,91 @@
+"""Built-in task generators: deterministic, answers present, lengths respected, vocabulary closed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from certkv.errors import CertkvError
+from certkv.requests import generate_requests, parse_context_length, parse_mix, read_jsonl, write_jsonl
+from certkv.tasks import TASKS
+from certkv.vocabulary import count_tokens
+
+
+def test_same_seed_same_requests_and_prefix_property():
+    a = generate_requests("all", 40, seed=7, context_length="64-1024")
+    b = generate_requests("all", 60, seed=7, context_length="64-1024")
+    assert [r.model_dump() for r in a] == [r.model_dump() for r in b[:40]]
+    c = generate_requests("all", 40, seed=8, context_length="64-1024")
+    assert [r.context for r in a] != [r.context for r in c]
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("length", [64, 256, 512, 2048])
+def test_answers_appear_in_context_and_length_fits(task, length):
+    rng = random.Random(f"test/{task}/{length}")
+    for _ in range(5):
+        sample = TASKS[task](rng, length)
+        assert count_tokens(sample.context) <= length
+        assert count_tokens(sample.context) >= length - 8, "filler should bring the context close to its length"
+        for question, answer in sample.qa:
+            for part in answer.split():
+                if task == "dilution":
+                    assert part[:2] in sample.context and part[2:] in sample.context
+                else:
+                    assert part in sample.context
+            assert question.endswith("Answer:")
+
+
+def test_variable_tracking_answer_is_chain_root_value():
+    rng = random.Random(3)
+    sample = TASKS["variable_tracking"](rng, 512)
+    assignments = dict(u.removeprefix("VAR ").rstrip(".").split(" = ") for u in sample.units if u.startswith("VAR"))
+    for question, answer in sample.qa:
+        name = question.split("value of ")[1].split("?")[0]
+        while not assignments[name].isdigit():
+            name = assignments[name]
+        assert assignments[name] == answer
+
+
+def test_token_count_matches_embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    from certkv.models import EMBEDDED_DIR
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    for r in generate_requests("all", 25, seed=1, context_length="64-2048"):
+        ids = tok.encode(r.context, add_special_tokens=False)
+        assert len(ids) == count_tokens(r.context)
+        assert tok.unk_token_id not in ids
+        assert tok.unk_token_id not in tok.encode(r.question + " " + r.answers[0], add_special_tokens=False)
+
+
+def test_mix_and_length_parsing_errors():
+    assert parse_mix("multi_key=2,single_needle") == {"multi_key": 2.0, "single_needle": 1.0}
+    assert set(parse_mix("demo")) == {"single_needle", "multi_key"}
+    with pytest.raises(CertkvError, match="unknown task or mix 'nope'"):
+        parse_mix("nope")
+    with pytest.raises(CertkvError, match="must be positive"):
+        parse_mix("multi_key=0")
+    assert parse_context_length("256-512") == (256, 512)
+    with pytest.raises(CertkvError, match="within 64-2048"):
+        parse_context_length("32")
+    with pytest.raises(CertkvError, match="integer or a range"):
+        parse_context_length("long")
+
+
+def test_jsonl_round_trip_and_errors(tmp_path):
+    reqs = generate_requests("demo", 5, seed=0, context_length=128)
+    path = tmp_path / "r.jsonl"
+    assert write_jsonl(reqs, path) == 5
+    assert read_jsonl(path) == reqs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "context": "x", "question": "q", "answers": ["1"]}\n{"id": "b", "context": 3}\n')
+    with pytest.raises(CertkvError, match=r"bad.jsonl:2: .*question: Field required"):
+        read_jsonl(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(CertkvError, match=r"bad.jsonl:1: not valid JSON"):
+        read_jsonl(bad)
+    with pytest.raises(CertkvError, match="does not exist"):
+        read_jsonl(tmp_path / "missing.jsonl")
