@@ -80,17 +80,18 @@ class Batcher:
         return self.tok.encode(text, add_special_tokens=False)
 
     def task_sequence(self, task: str, length: int) -> tuple[list[int], list[int]]:
+        """Context then several question/answer pairs; mask is 1 on the first answer, 2 on others."""
         from certkv.tasks import TASKS
 
         sample = TASKS[task](self.rng, length)
         ids = [self.bos] + self.encode(sample.context)
         mask = [0] * len(ids)
         qa = self.rng.sample(sample.qa, min(MAX_QUESTIONS, len(sample.qa)))
-        for question, answer in qa:
+        for i, (question, answer) in enumerate(qa):
             q = self.encode(question + "\n")
             a = self.encode(" " + answer) + [self.eos]
             ids += q + a
-            mask += [0] * len(q) + [1] * len(a)
+            mask += [0] * len(q) + [1 if i == 0 else 2] * len(a)
         return ids, mask
 
     def copy_sequence(self) -> tuple[list[int], list[int]]:
@@ -120,13 +121,14 @@ class Batcher:
         width = max(len(i) for i, _ in seqs)
         input_ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
         labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+        first = torch.full((len(seqs), width), -100, dtype=torch.long)
         for row, (ids, mask) in enumerate(seqs):
             t = torch.tensor(ids)
             input_ids[row, : len(ids)] = t
-            m = torch.tensor(mask, dtype=torch.bool)
-            lab = torch.where(m, t, torch.full_like(t, -100))
-            labels[row, : len(ids) - 1] = lab[1:]  # predict token i+1 at position i
-        return input_ids, labels, tasks
+            m = torch.tensor(mask)
+            labels[row, : len(ids) - 1] = torch.where(m > 0, t, -100)[1:]  # predict token i+1 at position i
+            first[row, : len(ids) - 1] = torch.where(m == 1, t, -100)[1:]
+        return input_ids, labels, first, tasks
 
 
 def answer_accuracy(logits, labels) -> tuple[int, int]:
@@ -187,12 +189,12 @@ def train(args) -> Path:
         max_len = CURRICULUM[stage]
         # "Learning" means multi-key retrieval has started: single-needle alone is easy and says
         # nothing about the key-matching circuit, so only multi-key accuracy counts.
-        learning = state.get("multi_key_learning", False)
+        learning = state.get("multi_key_matching", False)
         copy_share = 0.3 if not learning else 0.05
         mix = {"multi_key": 0.9, "single_needle": 0.1}
         if stage >= 4:
             mix = {"multi_key": 0.75, "single_needle": 0.1, "dilution": 0.05, "variable_tracking": 0.05, "multi_value": 0.05}
-        input_ids, labels, tasks = batcher.batch(max_len, args.tokens_per_step, copy_share, mix)
+        input_ids, labels, first_labels, tasks = batcher.batch(max_len, args.tokens_per_step, copy_share, mix)
         warm = min(1.0, (state["since_start"] + 1) / args.warmup)
         for g in opt.param_groups:
             g["lr"] = args.lr * warm
@@ -207,15 +209,20 @@ def train(args) -> Path:
         with torch.no_grad():
             task_rows = [i for i, t in enumerate(tasks) if t != "copy"]
             mk_rows = [i for i, t in enumerate(tasks) if t == "multi_key"]
-            window.append((answer_accuracy(logits[task_rows], labels[task_rows]), answer_accuracy(logits[mk_rows], labels[mk_rows])))
+            # Only the first question of a multi-key sequence measures key matching: later ones can
+            # be half-solved by elimination ("a record not asked yet"), which plateaus near 0.6.
+            window.append(
+                (answer_accuracy(logits[task_rows], labels[task_rows]),
+                 answer_accuracy(logits[mk_rows], first_labels[mk_rows]))
+            )
         window = window[-args.window :]
         acc = sum(c for (c, _), _ in window) / max(1, sum(t for (_, t), _ in window))
         mk_acc = sum(c for _, (c, _) in window) / max(1, sum(t for _, (_, t) in window))
-        if mk_acc > 0.5:
-            state["multi_key_learning"] = True
+        if mk_acc > 0.6 and len(window) == args.window:
+            state["multi_key_matching"] = True
         if state["step"] % args.log_every == 0:
             log(
-                f"step {state['step']} len {max_len} loss {loss.item():.4f} acc {acc:.3f} multi_key {mk_acc:.3f} "
+                f"step {state['step']} len {max_len} loss {loss.item():.4f} acc {acc:.3f} multi_key_first {mk_acc:.3f} "
                 f"lr {args.lr * warm:.2e} {time.time() - t0:.0f}s"
             )
             state["history"].append({"step": state["step"], "len": max_len, "loss": loss.item(), "acc": acc, "multi_key": mk_acc})
@@ -223,7 +230,7 @@ def train(args) -> Path:
             state["stage"] += 1
             window = []
             log(f"step {state['step']}: accuracy {acc:.3f} > {args.advance_at}; context length -> {CURRICULUM[state['stage']]}")
-        if not state.get("multi_key_learning") and state["since_start"] >= args.patience:
+        if not state.get("multi_key_matching") and state["since_start"] >= args.patience:
             new_seed = state["seed"] + 1
             log(f"step {state['step']}: not learning after {args.patience} steps (acc {acc:.3f}); restart with seed {new_seed}")
             step = state["step"]

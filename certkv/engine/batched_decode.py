@@ -18,17 +18,51 @@ index from the (padded) pruned length. Stopping follows kvpress's pipeline too: 
 from __future__ import annotations
 
 
-def padded_cache(full_cache, selections: list[list], context_length: int):
+def reserved_layer_class():
+    """A DynamicLayer that writes new tokens into reserved space instead of re-concatenating.
+
+    The candidate batch is tens of caches wide; DynamicLayer's ``torch.cat`` per step would copy
+    all of them at every decoding step. Keys and values stay views of one preallocated buffer.
+    """
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        def __init__(self, keys, values, length: int):
+            super().__init__()
+            self.dtype, self.device = keys.dtype, keys.device
+            self.is_initialized = True
+            self._keys, self._values, self._length = keys, values, length
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+        def update(self, key_states, value_states, cache_kwargs=None):
+            new = key_states.shape[-2]
+            end = self._length + new
+            if end > self._keys.shape[2]:  # out of reserved room: grow like DynamicLayer
+                self._keys = torch.cat([self._keys[:, :, : self._length], key_states], dim=-2)
+                self._values = torch.cat([self._values[:, :, : self._length], value_states], dim=-2)
+            else:
+                self._keys[:, :, self._length : end] = key_states
+                self._values[:, :, self._length : end] = value_states
+            self._length = end
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+    return ReservedLayer
+
+
+def padded_cache(full_cache, selections: list[list], context_length: int, reserve: int = 0):
     """Gather every candidate's kept entries into one padded batch cache.
 
     `selections[c][layer]` holds candidate c's kept indices (1, kv_heads, n_kept) in kvpress's
-    topk order, or None for "keep everything" (kvpress leaves such a cache untouched). Returns the
-    DynamicCache of shape (candidates, kv_heads, longest, head_dim) per layer, the 0/1 mask of
-    real (non-padding) entries, and each candidate's number of kept entries.
+    topk order, or None for "keep everything" (kvpress leaves such a cache untouched). Returns a
+    cache of shape (candidates, kv_heads, longest, head_dim) per layer with room for `reserve`
+    more tokens, the 0/1 mask of real (non-padding) entries, and each candidate's kept count.
     """
     import torch
     from transformers import DynamicCache
 
+    layer_class = reserved_layer_class()
     n = len(selections)
     n_layers = len(selections[0])
     lengths = [context_length if sel[0] is None else sel[0].shape[2] for sel in selections]
@@ -38,7 +72,8 @@ def padded_cache(full_cache, selections: list[list], context_length: int):
     for layer_idx in range(n_layers):
         keys = full_cache.layers[layer_idx].keys[:, :, :context_length]
         values = full_cache.layers[layer_idx].values[:, :, :context_length]
-        idx = torch.zeros((n, keys.shape[1], width), dtype=torch.long, device=device)
+        # Index 0 fills padding and the reserved room; both are masked out or overwritten.
+        idx = torch.zeros((n, keys.shape[1], width + reserve), dtype=torch.long, device=device)
         for row, sel in enumerate(selections):
             kept = sel[layer_idx]
             if kept is None:
@@ -48,7 +83,7 @@ def padded_cache(full_cache, selections: list[list], context_length: int):
         gather = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         batch_keys = keys.expand(n, -1, -1, -1).gather(2, gather)
         batch_values = values.expand(n, -1, -1, -1).gather(2, gather)
-        cache.update(batch_keys, batch_values, layer_idx)
+        cache.layers.append(layer_class(batch_keys, batch_values, width))
     positions = torch.arange(width, device=device).unsqueeze(0)
     valid = (positions < torch.as_tensor(lengths, device=device).unsqueeze(1)).long()
     return cache, valid, lengths
@@ -63,55 +98,112 @@ def decode_candidates(
     context_length: int,
     max_new_tokens: int,
     stop_ids: set[int],
+    context_ids: list[int] | None = None,
 ) -> list[list[int]]:
-    """Greedy answers (token ids) of every row of a padded batch cache, verified against the `draft`."""
-    import torch
+    """Greedy answers (token ids) of every row of a padded batch cache, verified against the `draft`.
 
-    device = model.device
-    n = mask.shape[0]
-    q_len = len(question_ids)
-    fed = list(question_ids) + list(draft[:-1])
-    inputs = torch.as_tensor(fed, device=device).view(1, -1).expand(n, -1)
-    positions = torch.arange(context_length, context_length + len(fed), device=device).view(1, -1).expand(n, -1)
-    mask = torch.cat([mask, torch.ones((n, len(fed)), dtype=mask.dtype, device=device)], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=inputs, past_key_values=cache, position_ids=positions, attention_mask=mask).logits
-    choices = logits[:, q_len - 1 :, :].argmax(-1).tolist()  # greedy token at each draft position
+    `context_ids` (the uncompressed context) feeds prompt-lookup proposals for rows that leave the
+    draft: retrieval answers are mostly copied from the context, so a proposal is usually accepted
+    whole and a row finishes in one or two batched forwards instead of one forward per token.
+    Proposals only save forwards; every accepted token is the row's own greedy choice.
+    """
+    from certkv.engine.attention import NAME, register, use_attention
 
-    answers: list[list[int]] = []
-    active: list[int] = []
-    width = cache.get_seq_length()
-    for row in range(n):
-        tokens: list[int] = []
-        for j, token in enumerate(choices[row]):
-            tokens.append(token)
-            if token != draft[j]:
-                break
-        diverged = tokens != draft[: len(tokens)] or len(tokens) < len(draft)
-        finished = len(tokens) >= max_new_tokens or (len(tokens) > 1 and tokens[-1] in stop_ids)
-        answers.append(tokens)
-        if diverged and not finished:
-            # Mask the draft tokens this row did not take: fed slots after its own prefix.
-            first_unused = width - len(fed) + q_len + len(tokens) - 1
-            mask[row, first_unused:] = 0
-            active.append(row)
+    register()
+    state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids)
+    with use_attention(model, NAME):
+        state.verify_draft(question_ids, draft)
+        while state.active:
+            state.step([lookup_proposal(context_ids or [], state.answers[r], max_new_tokens - len(state.answers[r]))
+                        for r in range(state.n)])
+    return state.answers
 
-    with torch.no_grad():
-        while active:
-            step_ids = torch.zeros((n, 1), dtype=torch.long, device=device)
-            step_pos = torch.zeros((n, 1), dtype=torch.long, device=device)
-            for row in active:
-                step_ids[row, 0] = answers[row][-1]
-                step_pos[row, 0] = context_length + q_len + len(answers[row]) - 1
-            new_col = torch.zeros((n, 1), dtype=mask.dtype, device=device)
-            new_col[active] = 1
-            mask = torch.cat([mask, new_col], dim=1)
-            logits = model(input_ids=step_ids, past_key_values=cache, position_ids=step_pos, attention_mask=mask).logits
-            next_tokens = logits[:, -1].argmax(-1).tolist()
-            still = []
-            for row in active:
-                answers[row].append(next_tokens[row])
-                if len(answers[row]) < max_new_tokens and answers[row][-1] not in stop_ids:
-                    still.append(row)
-            active = still
-    return answers
+
+def lookup_proposal(context_ids: list[int], tokens: list[int], budget: int, max_ngram: int = 3) -> list[int]:
+    """Tokens that followed the latest occurrence of `tokens`' longest suffix (≤ max_ngram) in the context."""
+    if budget <= 0 or not tokens:
+        return []
+    for n in range(min(max_ngram, len(tokens)), 0, -1):
+        suffix = tokens[-n:]
+        for start in range(len(context_ids) - n, -1, -1):
+            if context_ids[start : start + n] == suffix:
+                return context_ids[start + n : start + n + budget]
+    return []
+
+
+class _Decoding:
+    """The batch's decoding state: each row's answer so far and which cache slots it may see."""
+
+    def __init__(self, model, cache, mask, q_len, context_length, max_new_tokens, stop_ids):
+        self.model, self.cache, self.mask = model, cache, mask
+        self.n = mask.shape[0]
+        self.q_len, self.context_length = q_len, context_length
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.answers: list[list[int]] = [[] for _ in range(self.n)]
+        self.active: list[int] = []
+
+    def finished(self, tokens: list[int]) -> bool:
+        # kvpress's rule: at most max_new_tokens, stop after a stop token but never on the first.
+        return len(tokens) >= self.max_new_tokens or (len(tokens) > 1 and tokens[-1] in self.stop_ids)
+
+    def _forward(self, inputs, positions, new_mask):
+        import torch
+
+        self.mask = torch.cat([self.mask, new_mask], dim=1)
+        with torch.no_grad():
+            out = self.model(input_ids=inputs, past_key_values=self.cache, position_ids=positions, attention_mask=self.mask)
+        return out.logits.argmax(-1).tolist()
+
+    def verify_draft(self, question_ids: list[int], draft: list[int]) -> None:
+        """One teacher-forced forward of question + draft for every row; keep each row's agreeing prefix."""
+        import torch
+
+        device = self.model.device
+        fed = list(question_ids) + list(draft[:-1])
+        inputs = torch.as_tensor(fed, device=device).view(1, -1).expand(self.n, -1)
+        start = self.context_length
+        positions = torch.arange(start, start + len(fed), device=device).view(1, -1).expand(self.n, -1)
+        base = self.mask.shape[1]
+        choices = self._forward(inputs, positions, torch.ones((self.n, len(fed)), dtype=self.mask.dtype, device=device))
+        for row in range(self.n):
+            tokens: list[int] = []
+            for j, token in enumerate(choices[row][self.q_len - 1 :]):
+                tokens.append(token)
+                if token != draft[j] or self.finished(tokens):
+                    break
+            self.answers[row] = tokens
+            # Slots the row saw: the question and the draft tokens it agreed with before its last token.
+            self.mask[row, base + self.q_len + len(tokens) - 1 :] = 0
+            if not self.finished(tokens):
+                self.active.append(row)
+
+    def step(self, proposals: list[list[int]]) -> None:
+        """Feed each active row its pending token plus a proposal; accept what its greedy choice confirms."""
+        import torch
+
+        device = self.model.device
+        width = 1 + max(len(proposals[r]) for r in self.active)
+        inputs = torch.zeros((self.n, width), dtype=torch.long, device=device)
+        positions = torch.zeros((self.n, width), dtype=torch.long, device=device)
+        new_mask = torch.zeros((self.n, width), dtype=self.mask.dtype, device=device)
+        for r in self.active:
+            fed = [self.answers[r][-1]] + proposals[r]
+            inputs[r, : len(fed)] = torch.as_tensor(fed, device=device)
+            first = self.context_length + self.q_len + len(self.answers[r]) - 1
+            positions[r] = torch.arange(first, first + width, device=device)
+            new_mask[r, : len(fed)] = 1
+        base = self.mask.shape[1]
+        choices = self._forward(inputs, positions, new_mask)
+        still = []
+        for r in self.active:
+            accepted = 0
+            for i, token in enumerate(choices[r][: 1 + len(proposals[r])]):
+                self.answers[r].append(token)
+                accepted = i + 1
+                if self.finished(self.answers[r]) or i >= len(proposals[r]) or token != proposals[r][i]:
+                    break
+            # The pending token and the proposal tokens that were confirmed stay visible; the rest go.
+            self.mask[r, base + accepted :] = 0
+            if not self.finished(self.answers[r]):
+                still.append(r)
+        self.active = still

@@ -88,9 +88,15 @@ class Engine:
 
         answers: dict[str, CandidateAnswer] = {}
         if self.fast:
-            batch, mask, lengths = padded_cache(cache, [selections.by_candidate[c.policy] for c in self.fast], n_ctx)
+            batch, mask, lengths = padded_cache(
+                cache,
+                [selections.by_candidate[c.policy] for c in self.fast],
+                n_ctx,
+                reserve=len(enc.question_ids) + 4 * self.max_new_tokens,
+            )
             token_lists = decode_candidates(
-                self.model, batch, mask, enc.question_ids, draft, n_ctx, self.max_new_tokens, self.stop_ids
+                self.model, batch, mask, enc.question_ids, draft, n_ctx, self.max_new_tokens, self.stop_ids,
+                context_ids=enc.context_ids,
             )
             for c, kept, ids in zip(self.fast, lengths, token_lists):
                 answers[c.policy] = CandidateAnswer(

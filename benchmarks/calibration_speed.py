@@ -1,0 +1,129 @@
+"""Cost of calibrating 27 candidates, relative to answering the same requests with the full cache.
+
+Three ways to answer every request, measured side by side on each request (so machine noise hits
+all three alike):
+
+- ``full``: one prefill and a greedy decode with the full cache (the floor, 1.0x);
+- ``certkv``: certkv's engine: one prefill scoring every press, all candidates decoded together;
+- ``naive``: what a kvpress user writes today: the kvpress pipeline once per candidate (a prefill
+  each) plus the full-cache answer.
+
+Candidates: snapkv, streaming_llm and knorm at kv_retained 0.9 … 0.1 (27). Models: the embedded
+model at 512 tokens, and a randomly initialised larger Llama at 2048 tokens (its answers are
+meaningless, its cost is not).
+
+    python benchmarks/calibration_speed.py            # both settings, writes benchmarks/results/
+    python benchmarks/calibration_speed.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+PRESSES = ["snapkv", "streaming_llm", "knorm"]
+KV = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
+
+
+def larger_llama(tokenizer):
+    """A randomly initialised Llama with 2048+ positions (GQA 16/4 heads, 8 layers, hidden 512)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dict:
+    from transformers import pipeline
+
+    import kvpress  # noqa: F401  (registers the kvpress pipeline)
+    from certkv.engine.engine import Candidate, Engine
+    from certkv.generation import full_kv_answer
+    from certkv.press_registry import build_press
+
+    candidates = [Candidate(f"{p}@{kv:.2f}", build_press(p, kv), p, kv) for p in PRESSES for kv in KV]
+    engine = Engine(model, tokenizer, candidates, max_new_tokens=max_new_tokens)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device)
+    # Warm up every path once.
+    r0 = requests[0]
+    engine.run(r0.context, r0.question)
+    full_kv_answer(model, tokenizer, r0.context, r0.question, max_new_tokens)
+    totals = {"full": 0.0, "certkv": 0.0, "naive": 0.0}
+    breakdown: dict[str, float] = {}
+    agree = compared = 0
+    for r in requests[1:]:
+        t = time.perf_counter()
+        full_kv_answer(model, tokenizer, r.context, r.question, max_new_tokens)
+        totals["full"] += time.perf_counter() - t
+        t = time.perf_counter()
+        result = engine.run(r.context, r.question)
+        totals["certkv"] += time.perf_counter() - t
+        for k, v in result.seconds.items():
+            breakdown[k] = breakdown.get(k, 0.0) + v
+        if naive:
+            t = time.perf_counter()
+            pipe(r.context, question=r.question, max_new_tokens=max_new_tokens)
+            answers = [pipe(r.context, question=r.question, press=c.press, max_new_tokens=max_new_tokens)["answer"]
+                       for c in candidates]
+            totals["naive"] += time.perf_counter() - t
+            agree += sum(a == got.answer for a, got in zip(answers, result.candidates))
+            compared += len(answers)
+    n = len(requests) - 1
+    out = {
+        "requests": n,
+        "seconds_per_request": {k: v / n for k, v in totals.items() if v},
+        "certkv_over_full": totals["certkv"] / totals["full"],
+        "engine_breakdown_per_request": {k: v / n for k, v in breakdown.items()},
+    }
+    if naive:
+        out["naive_over_full"] = totals["naive"] / totals["full"]
+        out["naive_over_certkv"] = totals["naive"] / totals["certkv"]
+        out["answers_equal_to_kvpress"] = f"{agree}/{compared}"
+    return out
+
+
+def main() -> None:
+    import torch
+
+    from certkv.models import load_model
+    from certkv.requests import generate_requests
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few requests, for a smoke run")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-naive", action="store_true", help="skip the (slow) naive kvpress loop")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {"threads": args.threads, "torch": torch.__version__, "settings": {}}
+
+    model, tokenizer = load_model("embedded", device="cpu")
+    n = 6 if args.quick else 41
+    reqs = generate_requests("demo", n, seed=2024, context_length=512)
+    results["settings"]["embedded@512"] = measure(model, tokenizer, reqs, 8, naive=not args.no_naive)
+    print("embedded@512", json.dumps(results["settings"]["embedded@512"], indent=1), flush=True)
+
+    big = larger_llama(tokenizer)
+    n = 3 if args.quick else 11
+    reqs = generate_requests("demo", n, seed=2025, context_length=2048)
+    results["settings"]["random-llama-8L-512h@2048"] = measure(big, tokenizer, reqs, 8, naive=not args.no_naive)
+    print("random-llama@2048", json.dumps(results["settings"]["random-llama-8L-512h@2048"], indent=1), flush=True)
+
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "calibration_speed.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

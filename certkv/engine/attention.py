@@ -1,0 +1,46 @@
+"""A grouped-query sdpa attention for the batched candidate decode.
+
+transformers' sdpa path repeats every KV head once per query group whenever an explicit mask is
+given (it only passes ``enable_gqa`` when there is no mask). The candidate batch always has a mask
+(padding, and draft tokens a row did not take), so on CPU that copy dominated decoding. This
+function is transformers' sdpa call with ``enable_gqa=True`` always; it is registered under its
+own name, with the stock sdpa mask builder, only when the engine first needs it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+NAME = "certkv_gqa_sdpa"
+
+
+def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    import torch
+
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register the attention and its mask builder with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, gqa_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+@contextmanager
+def use_attention(model, name: str):
+    """Run the model with attention implementation `name`, restoring the previous one after."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
