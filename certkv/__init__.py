@@ -16,6 +16,7 @@ _LAZY = {
     "LossTable": ("certkv.loss_table", "LossTable"),
     "read_loss_table": ("certkv.loss_table", "read_loss_table"),
     "validate": ("certkv.validation", "validate"),
+    "certification_spec": ("certkv.contract_spec", "certification_spec"),
 }
 
 

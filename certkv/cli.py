@@ -13,9 +13,12 @@ import sys
 import typer
 
 from certkv.commands import accuracy as _accuracy
+from certkv.commands import certify as _certify
 from certkv.commands import calibrate as _calibrate
 from certkv.commands import export as _export
 from certkv.commands import generate as _generate
+from certkv.commands import report as _report
+from certkv.commands import validate as _validate
 
 app = typer.Typer(
     name="certkv",
@@ -28,6 +31,9 @@ app = typer.Typer(
 app.command("generate")(_generate.generate)
 app.command("accuracy")(_accuracy.accuracy)
 app.command("calibrate")(_calibrate.calibrate)
+app.command("certify")(_certify.certify)
+app.command("validate")(_validate.validate)
+app.command("report")(_report.report)
 app.command("export")(_export.export)
 
 

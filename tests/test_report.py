@@ -1,0 +1,91 @@
+"""`certkv report`: three readable PNGs and one self-contained HTML page (no model, no network)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from certkv.contract import load_contract
+from test_certify_cli import build_store, run_main  # the synthetic store and in-process CLI
+
+REPO = Path(__file__).resolve().parents[1]
+FIGURES = ("risk_vs_kv.png", "per_task.png", "validation.png")
+
+
+@pytest.fixture(scope="module")
+def contract_path(tmp_path_factory) -> Path:
+    return build_store(tmp_path_factory.mktemp("report"), n=150, seed=2)
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+def assert_png(path: Path) -> None:
+    from matplotlib.image import imread
+
+    assert path.is_file() and path.stat().st_size > 10_000, path
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[0] > 250 and image.shape[1] > 400 and image.shape[2] in (3, 4)
+    assert image.std() > 0.01  # not a blank canvas
+
+
+def test_report_writes_figures_and_a_self_contained_page(contract_path, tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert run_main("report", str(contract_path), "-o", str(out), "--splits", "300") == 0
+    page = (out / "report.html").read_text(encoding="utf-8")
+    for name in FIGURES:
+        assert_png(out / name)
+        assert base64.b64encode((out / name).read_bytes()).decode("ascii") in page, name
+    # Self-contained: no external scripts, styles or images.
+    assert not re.search(r'(src|href)\s*=\s*"(https?:|//|[^"d#])', page)
+    text = " ".join(re.sub(r"<[^>]+>", " ", page).split())
+    for fragment in ("synthetic", "n = 150", "snapkv@0.80", "KV saved", "calibration distribution",
+                     "the declared task mix", "not each task", "empirical thresholding", "300 random splits",
+                     "stopped at snapkv@0.50", "not tested"):
+        assert fragment in text, fragment
+    # Validation was computed for the report and kept next to it, bound to these records.
+    data = json.loads((out / "validation.json").read_text())
+    assert data["n_splits"] == 300 and set(data["methods"]) == {"certkv", "empirical_thresholding"}
+
+
+def test_report_reuses_an_up_to_date_validation(contract_path, tmp_path, capsys):
+    store = load_contract(contract_path).resolved_store_path()
+    assert run_main("validate", str(contract_path), "--splits", "40", "-o", str(store / "validation.json")) == 0
+    out = tmp_path / "rep2"
+    assert run_main("report", str(contract_path), "-o", str(out)) == 0
+    assert "running" not in capsys.readouterr().err
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert "40 random splits" in page and not (out / "validation.json").exists()
+
+
+def test_report_figures_for_a_fallback_without_tasks(tmp_path):
+    """A table with no task column and nothing certified must still draw readable figures."""
+    from certkv.certifier import certify
+    from certkv.reporting import plot_per_task, plot_risk_vs_kv, plot_validation, save_figure
+    from certkv.validation import validate
+
+    rows = [
+        {"request_id": f"q{i}", "policy": p, "kv_retained": kv, "loss": float(i % 3 == 0)}
+        for i in range(60)
+        for p, kv in (("snapkv@0.50", 0.5), ("snapkv@0.30", 0.3))
+    ]
+    spec = {"tolerance": 0.0, "risk": 0.05, "confidence": 0.95, "sequences": [["snapkv@0.50", "snapkv@0.30"]]}
+    op = certify(rows, spec)
+    assert op.fallback
+    result = validate(rows, spec, n_splits=30)
+    for name, fig in (("a.png", plot_risk_vs_kv(op)), ("b.png", plot_per_task(op)), ("c.png", plot_validation(result))):
+        path = save_figure(fig, tmp_path / name)
+        assert path.stat().st_size > 5_000
+
+
+def test_importing_reporting_does_not_touch_matplotlib():
+    code = "import sys, certkv.reporting; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
