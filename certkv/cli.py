@@ -13,8 +13,8 @@ import sys
 import typer
 
 from certkv.commands import accuracy as _accuracy
-from certkv.commands import certify as _certify
 from certkv.commands import calibrate as _calibrate
+from certkv.commands import certify as _certify
 from certkv.commands import export as _export
 from certkv.commands import generate as _generate
 from certkv.commands import report as _report
