@@ -15,6 +15,7 @@ import typer
 from certkv.commands import accuracy as _accuracy
 from certkv.commands import calibrate as _calibrate
 from certkv.commands import certify as _certify
+from certkv.commands import demo as _demo
 from certkv.commands import export as _export
 from certkv.commands import generate as _generate
 from certkv.commands import report as _report
@@ -28,6 +29,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+app.command("demo")(_demo.demo)
 app.command("generate")(_generate.generate)
 app.command("accuracy")(_accuracy.accuracy)
 app.command("calibrate")(_calibrate.calibrate)
