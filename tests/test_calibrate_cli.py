@@ -1,0 +1,138 @@
+"""`certkv calibrate` end to end on the embedded model: resumable after SIGKILL, clean errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+
+CONTRACT = {
+    "name": "killtest",
+    "model": "embedded",
+    "requests": {"source": "requests.jsonl", "limit": 14},
+    "protocol": {"max_new_tokens": 8, "device": "cpu"},
+    "utility": "exact_match",
+    "tolerance": 0.0,
+    "risk": 0.2,
+    "confidence": 0.9,
+    "policies": [
+        {"press": "snapkv", "kv_retained": [0.6, 0.2]},
+        {"press": "streaming_llm", "kv_retained": [0.3]},
+        {"press": "adakv", "press_kwargs": {"press": "knorm"}, "kv_retained": [0.5]},
+    ],
+    "store": "store",
+}
+
+# Timing and per-run bookkeeping differ between runs; everything a certificate reads must not.
+VOLATILE = {"seconds", "extra", "seconds_breakdown"}
+
+
+def _setup(folder: Path) -> Path:
+    from certkv.requests import generate_requests, write_jsonl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(generate_requests("all", 14, seed=77, context_length="100-300"), folder / "requests.jsonl")
+    path = folder / "contract.yaml"
+    path.write_text(yaml.safe_dump(CONTRACT))
+    return path
+
+
+def _records(folder: Path) -> list[dict]:
+    from certkv.store import CalibrationStore
+
+    with CalibrationStore.read(folder / "store") as store:
+        rows = [{k: v for k, v in r.items() if k not in VOLATILE} for r in store.records()]
+        skipped = store.skipped()
+    return sorted(rows, key=lambda r: (r["request_id"], r["policy"])), skipped
+
+
+def _env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path):
+    reference = _setup(tmp_path / "reference")
+    res = run_cli("calibrate", str(reference), "--quiet")
+    assert res.returncode == 0, res.stderr
+    expected, expected_skipped = _records(tmp_path / "reference")
+    assert len({r["request_id"] for r in expected}) == 14 and len(expected) == 14 * 5
+
+    killed = _setup(tmp_path / "killed")
+    kills = 0
+    for delay in (2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0):
+        proc = subprocess.Popen([sys.executable, "-m", "certkv.cli", "calibrate", str(killed), "--quiet"],
+                                cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    final = run_cli("calibrate", str(killed), "--quiet")
+    assert final.returncode == 0, final.stderr
+    got, got_skipped = _records(tmp_path / "killed")
+    assert kills >= 3, "the kills must land while calibration is running"
+    assert got == expected
+    assert got_skipped == expected_skipped
+
+
+def test_other_contract_on_same_store_is_refused_then_new_store_moves_it_aside(tmp_path):
+    path = _setup(tmp_path)
+    assert run_cli("calibrate", str(path), "--quiet", "--limit", "2").returncode == 0
+    changed = dict(CONTRACT, risk=0.3)
+    path.write_text(yaml.safe_dump(changed))
+    res = run_cli("calibrate", str(path), "--quiet", "--limit", "2")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--new-store" in res.stderr
+    res = run_cli("calibrate", str(path), "--quiet", "--limit", "2", "--new-store")
+    assert res.returncode == 0, res.stderr
+    assert len(list((tmp_path / "store").iterdir())) >= 2, "the old database is kept, not deleted"
+
+
+def test_unrunnable_requests_are_skipped_with_reasons(tmp_path):
+    path = _setup(tmp_path)
+    lines = (tmp_path / "requests.jsonl").read_text().splitlines()[:3]
+    lines.append('{"id": "empty", "task": "x", "context": "   ", "question": "q?", "answers": ["1"]}')
+    lines.append('{"id": "noanswer", "task": "x", "context": "The sky is blue.", "question": "q?", "answers": []}')
+    (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    res = run_cli("calibrate", str(path), "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "3 calibrated" in res.stdout and "2 skipped" in res.stdout
+    _, skipped = _records(tmp_path)
+    reasons = {s["request_id"]: s["reason"] for s in skipped}
+    assert reasons["empty"] == "empty context"
+    assert reasons["noanswer"].startswith("answer missing")
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("not json\n", "requests.jsonl:1: not valid JSON"),
+        ('{"id": "a", "context": "x"}\n', "requests.jsonl:1: question: Field required"),
+        ('{"id": "a", "context": "c", "question": "q", "answers": ["1"]}\n' * 2, "duplicate request id 'a'"),
+    ],
+)
+def test_malformed_requests_are_one_line_exit_2(tmp_path, content, fragment):
+    path = _setup(tmp_path)
+    (tmp_path / "requests.jsonl").write_text(content)
+    res = run_cli("calibrate", str(path), "--quiet")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and fragment in res.stderr
+
+
+def test_malformed_contract_through_the_cli_is_one_line(tmp_path):
+    path = _setup(tmp_path)
+    bad = dict(CONTRACT, risk=1.5, surprise=True)
+    path.write_text(yaml.safe_dump(bad))
+    res = run_cli("calibrate", str(path))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    line = res.stderr.strip()
+    assert "\n" not in line and "risk" in line and "surprise" in line
