@@ -102,6 +102,9 @@ def decode_candidates(
 ) -> list[list[int]]:
     """Greedy answers (token ids) of every row of a padded batch cache, verified against the `draft`.
 
+    With an empty `draft` this is plain speculative greedy decoding with prompt-lookup proposals
+    (the engine answers the full cache this way: one row, every slot visible).
+
     `context_ids` (the uncompressed context) feeds prompt-lookup proposals for rows that leave the
     draft: retrieval answers are mostly copied from the context, so a proposal is usually accepted
     whole and a row finishes in one or two batched forwards instead of one forward per token.
@@ -169,7 +172,7 @@ class _Decoding:
             tokens: list[int] = []
             for j, token in enumerate(choices[row][self.q_len - 1 :]):
                 tokens.append(token)
-                if token != draft[j] or self.finished(tokens):
+                if j >= len(draft) or token != draft[j] or self.finished(tokens):
                     break
             self.answers[row] = tokens
             # Slots the row saw: the question and the draft tokens it agreed with before its last token.

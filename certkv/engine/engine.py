@@ -80,7 +80,12 @@ class Engine:
         t1 = time.perf_counter()
         seconds["prefill"] = t1 - t0
 
-        draft = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens)
+        # The full-KV answer, decoded speculatively (prompt lookup); it then drafts for every candidate.
+        full_mask = torch.ones((1, n_ctx), dtype=torch.long, device=self.model.device)
+        (draft,) = decode_candidates(
+            self.model, cache, full_mask, enc.question_ids, [], n_ctx, self.max_new_tokens, self.stop_ids,
+            context_ids=enc.context_ids,
+        )
         cache.crop(n_ctx)
         t2 = time.perf_counter()
         seconds["full_decode"] = t2 - t1
