@@ -1,0 +1,195 @@
+"""PAGE-style agreement drop, the pre-decoding gate signal (DESIGN.md, "Gate signals").
+
+For each layer and query head, the attention of the last ``W`` context queries is averaged over
+every key; each head's top-``k`` keys form a set, and the layer's *agreement* is the mean pairwise
+Jaccard similarity of these sets over head pairs. The *drop* is the mean agreement of the first
+⌊L/3⌋ layers (at least one) minus that of the last ⌊L/3⌋ (at least one). A small drop means the
+heads keep disagreeing about what matters deep into the network, which is when eviction is risky;
+the gate keeps the full cache when D < threshold.
+
+The window attention is computed from the post-RoPE window queries and the keys already in the
+cache, the way kvpress's ``SnapKVPress.compute_window_attention`` does, so the signal costs W
+queries per layer inside the engine's single prefill: no eager re-run of the whole context. Query
+heads are kept separate (no averaging over a GQA group): agreement is a property of query heads.
+
+Nothing here registers anything or touches a model at import time.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def window_attention(module, hidden_states, keys, position_embeddings, window: int):
+    """Attention probabilities of the last `window` queries over every cached key.
+
+    `module` is the attention layer (its ``q_proj`` and ``head_dim``; its ``scaling`` when it has
+    one, else ``head_dim ** -0.5``), `hidden_states` the layer's input of shape (B, Q, hidden),
+    `keys` the post-RoPE cached keys (B, H_kv, K, d) whose last Q entries belong to
+    `hidden_states`, `position_embeddings` the layer's ``(cos, sin)`` from the hook kwargs.
+    Each window query sees the keys up to its own position (causal). The logits are computed in
+    the keys' dtype and the softmax in float32, as transformers' eager attention does.
+
+    Returns float32 weights of shape (B, H, W, K) with H the number of query heads and
+    W = min(window, Q).
+    """
+    import torch
+    from kvpress.utils import get_prerope_query_states
+    from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
+
+    _check_positive_int("window", window)
+    q_len = hidden_states.shape[1]
+    k_len = keys.shape[2]
+    w = min(window, q_len)
+    if k_len < w:
+        raise ValueError(f"the cache holds {k_len} keys, fewer than the {w} window queries")
+    query = get_prerope_query_states(module, hidden_states[:, -w:])
+    cos, sin = position_embeddings
+    cos, sin = cos[:, -w:].unsqueeze(1), sin[:, -w:].unsqueeze(1)
+    query = (query * cos) + (rotate_half(query) * sin)
+
+    groups = query.shape[1] // keys.shape[1]
+    scaling = getattr(module, "scaling", module.head_dim**-0.5)
+    logits = torch.matmul(query, repeat_kv(keys, groups).transpose(2, 3)) * scaling
+    # Window query j sits at position k_len - w + j and sees keys 0 .. k_len - w + j.
+    future = torch.ones(w, k_len, dtype=torch.bool, device=logits.device).triu(diagonal=k_len - w + 1)
+    logits = logits.masked_fill(future, float("-inf"))
+    return torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def layer_agreements(weights, top_k: int):
+    """Per batch element, the mean pairwise Jaccard of the query heads' top-k key sets.
+
+    `weights` has shape (B, H, W, K); it is averaged over the W queries. When K < `top_k`, every
+    head's set is all K keys' top min(top_k, K). A layer with one head agrees with itself (1.0).
+    Returns a float32 tensor of shape (B,) on the weights' device (no host sync).
+    """
+    import torch
+
+    _check_positive_int("top_k", top_k)
+    if weights.dim() != 4:
+        raise ValueError(f"weights must have shape (batch, heads, window, keys), got {tuple(weights.shape)}")
+    scores = weights.float().mean(dim=-2)
+    batch, heads, k_len = scores.shape
+    if heads < 2:
+        return torch.ones(batch, dtype=torch.float32, device=scores.device)
+    k = min(top_k, k_len)
+    members = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
+    intersection = members @ members.transpose(-1, -2)
+    jaccard = intersection / (2 * k - intersection)
+    rows, cols = torch.triu_indices(heads, heads, offset=1, device=scores.device)
+    return jaccard[:, rows, cols].mean(dim=-1)
+
+
+def layer_agreement(weights, top_k: int) -> float:
+    """The layer's agreement as a float, for one request (batch size 1)."""
+    if weights.shape[0] != 1:
+        raise ValueError(f"layer_agreement takes one request; got batch size {weights.shape[0]} (use layer_agreements)")
+    return float(layer_agreements(weights, top_k)[0])
+
+
+def layer_split(n_layers: int, split_divisor: int = 3) -> tuple[range, range]:
+    """The first and last ⌊L / split_divisor⌋ layers (at least one each), as index ranges.
+
+    With one layer both ranges are that layer (the drop is then 0); with two, the first and the last.
+    """
+    _check_positive_int("n_layers", n_layers)
+    _check_positive_int("split_divisor", split_divisor)
+    n = max(1, n_layers // split_divisor)
+    return range(0, n), range(n_layers - n, n_layers)
+
+
+def agreement_drop(per_layer_agreements: Sequence[float], split_divisor: int = 3) -> float:
+    """D = mean agreement of the first ⌊L/3⌋ layers − mean of the last ⌊L/3⌋ (at least one each)."""
+    values = [float(a) for a in per_layer_agreements]
+    if not values:
+        raise ValueError("agreement_drop needs the agreement of at least one layer")
+    first, last = layer_split(len(values), split_divisor)
+    return sum(values[i] for i in first) / len(first) - sum(values[i] for i in last) / len(last)
+
+
+@dataclass
+class AgreementRecorder:
+    """Collects each layer's agreement during one prefill and gives the request's drop.
+
+    Call :meth:`observe` from a forward hook on every attention layer (or use :meth:`attach`, which
+    registers :meth:`forward_hook` for the duration of a ``with`` block), then :meth:`drop`. The
+    settings are the pre-registered ones of DESIGN.md; changing them changes the gate, so a
+    calibration run and the runtime must use the same values. Layers are ordered by their
+    ``layer_idx``; the split applies to the layers actually observed. Agreements stay on the
+    model's device until :meth:`drop` so that observing costs no host synchronisation.
+    """
+
+    window: int = 32
+    """W: how many of the last context queries are averaged."""
+    top_k: int = 32
+    """k: the size of each head's key set."""
+    split_divisor: int = 3
+    """Each end of the network is the first / last ⌊L / split_divisor⌋ layers (at least one)."""
+    agreements: dict = field(default_factory=dict, repr=False)
+    """layer_idx → agreement per batch element (tensor of shape (B,))."""
+
+    def __post_init__(self):
+        _check_positive_int("window", self.window)
+        _check_positive_int("top_k", self.top_k)
+        _check_positive_int("split_divisor", self.split_divisor)
+
+    def reset(self) -> None:
+        self.agreements.clear()
+
+    def observe(self, module, hidden_states, keys, kwargs) -> None:
+        """Record the agreement of `module`'s layer from its prefill input and cached keys."""
+        weights = window_attention(module, hidden_states, keys, kwargs["position_embeddings"], self.window)
+        self.agreements[module.layer_idx] = layer_agreements(weights, self.top_k)
+
+    def forward_hook(self, module, args, kwargs, output):
+        """A ``register_forward_hook(..., with_kwargs=True)`` hook: observes the context prefill only."""
+        from kvpress.presses.base_press import is_prefilling
+        from kvpress.utils import extract_keys_and_values
+
+        hidden_states = kwargs["hidden_states"]
+        if is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+            keys, _ = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+            self.observe(module, hidden_states, keys, kwargs)
+        return output
+
+    @contextmanager
+    def attach(self, model):
+        """Register :meth:`forward_hook` on every attention layer of `model` inside the block."""
+        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        handles = [
+            layer.self_attn.register_forward_hook(self.forward_hook, with_kwargs=True)
+            for layer in language_model.layers
+        ]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def per_layer(self) -> list[list[float]]:
+        """Agreements as [batch element][layer in layer_idx order]."""
+        if not self.agreements:
+            raise ValueError("no layer was observed: run a prefill with the recorder's hooks first")
+        import torch
+
+        stacked = torch.stack([self.agreements[i].float().cpu() for i in sorted(self.agreements)], dim=1)
+        return stacked.tolist()
+
+    def drops(self) -> list[float]:
+        """The agreement drop of every batch element."""
+        return [agreement_drop(row, self.split_divisor) for row in self.per_layer()]
+
+    def drop(self) -> float:
+        """The agreement drop of the (single) request of the last prefill."""
+        drops = self.drops()
+        if len(drops) != 1:
+            raise ValueError(f"drop() is for one request; the prefill had {len(drops)} (use drops())")
+        return drops[0]

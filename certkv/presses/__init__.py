@@ -1,0 +1,35 @@
+"""certkv's own presses and the attention function they need.
+
+Importing this package is cheap and has no side effects: kvpress (which patches transformers'
+attention functions when imported), torch and transformers are imported only when one of the
+names below is first used. Nothing is registered with transformers until
+:func:`certkv.presses.hajek_attention.register` is called.
+"""
+
+from __future__ import annotations
+
+_LAZY = {
+    "ProbabilisticPress": ("certkv.presses.probabilistic", "ProbabilisticPress"),
+    "DeterministicHeadPress": ("certkv.presses.probabilistic", "DeterministicHeadPress"),
+    "AttentionTimesValueNormPress": ("certkv.presses.probabilistic", "AttentionTimesValueNormPress"),
+    "HajekState": ("certkv.presses.probabilistic", "HajekState"),
+    "inclusion_probabilities": ("certkv.presses.probabilistic", "inclusion_probabilities"),
+    "probabilistic_selection": ("certkv.presses.probabilistic", "probabilistic_selection"),
+    "kept_fraction": ("certkv.presses.probabilistic", "kept_fraction"),
+    "hajek_attention": ("certkv.presses.hajek_attention", "hajek_attention"),
+    "use_hajek_attention": ("certkv.presses.hajek_attention", "use_hajek_attention"),
+    "certificate_steps": ("certkv.presses.hajek_attention", "certificate_steps"),
+    "certificate_max": ("certkv.presses.hajek_attention", "certificate_max"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'certkv.presses' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

@@ -1,0 +1,198 @@
+"""Hájek-corrected attention with a per-step survey-variance certificate (DESIGN.md, "Gate signals").
+
+After :class:`~certkv.presses.probabilistic.ProbabilisticPress` has pruned a layer, the layer's
+attention module carries a :class:`~certkv.presses.probabilistic.HajekState` describing the
+cache's first N slots. This attention function, registered with transformers'
+``AttentionInterface`` under :data:`NAME` (with the stock sdpa mask builder), then
+
+* adds −log π_i to the logits of kept tail entries (0 for π = 1 entries, −inf for padding slots):
+  inside the softmax this weights entry i by 1/π_i, so the output is the Hájek estimator of the
+  full-cache output;
+* computes, per query position and KV head, the certificate
+  ``ĉ = sqrt(Σ_{i ∈ kept tail} (1 − π_i) ŵ_i² ‖v_i − ô‖²)``, the linearised survey standard error
+  of that estimator, with ŵ the corrected weights and ô the output. It is computed per *query*
+  head (each has its own ŵ and ô) and the KV head's certificate is the **max** over its group's
+  query heads: conservative, and it bounds every head that reads the sampled entries (a mean
+  could hide one badly estimated head);
+* appends the certificates of the call, a tensor of shape (B, H_kv, Q) kept on the model's device
+  (no host sync per step), to ``module.certkv_certificates``. One call is one step: the question
+  feed (Q > 1 positions) and then each decoded token. :func:`certificate_steps` and
+  :func:`certificate_max` read them back.
+
+Everything else is plain attention: a full prefill (query length == key length) clears the
+module's state (it belongs to a previous request) and runs transformers' sdpa; a module without
+state, or whose state is *trivial* (every slot real with π = 1), runs transformers' sdpa too (the
+certificate of a trivial state is recorded as 0), so with every π = 1 the outputs are exactly
+those of the stock sdpa attention over the same kept cache. The corrected path computes the
+logits in the model's dtype, adds the bias and takes the softmax in float32, like transformers'
+eager attention.
+
+Nothing is registered at import: call :func:`register` (idempotent) or use
+:func:`use_hajek_attention`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from certkv.presses.probabilistic import CERT_ATTR, STATE_ATTR, attention_modules, clear_state
+
+NAME = "certkv_hajek"
+
+
+def _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
+
+
+def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers attention-interface function; see the module docstring."""
+    import torch
+
+    q_len, k_len = query.shape[2], key.shape[2]
+    if q_len == k_len:  # a fresh prefill: any state belongs to an earlier request
+        if getattr(module, STATE_ATTR, None) is not None:
+            clear_state(module)
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    state = getattr(module, STATE_ATTR, None)
+    if state is None:
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    certificates = getattr(module, CERT_ATTR, None)
+    if certificates is None:
+        certificates = []
+        setattr(module, CERT_ATTR, certificates)
+    batch, kv_heads = key.shape[:2]
+    if tuple(state.bias.shape[:2]) != (batch, kv_heads) or state.n_slots > k_len:
+        raise RuntimeError(
+            f"layer {getattr(module, 'layer_idx', '?')}: the Hájek state covers {tuple(state.bias.shape)} slots "
+            f"but the cache holds {tuple(key.shape[:3])}; clear_states(model) before reusing a model"
+        )
+    if state.trivial:
+        certificates.append(torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=query.device))
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+
+    output, weights = corrected_attention(query, key, value, attention_mask, scaling, state.bias)
+    certificates.append(certificate(weights, output, value, state.tail_weight, state.n_head))
+    heads, head_dim = query.shape[1], value.shape[-1]
+    output = output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
+    return output, None
+
+
+def corrected_attention(query, key, value, attention_mask, scaling, bias):
+    """Attention with `bias` (B, H_kv, N) added to the logits of the first N keys.
+
+    Returns the output (B, H_kv, G, Q, d_v) in the value dtype and the float32 weights
+    (B, H_kv, G, Q, K), G query heads per KV head. `attention_mask` is transformers' 4D mask
+    (boolean: True = attend, or additive float) or None (causal over the last Q keys).
+    """
+    import torch
+
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, k_len, n_slots = key.shape[1], key.shape[2], bias.shape[-1]
+    groups = heads // kv_heads
+    if scaling is None:
+        scaling = head_dim**-0.5
+    q = query.reshape(batch, kv_heads, groups * q_len, head_dim)
+    logits = (torch.matmul(q, key.transpose(-1, -2)) * scaling).float()
+    logits[..., :n_slots] += bias.unsqueeze(2)
+    logits = logits.view(batch, kv_heads, groups, q_len, k_len)
+    if attention_mask is not None:
+        if attention_mask.shape[-1] < k_len:
+            raise RuntimeError(
+                f"the attention mask covers {attention_mask.shape[-1]} keys but the layer holds {k_len}: "
+                "cache layers of different lengths (see probabilistic.equalise_widths)"
+            )
+        mask = attention_mask[..., :k_len]
+        mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.view(mask.shape[0], kv_heads, groups, q_len, k_len)
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        else:
+            logits = logits + mask.float()
+    elif q_len > 1:
+        positions = torch.arange(k_len, device=logits.device)
+        future = positions.unsqueeze(0) > (k_len - q_len + torch.arange(q_len, device=logits.device)).unsqueeze(1)
+        logits = logits.masked_fill(future, float("-inf"))
+    weights = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # rows with every key masked
+    output = torch.matmul(weights.to(value.dtype).view(batch, kv_heads, groups * q_len, k_len), value)
+    return output.view(batch, kv_heads, groups, q_len, value.shape[-1]), weights
+
+
+def certificate(weights, output, value, tail_weight, n_head: int):
+    """ĉ = sqrt(Σ_tail (1 − π_i) ŵ_i² ‖v_i − ô‖²) per query head, max over each KV group.
+
+    `weights` (B, H_kv, G, Q, K) float32, `output` (B, H_kv, G, Q, d_v), `value` (B, H_kv, K, d_v),
+    `tail_weight` (B, H_kv, T) = 1 − π for the kept tail slots ``[n_head, n_head + T)`` (0 for
+    padding). Returns float32 (B, H_kv, Q). ‖v_i − ô‖² is expanded as ‖v‖² − 2 v·ô + ‖ô‖² (no
+    (…, T, d) intermediate) and clamped at 0 against rounding.
+    """
+    import torch
+
+    batch, kv_heads, groups, q_len, _ = weights.shape
+    n_tail = tail_weight.shape[-1]
+    if n_tail == 0:
+        return torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=weights.device)
+    w = weights[..., n_head : n_head + n_tail]
+    v = value[:, :, n_head : n_head + n_tail].float()
+    o = output.float().reshape(batch, kv_heads, groups * q_len, -1)
+    cross = torch.matmul(o, v.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, n_tail)
+    distance = v.square().sum(-1)[:, :, None, None, :] - 2 * cross
+    distance = (distance + o.square().sum(-1).view(batch, kv_heads, groups, q_len, 1)).clamp_min(0)
+    variance = (tail_weight[:, :, None, None, :] * w.square() * distance).sum(-1)
+    return variance.sqrt().amax(dim=2)
+
+
+def register() -> None:
+    """Register the attention and its mask builder (transformers' sdpa one) with transformers; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, hajek_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+@contextmanager
+def use_hajek_attention(model):
+    """Run `model` with the Hájek attention inside the block, restoring its attention after.
+
+    States and certificates stay on the modules after the block so that the caller can read them;
+    :func:`certkv.presses.probabilistic.clear_states` forgets them.
+    """
+    register()
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = NAME
+    try:
+        yield model
+    finally:
+        model.config._attn_implementation = previous
+
+
+def reset_certificates(model) -> None:
+    """Empty every layer's certificate list, keeping the states (e.g. before answering again)."""
+    for module in attention_modules(model):
+        if getattr(module, CERT_ATTR, None):
+            setattr(module, CERT_ATTR, [])
+
+
+def certificate_steps(model) -> list[list[float]]:
+    """Per batch row, per step (attention call after compression), the max certificate over
+    layers, KV heads and the step's query positions. Empty when nothing was recorded."""
+    import torch
+
+    per_layer = [getattr(m, CERT_ATTR, None) or [] for m in attention_modules(model)]
+    per_layer = [steps for steps in per_layer if steps]
+    if not per_layer:
+        return []
+    n_steps = {len(steps) for steps in per_layer}
+    if len(n_steps) != 1:
+        raise ValueError(f"layers recorded different numbers of steps {sorted(n_steps)}; was the model reused mid-answer?")
+    layer_maxima = [torch.stack([c.amax(dim=(1, 2)) for c in steps], dim=1) for steps in per_layer]
+    return torch.stack(layer_maxima).amax(dim=0).float().cpu().tolist()
+
+
+def certificate_max(model) -> float:
+    """The largest certificate of the last answer (0 when nothing was sampled or recorded)."""
+    rows = certificate_steps(model)
+    return max((max(row) for row in rows if row), default=0.0)
