@@ -33,8 +33,20 @@ def build_candidates(contract):
     out = []
     for c in contract.candidates():
         press = build_press(c.press, c.kv_retained, c.press_kwargs)
-        out.append(Candidate(policy=c.policy, press=press, press_name=c.label or c.press, kv_retained=c.kv_retained))
+        out.append(Candidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained))
     return out
+
+
+def requests_digest(requests) -> str:
+    """sha256 of the request set's content, in order."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    for r in requests:
+        digest.update(json.dumps(r.model_dump(), sort_keys=True, ensure_ascii=False).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
 
 
 def skip_reason(request, n_context: int, n_question: int, contract, max_positions: int | None) -> str | None:
@@ -103,21 +115,40 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
     from certkv.models import load_model
     from certkv.store import CalibrationStore
 
+    from certkv.models import model_fingerprint, resolve_device
+
+    if limit is not None and limit < 1:
+        raise CertkvError(f"--limit must be at least 1, got {limit}")
     requests = contract.load_requests()
+    run_device = resolve_device(device or contract.protocol.device)
+    facts = {
+        # The population the certificate is about: its size lets certify refuse a partial store.
+        "planned_requests": len(requests),
+        "requests_sha256": requests_digest(requests),
+        "model_fingerprint": model_fingerprint(contract.model),
+        "device_type": run_device.split(":")[0],
+        "dtype": dtype or contract.protocol.dtype,
+    }
     if limit is not None:
         requests = requests[:limit]
     store = CalibrationStore.open(contract.resolved_store_path(), contract, new=new_store)
     summary = CalibrationSummary(store=str(store.path), total=len(requests))
     try:
+        store.bind(facts)
         done = store.done_request_ids()
         todo = [r for r in requests if r.id not in done]
         summary.already_done = len(requests) - len(todo)
         if not todo:
             return summary
+        candidates = build_candidates(contract)  # before the model: a press_kwargs typo fails fast
+        from certkv.engine.engine import Engine, needs_attention_weights
+
+        attn = "eager" if any(needs_attention_weights(c.press) for c in candidates) else "sdpa"
         model, tokenizer = load_model(
-            contract.model, device=device or contract.protocol.device, dtype=dtype or contract.protocol.dtype
+            contract.model, device=run_device, dtype=dtype or contract.protocol.dtype,
+            attn_implementation=attn,
         )
-        engine = _engine(model, tokenizer, contract)
+        engine = Engine(model, tokenizer, candidates, max_new_tokens=contract.protocol.max_new_tokens)
         max_positions = getattr(model.config, "max_position_embeddings", None)
         t0 = time.perf_counter()
         with _progress(quiet, console) as progress:
@@ -132,24 +163,27 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
     return summary
 
 
-def _engine(model, tokenizer, contract):
-    from certkv.engine.engine import Engine
-
-    return Engine(model, tokenizer, build_candidates(contract), max_new_tokens=contract.protocol.max_new_tokens)
-
-
 def _calibrate_one(request, engine, tokenizer, contract, store, summary, max_positions) -> None:
     from certkv.generation import encode_request
 
     enc = encode_request(tokenizer, request.context, request.question)
     reason = skip_reason(request, len(enc.context_ids), len(enc.question_ids), contract, max_positions)
     if reason is None:
+        from certkv.engine.engine import RequestNotRunnable
+
         try:
             result = engine.run(request.context, request.question)
-        except CertkvError as exc:
+        except RequestNotRunnable as exc:
             reason = str(exc)
-        except AssertionError as exc:  # kvpress states its presses' preconditions as asserts
-            reason = f"a press rejected this request: {' '.join(str(exc).split()) or 'assertion failed'}"
+        except AssertionError as exc:
+            # kvpress states its presses' requirements as asserts. One that is not a known property
+            # of the request (above) is systematic: recording it as a skip would silently skip
+            # every request, so stop instead; everything stored so far is kept.
+            message = " ".join(str(exc).split()) or "assertion failed"
+            raise CertkvError(
+                f"a press failed on request {request.id!r}: {message}; fix the contract's presses "
+                "(the requests stored so far are kept; rerun to resume)"
+            ) from None
 
     if reason is not None:
         store.write_skipped(request.id, reason)

@@ -43,13 +43,22 @@ def main() -> None:
     """Entry point that turns user errors into one line and exit code 2."""
     from certkv.errors import CertkvError
 
+    import sqlite3
+
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns a ctx.exit() code instead of raising it
     except CertkvError as exc:
         print(f"certkv: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code)
-    except typer.Exit as exc:
-        raise SystemExit(exc.exit_code)
+    except PermissionError as exc:
+        print(f"certkv: error: permission denied: {exc.filename or exc}; choose a writable path", file=sys.stderr)
+        raise SystemExit(2)
+    except sqlite3.OperationalError as exc:
+        print(f"certkv: error: calibration store: {exc} (is another certkv process using this store?)", file=sys.stderr)
+        raise SystemExit(2)
+    except KeyboardInterrupt:
+        print("certkv: interrupted; everything stored so far is kept (rerun to resume)", file=sys.stderr)
+        raise SystemExit(130)
     except Exception as exc:  # click usage errors
         import click
 
@@ -60,6 +69,8 @@ def main() -> None:
             print("certkv: aborted", file=sys.stderr)
             raise SystemExit(130)
         raise
+    if isinstance(code, int) and code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

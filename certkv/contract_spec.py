@@ -33,6 +33,23 @@ class ContractRecords:
     store_path: Path
     from_store: bool
     skipped: list[dict] = field(default_factory=list)
+    incomplete: str | None = None  # "k of n planned requests" when calibration has not finished
+
+
+def mark_incomplete(op, evidence: ContractRecords):
+    """Strip the guarantee from an operating point computed on an unfinished calibration.
+
+    Certifying, adding requests and certifying again until something passes is optional stopping,
+    which voids the binomial guarantee; so a partial store yields a labelled preview, never a
+    certificate.
+    """
+    if evidence.incomplete:
+        op.guarantee = (
+            f"NO GUARANTEE: calibration is incomplete ({evidence.incomplete}); this is a preview. "
+            "Finish `certkv calibrate` and certify again."
+        )
+        op.notes.insert(0, f"incomplete calibration: {evidence.incomplete}")
+    return op
 
 
 def certification_spec(contract):
@@ -55,7 +72,9 @@ def certification_spec(contract):
     )
 
 
-def load_records(contract, records_file: Path | str | None = None, contract_label: str | None = None) -> ContractRecords:
+def load_records(
+    contract, records_file: Path | str | None = None, contract_label: str | None = None, allow_incomplete: bool = False
+) -> ContractRecords:
     """Load the evidence for `contract`: `records_file` when given, else the contract's store.
 
     A store calibrated under another contract is refused: its hash is bound to the contract, and
@@ -68,10 +87,10 @@ def load_records(contract, records_file: Path | str | None = None, contract_labe
     if records_file is not None:
         table = read_loss_table(records_file)
         return ContractRecords(table, f"loss table {records_file}", records_sha256(table), store_path, False)
-    return _load_store(contract, store_path, contract_label or contract.name)
+    return _load_store(contract, store_path, contract_label or contract.name, allow_incomplete)
 
 
-def _load_store(contract, store_path: Path, contract_label: str) -> ContractRecords:
+def _load_store(contract, store_path: Path, contract_label: str, allow_incomplete: bool = False) -> ContractRecords:
     from certkv.loss_table import LossTable, records_sha256
     from certkv.store import CalibrationStore, db_path
 
@@ -88,11 +107,22 @@ def _load_store(contract, store_path: Path, contract_label: str) -> ContractReco
             )
         rows = store.records()
         skipped = store.skipped()
+        planned = store.meta().get("planned_requests")
     if not rows:
         extra = f" ({len(skipped)} requests were skipped)" if skipped else ""
         raise CertkvError(f"calibration store {store_path} has no records yet{extra}; {hint}")
+    incomplete = None
+    done = len({r["request_id"] for r in rows}) + len(skipped)
+    if planned is not None and done < int(planned):
+        incomplete = f"{done} of {planned} planned requests"
+        if not allow_incomplete:
+            raise CertkvError(
+                f"store {store_path} holds {incomplete}; finish it with `certkv calibrate {contract_label}` "
+                "(certifying a partial store and adding requests until something passes voids the "
+                "guarantee), or pass --allow-incomplete for a preview without guarantee"
+            )
     table = LossTable.from_records(rows, source=f"store {store_path}")
-    return ContractRecords(table, f"store {store_path}", records_sha256(table), store_path, True, skipped)
+    return ContractRecords(table, f"store {store_path}", records_sha256(table), store_path, True, skipped, incomplete)
 
 
 def default_output(contract, name: str) -> Path:

@@ -28,7 +28,10 @@ def encode_request(tokenizer, context: str, question: str, answer_prefix: str = 
     else:
         separator = "#" * (len(context) + 10)
         templated = tokenizer.apply_chat_template(
-            [{"role": "user", "content": context + separator}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": context + separator}],
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=False,
         )
         context_text, suffix = templated.split(separator)
     return EncodedRequest(

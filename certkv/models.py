@@ -59,8 +59,37 @@ def _source(name_or_path: str) -> tuple[str, bool]:
     return name_or_path, False
 
 
-def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = "auto"):
-    """Load `(model, tokenizer)` for a causal LM, in eval mode, with sdpa attention.
+def model_fingerprint(name_or_path: str = EMBEDDED) -> str:
+    """A short identity of a model's weights, without loading them.
+
+    Local folders (the embedded model included): sha256 over config.json and every weight file's
+    name and content (size and name only past 1 GB in total, to keep resuming cheap). Hub ids: the
+    id and the cached snapshot's commit when one is cached.
+    """
+    import hashlib
+
+    source, local = _source(name_or_path)
+    if not local:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name_or_path, "config.json")
+        except Exception:  # noqa: BLE001 - a fingerprint must never stop a run
+            cached = None
+        revision = Path(cached).parent.name if isinstance(cached, str) else "not-cached"
+        return f"{name_or_path}@{revision}"
+    folder = Path(source)
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+    hash_content = sum(p.stat().st_size for p in weights) <= 1 << 30
+    for p in weights:
+        digest.update(p.name.encode())
+        digest.update(p.read_bytes() if hash_content else str(p.stat().st_size).encode())
+    return f"{name_or_path}#{digest.hexdigest()[:16]}"
+
+
+def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"):
+    """Load `(model, tokenizer)` for a causal LM, in eval mode (sdpa attention unless asked otherwise).
 
     `name_or_path` is ``"embedded"``, a local folder, or a Hugging Face id.
     """
@@ -79,7 +108,7 @@ def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, attn_implementation="sdpa", **kwargs
+            source, dtype=torch_dtype, attn_implementation=attn_implementation, **kwargs
         )
     except OSError as exc:
         if local:

@@ -86,8 +86,10 @@ _KVPRESS: dict[str, tuple[str, str | None]] = {
     "key_rerotation": ("KeyRerotationPress", "compression_ratio"),
     "merging": ("MergingPress", "compression_ratio"),
     # Wrappers configured otherwise.
-    "prefill_decoding": ("PrefillDecodingPress", "prefilling_press.compression_ratio"),
-    "compression_ratio_decoding": ("CompressionRatioDecodingPress", "target_compression_ratio"),
+    # Decoding-time compression: certkv calibrates prefill eviction, and its engine does not run
+    # presses during decoding, so these cannot be certified by kv_retained (yet).
+    "prefill_decoding": ("PrefillDecodingPress", None),
+    "compression_ratio_decoding": ("CompressionRatioDecodingPress", None),
     "decoding": ("DecodingPress", None),  # target_size in tokens
     "cam": ("CAMPress", None),  # decoding-time, target_size in tokens
     "composed": ("ComposedPress", None),  # ratio is the product of the inner presses' ratios

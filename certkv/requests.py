@@ -136,8 +136,15 @@ def read_jsonl(path: Path) -> list[Request]:
 
 
 def load_requests(source: str, limit: int | None = None, seed: int = 0, context_length: str = "256-512") -> list[Request]:
-    """Load requests from a JSONL path or generate them from `builtin:<mix>`."""
+    """Load requests from a JSONL path or generate them from `builtin:<mix>`.
+
+    A `limit` below a file's size takes a seeded random subset (kept in file order), not the first
+    lines: files are often written task by task, and a prefix would silently change the mix.
+    """
     if source.startswith("builtin:"):
         return generate_requests(source.removeprefix("builtin:"), limit or 1200, seed, context_length)
     requests = read_jsonl(Path(source))
-    return requests[:limit] if limit else requests
+    if limit and limit < len(requests):
+        keep = sorted(random.Random(f"certkv-limit/{seed}").sample(range(len(requests)), limit))
+        requests = [requests[i] for i in keep]
+    return requests

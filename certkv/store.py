@@ -230,6 +230,29 @@ class CalibrationStore:
         """contract_sha256, contract (canonical JSON), created, certkv_version, schema_version."""
         return _read_meta(self._conn, db_path(self.path))
 
+    def bind(self, facts: Mapping[str, str]) -> None:
+        """Record what else determines the answers (model, request set, device), or check it on resume.
+
+        The contract hash does not cover the model's weights or the request file's content; resuming
+        with a retrained model or an edited file would silently mix two populations of records.
+        """
+        stored = self.meta()
+        for key, value in facts.items():
+            if key in stored and stored[key] != str(value):
+                raise CertkvError(
+                    f"store {self.path} was calibrated with {key} {stored[key]!r}, this run has {str(value)!r}; "
+                    "pass --new-store to move the old records aside, or choose another `store:` path"
+                )
+        new = {k: str(v) for k, v in facts.items() if k not in stored}
+        if new:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", new.items())
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+
     def done_request_ids(self) -> set[str]:
         """Requests already recorded or skipped: a resumed run starts after these."""
         rows = self._conn.execute("SELECT request_id FROM records UNION SELECT request_id FROM skipped")

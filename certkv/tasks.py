@@ -93,8 +93,9 @@ def single_needle(rng: random.Random, context_length: int) -> Sample:
     return Sample(_fill(rng, [_record(key, value)], context_length), [(_question(key), value)])
 
 
-def multi_key(rng: random.Random, context_length: int) -> Sample:
-    n = _n_records(context_length, 12, 0.6, cap=80)
+def multi_key(rng: random.Random, context_length: int, share: float = 0.6) -> Sample:
+    """`share` of the context goes to records, the rest to filler (training uses denser contexts)."""
+    n = _n_records(context_length, 12, share, cap=80)
     keys = rng.sample(KEY_WORDS, n)
     values = [_value(rng) for _ in keys]
     units = [_record(k, v) for k, v in zip(keys, values)]

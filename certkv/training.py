@@ -67,9 +67,10 @@ def new_model(config, seed: int):
 class Batcher:
     """Builds training sequences from the built-in task generators."""
 
-    def __init__(self, tokenizer, seed: int):
+    def __init__(self, tokenizer, seed: int, dense: bool = False):
         from certkv.vocabulary import DIGITS, KEY_WORDS
 
+        self.dense = dense
         self.tok = tokenizer
         self.rng = random.Random(f"train/{seed}")
         self.bos, self.eos, self.pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -83,10 +84,15 @@ class Batcher:
         """Context then several question/answer pairs; mask is 1 on the first answer, 2 on others."""
         from certkv.tasks import TASKS
 
-        sample = TASKS[task](self.rng, length)
+        if task == "multi_key" and self.dense:
+            sample = TASKS[task](self.rng, length, share=1.0)  # records only: more keys to match per step
+        else:
+            sample = TASKS[task](self.rng, length)
         ids = [self.bos] + self.encode(sample.context)
         mask = [0] * len(ids)
-        qa = self.rng.sample(sample.qa, min(MAX_QUESTIONS, len(sample.qa)))
+        # Questions are drawn with replacement: asked-once keys would let later answers be found by
+        # elimination ("a record not asked yet"), a shortcut that stalls learning to match keys.
+        qa = self.rng.choices(sample.qa, k=min(MAX_QUESTIONS, 2 * len(sample.qa)))
         for i, (question, answer) in enumerate(qa):
             q = self.encode(question + "\n")
             a = self.encode(" " + answer) + [self.eos]
@@ -179,7 +185,7 @@ def train(args) -> Path:
         model, opt, state = fresh(args.seed)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"new run seed {args.seed}: {n_params} parameters")
-    batcher = Batcher(tok, state["seed"] * 100003 + state["step"])
+    batcher = Batcher(tok, state["seed"] * 100003 + state["step"], dense=args.dense)
 
     window: list[tuple[int, int]] = []
     t0 = time.time()
@@ -236,7 +242,7 @@ def train(args) -> Path:
             step = state["step"]
             model, opt, state = fresh(new_seed)
             state["step"] = step
-            batcher = Batcher(tok, new_seed * 100003 + step)
+            batcher = Batcher(tok, new_seed * 100003 + step, dense=args.dense)
             window = []
         if state["step"] % args.checkpoint_every == 0:
             save_checkpoint(ckpt_path, model, opt, state)
@@ -296,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dense", action="store_true", help="multi-key contexts of records only, no filler")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
     if args.export_only:

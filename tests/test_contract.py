@@ -397,3 +397,15 @@ def test_score_based_classification(kvpress):
     for name in ("pyramidkv", "adakv", "chunkkv", "think", "finch", "kvzip"):
         assert not press_registry.is_score_based(name), name
     assert press_registry.is_score_based(kvpress.SnapKVPress(compression_ratio=0.5))
+
+
+def test_query_aware_is_refused_until_implemented(tmp_path):
+    from certkv.contract import parse_contract
+
+    data = {
+        "name": "q", "requests": {"source": "builtin:demo"}, "utility": "exact_match", "tolerance": 0.0,
+        "risk": 0.1, "confidence": 0.9, "policies": [{"press": "snapkv", "kv_retained": [0.5]}],
+        "protocol": {"query_aware": True},
+    }
+    with pytest.raises(CertkvError, match="query_aware: true is not supported yet"):
+        parse_contract(data)

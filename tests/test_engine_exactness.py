@@ -72,3 +72,30 @@ def test_non_scorer_press_takes_the_pipeline_path(embedded, pipe):
         want = pipe(req.context, question=req.question, press=press, max_new_tokens=8)["answer"]
         assert got.answer == want and got.path == "pipeline"
         assert 0.3 < got.kv_retained_actual < 0.5
+
+
+def test_chunked_candidate_batches_give_the_same_answers(embedded, monkeypatch):
+    import certkv.engine.engine as engine_module
+    from certkv.engine.engine import Engine
+    from certkv.requests import generate_requests
+
+    model, tokenizer = embedded
+    candidates = _candidates([0.7, 0.3])
+    whole = Engine(model, tokenizer, candidates, max_new_tokens=8)
+    one_by_one = Engine(model, tokenizer, candidates, max_new_tokens=8, max_batch_bytes=1)
+    batches = []
+    real = engine_module.padded_cache
+
+    def counting(cache, selections, *args, **kwargs):
+        batches.append(len(selections))
+        return real(cache, selections, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "padded_cache", counting)
+    for req in generate_requests("demo", 3, seed=8, context_length=300):
+        batches.clear()
+        a = whole.run(req.context, req.question)
+        assert batches == [len(candidates)]
+        batches.clear()
+        b = one_by_one.run(req.context, req.question)
+        assert batches == [1] * len(candidates), "a tiny memory budget must decode one candidate at a time"
+        assert [c.answer for c in a.candidates] == [c.answer for c in b.candidates]

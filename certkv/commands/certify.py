@@ -19,18 +19,22 @@ def certify(
         None, "--records", help="certify a CSV/JSONL loss table (request_id, policy, kv_retained, loss) instead of the store"
     ),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="operating point JSON; default <store>/operating_point.json"),
+    allow_incomplete: bool = typer.Option(
+        False, "--allow-incomplete", help="use an unfinished store for a preview (no guarantee)"
+    ),
 ) -> None:
     """Test every candidate of the contract and write the certified operating point."""
     from rich.console import Console
 
     from certkv.certifier import certify as run_certify
     from certkv.contract import load_contract
-    from certkv.contract_spec import certification_spec, default_output, load_records
+    from certkv.contract_spec import certification_spec, default_output, load_records, mark_incomplete
 
     contract = load_contract(contract_path)
     spec = certification_spec(contract)
-    evidence = load_records(contract, records, contract_label=str(contract_path))
+    evidence = load_records(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
     op = run_certify(evidence.table, spec, contract_sha256=contract.sha256(), records_sha256=evidence.records_sha256)
+    mark_incomplete(op, evidence)
     target = output or default_output(contract, "operating_point.json")
     op.write_json(target)
     print_operating_point(contract, evidence, op, Console(), target)

@@ -19,6 +19,9 @@ def report(
     records: Optional[Path] = typer.Option(None, "--records", help="use a CSV/JSONL loss table instead of the store"),
     splits: int = typer.Option(1000, "--splits", help="validation splits when no up-to-date validation.json exists"),
     seed: int = typer.Option(0, "--seed", help="seed of the validation splits when they are computed here"),
+    allow_incomplete: bool = typer.Option(
+        False, "--allow-incomplete", help="use an unfinished store for a preview (no guarantee)"
+    ),
 ) -> None:
     """Write risk_vs_kv.png, per_task.png, validation.png and report.html."""
     from rich.console import Console
@@ -26,15 +29,16 @@ def report(
     from certkv.certifier import certify as run_certify
     from certkv.commands.validate import VALIDATION_FILE, read_validation, run_validation, write_validation
     from certkv.contract import load_contract
-    from certkv.contract_spec import certification_spec, default_output, load_records
+    from certkv.contract_spec import certification_spec, default_output, load_records, mark_incomplete
     from certkv.reporting import write_report
 
     console = Console(stderr=True)
     contract = load_contract(contract_path)
-    evidence = load_records(contract, records, contract_label=str(contract_path))
+    evidence = load_records(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
     out_dir = output or default_output(contract, "report")
     op = run_certify(evidence.table, certification_spec(contract), contract_sha256=contract.sha256(),
                      records_sha256=evidence.records_sha256)
+    mark_incomplete(op, evidence)
     notes = _stored_point_note(default_output(contract, "operating_point.json"), op)
 
     validation = None

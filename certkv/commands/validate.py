@@ -23,6 +23,9 @@ def validate(
     seed: int = typer.Option(0, "--seed", help="seed of the split generator"),
     records: Optional[Path] = typer.Option(None, "--records", help="use a CSV/JSONL loss table instead of the store"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="validation JSON; default <store>/validation.json"),
+    allow_incomplete: bool = typer.Option(
+        False, "--allow-incomplete", help="use an unfinished store for a preview (no guarantee)"
+    ),
 ) -> None:
     """Split the calibration records many times and check both selection methods on the test half."""
     from rich.console import Console
@@ -31,7 +34,7 @@ def validate(
     from certkv.contract_spec import default_output, load_records
 
     contract = load_contract(contract_path)
-    evidence = load_records(contract, records, contract_label=str(contract_path))
+    evidence = load_records(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
     result = run_validation(contract, evidence, splits, calibration_fraction, seed)
     target = output or default_output(contract, VALIDATION_FILE)
     write_validation(result, contract, evidence, target)

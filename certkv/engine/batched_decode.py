@@ -117,8 +117,9 @@ def decode_candidates(
     with use_attention(model, NAME):
         state.verify_draft(question_ids, draft)
         while state.active:
-            state.step([lookup_proposal(context_ids or [], state.answers[r], max_new_tokens - len(state.answers[r]))
-                        for r in range(state.n)])
+            proposals = {r: lookup_proposal(context_ids or [], state.answers[r], max_new_tokens - len(state.answers[r]))
+                         for r in state.active}
+            state.step(proposals)
     return state.answers
 
 
@@ -149,12 +150,16 @@ class _Decoding:
         # kvpress's rule: at most max_new_tokens, stop after a stop token but never on the first.
         return len(tokens) >= self.max_new_tokens or (len(tokens) > 1 and tokens[-1] in self.stop_ids)
 
-    def _forward(self, inputs, positions, new_mask):
+    def _forward(self, inputs, positions, new_mask, keep: int = 0):
+        """Greedy token after each fed position (after the last `keep` ones when keep > 0)."""
         import torch
 
         self.mask = torch.cat([self.mask, new_mask], dim=1)
         with torch.no_grad():
-            out = self.model(input_ids=inputs, past_key_values=self.cache, position_ids=positions, attention_mask=self.mask)
+            out = self.model(
+                input_ids=inputs, past_key_values=self.cache, position_ids=positions, attention_mask=self.mask,
+                logits_to_keep=keep,
+            )
         return out.logits.argmax(-1).tolist()
 
     def verify_draft(self, question_ids: list[int], draft: list[int]) -> None:
@@ -167,10 +172,13 @@ class _Decoding:
         start = self.context_length
         positions = torch.arange(start, start + len(fed), device=device).view(1, -1).expand(self.n, -1)
         base = self.mask.shape[1]
-        choices = self._forward(inputs, positions, torch.ones((self.n, len(fed)), dtype=self.mask.dtype, device=device))
+        keep = len(fed) - self.q_len + 1  # the question's last position and every draft position
+        choices = self._forward(
+            inputs, positions, torch.ones((self.n, len(fed)), dtype=self.mask.dtype, device=device), keep=keep
+        )
         for row in range(self.n):
             tokens: list[int] = []
-            for j, token in enumerate(choices[row][self.q_len - 1 :]):
+            for j, token in enumerate(choices[row]):
                 tokens.append(token)
                 if j >= len(draft) or token != draft[j] or self.finished(tokens):
                     break
@@ -180,7 +188,7 @@ class _Decoding:
             if not self.finished(tokens):
                 self.active.append(row)
 
-    def step(self, proposals: list[list[int]]) -> None:
+    def step(self, proposals: dict[int, list[int]]) -> None:
         """Feed each active row its pending token plus a proposal; accept what its greedy choice confirms."""
         import torch
 

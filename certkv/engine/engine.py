@@ -17,6 +17,10 @@ from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
 from certkv.generation import encode_request, greedy_decode, stop_token_ids
 
 
+class RequestNotRunnable(Exception):
+    """A request some candidate press cannot run on (e.g. shorter than SnapKV's window)."""
+
+
 @dataclass
 class Candidate:
     """One eviction policy to evaluate: a press object at a nominal KV fraction."""
@@ -52,14 +56,44 @@ class RequestResult:
 class Engine:
     """Evaluates a fixed list of candidates on requests, one full prefill per request."""
 
-    def __init__(self, model, tokenizer, candidates: list[Candidate], max_new_tokens: int = 8):
+    def __init__(
+        self, model, tokenizer, candidates: list[Candidate], max_new_tokens: int = 8, max_batch_bytes: int = 4 << 30
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.candidates = list(candidates)
         self.max_new_tokens = max_new_tokens
+        self.max_batch_bytes = max_batch_bytes  # padded candidate caches decoded at once
         self.stop_ids = stop_token_ids(model)
         self.fast = [c for c in self.candidates if is_fast_path_press(c.press)]
         self.slow = [c for c in self.candidates if not is_fast_path_press(c.press)]
+
+    def _chunks(self, cache, row_length: int) -> list[list[Candidate]]:
+        """Fast candidates in groups whose padded batch cache fits `max_batch_bytes`.
+
+        Rows are padded to the longest kept cache, so a batch of n rows costs n times a full cache:
+        harmless at 512 tokens, tens of GB for an 8B model at 64k tokens.
+        """
+        layer = cache.layers[0]
+        per_token = len(cache.layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
+        rows = max(1, int(self.max_batch_bytes // max(1, per_token * row_length)))
+        return [self.fast[i : i + rows] for i in range(0, len(self.fast), rows)]
+
+    def precondition_failure(self, context_length: int) -> str | None:
+        """Why a press cannot run on a context this short (kvpress states these as asserts)."""
+        for c in self.candidates:
+            press = c.press
+            if getattr(press, "compression_ratio", None) == 0:
+                continue  # kvpress leaves the cache untouched and never scores
+            while press is not None:
+                window = getattr(press, "window_size", None)
+                if isinstance(window, int) and context_length <= window:
+                    return f"{c.policy}: context of {context_length} tokens does not exceed the press window {window}"
+                n_sink = getattr(press, "n_sink", None)
+                if isinstance(n_sink, int) and context_length <= n_sink:
+                    return f"{c.policy}: context of {context_length} tokens does not exceed its {n_sink} sink tokens"
+                press = getattr(press, "press", None)
+        return None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -70,6 +104,9 @@ class Engine:
 
         enc = encode_request(self.tokenizer, context, question)
         n_ctx = len(enc.context_ids)
+        reason = self.precondition_failure(n_ctx)
+        if reason:
+            raise RequestNotRunnable(reason)
         seconds: dict[str, float] = {}
         t0 = time.perf_counter()
         selections = Selections()
@@ -92,18 +129,17 @@ class Engine:
         full = CandidateAnswer("full", "full", 1.0, 1.0, self._decode(draft), draft, "full")
 
         answers: dict[str, CandidateAnswer] = {}
-        if self.fast:
+        reserve = len(enc.question_ids) + 4 * self.max_new_tokens
+        for chunk in self._chunks(cache, n_ctx + reserve):
             batch, mask, lengths = padded_cache(
-                cache,
-                [selections.by_candidate[c.policy] for c in self.fast],
-                n_ctx,
-                reserve=len(enc.question_ids) + 4 * self.max_new_tokens,
+                cache, [selections.by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve
             )
             token_lists = decode_candidates(
                 self.model, batch, mask, enc.question_ids, draft, n_ctx, self.max_new_tokens, self.stop_ids,
                 context_ids=enc.context_ids,
             )
-            for c, kept, ids in zip(self.fast, lengths, token_lists):
+            del batch
+            for c, kept, ids in zip(chunk, lengths, token_lists):
                 answers[c.policy] = CandidateAnswer(
                     c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "fast"
                 )
@@ -125,11 +161,34 @@ class Engine:
         with torch.no_grad(), c.press(self.model):
             self.model.model(input_ids=context_ids, past_key_values=cache)
         kept = _kept_entries(cache, self.model)
+        # As kvpress's pipeline: presses that re-rotate or restore keys continue positions from the
+        # compressed length instead of the original one.
+        if _continues_from_compressed_length(c.press):
+            n_ctx = cache.get_seq_length()
         ids = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens)
         return CandidateAnswer(
             c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "pipeline",
             time.perf_counter() - t0,
         )
+
+
+def _continues_from_compressed_length(press) -> bool:
+    from kvpress import FinchPress, KeyRerotationPress, RestoreKVPress
+
+    return isinstance(press, (KeyRerotationPress, RestoreKVPress)) or (
+        isinstance(press, FinchPress) and press.rerotate_keys
+    )
+
+
+def needs_attention_weights(press) -> bool:
+    """Presses that score from the attention weights themselves, which only eager attention returns."""
+    from kvpress import ObservedAttentionPress
+
+    while press is not None:
+        if isinstance(press, ObservedAttentionPress):
+            return True
+        press = getattr(press, "press", None)
+    return False
 
 
 def _kept_entries(cache, model) -> float:

@@ -14,9 +14,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 
 
-# Presses whose score() does not read compression_ratio: one score per layer serves every ratio.
-# Any other press is scored once per candidate (StreamingLLM's score, for one, depends on it).
-RATIO_FREE_SCORES = ("SnapKVPress", "KnormPress", "TOVAPress", "RandomPress", "ObservedAttentionPress")
+def ratio_free_score_classes() -> tuple[type, ...]:
+    """kvpress presses whose score() does not read compression_ratio (checked in their source).
+
+    One score per layer then serves every ratio. Any other press, subclasses included, is scored
+    once per candidate (StreamingLLM's score, for one, depends on the ratio).
+    """
+    from kvpress import KnormPress, ObservedAttentionPress, RandomPress, SnapKVPress, TOVAPress
+
+    return (SnapKVPress, KnormPress, TOVAPress, RandomPress, ObservedAttentionPress)
 
 
 def is_fast_path_press(press) -> bool:
@@ -32,7 +38,7 @@ def score_key(press) -> tuple:
     params = {}
     if is_dataclass(press):
         params = {f.name: repr(getattr(press, f.name)) for f in fields(press)}
-    if name in RATIO_FREE_SCORES:
+    if type(press) in ratio_free_score_classes():
         params.pop("compression_ratio", None)
     else:
         params["__id__"] = id(press)
