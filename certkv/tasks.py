@@ -1,7 +1,9 @@
 """Built-in long-context retrieval tasks in the spirit of RULER.
 
 Every task writes a context of about `context_length` embedded-tokenizer tokens (never more) and
-questions whose answers appear in that context. Generation is deterministic: a request depends
+questions whose answers appear in that context. As in RULER, each question ends with an answer
+prefix that restates the asked record up to its value ("Answer: The magic number for apple is"),
+so the answer is what followed the same words in the context. Generation is deterministic: a request depends
 only on (task, seed, index, context_length). The texts use only the closed vocabulary of
 :mod:`certkv.vocabulary`, so the embedded model can read every word; any other tokenizer reads them
 as plain English.
@@ -55,7 +57,7 @@ def _record(key: str, value: str) -> str:
 
 
 def _question(key: str) -> str:
-    return f"Question: What is the magic number for {key}? Answer:"
+    return f"Question: What is the magic number for {key}? Answer: The magic number for {key} is"
 
 
 def _fill(rng: random.Random, units: list[str], budget: int) -> list[str]:
@@ -109,7 +111,7 @@ def multi_value(rng: random.Random, context_length: int) -> Sample:
     pairs = [(k, _value(rng)) for k in keys] + [(asked, _value(rng))]
     rng.shuffle(pairs)
     answer = " ".join(v for k, v in pairs if k == asked)
-    question = f"Question: What are all the magic numbers for {asked}? Answer:"
+    question = f"Question: What are all the magic numbers for {asked}? Answer: The magic numbers for {asked} are"
     return Sample(_fill(rng, [_record(k, v) for k, v in pairs], context_length), [(question, answer)])
 
 
@@ -125,7 +127,7 @@ def variable_tracking(rng: random.Random, context_length: int, hops: int = 2) ->
         lines = [f"VAR {chain[0]} = {value}."]
         lines += [f"VAR {b} = {a}." for a, b in zip(chain, chain[1:])]
         statements.append(lines)
-        qa.append((f"Question: What is the value of {chain[-1]}? Answer:", value))
+        qa.append((f"Question: What is the value of {chain[-1]}? Answer: The value of {chain[-1]} is", value))
     # Interleave chains while keeping each chain's statements in order.
     order = [i for i, lines in enumerate(statements) for _ in lines]
     rng.shuffle(order)
@@ -146,7 +148,7 @@ def dilution(rng: random.Random, context_length: int) -> Sample:
         first, second = _value(rng, 2), _value(rng, 2)
         units.append(f"The first part of the code for {key} is {first}.")
         units.append(f"The second part of the code for {key} is {second}.")
-        qa.append((f"Question: What is the code for {key}? Answer:", first + second))
+        qa.append((f"Question: What is the code for {key}? Answer: The code for {key} is", first + second))
     rng.shuffle(units)
     return Sample(_fill(rng, units, context_length), qa)
 

@@ -74,7 +74,8 @@ class Batcher:
         self.tok = tokenizer
         self.rng = random.Random(f"train/{seed}")
         self.bos, self.eos, self.pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
-        self.copy_vocab = tokenizer.convert_tokens_to_ids(["\u2581" + w for w in KEY_WORDS] + DIGITS)
+        self.key_ids = tokenizer.convert_tokens_to_ids(["\u2581" + w for w in KEY_WORDS])
+        self.digit_ids = tokenizer.convert_tokens_to_ids(DIGITS)
         self.repeat_ids = tokenizer.encode("Repeat:", add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
@@ -101,7 +102,12 @@ class Batcher:
         return ids, mask
 
     def copy_sequence(self) -> tuple[list[int], list[int]]:
-        s = [self.rng.choice(self.copy_vocab) for _ in range(self.rng.randint(8, 24))]
+        """Repeat a random key/value string ("apple 4729 stone 1836 ..."): digits recur, so copying
+        it needs the last few tokens, the key included, not just the current one."""
+        s = []
+        for _ in range(self.rng.randint(2, 6)):
+            s.append(self.rng.choice(self.key_ids))
+            s += [self.rng.choice(self.digit_ids) for _ in range(4)]
         ids = [self.bos] + s + self.repeat_ids + s + [self.eos]
         mask = [0] * (1 + len(s) + len(self.repeat_ids)) + [1] * (len(s) + 1)
         return ids, mask
