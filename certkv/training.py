@@ -29,14 +29,14 @@ CURRICULUM = [64, 96, 128, 192, 256, 320, 384, 448, 512, 576]
 MAX_QUESTIONS = 8
 
 
-def model_config(vocab_size: int, bos: int, eos: int, pad: int):
+def model_config(vocab_size: int, bos: int, eos: int, pad: int, layers: int = 2):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
@@ -67,15 +67,17 @@ def new_model(config, seed: int):
 class Batcher:
     """Builds training sequences from the built-in task generators."""
 
-    def __init__(self, tokenizer, seed: int, dense: bool = False):
+    def __init__(self, tokenizer, seed: int, dense: bool = False, recall_share: float = 0.0):
         from certkv.vocabulary import DIGITS, KEY_WORDS
 
         self.dense = dense
+        self.recall_share = recall_share
         self.tok = tokenizer
         self.rng = random.Random(f"train/{seed}")
         self.bos, self.eos, self.pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
         self.key_ids = tokenizer.convert_tokens_to_ids(["\u2581" + w for w in KEY_WORDS])
         self.digit_ids = tokenizer.convert_tokens_to_ids(DIGITS)
+        self.space = tokenizer.convert_tokens_to_ids("\u2581")
         self.repeat_ids = tokenizer.encode("Repeat:", add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
@@ -101,6 +103,21 @@ class Batcher:
             mask += [0] * len(q) + [1 if i == 0 else 2] * len(a)
         return ids, mask
 
+    def recall_sequence(self, length: int) -> tuple[list[int], list[int]]:
+        """Bare associative recall ("apple 4729 stone 1836 ... stone 1836"): the key sits right before
+        its value, the shortest form of the lookup every retrieval task needs."""
+        n = max(2, min(len(self.key_ids), length // 6))
+        keys = self.rng.sample(self.key_ids, n)
+        values = {k: [self.space] + [self.rng.choice(self.digit_ids) for _ in range(4)] for k in keys}
+        ids = [self.bos]
+        for k in keys:
+            ids += [k] + values[k]
+        mask = [0] * len(ids)
+        for k in self.rng.choices(keys, k=min(MAX_QUESTIONS, 2 * n)):
+            ids += [k] + values[k]
+            mask += [0] + [1] * len(values[k])
+        return ids, mask
+
     def copy_sequence(self) -> tuple[list[int], list[int]]:
         """Repeat a random key/value string ("apple 4729 stone 1836 ..."): digits recur, so copying
         it needs the last few tokens, the key included, not just the current one."""
@@ -123,6 +140,9 @@ class Batcher:
             if self.rng.random() < copy_share:
                 ids, mask = self.copy_sequence()
                 tasks.append("copy")
+            elif self.rng.random() < self.recall_share:
+                ids, mask = self.recall_sequence(self.rng.randint(max(64, max_len // 2), max_len))
+                tasks.append("recall")
             else:
                 length = self.rng.randint(max(64, max_len // 2), max_len)
                 task = self.rng.choices(names, weights)[0]
@@ -172,7 +192,7 @@ def train(args) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_tokenizer(EMBEDDED_DIR)
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
-    config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, args.layers)
     ckpt_path = out / "checkpoint.pt"
 
     def fresh(seed: int):
@@ -191,7 +211,7 @@ def train(args) -> Path:
         model, opt, state = fresh(args.seed)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"new run seed {args.seed}: {n_params} parameters")
-    batcher = Batcher(tok, state["seed"] * 100003 + state["step"], dense=args.dense)
+    batcher = Batcher(tok, state["seed"] * 100003 + state["step"], dense=args.dense, recall_share=args.recall_share)
 
     window: list[tuple[int, int]] = []
     t0 = time.time()
@@ -203,9 +223,11 @@ def train(args) -> Path:
         # nothing about the key-matching circuit, so only multi-key accuracy counts.
         learning = state.get("multi_key_matching", False)
         copy_share = 0.3 if not learning else 0.05
-        mix = {"multi_key": 0.9, "single_needle": 0.1}
+        needle = args.needle_share
+        mix = {"multi_key": 1.0 - needle, "single_needle": needle}
         if stage >= 4:
-            mix = {"multi_key": 0.75, "single_needle": 0.1, "dilution": 0.05, "variable_tracking": 0.05, "multi_value": 0.05}
+            mix = {"multi_key": 0.85 - needle, "single_needle": needle, "dilution": 0.05, "variable_tracking": 0.05,
+                   "multi_value": 0.05}
         input_ids, labels, first_labels, tasks = batcher.batch(max_len, args.tokens_per_step, copy_share, mix)
         warm = min(1.0, (state["since_start"] + 1) / args.warmup)
         for g in opt.param_groups:
@@ -219,7 +241,7 @@ def train(args) -> Path:
         state["step"] += 1
         state["since_start"] += 1
         with torch.no_grad():
-            task_rows = [i for i, t in enumerate(tasks) if t != "copy"]
+            task_rows = [i for i, t in enumerate(tasks) if t not in ("copy", "recall") and args.advance_on in ("all", t)]
             mk_rows = [i for i, t in enumerate(tasks) if t == "multi_key"]
             # Only the first question of a multi-key sequence measures key matching: later ones can
             # be half-solved by elimination ("a record not asked yet"), which plateaus near 0.6.
@@ -248,7 +270,7 @@ def train(args) -> Path:
             step = state["step"]
             model, opt, state = fresh(new_seed)
             state["step"] = step
-            batcher = Batcher(tok, new_seed * 100003 + step, dense=args.dense)
+            batcher = Batcher(tok, new_seed * 100003 + step, dense=args.dense, recall_share=args.recall_share)
             window = []
         if state["step"] % args.checkpoint_every == 0:
             save_checkpoint(ckpt_path, model, opt, state)
@@ -285,7 +307,8 @@ def export_from_checkpoint(out: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
     ckpt = torch.load(Path(out) / "checkpoint.pt", weights_only=False)
-    model = new_model(model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id), 0)
+    layers = 1 + max(int(k.split(".")[2]) for k in ckpt["model"] if k.startswith("model.layers."))
+    model = new_model(model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, layers), 0)
     model.load_state_dict(ckpt["model"])
     export(model, tok)
 
@@ -308,6 +331,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--recall-share", type=float, default=0.0,
+                   help="share of bare key-value recall sequences (a warm-up for key matching)")
+    p.add_argument("--needle-share", type=float, default=0.1, help="share of single-needle sequences")
+    p.add_argument("--advance-on", default="all", choices=["all", "single_needle", "multi_key"],
+                   help="which tasks' running accuracy advances the length curriculum")
     p.add_argument("--dense", action="store_true", help="multi-key contexts of records only, no filler")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
