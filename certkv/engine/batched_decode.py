@@ -35,6 +35,12 @@ def reserved_layer_class():
             self._keys, self._values, self._length = keys, values, length
             self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
+        def select_rows(self, index):
+            """Keep only the batch rows in `index` (a compaction once most rows are done)."""
+            self._keys = self._keys.index_select(0, index)
+            self._values = self._values.index_select(0, index)
+            self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
+
         def update(self, key_states, value_states, cache_kwargs=None):
             new = key_states.shape[-2]
             end = self._length + new
@@ -51,7 +57,26 @@ def reserved_layer_class():
     return ReservedLayer
 
 
-def padded_cache(full_cache, selections: list[list], context_length: int, reserve: int = 0):
+def _pooled(pool: dict | None, key, shape, like):
+    """A tensor of `shape` backed by a buffer reused across requests (None: a fresh tensor).
+
+    Fresh multi-GB buffers cost more in page faults than the copy into them; a calibration run
+    allocates the same sizes request after request, so the engine keeps them.
+    """
+    import math
+
+    import torch
+
+    numel = math.prod(shape)
+    if pool is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    buf = pool.get(key)
+    if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        buf = pool[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel].view(shape)
+
+
+def padded_cache(full_cache, selections: list[list], context_length: int, reserve: int = 0, pool: dict | None = None):
     """Gather every candidate's kept entries into one padded batch cache.
 
     `selections[c][layer]` holds candidate c's kept indices (1, kv_heads, n_kept) in kvpress's
@@ -73,16 +98,24 @@ def padded_cache(full_cache, selections: list[list], context_length: int, reserv
         keys = full_cache.layers[layer_idx].keys[:, :, :context_length]
         values = full_cache.layers[layer_idx].values[:, :, :context_length]
         # Index 0 fills padding and the reserved room; both are masked out or overwritten.
-        idx = torch.zeros((n, keys.shape[1], width + reserve), dtype=torch.long, device=device)
+        n_heads, length, dim = keys.shape[1], keys.shape[2], keys.shape[3]
+        idx = torch.zeros((n, n_heads, width + reserve), dtype=torch.long, device=device)
         for row, sel in enumerate(selections):
             kept = sel[layer_idx]
             if kept is None:
                 idx[row, :, :context_length] = torch.arange(context_length, device=device)
             else:
                 idx[row, :, : kept.shape[2]] = kept[0]
-        gather = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        batch_keys = keys.expand(n, -1, -1, -1).gather(2, gather)
-        batch_values = values.expand(n, -1, -1, -1).gather(2, gather)
+        # Whole head_dim vectors are copied by index_select on (heads * length, dim) rows, much
+        # faster than an element-wise gather with an index expanded over head_dim.
+        flat = (idx + torch.arange(n_heads, device=device).view(1, -1, 1) * length).view(-1)
+        batch_keys = _pooled(pool, (layer_idx, "k"), (n * n_heads * (width + reserve), dim), keys)
+        torch.index_select(keys[0].reshape(n_heads * length, dim), 0, flat, out=batch_keys)
+        v_dim = values.shape[3]
+        batch_values = _pooled(pool, (layer_idx, "v"), (n * n_heads * (width + reserve), v_dim), values)
+        torch.index_select(values[0].reshape(n_heads * length, v_dim), 0, flat, out=batch_values)
+        batch_keys = batch_keys.view(n, n_heads, width + reserve, dim)
+        batch_values = batch_values.view(n, n_heads, width + reserve, v_dim)
         cache.layers.append(layer_class(batch_keys, batch_values, width))
     positions = torch.arange(width, device=device).unsqueeze(0)
     valid = (positions < torch.as_tensor(lengths, device=device).unsqueeze(1)).long()
@@ -116,31 +149,44 @@ def decode_candidates(
     state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids)
     with use_attention(model, NAME):
         state.verify_draft(question_ids, draft)
+        history = list(context_ids or []) + list(question_ids)
         while state.active:
-            proposals = {r: lookup_proposal(context_ids or [], state.answers[r], max_new_tokens - len(state.answers[r]))
-                         for r in state.active}
+            proposals = {
+                r: lookup_proposal(history + state.answers[r][:-1], state.answers[r], max_new_tokens - len(state.answers[r]))
+                for r in state.active
+            }
             state.step(proposals)
     return state.answers
 
 
 def lookup_proposal(context_ids: list[int], tokens: list[int], budget: int, max_ngram: int = 3) -> list[int]:
-    """Tokens that followed the latest occurrence of `tokens`' longest suffix (≤ max_ngram) in the context."""
+    """Tokens that followed the latest occurrence of `tokens`' longest suffix (≤ max_ngram) in the history.
+
+    The history is the context, the question and the row's own answer before its last token, so
+    a degenerate repetition ("7 7 7") is proposed too, not only text copied from the context.
+    """
     if budget <= 0 or not tokens:
         return []
     for n in range(min(max_ngram, len(tokens)), 0, -1):
         suffix = tokens[-n:]
-        for start in range(len(context_ids) - n, -1, -1):
+        for start in range(len(context_ids) - n - 1, -1, -1):  # the match must have a continuation
             if context_ids[start : start + n] == suffix:
                 return context_ids[start + n : start + n + budget]
     return []
 
 
 class _Decoding:
-    """The batch's decoding state: each row's answer so far and which cache slots it may see."""
+    """The batch's decoding state: each row's answer so far and which cache slots it may see.
+
+    Rows are candidates; ``self.rows[b]`` is the candidate held at batch position b. Once most rows
+    have finished, the batch is compacted to the unfinished ones, so later forwards only pay for
+    caches still being decoded.
+    """
 
     def __init__(self, model, cache, mask, q_len, context_length, max_new_tokens, stop_ids):
         self.model, self.cache, self.mask = model, cache, mask
         self.n = mask.shape[0]
+        self.rows = list(range(self.n))
         self.q_len, self.context_length = q_len, context_length
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.answers: list[list[int]] = [[] for _ in range(self.n)]
@@ -188,33 +234,51 @@ class _Decoding:
             if not self.finished(tokens):
                 self.active.append(row)
 
+    def compact(self) -> None:
+        """Drop finished rows from the batch when they are the majority."""
+        if 2 * len(self.active) > len(self.rows):
+            return
+        import torch
+
+        keep = [self.rows.index(r) for r in self.active]
+        index = torch.as_tensor(keep, device=self.mask.device)
+        for layer in self.cache.layers:
+            layer.select_rows(index)
+        self.mask = self.mask.index_select(0, index)
+        self.rows = list(self.active)
+
     def step(self, proposals: dict[int, list[int]]) -> None:
         """Feed each active row its pending token plus a proposal; accept what its greedy choice confirms."""
         import torch
 
+        self.compact()
         device = self.model.device
+        size = len(self.rows)
         width = 1 + max(len(proposals[r]) for r in self.active)
-        inputs = torch.zeros((self.n, width), dtype=torch.long, device=device)
-        positions = torch.zeros((self.n, width), dtype=torch.long, device=device)
-        new_mask = torch.zeros((self.n, width), dtype=self.mask.dtype, device=device)
+        inputs = torch.zeros((size, width), dtype=torch.long, device=device)
+        positions = torch.zeros((size, width), dtype=torch.long, device=device)
+        new_mask = torch.zeros((size, width), dtype=self.mask.dtype, device=device)
+        where = {r: b for b, r in enumerate(self.rows)}
         for r in self.active:
+            b = where[r]
             fed = [self.answers[r][-1]] + proposals[r]
-            inputs[r, : len(fed)] = torch.as_tensor(fed, device=device)
+            inputs[b, : len(fed)] = torch.as_tensor(fed, device=device)
             first = self.context_length + self.q_len + len(self.answers[r]) - 1
-            positions[r] = torch.arange(first, first + width, device=device)
-            new_mask[r, : len(fed)] = 1
+            positions[b] = torch.arange(first, first + width, device=device)
+            new_mask[b, : len(fed)] = 1
         base = self.mask.shape[1]
         choices = self._forward(inputs, positions, new_mask)
         still = []
         for r in self.active:
+            b = where[r]
             accepted = 0
-            for i, token in enumerate(choices[r][: 1 + len(proposals[r])]):
+            for i, token in enumerate(choices[b][: 1 + len(proposals[r])]):
                 self.answers[r].append(token)
                 accepted = i + 1
                 if self.finished(self.answers[r]) or i >= len(proposals[r]) or token != proposals[r][i]:
                     break
             # The pending token and the proposal tokens that were confirmed stay visible; the rest go.
-            self.mask[r, base + accepted :] = 0
+            self.mask[b, base + accepted :] = 0
             if not self.finished(self.answers[r]):
                 still.append(r)
         self.active = still

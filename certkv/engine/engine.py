@@ -57,27 +57,48 @@ class Engine:
     """Evaluates a fixed list of candidates on requests, one full prefill per request."""
 
     def __init__(
-        self, model, tokenizer, candidates: list[Candidate], max_new_tokens: int = 8, max_batch_bytes: int = 4 << 30
+        self,
+        model,
+        tokenizer,
+        candidates: list[Candidate],
+        max_new_tokens: int = 8,
+        max_batch_bytes: int = 4 << 30,
+        max_padding_bytes: int = 64 << 20,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.candidates = list(candidates)
         self.max_new_tokens = max_new_tokens
         self.max_batch_bytes = max_batch_bytes  # padded candidate caches decoded at once
+        self.max_padding_bytes = max_padding_bytes
+        self._pool: dict = {}  # batch cache buffers reused from request to request
         self.stop_ids = stop_token_ids(model)
         self.fast = [c for c in self.candidates if is_fast_path_press(c.press)]
         self.slow = [c for c in self.candidates if not is_fast_path_press(c.press)]
 
-    def _chunks(self, cache, row_length: int) -> list[list[Candidate]]:
-        """Fast candidates in groups whose padded batch cache fits `max_batch_bytes`.
+    def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[Candidate]]:
+        """Fast candidates grouped into padded batches, longest kept caches first.
 
-        Rows are padded to the longest kept cache, so a batch of n rows costs n times a full cache:
-        harmless at 512 tokens, tens of GB for an 8B model at 64k tokens.
+        Rows are padded to the longest cache of their batch. One batch is best while the caches
+        are small (each forward costs the same fixed overhead); for long contexts the padding of
+        a 10%-cache row to a 90%-cache row costs real memory traffic, so a batch closes once its
+        padding would exceed `max_padding_bytes`, or its size `max_batch_bytes`.
         """
         layer = cache.layers[0]
         per_token = len(cache.layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
-        rows = max(1, int(self.max_batch_bytes // max(1, per_token * row_length)))
-        return [self.fast[i : i + rows] for i in range(0, len(self.fast), rows)]
+        chunks: list[list[Candidate]] = []
+        current: list[Candidate] = []
+        for c in sorted(self.fast, key=lambda c: -kept[c.policy]):
+            longest = kept[current[0].policy] if current else kept[c.policy]
+            size = (len(current) + 1) * (longest + reserve) * per_token
+            padding = sum(longest - kept[x.policy] for x in current + [c]) * per_token
+            if current and (size > self.max_batch_bytes or padding > self.max_padding_bytes):
+                chunks.append(current)
+                current = []
+            current.append(c)
+        if current:
+            chunks.append(current)
+        return chunks
 
     def precondition_failure(self, context_length: int) -> str | None:
         """Why a press cannot run on a context this short (kvpress states these as asserts)."""
@@ -130,9 +151,13 @@ class Engine:
 
         answers: dict[str, CandidateAnswer] = {}
         reserve = len(enc.question_ids) + 4 * self.max_new_tokens
-        for chunk in self._chunks(cache, n_ctx + reserve):
+        kept = {
+            c.policy: n_ctx if selections.by_candidate[c.policy][0] is None else selections.by_candidate[c.policy][0].shape[2]
+            for c in self.fast
+        }
+        for chunk in self._chunks(cache, kept, reserve):
             batch, mask, lengths = padded_cache(
-                cache, [selections.by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve
+                cache, [selections.by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve, pool=self._pool
             )
             token_lists = decode_candidates(
                 self.model, batch, mask, enc.question_ids, draft, n_ctx, self.max_new_tokens, self.stop_ids,
