@@ -161,9 +161,10 @@ TASKS: dict[str, Callable[[random.Random, int], Sample]] = {
     "dilution": dilution,
 }
 
-# Named mixtures. `demo` holds the tasks the embedded model answers reliably at full KV
-# (see the README's accuracy table), so that degradation comes from eviction, not the model.
+# Named mixtures. `demo` holds only the tasks the embedded model answers with full-KV exact match
+# >= 0.90 (see the README's accuracy table), so that degradation comes from eviction, not from the
+# model. Today that is single-needle alone: multi-key is not learned yet.
 MIXES: dict[str, dict[str, float]] = {
     "all": {name: 1.0 for name in TASKS},
-    "demo": {"single_needle": 1.0, "multi_key": 2.0},
+    "demo": {"single_needle": 1.0},
 }
