@@ -104,18 +104,20 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="few requests, for a smoke run")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-naive", action="store_true", help="skip the (slow) naive kvpress loop")
+    p.add_argument("--n-512", type=int, default=40, help="measured requests at 512 tokens")
+    p.add_argument("--n-2048", type=int, default=4, help="measured requests at 2048 tokens (naive: ~2 min each)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     results = {"threads": args.threads, "torch": torch.__version__, "settings": {}}
 
     model, tokenizer = load_model("embedded", device="cpu")
-    n = 6 if args.quick else 41
+    n = 6 if args.quick else args.n_512 + 1
     reqs = generate_requests("demo", n, seed=2024, context_length=512)
     results["settings"]["embedded@512"] = measure(model, tokenizer, reqs, 8, naive=not args.no_naive)
     print("embedded@512", json.dumps(results["settings"]["embedded@512"], indent=1), flush=True)
 
     big = larger_llama(tokenizer)
-    n = 3 if args.quick else 11
+    n = 3 if args.quick else args.n_2048 + 1
     reqs = generate_requests("demo", n, seed=2025, context_length=2048)
     results["settings"]["random-llama-8L-512h@2048"] = measure(big, tokenizer, reqs, 8, naive=not args.no_naive)
     print("random-llama@2048", json.dumps(results["settings"]["random-llama-8L-512h@2048"], indent=1), flush=True)
