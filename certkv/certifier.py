@@ -311,9 +311,14 @@ def certify(
     """Certify the most aggressive candidate whose violation rate is ≤ ε with prob. ≥ 1 − δ.
 
     ``records`` is a :class:`LossTable`, a CSV/JSONL path, or a list of record dicts; ``spec`` a
-    :class:`CertificationSpec` (or a dict for one). ``records_sha256`` is computed from the table
-    when not given.
+    :class:`CertificationSpec` (or a dict for one) or a contract (:class:`certkv.contract.Contract`),
+    whose hash is then recorded too. ``records_sha256`` is computed from the table when not given.
     """
+    if callable(getattr(spec, "sequences", None)):  # a Contract: its pre-registered choices
+        from certkv.contract_spec import certification_spec
+
+        contract_sha256 = contract_sha256 or spec.sha256()
+        spec = certification_spec(spec)
     spec = CertificationSpec.parse(spec)
     table = as_loss_table(records)
     rows = candidate_rows(table, spec)

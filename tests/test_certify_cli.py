@@ -260,3 +260,24 @@ def test_validate_writes_both_methods(contract_path, tmp_path, capsys):
 def test_validate_bad_fraction_is_one_line(contract_path, tmp_path, capsys):
     code = run_main("validate", str(contract_path), "--calibration-fraction", "1.5", "-o", str(tmp_path / "v.json"))
     assert_one_line_error(code, capsys.readouterr().err, "calibration_fraction")
+
+
+def test_python_api_certifies_records_against_a_contract(tmp_path):
+    """`certkv.certify(records, contract)` gives the same decision as the CLI's path."""
+    import certkv
+    from certkv.contract import parse_contract
+
+    contract = parse_contract({
+        "name": "api", "requests": {"source": "builtin:demo"}, "utility": "exact_match", "tolerance": 0.0,
+        "risk": 0.1, "confidence": 0.9, "policies": [{"press": "snapkv", "kv_retained": [0.8, 0.5, 0.2]}],
+    })
+    records = []
+    for i in range(200):
+        records.append({"request_id": f"r{i}", "policy": "full", "kv_retained": 1.0, "loss": 0.0})
+        for kv, bad_every in [(0.8, 100), (0.5, 40), (0.2, 3)]:
+            loss = 1.0 if i % bad_every == 0 else 0.0
+            records.append({"request_id": f"r{i}", "policy": f"snapkv@{kv:.2f}", "kv_retained": kv, "loss": loss})
+    op = certkv.certify(records, contract)
+    assert op.policy == "snapkv@0.50" and not op.fallback
+    assert op.contract_sha256 == contract.sha256()
+    assert op.violations == 5 and op.n == 200
