@@ -3,8 +3,8 @@
 transformers' sdpa path repeats every KV head once per query group whenever an explicit mask is
 given (it only passes ``enable_gqa`` when there is no mask). The candidate batch always has a mask
 (padding, and draft tokens a row did not take), so on CPU that copy dominated decoding. This
-function is transformers' sdpa call with ``enable_gqa=True`` always; it is registered under its
-own name, with the stock sdpa mask builder, only when the engine first needs it.
+function is transformers' sdpa call with ``enable_gqa=True`` always (and an additive mask); it is
+registered under its own name, with the stock sdpa mask builder, only when the engine first needs it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        # An additive mask takes a faster CPU kernel than a boolean one with grouped heads
+        # (measured: 5.7 ms against 8.6 ms for 27 candidates x 25 tokens x 590 keys).
+        additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+        attention_mask = additive.masked_fill_(~attention_mask, float("-inf"))
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
         enable_gqa=key.shape[1] != query.shape[1],

@@ -149,30 +149,46 @@ def decode_candidates(
     state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids)
     with use_attention(model, NAME):
         state.verify_draft(question_ids, draft)
-        history = list(context_ids or []) + list(question_ids)
+        lookup = PromptLookup(list(context_ids or []) + list(question_ids))
         while state.active:
-            proposals = {
-                r: lookup_proposal(history + state.answers[r][:-1], state.answers[r], max_new_tokens - len(state.answers[r]))
-                for r in state.active
-            }
+            proposals = {r: lookup.propose(state.answers[r], max_new_tokens - len(state.answers[r])) for r in state.active}
             state.step(proposals)
     return state.answers
 
 
-def lookup_proposal(context_ids: list[int], tokens: list[int], budget: int, max_ngram: int = 3) -> list[int]:
-    """Tokens that followed the latest occurrence of `tokens`' longest suffix (≤ max_ngram) in the history.
+class PromptLookup:
+    """Prompt-lookup proposals: what followed the latest earlier occurrence of the last n tokens.
 
-    The history is the context, the question and the row's own answer before its last token, so
-    a degenerate repetition ("7 7 7") is proposed too, not only text copied from the context.
+    The history searched is the prompt (context and question) followed by the row's own answer
+    before its last token, so a degenerate repetition ("7 7 7") is proposed too, not only text
+    copied from the context. The prompt's n-grams are indexed once per request; only the short
+    answer part is scanned per call.
     """
-    if budget <= 0 or not tokens:
+
+    def __init__(self, prompt: list[int], max_ngram: int = 3):
+        self.prompt = prompt
+        self.max_ngram = max_ngram
+        self.latest: dict[tuple[int, ...], int] = {}
+        for n in range(1, max_ngram + 1):
+            for start in range(len(prompt) - n):  # the match must have a continuation in the prompt
+                self.latest[tuple(prompt[start : start + n])] = start
+
+    def propose(self, tokens: list[int], budget: int) -> list[int]:
+        if budget <= 0 or not tokens:
+            return []
+        history = self.prompt + tokens[:-1]
+        boundary = max(0, len(self.prompt) - self.max_ngram)
+        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
+            suffix = tokens[-n:]
+            # Occurrences reaching into the answer are the latest ones: scan that short tail first.
+            for start in range(len(history) - n - 1, boundary - 1, -1):
+                if history[start : start + n] == suffix:
+                    return history[start + n : start + n + budget]
+            # Else the prompt's latest occurrence (one at or past `boundary` was found by the scan).
+            start = self.latest.get(tuple(suffix))
+            if start is not None:
+                return history[start + n : start + n + budget]
         return []
-    for n in range(min(max_ngram, len(tokens)), 0, -1):
-        suffix = tokens[-n:]
-        for start in range(len(context_ids) - n - 1, -1, -1):  # the match must have a continuation
-            if context_ids[start : start + n] == suffix:
-                return context_ids[start + n : start + n + budget]
-    return []
 
 
 class _Decoding:

@@ -1,0 +1,36 @@
+"""Prompt-lookup proposals: the indexed search equals a plain scan of the whole history."""
+
+from __future__ import annotations
+
+import random
+
+from certkv.engine.batched_decode import PromptLookup
+
+
+def reference(history: list[int], tokens: list[int], budget: int, max_ngram: int = 3) -> list[int]:
+    if budget <= 0 or not tokens:
+        return []
+    for n in range(min(max_ngram, len(tokens)), 0, -1):
+        suffix = tokens[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + budget]
+    return []
+
+
+def test_indexed_lookup_equals_brute_force_scan():
+    rng = random.Random(0)
+    for _ in range(400):
+        prompt = [rng.randrange(6) for _ in range(rng.randint(0, 40))]
+        answer = [rng.randrange(6) for _ in range(rng.randint(1, 8))]
+        budget = rng.randint(0, 6)
+        lookup = PromptLookup(prompt)
+        assert lookup.propose(answer, budget) == reference(prompt + answer[:-1], answer, budget)
+
+
+def test_proposes_the_value_that_followed_the_key():
+    lookup = PromptLookup([1, 7, 4, 2, 9, 5, 1, 8, 3, 3, 6, 5])
+    assert lookup.propose([8], 3) == [3, 3, 6]
+    assert lookup.propose([5, 1], 2) == [8, 3]
+    assert lookup.propose([42], 3) == []
+    assert lookup.propose([9, 9], 2) == [5, 1], "falls back to the 1-gram when the 2-gram is unseen"
