@@ -6,6 +6,8 @@ imported only when a function that needs them is called.
 
 from __future__ import annotations
 
+from certkv._lazy import lazy_getattr
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -20,13 +22,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'certkv' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr('certkv', _LAZY)
 
 __all__ = ["__version__", *_LAZY]

@@ -222,6 +222,9 @@ class Contract(_Strict):
     confidence: float = Field(gt=0.0, lt=1.0)
     procedure: Literal["fixed_sequence", "bonferroni", "holm"] = "fixed_sequence"
     policies: list[Policy] = Field(min_length=1)
+    # One pre-registered interleaved test order of every candidate (policy names). Without it each
+    # policy entry is its own sequence and the sequences share δ (Bonferroni split δ/m).
+    order: list[str] | None = None
     gate: Gate | None = None
     store: str | None = Field(default=None, min_length=1, description="relative to the contract's folder")
 
@@ -265,6 +268,22 @@ class Contract(_Strict):
                 seen[name] = i
         return policies
 
+    @model_validator(mode="after")
+    def _check_order(self) -> "Contract":
+        if self.order is None:
+            return self
+        names = [policy_name(p.display_name, kv) for p in self.policies for kv in p.kv_retained]
+        unknown = [n for n in self.order if n not in names]
+        if unknown:
+            raise _error(f"order names {unknown[0]!r}, which no policy entry defines; use names like {names[0]!r}")
+        twice = sorted({n for n in self.order if self.order.count(n) > 1})
+        if twice:
+            raise _error(f"order lists {twice[0]!r} more than once; test each candidate once")
+        missing = [n for n in names if n not in self.order]
+        if missing:
+            raise _error(f"order leaves out {missing[0]!r}; an interleaved order must list every candidate")
+        return self
+
     # -- derived views -------------------------------------------------------------------------
 
     @property
@@ -302,7 +321,10 @@ class Contract(_Strict):
         ]
 
     def sequences(self) -> list[list[str]]:
-        """Policy names per sequence, in test order."""
+        """Policy names per sequence, in test order: the interleaved `order` as one sequence when
+        the contract gives one, else one sequence per policy entry."""
+        if self.order is not None:
+            return [list(self.order)]
         return [[policy_name(p.display_name, kv) for kv in p.kv_retained] for p in self.policies]
 
     def resolved_store_path(self) -> Path:

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import re
-import string
 from collections import defaultdict
-
-
-def _normalize(text: str) -> str:
-    text = text.lower().strip()
-    text = "".join(ch for ch in text if ch not in string.punctuation)
-    return re.sub(r"\s+", " ", text).strip()
-
-
-def _score(utility: str, prediction: str, answers: list[str]) -> float:
-    if utility == "exact_match":
-        return float(any(_normalize(prediction) == _normalize(a) for a in answers))
-    if utility == "contains":
-        return float(any(a.lower() in prediction.lower() for a in answers))
-    raise ValueError(f"unknown utility {utility!r}")
 
 
 def full_kv_accuracy(model, tokenizer, requests, utility: str = "exact_match", max_new_tokens: int = 8, progress=True):
     """Return {task: (n, mean utility)} with an `all` row, answering each request on the full cache."""
     from certkv.generation import full_kv_answer
+    from certkv.utility import score
 
     scores: dict[str, list[float]] = defaultdict(list)
     iterator = requests
@@ -33,7 +18,7 @@ def full_kv_accuracy(model, tokenizer, requests, utility: str = "exact_match", m
         iterator = track(requests, description="answering", transient=True)
     for r in iterator:
         answer = full_kv_answer(model, tokenizer, r.context, r.question, max_new_tokens)
-        s = _score(utility, answer, r.answers)
+        s = score(utility, answer, r.answers, answer)
         scores[r.task].append(s)
         scores["all"].append(s)
     return {task: (len(v), sum(v) / len(v)) for task, v in scores.items()}

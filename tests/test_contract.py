@@ -409,3 +409,34 @@ def test_query_aware_is_refused_until_implemented(tmp_path):
     }
     with pytest.raises(CertkvError, match="query_aware: true is not supported yet"):
         parse_contract(data)
+
+
+def _order_contract(order):
+    return {
+        "name": "o", "requests": {"source": "builtin:demo"}, "utility": "exact_match", "tolerance": 0.0,
+        "risk": 0.1, "confidence": 0.9, "order": order,
+        "policies": [{"press": "snapkv", "kv_retained": [0.8, 0.5]}, {"press": "knorm", "kv_retained": [0.7]}],
+    }
+
+
+def test_interleaved_order_is_one_sequence_at_full_delta():
+    from certkv.contract_spec import certification_spec
+
+    contract = parse_contract(_order_contract(["snapkv@0.80", "knorm@0.70", "snapkv@0.50"]))
+    assert contract.sequences() == [["snapkv@0.80", "knorm@0.70", "snapkv@0.50"]]
+    assert certification_spec(contract).lengths == [3]
+    plain = parse_contract(dict(_order_contract(None)))
+    assert plain.sequences() == [["snapkv@0.80", "snapkv@0.50"], ["knorm@0.70"]]
+
+
+@pytest.mark.parametrize(
+    "order, message",
+    [
+        (["snapkv@0.80", "knorm@0.70"], "order leaves out 'snapkv@0.50'"),
+        (["snapkv@0.80", "knorm@0.70", "snapkv@0.50", "knorm@0.70"], "order lists 'knorm@0.70' more than once"),
+        (["snapkv@0.80", "knorm@0.70", "snapkv@0.40"], "order names 'snapkv@0.40', which no policy entry defines"),
+    ],
+)
+def test_bad_interleaved_order_is_one_line(order, message):
+    with pytest.raises(CertkvError, match=message):
+        parse_contract(_order_contract(order))

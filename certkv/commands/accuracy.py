@@ -11,7 +11,7 @@ def accuracy(
     n: int = typer.Option(0, "--n", help="use at most this many requests (0: all; builtin default 1200)"),
     seed: int = typer.Option(0, "--seed", help="seed for builtin sources"),
     context_length: str = typer.Option("256-512", "--context-length", help="for builtin sources"),
-    utility: str = typer.Option("exact_match", "--utility", help="exact_match or contains"),
+    utility: str = typer.Option("exact_match", "--utility", help="exact_match, contains, f1 or rouge_l"),
     max_new_tokens: int = typer.Option(8, "--max-new-tokens"),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),

@@ -6,6 +6,8 @@ a function that needs them is called.
 
 from __future__ import annotations
 
+from certkv._lazy import lazy_getattr
+
 _LAZY = {
     "AgreementRecorder": ("certkv.gate.agreement", "AgreementRecorder"),
     "agreement_drop": ("certkv.gate.agreement", "agreement_drop"),
@@ -16,13 +18,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'certkv.gate' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr('certkv.gate', _LAZY)
 
 __all__ = list(_LAZY)

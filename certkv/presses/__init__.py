@@ -8,6 +8,8 @@ names below is first used. Nothing is registered with transformers until
 
 from __future__ import annotations
 
+from certkv._lazy import lazy_getattr
+
 _LAZY = {
     "ProbabilisticPress": ("certkv.presses.probabilistic", "ProbabilisticPress"),
     "DeterministicHeadPress": ("certkv.presses.probabilistic", "DeterministicHeadPress"),
@@ -23,13 +25,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'certkv.presses' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr('certkv.presses', _LAZY)
 
 __all__ = list(_LAZY)
