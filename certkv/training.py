@@ -190,7 +190,8 @@ def train(args) -> Path:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(EMBEDDED_DIR)
+    if not (EMBEDDED_DIR / "tokenizer.json").is_file():  # the shipped one is kept as it is
+        save_tokenizer(EMBEDDED_DIR)
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
     config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, args.layers)
     ckpt_path = out / "checkpoint.pt"
