@@ -45,6 +45,9 @@ def _exact(prediction: str, reference: str) -> float:
 
 
 def _contains(prediction: str, reference: str) -> float:
+    if not str(reference).strip():
+        # A blank reference is "contained" in every prediction; it only matches a blank one.
+        return float(not str(prediction).strip())
     return float(str(reference).lower() in str(prediction).lower())
 
 

@@ -95,3 +95,10 @@ def test_score_registry_and_bounds():
         score("bleu", "a", ["a"])
     with pytest.raises(CertkvError, match="lists none"):
         score("f1", "a", [])
+
+
+def test_blank_references_do_not_make_every_prediction_right():
+    from certkv.utility import contains
+
+    assert contains("anything at all", ["", "4729"]) == 0.0
+    assert contains("it is 4729", ["", "4729"]) == 1.0
