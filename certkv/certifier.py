@@ -120,6 +120,11 @@ class ContractSummary(BaseModel):
     confidence: float
     procedure: Procedure
 
+    @classmethod
+    def of(cls, spec: "CertificationSpec") -> "ContractSummary":
+        """The contract terms a result reports, taken from the spec it was computed under."""
+        return cls(tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure)
+
 
 class TaskBreakdown(BaseModel):
     """Violations of one policy within one task; ``exceeds_risk`` when the task's own rate > ε.
@@ -352,10 +357,7 @@ def certify(
     ]
     notes = _notes(table, spec, task_names)
     common = dict(
-        contract=ContractSummary(
-            tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence,
-            procedure=spec.procedure,
-        ),
+        contract=ContractSummary.of(spec),
         candidates=candidates,
         sequences=sequences,
         contract_sha256=contract_sha256,

@@ -132,10 +132,7 @@ def validate(
         for m in METHODS
     }
     return ValidationResult(
-        contract=ContractSummary(
-            tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence,
-            procedure=spec.procedure,
-        ),
+        contract=ContractSummary.of(spec),
         n_requests=n_requests,
         n_calibration=n_cal,
         n_test=n_test,
