@@ -23,6 +23,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from certkv.contract import policy_name  # noqa: F401  (re-exported: one naming rule for candidates)
 from certkv.errors import CertkvError, format_validation_error
 from certkv.loss_table import REFERENCE_POLICY, LossTable, as_loss_table
 from certkv.loss_table import records_sha256 as _records_sha256
@@ -34,11 +35,6 @@ records_sha256 = _records_sha256
 
 Procedure = Literal["fixed_sequence", "bonferroni", "holm"]
 NO_TASK = "(no task)"
-
-
-def policy_name(press: str, kv_retained: float) -> str:
-    """Conventional candidate name, e.g. ``policy_name("snapkv", 0.5) == "snapkv@0.50"``."""
-    return f"{press}@{kv_retained:.2f}"
 
 
 # ----------------------------------------------------------------------------- the spec

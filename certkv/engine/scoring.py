@@ -50,7 +50,6 @@ class Selections:
     """Per candidate, per layer: the kept indices of shape (batch, kv_heads, n_kept), topk order."""
 
     by_candidate: dict[str, list] = field(default_factory=dict)
-    context_length: int = 0
 
 
 @contextmanager
@@ -78,7 +77,6 @@ def scoring_hooks(model, presses: dict[str, object], selections: Selections):
             return output
         keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
         k_len = keys.shape[2]
-        selections.context_length = k_len
         for policies in groups.values():
             first = presses[policies[0]]
             scores = None
