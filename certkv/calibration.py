@@ -37,6 +37,20 @@ def build_candidates(contract):
     return out
 
 
+def agreement_settings(contract) -> dict:
+    """The agreement-drop settings (DESIGN.md defaults unless the contract's gate sets them).
+
+    Recorded for every request, gate or not: the signal is cheap, and a store that has it lets a
+    later contract with a gate grid reuse nothing but the same settings.
+    """
+    gate = contract.gate
+    return {
+        "window": getattr(gate, "agreement_window", 32),
+        "top_k": getattr(gate, "agreement_top_k", 32),
+        "split_divisor": getattr(gate, "agreement_split", 3),
+    }
+
+
 def requests_digest(requests) -> str:
     """sha256 of the request set's content, in order."""
     import hashlib
@@ -85,6 +99,7 @@ def request_rows(request, result, contract) -> list[dict]:
             "seconds": seconds.get("prefill", 0.0) + seconds.get("full_decode", 0.0),
             "context_tokens": result.context_length,
             "seconds_breakdown": seconds,
+            "agreement_drop": result.agreement_drop,
         }
     ]
     n_fast = sum(1 for c in result.candidates if c.path == "fast") or 1
@@ -104,6 +119,8 @@ def request_rows(request, result, contract) -> list[dict]:
                 "answer": cand.answer,
                 "path": cand.path,
                 "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
+                "agreement_drop": result.agreement_drop,
+                "certificate_max": cand.certificate_max,
             }
         )
     return rows
@@ -148,7 +165,10 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
             contract.model, device=run_device, dtype=dtype or contract.protocol.dtype,
             attn_implementation=attn,
         )
-        engine = Engine(model, tokenizer, candidates, max_new_tokens=contract.protocol.max_new_tokens)
+        engine = Engine(
+            model, tokenizer, candidates, max_new_tokens=contract.protocol.max_new_tokens,
+            agreement=agreement_settings(contract),
+        )
         max_positions = getattr(model.config, "max_position_embeddings", None)
         t0 = time.perf_counter()
         with _progress(quiet, console) as progress:

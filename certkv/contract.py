@@ -29,6 +29,10 @@ _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+#: Optional top-level keys added after the first schema; omitted from the hash while unset.
+_LATER_KEYS = ("order",)
+
+
 def _error(message: str) -> PydanticCustomError:
     """A validation error whose message is shown as written (no "Value error," prefix)."""
     return PydanticCustomError("certkv", message)
@@ -297,8 +301,17 @@ class Contract(_Strict):
         return self
 
     def canonical_json(self) -> str:
-        """The validated contract as canonical JSON (sorted keys, defaults filled in)."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        """The validated contract as canonical JSON (sorted keys, defaults filled in).
+
+        Keys added to the schema later (:data:`_LATER_KEYS`) are left out while unset, so adding an
+        optional feature does not change the hash of contracts that do not use it (stores
+        calibrated before it was added still match their contract).
+        """
+        data = self.model_dump(mode="json")
+        for key in _LATER_KEYS:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     def sha256(self) -> str:
         """Hash of :meth:`canonical_json`: comments, key order and formatting do not change it."""

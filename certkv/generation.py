@@ -47,10 +47,12 @@ def stop_token_ids(model) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-def greedy_decode(model, cache, question_ids, context_length: int, max_new_tokens: int) -> list[int]:
+def greedy_decode(model, cache, question_ids, context_length: int, max_new_tokens: int, after_step=None) -> list[int] | None:
     """Feed the question after the (possibly pruned) cache and decode greedily.
 
-    Returns the generated token ids, the stop token included when one was produced.
+    Returns the generated token ids, the stop token included when one was produced. `after_step`,
+    when given, is called after every model call (the question feed, then each fed token); when it
+    returns True decoding stops and None is returned (the runtime's escalation).
     """
     import torch
 
@@ -59,6 +61,8 @@ def greedy_decode(model, cache, question_ids, context_length: int, max_new_token
     positions = torch.arange(context_length, context_length + q.shape[1], device=device).unsqueeze(0)
     with torch.no_grad():
         out = model(input_ids=q, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+        if after_step is not None and after_step():
+            return None
         token = out.logits[0, -1].argmax()
         generated = [int(token)]
         stops = stop_token_ids(model)
@@ -66,6 +70,8 @@ def greedy_decode(model, cache, question_ids, context_length: int, max_new_token
         # As kvpress does: the first token is never checked for a stop, later ones are.
         for i in range(max_new_tokens - 1):
             out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=next_position + i)
+            if after_step is not None and after_step():
+                return None
             token = out.logits[0, -1].argmax()
             generated.append(int(token))
             if generated[-1] in stops:

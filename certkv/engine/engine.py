@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from certkv.engine.batched_decode import decode_candidates, padded_cache
+from certkv.engine.probabilistic_decode import decode_probabilistic, selection_hooks
 from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
 from certkv.generation import encode_request, greedy_decode, stop_token_ids
 
@@ -41,6 +42,7 @@ class CandidateAnswer:
     token_ids: list[int]
     path: str
     seconds: float = 0.0
+    certificate_max: float | None = None
 
 
 @dataclass
@@ -51,6 +53,7 @@ class RequestResult:
     candidates: list[CandidateAnswer] = field(default_factory=list)
     context_length: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    agreement_drop: float | None = None
 
 
 class Engine:
@@ -64,6 +67,7 @@ class Engine:
         max_new_tokens: int = 8,
         max_batch_bytes: int = 4 << 30,
         max_padding_bytes: int = 64 << 20,
+        agreement: dict | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -73,8 +77,15 @@ class Engine:
         self.max_padding_bytes = max_padding_bytes
         self._pool: dict = {}  # batch cache buffers reused from request to request
         self.stop_ids = stop_token_ids(model)
+        from certkv.gate.agreement import AgreementRecorder
+
+        # The gate signal of every request, from the same prefill (settings: the contract's gate).
+        self.recorder = AgreementRecorder(**(agreement or {}))
+        self.probabilistic = [c for c in self.candidates if is_probabilistic_press(c.press)]
         self.fast = [c for c in self.candidates if is_fast_path_press(c.press)]
-        self.slow = [c for c in self.candidates if not is_fast_path_press(c.press)]
+        self.slow = [
+            c for c in self.candidates if not is_fast_path_press(c.press) and not is_probabilistic_press(c.press)
+        ]
 
     def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[Candidate]]:
         """Fast candidates grouped into padded batches, longest kept caches first.
@@ -103,17 +114,9 @@ class Engine:
     def precondition_failure(self, context_length: int) -> str | None:
         """Why a press cannot run on a context this short (kvpress states these as asserts)."""
         for c in self.candidates:
-            press = c.press
-            if getattr(press, "compression_ratio", None) == 0:
-                continue  # kvpress leaves the cache untouched and never scores
-            while press is not None:
-                window = getattr(press, "window_size", None)
-                if isinstance(window, int) and context_length <= window:
-                    return f"{c.policy}: context of {context_length} tokens does not exceed the press window {window}"
-                n_sink = getattr(press, "n_sink", None)
-                if isinstance(n_sink, int) and context_length <= n_sink:
-                    return f"{c.policy}: context of {context_length} tokens does not exceed its {n_sink} sink tokens"
-                press = getattr(press, "press", None)
+            failure = press_precondition_failure(c.press, context_length)
+            if failure:
+                return f"{c.policy}: {failure}"
         return None
 
     def _decode(self, ids: list[int]) -> str:
@@ -131,10 +134,18 @@ class Engine:
         seconds: dict[str, float] = {}
         t0 = time.perf_counter()
         selections = Selections()
+        sampled: dict[str, list] = {}
         cache = DynamicCache()
         context_ids = torch.as_tensor(enc.context_ids, device=self.model.device).view(1, -1)
-        with torch.no_grad(), scoring_hooks(self.model, {c.policy: c.press for c in self.fast}, selections):
+        self.recorder.reset()
+        with (
+            torch.no_grad(),
+            scoring_hooks(self.model, {c.policy: c.press for c in self.fast}, selections),
+            selection_hooks(self.model, {c.policy: c.press for c in self.probabilistic}, sampled),
+            self.recorder.attach(self.model),
+        ):
             self.model.model(input_ids=context_ids, past_key_values=cache)
+        agreement_drop = self.recorder.drop()
         t1 = time.perf_counter()
         seconds["prefill"] = t1 - t0
 
@@ -168,12 +179,21 @@ class Engine:
                 answers[c.policy] = CandidateAnswer(
                     c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "fast"
                 )
+        probabilistic = decode_probabilistic(
+            self.model, cache, [sampled[c.policy] for c in self.probabilistic], enc.question_ids, n_ctx,
+            self.max_new_tokens, self.stop_ids,
+        )
+        for c, result in zip(self.probabilistic, probabilistic):
+            answers[c.policy] = CandidateAnswer(
+                c.policy, c.press_name, c.kv_retained, result.kept_fraction, self._decode(result.token_ids),
+                result.token_ids, "fast", certificate_max=result.certificate_max,
+            )
         t3 = time.perf_counter()
         seconds["candidates_fast"] = t3 - t2
         for c in self.slow:
             answers[c.policy] = self._run_pipeline(c, enc, context_ids)
         seconds["candidates_pipeline"] = time.perf_counter() - t3
-        return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds)
+        return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
 
     def _run_pipeline(self, c: Candidate, enc, context_ids) -> CandidateAnswer:
         """kvpress's own path: prefill under the press's context manager, then decode."""
@@ -195,6 +215,28 @@ class Engine:
             c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "pipeline",
             time.perf_counter() - t0,
         )
+
+
+def press_precondition_failure(press, context_length: int) -> str | None:
+    """Why `press` cannot run on a context of `context_length` tokens, or None."""
+    if getattr(press, "compression_ratio", None) == 0:
+        return None  # kvpress leaves the cache untouched and never scores
+    while press is not None:
+        window = getattr(press, "window_size", None)
+        if isinstance(window, int) and context_length <= window:
+            return f"context of {context_length} tokens does not exceed the press window {window}"
+        n_sink = getattr(press, "n_sink", None)
+        if isinstance(n_sink, int) and context_length <= n_sink:
+            return f"context of {context_length} tokens does not exceed its {n_sink} sink tokens"
+        press = getattr(press, "press", None)
+    return None
+
+
+def is_probabilistic_press(press) -> bool:
+    """certkv's Poisson-sampled press: decoded under the Hájek attention, with certificates."""
+    from certkv.presses.probabilistic import ProbabilisticPress
+
+    return isinstance(press, ProbabilisticPress)
 
 
 def _continues_from_compressed_length(press) -> bool:

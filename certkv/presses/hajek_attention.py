@@ -196,3 +196,13 @@ def certificate_max(model) -> float:
     """The largest certificate of the last answer (0 when nothing was sampled or recorded)."""
     rows = certificate_steps(model)
     return max((max(row) for row in rows if row), default=0.0)
+
+
+def latest_certificate(model) -> float:
+    """The largest certificate of the last attention call (over layers, batch, heads, positions).
+
+    The runtime checks it after every step to escalate as soon as the bound is exceeded; 0 when
+    nothing was recorded (no sampled layer).
+    """
+    values = [steps[-1].max() for steps in (getattr(m, CERT_ATTR, None) for m in attention_modules(model)) if steps]
+    return max((float(v) for v in values), default=0.0)

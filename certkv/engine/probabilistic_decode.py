@@ -1,0 +1,173 @@
+"""certkv's probabilistic press on the engine's one-prefill path, with per-answer certificates.
+
+A :class:`~certkv.presses.probabilistic.ProbabilisticPress` prunes layer *i* after layer *i*'s
+attention over the full context, like every kvpress press, so its selection of every layer can be
+computed from the engine's single full prefill (:func:`selection_hooks`) and each candidate's cache
+gathered afterwards. The candidates of one request are then decoded together, one batch row each,
+under the Hájek attention: each row's state carries its own log π and validity per slot, so rows
+with different kept counts share one padded width (padding slots get a −inf logit and weigh
+exactly 0, as the press's own padding does).
+
+The head/tail split of the state is set to 0 slots for the batch: deterministic-head entries have
+π = 1, hence 1 − π = 0, and contribute nothing to the certificate sum, so the certificate is the
+same as with each candidate's own split (up to float summation order).
+
+Decoding follows :func:`certkv.generation.greedy_decode` step for step (question feed, then one
+call per generated token but the last, stop tokens honoured from the second token on), and each
+row's certificate maximum is taken over exactly the calls its own answer needed. That is what the
+runtime, which decodes one request at a time and escalates as soon as a step's certificate exceeds
+the bound, computes too: "escalated" ⇔ ``certificate_max > bound``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class ProbabilisticAnswer:
+    token_ids: list[int]
+    certificate_max: float
+    kept_fraction: float
+
+
+@contextmanager
+def selection_hooks(model, presses: dict[str, object], selections: dict[str, list]):
+    """During the next full prefill, record every probabilistic press's selection per layer.
+
+    `presses` maps policy → ProbabilisticPress; ``selections[policy]`` receives one
+    :class:`~certkv.presses.probabilistic.Selection` per layer (None when the press keeps all).
+    Nothing is pruned.
+    """
+    from kvpress.presses.base_press import is_prefilling
+    from kvpress.utils import extract_keys_and_values
+
+    from certkv.presses.probabilistic import attention_modules
+
+    for press in presses.values():
+        press.post_init_from_model(model)
+    for policy in presses:
+        selections[policy] = []
+
+    def hook(module, args, kwargs, output):
+        hidden_states = kwargs["hidden_states"]
+        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+            return output
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        for policy, press in presses.items():
+            if press.compression_ratio == 0:
+                selections[policy].append(None)
+            else:
+                selections[policy].append(press.select(module, hidden_states, keys, values, output[1], kwargs))
+        return output
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]
+    try:
+        yield selections
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _full_selection(n_heads: int, context_length: int, device):
+    """A selection that keeps every entry with π = 1 (a press at compression ratio 0)."""
+    import torch
+
+    from certkv.presses.probabilistic import Selection
+
+    return Selection(
+        indices=torch.arange(context_length, device=device).expand(1, n_heads, context_length),
+        log_pi=torch.zeros(1, n_heads, context_length, device=device),
+        valid=torch.ones(1, n_heads, context_length, dtype=torch.bool, device=device),
+        counts=torch.full((1, n_heads), context_length, dtype=torch.long, device=device),
+        n_head=context_length,
+    )
+
+
+def gathered_cache(full_cache, selections: list[list], context_length: int):
+    """One batch cache (a row per candidate) and the Hájek state of every layer.
+
+    `selections[c][layer]` is candidate c's Selection (batch 1) or None (keep everything). All rows
+    and layers are padded to one width, because transformers builds one mask for every layer.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from certkv.presses.probabilistic import HajekState, pad_selection
+
+    first = full_cache.layers[0].keys
+    n_heads, device = first.shape[1], first.device
+    filled = [
+        [_full_selection(n_heads, context_length, device) if s is None else s for s in per_layer]
+        for per_layer in selections
+    ]
+    width = max(s.indices.shape[-1] for per_layer in filled for s in per_layer)
+    cache = DynamicCache()
+    states = []
+    for layer_idx in range(len(filled[0])):
+        rows = [pad_selection(per_layer[layer_idx], width) for per_layer in filled]
+        index = torch.cat([r.indices for r in rows], dim=0)
+        keys = full_cache.layers[layer_idx].keys[:, :, :context_length]
+        values = full_cache.layers[layer_idx].values[:, :, :context_length]
+        n = index.shape[0]
+        k = keys.expand(n, -1, -1, -1).gather(2, index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+        v = values.expand(n, -1, -1, -1).gather(2, index.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
+        cache.update(k.contiguous(), v.contiguous(), layer_idx)
+        states.append(
+            HajekState(
+                torch.cat([r.log_pi for r in rows], dim=0),
+                torch.cat([r.valid for r in rows], dim=0),
+                torch.cat([r.counts for r in rows], dim=0),
+                0,
+                context_length,
+            )
+        )
+    return cache, states
+
+
+def decode_probabilistic(model, full_cache, selections: list[list], question_ids, context_length: int,
+                         max_new_tokens: int, stop_ids: set[int]) -> list[ProbabilisticAnswer]:
+    """Greedy answers, certificate maxima and realised retention of every probabilistic candidate."""
+    import torch
+
+    from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
+    from certkv.presses.probabilistic import attention_modules, clear_states, set_state
+
+    if not selections:
+        return []
+    cache, states = gathered_cache(full_cache, selections, context_length)
+    modules = attention_modules(model)
+    n = len(selections)
+    kept = torch.stack([s.counts.float().mean(dim=1) for s in states]).mean(dim=0) / context_length
+    device = model.device
+    q = torch.as_tensor(question_ids, device=device).view(1, -1).expand(n, -1)
+    positions = torch.arange(context_length, context_length + q.shape[1], device=device).expand(n, -1)
+    answers: list[list[int]] = [[] for _ in range(n)]
+    done = [False] * n
+    try:
+        for module, state in zip(modules, states):
+            set_state(module, state)
+        with torch.no_grad(), use_hajek_attention(model):
+            out = model(input_ids=q, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+            tokens = out.logits[:, -1].argmax(dim=-1)
+            for row, token in enumerate(tokens.tolist()):
+                answers[row].append(token)
+            next_position = positions[:, -1:] + 1
+            for i in range(max_new_tokens - 1):
+                out = model(input_ids=tokens.view(n, 1), past_key_values=cache, position_ids=next_position + i)
+                tokens = out.logits[:, -1].argmax(dim=-1)
+                for row, token in enumerate(tokens.tolist()):
+                    if not done[row]:
+                        answers[row].append(token)
+                        done[row] = token in stop_ids
+                if all(done):
+                    break
+        steps = certificate_steps(model)
+    finally:
+        clear_states(model)
+    # A row's answer of T tokens took T calls: the question feed and every token but the last.
+    return [
+        ProbabilisticAnswer(ids, max(steps[row][: len(ids)], default=0.0), float(kept[row]))
+        for row, ids in enumerate(answers)
+    ]

@@ -1,0 +1,225 @@
+"""Serve a certified operating point: the press at its certified retention, behind its gate.
+
+:class:`CertifiedRuntime` answers one request at a time the way calibration measured it, so that
+what is deployed is exactly what was certified:
+
+1. Requests outside what the candidate can run (a context no longer than the press's window) and
+   operating points that fell back to the full cache are answered from the full cache.
+2. The context is prefilled once under the press (kvpress's own hooks), with the agreement
+   recorder attached first so that it sees each layer's full keys before the press prunes them.
+3. If the operating point has an agreement-drop threshold and the request's drop is below it, the
+   gate sends the request to the full cache (re-prefilled without the press).
+4. Otherwise the answer is decoded from the pruned cache. Under certkv's probabilistic press every
+   step's survey-variance certificate is checked as it is computed; the first step above the
+   operating point's bound escalates: the request is answered again from the full cache.
+
+Every answer comes with a :class:`Decision` record saying which cache answered and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from certkv.errors import CertkvError
+
+
+@dataclass
+class Decision:
+    """How one request was answered."""
+
+    mode: str
+    """``"evicted"`` (the press's cache answered) or ``"full"``."""
+    reason: str | None
+    """Why the full cache answered: ``fallback``, ``precondition``, ``gate`` or ``certificate``."""
+    policy: str
+    agreement_drop: float | None = None
+    gate_threshold: float | None = None
+    certificate_max: float | None = None
+    """Largest certificate over the evicted decode's steps (up to escalation); None without one."""
+    certificate_bound: float | None = None
+    escalated: bool = False
+    kv_retained: float = 1.0
+    """Nominal retention of the cache that answered (1.0 for the full cache)."""
+    kv_retained_actual: float = 1.0
+    """Realised retention of the cache that answered."""
+    detail: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RuntimeAnswer:
+    answer: str
+    token_ids: list[int]
+    decision: Decision
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class CertifiedRuntime:
+    """Answer requests with a certified operating point.
+
+    `operating_point` is an :class:`~certkv.certifier.OperatingPoint` or the path of its JSON.
+    `press` is optional: by default the press is built from the operating point (its registry name
+    or import path, its press_kwargs and its kv_retained); any press object may be passed instead,
+    e.g. one that cannot be named, and must then be configured at the certified retention (its
+    ``compression_ratio`` is checked when it has one).
+    """
+
+    def __init__(self, model, tokenizer, operating_point, press=None, max_new_tokens: int = 8):
+        from certkv.certifier import OperatingPoint, load_operating_point
+        from certkv.generation import stop_token_ids
+
+        if not isinstance(operating_point, OperatingPoint):
+            operating_point = load_operating_point(operating_point)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.operating_point = operating_point
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_token_ids(model)
+        gate = getattr(operating_point, "gate", None) or {}
+        gate = gate if isinstance(gate, dict) else gate.model_dump()
+        self.threshold = gate.get("agreement_drop")
+        self.bound = gate.get("certificate")
+        self.agreement = {
+            "window": gate.get("agreement_window") or 32,
+            "top_k": gate.get("agreement_top_k") or 32,
+            "split_divisor": gate.get("agreement_split") or 3,
+        }
+        self.press = None if operating_point.fallback else (press or self._build_press())
+        if self.press is not None and press is not None:
+            self._check_press_ratio(press)
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _build_press(self):
+        from certkv.press_registry import build_press
+
+        op = self.operating_point
+        return build_press(op.press, op.kv_retained, getattr(op, "press_kwargs", None) or {})
+
+    def _check_press_ratio(self, press) -> None:
+        from certkv.press_registry import compression_ratio_for
+
+        ratio = getattr(press, "compression_ratio", None)
+        expected = compression_ratio_for(self.operating_point.kv_retained)
+        if isinstance(ratio, (int, float)) and abs(ratio - expected) > 1e-9:
+            raise CertkvError(
+                f"the press's compression_ratio is {ratio}, but the operating point certifies "
+                f"kv_retained {self.operating_point.kv_retained} (compression_ratio {expected}); "
+                "configure the press at the certified retention"
+            )
+
+    @property
+    def policy(self) -> str:
+        return self.operating_point.policy
+
+    # -- answering ----------------------------------------------------------------------------
+
+    def generate(self, context: str, question: str, max_new_tokens: int | None = None) -> RuntimeAnswer:
+        """Answer one request; the decision record says which cache answered and why."""
+        import time
+
+        from certkv.generation import encode_request
+
+        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        enc = encode_request(self.tokenizer, context, question)
+        if not enc.context_ids:
+            raise CertkvError("the context is empty; certkv answers questions about a context")
+        base = Decision(mode="full", reason=None, policy=self.policy,
+                        gate_threshold=self.threshold, certificate_bound=self.bound)
+        t0 = time.perf_counter()
+        if self.press is None:
+            base.reason = "fallback"
+            return self._full(enc, max_new, base, t0)
+        failure = _precondition_failure(self.press, len(enc.context_ids))
+        if failure:
+            base.reason, base.detail = "precondition", failure
+            return self._full(enc, max_new, base, t0)
+        return self._evicted(enc, max_new, base, t0)
+
+    def _full(self, enc, max_new: int, decision: Decision, t0: float, seconds=None) -> RuntimeAnswer:
+        import time
+
+        import torch
+        from transformers import DynamicCache
+
+        from certkv.generation import greedy_decode
+        from certkv.presses.probabilistic import clear_states
+
+        clear_states(self.model)
+        cache = DynamicCache()
+        with torch.no_grad():
+            self.model.model(input_ids=self._ids(enc.context_ids), past_key_values=cache)
+        ids = greedy_decode(self.model, cache, enc.question_ids, len(enc.context_ids), max_new)
+        decision.mode = "full"
+        decision.kv_retained = decision.kv_retained_actual = 1.0
+        seconds = dict(seconds or {}, total=time.perf_counter() - t0)
+        return RuntimeAnswer(self.tokenizer.decode(ids, skip_special_tokens=True), ids, decision, seconds)
+
+    def _evicted(self, enc, max_new: int, decision: Decision, t0: float) -> RuntimeAnswer:
+        import time
+        from contextlib import nullcontext
+
+        import torch
+        from transformers import DynamicCache
+
+        from certkv.engine.engine import _continues_from_compressed_length, _kept_entries, is_probabilistic_press
+        from certkv.gate.agreement import AgreementRecorder
+        from certkv.generation import greedy_decode
+        from certkv.presses.hajek_attention import latest_certificate, use_hajek_attention
+        from certkv.presses.probabilistic import clear_states, kept_fraction
+
+        n_ctx = len(enc.context_ids)
+        probabilistic = is_probabilistic_press(self.press)
+        recorder = AgreementRecorder(**self.agreement)
+        cache = DynamicCache()
+        hajek = use_hajek_attention(self.model) if probabilistic else nullcontext()
+        clear_states(self.model)
+        peak = [0.0] if probabilistic else None
+
+        def check() -> bool:
+            if peak is None:
+                return False
+            peak[0] = max(peak[0], latest_certificate(self.model))
+            return self.bound is not None and peak[0] > self.bound
+
+        ids = None
+        with torch.no_grad(), hajek:
+            # The recorder's hooks are registered before the press's, so they run first on each
+            # layer and see its keys before the press prunes them.
+            with recorder.attach(self.model), self.press(self.model):
+                self.model.model(input_ids=self._ids(enc.context_ids), past_key_values=cache)
+            seconds = {"prefill": time.perf_counter() - t0}
+            decision.agreement_drop = recorder.drop()
+            gated = self.threshold is not None and decision.agreement_drop < self.threshold
+            if not gated:
+                kept = kept_fraction(self.model) if probabilistic else _kept_entries(cache, self.model) / n_ctx
+                position = cache.get_seq_length() if _continues_from_compressed_length(self.press) else n_ctx
+                ids = greedy_decode(self.model, cache, enc.question_ids, position, max_new, after_step=check)
+        if gated:
+            decision.reason = "gate"
+            return self._full(enc, max_new, decision, t0, seconds)
+        decision.certificate_max = None if peak is None else peak[0]
+        clear_states(self.model)
+        if ids is None:
+            decision.escalated = True
+            decision.reason = "certificate"
+            return self._full(enc, max_new, decision, t0, seconds)
+        decision.mode = "evicted"
+        decision.kv_retained = self.operating_point.kv_retained
+        decision.kv_retained_actual = kept
+        seconds["total"] = time.perf_counter() - t0
+        return RuntimeAnswer(self.tokenizer.decode(ids, skip_special_tokens=True), ids, decision, seconds)
+
+    def _ids(self, ids):
+        import torch
+
+        return torch.as_tensor(ids, device=self.model.device).view(1, -1)
+
+
+def _precondition_failure(press, context_length: int) -> str | None:
+    """The engine's rule: requests a press cannot run were skipped in calibration."""
+    from certkv.engine.engine import press_precondition_failure
+
+    return press_precondition_failure(press, context_length)
