@@ -19,6 +19,8 @@ _LAZY = {
     "read_loss_table": ("certkv.loss_table", "read_loss_table"),
     "validate": ("certkv.validation", "validate"),
     "certification_spec": ("certkv.contract_spec", "certification_spec"),
+    "CertifiedRuntime": ("certkv.runtime", "CertifiedRuntime"),
+    "Decision": ("certkv.runtime", "Decision"),
 }
 
 

@@ -440,3 +440,14 @@ def test_interleaved_order_is_one_sequence_at_full_delta():
 def test_bad_interleaved_order_is_one_line(order, message):
     with pytest.raises(CertkvError, match=message):
         parse_contract(_order_contract(order))
+
+
+def test_unset_later_keys_leave_the_hash_alone(tmp_path):
+    """`order` was added after stores were calibrated: a contract without it must hash as before,
+    so those stores still match (runs/demo was calibrated before `order` existed)."""
+    plain = load_contract(write(tmp_path, VALID))
+    assert '"order"' not in plain.canonical_json()
+    ordered = load_contract(write(tmp_path, VALID + "order: [snapkv@0.90, streaming_llm@0.80, snapkv@0.50, "
+                                  "streaming_llm@0.40, snapkv@0.10]\n", "o.yaml"))
+    assert '"order"' in ordered.canonical_json() and ordered.sha256() != plain.sha256()
+    assert load_contract(REPO / "contracts" / "demo.yaml").sha256().startswith("d1109ecb8167")
