@@ -104,8 +104,19 @@ _KVPRESS: dict[str, tuple[str, str | None]] = {
 #: kvpress exports that are not presses a contract can name (abstract bases, the pipeline).
 KVPRESS_NOT_PRESSES = frozenset({"BasePress", "ScorerPress", "KVPressTextGenerationPipeline"})
 
+#: certkv's own presses (static, like the kvpress table: naming them imports nothing).
+_CERTKV: dict[str, tuple[str, str | None]] = {
+    "probabilistic": ("certkv.presses.probabilistic:ProbabilisticPress", "compression_ratio"),
+    "deterministic_head": ("certkv.presses.probabilistic:DeterministicHeadPress", "compression_ratio"),
+}
+
+#: Press targets whose candidates record a survey-variance certificate (``certificate_max``), so
+#: a contract's ``gate.certificate`` bounds apply to them (DESIGN.md, "Gate signals").
+_CERTIFICATE_TARGETS = frozenset({"certkv.presses.probabilistic:ProbabilisticPress"})
+
 _REGISTRY: dict[str, PressInfo] = {
-    name: PressInfo(name, f"kvpress:{cls}", knob) for name, (cls, knob) in _KVPRESS.items()
+    **{name: PressInfo(name, f"kvpress:{cls}", knob) for name, (cls, knob) in _KVPRESS.items()},
+    **{name: PressInfo(name, target, knob) for name, (target, knob) in _CERTKV.items()},
 }
 
 
@@ -152,6 +163,14 @@ def press_info(spec: str) -> PressInfo:
     if is_import_path(spec):
         return PressInfo(spec, spec, "compression_ratio")
     raise CertkvError(unknown_press_message(spec))
+
+
+def produces_certificates(name: str) -> bool:
+    """Whether a press records the survey-variance certificate the gate's ``certificate`` bounds
+    apply to: certkv's ``probabilistic`` press (by name or by its import path). Imports nothing."""
+    info = _REGISTRY.get(name)
+    target = info.target if info is not None else name
+    return isinstance(target, str) and target in _CERTIFICATE_TARGETS
 
 
 def unknown_press_message(spec: str) -> str:

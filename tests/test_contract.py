@@ -134,11 +134,11 @@ def test_gate_and_import_path_and_nested_press(tmp_path):
             press_kwargs: {press: {press: snapkv, press_kwargs: {window_size: 8}}}
           - press: mypkg.presses:MyPress
             kv_retained: [0.5]
-        gate: {agreement_drop: [0.0, 0.05], certificate: [0.5, 1.0]}
+        store: s
         """
     )
     c = load_contract(write(tmp_path, text))
-    assert c.gate.agreement_drop == [0.0, 0.05]
+    assert c.gate is None
     assert c.sequences()[2:] == [["ada@0.50"], ["mypkg.presses:MyPress@0.50"]]
 
 
@@ -296,8 +296,10 @@ def test_registry_names_and_import_paths():
 
 def test_register_press(monkeypatch):
     monkeypatch.setattr(press_registry, "_REGISTRY", dict(press_registry._REGISTRY))
-    press_registry.register_press("probabilistic", "certkv.presses.probabilistic:ProbabilisticPress")
-    assert press_registry.is_known_press("probabilistic")
+    press_registry.register_press("my_press", "certkv.presses.probabilistic:AttentionTimesValueNormPress")
+    assert press_registry.is_known_press("my_press")
+    with pytest.raises(CertkvError, match="already registered"):
+        press_registry.register_press("probabilistic", "x.y:Z")  # certkv's own presses are in the static table
     with pytest.raises(CertkvError, match="already registered"):
         press_registry.register_press("snapkv", "x.y:Z")
     with pytest.raises(CertkvError, match="snake_case"):
