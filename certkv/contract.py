@@ -5,6 +5,23 @@ are fixed before calibration, and its hash is stored with the records so that a 
 certified against a contract it was not calibrated for. Validation is strict (unknown keys, wrong
 types and out-of-range values are errors) because a silently ignored typo in a contract changes the
 guarantee. Validation imports no torch: press names are checked against the static registry.
+
+Gated candidates. An optional ``gate:`` block pre-registers runtime gate settings; each setting is
+a candidate of its own, derived from the base candidate's records (no extra calibration):
+
+* ``agreement_drop: [t, ...]``: the request runs on the full cache when its agreement drop D < t;
+* ``certificate: [b, ...]``: the request escalates to the full cache when its survey-variance
+  certificate ĉ > b; only presses that produce certificates (:func:`press_registry.
+  produces_certificates`: certkv's ``probabilistic``) get these candidates.
+
+Names: ``<base>+drop<t>``, ``<base>+cert<b>`` and ``<base>+drop<t>+cert<b>``, with t and b
+written by ``format(x, "g")`` (``snapkv@0.50+drop0.1``, ``probabilistic@0.30+drop-0.05+cert0.02``).
+Sequences (:meth:`Contract.sequences`): for each policy entry, in the order written, the ungated
+sequence, then one sequence per threshold t, then (certificate presses only) one per bound b and
+one per pair (t, b) in the order (t1, b1), (t1, b2), ...; each runs over the entry's kv_retained
+in the written order. An entry therefore contributes (1 + T) sequences, or (1 + T)(1 + B) for a
+certificate press, and fixed-sequence testing splits δ over all of them — unless one interleaved
+``order:`` lists every candidate, gated ones included, as a single sequence at δ.
 """
 
 from __future__ import annotations
@@ -181,22 +198,61 @@ class Policy(_Strict):
 
 
 class Gate(_Strict):
-    """Pre-registered gate settings; each value is a candidate setting, not a tuned one."""
+    """Pre-registered gate settings; each value is a candidate setting, not a tuned one.
 
-    agreement_drop: list[Annotated[float, Field(ge=0.0)]] = Field(default_factory=list)
-    certificate: list[Annotated[float, Field(gt=0.0)]] = Field(default_factory=list)
+    ``agreement_drop`` thresholds may be any finite numbers (the drop can be negative);
+    ``certificate`` bounds are positive. The agreement signal's settings (window W, top-k, layer
+    split) are part of the contract because they change the signal the thresholds apply to.
+    """
+
+    agreement_drop: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=list)
+    certificate: list[Annotated[float, Field(gt=0.0, allow_inf_nan=False)]] = Field(default_factory=list)
+    agreement_window: int = Field(default=32, ge=1)
+    agreement_top_k: int = Field(default=32, ge=1)
+    agreement_split: int = Field(default=3, ge=1)
 
     @field_validator("agreement_drop", "certificate")
     @classmethod
-    def _unique(cls, values: list[float]) -> list[float]:
+    def _check_values(cls, values: list[float]) -> list[float]:
         if len(set(values)) != len(values):
             raise _error(f"gate values must be distinct, got {values}")
-        return values
+        labels = [gate_label(v) for v in values]
+        if len(set(labels)) != len(labels):
+            twice = next(x for x in labels if labels.count(x) > 1)
+            raise _error(
+                f"gate values {values} give the name {twice!r} twice (names use format(x, 'g'), 6 significant "
+                "digits); use values that differ within 6 significant digits"
+            )
+        return [v + 0.0 for v in values]  # -0.0 -> 0.0, so names never read "-0"
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "Gate":
+        if not self.agreement_drop and not self.certificate:
+            raise _error(
+                "gate lists no agreement_drop threshold and no certificate bound; remove `gate:` to certify "
+                "ungated candidates only"
+            )
+        return self
 
 
 def policy_name(display: str, kv_retained: float) -> str:
     """The policy name of a candidate, e.g. ``snapkv@0.50``."""
     return f"{display}@{kv_retained:.2f}"
+
+
+def gate_label(value: float) -> str:
+    """A gate value as it appears in names: ``format(x, "g")`` (0.1 → ``0.1``, -0.05 → ``-0.05``)."""
+    return format(float(value) + 0.0, "g")
+
+
+def gated_policy_name(base: str, agreement_drop: float | None = None, certificate: float | None = None) -> str:
+    """``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``; `base` when ungated."""
+    name = base
+    if agreement_drop is not None:
+        name += f"+drop{gate_label(agreement_drop)}"
+    if certificate is not None:
+        name += f"+cert{gate_label(certificate)}"
+    return name
 
 
 @dataclass(frozen=True)
@@ -207,6 +263,25 @@ class Candidate:
     policy: str
     press: str
     kv_retained: float
+    press_kwargs: dict[str, Any] = field(default_factory=dict)
+    sequence: int = 0
+    position: int = 0
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class GatedCandidate:
+    """A gated candidate: `base_policy` (a :class:`Candidate`) with a runtime gate that sends a
+    request to the full cache when its agreement drop < `agreement_drop` or its certificate >
+    `certificate` (None: that part of the gate is off). Derived from the base's records, never
+    calibrated itself. `sequence`/`position` index :meth:`Contract.sequences` without `order`."""
+
+    policy: str
+    base_policy: str
+    press: str
+    kv_retained: float
+    agreement_drop: float | None
+    certificate: float | None
     press_kwargs: dict[str, Any] = field(default_factory=dict)
     sequence: int = 0
     position: int = 0
@@ -272,11 +347,24 @@ class Contract(_Strict):
                 seen[name] = i
         return policies
 
+    @field_validator("gate")
+    @classmethod
+    def _check_gate(cls, gate: Gate | None, info) -> Gate | None:
+        policies = info.data.get("policies")  # absent when the policies themselves were invalid
+        if gate is None or not gate.certificate or policies is None:
+            return gate
+        if not any(press_registry.produces_certificates(p.press) for p in policies):
+            raise _error(
+                "certificate bounds need a policy entry whose press produces certificates (certkv's "
+                "`probabilistic`); remove gate.certificate or add a probabilistic entry"
+            )
+        return gate
+
     @model_validator(mode="after")
     def _check_order(self) -> "Contract":
         if self.order is None:
             return self
-        names = [policy_name(p.display_name, kv) for p in self.policies for kv in p.kv_retained]
+        names = [name for sequence in self._entry_sequences() for name in sequence]
         unknown = [n for n in self.order if n not in names]
         if unknown:
             raise _error(f"order names {unknown[0]!r}, which no policy entry defines; use names like {names[0]!r}")
@@ -333,12 +421,59 @@ class Contract(_Strict):
             for k, kv in enumerate(p.kv_retained)
         ]
 
+    def gate_settings(self, press: str) -> list[tuple[float | None, float | None]]:
+        """The gate settings a policy entry with `press` is tested under, in sequence order:
+        (None, None) (ungated), each threshold (t, None), then for a certificate press each bound
+        (None, b) and each pair (t, b), thresholds outer."""
+        settings: list[tuple[float | None, float | None]] = [(None, None)]
+        if self.gate is None:
+            return settings
+        settings += [(t, None) for t in self.gate.agreement_drop]
+        if press_registry.produces_certificates(press):
+            settings += [(None, b) for b in self.gate.certificate]
+            settings += [(t, b) for t in self.gate.agreement_drop for b in self.gate.certificate]
+        return settings
+
+    def gated_candidates(self) -> list[GatedCandidate]:
+        """Every gated candidate (the base candidates are :meth:`candidates`), sequence by
+        sequence in the per-entry layout of :meth:`sequences` (as without `order`)."""
+        out = []
+        s = 0
+        for p in self.policies:
+            for t, b in self.gate_settings(p.press):
+                if t is not None or b is not None:
+                    out += [
+                        GatedCandidate(
+                            policy=gated_policy_name(policy_name(p.display_name, kv), t, b),
+                            base_policy=policy_name(p.display_name, kv),
+                            press=p.press,
+                            kv_retained=kv,
+                            agreement_drop=t,
+                            certificate=b,
+                            press_kwargs=dict(p.press_kwargs),
+                            sequence=s,
+                            position=k,
+                            label=p.label,
+                        )
+                        for k, kv in enumerate(p.kv_retained)
+                    ]
+                s += 1
+        return out
+
     def sequences(self) -> list[list[str]]:
         """Policy names per sequence, in test order: the interleaved `order` as one sequence when
-        the contract gives one, else one sequence per policy entry."""
+        the contract gives one, else, for each policy entry, its ungated sequence followed by one
+        sequence per gate setting (see :meth:`gate_settings` and the module docstring)."""
         if self.order is not None:
             return [list(self.order)]
-        return [[policy_name(p.display_name, kv) for kv in p.kv_retained] for p in self.policies]
+        return self._entry_sequences()
+
+    def _entry_sequences(self) -> list[list[str]]:
+        return [
+            [gated_policy_name(policy_name(p.display_name, kv), t, b) for kv in p.kv_retained]
+            for p in self.policies
+            for t, b in self.gate_settings(p.press)
+        ]
 
     def resolved_store_path(self) -> Path:
         """The store folder: `store` relative to the contract's folder, default ``runs/<name>``."""
