@@ -9,7 +9,15 @@ least ``request_id, policy, kv_retained, loss``. Optional columns:
 * ``press``: the eviction method; derived from a ``press@0.50`` policy name when absent;
 * ``kv_retained_actual``: the realised retention, reported next to the nominal one;
 * ``memory``: the KV fraction the policy actually used on that request (defaults to
-  ``kv_retained``). A gated candidate that falls back to the full cache has memory 1.0 there.
+  ``kv_retained``). A gated candidate that falls back to the full cache has memory 1.0 there;
+* ``agreement_drop``: the request's agreement drop (a gate signal, DESIGN.md "Gate signals"), the
+  same on every row of a request (the ``full`` row included); blank/null where not recorded;
+* ``certificate_max``: the candidate's largest survey-variance certificate on that request
+  (certkv's probabilistic press only); blank/null elsewhere.
+
+Gated candidates (``snapkv@0.50+drop0.1``) are not read from the input: :mod:`certkv.gating`
+derives them from their base candidate's rows and these signals, and records what it derived in
+``LossTable.gated``.
 
 Rows with ``policy == "full"`` are the reference: they only contribute request ids and tasks.
 
@@ -24,7 +32,7 @@ import csv
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
@@ -35,8 +43,21 @@ import numpy as np
 from certkv.errors import CertkvError
 
 REQUIRED_COLUMNS = ("request_id", "policy", "kv_retained", "loss")
-OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory")
+OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", "agreement_drop", "certificate_max")
 REFERENCE_POLICY = "full"
+
+
+@dataclass(frozen=True)
+class GatedRow:
+    """How a gated row of a table was derived (by :func:`certkv.gating.expand_gated`): from
+    `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`);
+    `gated_count` of the table's requests went to the full cache (`gated_share` of them)."""
+
+    base_policy: str
+    agreement_drop: float | None
+    certificate: float | None
+    gated_count: int
+    gated_share: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +65,10 @@ class LossTable:
     """Losses of P candidate policies on the same R requests.
 
     Matrices are indexed ``[policy, request]``. ``request_ids`` are sorted (canonical order);
-    ``policies`` keep the order in which they first appear in the input.
+    ``policies`` keep the order in which they first appear in the input. Gate signals:
+    ``agreement_drop`` has shape (R,) and ``certificate_max`` shape (P, R), NaN where absent (None
+    when the table was built without them). ``gated`` maps each derived gated policy to how it
+    was derived; it is empty for a table read from records.
     """
 
     request_ids: tuple[str, ...]
@@ -56,6 +80,9 @@ class LossTable:
     kv_retained_actual: np.ndarray | None
     tasks: tuple[str | None, ...] | None
     source: str = "records"
+    agreement_drop: np.ndarray | None = None
+    certificate_max: np.ndarray | None = None
+    gated: Mapping[str, GatedRow] = field(default_factory=dict)
 
     @property
     def n_requests(self) -> int:
@@ -181,9 +208,13 @@ def records_sha256(table) -> str:
     Independent of the input's row order and file format, so the same calibration evidence always
     hashes the same; any change to a loss, a memory value, a task or the request set changes it.
     The reference rows (policy ``full``) carry no certification evidence and are not part of it.
+    Gated rows are derived from the others (and the contract, hashed separately) and are left
+    out, so a table hashes the same before and after :func:`certkv.gating.expand_gated`; the gate
+    signals are part of it when the table has any (a table without them hashes as it always did).
     """
     table = as_loss_table(table)
-    order = sorted(range(len(table.policies)), key=lambda i: table.policies[i])
+    order = sorted((i for i, p in enumerate(table.policies) if p not in table.gated),
+                   key=lambda i: table.policies[i])
     header = {
         "format": "certkv-loss-table-v1",
         "request_ids": list(table.request_ids),
@@ -200,7 +231,20 @@ def records_sha256(table) -> str:
             continue
         block = np.ascontiguousarray(matrix[order].T + 0.0, dtype="<f8")
         digest.update(block.tobytes())
+    drop, cert = table.agreement_drop, table.certificate_max
+    if cert is not None:
+        cert = cert[order]
+    if _has_values(drop) or _has_values(cert):
+        for name, values in (("agreement_drop", drop), ("certificate_max", cert)):
+            digest.update(name.encode("ascii"))
+            if _has_values(values):
+                block = np.ascontiguousarray(np.atleast_2d(values).T + 0.0, dtype="<f8")
+                digest.update(block.tobytes())
     return digest.hexdigest()
+
+
+def _has_values(values) -> bool:
+    return values is not None and bool((~np.isnan(values)).any())
 
 
 # ----------------------------------------------------------------------------- building
@@ -342,6 +386,19 @@ def _build(columns: dict, source: str, where) -> LossTable:
                          cand_where, optional=True)
         _check_range(actual, rows, "kv_retained_actual", 0.0, 1.0, source, where, low_open=False)
 
+    certificate = None
+    if columns["certificate_max"] is not None:
+        certificate = _floats(pick(columns["certificate_max"]), "certificate_max", source, cand_where,
+                              optional=True)
+        negative = np.flatnonzero(certificate < 0)
+        if negative.size:
+            i = int(negative[0])
+            raise CertkvError(
+                f"{source}: {where(int(rows[i]))}: certificate_max {float(certificate[i])!r} is negative; "
+                "a certificate is a standard deviation (≥ 0)"
+            )
+    drop = _request_drops(columns["agreement_drop"], request_codes, universe, source, where)
+
     policy_map: dict[str, int] = {}
     pol = _codes(pick(policy_names), policy_map)
     req = request_codes[rows]
@@ -354,6 +411,8 @@ def _build(columns: dict, source: str, where) -> LossTable:
         out = np.empty((n_pol, n_req), dtype=float)
         out[pol, req] = values
         return out
+
+    cert_dense = np.full((n_pol, n_req), np.nan) if certificate is None else dense(certificate)
 
     press_names = _press_names(columns["press"], pick, policy_names, source, cand_where)
     press_map: dict[str, int] = {}
@@ -372,7 +431,35 @@ def _build(columns: dict, source: str, where) -> LossTable:
         kv_retained_actual=None if actual is None else dense(actual),
         tasks=tasks,
         source=source,
+        agreement_drop=drop,
+        certificate_max=cert_dense,
     )
+
+
+def _request_drops(values, request_codes, universe, source, where) -> np.ndarray:
+    """The agreement drop of each request (NaN where no row has one); rows of one request that
+    disagree are an error, since the drop is a property of the request, not of a candidate."""
+    n_req = len(universe)
+    if values is None:
+        return np.full(n_req, np.nan)
+    drops = _floats(values, "agreement_drop", source, where, optional=True)
+    has = ~np.isnan(drops)
+    low = np.full(n_req, np.inf)
+    high = np.full(n_req, -np.inf)
+    np.minimum.at(low, request_codes[has], drops[has])
+    np.maximum.at(high, request_codes[has], drops[has])
+    conflict = np.flatnonzero(np.isfinite(low) & (low != high))
+    if conflict.size:
+        r = int(conflict[0])
+        rows_of_r = np.flatnonzero((request_codes == r) & has)
+        first = int(rows_of_r[0])
+        other = int(rows_of_r[np.flatnonzero(drops[rows_of_r] != drops[first])[0]])
+        raise CertkvError(
+            f"{source}: request {universe[r]!r} has different agreement_drop values "
+            f"({drops[first]!r} at {where(first)}, {drops[other]!r} at {where(other)}); the drop is "
+            "one value per request, identical on every row of it"
+        )
+    return np.where(np.isfinite(low), low, np.nan)
 
 
 def _press_names(values, pick, policy_names, source, where) -> list[str]:
@@ -455,6 +542,7 @@ def _check_constant(dense: np.ndarray, column: str, policies, source) -> None:
 
 
 __all__ = [
+    "GatedRow",
     "LossTable",
     "OPTIONAL_COLUMNS",
     "REFERENCE_POLICY",
