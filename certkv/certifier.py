@@ -18,10 +18,10 @@ import os
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from certkv.contract import policy_name  # noqa: F401  (re-exported: one naming rule for candidates)
 from certkv.errors import CertkvError, format_validation_error
@@ -40,11 +40,36 @@ NO_TASK = "(no task)"
 # ----------------------------------------------------------------------------- the spec
 
 
+class GateSettings(BaseModel):
+    """A gated candidate's runtime gate: full cache when the agreement drop < ``agreement_drop``
+    or the certificate > ``certificate`` (null: that part is off), with the agreement signal's
+    settings (window, top-k, layer split) it was calibrated under."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    agreement_drop: float | None = None
+    certificate: float | None = None
+    agreement_window: int = 32
+    agreement_top_k: int = 32
+    agreement_split: int = 3
+
+
+class CandidateInfo(BaseModel):
+    """What deploying a candidate needs beyond its press and retention: the ungated base policy,
+    the press's kwargs and the gate (null for an ungated candidate)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    base_policy: str
+    press_kwargs: dict[str, Any] = Field(default_factory=dict)
+    gate: GateSettings | None = None
+
+
 class CertificationSpec(BaseModel):
     """What the certifier needs from a contract: τ, ε, 1 − δ, the procedure and the sequences.
 
     ``sequences`` lists policy names in test order, conservative first; the order is part of the
-    pre-registration and must not be chosen after looking at calibration data.
+    pre-registration and must not be chosen after looking at calibration data. ``candidate_info``
+    (optional, filled from a contract) says how to deploy each candidate; a gated candidate listed
+    there is derived from its base's records when the table lacks it (:mod:`certkv.gating`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -54,6 +79,7 @@ class CertificationSpec(BaseModel):
     confidence: float = Field(gt=0.0, lt=1.0, description="1 − δ")
     procedure: Procedure = "fixed_sequence"
     sequences: list[list[str]] = Field(min_length=1)
+    candidate_info: dict[str, CandidateInfo] = Field(default_factory=dict)
 
     @field_validator("sequences")
     @classmethod
@@ -162,6 +188,8 @@ class CandidateResult(BaseModel):
     sequence: int
     position: int
     per_task: dict[str, TaskBreakdown] = Field(default_factory=dict)
+    gate: GateSettings | None = None
+    gated_share: float = 0.0
 
 
 class SequenceResult(BaseModel):
@@ -185,12 +213,21 @@ class OperatingPoint(BaseModel):
     0 violations, bound 0.0 and no p-value (null); ``reason`` says what failed.
     ``kv_retained`` is nominal, ``mean_kv_retained`` the mean memory actually used and
     ``kv_retained_actual`` the mean realised retention (null when the records lack it).
+
+    Deployment: ``base_policy`` is the ungated candidate, ``press_kwargs`` its press's kwargs
+    (from the contract; {} for a bare loss table), ``gate`` the runtime gate (null: none) and
+    ``gated_share`` the share of calibration requests that gate sent to the full cache. Files
+    written before these fields existed still load (ungated, ``base_policy`` = ``policy``).
     """
 
     model_config = ConfigDict(extra="forbid")
     policy: str
+    base_policy: str
     press: str
+    press_kwargs: dict[str, Any] = Field(default_factory=dict)
     kv_retained: float
+    gate: GateSettings | None = None
+    gated_share: float = 0.0
     mean_kv_retained: float
     kv_retained_actual: float | None = None
     fallback: bool
@@ -210,6 +247,14 @@ class OperatingPoint(BaseModel):
     records_sha256: str | None = None
     created: str
     certkv_version: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_files(cls, data):
+        """An operating point written before `base_policy` existed was ungated."""
+        if isinstance(data, dict) and "base_policy" not in data and "policy" in data:
+            data = {**data, "base_policy": data["policy"]}
+        return data
 
     def to_dict(self) -> dict:
         """JSON-ready dict; ``reason`` appears only when there is one (a fallback)."""
@@ -290,12 +335,29 @@ def candidate_rows(table: LossTable, spec: CertificationSpec) -> np.ndarray:
     for s, sequence in enumerate(spec.sequences):
         for j, name in enumerate(sequence):
             if name not in table:
+                hint = "calibrate it or remove it from the contract"
+                if "+drop" in name or "+cert" in name:
+                    hint = ("a gated candidate is derived from its base's records: certify against the contract "
+                            "(certkv.certify(records, contract)) or a spec from certification_spec(contract)")
                 raise CertkvError(
                     f"policy {name!r} (sequence {s}, position {j}) has no calibration records in "
-                    f"{table.source}; calibrate it or remove it from the contract"
+                    f"{table.source}; {hint}"
                 )
             rows.append(table.index_of(name))
     return np.asarray(rows, dtype=np.int64)
+
+
+def expand_for_spec(table: LossTable, spec: CertificationSpec) -> LossTable:
+    """`table` plus the spec's gated candidates derived from their bases (see
+    :mod:`certkv.gating`); candidates already derived are kept, the input is never modified."""
+    from certkv.gating import Derive, expand_gated
+
+    wanted = [
+        Derive(name, info.base_policy, info.gate.agreement_drop, info.gate.certificate)
+        for name in spec.candidates
+        if (info := spec.candidate_info.get(name)) is not None and info.gate is not None
+    ]
+    return expand_gated(table, wanted) if wanted else table
 
 
 def violation_matrix(table: LossTable, spec: CertificationSpec) -> np.ndarray:
@@ -322,6 +384,9 @@ def certify(
         spec = certification_spec(spec)
     spec = CertificationSpec.parse(spec)
     table = as_loss_table(records)
+    if records_sha256 is None:  # the recorded evidence: derived gated rows are not part of it
+        records_sha256 = _records_sha256(table)
+    table = expand_for_spec(table, spec)
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance)
     n = table.n_requests
@@ -357,7 +422,7 @@ def certify(
         candidates=candidates,
         sequences=sequences,
         contract_sha256=contract_sha256,
-        records_sha256=records_sha256 if records_sha256 is not None else _records_sha256(table),
+        records_sha256=records_sha256,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         certkv_version=_version(),
     )
@@ -366,10 +431,15 @@ def certify(
         return _fallback(table, spec, candidates, task_names, task_codes, notes, common)
     best = candidates[index]
     notes += _task_notes(best)
+    info = spec.candidate_info.get(best.policy)
     return OperatingPoint(
         policy=best.policy,
+        base_policy=info.base_policy if info is not None else best.policy,
         press=best.press,
+        press_kwargs=dict(info.press_kwargs) if info is not None else {},
         kv_retained=best.kv_retained,
+        gate=best.gate,
+        gated_share=best.gated_share,
         mean_kv_retained=best.mean_kv_retained,
         kv_retained_actual=best.kv_retained_actual,
         fallback=False,
@@ -422,6 +492,7 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
         }
     return OperatingPoint(
         policy=REFERENCE_POLICY,
+        base_policy=REFERENCE_POLICY,
         press=REFERENCE_POLICY,
         kv_retained=1.0,
         mean_kv_retained=1.0,
@@ -451,6 +522,9 @@ def _candidate_result(table, spec, row, i, violated, p, level, certified, mean_m
     if table.kv_retained_actual is not None and not np.isnan(table.kv_retained_actual[row]).all():
         actual = float(np.nanmean(table.kv_retained_actual[row]))
     position = _position(spec, i)
+    policy = table.policies[row]
+    info = spec.candidate_info.get(policy)
+    derived = table.gated.get(policy)
     return CandidateResult(
         policy=table.policies[row],
         press=table.press[row],
@@ -467,6 +541,8 @@ def _candidate_result(table, spec, row, i, violated, p, level, certified, mean_m
         sequence=position[0],
         position=position[1],
         per_task=_per_task(violated, task_names, task_codes, spec.risk),
+        gate=info.gate if info is not None else None,
+        gated_share=derived.gated_share if derived is not None else 0.0,
     )
 
 
@@ -534,15 +610,18 @@ def _version() -> str:
 
 
 __all__ = [
+    "CandidateInfo",
     "CandidateResult",
     "CertificationSpec",
     "ContractSummary",
+    "GateSettings",
     "OperatingPoint",
     "SequenceResult",
     "TaskBreakdown",
     "candidate_rows",
     "certify",
     "decide",
+    "expand_for_spec",
     "guarantee_sentence",
     "load_operating_point",
     "policy_name",

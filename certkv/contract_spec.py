@@ -55,11 +55,27 @@ def mark_incomplete(op, evidence: ContractRecords):
 def certification_spec(contract):
     """The contract's τ, ε, confidence, procedure and sequences as a CertificationSpec.
 
-    The sequences are the contract's policy entries in the order written; that order is the
-    pre-registration and is never re-derived from data.
+    The sequences are the contract's policy entries in the order written, each followed by its
+    gated sequences (:meth:`certkv.contract.Contract.sequences`); that order is the
+    pre-registration and is never re-derived from data. ``candidate_info`` carries what deploying
+    each candidate needs (base policy, press_kwargs, gate settings).
     """
     from certkv.certifier import CertificationSpec
 
+    info = {c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs)} for c in contract.candidates()}
+    gate = contract.gate
+    for g in contract.gated_candidates():
+        info[g.policy] = {
+            "base_policy": g.base_policy,
+            "press_kwargs": dict(g.press_kwargs),
+            "gate": {
+                "agreement_drop": g.agreement_drop,
+                "certificate": g.certificate,
+                "agreement_window": gate.agreement_window,
+                "agreement_top_k": gate.agreement_top_k,
+                "agreement_split": gate.agreement_split,
+            },
+        }
     return CertificationSpec.parse(
         {
             "tolerance": contract.tolerance,
@@ -67,6 +83,7 @@ def certification_spec(contract):
             "confidence": contract.confidence,
             "procedure": contract.procedure,
             "sequences": contract.sequences(),
+            "candidate_info": info,
         },
         source=f"contract {contract.name}",
     )
@@ -80,14 +97,22 @@ def load_records(
     A store calibrated under another contract is refused: its hash is bound to the contract, and
     certifying records against a contract they were not produced under voids the guarantee.
     `contract_label` (the path the user typed) makes the "run calibrate first" hint copy-pastable.
+    The contract's gated candidates are derived here (:mod:`certkv.gating`), so that certify,
+    validate and report all see the same expanded table; the records hash covers the recorded
+    rows and gate signals, not the derived rows.
     """
+    from dataclasses import replace
+
+    from certkv.gating import expand_for_contract
     from certkv.loss_table import read_loss_table, records_sha256
 
     store_path = contract.resolved_store_path()
     if records_file is not None:
         table = read_loss_table(records_file)
-        return ContractRecords(table, f"loss table {records_file}", records_sha256(table), store_path, False)
-    return _load_store(contract, store_path, contract_label or contract.name, allow_incomplete)
+        evidence = ContractRecords(table, f"loss table {records_file}", records_sha256(table), store_path, False)
+    else:
+        evidence = _load_store(contract, store_path, contract_label or contract.name, allow_incomplete)
+    return replace(evidence, table=expand_for_contract(evidence.table, contract))
 
 
 def _load_store(contract, store_path: Path, contract_label: str, allow_incomplete: bool = False) -> ContractRecords:

@@ -32,6 +32,7 @@ from certkv.certifier import (
     ContractSummary,
     candidate_rows,
     decide,
+    expand_for_spec,
     select_candidates,
 )
 from certkv.errors import CertkvError
@@ -91,7 +92,7 @@ def validate(
     """Run ``n_splits`` random calibration/test splits by request and score both methods."""
     spec = CertificationSpec.parse(spec)
     n_splits, calibration_fraction = _check_settings(n_splits, calibration_fraction)
-    table = as_loss_table(records)
+    table = expand_for_spec(as_loss_table(records), spec)  # gated candidates: derived, memory 1.0 where gated
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance).T.astype(float)  # (R, C)
     memory = np.ascontiguousarray(table.memory[rows].T)  # (R, C)
