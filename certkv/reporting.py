@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -85,7 +86,22 @@ def sequence_summaries(op) -> list[str]:
 def _sequence_name(cands) -> str:
     if not cands:
         return "empty"
-    return cands[0].policy.split("@", 1)[0]
+    return policy_stem(cands[0].policy)
+
+
+def policy_stem(policy: str) -> str:
+    """A policy name without its retention: ``snapkv@0.50+drop0.1`` → ``snapkv+drop0.1``."""
+    return re.sub(r"@[0-9]+(\.[0-9]+)?", "", policy, count=1)
+
+
+def gate_text(gate) -> str:
+    """A gate setting in words, e.g. ``full cache when agreement drop < 0.1 or certificate > 0.5``."""
+    parts = []
+    if gate.agreement_drop is not None:
+        parts.append(f"agreement drop < {gate.agreement_drop:g}")
+    if gate.certificate is not None:
+        parts.append(f"certificate > {gate.certificate:g}")
+    return "full cache when " + " or ".join(parts)
 
 
 def choice_summary(op) -> str:
@@ -93,8 +109,11 @@ def choice_summary(op) -> str:
     if op.fallback:
         return f"full cache (fallback): {op.reason}"
     actual = "" if op.kv_retained_actual is None else f", realised {op.kv_retained_actual:.3f}"
+    gate = ""
+    if op.gate is not None:
+        gate = f", gated ({gate_text(op.gate)}: {100 * op.gated_share:.1f}% of calibration requests)"
     return (
-        f"{op.policy} (press {op.press}): kv_retained {op.kv_retained:g} nominal{actual}, "
+        f"{op.policy} (press {op.press}{gate}): kv_retained {op.kv_retained:g} nominal{actual}, "
         f"mean memory {op.mean_kv_retained:.3f}, so {100 * (1 - op.mean_kv_retained):.1f}% of the KV "
         f"cache saved; {op.violations}/{op.n} violations, risk upper bound {op.risk_upper_bound:.4g} "
         f"≤ ε = {op.contract.risk:g}"
@@ -113,11 +132,23 @@ def skipped_note(records) -> str | None:
 
 
 def gate_note(contract) -> str | None:
-    """Gate settings in a contract are not yet candidates; say so rather than ignore them silently."""
+    """How the contract's gate grid entered the test: gated candidates, derived from the base
+    candidates' records, each in its own sequence (or in the interleaved order)."""
     gate = getattr(contract, "gate", None)
-    if gate is not None and (gate.agreement_drop or gate.certificate):
-        return "the contract's gate settings are not candidates in this version; only press × kv_retained were tested"
-    return None
+    if gate is None:
+        return None
+    n_gated = len(contract.gated_candidates())
+    m = len(contract.sequences())
+    split = "one interleaved order at the full δ" if contract.order is not None else f"δ split over {m} sequences"
+    grid = []
+    if gate.agreement_drop:
+        grid.append(f"agreement_drop {gate.agreement_drop}")
+    if gate.certificate:
+        grid.append(f"certificate {gate.certificate}")
+    return (
+        f"gate grid ({', '.join(grid)}): {n_gated} gated candidates derived from the base candidates' records "
+        f"(loss 0 and memory 1.0 on requests the gate sends to the full cache), tested with the others ({split})"
+    )
 
 
 def validation_line(result, method: str) -> str:
@@ -155,6 +186,21 @@ def _by_sequence(op) -> list[list]:
     return [sorted(s, key=lambda c: c.position) for s in seqs]
 
 
+def shown_candidates(op) -> list[list]:
+    """The candidates the figures draw, by sequence: every ungated one, plus the chosen candidate's
+    gated family (same press entry and gate setting). A gate grid multiplies the candidates, and
+    drawing all of them makes the figures unreadable; the tables list every one."""
+    chosen = None if op.fallback else next((c for c in op.candidates if c.policy == op.policy), None)
+    family = policy_stem(chosen.policy) if chosen is not None and chosen.gate is not None else None
+    shown = [[c for c in seq if c.gate is None or policy_stem(c.policy) == family] for seq in _by_sequence(op)]
+    shown = [seq for seq in shown if seq]
+    return shown or [seq for seq in _by_sequence(op) if seq]  # a spec of gated candidates only: all
+
+
+def _hidden_count(op) -> int:
+    return len(op.candidates) - sum(len(s) for s in shown_candidates(op))
+
+
 def plot_risk_vs_kv(op, title: str | None = None):
     """Empirical risk and Clopper–Pearson upper bound against kv_retained, one panel per sequence.
 
@@ -165,12 +211,13 @@ def plot_risk_vs_kv(op, title: str | None = None):
     from matplotlib.lines import Line2D
 
     eps = op.contract.risk
-    seqs = _by_sequence(op)
-    values = [v for c in op.candidates for v in (c.empirical_risk, c.risk_upper_bound)]
+    seqs = shown_candidates(op)
+    shown = [c for seq in seqs for c in seq]
+    values = [v for c in shown for v in (c.empirical_risk, c.risk_upper_bound)]
     top = max(values) * 1.12 if max(values) <= 4 * eps else 4 * eps
     top = min(max(top, 2 * eps), 1.05)
     n_panels = len(seqs)
-    all_x = [c.kv_retained for c in op.candidates]
+    all_x = [c.kv_retained for c in shown]
     pad = max(0.05, 0.08 * (max(all_x) - min(all_x)))
     xlim = (min(1.02, max(all_x) + pad), max(0.0, min(all_x) - pad))  # most KV on the left: test order
     fig, axes = plt.subplots(1, n_panels, figsize=(max(8.5, 5.2 * n_panels), 5.0), sharey=True, squeeze=False)
@@ -220,7 +267,7 @@ def plot_risk_vs_kv(op, title: str | None = None):
                markeredgewidth=1.8, label="not certified"),
         Line2D([], [], color="black", ls=":", label="risk target ε"),
     ]
-    if any(candidate_status(op, c) == "not tested" for c in op.candidates):
+    if any(candidate_status(op, c) == "not tested" for c in shown):
         handles.insert(4, Line2D([], [], color=colors["not tested"], marker="v", ls="", ms=9, markerfacecolor="white",
                                  markeredgewidth=1.8, label="not tested (sequence stopped)"))
     if chosen:
@@ -229,9 +276,11 @@ def plot_risk_vs_kv(op, title: str | None = None):
     ncol = min(len(handles), 3 if n_panels == 1 else 4)
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
     what = "fallback to the full cache" if op.fallback else f"chosen {op.policy}"
+    hidden = _hidden_count(op)
+    hidden_note = f"; {hidden} other gated candidates are in the table, not drawn" if hidden else ""
     fig.suptitle(
         title or f"Violation risk vs KV retained: {what}\n"
-        f"n = {op.n}, ε = {eps:g}, confidence {op.contract.confidence:g}, {op.contract.procedure}",
+        f"n = {op.n}, ε = {eps:g}, confidence {op.contract.confidence:g}, {op.contract.procedure}{hidden_note}",
         fontsize=12,
     )
     legend_rows = -(-len(handles) // ncol)
@@ -251,7 +300,8 @@ def plot_per_task(op, title: str | None = None):
     from matplotlib.patches import Rectangle
 
     eps = op.contract.risk
-    cands = [c for seq in _by_sequence(op) for c in seq]
+    groups = shown_candidates(op)
+    cands = [c for seq in groups for c in seq]
     tasks = sorted({t for c in cands for t in c.per_task})
     if not tasks:
         fig, ax = plt.subplots(figsize=(7, 2.5))
@@ -281,7 +331,7 @@ def plot_per_task(op, title: str | None = None):
     for i, c in enumerate(cands):
         if not op.fallback and c.policy == op.policy:
             ax.add_patch(Rectangle((-0.5, i - 0.5), len(tasks), 1, fill=False, lw=2.5, edgecolor="black"))
-    bounds = np.cumsum([len(s) for s in _by_sequence(op)])[:-1]
+    bounds = np.cumsum([len(s) for s in groups])[:-1]
     for b in bounds:
         ax.axhline(b - 0.5, color="white", lw=3)
     labels = [f"{c.policy}{' ✓' if c.certified else ''}" for c in cands]
@@ -296,7 +346,9 @@ def plot_per_task(op, title: str | None = None):
     bar.ax.axhline(eps, color="black", lw=2)
     ticks = sorted({0.0, eps / 2, eps, float(f"{(eps + vmax) / 2:.2g}"), vmax})
     bar.set_ticks(ticks, labels=[f"ε = {100 * t:.3g}%" if t == eps else f"{100 * t:.3g}%" for t in ticks])
-    fig.suptitle(title or "Per-task violation rates (green ≤ ε < red; bold: task above ε)", fontsize=12)
+    hidden = _hidden_count(op)
+    hidden_note = f"\n({hidden} other gated candidates not shown)" if hidden else ""
+    fig.suptitle(title or f"Per-task violation rates (green ≤ ε < red; bold: task above ε){hidden_note}", fontsize=12)
     fig.tight_layout()
     return fig
 
@@ -403,6 +455,8 @@ def ladder_rows(op) -> list[dict]:
             "level": c.level,
             "status": candidate_status(op, c),
             "chosen": (not op.fallback) and c.policy == op.policy,
+            "mean_kv": c.mean_kv_retained,
+            "gated_share": c.gated_share if c.gate is not None else None,
         }
         for c in sorted(op.candidates, key=lambda c: (c.sequence, c.position))
     ]
@@ -415,12 +469,21 @@ def render_html(contract, records, op, validation, figures: dict[str, Path], not
     delta = delta_of(op.contract)
     status_cls = {"certified": "certified", "not certified": "not", "not tested": "untested"}
     ladder = ladder_rows(op)
+    gated = any(r["gated_share"] is not None for r in ladder)
+    gate_cols = ["mean KV", "gated"] if gated else []
+
+    def gate_cells(r):
+        if not gated:
+            return []
+        share = "—" if r["gated_share"] is None else f"{100 * r['gated_share']:.1f}%"
+        return [f"{r['mean_kv']:.3f}", share]
+
     ladder_html = _table(
-        ["sequence", "policy", "n", "k", "empirical risk", "upper bound", "p-value", "tested level", "status"],
+        ["sequence", "policy", "n", "k", "empirical risk", "upper bound", "p-value", "tested level", *gate_cols, "status"],
         [
             [str(r["sequence"]), e(r["policy"]) + (" ★" if r["chosen"] else ""), str(r["n"]), str(r["k"]),
              f"{r['empirical_risk']:.4f}", f"{r['upper_bound']:.4f}", _fmt_p(r["p_value"]), f"{r['level']:.3g}",
-             f'<span class="{status_cls[r["status"]]}">{e(r["status"])}</span>']
+             *gate_cells(r), f'<span class="{status_cls[r["status"]]}">{e(r["status"])}</span>']
             for r in ladder
         ],
         left=2,
@@ -482,7 +545,7 @@ def render_html(contract, records, op, validation, figures: dict[str, Path], not
 </div>
 <h2>Risk against KV retained</h2>
 <p>For each candidate sequence (tested in the contract's order, most KV first): the empirical violation rate k/n and
-its Clopper–Pearson upper bound at the tested level. A candidate is certified when its bound is at most ε.</p>
+its Clopper–Pearson upper bound at the tested level. A candidate is certified when its bound is at most ε.{gated_figure_note(op)}</p>
 {_img(figures["risk_vs_kv.png"], "risk vs KV retained")}
 <ul>{stops}</ul>
 {ladder_html}
@@ -501,6 +564,16 @@ fractions are a noisy, descriptive check.</p>
 {f"<h2>Notes</h2><ul>{notes_html}</ul>" if all_notes else ""}
 </body></html>
 """
+
+
+def gated_figure_note(op) -> str:
+    """What the figures leave out when the contract has a gate grid (the table lists everything)."""
+    hidden = _hidden_count(op)
+    if not hidden:
+        return ""
+    extra = " and the chosen candidate's gated sequence" if op.gate is not None else ""
+    return (f" The figures show the ungated sequences{extra}; the {hidden} other gated candidates are in the "
+            "table below (gated: share of requests their gate sends to the full cache, counted at memory 1.0).")
 
 
 def write_report(contract, records, op, validation, out_dir, notes: list[str] | None = None) -> dict[str, Path]:
@@ -522,13 +595,16 @@ __all__ = [
     "SCOPE_CAVEAT",
     "candidate_status",
     "choice_summary",
+    "gate_text",
     "guarantee_text",
     "ladder_rows",
     "plot_per_task",
     "plot_risk_vs_kv",
     "plot_validation",
+    "policy_stem",
     "render_html",
     "sequence_summaries",
+    "shown_candidates",
     "validation_line",
     "write_report",
 ]

@@ -55,16 +55,23 @@ def print_operating_point(contract, evidence, op, console, target: Path | None =
             f"confidence {op.contract.confidence:g} (δ = {delta:g}), n = {op.n}"
         )
     )
+    rows = reporting.ladder_rows(op)
+    gated = any(r["gated_share"] is not None for r in rows)  # gate columns only when the contract has a gate
+    gate_cols = [("mean KV", "right"), ("gated", "right")] if gated else []
     for col, justify in [("seq", "right"), ("policy", "left"), ("n", "right"), ("k", "right"),
                          ("empirical risk", "right"), ("upper bound", "right"), ("p-value", "right"),
-                         ("tested level", "right"), ("status", "left")]:
+                         ("tested level", "right"), *gate_cols, ("status", "left")]:
         table.add_column(col, justify=justify)
     style = {"certified": "green", "not certified": "red", "not tested": "dim"}
-    for r in reporting.ladder_rows(op):
+    for r in rows:
+        gate_cells = []
+        if gated:
+            share = "—" if r["gated_share"] is None else f"{100 * r['gated_share']:.1f}%"
+            gate_cells = [f"{r['mean_kv']:.3f}", share]
         table.add_row(
             str(r["sequence"]), r["policy"] + (" ★" if r["chosen"] else ""), str(r["n"]), str(r["k"]),
             f"{r['empirical_risk']:.4f}", f"{r['upper_bound']:.4f}", f"{r['p_value']:.3g}", f"{r['level']:.3g}",
-            f"[{style[r['status']]}]{r['status']}[/]",
+            *gate_cells, f"[{style[r['status']]}]{r['status']}[/]",
             style="bold" if r["chosen"] else None,
         )
     console.print(table)
