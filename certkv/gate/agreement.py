@@ -38,15 +38,21 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     the keys' dtype and the softmax in float32, as transformers' eager attention does.
 
     Returns float32 weights of shape (B, H, W, K) with H the number of query heads and
-    W = min(window, Q).
+    W = min(window, Q). The query heads of a KV group share one matmul with their keys (no copy of
+    the keys per query head). The last result per layer is remembered (keyed on the very same
+    input tensors), so the gate and a press scoring from the same window in the same prefill pay
+    for it once.
     """
     import torch
     from kvpress.utils import get_prerope_query_states
-    from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
+    from transformers.models.llama.modeling_llama import rotate_half
 
     _check_positive_int("window", window)
+    memo = getattr(module, _MEMO_ATTR, None)
+    if memo is not None and memo[0]() is hidden_states and memo[1]() is keys and memo[2] == window:
+        return memo[3]
     q_len = hidden_states.shape[1]
-    k_len = keys.shape[2]
+    batch, kv_heads, k_len, head_dim = keys.shape
     w = min(window, q_len)
     if k_len < w:
         raise ValueError(f"the cache holds {k_len} keys, fewer than the {w} window queries")
@@ -55,13 +61,23 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     cos, sin = cos[:, -w:].unsqueeze(1), sin[:, -w:].unsqueeze(1)
     query = (query * cos) + (rotate_half(query) * sin)
 
-    groups = query.shape[1] // keys.shape[1]
-    scaling = getattr(module, "scaling", module.head_dim**-0.5)
-    logits = torch.matmul(query, repeat_kv(keys, groups).transpose(2, 3)) * scaling
-    # Window query j sits at position k_len - w + j and sees keys 0 .. k_len - w + j.
-    future = torch.ones(w, k_len, dtype=torch.bool, device=logits.device).triu(diagonal=k_len - w + 1)
-    logits = logits.masked_fill(future, float("-inf"))
-    return torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float32)
+    heads = query.shape[1]
+    groups = heads // kv_heads
+    scaling = getattr(module, "scaling", head_dim**-0.5)
+    grouped = (query * scaling).reshape(batch, kv_heads, groups * w, head_dim)
+    logits = torch.matmul(grouped, keys.transpose(2, 3)).view(batch, heads, w, k_len)
+    # Window query j sits at position k_len - w + j and sees keys 0 .. k_len - w + j: only the
+    # last w keys are ever in its future.
+    future = torch.ones(w, w, dtype=torch.bool, device=logits.device).triu(diagonal=1)
+    logits[..., k_len - w :] = logits[..., k_len - w :].masked_fill(future, float("-inf"))
+    weights = torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float32)
+    import weakref
+
+    setattr(module, _MEMO_ATTR, (weakref.ref(hidden_states), weakref.ref(keys), window, weights))
+    return weights
+
+
+_MEMO_ATTR = "_certkv_window_attention"
 
 
 def layer_agreements(weights, top_k: int):
@@ -133,8 +149,8 @@ class AgreementRecorder:
     """k: the size of each head's key set."""
     split_divisor: int = 3
     """Each end of the network is the first / last ⌊L / split_divisor⌋ layers (at least one)."""
-    agreements: dict = field(default_factory=dict, repr=False)
-    """layer_idx → agreement per batch element (tensor of shape (B,))."""
+    scores: dict = field(default_factory=dict, repr=False)
+    """layer_idx → window-averaged attention per batch element and query head (B, H, K)."""
 
     def __post_init__(self):
         _check_positive_int("window", self.window)
@@ -142,12 +158,29 @@ class AgreementRecorder:
         _check_positive_int("split_divisor", self.split_divisor)
 
     def reset(self) -> None:
-        self.agreements.clear()
+        self.scores.clear()
 
     def observe(self, module, hidden_states, keys, kwargs) -> None:
-        """Record the agreement of `module`'s layer from its prefill input and cached keys."""
+        """Record `module`'s layer window attention from its prefill input and cached keys.
+
+        The Jaccard agreements of all layers are computed together when they are read (one
+        batched top-k instead of one per layer: the prefill pays only for the window attention).
+        """
         weights = window_attention(module, hidden_states, keys, kwargs["position_embeddings"], self.window)
-        self.agreements[module.layer_idx] = layer_agreements(weights, self.top_k)
+        self.scores[module.layer_idx] = weights.mean(dim=-2)
+
+    @property
+    def agreements(self) -> dict:
+        """layer_idx → agreement per batch element (tensor of shape (B,))."""
+        if not self.scores:
+            return {}
+        import torch
+
+        layers = sorted(self.scores)
+        stacked = torch.stack([self.scores[i] for i in layers])  # (L, B, H, K)
+        n_layers, batch, heads, k_len = stacked.shape
+        values = layer_agreements(stacked.view(n_layers * batch, heads, 1, k_len), self.top_k).view(n_layers, batch)
+        return {layer: values[i] for i, layer in enumerate(layers)}
 
     def forward_hook(self, module, args, kwargs, output):
         """A ``register_forward_hook(..., with_kwargs=True)`` hook: observes the context prefill only."""
@@ -176,11 +209,12 @@ class AgreementRecorder:
 
     def per_layer(self) -> list[list[float]]:
         """Agreements as [batch element][layer in layer_idx order]."""
-        if not self.agreements:
+        agreements = self.agreements
+        if not agreements:
             raise ValueError("no layer was observed: run a prefill with the recorder's hooks first")
         import torch
 
-        stacked = torch.stack([self.agreements[i].float().cpu() for i in sorted(self.agreements)], dim=1)
+        stacked = torch.stack([agreements[i].float().cpu() for i in sorted(agreements)], dim=1)
         return stacked.tolist()
 
     def drops(self) -> list[float]:
