@@ -8,9 +8,9 @@ under the Hájek attention: each row's state carries its own log π and validity
 with different kept counts share one padded width (padding slots get a −inf logit and weigh
 exactly 0, as the press's own padding does).
 
-The head/tail split of the state is set to 0 slots for the batch: deterministic-head entries have
-π = 1, hence 1 − π = 0, and contribute nothing to the certificate sum, so the certificate is the
-same as with each candidate's own split (up to float summation order).
+The head/tail split of the batch state is the smallest head over its rows: the extra head slots
+of the other rows have π = 1, hence 1 − π = 0, and contribute nothing to the certificate sum, so
+each row's certificate is the one of its own split (up to float summation order).
 
 Decoding follows :func:`certkv.generation.greedy_decode` step for step (question feed, then one
 call per generated token but the last, stop tokens honoured from the second token on), and each
@@ -119,7 +119,7 @@ def gathered_cache(full_cache, selections: list[list], context_length: int):
                 torch.cat([r.log_pi for r in rows], dim=0),
                 torch.cat([r.valid for r in rows], dim=0),
                 torch.cat([r.counts for r in rows], dim=0),
-                0,
+                min(r.n_head for r in rows),
                 context_length,
             )
         )

@@ -75,7 +75,8 @@ def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
 
     output, weights = corrected_attention(query, key, value, attention_mask, scaling, state.bias)
-    certificates.append(certificate(weights, output, value, state.tail_weight, state.n_head))
+    norms = state.value_norms(value)
+    certificates.append(certificate(weights, output, value, state.tail_weight, state.n_head, norms))
     heads, head_dim = query.shape[1], value.shape[-1]
     output = output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
     return output, None
@@ -95,8 +96,8 @@ def corrected_attention(query, key, value, attention_mask, scaling, bias):
     groups = heads // kv_heads
     if scaling is None:
         scaling = head_dim**-0.5
-    q = query.reshape(batch, kv_heads, groups * q_len, head_dim)
-    logits = (torch.matmul(q, key.transpose(-1, -2)) * scaling).float()
+    q = (query * scaling).reshape(batch, kv_heads, groups * q_len, head_dim)
+    logits = torch.matmul(q, key.transpose(-1, -2)).float()
     logits[..., :n_slots] += bias.unsqueeze(2)
     logits = logits.view(batch, kv_heads, groups, q_len, k_len)
     if attention_mask is not None:
@@ -120,13 +121,17 @@ def corrected_attention(query, key, value, attention_mask, scaling, bias):
     return output.view(batch, kv_heads, groups, q_len, value.shape[-1]), weights
 
 
-def certificate(weights, output, value, tail_weight, n_head: int):
+def certificate(weights, output, value, tail_weight, n_head: int, value_norms=None):
     """ĉ = sqrt(Σ_tail (1 − π_i) ŵ_i² ‖v_i − ô‖²) per query head, max over each KV group.
 
     `weights` (B, H_kv, G, Q, K) float32, `output` (B, H_kv, G, Q, d_v), `value` (B, H_kv, K, d_v),
     `tail_weight` (B, H_kv, T) = 1 − π for the kept tail slots ``[n_head, n_head + T)`` (0 for
-    padding). Returns float32 (B, H_kv, Q). ‖v_i − ô‖² is expanded as ‖v‖² − 2 v·ô + ‖ô‖² (no
-    (…, T, d) intermediate) and clamped at 0 against rounding.
+    padding). `value_norms`, ‖v_i‖² of those slots (B, H_kv, T), may be passed precomputed (the
+    kept slots never change while decoding). Returns float32 (B, H_kv, Q).
+
+    With a_i = (1 − π_i) ŵ_i², the sum is expanded as
+    Σ a_i ‖v_i‖² − 2 ô·(Σ a_i v_i) + ‖ô‖² Σ a_i: one (T × d) matmul per step and no (…, T, d)
+    intermediate; clamped at 0 against rounding.
     """
     import torch
 
@@ -134,14 +139,20 @@ def certificate(weights, output, value, tail_weight, n_head: int):
     n_tail = tail_weight.shape[-1]
     if n_tail == 0:
         return torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=weights.device)
-    w = weights[..., n_head : n_head + n_tail]
     v = value[:, :, n_head : n_head + n_tail].float()
+    if value_norms is None:
+        value_norms = v.square().sum(-1)
+    w = weights[..., n_head : n_head + n_tail]
+    a = (w * w).mul_(tail_weight[:, :, None, None, :])  # (B, H_kv, G, Q, T)
     o = output.float().reshape(batch, kv_heads, groups * q_len, -1)
-    cross = torch.matmul(o, v.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, n_tail)
-    distance = v.square().sum(-1)[:, :, None, None, :] - 2 * cross
-    distance = (distance + o.square().sum(-1).view(batch, kv_heads, groups, q_len, 1)).clamp_min(0)
-    variance = (tail_weight[:, :, None, None, :] * w.square() * distance).sum(-1)
-    return variance.sqrt().amax(dim=2)
+    a_flat = a.view(batch, kv_heads, groups * q_len, n_tail)
+    weighted = torch.matmul(a_flat, v)  # Σ a_i v_i, (B, H_kv, G·Q, d)
+    variance = (
+        (a_flat * value_norms[:, :, None, :]).sum(-1)
+        - 2 * (o * weighted).sum(-1)
+        + o.square().sum(-1) * a_flat.sum(-1)
+    )
+    return variance.clamp_min(0).sqrt().view(batch, kv_heads, groups, q_len).amax(dim=2)
 
 
 def register() -> None:

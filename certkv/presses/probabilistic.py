@@ -265,6 +265,15 @@ class HajekState:
     def n_slots(self) -> int:
         return self.log_pi.shape[-1]
 
+    def value_norms(self, value):
+        """‖v_i‖² of the tail slots, computed at the first decoding step and kept: the kept
+        entries of the cache never change while the answer is decoded."""
+        norms = self.__dict__.get("_value_norms")
+        if norms is None:
+            tail = value[:, :, self.n_head : self.n_slots].float()
+            norms = self.__dict__["_value_norms"] = tail.square().sum(-1)
+        return norms
+
     @classmethod
     def from_selection(cls, selection: Selection, context_length: int) -> "HajekState":
         return cls(selection.log_pi, selection.valid, selection.counts, selection.n_head, context_length)

@@ -1,0 +1,179 @@
+"""What the runtime gate and the certificate cost, measured side by side.
+
+Prefill (issue target: ≤ 5% at 512–2048 tokens), per request, in rotating order so that machine
+noise hits every variant alike:
+
+- ``plain``: the full prefill alone;
+- ``gate``: the same prefill with the agreement recorder's hooks (W = 32 window queries per layer);
+- ``gate+scoring``: the recorder plus the probabilistic press's selection (its score, inclusion
+  probabilities and Poisson draw) at kv_retained 0.5, i.e. everything certkv adds to a prefill.
+
+Decode step (issue target: ≤ 10%): the same compressed cache (the probabilistic press's selection
+at kv_retained 0.5) decoded for 16 steps with
+
+- ``sdpa``: transformers' sdpa attention over the kept entries (no correction, no certificate);
+- ``certified``: the Hájek attention with its −log π correction and the certificate of every step,
+  read back as the runtime does (one host sync per step).
+
+Models: the embedded model at 512 tokens and a randomly initialised 8-layer Llama (hidden 512,
+16/4 heads) at 2048 tokens. Times are medians over requests of the per-request time.
+
+    python benchmarks/gate_overhead.py           # writes benchmarks/results/gate_overhead.json
+    python benchmarks/gate_overhead.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+RESULTS = Path(__file__).parent / "results"
+STEPS = 16
+
+
+def prefill_variants(model, context_ids):
+    """Callables running one prefill each way; each returns the cache."""
+    import torch
+    from transformers import DynamicCache
+
+    from certkv.engine.probabilistic_decode import selection_hooks
+    from certkv.gate.agreement import AgreementRecorder
+    from certkv.presses.probabilistic import ProbabilisticPress
+
+    press = ProbabilisticPress(compression_ratio=0.5)
+    recorder = AgreementRecorder()
+
+    def plain():
+        cache = DynamicCache()
+        with torch.no_grad():
+            model.model(input_ids=context_ids, past_key_values=cache)
+        return cache
+
+    def gate():
+        cache = DynamicCache()
+        recorder.reset()
+        with torch.no_grad(), recorder.attach(model):
+            model.model(input_ids=context_ids, past_key_values=cache)
+        recorder.drop()
+        return cache
+
+    def gate_and_scoring():
+        cache = DynamicCache()
+        recorder.reset()
+        selections: dict = {}
+        with torch.no_grad(), recorder.attach(model), selection_hooks(model, {"p": press}, selections):
+            model.model(input_ids=context_ids, past_key_values=cache)
+        recorder.drop()
+        return cache, selections["p"]
+
+    return {"plain": plain, "gate": gate, "gate+scoring": gate_and_scoring}
+
+
+def decode_steps(model, cache, states, context_length: int, certified: bool) -> float:
+    """Seconds for STEPS single-token decode steps over `cache` (consumed)."""
+    import torch
+
+    from certkv.presses.hajek_attention import latest_certificate, use_hajek_attention
+    from certkv.presses.probabilistic import attention_modules, clear_states, set_state
+
+    modules = attention_modules(model)
+    token = torch.tensor([[5]])
+    if certified:
+        for module, state in zip(modules, states):
+            set_state(module, state)
+    with torch.no_grad(), (use_hajek_attention(model) if certified else _nothing()):
+        t0 = time.perf_counter()
+        for i in range(STEPS):
+            out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[context_length + i]]))
+            token = out.logits[:, -1:].argmax(-1)
+            if certified:
+                latest_certificate(model)
+            else:
+                float(out.logits[0, -1, 0])  # the same one host sync per step
+        seconds = time.perf_counter() - t0
+    clear_states(model)
+    return seconds
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def measure(model, tokenizer, requests) -> dict:
+    import torch
+
+    from certkv.engine.probabilistic_decode import gathered_cache
+    from certkv.generation import encode_request
+
+    prefill = {"plain": [], "gate": [], "gate+scoring": []}
+    decode = {"sdpa": [], "certified": []}
+    for i, r in enumerate(requests):
+        ids = torch.tensor([encode_request(tokenizer, r.context, r.question).context_ids])
+        variants = prefill_variants(model, ids)
+        names = list(variants)
+        names = names[i % 3 :] + names[: i % 3]
+        for name in names:
+            t0 = time.perf_counter()
+            result = variants[name]()
+            prefill[name].append(time.perf_counter() - t0)
+            if name == "gate+scoring":
+                full_cache, selection = result
+        n = ids.shape[1]
+        for name in (["sdpa", "certified"] if i % 2 == 0 else ["certified", "sdpa"]):
+            cache, states = gathered_cache(full_cache, [selection], n)
+            decode[name].append(decode_steps(model, cache, states, n, certified=name == "certified") / STEPS)
+    med = {k: statistics.median(v[1:]) for k, v in {**prefill, **decode}.items()}  # first request warms up
+    return {
+        "requests": len(requests) - 1,
+        "context_tokens": int(ids.shape[1]),
+        "median_seconds": med,
+        "prefill_overhead_gate": med["gate"] / med["plain"] - 1,
+        "prefill_overhead_gate_and_scoring": med["gate+scoring"] / med["plain"] - 1,
+        "decode_step_overhead_certificate": med["certified"] / med["sdpa"] - 1,
+    }
+
+
+def main() -> None:
+    import torch
+
+    from calibration_speed import larger_llama
+
+    from certkv.models import load_model
+    from certkv.requests import generate_requests
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--n", type=int, default=20, help="measured requests per setting")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {"threads": args.threads, "torch": torch.__version__, "settings": {}}
+    model, tokenizer = load_model("embedded", device="cpu")
+    n = 4 if args.quick else args.n + 1
+    for length in (512,):
+        reqs = generate_requests("demo", n, seed=77, context_length=length)
+        results["settings"][f"embedded@{length}"] = measure(model, tokenizer, reqs)
+        print(f"embedded@{length}", json.dumps(results["settings"][f"embedded@{length}"], indent=1), flush=True)
+    big = larger_llama(tokenizer)
+    for length in (512, 2048):
+        reqs = generate_requests("demo", max(3, n // 2), seed=78, context_length=length)
+        key = f"random-llama-8L-512h@{length}"
+        results["settings"][key] = measure(big, tokenizer, reqs)
+        print(key, json.dumps(results["settings"][key], indent=1), flush=True)
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "gate_overhead.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
