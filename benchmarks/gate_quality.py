@@ -1,0 +1,116 @@
+"""How well the gate signals predict a violation, and what the gate saves on the demo contract.
+
+1. **Agreement-drop AUC per task.** For fresh requests of every built-in task (their own seed), the
+   engine records each request's agreement drop and every candidate's answer. A candidate
+   *violates* on a request when its answer differs from the full-KV answer (the `agreement`
+   utility: labels-free, so it is defined on every task, including those the embedded model
+   answers badly). The gate sends low-drop requests to the full cache, so the score is −drop; AUC
+   is the probability that a violating request has a lower drop than a non-violating one (0.5:
+   no signal). Also reported: the certificate maximum's AUC for the probabilistic candidates.
+2. **Certificate vs drop.** Spearman correlation between the two signals (are they redundant?).
+3. **KV saved on the demo contract.** From `certkv certify contracts/demo.yaml`'s operating point
+   (run calibrate first): the least mean KV of a certified gated candidate versus the least mean
+   KV of a certified ungated one, in the same certification (same family-wise correction).
+
+    python benchmarks/gate_quality.py --n 100     # writes benchmarks/results/gate_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+SEED = 6061
+TASKS = ("single_needle", "multi_key", "multi_value", "variable_tracking", "dilution")
+KVS = (0.5, 0.3)
+PRESSES = ("snapkv", "streaming_llm", "knorm", "probabilistic")
+
+
+def auc(scores, labels) -> float | None:
+    """Mann–Whitney AUC of `scores` for positive `labels` (ties count one half); None if one class."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    scores, labels = np.asarray(scores, dtype=float), np.asarray(labels, dtype=bool)
+    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
+    if n_pos == 0 or n_neg == 0:
+        return None
+    ranks = rankdata(scores)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def signal_quality(n: int) -> dict:
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    from certkv.engine.engine import Candidate, Engine
+    from certkv.models import load_model
+    from certkv.press_registry import build_press
+    from certkv.requests import generate_requests
+
+    model, tok = load_model("embedded", device="cpu")
+    candidates = [
+        Candidate(f"{press}@{kv:.2f}", build_press(press, kv), press, kv) for press in PRESSES for kv in KVS
+    ]
+    engine = Engine(model, tok, candidates)
+    out: dict = {"seed": SEED, "requests_per_task": n, "auc_drop": {}, "auc_certificate": {}, "violations": {},
+                 "spearman_drop_vs_certificate": {}}
+    for task in TASKS:
+        drops, violated, certs = [], {c.policy: [] for c in candidates}, {c.policy: [] for c in candidates}
+        for r in generate_requests({task: 1.0}, n, seed=SEED, context_length=(256, 512)):
+            result = engine.run(r.context, r.question)
+            drops.append(result.agreement_drop)
+            for c in result.candidates:
+                violated[c.policy].append(c.token_ids != result.full.token_ids)
+                certs[c.policy].append(c.certificate_max)
+        out["auc_drop"][task] = {p: auc(-np.array(drops), v) for p, v in violated.items()}
+        out["violations"][task] = {p: int(sum(v)) for p, v in violated.items()}
+        for p, values in certs.items():
+            if values[0] is not None:
+                out["auc_certificate"].setdefault(task, {})[p] = auc(values, violated[p])
+                out["spearman_drop_vs_certificate"].setdefault(task, {})[p] = float(spearmanr(drops, values).statistic)
+        print(task, json.dumps({k: out[k][task] for k in ("violations", "auc_drop")}), flush=True)
+    return out
+
+
+def demo_savings() -> dict | None:
+    from certkv.certifier import load_operating_point
+
+    path = REPO / "runs" / "demo" / "operating_point.json"
+    if not path.is_file():
+        return None
+    op = load_operating_point(path)
+    certified = [c for c in op.candidates if c.certified]
+    gated = [c for c in certified if c.gate is not None]
+    ungated = [c for c in certified if c.gate is None]
+    best = lambda cs: min(cs, key=lambda c: c.mean_kv_retained) if cs else None  # noqa: E731
+    g, u = best(gated), best(ungated)
+    return {
+        "chosen": op.policy,
+        "chosen_mean_kv": op.mean_kv_retained,
+        "best_gated": None if g is None else {"policy": g.policy, "mean_kv": g.mean_kv_retained, "gated_share": g.gated_share},
+        "best_ungated": None if u is None else {"policy": u.policy, "mean_kv": u.mean_kv_retained},
+        "kv_saved": None if g is None or u is None else u.mean_kv_retained - g.mean_kv_retained,
+    }
+
+
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=100, help="requests per task")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    results = signal_quality(args.n)
+    results["demo"] = demo_savings()
+    print(json.dumps(results["demo"], indent=1))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gate_quality.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""calibrate → certify → CertifiedRuntime: the deployed decisions are the calibrated ones.
+
+A contract with a gate grid and certkv's probabilistic press is calibrated into a real store and
+certified; the runtime built from each certified operating point then answers every calibration
+request, and its answer and decision must be what the store's records imply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+N_REQUESTS = 16
+
+
+def _contract(folder: Path, drops: list[float] | None = None, bounds: list[float] | None = None) -> Path:
+    from certkv.requests import generate_requests, write_jsonl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(generate_requests("demo", N_REQUESTS, seed=515, context_length="200-320"), folder / "requests.jsonl")
+    contract = {
+        "name": "runtime",
+        "model": "embedded",
+        "requests": {"source": "requests.jsonl"},
+        "protocol": {"max_new_tokens": 8, "device": "cpu"},
+        "utility": "exact_match",
+        "tolerance": 0.0,
+        "risk": 0.6,  # lenient: the point is deployment, not power
+        "confidence": 0.6,
+        "policies": [
+            {"press": "snapkv", "kv_retained": [0.3]},
+            {"press": "probabilistic", "kv_retained": [0.4], "press_kwargs": {"seed": 5}},
+        ],
+        "store": "store",
+    }
+    if drops or bounds:
+        contract["gate"] = {k: v for k, v in (("agreement_drop", drops), ("certificate", bounds)) if v}
+    path = folder / "contract.yaml"
+    path.write_text(yaml.safe_dump(contract))
+    return path
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, embedded):
+    """Calibrate once without a gate to place the grid at the records' medians (a test only: a
+    real contract pre-registers its grid), then calibrate the gated contract for real."""
+    import statistics
+
+    from certkv.calibration import calibrate
+    from certkv.contract import load_contract
+    from certkv.store import CalibrationStore
+
+    folder = tmp_path_factory.mktemp("runtime")
+    calibrate(load_contract(_contract(folder / "pilot")), quiet=True)
+    with CalibrationStore.read(folder / "pilot" / "store") as store:
+        rows = store.records()
+    drops = sorted({r["request_id"]: r["agreement_drop"] for r in rows}.values())
+    certs = [r["certificate_max"] for r in rows if r["policy"] == "probabilistic@0.40"]
+    threshold, bound = round(statistics.median(drops), 6), round(statistics.median(certs), 6)
+    path = _contract(folder / "gated", [threshold], [bound])
+    contract = load_contract(path)
+    summary = calibrate(contract, quiet=True)
+    assert summary.calibrated == N_REQUESTS and not summary.skipped
+    with CalibrationStore.read(folder / "gated" / "store") as store:
+        rows = store.records()
+    return contract, rows, threshold, bound
+
+
+def test_store_rows_carry_the_gate_signals(calibrated):
+    _, rows, _, _ = calibrated
+    by_request: dict[str, set] = {}
+    for r in rows:
+        by_request.setdefault(r["request_id"], set()).add(r["agreement_drop"])
+        if r["policy"] == "probabilistic@0.40":
+            assert r["certificate_max"] > 0
+        else:
+            assert r["certificate_max"] is None
+    assert all(len(v) == 1 and None not in v for v in by_request.values()), "one drop per request, on every row"
+
+
+def test_certified_runtime_reproduces_the_store(calibrated, embedded):
+    from certkv.certifier import certify
+    from certkv.contract_spec import load_records
+    from certkv.requests import read_jsonl
+    from certkv.runtime import CertifiedRuntime
+
+    contract, rows, threshold, bound = calibrated
+    model, tok = embedded
+    records = load_records(contract).table
+    op_all = certify(records, contract)
+    by_key = {(r["request_id"], r["policy"]): r for r in rows}
+    requests = read_jsonl(contract.resolved_requests_path())
+    tested = 0
+    for name in ("snapkv@0.30+drop{t}", "probabilistic@0.40+drop{t}+cert{b}", "probabilistic@0.40+cert{b}"):
+        name = name.format(t=format(threshold, "g"), b=format(bound, "g"))
+        candidate = next(c for c in op_all.candidates if c.policy == name)
+        op = op_all.model_copy(update={
+            "policy": candidate.policy, "base_policy": name.split("+")[0], "press": candidate.press,
+            "kv_retained": candidate.kv_retained, "gate": candidate.gate, "fallback": False,
+            "press_kwargs": {"seed": 5} if candidate.press == "probabilistic" else {},
+        })
+        runtime = CertifiedRuntime(model, tok, op)
+        gated_count = 0
+        for request in requests:
+            full = by_key[(request.id, "full")]
+            base = by_key[(request.id, op.base_policy)]
+            out = runtime.generate(request.context, request.question)
+            d = out.decision
+            gated = candidate.gate.agreement_drop is not None and base["agreement_drop"] < candidate.gate.agreement_drop
+            escalated = (
+                not gated and candidate.gate.certificate is not None and base["certificate_max"] > candidate.gate.certificate
+            )
+            expected = full["answer"] if gated or escalated else base["answer"]
+            assert out.answer == expected, (name, request.id, d)
+            assert d.reason == ("gate" if gated else "certificate" if escalated else None), (name, request.id, d)
+            assert d.agreement_drop == pytest.approx(base["agreement_drop"], abs=1e-6)
+            gated_count += gated or escalated
+        assert gated_count / len(requests) == pytest.approx(candidate.gated_share)
+        tested += 1
+    assert tested == 3
