@@ -265,14 +265,18 @@ class HajekState:
     def n_slots(self) -> int:
         return self.log_pi.shape[-1]
 
-    def value_norms(self, value):
-        """‖v_i‖² of the tail slots, computed at the first decoding step and kept: the kept
-        entries of the cache never change while the answer is decoded."""
-        norms = self.__dict__.get("_value_norms")
-        if norms is None:
-            tail = value[:, :, self.n_head : self.n_slots].float()
-            norms = self.__dict__["_value_norms"] = tail.square().sum(-1)
-        return norms
+    def augmented_tail(self, value):
+        """The tail slots' values with ‖v_i‖² and 1 appended (see ``hajek_attention.certificate``),
+        computed at the first decoding step and kept: the kept entries never change while the
+        answer is decoded."""
+        cached = self.__dict__.get("_augmented_tail")
+        if cached is None:
+            from certkv.presses.hajek_attention import augmented_tail_values
+
+            cached = self.__dict__["_augmented_tail"] = augmented_tail_values(
+                value, self.n_head, self.n_slots - self.n_head
+            )
+        return cached
 
     @classmethod
     def from_selection(cls, selection: Selection, context_length: int) -> "HajekState":
