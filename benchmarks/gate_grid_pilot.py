@@ -45,7 +45,7 @@ def main() -> None:
         Candidate(f"probabilistic@{kv:.2f}", ProbabilisticPress(compression_ratio=round(1 - kv, 6)), "probabilistic", kv)
         for kv in kvs
     ]
-    engine = Engine(model, tok, candidates)
+    engine = Engine(model, tok, candidates, agreement={})
     drops, certs = [], {c.policy: [] for c in candidates}
     for r in generate_requests("demo", args.n, seed=PILOT_SEED, context_length=(256, 512)):
         result = engine.run(r.context, r.question)

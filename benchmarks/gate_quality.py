@@ -55,7 +55,7 @@ def signal_quality(n: int) -> dict:
     candidates = [
         Candidate(f"{press}@{kv:.2f}", build_press(press, kv), press, kv) for press in PRESSES for kv in KVS
     ]
-    engine = Engine(model, tok, candidates)
+    engine = Engine(model, tok, candidates, agreement={})
     out: dict = {"seed": SEED, "requests_per_task": n, "auc_drop": {}, "auc_certificate": {}, "violations": {},
                  "spearman_drop_vs_certificate": {}}
     for task in TASKS:

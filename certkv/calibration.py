@@ -37,18 +37,13 @@ def build_candidates(contract):
     return out
 
 
-def agreement_settings(contract) -> dict:
-    """The agreement-drop settings (DESIGN.md defaults unless the contract's gate sets them).
-
-    Recorded for every request, gate or not: the signal is cheap, and a store that has it lets a
-    later contract with a gate grid reuse nothing but the same settings.
-    """
+def agreement_settings(contract) -> dict | None:
+    """The agreement-drop settings of a contract with a gate (DESIGN.md defaults unless it sets
+    them), or None: without a gate nothing reads the signal, so calibration does not compute it."""
     gate = contract.gate
-    return {
-        "window": getattr(gate, "agreement_window", 32),
-        "top_k": getattr(gate, "agreement_top_k", 32),
-        "split_divisor": getattr(gate, "agreement_split", 3),
-    }
+    if gate is None:
+        return None
+    return {"window": gate.agreement_window, "top_k": gate.agreement_top_k, "split_divisor": gate.agreement_split}
 
 
 def requests_digest(requests) -> str:

@@ -31,6 +31,7 @@ CONTRACT = {
         {"press": "streaming_llm", "kv_retained": [0.3]},
         {"press": "adakv", "press_kwargs": {"press": "knorm"}, "kv_retained": [0.5]},
     ],
+    "gate": {"agreement_drop": [0.05]},  # so that the gate signal is stored (and resumed) too
     "store": "store",
 }
 
@@ -103,7 +104,10 @@ def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path):
     assert final.returncode == 0, final.stderr
     got, got_skipped = _records(tmp_path / "killed")
     assert mid_run_kills >= 3, "the kills must land while calibration is writing requests"
-    assert got == expected
+    assert all(r["agreement_drop"] is not None for r in got)
+    if got != expected:  # name the first difference: a 5×30-row diff is unreadable
+        diff = next((g, e) for g, e in zip(got, expected) if g != e)
+        raise AssertionError(f"resumed records differ: {diff}")
     assert got_skipped == expected_skipped
 
 

@@ -31,7 +31,7 @@ def engine_results(embedded, requests):
         Candidate("pi_one@0.40", ProbabilisticPress(compression_ratio=0.6, head_share=1.0), "probabilistic", 0.4),
         Candidate("deterministic@0.40", DeterministicHeadPress(compression_ratio=0.6), "deterministic_head", 0.4),
     ]
-    engine = Engine(model, tok, candidates, max_new_tokens=8)
+    engine = Engine(model, tok, candidates, max_new_tokens=8, agreement={})
     return [engine.run(r.context, r.question) for r in requests]
 
 

@@ -10,6 +10,7 @@ slower, and labelled ``path="pipeline"`` in the records.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from certkv.engine.batched_decode import decode_candidates, padded_cache
@@ -79,8 +80,9 @@ class Engine:
         self.stop_ids = stop_token_ids(model)
         from certkv.gate.agreement import AgreementRecorder
 
-        # The gate signal of every request, from the same prefill (settings: the contract's gate).
-        self.recorder = AgreementRecorder(**(agreement or {}))
+        # The gate signal of every request, from the same prefill (settings: the contract's gate;
+        # None: not recorded).
+        self.recorder = None if agreement is None else AgreementRecorder(**agreement)
         self.probabilistic = [c for c in self.candidates if is_probabilistic_press(c.press)]
         self.fast = [c for c in self.candidates if is_fast_path_press(c.press)]
         self.slow = [
@@ -137,15 +139,17 @@ class Engine:
         sampled: dict[str, list] = {}
         cache = DynamicCache()
         context_ids = torch.as_tensor(enc.context_ids, device=self.model.device).view(1, -1)
-        self.recorder.reset()
         with (
             torch.no_grad(),
             scoring_hooks(self.model, {c.policy: c.press for c in self.fast}, selections),
             selection_hooks(self.model, {c.policy: c.press for c in self.probabilistic}, sampled),
-            self.recorder.attach(self.model),
+            self.recorder.attach(self.model) if self.recorder else nullcontext(),
         ):
             self.model.model(input_ids=context_ids, past_key_values=cache)
-        agreement_drop = self.recorder.drop()
+        agreement_drop = None
+        if self.recorder:
+            agreement_drop = self.recorder.drop()
+            self.recorder.reset()
         t1 = time.perf_counter()
         seconds["prefill"] = t1 - t0
 
