@@ -80,6 +80,7 @@ class CertificationSpec(BaseModel):
     procedure: Procedure = "fixed_sequence"
     sequences: list[list[str]] = Field(min_length=1)
     candidate_info: dict[str, CandidateInfo] = Field(default_factory=dict)
+    max_new_tokens: int | None = Field(default=None, ge=1, description="the contract's decode length")
 
     @field_validator("sequences")
     @classmethod
@@ -228,6 +229,8 @@ class OperatingPoint(BaseModel):
     kv_retained: float
     gate: GateSettings | None = None
     gated_share: float = 0.0
+    max_new_tokens: int | None = None
+    """Decode length the candidates were calibrated with; the runtime deploys exactly that."""
     mean_kv_retained: float
     kv_retained_actual: float | None = None
     fallback: bool
@@ -418,6 +421,7 @@ def certify(
     ]
     notes = _notes(table, spec, task_names)
     common = dict(
+        max_new_tokens=spec.max_new_tokens,
         contract=ContractSummary.of(spec),
         candidates=candidates,
         sequences=sequences,

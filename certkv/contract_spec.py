@@ -84,6 +84,7 @@ def certification_spec(contract):
             "procedure": contract.procedure,
             "sequences": contract.sequences(),
             "candidate_info": info,
+            "max_new_tokens": contract.protocol.max_new_tokens,
         },
         source=f"contract {contract.name}",
     )

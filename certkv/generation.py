@@ -79,14 +79,18 @@ def greedy_decode(model, cache, question_ids, context_length: int, max_new_token
     return generated
 
 
-def full_kv_answer(model, tokenizer, context: str, question: str, max_new_tokens: int = 8) -> str:
-    """Answer one request with the full cache (no eviction)."""
+def full_kv_ids(model, enc: EncodedRequest, max_new_tokens: int = 8) -> list[int]:
+    """The full-cache answer's token ids: prefill the whole context, then decode greedily."""
     import torch
     from transformers import DynamicCache
 
-    enc = encode_request(tokenizer, context, question)
     cache = DynamicCache()
     with torch.no_grad():
         model.model(input_ids=torch.as_tensor(enc.context_ids, device=model.device).view(1, -1), past_key_values=cache)
-    ids = greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
+    return greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
+
+
+def full_kv_answer(model, tokenizer, context: str, question: str, max_new_tokens: int = 8) -> str:
+    """Answer one request with the full cache (no eviction)."""
+    ids = full_kv_ids(model, encode_request(tokenizer, context, question), max_new_tokens)
     return tokenizer.decode(ids, skip_special_tokens=True)

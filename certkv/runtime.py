@@ -66,19 +66,26 @@ class CertifiedRuntime:
     ``compression_ratio`` is checked when it has one).
     """
 
-    def __init__(self, model, tokenizer, operating_point, press=None, max_new_tokens: int = 8):
+    def __init__(self, model, tokenizer, operating_point, press=None, max_new_tokens: int | None = None):
+        from pydantic import ValidationError
+
         from certkv.certifier import OperatingPoint, load_operating_point
+        from certkv.errors import format_validation_error
         from certkv.generation import stop_token_ids
 
-        if not isinstance(operating_point, OperatingPoint):
+        if isinstance(operating_point, dict):
+            try:
+                operating_point = OperatingPoint.model_validate(operating_point)
+            except ValidationError as exc:
+                raise CertkvError(format_validation_error(exc, "operating point")) from None
+        elif not isinstance(operating_point, OperatingPoint):
             operating_point = load_operating_point(operating_point)
         self.model = model
         self.tokenizer = tokenizer
         self.operating_point = operating_point
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = self._decode_length(max_new_tokens)
         self.stop_ids = stop_token_ids(model)
-        gate = getattr(operating_point, "gate", None) or {}
-        gate = gate if isinstance(gate, dict) else gate.model_dump()
+        gate = operating_point.gate.model_dump() if operating_point.gate is not None else {}
         self.threshold = gate.get("agreement_drop")
         self.bound = gate.get("certificate")
         self.agreement = {
@@ -86,29 +93,63 @@ class CertifiedRuntime:
             "top_k": gate.get("agreement_top_k") or 32,
             "split_divisor": gate.get("agreement_split") or 3,
         }
-        self.press = None if operating_point.fallback else (press or self._build_press())
-        if self.press is not None and press is not None:
-            self._check_press_ratio(press)
+        self.press = None
+        if not operating_point.fallback:
+            self.press = self._build_press() if press is None else self._checked(press)
 
     # -- construction -------------------------------------------------------------------------
+
+    def _decode_length(self, requested) -> int:
+        """The calibrated decode length: what was certified is an answer of at most that many tokens."""
+        calibrated = self.operating_point.max_new_tokens
+        if requested is None:
+            return calibrated or 8
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise CertkvError(f"max_new_tokens must be a positive integer, got {requested!r}")
+        if calibrated is not None and requested != calibrated:
+            raise CertkvError(
+                f"max_new_tokens {requested} differs from the {calibrated} the operating point was "
+                "calibrated with; its guarantee covers those answers only (omit max_new_tokens)"
+            )
+        return requested
 
     def _build_press(self):
         from certkv.press_registry import build_press
 
         op = self.operating_point
-        return build_press(op.press, op.kv_retained, getattr(op, "press_kwargs", None) or {})
+        return build_press(op.press, op.kv_retained, op.press_kwargs or {})
 
-    def _check_press_ratio(self, press) -> None:
-        from certkv.press_registry import compression_ratio_for
+    def _checked(self, press):
+        """A press object passed in: it must be callable as a kvpress press, of the certified
+        press's type when that is known, at the certified retention, and produce certificates if
+        the operating point escalates on them."""
+        from certkv.engine.engine import is_probabilistic_press
+        from certkv.press_registry import compression_ratio_for, is_known_press, resolve_press_class
 
-        ratio = getattr(press, "compression_ratio", None)
-        expected = compression_ratio_for(self.operating_point.kv_retained)
+        if not callable(press) or not hasattr(press, "compression_ratio"):
+            raise CertkvError(f"press must be a kvpress press object, got {type(press).__name__}")
+        op = self.operating_point
+        if is_known_press(op.press):
+            expected_class = resolve_press_class(op.press)
+            if not isinstance(press, expected_class):
+                raise CertkvError(
+                    f"the operating point certifies press {op.press!r} ({expected_class.__name__}), "
+                    f"but a {type(press).__name__} was passed"
+                )
+        ratio = press.compression_ratio
+        expected = compression_ratio_for(op.kv_retained)
         if isinstance(ratio, (int, float)) and abs(ratio - expected) > 1e-9:
             raise CertkvError(
                 f"the press's compression_ratio is {ratio}, but the operating point certifies "
-                f"kv_retained {self.operating_point.kv_retained} (compression_ratio {expected}); "
+                f"kv_retained {op.kv_retained} (compression_ratio {expected}); "
                 "configure the press at the certified retention"
             )
+        if self.bound is not None and not is_probabilistic_press(press):
+            raise CertkvError(
+                f"the operating point escalates on the certificate (bound {self.bound}), which only "
+                f"certkv's probabilistic press computes; a {type(press).__name__} cannot be gated by it"
+            )
+        return press
 
     @property
     def policy(self) -> str:
@@ -120,9 +161,13 @@ class CertifiedRuntime:
         """Answer one request; the decision record says which cache answered and why."""
         import time
 
+        from certkv.engine.engine import press_precondition_failure
         from certkv.generation import encode_request
 
-        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        max_new = self.max_new_tokens if max_new_tokens is None else self._decode_length(max_new_tokens)
+        for name, value in (("context", context), ("question", question)):
+            if not isinstance(value, str):
+                raise CertkvError(f"{name} must be a string, got {type(value).__name__}")
         enc = encode_request(self.tokenizer, context, question)
         if not enc.context_ids:
             raise CertkvError("the context is empty; certkv answers questions about a context")
@@ -132,7 +177,7 @@ class CertifiedRuntime:
         if self.press is None:
             base.reason = "fallback"
             return self._full(enc, max_new, base, t0)
-        failure = _precondition_failure(self.press, len(enc.context_ids))
+        failure = press_precondition_failure(self.press, len(enc.context_ids))
         if failure:
             base.reason, base.detail = "precondition", failure
             return self._full(enc, max_new, base, t0)
@@ -141,17 +186,11 @@ class CertifiedRuntime:
     def _full(self, enc, max_new: int, decision: Decision, t0: float, seconds=None) -> RuntimeAnswer:
         import time
 
-        import torch
-        from transformers import DynamicCache
-
-        from certkv.generation import greedy_decode
+        from certkv.generation import full_kv_ids
         from certkv.presses.probabilistic import clear_states
 
         clear_states(self.model)
-        cache = DynamicCache()
-        with torch.no_grad():
-            self.model.model(input_ids=self._ids(enc.context_ids), past_key_values=cache)
-        ids = greedy_decode(self.model, cache, enc.question_ids, len(enc.context_ids), max_new)
+        ids = full_kv_ids(self.model, enc, max_new)
         decision.mode = "full"
         decision.kv_retained = decision.kv_retained_actual = 1.0
         seconds = dict(seconds or {}, total=time.perf_counter() - t0)
@@ -167,41 +206,46 @@ class CertifiedRuntime:
         from certkv.engine.engine import _continues_from_compressed_length, _kept_entries, is_probabilistic_press
         from certkv.gate.agreement import AgreementRecorder
         from certkv.generation import greedy_decode
-        from certkv.presses.hajek_attention import latest_certificate, use_hajek_attention
+        from certkv.presses.hajek_attention import certificate_max, latest_certificate, use_hajek_attention
         from certkv.presses.probabilistic import clear_states, kept_fraction
 
         n_ctx = len(enc.context_ids)
         probabilistic = is_probabilistic_press(self.press)
-        recorder = AgreementRecorder(**self.agreement)
+        # The gate signal is computed only when a threshold reads it (it costs a window attention
+        # per layer); the decision record then leaves it empty.
+        recorder = AgreementRecorder(**self.agreement) if self.threshold is not None else None
         cache = DynamicCache()
         hajek = use_hajek_attention(self.model) if probabilistic else nullcontext()
         clear_states(self.model)
-        peak = [0.0] if probabilistic else None
+        peak = [0.0]
 
-        def check() -> bool:
-            if peak is None:
-                return False
+        def escalate() -> bool:
+            """After every step under a certificate bound: escalate at the first step above it."""
             peak[0] = max(peak[0], latest_certificate(self.model))
-            return self.bound is not None and peak[0] > self.bound
+            return peak[0] > self.bound
 
         ids = None
+        gated = False
         with torch.no_grad(), hajek:
             # The recorder's hooks are registered before the press's, so they run first on each
             # layer and see its keys before the press prunes them.
-            with recorder.attach(self.model), self.press(self.model):
+            with recorder.attach(self.model) if recorder else nullcontext(), self.press(self.model):
                 self.model.model(input_ids=self._ids(enc.context_ids), past_key_values=cache)
             seconds = {"prefill": time.perf_counter() - t0}
-            decision.agreement_drop = recorder.drop()
-            gated = self.threshold is not None and decision.agreement_drop < self.threshold
+            if recorder:
+                decision.agreement_drop = recorder.drop()
+                gated = decision.agreement_drop < self.threshold
             if not gated:
                 kept = kept_fraction(self.model) if probabilistic else _kept_entries(cache, self.model) / n_ctx
                 position = cache.get_seq_length() if _continues_from_compressed_length(self.press) else n_ctx
+                check = escalate if probabilistic and self.bound is not None else None
                 ids = greedy_decode(self.model, cache, enc.question_ids, position, max_new, after_step=check)
+                if probabilistic:
+                    decision.certificate_max = peak[0] if check else certificate_max(self.model)
+        clear_states(self.model)
         if gated:
             decision.reason = "gate"
             return self._full(enc, max_new, decision, t0, seconds)
-        decision.certificate_max = None if peak is None else peak[0]
-        clear_states(self.model)
         if ids is None:
             decision.escalated = True
             decision.reason = "certificate"
@@ -216,10 +260,3 @@ class CertifiedRuntime:
         import torch
 
         return torch.as_tensor(ids, device=self.model.device).view(1, -1)
-
-
-def _precondition_failure(press, context_length: int) -> str | None:
-    """The engine's rule: requests a press cannot run were skipped in calibration."""
-    from certkv.engine.engine import press_precondition_failure
-
-    return press_precondition_failure(press, context_length)

@@ -181,15 +181,57 @@ def test_runtime_decisions_equal_the_engine_records(embedded, requests, engine_r
     assert all(seen.values()), f"every kind of decision should occur on these requests: {seen}"
 
 
-def test_runtime_falls_back_and_refuses_a_mismatched_press(embedded, requests):
+def test_probabilistic_batches_split_by_memory_give_the_same_answers(embedded, requests, engine_results):
+    from certkv.engine.engine import Candidate, Engine
+    from certkv.presses.probabilistic import ProbabilisticPress
+
+    model, tok = embedded
+    candidates = [
+        Candidate("probabilistic@0.50", ProbabilisticPress(compression_ratio=0.5, seed=3), "probabilistic", 0.5),
+        Candidate("probabilistic@0.20", ProbabilisticPress(compression_ratio=0.8, seed=3), "probabilistic", 0.2),
+    ]
+    engine = Engine(model, tok, candidates, max_batch_bytes=1)  # one row per batch
+    for request, result in zip(requests[:3], engine_results[:3]):
+        alone = engine.run(request.context, request.question)
+        for c in alone.candidates:
+            assert c.token_ids == _answer(result, c.policy).token_ids
+            assert c.certificate_max == pytest.approx(_answer(result, c.policy).certificate_max, rel=1e-4)
+
+
+def test_runtime_refuses_bad_input_with_one_line_errors(embedded, requests):
     from certkv.errors import CertkvError
     from certkv.press_registry import build_press
+    from certkv.presses.probabilistic import ProbabilisticPress
     from certkv.runtime import CertifiedRuntime
 
     model, tok = embedded
     op = _operating_point("snapkv", 0.5, "snapkv@0.50", None)
+    op.max_new_tokens = 8
     with pytest.raises(CertkvError, match="compression_ratio"):
         CertifiedRuntime(model, tok, op, press=build_press("snapkv", 0.3))
+    with pytest.raises(CertkvError, match="certifies press 'snapkv'"):
+        CertifiedRuntime(model, tok, op, press=build_press("knorm", 0.5))
+    with pytest.raises(CertkvError, match="kvpress press object"):
+        CertifiedRuntime(model, tok, op, press="snapkv")
+    with pytest.raises(CertkvError, match="differs from the 8"):
+        CertifiedRuntime(model, tok, op, max_new_tokens=16)
+    with pytest.raises(CertkvError, match="positive integer"):
+        CertifiedRuntime(model, tok, op, max_new_tokens=0)
+    with pytest.raises(CertkvError, match="question must be a string"):
+        CertifiedRuntime(model, tok, op).generate(requests[0].context, None)
+    escalating = _operating_point("snapkv", 0.5, "snapkv@0.50+cert1", {"certificate": 1.0})
+    with pytest.raises(CertkvError, match="only certkv's probabilistic press"):
+        CertifiedRuntime(model, tok, escalating, press=build_press("snapkv", 0.5))
+    with pytest.raises(CertkvError, match="operating point"):
+        CertifiedRuntime(model, tok, {"policy": "snapkv@0.50"})
+    sampled = _operating_point("probabilistic", 0.5, "probabilistic@0.50+cert1", {"certificate": 1.0})
+    assert CertifiedRuntime(model, tok, sampled, press=ProbabilisticPress(compression_ratio=0.5)).bound == 1.0
+
+
+def test_runtime_falls_back(embedded, requests):
+    from certkv.runtime import CertifiedRuntime
+
+    model, tok = embedded
     fallback = _operating_point("full", 1.0, "full", None)
     fallback.fallback = True
     out = CertifiedRuntime(model, tok, fallback).generate(requests[0].context, requests[0].question)

@@ -113,6 +113,14 @@ class Engine:
             chunks.append(current)
         return chunks
 
+    def _probabilistic_chunks(self, cache, width: int) -> list[list[Candidate]]:
+        """Probabilistic candidates in batches of at most `max_batch_bytes` (a row holds up to the
+        whole context: sampled rows are padded to the widest)."""
+        layer = cache.layers[0]
+        per_row = len(cache.layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() * width
+        size = max(1, self.max_batch_bytes // max(1, per_row))
+        return [self.probabilistic[i : i + size] for i in range(0, len(self.probabilistic), size)]
+
     def precondition_failure(self, context_length: int) -> str | None:
         """Why a press cannot run on a context this short (kvpress states these as asserts)."""
         for c in self.candidates:
@@ -183,10 +191,12 @@ class Engine:
                 answers[c.policy] = CandidateAnswer(
                     c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "fast"
                 )
-        probabilistic = decode_probabilistic(
-            self.model, cache, [sampled[c.policy] for c in self.probabilistic], enc.question_ids, n_ctx,
-            self.max_new_tokens, self.stop_ids,
-        )
+        probabilistic = []
+        for chunk in self._probabilistic_chunks(cache, n_ctx + reserve):
+            probabilistic += decode_probabilistic(
+                self.model, cache, [sampled[c.policy] for c in chunk], enc.question_ids, n_ctx,
+                self.max_new_tokens, self.stop_ids,
+            )
         for c, result in zip(self.probabilistic, probabilistic):
             answers[c.policy] = CandidateAnswer(
                 c.policy, c.press_name, c.kv_retained, result.kept_fraction, self._decode(result.token_ids),

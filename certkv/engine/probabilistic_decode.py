@@ -66,8 +66,11 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
     try:
         yield selections
     finally:
+        from certkv.gate.agreement import forget_window_attention
+
         for handle in handles:
             handle.remove()
+        forget_window_attention(attention_modules(model))
 
 
 def _full_selection(n_heads: int, context_length: int, device):

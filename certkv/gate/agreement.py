@@ -41,14 +41,15 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     W = min(window, Q). The query heads of a KV group share one matmul with their keys (no copy of
     the keys per query head). The last result per layer is remembered (keyed on the very same
     input tensors), so the gate and a press scoring from the same window in the same prefill pay
-    for it once.
+    for it once. The remembered weights are dropped at that second use, and by
+    :func:`forget_window_attention` when the hooks that may use them are removed.
     """
     import torch
     from kvpress.utils import get_prerope_query_states
     from transformers.models.llama.modeling_llama import rotate_half
 
     _check_positive_int("window", window)
-    memo = getattr(module, _MEMO_ATTR, None)
+    memo = module.__dict__.pop(_MEMO_ATTR, None)  # used at most once more, then gone
     if memo is not None and memo[0]() is hidden_states and memo[1]() is keys and memo[2] == window:
         return memo[3]
     q_len = hidden_states.shape[1]
@@ -78,6 +79,12 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
 
 
 _MEMO_ATTR = "_certkv_window_attention"
+
+
+def forget_window_attention(modules) -> None:
+    """Drop any remembered window attention (a (B, H, W, K) tensor per layer) from `modules`."""
+    for module in modules:
+        module.__dict__.pop(_MEMO_ATTR, None)
 
 
 def layer_agreements(weights, top_k: int):
@@ -206,6 +213,7 @@ class AgreementRecorder:
         finally:
             for handle in handles:
                 handle.remove()
+            forget_window_attention(layer.self_attn for layer in language_model.layers)
 
     def per_layer(self) -> list[list[float]]:
         """Agreements as [batch element][layer in layer_idx order]."""

@@ -75,8 +75,8 @@ def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
 
     output, weights = corrected_attention(query, key, value, attention_mask, scaling, state.bias)
-    augmented = state.augmented_tail(value)
-    certificates.append(certificate(weights, output, value, state.tail_weight, state.n_head, augmented))
+    norms = state.value_norms(value)
+    certificates.append(certificate(weights, output, value, state.tail_weight, state.n_head, norms))
     heads, head_dim = query.shape[1], value.shape[-1]
     output = output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
     return output, None
@@ -123,17 +123,17 @@ def corrected_attention(query, key, value, attention_mask, scaling, bias):
     return output.view(batch, kv_heads, groups, q_len, value.shape[-1]), weights
 
 
-def certificate(weights, output, value, tail_weight, n_head: int, augmented_tail=None):
+def certificate(weights, output, value, tail_weight, n_head: int, value_norms=None):
     """ĉ = sqrt(Σ_tail (1 − π_i) ŵ_i² ‖v_i − ô‖²) per query head, max over each KV group.
 
     `weights` (B, H_kv, G, Q, K) float32, `output` (B, H_kv, G, Q, d_v), `value` (B, H_kv, K, d_v),
     `tail_weight` (B, H_kv, T) = 1 − π for the kept tail slots ``[n_head, n_head + T)`` (0 for
-    padding). Returns float32 (B, H_kv, Q).
+    padding). `value_norms`, ‖v_i‖² of those slots (B, H_kv, T), may be passed precomputed (the
+    kept slots never change while decoding; T floats, unlike a copy of the values). Returns float32
+    (B, H_kv, Q).
 
-    With a_i = (1 − π_i) ŵ_i², the sum is Σ a_i ‖v_i‖² − 2 ô·(Σ a_i v_i) + ‖ô‖² Σ a_i, and all three
-    sums come from ONE matmul of a with the tail values augmented by two columns, ‖v_i‖² and 1
-    (:func:`augmented_tail_values`; pass it precomputed: the kept slots never change while
-    decoding). No (…, T, d) intermediate; clamped at 0 against rounding.
+    With a_i = (1 − π_i) ŵ_i², the sum is Σ a_i ‖v_i‖² − 2 ô·(Σ a_i v_i) + ‖ô‖² Σ a_i: one
+    (T × d) matmul per step and no (…, T, d) intermediate; clamped at 0 against rounding.
     """
     import torch
 
@@ -141,23 +141,23 @@ def certificate(weights, output, value, tail_weight, n_head: int, augmented_tail
     n_tail = tail_weight.shape[-1]
     if n_tail == 0:
         return torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=weights.device)
-    if augmented_tail is None:
-        augmented_tail = augmented_tail_values(value, n_head, n_tail)
+    v = value[:, :, n_head : n_head + n_tail]
+    if value_norms is None:
+        value_norms = tail_value_norms(value, n_head, n_tail)
     w = weights[..., n_head : n_head + n_tail]
     a = (w * w).mul_(tail_weight[:, :, None, None, :]).view(batch, kv_heads, groups * q_len, n_tail)
-    sums = torch.matmul(a, augmented_tail)  # [Σ a v | Σ a ‖v‖² | Σ a]
+    weighted = torch.matmul(a.to(v.dtype), v).float()  # Σ a_i v_i
     o = output.float().reshape(batch, kv_heads, groups * q_len, -1)
-    variance = sums[..., -2] + (o * (o * sums[..., -1:] - 2 * sums[..., :-2])).sum(-1)
+    variance = (
+        (a * value_norms[:, :, None, :]).sum(-1)
+        + (o * (o * a.sum(-1, keepdim=True) - 2 * weighted)).sum(-1)
+    )
     return variance.clamp_min(0).sqrt().view(batch, kv_heads, groups, q_len).amax(dim=2)
 
 
-def augmented_tail_values(value, n_head: int, n_tail: int):
-    """The tail slots' values (float32) with two more columns: ‖v_i‖² and 1."""
-    import torch
-
-    v = value[:, :, n_head : n_head + n_tail].float()
-    norms = v.square().sum(-1, keepdim=True)
-    return torch.cat([v, norms, torch.ones_like(norms)], dim=-1)
+def tail_value_norms(value, n_head: int, n_tail: int):
+    """‖v_i‖² (float32) of the tail slots ``[n_head, n_head + n_tail)``."""
+    return value[:, :, n_head : n_head + n_tail].float().square().sum(-1)
 
 
 def register() -> None:

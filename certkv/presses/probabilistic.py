@@ -265,18 +265,15 @@ class HajekState:
     def n_slots(self) -> int:
         return self.log_pi.shape[-1]
 
-    def augmented_tail(self, value):
-        """The tail slots' values with ‖v_i‖² and 1 appended (see ``hajek_attention.certificate``),
-        computed at the first decoding step and kept: the kept entries never change while the
-        answer is decoded."""
-        cached = self.__dict__.get("_augmented_tail")
-        if cached is None:
-            from certkv.presses.hajek_attention import augmented_tail_values
+    def value_norms(self, value):
+        """‖v_i‖² of the tail slots, computed at the first decoding step and kept (T floats per
+        KV head): the kept entries never change while the answer is decoded."""
+        norms = self.__dict__.get("_value_norms")
+        if norms is None:
+            from certkv.presses.hajek_attention import tail_value_norms
 
-            cached = self.__dict__["_augmented_tail"] = augmented_tail_values(
-                value, self.n_head, self.n_slots - self.n_head
-            )
-        return cached
+            norms = self.__dict__["_value_norms"] = tail_value_norms(value, self.n_head, self.n_slots - self.n_head)
+        return norms
 
     @classmethod
     def from_selection(cls, selection: Selection, context_length: int) -> "HajekState":
@@ -389,7 +386,7 @@ class AttentionTimesValueNormPress(ScorerPress):
     proportional to for the Hájek estimator to have low variance. The attention of the last
     ``window_size`` context queries (causal: the last keys are seen by fewer queries; the press
     that uses this one protects the recent window anyway) is averaged over those queries and over
-    the query heads of each KV group. The eager attentions are used when the layer returns them.
+    the query heads of each KV group.
     """
 
     compression_ratio: float = 0.0
@@ -403,10 +400,10 @@ class AttentionTimesValueNormPress(ScorerPress):
         from certkv.gate.agreement import window_attention
 
         batch, kv_heads, k_len, _ = keys.shape
-        if attentions is not None:
-            weights = attentions[..., -min(self.window_size, attentions.shape[-2]) :, :].float()
-        else:
-            weights = window_attention(module, hidden_states, keys, kwargs["position_embeddings"], self.window_size)
+        # Always from the window queries, even when the layer returned eager attention weights:
+        # calibration may run eager attention and the runtime sdpa, and the sampled entries must
+        # not depend on which (rounding differs, and π drives the Poisson draw).
+        weights = window_attention(module, hidden_states, keys, kwargs["position_embeddings"], self.window_size)
         attention = weights.mean(dim=-2)
         attention = attention.view(batch, kv_heads, attention.shape[1] // kv_heads, k_len).mean(dim=2)
         return attention * torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
