@@ -52,6 +52,19 @@ class Selections:
     by_candidate: dict[str, list] = field(default_factory=dict)
 
 
+def _score(press, module, hidden_states, keys, values, attentions, kwargs):
+    """The press's scores; SnapKV's (exactly SnapKVPress itself, not a subclass) the cheaper way."""
+    from kvpress import SnapKVPress
+
+    if type(press) is SnapKVPress and attentions is None:
+        from certkv.engine.snapkv_scores import snapkv_scores
+
+        return snapkv_scores(
+            module, hidden_states, keys, press.window_size, press.kernel_size, kwargs["position_embeddings"]
+        )
+    return press.score(module, hidden_states, keys, values, attentions, kwargs)
+
+
 @contextmanager
 def scoring_hooks(model, presses: dict[str, object], selections: Selections):
     """Register hooks that record each press's kept indices during the next full prefill.
@@ -86,7 +99,7 @@ def scoring_hooks(model, presses: dict[str, object], selections: Selections):
                     selections.by_candidate[policy].append(None)  # kvpress keeps the cache untouched
                     continue
                 if scores is None:
-                    scores = first.score(module, hidden_states, keys, values, output[1], kwargs)
+                    scores = _score(first, module, hidden_states, keys, values, output[1], kwargs)
                 n_kept = compute_n_kept(k_len, press.compression_ratio)
                 selections.by_candidate[policy].append(scores.topk(n_kept, dim=-1).indices)
         return output
