@@ -249,7 +249,10 @@ def test_demo_contract_validates():
     assert c.name == "demo" and c.model == "embedded" and c.utility == "exact_match"
     assert (c.tolerance, c.risk, c.confidence, c.procedure) == (0.0, 0.05, 0.95, "fixed_sequence")
     grid = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
-    assert [(p.press, p.kv_retained) for p in c.policies] == [(n, grid) for n in ("snapkv", "streaming_llm", "knorm")]
+    presses = ("snapkv", "streaming_llm", "knorm", "probabilistic")
+    assert [(p.press, p.kv_retained) for p in c.policies] == [(n, grid) for n in presses]
+    assert c.gate is not None and len(c.gate.agreement_drop) == 3 and len(c.gate.certificate) == 2
+    assert len(c.sequences()) == 3 * 4 + 4 * 3  # (1 + T) per entry, (1 + T)(1 + B) for probabilistic
     assert c.resolved_store_path() == REPO / "runs" / "demo"
     assert c.resolved_requests_path() == REPO / "calibration" / "demo.jsonl"
     if c.resolved_requests_path().exists():
@@ -452,4 +455,5 @@ def test_unset_later_keys_leave_the_hash_alone(tmp_path):
     ordered = load_contract(write(tmp_path, VALID + "order: [snapkv@0.90, streaming_llm@0.80, snapkv@0.50, "
                                   "streaming_llm@0.40, snapkv@0.10]\n", "o.yaml"))
     assert '"order"' in ordered.canonical_json() and ordered.sha256() != plain.sha256()
-    assert load_contract(REPO / "contracts" / "demo.yaml").sha256().startswith("d1109ecb8167")
+    # (runs/demo itself was recalibrated when demo.yaml gained its gate grid and probabilistic press)
+    assert '"gate"' in plain.canonical_json()  # `gate` predates stores: present, null when unset
