@@ -51,7 +51,8 @@ class Probe:
         k_all = torch.cat([full_k, key[:, :, state.n_slots :]], dim=2)
         v_all = torch.cat([full_v, value[:, :, state.n_slots :]], dim=2)
         n_all = k_all.shape[2]
-        allowed = torch.arange(n_all).view(1, -1) <= (n_all - q_len + torch.arange(q_len)).view(-1, 1)
+        positions = torch.arange(n_all, device=query.device)
+        allowed = positions.view(1, -1) <= (n_all - q_len + torch.arange(q_len, device=query.device)).view(-1, 1)
         o_full = torch.nn.functional.scaled_dot_product_attention(
             query, k_all, v_all, attn_mask=allowed, scale=scaling, enable_gqa=True
         )  # (B, H, Q, d)
