@@ -97,8 +97,7 @@ class Engine:
         a 10%-cache row to a 90%-cache row costs real memory traffic, so a batch closes once its
         padding would exceed `max_padding_bytes`, or its size `max_batch_bytes`.
         """
-        layer = cache.layers[0]
-        per_token = len(cache.layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
+        per_token = _bytes_per_token(cache)
         chunks: list[list[Candidate]] = []
         current: list[Candidate] = []
         for c in sorted(self.fast, key=lambda c: -kept[c.policy]):
@@ -116,8 +115,7 @@ class Engine:
     def _probabilistic_chunks(self, cache, width: int) -> list[list[Candidate]]:
         """Probabilistic candidates in batches of at most `max_batch_bytes` (a row holds up to the
         whole context: sampled rows are padded to the widest)."""
-        layer = cache.layers[0]
-        per_row = len(cache.layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() * width
+        per_row = _bytes_per_token(cache) * width
         size = max(1, self.max_batch_bytes // max(1, per_row))
         return [self.probabilistic[i : i + size] for i in range(0, len(self.probabilistic), size)]
 
@@ -229,6 +227,12 @@ class Engine:
             c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "pipeline",
             time.perf_counter() - t0,
         )
+
+
+def _bytes_per_token(cache) -> int:
+    """Bytes one token takes in `cache`: keys and values of every layer and KV head."""
+    layer = cache.layers[0]
+    return len(cache.layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
 
 
 def press_precondition_failure(press, context_length: int) -> str | None:
