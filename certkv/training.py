@@ -51,12 +51,14 @@ def model_config(vocab_size: int, bos: int, eos: int, pad: int, layers: int = 2)
     )
 
 
-def new_model(config, seed: int):
+def new_model(config, seed: int, shared_vector: bool = True):
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if not shared_vector:
+        return model
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         shared = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(seed)) * emb.std()
@@ -197,7 +199,7 @@ def train(args) -> Path:
     ckpt_path = out / "checkpoint.pt"
 
     def fresh(seed: int):
-        model = new_model(config, seed)
+        model = new_model(config, seed, shared_vector=not args.no_shared_vector)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
         return model, opt, {"seed": seed, "step": 0, "stage": 0, "since_start": 0, "history": []}
 
@@ -328,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--window", type=int, default=20, help="steps in the running accuracy")
     p.add_argument("--advance-at", type=float, default=0.9)
-    p.add_argument("--patience", type=int, default=1500, help="steps before a run that is not learning restarts")
+    p.add_argument("--patience", type=int, default=6000,
+                   help="steps before a run that is not learning restarts (the key-matching plateau can last"
+                   " well over 1500 steps; restarting earlier throws away runs about to learn)")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
@@ -338,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--needle-share", type=float, default=0.1, help="share of single-needle sequences")
     p.add_argument("--advance-on", default="all", choices=["all", "single_needle", "multi_key"],
                    help="which tasks' running accuracy advances the length curriculum")
+    p.add_argument("--no-shared-vector", action="store_true",
+                   help="do not add the shared random vector to the embeddings at initialisation")
     p.add_argument("--dense", action="store_true", help="multi-key contexts of records only, no filler")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
