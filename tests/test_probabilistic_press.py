@@ -150,12 +150,16 @@ def test_hajek_attention_matches_explicit_computation():
     scale = d**-0.5
     pi = sel.log_pi.exp()
 
-    for q_len, mask in ((new, "bool"), (new, None), (1, None)):
+    for q_len, mask in ((new, "bool"), (new, "float"), (new, None), (1, None), (1, "bool")):
         keys_q, values_q = keys[:, :, : n + q_len], values[:, :, : n + q_len]
         kl = n + q_len
         query = torch.randn(batch, kv_heads * groups, q_len, d, generator=g)
         allowed = torch.arange(kl).unsqueeze(0) <= (kl - q_len + torch.arange(q_len)).unsqueeze(1)
-        attention_mask = allowed.expand(batch, 1, q_len, kl) if mask == "bool" else None
+        attention_mask = None
+        if mask == "bool":
+            attention_mask = allowed.expand(batch, 1, q_len, kl)
+        elif mask == "float":  # transformers' additive form
+            attention_mask = torch.where(allowed, 0.0, float("-inf")).expand(batch, 1, q_len, kl)
         module = _fake_module(state, groups)
         out, _ = hajek_attention(module, query, keys_q, values_q, attention_mask, scaling=scale)
         assert out.shape == (batch, q_len, kv_heads * groups, d)

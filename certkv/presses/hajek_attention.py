@@ -74,32 +74,38 @@ def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         certificates.append(torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=query.device))
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
 
-    output, weights = corrected_attention(query, key, value, attention_mask, scaling, state.bias)
-    norms = state.value_norms(value)
-    certificates.append(certificate(weights, output, value, state.tail_weight, state.n_head, norms))
+    output, weights = corrected_attention(query, key, value, attention_mask, scaling, state)
+    certificates.append(certificate(weights, output, value, state).view(batch, kv_heads, -1, q_len).amax(dim=2))
     heads, head_dim = query.shape[1], value.shape[-1]
     output = output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
     return output, None
 
 
-def corrected_attention(query, key, value, attention_mask, scaling, bias):
-    """Attention with `bias` (B, H_kv, N) added to the logits of the first N keys.
+def corrected_attention(query, key, value, attention_mask, scaling, state):
+    """Attention with the state's bias (−log π, −inf for padding) added to the logits of the
+    cache's first N keys.
 
-    Returns the output (B, H_kv, G, Q, d_v) in the value dtype and the float32 weights
-    (B, H_kv, G, Q, K), G query heads per KV head. `attention_mask` is transformers' 4D mask
-    (boolean: True = attend, or additive float) or None (causal over the last Q keys).
+    Works on (B·H_kv) batches of the G query heads of each KV head, which share their keys:
+    returns the output (B·H_kv, G·Q, d_v) in the value dtype and the float32 weights
+    (B·H_kv, G·Q, K). `attention_mask` is transformers' 4D mask (boolean: True = attend, or
+    additive float) or None (causal over the last Q keys). For a float32 model the scaling, the
+    product and the bias are one ``baddbmm``: a decoding step is a handful of kernel calls, which
+    is what it costs on a CPU at these sizes.
     """
     import torch
 
     batch, heads, q_len, head_dim = query.shape
-    kv_heads, k_len, n_slots = key.shape[1], key.shape[2], bias.shape[-1]
+    kv_heads, k_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     if scaling is None:
         scaling = head_dim**-0.5
-    q = (query * scaling).reshape(batch, kv_heads, groups * q_len, head_dim)
-    logits = torch.matmul(q, key.transpose(-1, -2)).float()
-    logits[..., :n_slots] += bias.unsqueeze(2)
-    logits = logits.view(batch, kv_heads, groups, q_len, k_len)
+    q = query.reshape(batch * kv_heads, groups * q_len, head_dim)
+    k = key.reshape(batch * kv_heads, k_len, head_dim)
+    bias = state.logit_bias(k_len)  # (B·H_kv, 1, K) float32
+    if q.dtype == torch.float32:
+        logits = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scaling)
+    else:  # the logits in the model's dtype, the bias and the softmax in float32 (like eager attention)
+        logits = torch.bmm(q * scaling, k.transpose(1, 2)).float().add_(bias)
     if attention_mask is not None:
         if attention_mask.shape[-1] < k_len:
             raise RuntimeError(
@@ -108,56 +114,52 @@ def corrected_attention(query, key, value, attention_mask, scaling, bias):
             )
         mask = attention_mask[..., :k_len]
         mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.view(mask.shape[0], kv_heads, groups, q_len, k_len)
+        view = logits.view(batch, kv_heads, groups, q_len, k_len)
         if mask.dtype == torch.bool:
-            logits = logits.masked_fill(~mask, float("-inf"))
+            view.masked_fill_(~mask, float("-inf"))
         else:
-            logits = logits + mask.float()
+            view.add_(mask.float())
     elif q_len > 1:
         positions = torch.arange(k_len, device=logits.device)
         future = positions.unsqueeze(0) > (k_len - q_len + torch.arange(q_len, device=logits.device)).unsqueeze(1)
-        logits = logits.masked_fill(future, float("-inf"))
+        logits.view(batch * kv_heads, groups, q_len, k_len).masked_fill_(future, float("-inf"))
     weights = torch.softmax(logits, dim=-1)
     if attention_mask is not None:  # only a mask can hide every key of a row (its own is never padding)
-        weights = torch.nan_to_num(weights, nan=0.0)
-    output = torch.matmul(weights.to(value.dtype).view(batch, kv_heads, groups * q_len, k_len), value)
-    return output.view(batch, kv_heads, groups, q_len, value.shape[-1]), weights
+        weights = torch.nan_to_num_(weights, nan=0.0)
+    v = value.reshape(batch * kv_heads, k_len, value.shape[-1])
+    output = torch.bmm(weights.to(v.dtype), v)
+    return output, weights
 
 
-def certificate(weights, output, value, tail_weight, n_head: int, value_norms=None):
-    """ĉ = sqrt(Σ_tail (1 − π_i) ŵ_i² ‖v_i − ô‖²) per query head, max over each KV group.
+def certificate(weights, output, value, state):
+    """ĉ² summed in one pass: sqrt(Σ_tail (1 − π_i) ŵ_i² ‖v_i − ô‖²) per query position and head.
 
-    `weights` (B, H_kv, G, Q, K) float32, `output` (B, H_kv, G, Q, d_v), `value` (B, H_kv, K, d_v),
-    `tail_weight` (B, H_kv, T) = 1 − π for the kept tail slots ``[n_head, n_head + T)`` (0 for
-    padding). `value_norms`, ‖v_i‖² of those slots (B, H_kv, T), may be passed precomputed (the
-    kept slots never change while decoding; T floats, unlike a copy of the values). Returns float32
-    (B, H_kv, Q).
+    `weights` (B·H_kv, G·Q, K) float32 and `output` (B·H_kv, G·Q, d_v) from
+    :func:`corrected_attention`, `value` the layer's (B, H_kv, K, d_v) cache values. Returns float32
+    (B·H_kv, G·Q); the caller takes the max over each KV head's group.
 
-    With a_i = (1 − π_i) ŵ_i², the sum is Σ a_i ‖v_i‖² − 2 ô·(Σ a_i v_i) + ‖ô‖² Σ a_i: one
-    (T × d) matmul per step and no (…, T, d) intermediate; clamped at 0 against rounding.
+    With a_i = (1 − π_i) ŵ_i² over the kept tail, the sum is Σ a_i ‖v_i‖² − 2 ô·Σ a_i v_i +
+    ‖ô‖² Σ a_i. Σ a_i v_i is one matmul with the cached values; Σ a_i ‖v_i‖² and Σ a_i are one
+    matmul with the state's (T × 2) [‖v_i‖², 1] (the kept slots never change while decoding, so it
+    is built once: two floats per slot, not a copy of the values). Clamped at 0 against rounding.
     """
     import torch
 
-    batch, kv_heads, groups, q_len, _ = weights.shape
-    n_tail = tail_weight.shape[-1]
+    n_head, n_tail = state.n_head, state.n_tail
     if n_tail == 0:
-        return torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=weights.device)
-    v = value[:, :, n_head : n_head + n_tail]
-    if value_norms is None:
-        value_norms = tail_value_norms(value, n_head, n_tail)
+        return torch.zeros(weights.shape[:2], dtype=torch.float32, device=weights.device)
+    rows, _, k_len = weights.shape
+    tail_values = value.reshape(rows, k_len, value.shape[-1])[:, n_head : n_head + n_tail]
     w = weights[..., n_head : n_head + n_tail]
-    a = (w * w).mul_(tail_weight[:, :, None, None, :]).view(batch, kv_heads, groups * q_len, n_tail)
-    weighted = torch.matmul(a.to(v.dtype), v).float()  # Σ a_i v_i
-    o = output.float().reshape(batch, kv_heads, groups * q_len, -1)
-    variance = (
-        (a * value_norms[:, :, None, :]).sum(-1)
-        + (o * (o * a.sum(-1, keepdim=True) - 2 * weighted)).sum(-1)
-    )
-    return variance.clamp_min(0).sqrt().view(batch, kv_heads, groups, q_len).amax(dim=2)
-
-
-def tail_value_norms(value, n_head: int, n_tail: int):
-    """‖v_i‖² (float32) of the tail slots ``[n_head, n_head + n_tail)``."""
-    return value[:, :, n_head : n_head + n_tail].float().square().sum(-1)
+    a = w * state.tail_weight_rows
+    a.mul_(w)
+    weighted = torch.bmm(a.to(tail_values.dtype), tail_values).float()  # Σ a_i v_i
+    moments = torch.bmm(a, state.tail_moments(value))  # [Σ a_i ‖v_i‖², Σ a_i]
+    o = output.float()
+    # Σ a‖v‖² − 2 ô·(Σ a v − ½ ô Σ a)
+    centred = torch.addcmul(weighted, o, moments[..., 1:], value=-0.5)
+    variance = torch.add(moments[..., 0], torch.linalg.vecdot(o, centred), alpha=-2)
+    return variance.clamp_min_(0).sqrt_()
 
 
 def register() -> None:

@@ -265,15 +265,38 @@ class HajekState:
     def n_slots(self) -> int:
         return self.log_pi.shape[-1]
 
-    def value_norms(self, value):
-        """‖v_i‖² of the tail slots, computed at the first decoding step and kept (T floats per
-        KV head): the kept entries never change while the answer is decoded."""
-        norms = self.__dict__.get("_value_norms")
-        if norms is None:
-            from certkv.presses.hajek_attention import tail_value_norms
+    @property
+    def n_tail(self) -> int:
+        return self.n_slots - self.n_head
 
-            norms = self.__dict__["_value_norms"] = tail_value_norms(value, self.n_head, self.n_slots - self.n_head)
-        return norms
+    @property
+    def tail_weight_rows(self):
+        """`tail_weight` as (B·H_kv, 1, T), the layout of the attention's per-KV-head batches."""
+        return self.tail_weight.reshape(-1, 1, self.n_tail)
+
+    def logit_bias(self, k_len: int):
+        """(B·H_kv, 1, k_len) float32: `bias` for the first N keys, 0 for the tokens decoded after.
+
+        A view of one buffer with room to spare, so a decoding step adds the correction inside its
+        logits product instead of building a bias per step.
+        """
+        buffer = self.__dict__.get("_logit_bias")
+        if buffer is None or buffer.shape[-1] < k_len:
+            width = max(k_len, self.n_slots) + 64
+            buffer = torch.zeros(self.bias.shape[0] * self.bias.shape[1], 1, width, device=self.bias.device)
+            buffer[:, 0, : self.n_slots] = self.bias.reshape(-1, self.n_slots)
+            self.__dict__["_logit_bias"] = buffer
+        return buffer[..., :k_len]
+
+    def tail_moments(self, value):
+        """(B·H_kv, T, 2) float32 [‖v_i‖², 1] of the kept tail slots, built at the first decoding step
+        from the layer's values and kept: the kept entries never change while the answer is decoded."""
+        moments = self.__dict__.get("_tail_moments")
+        if moments is None:
+            tail = value[:, :, self.n_head : self.n_slots].float()
+            norms = tail.square().sum(-1).reshape(-1, self.n_tail, 1)
+            moments = self.__dict__["_tail_moments"] = torch.cat([norms, torch.ones_like(norms)], dim=-1)
+        return moments
 
     @classmethod
     def from_selection(cls, selection: Selection, context_length: int) -> "HajekState":
