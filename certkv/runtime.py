@@ -203,7 +203,7 @@ class CertifiedRuntime:
         import torch
         from transformers import DynamicCache
 
-        from certkv.engine.engine import _continues_from_compressed_length, _kept_entries, is_probabilistic_press
+        from certkv.engine.engine import continues_from_compressed_length, is_probabilistic_press, kept_entries
         from certkv.gate.agreement import AgreementRecorder
         from certkv.generation import greedy_decode
         from certkv.presses.hajek_attention import certificate_max, latest_certificate, use_hajek_attention
@@ -236,8 +236,8 @@ class CertifiedRuntime:
                 decision.agreement_drop = recorder.drop()
                 gated = decision.agreement_drop < self.threshold
             if not gated:
-                kept = kept_fraction(self.model) if probabilistic else _kept_entries(cache, self.model) / n_ctx
-                position = cache.get_seq_length() if _continues_from_compressed_length(self.press) else n_ctx
+                kept = kept_fraction(self.model) if probabilistic else kept_entries(cache, self.model) / n_ctx
+                position = cache.get_seq_length() if continues_from_compressed_length(self.press) else n_ctx
                 check = escalate if probabilistic and self.bound is not None else None
                 ids = greedy_decode(self.model, cache, enc.question_ids, position, max_new, after_step=check)
                 if probabilistic:

@@ -217,10 +217,10 @@ class Engine:
         cache = DynamicCache()
         with torch.no_grad(), c.press(self.model):
             self.model.model(input_ids=context_ids, past_key_values=cache)
-        kept = _kept_entries(cache, self.model)
+        kept = kept_entries(cache, self.model)
         # As kvpress's pipeline: presses that re-rotate or restore keys continue positions from the
         # compressed length instead of the original one.
-        if _continues_from_compressed_length(c.press):
+        if continues_from_compressed_length(c.press):
             n_ctx = cache.get_seq_length()
         ids = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens)
         return CandidateAnswer(
@@ -257,7 +257,9 @@ def is_probabilistic_press(press) -> bool:
     return isinstance(press, ProbabilisticPress)
 
 
-def _continues_from_compressed_length(press) -> bool:
+def continues_from_compressed_length(press) -> bool:
+    """Presses after which kvpress continues positions from the compressed cache's length (they
+    re-rotate or restore keys), not from the context length."""
     from kvpress import FinchPress, KeyRerotationPress, RestoreKVPress
 
     return isinstance(press, (KeyRerotationPress, RestoreKVPress)) or (
@@ -276,17 +278,18 @@ def needs_attention_weights(press) -> bool:
     return False
 
 
-def _kept_entries(cache, model) -> float:
+def kept_entries(cache, model) -> float:
     """Mean number of context entries kept per layer and KV head (head-wise masks counted out)."""
-    language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    from certkv.model_layers import attention_modules
+
     total = 0.0
-    layers = list(language_model.layers)
-    for layer_idx, layer in enumerate(layers):
+    modules = attention_modules(model)
+    for layer_idx, module in enumerate(modules):
         length = cache.layers[layer_idx].keys.shape[2]
-        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        masked = getattr(module, "masked_key_indices", None)
         if masked is not None:
             n_heads = cache.layers[layer_idx].keys.shape[1]
             total += length - masked[0].numel() / n_heads
         else:
             total += length
-    return total / len(layers)
+    return total / len(modules)

@@ -74,7 +74,9 @@ def scoring_hooks(model, presses: dict[str, object], selections: Selections):
     from kvpress.presses.base_press import is_prefilling
     from kvpress.utils import compute_n_kept, extract_keys_and_values
 
-    language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    from certkv.model_layers import decoder
+
+    language_model = decoder(model)
     for press in presses.values():
         press.post_init_from_model(model)
     groups: dict[tuple, list[str]] = {}

@@ -203,17 +203,16 @@ class AgreementRecorder:
     @contextmanager
     def attach(self, model):
         """Register :meth:`forward_hook` on every attention layer of `model` inside the block."""
-        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        handles = [
-            layer.self_attn.register_forward_hook(self.forward_hook, with_kwargs=True)
-            for layer in language_model.layers
-        ]
+        from certkv.model_layers import attention_modules
+
+        modules = attention_modules(model)
+        handles = [module.register_forward_hook(self.forward_hook, with_kwargs=True) for module in modules]
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
-            forget_window_attention(layer.self_attn for layer in language_model.layers)
+            forget_window_attention(modules)
 
     def per_layer(self) -> list[list[float]]:
         """Agreements as [batch element][layer in layer_idx order]."""

@@ -58,6 +58,8 @@ from kvpress.presses.base_press import BasePress
 from kvpress.presses.scorer_press import ScorerPress
 from kvpress.utils import compute_n_kept
 
+from certkv.model_layers import attention_modules
+
 #: Attribute of an attention module holding its layer's :class:`HajekState` (or None).
 STATE_ATTR = "certkv_hajek"
 #: Attribute of an attention module holding the list of per-step certificate tensors.
@@ -322,12 +324,6 @@ def set_state(module, state: HajekState | None) -> None:
 
 def clear_state(module) -> None:
     set_state(module, None)
-
-
-def attention_modules(model) -> list:
-    """The attention layers of a transformers causal LM, in layer order."""
-    language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    return [layer.self_attn for layer in language_model.layers]
 
 
 def clear_states(model) -> None:
