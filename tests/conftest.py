@@ -28,6 +28,21 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
     )
 
 
+def run_main(*args: str) -> int:
+    """Run `certkv ARGS` in this process (fast, no interpreter start); returns the exit code."""
+    from certkv.cli import main
+
+    old = sys.argv
+    sys.argv = ["certkv", *args]
+    try:
+        main()
+        return 0
+    except SystemExit as exc:
+        return 0 if exc.code is None else int(exc.code)
+    finally:
+        sys.argv = old
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded model and tokenizer, loaded once per test session."""

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from certkv.certifier import certify
+from conftest import run_main
 from certkv.contract import load_contract
 from certkv.contract_spec import certification_spec, load_records
 from certkv.store import CalibrationStore
@@ -97,21 +98,6 @@ def build_store(folder: Path, n: int = N_REQUESTS, seed: int = 1, skip: int = 0)
 @pytest.fixture(scope="module")
 def contract_path(tmp_path_factory) -> Path:
     return build_store(tmp_path_factory.mktemp("certify"), skip=1)
-
-
-def run_main(*args: str) -> int:
-    """Run `certkv ARGS` in this process (fast); returns the exit code."""
-    from certkv.cli import main
-
-    old = sys.argv
-    sys.argv = ["certkv", *args]
-    try:
-        main()
-        return 0
-    except SystemExit as exc:
-        return 0 if exc.code is None else int(exc.code)
-    finally:
-        sys.argv = old
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from scipy import stats
 
 from certkv import press_registry
 from certkv.certifier import certify, load_operating_point
+from conftest import run_main
 from certkv.contract import gated_policy_name, load_contract, parse_contract
 from certkv.contract_spec import certification_spec, load_records
 from certkv.errors import CertkvError
@@ -47,20 +47,6 @@ def contract_of(**changes):
     data = json.loads(json.dumps(BASE))
     data.update(changes)
     return parse_contract(data, "test")
-
-
-def run_main(*args: str) -> int:
-    from certkv.cli import main
-
-    old = sys.argv
-    sys.argv = ["certkv", *args]
-    try:
-        main()
-        return 0
-    except SystemExit as exc:
-        return 0 if exc.code is None else int(exc.code)
-    finally:
-        sys.argv = old
 
 
 @pytest.fixture(autouse=True)

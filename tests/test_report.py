@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from certkv.contract import load_contract
-from test_certify_cli import build_store, run_main  # the synthetic store and in-process CLI
+from conftest import run_main
+from test_certify_cli import build_store  # the synthetic store
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ("risk_vs_kv.png", "per_task.png", "validation.png")
