@@ -57,13 +57,24 @@ def new_model(config, seed: int, shared_vector: bool = True):
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    if not shared_vector:
-        return model
+    if shared_vector:
+        add_shared_vector(model, seed)
+    return model
+
+
+def add_shared_vector(model, seed: int, scale: float = 1.0) -> None:
+    """Add one random vector (scale × the embeddings' std) to every token embedding.
+
+    A component common to all tokens lets attention heads score by position alone (RoPE rotates
+    it like any other part of the query and key), which is how "attend to the last few tokens"
+    heads form. Seeded, so a run that adds it later does so reproducibly.
+    """
+    import torch
+
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
-        shared = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(seed)) * emb.std()
-        emb.add_(shared)  # a content-free component common to every token
-    return model
+        shared = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(seed)) * emb.std() * scale
+        emb.add_(shared)
 
 
 class Batcher:
@@ -199,7 +210,7 @@ def train(args) -> Path:
     ckpt_path = out / "checkpoint.pt"
 
     def fresh(seed: int):
-        model = new_model(config, seed, shared_vector=not args.no_shared_vector)
+        model = new_model(config, seed, shared_vector=args.shared_vector == "init")
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
         return model, opt, {"seed": seed, "step": 0, "stage": 0, "since_start": 0, "history": []}
 
@@ -257,6 +268,13 @@ def train(args) -> Path:
         mk_acc = sum(c for _, (c, _) in window) / max(1, sum(t for _, (_, t) in window))
         if mk_acc > 0.6 and len(window) == args.window:
             state["multi_key_matching"] = True
+        if args.shared_vector == "on-match" and state.get("multi_key_matching") and not state.get("shared_vector_added"):
+            # Key matching forms sooner without the shared vector, but copying the digits after
+            # the first needs position heads (match the last few tokens, not the last one), which
+            # the shared vector makes possible: add it once matching has started.
+            add_shared_vector(model, state["seed"], args.shared_vector_scale)
+            state["shared_vector_added"] = state["step"]
+            log(f"step {state['step']}: multi-key matching started; shared vector added (scale {args.shared_vector_scale})")
         if state["step"] % args.log_every == 0:
             log(
                 f"step {state['step']} len {max_len} loss {loss.item():.4f} acc {acc:.3f} multi_key_first {mk_acc:.3f} "
@@ -342,8 +360,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--needle-share", type=float, default=0.1, help="share of single-needle sequences")
     p.add_argument("--advance-on", default="all", choices=["all", "single_needle", "multi_key"],
                    help="which tasks' running accuracy advances the length curriculum")
-    p.add_argument("--no-shared-vector", action="store_true",
-                   help="do not add the shared random vector to the embeddings at initialisation")
+    p.add_argument("--shared-vector", choices=["init", "on-match", "none"], default="init",
+                   help="when to add the shared random vector to the embeddings: at initialisation, once"
+                   " multi-key matching has started, or never")
+    p.add_argument("--shared-vector-scale", type=float, default=0.5,
+                   help="with --shared-vector on-match: its size relative to the embeddings' std")
     p.add_argument("--dense", action="store_true", help="multi-key contexts of records only, no filler")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
