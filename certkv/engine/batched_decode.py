@@ -83,6 +83,10 @@ def padded_cache(full_cache, selections: list[list], context_length: int, reserv
     topk order, or None for "keep everything" (kvpress leaves such a cache untouched). Returns a
     cache of shape (candidates, kv_heads, longest, head_dim) per layer with room for `reserve`
     more tokens, the 0/1 mask of real (non-padding) entries, and each candidate's kept count.
+
+    Rows are right-aligned: a row's kept entries end at slot ``longest`` and its padding comes
+    first, so the rows that keep at most n entries only need the keys from ``longest - n`` on —
+    one slice of the batch, which is how attention skips the padding (:func:`row_groups`).
     """
     import torch
     from transformers import DynamicCache
@@ -103,9 +107,9 @@ def padded_cache(full_cache, selections: list[list], context_length: int, reserv
         for row, sel in enumerate(selections):
             kept = sel[layer_idx]
             if kept is None:
-                idx[row, :, :context_length] = torch.arange(context_length, device=device)
+                idx[row, :, width - context_length : width] = torch.arange(context_length, device=device)
             else:
-                idx[row, :, : kept.shape[2]] = kept[0]
+                idx[row, :, width - kept.shape[2] : width] = kept[0]
         # Whole head_dim vectors are copied by index_select on (heads * length, dim) rows, much
         # faster than an element-wise gather with an index expanded over head_dim.
         flat = (idx + torch.arange(n_heads, device=device).view(1, -1, 1) * length).view(-1)
@@ -118,8 +122,28 @@ def padded_cache(full_cache, selections: list[list], context_length: int, reserv
         batch_values = batch_values.view(n, n_heads, width + reserve, v_dim)
         cache.layers.append(layer_class(batch_keys, batch_values, width))
     positions = torch.arange(width, device=device).unsqueeze(0)
-    valid = (positions < torch.as_tensor(lengths, device=device).unsqueeze(1)).long()
+    valid = (positions >= width - torch.as_tensor(lengths, device=device).unsqueeze(1)).long()
     return cache, valid, lengths
+
+
+def row_groups(mask) -> list[tuple[int, int, int]] | None:
+    """Consecutive batch rows that share their first real slot, as (first row, end row, slot).
+
+    With right-aligned rows (:func:`padded_cache`) the slots before a row's first real one are
+    padding for it; attention over each group's slice of the keys from that slot on computes the
+    same outputs as attention over the whole padded width, without the padded part. None when
+    grouping saves nothing (one group starting at slot 0).
+    """
+    first = mask.argmax(dim=1).tolist()  # the first 1 of each row (rows always have one)
+    groups: list[tuple[int, int, int]] = []
+    for row, slot in enumerate(first):
+        if groups and groups[-1][2] == slot:
+            groups[-1] = (groups[-1][0], row + 1, slot)
+        else:
+            groups.append((row, row + 1, slot))
+    if len(groups) == 1 and groups[0][2] == 0:
+        return None
+    return groups
 
 
 def decode_candidates(
@@ -147,6 +171,7 @@ def decode_candidates(
 
     register()
     state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids)
+    state.groups = row_groups(mask)
     with use_attention(model, NAME):
         state.verify_draft(question_ids, draft)
         lookup = PromptLookup(list(context_ids or []) + list(question_ids))
@@ -207,6 +232,7 @@ class _Decoding:
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.answers: list[list[int]] = [[] for _ in range(self.n)]
         self.active: list[int] = []
+        self.groups: list[tuple[int, int, int]] | None = None  # see row_groups
 
     def finished(self, tokens: list[int]) -> bool:
         # kvpress's rule: at most max_new_tokens, stop after a stop token but never on the first.
@@ -216,8 +242,10 @@ class _Decoding:
         """Greedy token after each fed position (after the last `keep` ones when keep > 0)."""
         import torch
 
+        from certkv.engine.attention import attention_row_groups
+
         self.mask = torch.cat([self.mask, new_mask], dim=1)
-        with torch.no_grad():
+        with torch.no_grad(), attention_row_groups(self.groups):
             out = self.model(
                 input_ids=inputs, past_key_values=self.cache, position_ids=positions, attention_mask=self.mask,
                 logits_to_keep=keep,
@@ -262,6 +290,7 @@ class _Decoding:
             layer.select_rows(index)
         self.mask = self.mask.index_select(0, index)
         self.rows = list(self.active)
+        self.groups = row_groups(self.mask)
 
     def step(self, proposals: dict[int, list[int]]) -> None:
         """Feed each active row its pending token plus a proposal; accept what its greedy choice confirms."""

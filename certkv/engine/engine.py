@@ -67,7 +67,7 @@ class Engine:
         candidates: list[Candidate],
         max_new_tokens: int = 8,
         max_batch_bytes: int = 4 << 30,
-        max_padding_bytes: int = 64 << 20,
+        max_padding_bytes: int = 1 << 30,
         agreement: dict | None = None,
     ):
         self.model = model
@@ -92,10 +92,10 @@ class Engine:
     def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[Candidate]]:
         """Fast candidates grouped into padded batches, longest kept caches first.
 
-        Rows are padded to the longest cache of their batch. One batch is best while the caches
-        are small (each forward costs the same fixed overhead); for long contexts the padding of
-        a 10%-cache row to a 90%-cache row costs real memory traffic, so a batch closes once its
-        padding would exceed `max_padding_bytes`, or its size `max_batch_bytes`.
+        Rows are padded to the longest cache of their batch, but attention skips the padding (rows
+        are right-aligned and attended in groups of equal length), so padding costs only memory
+        and the gather: one batch is best (each forward reads every weight once). A batch closes
+        once its padding would exceed `max_padding_bytes`, or its size `max_batch_bytes`.
         """
         per_token = _bytes_per_token(cache)
         chunks: list[list[Candidate]] = []

@@ -1,0 +1,48 @@
+"""The candidate batch's attention skips each row's padding and gives the padded batch's outputs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _right_aligned_mask(lengths, width, new):
+    slots = torch.arange(width + new).unsqueeze(0)
+    starts = width - torch.tensor(lengths).unsqueeze(1)
+    return (slots >= starts).long()
+
+
+def test_row_groups_split_rows_by_first_real_slot():
+    from certkv.engine.batched_decode import row_groups
+
+    mask = _right_aligned_mask([9, 9, 6, 2, 2], 9, 3)
+    assert row_groups(mask) == [(0, 2, 0), (2, 3, 3), (3, 5, 7)]
+    assert row_groups(_right_aligned_mask([9, 9], 9, 2)) is None  # nothing to skip
+
+
+def test_grouped_attention_equals_attention_over_the_whole_padded_width():
+
+    from certkv.engine.attention import attention_row_groups, gqa_sdpa_attention
+    from certkv.engine.batched_decode import row_groups
+
+    g = torch.Generator().manual_seed(3)
+    lengths, width, q_len, kv_heads, heads, d = [40, 40, 25, 11, 11, 3], 40, 5, 2, 4, 8
+    mask2d = _right_aligned_mask(lengths, width, q_len)
+    k_len = width + q_len
+    causal = torch.arange(k_len).unsqueeze(0) <= (width + torch.arange(q_len)).unsqueeze(1)
+    mask4d = (mask2d.bool()[:, None, None, :] & causal[None, None]).expand(len(lengths), 1, q_len, k_len)
+    query = torch.randn(len(lengths), heads, q_len, d, generator=g)
+    key = torch.randn(len(lengths), kv_heads, k_len, d, generator=g)
+    value = torch.randn(len(lengths), kv_heads, k_len, d, generator=g)
+    module = type("M", (), {"is_causal": True})()
+    whole, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
+    groups = row_groups(mask2d)
+    assert groups is not None and len(groups) == 4
+    with attention_row_groups(groups):
+        grouped, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
+    torch.testing.assert_close(grouped, whole, atol=1e-6, rtol=1e-5)
+    # padding slots really are skipped: garbage there changes nothing
+    key[3:, :, :29] = float("nan")
+    value[3:, :, :29] = float("nan")
+    with attention_row_groups(groups):
+        poisoned, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
+    torch.testing.assert_close(poisoned, whole, atol=1e-6, rtol=1e-5)
