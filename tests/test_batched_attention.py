@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -19,13 +20,14 @@ def test_row_groups_split_rows_by_first_real_slot():
     assert row_groups(_right_aligned_mask([9, 9], 9, 2)) is None  # nothing to skip
 
 
-def test_grouped_attention_equals_attention_over_the_whole_padded_width():
+@pytest.mark.parametrize("q_len", [5, 2, 1])  # a verify forward (sdpa); decoding steps (grouped matmuls)
+def test_grouped_attention_equals_attention_over_the_whole_padded_width(q_len):
 
     from certkv.engine.attention import attention_row_groups, gqa_sdpa_attention
     from certkv.engine.batched_decode import row_groups
 
     g = torch.Generator().manual_seed(3)
-    lengths, width, q_len, kv_heads, heads, d = [40, 40, 25, 11, 11, 3], 40, 5, 2, 4, 8
+    lengths, width, kv_heads, heads, d = [40, 40, 25, 11, 11, 3], 40, 2, 4, 8
     mask2d = _right_aligned_mask(lengths, width, q_len)
     k_len = width + q_len
     causal = torch.arange(k_len).unsqueeze(0) <= (width + torch.arange(q_len)).unsqueeze(1)
@@ -34,7 +36,11 @@ def test_grouped_attention_equals_attention_over_the_whole_padded_width():
     key = torch.randn(len(lengths), kv_heads, k_len, d, generator=g)
     value = torch.randn(len(lengths), kv_heads, k_len, d, generator=g)
     module = type("M", (), {"is_causal": True})()
-    whole, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask4d, scale=d**-0.5, enable_gqa=True
+    ).transpose(1, 2)
+    ungrouped, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
+    torch.testing.assert_close(ungrouped, whole, atol=1e-6, rtol=1e-5)
     groups = row_groups(mask2d)
     assert groups is not None and len(groups) == 4
     with attention_row_groups(groups):

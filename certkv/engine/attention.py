@@ -45,23 +45,55 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
         additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
         attention_mask = additive.masked_fill_(~attention_mask, float("-inf"))
     gqa = key.shape[1] != query.shape[1]
+    # CPU sdpa's flash kernel works in blocks of queries: for a decoding step's one or two query
+    # positions most of each block is wasted (measured: 9.5 ms against 7.9 per layer for 27 rows
+    # of ~1100 keys, 1.8 against 0.8 for 3 rows of 1850). Grouped matmuls do those steps.
+    attend = _grouped_matmul_attention if query.device.type == "cpu" and query.shape[2] <= 4 else _sdpa
     groups = _ROW_GROUPS.get()
     if groups is None or attention_mask is None or groups[-1][1] != query.shape[0]:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
-            enable_gqa=gqa,
-        )
+        out = attend(query, key, value, attention_mask, dropout, scaling, is_causal, gqa)
         return out.transpose(1, 2).contiguous(), None
     mask_rows = attention_mask.shape[0] != 1
     parts = [
-        torch.nn.functional.scaled_dot_product_attention(
+        attend(
             query[a:b], key[a:b, :, slot:], value[a:b, :, slot:],
-            attn_mask=attention_mask[a:b, ..., slot:] if mask_rows else attention_mask[..., slot:],
-            dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+            attention_mask[a:b, ..., slot:] if mask_rows else attention_mask[..., slot:], dropout, scaling, False, gqa,
         )
         for a, b, slot in groups
     ]
     return torch.cat(parts, dim=0).transpose(1, 2).contiguous(), None
+
+
+def _sdpa(query, key, value, attention_mask, dropout, scaling, is_causal, gqa):
+    import torch
+
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        enable_gqa=gqa,
+    )
+
+
+def _grouped_matmul_attention(query, key, value, attention_mask, dropout, scaling, is_causal, gqa):
+    """Attention as two matmuls, the query heads of a KV group stacked on their shared keys (no
+    copy of the keys per head); softmax in float32. `attention_mask` additive or None (then causal
+    when `is_causal`, over the last Q keys); no dropout (the engine decodes in eval mode)."""
+    import torch
+
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if scaling is None:
+        scaling = head_dim**-0.5
+    q = (query * scaling).reshape(batch, kv_heads, groups * q_len, head_dim)
+    logits = torch.matmul(q, key.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, k_len)
+    if attention_mask is not None:
+        logits = logits + attention_mask.unsqueeze(2)
+    elif is_causal and q_len > 1:
+        future = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).triu(1)
+        logits[..., k_len - q_len :] = logits[..., k_len - q_len :].masked_fill(future, float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(weights.view(batch, kv_heads, groups * q_len, k_len), value)
+    return out.view(batch, heads, q_len, value.shape[-1])
 
 
 def register() -> None:
