@@ -23,7 +23,7 @@ def main() -> None:
     import torch
 
     from certkv.evaluation import full_kv_accuracy
-    from certkv.models import load_model
+    from certkv.models import load_model, model_fingerprint
     from certkv.requests import generate_requests
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,7 +43,10 @@ def main() -> None:
             (n, acc), = [v for k, v in full_kv_accuracy(model, tokenizer, reqs, progress=False).items() if k == task]
             table.setdefault(task, {})[str(length)] = acc
             print(f"{task:18s} {length:5d} tokens: {acc:.3f} ({n} requests)", flush=True)
-    out = {"n_per_cell": args.n, "seed": args.seed, "exact_match": table, "seconds": time.perf_counter() - t0}
+    out = {
+        "model": model_fingerprint("embedded"),  # tests check that the shipped demo mix follows this table
+        "n_per_cell": args.n, "seed": args.seed, "exact_match": table, "seconds": time.perf_counter() - t0,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     header = "| task | " + " | ".join(f"{L} tokens" for L in args.lengths) + " |"

@@ -10,6 +10,7 @@ from certkv.errors import CertkvError
 from certkv.requests import generate_requests, parse_context_length, parse_mix, read_jsonl, write_jsonl
 from certkv.tasks import TASKS
 from certkv.vocabulary import count_tokens
+from conftest import REPO
 
 
 def test_same_seed_same_requests_and_prefix_property():
@@ -63,7 +64,7 @@ def test_token_count_matches_embedded_tokenizer():
 
 def test_mix_and_length_parsing_errors():
     assert parse_mix("multi_key=2,single_needle") == {"multi_key": 2.0, "single_needle": 1.0}
-    assert set(parse_mix("demo")) == {"single_needle"}
+    assert set(parse_mix("demo")) <= set(TASKS)
     with pytest.raises(CertkvError, match="unknown task or mix 'nope'"):
         parse_mix("nope")
     with pytest.raises(CertkvError, match="must be positive"):
@@ -89,3 +90,21 @@ def test_jsonl_round_trip_and_errors(tmp_path):
         read_jsonl(bad)
     with pytest.raises(CertkvError, match="does not exist"):
         read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_demo_mix_holds_exactly_the_tasks_the_shipped_model_answers():
+    """DEVELOPERS' rule: the demo mix uses only tasks with full-KV exact match >= 0.90. The measured
+    table (benchmarks/embedded_accuracy.py) must belong to the weights that ship, and the shipped
+    calibration set must hold only demo-mix tasks."""
+    import json
+
+    from certkv.models import model_fingerprint
+    from certkv.tasks import MIXES
+
+    table = json.loads((REPO / "benchmarks" / "results" / "embedded_accuracy.json").read_text())
+    assert table["model"] == model_fingerprint("embedded"), "re-run benchmarks/embedded_accuracy.py for these weights"
+    assert table["n_per_cell"] >= 500
+    good = {task for task, by_length in table["exact_match"].items() if min(by_length.values()) >= 0.90}
+    assert set(MIXES["demo"]) == good
+    shipped = {json.loads(line)["task"] for line in (REPO / "calibration" / "demo.jsonl").read_text().splitlines()}
+    assert shipped == good
