@@ -1,7 +1,9 @@
 """Cost of calibrating 27 candidates, relative to answering the same requests with the full cache.
 
 Three ways to answer every request, measured side by side on each request (so machine noise hits
-all three alike; full and certkv run twice each in alternating order and the faster run counts):
+all three alike; full and certkv run twice each in alternating order and the faster run counts; the
+naive loop runs once, which makes the naive/full and naive/certkv ratios slightly larger than a
+like-for-like fastest-of-two would):
 
 - ``full``: one prefill and a greedy decode with the full cache (the floor, 1.0x);
 - ``certkv``: certkv's engine: one prefill scoring every press, all candidates decoded together;

@@ -212,7 +212,10 @@ def train(args) -> Path:
     def fresh(seed: int):
         model = new_model(config, seed, shared_vector=args.shared_vector == "init")
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
-        return model, opt, {"seed": seed, "step": 0, "stage": 0, "since_start": 0, "history": []}
+        state = {"seed": seed, "step": 0, "stage": 0, "since_start": 0, "history": []}
+        if args.shared_vector == "init":
+            state["shared_vector_added"] = 0  # at initialisation; on-match must not add it again
+        return model, opt, state
 
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
@@ -268,7 +271,7 @@ def train(args) -> Path:
         mk_acc = sum(c for _, (c, _) in window) / max(1, sum(t for _, (_, t) in window))
         if mk_acc > 0.6 and len(window) == args.window:
             state["multi_key_matching"] = True
-        if args.shared_vector == "on-match" and state.get("multi_key_matching") and not state.get("shared_vector_added"):
+        if args.shared_vector == "on-match" and state.get("multi_key_matching") and "shared_vector_added" not in state:
             # Key matching forms sooner without the shared vector, but copying the digits after
             # the first needs position heads (match the last few tokens, not the last one), which
             # the shared vector makes possible: add it once matching has started.

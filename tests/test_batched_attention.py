@@ -52,3 +52,21 @@ def test_grouped_attention_equals_attention_over_the_whole_padded_width(q_len):
     with attention_row_groups(groups):
         poisoned, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
     torch.testing.assert_close(poisoned, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_decoding_step_attention_without_a_mask_is_causal_over_the_last_positions():
+    """transformers passes no mask when nothing needs masking; the new positions are the last keys."""
+    from certkv.engine.attention import gqa_sdpa_attention
+
+    g = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, q_len, k_len, d = 2, 4, 2, 3, 17, 8
+    query = torch.randn(batch, heads, q_len, d, generator=g)
+    key = torch.randn(batch, kv_heads, k_len, d, generator=g)
+    value = torch.randn(batch, kv_heads, k_len, d, generator=g)
+    allowed = torch.arange(k_len).unsqueeze(0) <= (k_len - q_len + torch.arange(q_len)).unsqueeze(1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, scale=d**-0.5, enable_gqa=True
+    ).transpose(1, 2)
+    module = type("M", (), {"is_causal": True})()
+    got, _ = gqa_sdpa_attention(module, query, key, value, None, scaling=d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

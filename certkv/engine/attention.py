@@ -48,8 +48,12 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     # CPU sdpa's flash kernel works in blocks of queries: for a decoding step's one or two query
     # positions most of each block is wasted (measured: 9.5 ms against 7.9 per layer for 27 rows
     # of ~1100 keys, 1.8 against 0.8 for 3 rows of 1850). Grouped matmuls do those steps.
-    attend = _grouped_matmul_attention if query.device.type == "cpu" and query.shape[2] <= 4 else _sdpa
-    groups = _ROW_GROUPS.get()
+    # (float32 only: in half precision sdpa keeps the logits in float32, which decides near-ties.)
+    on_cpu = query.device.type == "cpu"
+    attend = _grouped_matmul_attention if on_cpu and query.dtype == torch.float32 and query.shape[2] <= 4 else _sdpa
+    # Row groups are measured on CPU only; on an accelerator one call per group may cost more
+    # kernel launches than the padding it skips.
+    groups = _ROW_GROUPS.get() if on_cpu else None
     if groups is None or attention_mask is None or groups[-1][1] != query.shape[0]:
         out = attend(query, key, value, attention_mask, dropout, scaling, is_causal, gqa)
         return out.transpose(1, 2).contiguous(), None

@@ -134,7 +134,9 @@ def row_groups(mask) -> list[tuple[int, int, int]] | None:
     same outputs as attention over the whole padded width, without the padded part. None when
     grouping saves nothing (one group starting at slot 0).
     """
-    first = mask.argmax(dim=1).tolist()  # the first 1 of each row (rows always have one)
+    # The first 1 of each row; a row that keeps no context entry has its first 1 among the new
+    # tokens, or none yet (argmax 0): both give a correct, merely unsliced, group.
+    first = mask.argmax(dim=1).tolist()
     groups: list[tuple[int, int, int]] = []
     for row, slot in enumerate(first):
         if groups and groups[-1][2] == slot:

@@ -285,7 +285,9 @@ class HajekState:
         buffer = self.__dict__.get("_logit_bias")
         if buffer is None or buffer.shape[-1] < k_len:
             width = max(k_len, self.n_slots) + 64
-            buffer = torch.zeros(self.bias.shape[0] * self.bias.shape[1], 1, width, device=self.bias.device)
+            buffer = torch.zeros(
+                self.bias.shape[0] * self.bias.shape[1], 1, width, dtype=torch.float32, device=self.bias.device
+            )
             buffer[:, 0, : self.n_slots] = self.bias.reshape(-1, self.n_slots)
             self.__dict__["_logit_bias"] = buffer
         return buffer[..., :k_len]
