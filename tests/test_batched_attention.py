@@ -54,12 +54,13 @@ def test_grouped_attention_equals_attention_over_the_whole_padded_width(q_len):
     torch.testing.assert_close(poisoned, whole, atol=1e-6, rtol=1e-5)
 
 
-def test_decoding_step_attention_without_a_mask_is_causal_over_the_last_positions():
+@pytest.mark.parametrize("q_len", [3, 7])  # grouped matmuls; sdpa
+def test_attention_without_a_mask_is_causal_over_the_last_positions(q_len):
     """transformers passes no mask when nothing needs masking; the new positions are the last keys."""
     from certkv.engine.attention import gqa_sdpa_attention
 
     g = torch.Generator().manual_seed(5)
-    batch, heads, kv_heads, q_len, k_len, d = 2, 4, 2, 3, 17, 8
+    batch, heads, kv_heads, k_len, d = 2, 4, 2, 17, 8
     query = torch.randn(batch, heads, q_len, d, generator=g)
     key = torch.randn(batch, kv_heads, k_len, d, generator=g)
     value = torch.randn(batch, kv_heads, k_len, d, generator=g)

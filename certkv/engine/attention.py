@@ -38,7 +38,13 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     import torch
 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    q_len, k_len = query.shape[2], key.shape[2]
+    is_causal = q_len > 1 and attention_mask is None and is_causal
+    if is_causal and q_len < k_len:
+        # sdpa's is_causal aligns the queries with the first keys; after a cache they are the last.
+        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+        attention_mask = allowed.view(1, 1, q_len, k_len)
+        is_causal = False
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         # An additive mask takes a faster CPU kernel than a boolean one with grouped heads
         # (measured: 5.7 ms against 8.6 ms for 27 candidates x 25 tokens x 590 keys).
