@@ -56,7 +56,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     # of ~1100 keys, 1.8 against 0.8 for 3 rows of 1850). Grouped matmuls do those steps.
     # (float32 only: in half precision sdpa keeps the logits in float32, which decides near-ties.)
     on_cpu = query.device.type == "cpu"
-    attend = _grouped_matmul_attention if on_cpu and query.dtype == torch.float32 and query.shape[2] <= 4 else _sdpa
+    attend = _grouped_matmul_attention if on_cpu and query.dtype == torch.float32 and q_len <= 4 else _sdpa
     # Row groups are measured on CPU only; on an accelerator one call per group may cost more
     # kernel launches than the padding it skips.
     groups = _ROW_GROUPS.get() if on_cpu else None

@@ -173,7 +173,6 @@ def decode_candidates(
 
     register()
     state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids)
-    state.groups = row_groups(mask)
     with use_attention(model, NAME):
         state.verify_draft(question_ids, draft)
         lookup = PromptLookup(list(context_ids or []) + list(question_ids))
@@ -234,7 +233,7 @@ class _Decoding:
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.answers: list[list[int]] = [[] for _ in range(self.n)]
         self.active: list[int] = []
-        self.groups: list[tuple[int, int, int]] | None = None  # see row_groups
+        self.groups = row_groups(mask)  # attention skips each row's padding
 
     def finished(self, tokens: list[int]) -> bool:
         # kvpress's rule: at most max_new_tokens, stop after a stop token but never on the first.
