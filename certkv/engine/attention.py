@@ -39,9 +39,17 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len, k_len = query.shape[2], key.shape[2]
+    gqa = key.shape[1] != query.shape[1]
+    # CPU sdpa's flash kernel works in blocks of queries: for a decoding step's one or two query
+    # positions most of each block is wasted (measured: 9.5 ms against 7.9 per layer for 27 rows
+    # of ~1100 keys, 1.8 against 0.8 for 3 rows of 1850). Grouped matmuls do those steps.
+    # (float32 only: in half precision sdpa keeps the logits in float32, which decides near-ties.)
+    on_cpu = query.device.type == "cpu"
+    attend = _grouped_matmul_attention if on_cpu and query.dtype == torch.float32 and q_len <= 4 else _sdpa
     is_causal = q_len > 1 and attention_mask is None and is_causal
-    if is_causal and q_len < k_len:
-        # sdpa's is_causal aligns the queries with the first keys; after a cache they are the last.
+    if is_causal and (q_len < k_len or attend is _grouped_matmul_attention):
+        # An explicit causal mask over the last keys: sdpa's is_causal aligns the queries with the
+        # first keys (wrong after a cache), and the grouped matmuls take masks only.
         allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
         attention_mask = allowed.view(1, 1, q_len, k_len)
         is_causal = False
@@ -50,13 +58,6 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
         # (measured: 5.7 ms against 8.6 ms for 27 candidates x 25 tokens x 590 keys).
         additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
         attention_mask = additive.masked_fill_(~attention_mask, float("-inf"))
-    gqa = key.shape[1] != query.shape[1]
-    # CPU sdpa's flash kernel works in blocks of queries: for a decoding step's one or two query
-    # positions most of each block is wasted (measured: 9.5 ms against 7.9 per layer for 27 rows
-    # of ~1100 keys, 1.8 against 0.8 for 3 rows of 1850). Grouped matmuls do those steps.
-    # (float32 only: in half precision sdpa keeps the logits in float32, which decides near-ties.)
-    on_cpu = query.device.type == "cpu"
-    attend = _grouped_matmul_attention if on_cpu and query.dtype == torch.float32 and q_len <= 4 else _sdpa
     # Row groups are measured on CPU only; on an accelerator one call per group may cost more
     # kernel launches than the padding it skips.
     groups = _ROW_GROUPS.get() if on_cpu else None
@@ -85,8 +86,8 @@ def _sdpa(query, key, value, attention_mask, dropout, scaling, is_causal, gqa):
 
 def _grouped_matmul_attention(query, key, value, attention_mask, dropout, scaling, is_causal, gqa):
     """Attention as two matmuls, the query heads of a KV group stacked on their shared keys (no
-    copy of the keys per head); softmax in float32. `attention_mask` additive or None (then causal
-    when `is_causal`, over the last Q keys); no dropout (the engine decodes in eval mode)."""
+    copy of the keys per head); softmax in float32. `attention_mask` additive or None (no mask:
+    the caller turns causality into a mask); no dropout (the engine decodes in eval mode)."""
     import torch
 
     batch, heads, q_len, head_dim = query.shape
@@ -98,9 +99,6 @@ def _grouped_matmul_attention(query, key, value, attention_mask, dropout, scalin
     logits = torch.matmul(q, key.transpose(-1, -2)).view(batch, kv_heads, groups, q_len, k_len)
     if attention_mask is not None:
         logits = logits + attention_mask.unsqueeze(2)
-    elif is_causal and q_len > 1:
-        future = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).triu(1)
-        logits[..., k_len - q_len :] = logits[..., k_len - q_len :].masked_fill(future, float("-inf"))
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(weights.view(batch, kv_heads, groups * q_len, k_len), value)
     return out.view(batch, heads, q_len, value.shape[-1])
