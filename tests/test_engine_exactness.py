@@ -33,10 +33,21 @@ def _candidates(ratios):
     return out
 
 
-def test_fast_path_matches_kvpress_pipeline(embedded, pipe):
+def test_fast_path_matches_kvpress_pipeline(embedded, pipe, monkeypatch):
+    from certkv.engine import batched_decode
     from certkv.engine.engine import Engine
     from certkv.requests import generate_requests
 
+    compactions = []
+    real_compact = batched_decode._Decoding.compact
+
+    def spying(self):
+        before = list(self.rows)
+        real_compact(self)
+        if self.rows != before:
+            compactions.append((before, list(self.rows)))
+
+    monkeypatch.setattr(batched_decode._Decoding, "compact", spying)
     model, tokenizer = embedded
     candidates = _candidates([1.0, 0.9, 0.6, 0.4, 0.2, 0.1])
     engine = Engine(model, tokenizer, candidates, max_new_tokens=8)
@@ -55,6 +66,8 @@ def test_fast_path_matches_kvpress_pipeline(embedded, pipe):
             assert abs(got.kv_retained_actual * result.context_length - expected_kept) <= 1
     # The comparison must cover answers that differ from the full-KV answer, or it proves little.
     assert len(distinct) > 2 * len(requests)
+    # ... and batches compacted with rows moved within their buffers, not just truncated.
+    assert any(after != before[: len(after)] for before, after in compactions), compactions
 
 
 def test_non_scorer_press_takes_the_pipeline_path(embedded, pipe):

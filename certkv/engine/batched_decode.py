@@ -35,10 +35,19 @@ def reserved_layer_class():
             self._keys, self._values, self._length = keys, values, length
             self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
-        def select_rows(self, index):
-            """Keep only the batch rows in `index` (a compaction once most rows are done)."""
-            self._keys = self._keys.index_select(0, index)
-            self._values = self._values.index_select(0, index)
+        def select_rows(self, rows: list[int]):
+            """Keep only the batch rows `rows` (ascending), moved in place to the front.
+
+            A compaction once most rows are done. Copying the kept rows into fresh tensors costs
+            more in page faults than the forwards it saves (tens of MB per layer at 2048 tokens);
+            moving them down within the buffer they already occupy allocates nothing, and rows
+            already in place are not copied at all.
+            """
+            for to, row in enumerate(rows):
+                if row != to:  # to < row: the source has not been overwritten yet
+                    self._keys[to].copy_(self._keys[row])
+                    self._values[to].copy_(self._values[row])
+            self._keys, self._values = self._keys[: len(rows)], self._values[: len(rows)]
             self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
 
         def update(self, key_states, value_states, cache_kwargs=None):
@@ -285,11 +294,10 @@ class _Decoding:
             return
         import torch
 
-        keep = [self.rows.index(r) for r in self.active]
-        index = torch.as_tensor(keep, device=self.mask.device)
+        keep = [self.rows.index(r) for r in self.active]  # ascending: active keeps the rows' order
         for layer in self.cache.layers:
-            layer.select_rows(index)
-        self.mask = self.mask.index_select(0, index)
+            layer.select_rows(keep)
+        self.mask = self.mask.index_select(0, torch.as_tensor(keep, device=self.mask.device))
         self.rows = list(self.active)
         self.groups = row_groups(self.mask)
 
