@@ -95,11 +95,19 @@ def single_needle(rng: random.Random, context_length: int) -> Sample:
     return Sample(_fill(rng, [_record(key, value)], context_length), [(_question(key), value)])
 
 
-def multi_key(rng: random.Random, context_length: int, share: float = 0.6) -> Sample:
-    """`share` of the context goes to records, the rest to filler (training uses denser contexts)."""
+def multi_key(rng: random.Random, context_length: int, share: float = 0.6, lookalike: bool = False) -> Sample:
+    """`share` of the context goes to records, the rest to filler (training uses denser contexts).
+
+    With `lookalike`, every value starts with one of two 2-digit prefixes (training uses it: a model
+    that copies each digit from whatever followed the previous digit in the context, ignoring the
+    asked key, then fails on most answers instead of a few)."""
     n = _n_records(context_length, 12, share, cap=80)
     keys = rng.sample(KEY_WORDS, n)
-    values = [_value(rng) for _ in keys]
+    if lookalike:
+        prefixes = [_value(rng, 2) for _ in range(2)]
+        values = [rng.choice(prefixes) + f"{rng.randrange(100):02d}" for _ in keys]
+    else:
+        values = [_value(rng) for _ in keys]
     units = [_record(k, v) for k, v in zip(keys, values)]
     return Sample(_fill(rng, units, context_length), [(_question(k), v) for k, v in zip(keys, values)])
 

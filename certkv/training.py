@@ -80,10 +80,11 @@ def add_shared_vector(model, seed: int, scale: float = 1.0) -> None:
 class Batcher:
     """Builds training sequences from the built-in task generators."""
 
-    def __init__(self, tokenizer, seed: int, dense: bool = False, recall_share: float = 0.0):
+    def __init__(self, tokenizer, seed: int, dense: bool = False, recall_share: float = 0.0, lookalike_share: float = 0.0):
         from certkv.vocabulary import DIGITS, KEY_WORDS
 
         self.dense = dense
+        self.lookalike_share = lookalike_share
         self.recall_share = recall_share
         self.tok = tokenizer
         self.rng = random.Random(f"train/{seed}")
@@ -100,8 +101,13 @@ class Batcher:
         """Context then several question/answer pairs; mask is 1 on the first answer, 2 on others."""
         from certkv.tasks import TASKS
 
-        if task == "multi_key" and self.dense:
-            sample = TASKS[task](self.rng, length, share=1.0)  # records only: more keys to match per step
+        if task == "multi_key":
+            sample = TASKS[task](
+                self.rng,
+                length,
+                share=1.0 if self.dense else 0.6,  # dense: records only, more keys to match per step
+                lookalike=self.rng.random() < self.lookalike_share,
+            )
         else:
             sample = TASKS[task](self.rng, length)
         ids = [self.bos] + self.encode(sample.context)
@@ -228,7 +234,8 @@ def train(args) -> Path:
         model, opt, state = fresh(args.seed)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"new run seed {args.seed}: {n_params} parameters")
-    batcher = Batcher(tok, state["seed"] * 100003 + state["step"], dense=args.dense, recall_share=args.recall_share)
+    batcher = Batcher(tok, state["seed"] * 100003 + state["step"], dense=args.dense, recall_share=args.recall_share,
+                              lookalike_share=args.lookalike_share)
 
     window: list[tuple[int, int]] = []
     t0 = time.time()
@@ -294,7 +301,8 @@ def train(args) -> Path:
             step = state["step"]
             model, opt, state = fresh(new_seed)
             state["step"] = step
-            batcher = Batcher(tok, new_seed * 100003 + step, dense=args.dense, recall_share=args.recall_share)
+            batcher = Batcher(tok, new_seed * 100003 + step, dense=args.dense, recall_share=args.recall_share,
+                              lookalike_share=args.lookalike_share)
             window = []
         if state["step"] % args.checkpoint_every == 0:
             save_checkpoint(ckpt_path, model, opt, state)
@@ -368,6 +376,9 @@ def main(argv: list[str] | None = None) -> None:
                    " multi-key matching has started, or never")
     p.add_argument("--shared-vector-scale", type=float, default=0.5,
                    help="with --shared-vector on-match: its size relative to the embeddings' std")
+    p.add_argument("--lookalike-share", type=float, default=0.0,
+                   help="share of multi-key training contexts whose values share 2-digit prefixes (forces the"
+                   " asked key into every digit's lookup, not only the first)")
     p.add_argument("--dense", action="store_true", help="multi-key contexts of records only, no filler")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
