@@ -167,6 +167,7 @@ def decode_candidates(
     max_new_tokens: int,
     stop_ids: set[int],
     context_ids: list[int] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> list[list[int]]:
     """Greedy answers (token ids) of every row of a padded batch cache, verified against the `draft`.
 
@@ -177,13 +178,22 @@ def decode_candidates(
     draft: retrieval answers are mostly copied from the context, so a proposal is usually accepted
     whole and a row finishes in one or two batched forwards instead of one forward per token.
     Proposals only save forwards; every accepted token is the row's own greedy choice.
+
+    `timings`, when given, accumulates the seconds of the verifying forward under ``"verify"``:
+    every row must at least read the question and an answer over its own cache, so that forward is
+    the part of the cost no exact calibrator can skip.
     """
+    import time
+
     from certkv.engine.attention import NAME, register, use_attention
 
     register()
     state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids)
     with use_attention(model, NAME):
+        t0 = time.perf_counter()
         state.verify_draft(question_ids, draft)
+        if timings is not None:
+            timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t0
         lookup = PromptLookup(list(context_ids or []) + list(question_ids))
         while state.active:
             proposals = {r: lookup.propose(state.answers[r], max_new_tokens - len(state.answers[r])) for r in state.active}

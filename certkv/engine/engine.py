@@ -171,6 +171,7 @@ class Engine:
         full = CandidateAnswer("full", "full", 1.0, 1.0, self._decode(draft), draft, "full")
 
         answers: dict[str, CandidateAnswer] = {}
+        verify: dict[str, float] = {}
         reserve = len(enc.question_ids) + 4 * self.max_new_tokens
         kept = {
             c.policy: n_ctx if selections.by_candidate[c.policy][0] is None else selections.by_candidate[c.policy][0].shape[2]
@@ -182,7 +183,7 @@ class Engine:
             )
             token_lists = decode_candidates(
                 self.model, batch, mask, enc.question_ids, draft, n_ctx, self.max_new_tokens, self.stop_ids,
-                context_ids=enc.context_ids,
+                context_ids=enc.context_ids, timings=verify,
             )
             del batch
             for c, kept, ids in zip(chunk, lengths, token_lists):
@@ -202,6 +203,7 @@ class Engine:
             )
         t3 = time.perf_counter()
         seconds["candidates_fast"] = t3 - t2
+        seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
         for c in self.slow:
             answers[c.policy] = self._run_pipeline(c, enc, context_ids)
         seconds["candidates_pipeline"] = time.perf_counter() - t3
