@@ -37,8 +37,8 @@ class Probe:
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         import torch
 
-        from certkv.presses.hajek_attention import hajek_attention
-        from certkv.presses.probabilistic import CERT_ATTR, STATE_ATTR
+        from certkv.presses.hajek_attention import hajek_attention, layer_certificates
+        from certkv.presses.probabilistic import STATE_ATTR
 
         q_len, k_len = query.shape[2], key.shape[2]
         if q_len == k_len:  # the prefill: remember the full context of this layer
@@ -60,7 +60,7 @@ class Probe:
         batch, heads = query.shape[:2]
         kv_heads = key.shape[1]
         error = (o_full - o_hat).float().norm(dim=-1).view(batch, kv_heads, heads // kv_heads, q_len).amax(dim=2)
-        certificate = getattr(module, CERT_ATTR)[-1]
+        certificate = layer_certificates(module)[-1]
         self.pairs.append((certificate.flatten().cpu(), error.flatten().cpu()))
         return out
 

@@ -12,11 +12,17 @@ Decode step (issue target: ≤ 10%): the same compressed cache (the probabilisti
 at kv_retained 0.5) decoded for 16 steps with
 
 - ``sdpa``: transformers' sdpa attention over the kept entries (no correction, no certificate);
+- ``hajek``: the Hájek attention with its −log π correction but no certificate (benchmark only);
 - ``certified``: the Hájek attention with its −log π correction and the certificate of every step,
-  read back as the runtime does (one host sync per step).
+  read back as the runtime does (checked against a bound every ``CERTIFICATE_CHECK_EVERY`` steps
+  and at the end).
+
+``decode_step_overhead_certificate`` is certified over hajek (what the certificate adds to the
+probabilistic press's decode step, the issue's figure); ``decode_step_overhead_hajek_and_certificate``
+is certified over sdpa (everything, the correction included, against stock attention).
 
 Models: the embedded model at 512 tokens and a randomly initialised 8-layer Llama (hidden 512,
-16/4 heads) at 2048 tokens. Times are medians over requests of the per-request time.
+16/4 heads) at 512 and 2048 tokens. Times are medians over requests of the per-request time.
 
     python benchmarks/gate_overhead.py           # writes benchmarks/results/gate_overhead.json
     python benchmarks/gate_overhead.py --quick
@@ -75,27 +81,57 @@ def prefill_variants(model, context_ids):
     return {"plain": plain, "gate": gate, "gate+scoring": gate_and_scoring}
 
 
-def decode_steps(model, cache, states, context_length: int, certified: bool) -> float:
-    """Seconds for STEPS single-token decode steps over `cache` (consumed)."""
-    import torch
+HAJEK_ONLY = "certkv_bench_hajek_only"
 
-    from certkv.presses.hajek_attention import latest_certificate, use_hajek_attention
+
+def hajek_without_certificate(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """The Hájek attention minus its certificate: what the −log π correction alone costs, so that
+    the certificate's own share of a decode step can be told apart (benchmark only)."""
+    from certkv.presses.hajek_attention import corrected_attention, hajek_attention
+    from certkv.presses.probabilistic import STATE_ATTR
+
+    state = getattr(module, STATE_ATTR, None)
+    if state is None or state.trivial or query.shape[2] == key.shape[2]:
+        return hajek_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    output, _ = corrected_attention(query, key, value, attention_mask, scaling, state)
+    batch, heads, q_len, head_dim = query.shape
+    return output.view(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def decode_steps(model, cache, states, context_length: int, variant: str) -> float:
+    """Seconds for STEPS single-token decode steps over `cache` (consumed).
+
+    `variant`: ``sdpa`` (stock attention over the kept entries), ``hajek`` (the −log π correction,
+    no certificate) or ``certified`` (correction and certificate, checked as the runtime does).
+    """
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
     from certkv.presses.probabilistic import attention_modules, clear_states, set_state
+    from certkv.runtime import CERTIFICATE_CHECK_EVERY
 
     modules = attention_modules(model)
     token = torch.tensor([[5]])
-    if certified:
+    if variant != "sdpa":
         for module, state in zip(modules, states):
             set_state(module, state)
-    with torch.no_grad(), (use_hajek_attention(model) if certified else _nothing()):
+    AttentionInterface.register(HAJEK_ONLY, hajek_without_certificate)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(HAJEK_ONLY, sdpa_mask)
+    certified = variant == "certified"
+    with torch.no_grad(), (_nothing() if variant == "sdpa" else use_hajek_attention(model)):
+        if variant == "hajek":
+            model.config._attn_implementation = HAJEK_ONLY  # restored by use_hajek_attention
         t0 = time.perf_counter()
         for i in range(STEPS):
             out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[context_length + i]]))
             token = out.logits[:, -1:].argmax(-1)
-            if certified:
-                latest_certificate(model)
-            else:
-                float(out.logits[0, -1, 0])  # the same one host sync per step
+            float(out.logits[0, -1, 0])  # one host sync per step, as greedy decoding has
+            if certified and (i + 1) % CERTIFICATE_CHECK_EVERY == 0:
+                certificate_steps(model)  # the runtime's check against the bound
+        if certified:
+            certificate_steps(model)  # and its check at the end
         seconds = time.perf_counter() - t0
     clear_states(model)
     return seconds
@@ -118,7 +154,7 @@ def measure(model, tokenizer, requests, reps: int = 3) -> dict:
     from certkv.engine.probabilistic_decode import gathered_cache
     from certkv.generation import encode_request
 
-    names = ["plain", "gate", "gate+scoring", "sdpa", "certified"]
+    names = ["plain", "gate", "gate+scoring", "sdpa", "hajek", "certified"]
     best: dict[str, list[float]] = {k: [] for k in names}
     for i, r in enumerate(requests):
         ids = torch.tensor([encode_request(tokenizer, r.context, r.question).context_ids])
@@ -134,9 +170,10 @@ def measure(model, tokenizer, requests, reps: int = 3) -> dict:
                 times[name].append(time.perf_counter() - t0)
                 if name == "gate+scoring":
                     full_cache, selection = result
-            for name in (["sdpa", "certified"] if (i + rep) % 2 == 0 else ["certified", "sdpa"]):
+            decoders = ["sdpa", "hajek", "certified"]
+            for name in decoders[(i + rep) % 3 :] + decoders[: (i + rep) % 3]:
                 cache, states = gathered_cache(full_cache, [selection], n)
-                times[name].append(decode_steps(model, cache, states, n, certified=name == "certified") / STEPS)
+                times[name].append(decode_steps(model, cache, states, n, name) / STEPS)
         if i == 0:
             continue  # warm-up
         for name in names:
@@ -152,7 +189,9 @@ def measure(model, tokenizer, requests, reps: int = 3) -> dict:
         "median_seconds": {k: statistics.median(v) for k, v in best.items()},
         "prefill_overhead_gate": ratio("gate", "plain"),
         "prefill_overhead_gate_and_scoring": ratio("gate+scoring", "plain"),
-        "decode_step_overhead_certificate": ratio("certified", "sdpa"),
+        "decode_step_overhead_certificate": ratio("certified", "hajek"),
+        "decode_step_overhead_hajek": ratio("hajek", "sdpa"),
+        "decode_step_overhead_hajek_and_certificate": ratio("certified", "sdpa"),
     }
 
 

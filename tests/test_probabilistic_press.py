@@ -132,7 +132,7 @@ def _fake_module(state, groups):
 
 
 def test_hajek_attention_matches_explicit_computation():
-    from certkv.presses.hajek_attention import hajek_attention
+    from certkv.presses.hajek_attention import hajek_attention, layer_certificates
     from certkv.presses.probabilistic import HajekState
 
     g = torch.Generator().manual_seed(4)
@@ -163,7 +163,7 @@ def test_hajek_attention_matches_explicit_computation():
         module = _fake_module(state, groups)
         out, _ = hajek_attention(module, query, keys_q, values_q, attention_mask, scaling=scale)
         assert out.shape == (batch, q_len, kv_heads * groups, d)
-        cert = module.certkv_certificates[-1]
+        cert = layer_certificates(module)[-1]
         assert cert.shape == (batch, kv_heads, q_len)
         for b in range(batch):
             for h in range(kv_heads):
@@ -194,11 +194,44 @@ def test_hajek_attention_matches_explicit_computation():
                     torch.testing.assert_close(cert[b, h, t], max(per_head), atol=1e-5, rtol=1e-4)
 
 
+def test_certificates_reduced_together_equal_each_step_reduced_alone():
+    """Steps store their certificate's sums and are reduced when read, consecutive same-shape steps
+    in one batch: the values must equal each step's certificate computed on its own."""
+    from certkv.presses.hajek_attention import certificate, corrected_attention, hajek_attention, layer_certificates
+    from certkv.presses.probabilistic import HajekState
+
+    g = torch.Generator().manual_seed(9)
+    batch, kv_heads, groups, d, ctx = 2, 2, 3, 8, 48
+    sel = _selection(torch.rand(batch, kv_heads, ctx, generator=g), 24, seed=3, n_sink=2, window=4, head_share=0.25)
+    state = HajekState.from_selection(sel, ctx)
+    module = _fake_module(state, groups)
+    keys = torch.randn(batch, kv_heads, state.n_slots + 10, d, generator=g)
+    values = torch.randn(batch, kv_heads, state.n_slots + 10, d, generator=g)
+    expected = []
+    k_len = state.n_slots
+    for q_len in (3, 1, 1, 1, 2, 1, 1):  # question feed, decoded tokens, a two-token proposal, ...
+        k_len += q_len
+        query = torch.randn(batch, kv_heads * groups, q_len, d, generator=g)
+        k, v = keys[:, :, :k_len], values[:, :, :k_len]
+        out, weights = corrected_attention(query, k, v, None, d**-0.5, state)
+        alone = certificate(weights, out, v, state).view(batch, kv_heads, groups, q_len).amax(dim=2)
+        expected.append(alone)
+        hajek_attention(module, query, k, v, None, scaling=d**-0.5)
+        if q_len == 2:  # a read in the middle settles the steps so far; later ones stay pending
+            assert len(layer_certificates(module)) == len(expected)
+    got = layer_certificates(module)
+    assert len(got) == len(expected)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert a.shape == b.shape == (batch, kv_heads, b.shape[-1])
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), step
+        assert (a > 0).any(), "a sampled tail must give positive certificates"
+
+
 def test_hajek_correction_is_closer_to_full_attention_than_uncorrected():
     """Sampling the tail ∝ weight and correcting by −log π estimates the full output; ignoring π
     over-weights the deterministic head. Synthetic logits: sinks carry much mass, the tail carries
     most, and the tail's values point elsewhere, so the uncorrected bias is large."""
-    from certkv.presses.hajek_attention import hajek_attention
+    from certkv.presses.hajek_attention import hajek_attention, layer_certificates
     from certkv.presses.probabilistic import HajekState
 
     g = torch.Generator().manual_seed(6)
@@ -225,7 +258,7 @@ def test_hajek_correction_is_closer_to_full_attention_than_uncorrected():
         state = HajekState.from_selection(sel, k_len)
         module = _fake_module(state, 1)
         corrected = hajek_attention(module, query, kk, vv, None, scaling=scale)[0].view(d)
-        certs.append(float(module.certkv_certificates[-1].max()))
+        certs.append(float(layer_certificates(module)[-1].max()))
         plain_state = HajekState(torch.zeros_like(sel.log_pi), sel.valid, sel.counts, sel.n_head, k_len)
         plain = hajek_attention(_fake_module(plain_state, 1), query, kk, vv, None, scaling=scale)[0].view(d)
         errors_corrected.append(float((corrected - ref).norm()))

@@ -175,6 +175,8 @@ def test_runtime_decisions_equal_the_engine_records(embedded, requests, engine_r
             assert d.escalated == escalated
             if not gated and "certificate" in gate and not escalated:
                 assert d.certificate_max == pytest.approx(record.certificate_max, rel=1e-4)
+            if escalated:  # the peak up to the first step above the bound: above it, at most the answer's
+                assert bound < d.certificate_max <= record.certificate_max * (1 + 1e-4)
             if d.mode == "evicted":
                 assert d.kv_retained_actual == pytest.approx(record.kv_retained_actual)
             seen[d.reason] += 1

@@ -14,10 +14,12 @@ cache's first N slots. This attention function, registered with transformers'
   head (each has its own ŵ and ô) and the KV head's certificate is the **max** over its group's
   query heads: conservative, and it bounds every head that reads the sampled entries (a mean
   could hide one badly estimated head);
-* appends the certificates of the call, a tensor of shape (B, H_kv, Q) kept on the model's device
-  (no host sync per step), to ``module.certkv_certificates``. One call is one step: the question
-  feed (Q > 1 positions) and then each decoded token. :func:`certificate_steps` and
-  :func:`certificate_max` read them back.
+* appends the certificates of the call to ``module.certkv_certificates``, kept on the model's
+  device (no host sync per step). One call is one step: the question feed (Q > 1 positions) and
+  then each decoded token. A step stores the two matmuls' sums its certificate is made of
+  (:class:`CertificateTerms`); reading them (:func:`layer_certificates`, :func:`certificate_steps`,
+  :func:`certificate_max`, :func:`latest_certificate`) reduces every pending step at once to a
+  tensor of shape (B, H_kv, Q). Same numbers, a fraction of a decoding step's kernel calls.
 
 Everything else is plain attention: a full prefill (query length == key length) clears the
 module's state (it belongs to a previous request) and runs transformers' sdpa; a module without
@@ -34,6 +36,7 @@ Nothing is registered at import: call :func:`register` (idempotent) or use
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from certkv.presses.probabilistic import CERT_ATTR, STATE_ATTR, attention_modules, clear_state
 
@@ -75,7 +78,10 @@ def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
 
     output, weights = corrected_attention(query, key, value, attention_mask, scaling, state)
-    certificates.append(certificate(weights, output, value, state).view(batch, kv_heads, -1, q_len).amax(dim=2))
+    if state.n_tail == 0:
+        certificates.append(torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=query.device))
+    else:  # reduced when read (settle_certificates), many steps at once
+        certificates.append(certificate_terms(weights, output, value, state, (batch, kv_heads, query.shape[1] // kv_heads, q_len)))
     heads, head_dim = query.shape[1], value.shape[-1]
     output = output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
     return output, None
@@ -127,39 +133,109 @@ def corrected_attention(query, key, value, attention_mask, scaling, state):
     if attention_mask is not None:  # only a mask can hide every key of a row (its own is never padding)
         weights = torch.nan_to_num_(weights, nan=0.0)
     v = value.reshape(batch * kv_heads, k_len, value.shape[-1])
-    output = torch.bmm(weights.to(v.dtype), v)
+    output = torch.bmm(weights if v.dtype == torch.float32 else weights.to(v.dtype), v)
     return output, weights
 
 
-def certificate(weights, output, value, state):
-    """ĉ² summed in one pass: sqrt(Σ_tail (1 − π_i) ŵ_i² ‖v_i − ô‖²) per query position and head.
+@dataclass
+class CertificateTerms:
+    """One step's certificate, not yet reduced: the sums it is made of.
+
+    With a_i = (1 − π_i) ŵ_i² over the kept tail, ĉ² = Σ a_i ‖v_i‖² − 2 ô·Σ a_i v_i + ‖ô‖² Σ a_i.
+    The sums need the step's weights and the cache's values, so they are taken during the step;
+    the rest is a few elementwise operations that :func:`settle_certificates` runs for many steps
+    at once when the certificates are read. A decoding step thus pays for two small matmuls, not
+    for a dozen kernel calls. Shapes: (B·H_kv, G·Q, ·) float32.
+    """
+
+    weighted: object
+    """Σ a_i v_i, (B·H_kv, G·Q, d_v)."""
+    moments: object
+    """[Σ a_i ‖v_i‖², Σ a_i], (B·H_kv, G·Q, 2)."""
+    output: object
+    """ô, (B·H_kv, G·Q, d_v)."""
+    shape: tuple
+    """(B, H_kv, G, Q): how the rows and positions split into batch, heads and query positions."""
+
+
+def certificate_terms(weights, output, value, state, shape: tuple) -> CertificateTerms:
+    """The sums of one step's certificate (see :class:`CertificateTerms`).
 
     `weights` (B·H_kv, G·Q, K) float32 and `output` (B·H_kv, G·Q, d_v) from
-    :func:`corrected_attention`, `value` the layer's (B, H_kv, K, d_v) cache values. Returns float32
-    (B·H_kv, G·Q); the caller takes the max over each KV head's group.
-
-    With a_i = (1 − π_i) ŵ_i² over the kept tail, the sum is Σ a_i ‖v_i‖² − 2 ô·Σ a_i v_i +
-    ‖ô‖² Σ a_i. Σ a_i v_i is one matmul with the cached values; Σ a_i ‖v_i‖² and Σ a_i are one
-    matmul with the state's (T × 2) [‖v_i‖², 1] (the kept slots never change while decoding, so it
-    is built once: two floats per slot, not a copy of the values). Clamped at 0 against rounding.
+    :func:`corrected_attention`, `value` the layer's (B, H_kv, K, d_v) cache values. Σ a_i v_i is
+    one matmul with the cached tail values; Σ a_i ‖v_i‖² and Σ a_i are one matmul with the state's
+    (T × 2) [‖v_i‖², 1] (the kept slots never change while decoding, so it is built once: two
+    floats per slot, not a copy of the values).
     """
     import torch
 
     n_head, n_tail = state.n_head, state.n_tail
-    if n_tail == 0:
-        return torch.zeros(weights.shape[:2], dtype=torch.float32, device=weights.device)
     rows, _, k_len = weights.shape
     tail_values = value.reshape(rows, k_len, value.shape[-1])[:, n_head : n_head + n_tail]
     w = weights[..., n_head : n_head + n_tail]
     a = w * state.tail_weight_rows
     a.mul_(w)
-    weighted = torch.bmm(a.to(tail_values.dtype), tail_values).float()  # Σ a_i v_i
-    moments = torch.bmm(a, state.tail_moments(value))  # [Σ a_i ‖v_i‖², Σ a_i]
-    o = output.float()
-    # Σ a‖v‖² − 2 ô·(Σ a v − ½ ô Σ a)
-    centred = torch.addcmul(weighted, o, moments[..., 1:], value=-0.5)
-    variance = torch.add(moments[..., 0], torch.linalg.vecdot(o, centred), alpha=-2)
+    if tail_values.dtype == torch.float32:
+        weighted = torch.bmm(a, tail_values)
+    else:
+        weighted = torch.bmm(a.to(tail_values.dtype), tail_values).float()
+        output = output.float()
+    moments = torch.bmm(a, state.tail_moments(value))
+    return CertificateTerms(weighted, moments, output, shape)
+
+
+def _reduce(weighted, moments, output):
+    """sqrt(Σ a‖v‖² − 2 ô·(Σ a v − ½ ô Σ a)), clamped at 0 against rounding; any leading dims."""
+    import torch
+
+    centred = torch.addcmul(weighted, output, moments[..., 1:], value=-0.5)
+    variance = torch.add(moments[..., 0], torch.linalg.vecdot(output, centred), alpha=-2)
     return variance.clamp_min_(0).sqrt_()
+
+
+def certificate(weights, output, value, state):
+    """ĉ = sqrt(Σ_tail (1 − π_i) ŵ_i² ‖v_i − ô‖²) per query position and head, computed at once.
+
+    Arguments as in :func:`certificate_terms`. Returns float32 (B·H_kv, G·Q); the attention takes
+    the max over each KV head's group.
+    """
+    import torch
+
+    if state.n_tail == 0:
+        return torch.zeros(weights.shape[:2], dtype=torch.float32, device=weights.device)
+    terms = certificate_terms(weights, output, value, state, ())
+    return _reduce(terms.weighted, terms.moments, terms.output)
+
+
+def settle_certificates(steps: list) -> list:
+    """Replace, in place, every :class:`CertificateTerms` of a layer's step list by its certificate
+    tensor (B, H_kv, Q) (the max over each KV head's query heads); returns the list.
+
+    Consecutive steps of the same shape (the decoded tokens) are reduced together, one batch of
+    elementwise operations for all of them.
+    """
+    import torch
+
+    i = 0
+    while i < len(steps):
+        if not isinstance(steps[i], CertificateTerms):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(steps) and isinstance(steps[j], CertificateTerms) and steps[j].shape == steps[i].shape:
+            j += 1
+        run = steps[i:j]
+        stacked = [torch.stack([getattr(t, name) for t in run]) for name in ("weighted", "moments", "output")]
+        batch, kv_heads, groups, q_len = run[0].shape
+        values = _reduce(*stacked).view(len(run), batch, kv_heads, groups, q_len).amax(dim=3)
+        steps[i:j] = list(values.unbind(0))
+        i = j
+    return steps
+
+
+def layer_certificates(module) -> list:
+    """`module`'s per-step certificate tensors (B, H_kv, Q), oldest first (empty when none)."""
+    return settle_certificates(getattr(module, CERT_ATTR, None) or [])
 
 
 def register() -> None:
@@ -199,15 +275,31 @@ def certificate_steps(model) -> list[list[float]]:
     layers, KV heads and the step's query positions. Empty when nothing was recorded."""
     import torch
 
-    per_layer = [getattr(m, CERT_ATTR, None) or [] for m in attention_modules(model)]
+    per_layer = [layer_certificates(m) for m in attention_modules(model)]
     per_layer = [steps for steps in per_layer if steps]
     if not per_layer:
         return []
     n_steps = {len(steps) for steps in per_layer}
     if len(n_steps) != 1:
         raise ValueError(f"layers recorded different numbers of steps {sorted(n_steps)}; was the model reused mid-answer?")
-    layer_maxima = [torch.stack([c.amax(dim=(1, 2)) for c in steps], dim=1) for steps in per_layer]
+    layer_maxima = [_step_maxima(steps) for steps in per_layer]
     return torch.stack(layer_maxima).amax(dim=0).float().cpu().tolist()
+
+
+def _step_maxima(steps: list):
+    """(B, S): each step's max over KV heads and query positions, one reduction per run of
+    same-shape steps (the decoded tokens) rather than one per step."""
+    import torch
+
+    parts = []
+    i = 0
+    while i < len(steps):
+        j = i + 1
+        while j < len(steps) and steps[j].shape == steps[i].shape:
+            j += 1
+        parts.append(torch.stack(steps[i:j]).amax(dim=(2, 3)))  # (S_run, B)
+        i = j
+    return torch.cat(parts).T
 
 
 def certificate_max(model) -> float:
@@ -224,5 +316,5 @@ def latest_certificate(model) -> float:
     """
     import torch
 
-    latest = [steps[-1].amax() for steps in (getattr(m, CERT_ATTR, None) for m in attention_modules(model)) if steps]
+    latest = [steps[-1].amax() for steps in (layer_certificates(m) for m in attention_modules(model)) if steps]
     return float(torch.stack(latest).amax()) if latest else 0.0

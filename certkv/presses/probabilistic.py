@@ -274,7 +274,10 @@ class HajekState:
     @property
     def tail_weight_rows(self):
         """`tail_weight` as (B·H_kv, 1, T), the layout of the attention's per-KV-head batches."""
-        return self.tail_weight.reshape(-1, 1, self.n_tail)
+        rows = self.__dict__.get("_tail_weight_rows")
+        if rows is None:
+            rows = self.__dict__["_tail_weight_rows"] = self.tail_weight.reshape(-1, 1, self.n_tail)
+        return rows
 
     def logit_bias(self, k_len: int):
         """(B·H_kv, 1, k_len) float32: `bias` for the first N keys, 0 for the tokens decoded after.
