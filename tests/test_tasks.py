@@ -49,6 +49,34 @@ def test_variable_tracking_answer_is_chain_root_value():
         assert assignments[name] == answer
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_lookalike_multi_key_values_share_prefixes_or_digits(seed):
+    """Training's hard contexts: values with one of two 2-digit prefixes, or anagrams of four digits;
+    still one record per key, every answer in the context, within the length."""
+    from certkv.tasks import multi_key
+
+    sample = multi_key(random.Random(seed), 256, lookalike=True)
+    values = [answer for _, answer in sample.qa]
+    assert len(values) > 5 and all(len(v) == 4 and v.isdigit() for v in values)
+    prefixes = {v[:2] for v in values}
+    digit_sets = {frozenset(v) for v in values}
+    assert len(prefixes) <= 2 or (len(digit_sets) == 1 and len(next(iter(digit_sets))) == 4)
+    for _, answer in sample.qa:
+        assert f" is {answer}." in sample.context
+    assert count_tokens(sample.context) <= 256
+
+
+def test_request_sets_stay_what_they_were():
+    """A request set is reproducible from its command: the same (mix, n, seed, lengths) must keep
+    giving the same requests as the code changes (digest of the set as generated at 3398f30)."""
+    import hashlib
+    import json
+
+    reqs = generate_requests("all", 50, seed=7, context_length="64-2048")
+    digest = hashlib.sha256(json.dumps([r.model_dump() for r in reqs], sort_keys=True).encode()).hexdigest()
+    assert digest == "87627820dba0a14f654e867dcab23915e168a0f9b393aa2b70792fc3355cc52b"
+
+
 def test_token_count_matches_embedded_tokenizer():
     from transformers import AutoTokenizer
 
