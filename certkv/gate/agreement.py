@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 
@@ -69,8 +70,7 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     logits = torch.matmul(grouped, keys.transpose(2, 3)).view(batch, heads, w, k_len)
     # Window query j sits at position k_len - w + j and sees keys 0 .. k_len - w + j: only the
     # last w keys are ever in its future.
-    future = torch.ones(w, w, dtype=torch.bool, device=logits.device).triu(diagonal=1)
-    logits[..., k_len - w :] = logits[..., k_len - w :].masked_fill(future, float("-inf"))
+    logits[..., k_len - w :].masked_fill_(_future_mask(w, logits.device), float("-inf"))
     weights = torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float32)
     import weakref
 
@@ -79,6 +79,15 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
 
 
 _MEMO_ATTR = "_certkv_window_attention"
+
+
+@lru_cache(maxsize=8)
+def _future_mask(w: int, device):
+    """(w, w) bool, True above the diagonal: the keys in each window query's future. Built once
+    per size and device (read-only; every layer of every prefill uses the same one)."""
+    import torch
+
+    return torch.ones(w, w, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
 def forget_window_attention(modules) -> None:
