@@ -50,6 +50,7 @@ def prefill_variants(model, context_ids):
 
     from certkv.engine.probabilistic_decode import selection_hooks
     from certkv.gate.agreement import AgreementRecorder
+    from certkv.gate.window_queries import capturing_window_queries
     from certkv.presses.probabilistic import ProbabilisticPress
 
     press = ProbabilisticPress(compression_ratio=0.5)
@@ -64,7 +65,7 @@ def prefill_variants(model, context_ids):
     def gate():
         cache = DynamicCache()
         recorder.reset()
-        with torch.no_grad(), recorder.attach(model):
+        with torch.no_grad(), recorder.attach(model), capturing_window_queries(model):
             model.model(input_ids=context_ids, past_key_values=cache)
         recorder.drop()
         return cache
@@ -73,7 +74,10 @@ def prefill_variants(model, context_ids):
         cache = DynamicCache()
         recorder.reset()
         selections: dict = {}
-        with torch.no_grad(), recorder.attach(model), selection_hooks(model, {"p": press}, selections):
+        with (
+            torch.no_grad(), recorder.attach(model), selection_hooks(model, {"p": press}, selections),
+            capturing_window_queries(model),
+        ):
             model.model(input_ids=context_ids, past_key_values=cache)
         recorder.drop()
         return cache, selections["p"]

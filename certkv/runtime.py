@@ -213,6 +213,7 @@ class CertifiedRuntime:
 
         from certkv.engine.engine import continues_from_compressed_length, is_probabilistic_press, kept_entries
         from certkv.gate.agreement import AgreementRecorder
+        from certkv.gate.window_queries import capturing_window_queries
         from certkv.generation import greedy_decode
         from certkv.presses.hajek_attention import certificate_max, certificate_steps, use_hajek_attention
         from certkv.presses.probabilistic import clear_states, kept_fraction
@@ -247,7 +248,11 @@ class CertifiedRuntime:
         with torch.no_grad(), hajek:
             # The recorder's hooks are registered before the press's, so they run first on each
             # layer and see its keys before the press prunes them.
-            with recorder.attach(self.model) if recorder else nullcontext(), self.press(self.model):
+            with (
+                recorder.attach(self.model) if recorder else nullcontext(),
+                self.press(self.model),
+                capturing_window_queries(self.model),  # as calibration prefills
+            ):
                 self.model.model(input_ids=self._ids(enc.context_ids), past_key_values=cache)
             seconds = {"prefill": time.perf_counter() - t0}
             if recorder:

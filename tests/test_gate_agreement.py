@@ -133,3 +133,72 @@ def test_bad_settings_raise_value_error():
         layer_agreement(torch.rand(2, 2, 3, 5), 2)
     with pytest.raises(ValueError, match="no layer"):
         AgreementRecorder().drop()
+
+
+def test_captured_window_queries_are_the_recomputed_ones_and_change_nothing_else(embedded):
+    """Inside capturing_window_queries the window attention uses the layer's own post-RoPE queries:
+    on CPU the very bits that recomputing them gives, and the prefill's cache is unchanged."""
+    from contextlib import nullcontext
+
+    from transformers import DynamicCache
+
+    from certkv.gate.agreement import forget_window_attention, window_attention
+    from certkv.gate.window_queries import WIDTH, capturing_window_queries, captured_queries
+    from certkv.model_layers import attention_modules
+
+    model, _ = embedded
+    modules = attention_modules(model)
+    ids = torch.randint(5, 100, (1, 150), generator=torch.Generator().manual_seed(3))
+    seen = {}
+
+    def hook(module, args, kwargs, output):
+        keys = kwargs["past_key_values"].layers[module.layer_idx].keys
+        hidden = kwargs["hidden_states"]
+        captured = captured_queries(module, hidden.shape[1], 32)
+        forget_window_attention([module])
+        used = window_attention(module, hidden, keys, kwargs["position_embeddings"], 32)
+        stash = module.__dict__.pop("_certkv_window_queries", None)  # recompute for the reference
+        forget_window_attention([module])
+        recomputed = window_attention(module, hidden, keys, kwargs["position_embeddings"], 32)
+        if stash is not None:
+            module.__dict__["_certkv_window_queries"] = stash
+        seen[module.layer_idx] = (captured, used, recomputed,
+                                  captured_queries(module, hidden.shape[1], WIDTH + 1),
+                                  captured_queries(module, hidden.shape[1] + 1, 32))
+        return output
+
+    def prefill(capture: bool):
+        cache = DynamicCache()
+        handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+        try:
+            with torch.no_grad(), (capturing_window_queries(model) if capture else nullcontext()):
+                model.model(input_ids=ids, past_key_values=cache)
+        finally:
+            for h in handles:
+                h.remove()
+        return cache, dict(seen)
+
+    implementation = model.config._attn_implementation
+    plain_cache, plain = prefill(False)
+    cache, captured = prefill(True)
+    assert model.config._attn_implementation == implementation
+    assert all(captured_queries(m, 150, 32) is None for m in modules), "captures must not outlive the block"
+    for layer in range(len(modules)):
+        assert plain[layer][0] is None  # nothing captured outside the block
+        queries, used, recomputed, too_wide, other_length = captured[layer]
+        assert queries is not None and queries.shape == (1, model.config.num_attention_heads, 32, model.config.head_dim)
+        assert too_wide is None and other_length is None
+        assert torch.equal(used, recomputed)
+        assert torch.equal(cache.layers[layer].keys, plain_cache.layers[layer].keys)
+        assert torch.equal(cache.layers[layer].values, plain_cache.layers[layer].values)
+
+
+def test_capturing_is_a_no_op_for_eager_attention(tiny_llama):
+    from transformers import DynamicCache
+
+    from certkv.gate.window_queries import capturing_window_queries, captured_queries
+
+    with torch.no_grad(), capturing_window_queries(tiny_llama):
+        assert tiny_llama.config._attn_implementation == "eager"
+        tiny_llama.model(input_ids=torch.arange(5, 45).view(1, -1), past_key_values=DynamicCache())
+    assert all(captured_queries(layer.self_attn, 40, 32) is None for layer in tiny_llama.model.layers)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.probabilistic_decode import decode_probabilistic, selection_hooks
 from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
+from certkv.gate.window_queries import capturing_window_queries
 from certkv.generation import encode_request, greedy_decode, stop_token_ids
 
 
@@ -150,6 +151,7 @@ class Engine:
             scoring_hooks(self.model, {c.policy: c.press for c in self.fast}, selections),
             selection_hooks(self.model, {c.policy: c.press for c in self.probabilistic}, sampled),
             self.recorder.attach(self.model) if self.recorder else nullcontext(),
+            capturing_window_queries(self.model),
         ):
             self.model.model(input_ids=context_ids, past_key_values=cache)
         agreement_drop = None

@@ -38,6 +38,9 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     Each window query sees the keys up to its own position (causal). The logits are computed in
     the keys' dtype and the softmax in float32, as transformers' eager attention does.
 
+    Inside :func:`certkv.gate.window_queries.capturing_window_queries` the window queries are the
+    ones the layer itself computed (the same bits on CPU), not recomputed from `hidden_states`.
+
     Returns float32 weights of shape (B, H, W, K) with H the number of query heads and
     W = min(window, Q). The query heads of a KV group share one matmul with their keys (no copy of
     the keys per query head). The last result per layer is remembered (keyed on the very same
@@ -49,6 +52,8 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     from kvpress.utils import get_prerope_query_states
     from transformers.models.llama.modeling_llama import rotate_half
 
+    from certkv.gate.window_queries import captured_queries
+
     _check_positive_int("window", window)
     memo = module.__dict__.pop(_MEMO_ATTR, None)  # used at most once more, then gone
     if memo is not None and memo[0]() is hidden_states and memo[1]() is keys and memo[2] == window:
@@ -58,10 +63,12 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     w = min(window, q_len)
     if k_len < w:
         raise ValueError(f"the cache holds {k_len} keys, fewer than the {w} window queries")
-    query = get_prerope_query_states(module, hidden_states[:, -w:])
-    cos, sin = position_embeddings
-    cos, sin = cos[:, -w:].unsqueeze(1), sin[:, -w:].unsqueeze(1)
-    query = (query * cos) + (rotate_half(query) * sin)
+    query = captured_queries(module, q_len, w)  # the layer's own, inside capturing_window_queries
+    if query is None:
+        query = get_prerope_query_states(module, hidden_states[:, -w:])
+        cos, sin = position_embeddings
+        cos, sin = cos[:, -w:].unsqueeze(1), sin[:, -w:].unsqueeze(1)
+        query = (query * cos) + (rotate_half(query) * sin)
 
     heads = query.shape[1]
     groups = heads // kv_heads
