@@ -98,18 +98,22 @@ def single_needle(rng: random.Random, context_length: int) -> Sample:
 def multi_key(rng: random.Random, context_length: int, share: float = 0.6, lookalike: bool = False) -> Sample:
     """`share` of the context goes to records, the rest to filler (training uses denser contexts).
 
-    With `lookalike`, the values look alike: either all start with one of two 2-digit prefixes, or
-    all are anagrams of the same four digits (training uses them: a model that copies each digit
-    from whatever followed the previous digit in the context, ignoring the asked key, then fails on
-    most answers instead of a few)."""
+    With `lookalike`, the values look alike: all start with one of two 2-digit prefixes, or all are
+    anagrams of the same four digits, or all share their first and third digits (training uses
+    them: a model that copies each digit from whatever followed the same digit at the same place
+    in another value, ignoring the asked key, then fails on most answers instead of a few)."""
     n = _n_records(context_length, 12, share, cap=80)
     keys = rng.sample(KEY_WORDS, n)
-    if lookalike and rng.random() < 0.5:
+    kind = rng.randrange(3) if lookalike else None
+    if kind == 0:
         prefixes = [_value(rng, 2) for _ in range(2)]
         values = [rng.choice(prefixes) + f"{rng.randrange(100):02d}" for _ in keys]
-    elif lookalike:
+    elif kind == 1:
         digits = rng.sample("123456789", 4)
         values = ["".join(rng.sample(digits, 4)) for _ in keys]
+    elif kind == 2:
+        first, third = rng.choice("123456789"), rng.choice("0123456789")
+        values = [f"{first}{rng.randrange(10)}{third}{rng.randrange(10)}" for _ in keys]
     else:
         values = [_value(rng) for _ in keys]
     units = [_record(k, v) for k, v in zip(keys, values)]

@@ -49,10 +49,10 @@ def test_variable_tracking_answer_is_chain_root_value():
         assert assignments[name] == answer
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_lookalike_multi_key_values_share_prefixes_or_digits(seed):
-    """Training's hard contexts: values with one of two 2-digit prefixes, or anagrams of four digits;
-    still one record per key, every answer in the context, within the length."""
+    """Training's hard contexts: values with one of two 2-digit prefixes, anagrams of four digits, or
+    one first and third digit; still one record per key, every answer in the context, within the length."""
     from certkv.tasks import multi_key
 
     sample = multi_key(random.Random(seed), 256, lookalike=True)
@@ -60,7 +60,8 @@ def test_lookalike_multi_key_values_share_prefixes_or_digits(seed):
     assert len(values) > 5 and all(len(v) == 4 and v.isdigit() for v in values)
     prefixes = {v[:2] for v in values}
     digit_sets = {frozenset(v) for v in values}
-    assert len(prefixes) <= 2 or (len(digit_sets) == 1 and len(next(iter(digit_sets))) == 4)
+    odd_places = {v[0] + v[2] for v in values}
+    assert len(prefixes) <= 2 or (len(digit_sets) == 1 and len(next(iter(digit_sets))) == 4) or len(odd_places) == 1
     for _, answer in sample.qa:
         assert f" is {answer}." in sample.context
     assert count_tokens(sample.context) <= 256
