@@ -194,11 +194,18 @@ def test_hajek_attention_matches_explicit_computation():
                     torch.testing.assert_close(cert[b, h, t], max(per_head), atol=1e-5, rtol=1e-4)
 
 
-def test_certificates_reduced_together_equal_each_step_reduced_alone():
-    """Steps store their certificate's sums and are reduced when read, consecutive same-shape steps
-    in one batch: the values must equal each step's certificate computed on its own."""
-    from certkv.presses.hajek_attention import certificate, corrected_attention, hajek_attention, layer_certificates
+@pytest.mark.parametrize("pending_steps", [64, 2])
+def test_certificates_reduced_together_equal_each_step_reduced_alone(pending_steps, monkeypatch):
+    """Steps store their certificate's sums and are reduced when read (or when too many wait),
+    consecutive same-shape steps in one batch: the values must equal each step's certificate
+    computed on its own."""
+    from certkv.presses import hajek_attention as module_under_test
+    from certkv.presses.hajek_attention import (
+        CertificateTerms, certificate, corrected_attention, hajek_attention, layer_certificates,
+    )
     from certkv.presses.probabilistic import HajekState
+
+    monkeypatch.setattr(module_under_test, "PENDING_STEPS", pending_steps)
 
     g = torch.Generator().manual_seed(9)
     batch, kv_heads, groups, d, ctx = 2, 2, 3, 8, 48
@@ -219,6 +226,8 @@ def test_certificates_reduced_together_equal_each_step_reduced_alone():
         hajek_attention(module, query, k, v, None, scaling=d**-0.5)
         if q_len == 2:  # a read in the middle settles the steps so far; later ones stay pending
             assert len(layer_certificates(module)) == len(expected)
+    waiting = sum(isinstance(step, CertificateTerms) for step in module.certkv_certificates)
+    assert waiting == (2 if pending_steps == 64 else 0)  # the last read, or the cap, settled the rest
     got = layer_certificates(module)
     assert len(got) == len(expected)
     for step, (a, b) in enumerate(zip(got, expected)):

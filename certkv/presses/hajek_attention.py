@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from certkv.presses.probabilistic import CERT_ATTR, STATE_ATTR, attention_modules, clear_state
 
 NAME = "certkv_hajek"
+#: At most this many steps wait unreduced (each holds a few (B·H_kv, G·Q, d_v) tensors).
+PENDING_STEPS = 64
 
 
 def _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
@@ -82,6 +84,8 @@ def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         certificates.append(torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=query.device))
     else:  # reduced when read (settle_certificates), many steps at once
         certificates.append(certificate_terms(weights, output, value, state, (batch, kv_heads, query.shape[1] // kv_heads, q_len)))
+        if len(certificates) >= PENDING_STEPS and isinstance(certificates[-PENDING_STEPS], CertificateTerms):
+            settle_certificates(certificates)  # a long answer nobody reads yet: keep memory bounded
     heads, head_dim = query.shape[1], value.shape[-1]
     output = output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
     return output, None
