@@ -230,6 +230,9 @@ def train(args) -> Path:
         opt.load_state_dict(ckpt["opt"])
         state = ckpt["state"]
         log(f"resumed from {ckpt_path} at step {state['step']} (seed {state['seed']}, stage {state['stage']})")
+    elif args.grow_from:
+        model, opt, state = grown(args.grow_from, fresh)
+        log(f"grown from {args.grow_from} to {args.layers} layers at step {state['step']} (new layers start as identities)")
     else:
         model, opt, state = fresh(args.seed)
         n_params = sum(p.numel() for p in model.parameters())
@@ -311,6 +314,35 @@ def train(args) -> Path:
     return ckpt_path
 
 
+def grown(source: str, fresh):
+    """A deeper model that computes exactly what `source`'s checkpoint computes, to train on.
+
+    The checkpoint's layers are copied and the extra layers appended after them with their output
+    projections (attention ``o_proj`` and MLP ``down_proj``) zeroed, so each adds nothing to the
+    residual stream until training gives it something to add: a model stuck with too few layers
+    keeps everything it learned. The optimizer starts afresh (with its warm-up); step, stage and
+    history continue.
+    """
+    import torch
+
+    ckpt = torch.load(Path(source) / "checkpoint.pt", weights_only=False)
+    model, opt, state = fresh(ckpt["state"]["seed"])
+    old_layers = 1 + max(int(k.split(".")[2]) for k in ckpt["model"] if k.startswith("model.layers."))
+    layers = model.model.layers
+    if len(layers) <= old_layers:
+        raise SystemExit(f"--grow-from needs --layers above the checkpoint's {old_layers}")
+    missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
+    if unexpected or any(not k.startswith("model.layers.") for k in missing):
+        raise SystemExit(f"{source}: the checkpoint does not match the model apart from its depth")
+    with torch.no_grad():
+        for layer in layers[old_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    state.update({k: v for k, v in ckpt["state"].items() if k not in ("since_start",)})
+    state["grown_from"] = {"source": str(source), "layers": old_layers, "step": ckpt["state"]["step"]}
+    return model, opt, state
+
+
 def save_checkpoint(path: Path, model, opt, state) -> None:
     import torch
 
@@ -380,6 +412,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="share of multi-key training contexts whose values share 2-digit prefixes (forces the"
                    " asked key into every digit's lookup, not only the first)")
     p.add_argument("--dense", action="store_true", help="multi-key contexts of records only, no filler")
+    p.add_argument("--grow-from", default=None,
+                   help="start a new run (empty --out) from this run folder's checkpoint with --layers layers:"
+                   " the extra layers are appended as identities")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
     if args.export_only:

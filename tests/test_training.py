@@ -1,0 +1,69 @@
+"""The trainer's parts that decide what a run learns from (it runs outside CI; these pieces do not)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from certkv.embedded_tokenizer import EMBEDDED_DIR
+
+    return AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+
+
+def _fresh(tokenizer, layers):
+    from certkv.training import model_config, new_model
+
+    config = model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, layers)
+
+    def fresh(seed):
+        model = new_model(config, seed, shared_vector=False)
+        state = {"seed": seed, "step": 0, "stage": 0, "since_start": 0, "history": []}
+        return model, torch.optim.AdamW(model.parameters()), state
+
+    return fresh
+
+
+def test_grown_model_computes_what_its_source_did_and_can_learn(tokenizer, tmp_path):
+    from certkv.training import grown, save_checkpoint
+
+    small, opt, state = _fresh(tokenizer, 2)(3)
+    state.update(step=120, stage=2, since_start=50)
+    save_checkpoint(tmp_path / "checkpoint.pt", small, opt, state)
+    deep, _, deep_state = grown(str(tmp_path), _fresh(tokenizer, 3))
+    assert len(deep.model.layers) == 3
+    assert (deep_state["step"], deep_state["stage"], deep_state["since_start"]) == (120, 2, 0)
+    assert deep_state["grown_from"]["layers"] == 2
+    ids = torch.randint(5, len(tokenizer), (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(deep(input_ids=ids).logits, small(input_ids=ids).logits)
+    # the new layer is an identity, not a dead end: its output projections receive gradients
+    deep(input_ids=ids).logits.square().mean().backward()
+    assert deep.model.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert deep.model.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(SystemExit, match="--layers above"):
+        grown(str(tmp_path), _fresh(tokenizer, 2))
+
+
+def test_batches_label_only_answer_tokens_and_accuracy_counts_whole_answers(tokenizer):
+    from certkv.training import Batcher, answer_accuracy
+
+    batcher = Batcher(tokenizer, seed=5, lookalike_share=1.0)
+    ids, labels, first, tasks = batcher.batch(96, 3000, copy_share=0.0, mix={"multi_key": 1.0})
+    assert set(tasks) == {"multi_key"}
+    labelled = labels != -100
+    assert labelled.any() and (first != -100).sum() < labelled.sum()
+    # every labelled position predicts the next input token
+    rows, cols = labelled.nonzero(as_tuple=True)
+    assert torch.equal(labels[rows, cols], ids[rows, cols + 1])
+    # perfect logits get every answer right; one wrong token loses exactly its answer
+    logits = torch.nn.functional.one_hot(labels.clamp_min(0), len(tokenizer)).float()
+    right, total = answer_accuracy(logits, labels)
+    assert right == total > 0
+    logits[rows[0], cols[0]] = 0
+    assert answer_accuracy(logits, labels) == (total - 1, total)
