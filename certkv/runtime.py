@@ -215,7 +215,7 @@ class CertifiedRuntime:
         from certkv.gate.agreement import AgreementRecorder
         from certkv.gate.window_queries import capturing_window_queries
         from certkv.generation import greedy_decode
-        from certkv.presses.hajek_attention import certificate_max, certificate_steps, use_hajek_attention
+        from certkv.presses.hajek_attention import certificate_max, use_hajek_attention
         from certkv.presses.probabilistic import clear_states, kept_fraction
 
         n_ctx = len(enc.context_ids)
@@ -226,23 +226,6 @@ class CertifiedRuntime:
         cache = DynamicCache()
         hajek = use_hajek_attention(self.model) if probabilistic else nullcontext()
         clear_states(self.model)
-        peak, seen, calls = [0.0], [0], [0]
-
-        def exceeded() -> bool:
-            """Walk the steps not checked yet; stop at the first above the bound."""
-            rows = certificate_steps(self.model)
-            for value in (rows[0] if rows else [])[seen[0] :]:
-                peak[0] = max(peak[0], value)
-                seen[0] += 1
-                if peak[0] > self.bound:
-                    return True
-            return False
-
-        def escalate() -> bool:
-            """After every model call under a certificate bound: check every few steps."""
-            calls[0] += 1
-            return calls[0] % CERTIFICATE_CHECK_EVERY == 0 and exceeded()
-
         ids = None
         gated = False
         with torch.no_grad(), hajek:
@@ -261,12 +244,14 @@ class CertifiedRuntime:
             if not gated:
                 kept = kept_fraction(self.model) if probabilistic else kept_entries(cache, self.model) / n_ctx
                 position = cache.get_seq_length() if continues_from_compressed_length(self.press) else n_ctx
-                check = escalate if probabilistic and self.bound is not None else None
-                ids = greedy_decode(self.model, cache, enc.question_ids, position, max_new, after_step=check)
-                if check and ids is not None and exceeded():  # the steps since the last check
+                watch = _CertificateWatch(self.model, self.bound) if probabilistic and self.bound is not None else None
+                ids = greedy_decode(
+                    self.model, cache, enc.question_ids, position, max_new, after_step=watch.after_step if watch else None
+                )
+                if watch and ids is not None and watch.exceeded():  # the steps since the last check
                     ids = None
                 if probabilistic:
-                    decision.certificate_max = peak[0] if check else certificate_max(self.model)
+                    decision.certificate_max = watch.peak if watch else certificate_max(self.model)
         clear_states(self.model)
         if gated:
             decision.reason = "gate"
@@ -285,3 +270,34 @@ class CertifiedRuntime:
         import torch
 
         return torch.as_tensor(ids, device=self.model.device).view(1, -1)
+
+
+class _CertificateWatch:
+    """Checks an evicted decode's certificates against the operating point's bound.
+
+    Called after every model call (:meth:`after_step`), it reads the certificates every
+    :data:`CERTIFICATE_CHECK_EVERY` calls; :meth:`exceeded` also covers the calls since the last
+    check. :attr:`peak` is the largest certificate up to the first step above the bound (or over
+    every step when none is), what the decision records.
+    """
+
+    def __init__(self, model, bound: float):
+        self.model, self.bound = model, bound
+        self.peak = 0.0
+        self.seen = 0  # steps already compared with the bound
+        self.calls = 0
+
+    def exceeded(self) -> bool:
+        from certkv.presses.hajek_attention import certificate_steps
+
+        rows = certificate_steps(self.model)
+        for value in (rows[0] if rows else [])[self.seen :]:
+            self.peak = max(self.peak, value)
+            self.seen += 1
+            if self.peak > self.bound:
+                return True
+        return False
+
+    def after_step(self) -> bool:
+        self.calls += 1
+        return self.calls % CERTIFICATE_CHECK_EVERY == 0 and self.exceeded()
