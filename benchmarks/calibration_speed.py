@@ -100,7 +100,8 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dic
         "seconds_per_request": {k: v / n for k, v in totals.items() if v},
         "certkv_over_full": totals["certkv"] / totals["full"],
         # What any exact calibrator pays at least: the full answer, plus every candidate reading the
-        # question and an answer over its own compressed cache (certkv's one verifying forward).
+        # question and an answer over its own compressed cache (certkv's one verifying forward of the
+        # score-based candidates; these settings have no probabilistic ones).
         "exact_floor_over_full": (totals["full"] + verify) / totals["full"],
         "engine_breakdown_per_request": {k: v / n for k, v in breakdown.items()},
     }

@@ -106,7 +106,8 @@ class Batcher:
                 self.rng,
                 length,
                 share=1.0 if self.dense else 0.6,  # dense: records only, more keys to match per step
-                lookalike=self.rng.random() < self.lookalike_share,
+                # no draw without lookalike contexts: the data stream of other runs stays as it was
+                lookalike=self.lookalike_share > 0 and self.rng.random() < self.lookalike_share,
             )
         else:
             sample = TASKS[task](self.rng, length)
@@ -298,7 +299,7 @@ def train(args) -> Path:
             state["stage"] += 1
             window = []
             log(f"step {state['step']}: accuracy {acc:.3f} > {args.advance_at}; context length -> {CURRICULUM[state['stage']]}")
-        if not state.get("multi_key_matching") and state["since_start"] >= args.patience:
+        if not state.get("multi_key_matching") and "grown_from" not in state and state["since_start"] >= args.patience:
             new_seed = state["seed"] + 1
             log(f"step {state['step']}: not learning after {args.patience} steps (acc {acc:.3f}); restart with seed {new_seed}")
             step = state["step"]
@@ -321,7 +322,8 @@ def grown(source: str, fresh):
     projections (attention ``o_proj`` and MLP ``down_proj``) zeroed, so each adds nothing to the
     residual stream until training gives it something to add: a model stuck with too few layers
     keeps everything it learned. The optimizer starts afresh (with its warm-up); step, stage and
-    history continue.
+    history continue. A grown run is never restarted from a fresh seed (that would throw the
+    source's learning away).
     """
     import torch
 
@@ -409,8 +411,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-vector-scale", type=float, default=0.5,
                    help="with --shared-vector on-match: its size relative to the embeddings' std")
     p.add_argument("--lookalike-share", type=float, default=0.0,
-                   help="share of multi-key training contexts whose values share 2-digit prefixes (forces the"
-                   " asked key into every digit's lookup, not only the first)")
+                   help="share of multi-key training contexts with look-alike values (shared 2-digit prefixes,"
+                   " anagrams, or shared first and third digits; see tasks.multi_key): they force the asked key"
+                   " into every digit's lookup, not only the first")
     p.add_argument("--dense", action="store_true", help="multi-key contexts of records only, no filler")
     p.add_argument("--grow-from", default=None,
                    help="start a new run (empty --out) from this run folder's checkpoint with --layers layers:"

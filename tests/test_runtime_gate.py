@@ -238,3 +238,35 @@ def test_runtime_falls_back(embedded, requests):
     fallback.fallback = True
     out = CertifiedRuntime(model, tok, fallback).generate(requests[0].context, requests[0].question)
     assert out.decision.mode == "full" and out.decision.reason == "fallback"
+
+
+@pytest.mark.parametrize(
+    "steps, bound, calls, escalates, peak",
+    [
+        # above the bound only after the last multiple of 8: caught by the check at the end
+        ([0.1] * 9 + [0.9], 0.5, 10, True, 0.9),
+        # above at step 3, larger later: the peak is the first value above the bound
+        ([0.1, 0.2, 0.7, 0.95, 0.3, 0.1, 0.1, 0.1], 0.5, 8, True, 0.7),
+        ([0.1, 0.4, 0.3], 0.5, 3, False, 0.4),
+    ],
+)
+def test_certificate_watch_decides_as_a_check_after_every_step(monkeypatch, steps, bound, calls, escalates, peak):
+    """Checking every 8 calls and at the end must decide, and record, what checking after every
+    call would: escalate iff some step is above the bound, the peak up to the first such step."""
+    from certkv.presses import hajek_attention
+    from certkv.runtime import CERTIFICATE_CHECK_EVERY, _CertificateWatch
+
+    recorded: list[float] = []
+    monkeypatch.setattr(hajek_attention, "certificate_steps", lambda model: [list(recorded)])
+    watch = _CertificateWatch(model=None, bound=bound)
+    stopped_at = None
+    for call, value in enumerate(steps[:calls], start=1):
+        recorded.append(value)
+        if watch.after_step():
+            stopped_at = call
+            break
+    decided = stopped_at is not None or watch.exceeded()
+    assert decided == escalates
+    assert watch.peak == peak
+    if stopped_at is not None:
+        assert stopped_at % CERTIFICATE_CHECK_EVERY == 0

@@ -219,7 +219,7 @@ class Engine:
         t0 = time.perf_counter()
         n_ctx = context_ids.shape[1]
         cache = DynamicCache()
-        with torch.no_grad(), c.press(self.model):
+        with torch.no_grad(), c.press(self.model), capturing_window_queries(self.model):  # as the runtime
             self.model.model(input_ids=context_ids, past_key_values=cache)
         kept = kept_entries(cache, self.model)
         # As kvpress's pipeline: presses that re-rotate or restore keys continue positions from the

@@ -15,8 +15,9 @@ each row's certificate is the one of its own split (up to float summation order)
 Decoding follows :func:`certkv.generation.greedy_decode` step for step (question feed, then one
 call per generated token but the last, stop tokens honoured from the second token on), and each
 row's certificate maximum is taken over exactly the calls its own answer needed. That is what the
-runtime, which decodes one request at a time and escalates as soon as a step's certificate exceeds
-the bound, computes too: "escalated" ⇔ ``certificate_max > bound``.
+runtime, which decodes one request at a time and escalates when any step's certificate exceeds
+the bound (checked every few steps and at the end), computes too: "escalated" ⇔
+``certificate_max > bound``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ full prefill call, the layer keeps a copy of its last :data:`WIDTH` queries; the
 then slices them instead of recomputing.
 
 The copy is bit for bit what recomputing gives on CPU (checked in the tests); wherever a kernel
-could round differently (other devices), calibration and the runtime both prefill inside this
-context, so they still see the same queries. A window wider than :data:`WIDTH` recomputes, and so
-does everything outside the context (e.g. the press inside kvpress's own pipeline). The wrapper
+could round differently (other devices), calibration (both its paths) and the runtime all prefill
+inside this context, so they still see the same queries. A window wider than :data:`WIDTH`
+recomputes, and so does everything outside the context (e.g. the press inside kvpress's own
+pipeline) and a model under ``eager`` attention, which is not wrapped: calibrating under eager and
+serving under sdpa is the same on CPU, but calibrate and serve with one implementation elsewhere. The wrapper
 forwards every argument unchanged to the implementation it wraps and registers that
 implementation's mask builder under its own name, so the prefill itself computes exactly what it
 computed before. Nothing is registered at import.

@@ -18,8 +18,10 @@ cache's first N slots. This attention function, registered with transformers'
   device (no host sync per step). One call is one step: the question feed (Q > 1 positions) and
   then each decoded token. A step stores the two matmuls' sums its certificate is made of
   (:class:`CertificateTerms`); reading them (:func:`layer_certificates`, :func:`certificate_steps`,
-  :func:`certificate_max`, :func:`latest_certificate`) reduces every pending step at once to a
-  tensor of shape (B, H_kv, Q). Same numbers, a fraction of a decoding step's kernel calls.
+  :func:`certificate_max`) reduces every pending step at once to a
+  tensor of shape (B, H_kv, Q): the same numbers to float rounding (tested), a fraction of a
+  decoding step's kernel calls. Question feeds (Q > 1) are reduced at once, and at most
+  :data:`PENDING_STEPS` decoded tokens wait.
 
 Everything else is plain attention: a full prefill (query length == key length) clears the
 module's state (it belongs to a previous request) and runs transformers' sdpa; a module without
@@ -82,10 +84,12 @@ def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     output, weights = corrected_attention(query, key, value, attention_mask, scaling, state)
     if state.n_tail == 0:
         certificates.append(torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=query.device))
-    else:  # reduced when read (settle_certificates), many steps at once
+    else:  # decoded tokens are reduced when read (settle_certificates), many steps at once
         certificates.append(certificate_terms(weights, output, value, state, (batch, kv_heads, query.shape[1] // kv_heads, q_len)))
-        if len(certificates) >= PENDING_STEPS and isinstance(certificates[-PENDING_STEPS], CertificateTerms):
-            settle_certificates(certificates)  # a long answer nobody reads yet: keep memory bounded
+        if q_len > 1 or (len(certificates) >= PENDING_STEPS and isinstance(certificates[-PENDING_STEPS], CertificateTerms)):
+            # a multi-position step (the question feed) gains nothing from waiting and its sums are
+            # the largest; a long answer nobody reads yet must not hold every step's sums
+            settle_certificates(certificates)
     heads, head_dim = query.shape[1], value.shape[-1]
     output = output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
     return output, None
@@ -181,6 +185,7 @@ def certificate_terms(weights, output, value, state, shape: tuple) -> Certificat
     a.mul_(w)
     if tail_values.dtype == torch.float32:
         weighted = torch.bmm(a, tail_values)
+        output = output.clone()  # kept until read; the attention hands the same storage to the model
     else:
         weighted = torch.bmm(a.to(tail_values.dtype), tail_values).float()
         output = output.float()
@@ -310,15 +315,3 @@ def certificate_max(model) -> float:
     """The largest certificate of the last answer (0 when nothing was sampled or recorded)."""
     rows = certificate_steps(model)
     return max((max(row) for row in rows if row), default=0.0)
-
-
-def latest_certificate(model) -> float:
-    """The largest certificate of the last attention call (over layers, batch, heads, positions).
-
-    The runtime checks it after every step to escalate as soon as the bound is exceeded; 0 when
-    nothing was recorded (no sampled layer).
-    """
-    import torch
-
-    latest = [steps[-1].amax() for steps in (layer_certificates(m) for m in attention_modules(model)) if steps]
-    return float(torch.stack(latest).amax()) if latest else 0.0
