@@ -250,7 +250,7 @@ def train(args) -> Path:
         # "Learning" means multi-key retrieval has started: single-needle alone is easy and says
         # nothing about the key-matching circuit, so only multi-key accuracy counts.
         learning = state.get("multi_key_matching", False)
-        copy_share = 0.3 if not learning else 0.05
+        copy_share = 0.3 if not learning else args.copy_share
         needle = args.needle_share
         mix = {"multi_key": 1.0 - needle, "single_needle": needle}
         if stage >= 4:
@@ -415,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
                    " anagrams, or shared first and third digits; see tasks.multi_key): they force the asked key"
                    " into every digit's lookup, not only the first")
     p.add_argument("--dense", action="store_true", help="multi-key contexts of records only, no filler")
+    p.add_argument("--copy-share", type=float, default=0.05,
+                   help="share of repeat-a-random-string sequences once multi-key matching has started (0.3 before)")
     p.add_argument("--grow-from", default=None,
                    help="start a new run (empty --out) from this run folder's checkpoint with --layers layers:"
                    " the extra layers are appended as identities")
