@@ -4,7 +4,7 @@ Run outside CI, in the background, with a log::
 
     nohup python -m certkv.training --out train_runs/embedded > train_runs/embedded.log 2>&1 &
 
-The run is seeded and resumable: it checkpoints to ``OUT/checkpoint.pt`` every few hundred steps
+The run is seeded and resumable: it checkpoints to ``OUT/checkpoint.pt`` every 100 steps (``--checkpoint-every``)
 and continues from there when started again with the same ``--out``. When it finishes (or with
 ``--export-only``) it writes the weights, config and tokenizer into ``certkv/embedded/``.
 
@@ -15,6 +15,11 @@ Early on, part of the sequences ask the model to repeat a random string, which m
 heads form; one shared random vector is added to every token embedding at initialisation so that
 RoPE-based position heads have a content-free component to attend with. A run that has not started
 learning after ``--patience`` steps is restarted from a fresh initialisation with the next seed.
+
+Levers for a run that stalls (the README says what each did): ``--shared-vector none|on-match``,
+``--lookalike-share`` (multi-key contexts whose values look alike, so that copying a digit from
+whatever followed the previous digit fails), ``--copy-share`` (more repeat-a-string sequences once
+matching has started) and ``--grow-from`` (continue a run's checkpoint with more layers).
 """
 
 from __future__ import annotations
