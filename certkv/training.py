@@ -4,9 +4,10 @@ Run outside CI, in the background, with a log::
 
     nohup python -m certkv.training --out train_runs/embedded > train_runs/embedded.log 2>&1 &
 
-The run is seeded and resumable: it checkpoints to ``OUT/checkpoint.pt`` every 100 steps (``--checkpoint-every``)
-and continues from there when started again with the same ``--out``. When it finishes (or with
-``--export-only``) it writes the weights, config and tokenizer into ``certkv/embedded/``.
+The run is seeded and resumable: it checkpoints to ``OUT/checkpoint.pt`` every 100 steps
+(``--checkpoint-every``) and continues from there when started again with the same ``--out``. When
+it finishes (or with ``--export-only``) it writes the weights, config and tokenizer into
+``certkv/embedded/``.
 
 Recipe (multi-query associative recall): every training sequence is one built-in context followed
 by several question/answer pairs about it, with the loss only on the answer tokens. A curriculum
