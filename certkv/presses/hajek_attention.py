@@ -18,10 +18,9 @@ cache's first N slots. This attention function, registered with transformers'
   device (no host sync per step). One call is one step: the question feed (Q > 1 positions) and
   then each decoded token. A step stores the two matmuls' sums its certificate is made of
   (:class:`CertificateTerms`); reading them (:func:`layer_certificates`, :func:`certificate_steps`,
-  :func:`certificate_max`) reduces every pending step at once to a
-  tensor of shape (B, H_kv, Q): the same numbers to float rounding (tested), a fraction of a
-  decoding step's kernel calls. Question feeds (Q > 1) are reduced at once, and at most
-  :data:`PENDING_STEPS` decoded tokens wait.
+  :func:`certificate_max`) reduces every pending step at once to a tensor of shape (B, H_kv, Q):
+  the same numbers to float rounding (tested), a fraction of a decoding step's kernel calls.
+  Question feeds (Q > 1) are reduced at once, and at most :data:`PENDING_STEPS` decoded tokens wait.
 
 Everything else is plain attention: a full prefill (query length == key length) clears the
 module's state (it belongs to a previous request) and runs transformers' sdpa; a module without
@@ -225,21 +224,31 @@ def settle_certificates(steps: list) -> list:
     """
     import torch
 
-    i = 0
-    while i < len(steps):
-        if not isinstance(steps[i], CertificateTerms):
-            i += 1
-            continue
-        j = i + 1
-        while j < len(steps) and isinstance(steps[j], CertificateTerms) and steps[j].shape == steps[i].shape:
-            j += 1
+    def pending(step):
+        return step.shape if isinstance(step, CertificateTerms) else None
+
+    for i, j, shape in list(_same_shape_runs(steps, pending)):
+        if shape is None:
+            continue  # already reduced
         run = steps[i:j]
         stacked = [torch.stack([getattr(t, name) for t in run]) for name in ("weighted", "moments", "output")]
-        batch, kv_heads, groups, q_len = run[0].shape
+        batch, kv_heads, groups, q_len = shape
         values = _reduce(*stacked).view(len(run), batch, kv_heads, groups, q_len).amax(dim=3)
         steps[i:j] = list(values.unbind(0))
-        i = j
     return steps
+
+
+def _same_shape_runs(items: list, shape_of):
+    """(start, end, shape) of each maximal run of consecutive items whose ``shape_of`` is equal;
+    items whose shape_of is None form runs of one."""
+    i = 0
+    while i < len(items):
+        shape = shape_of(items[i])
+        j = i + 1
+        while shape is not None and j < len(items) and shape_of(items[j]) == shape:
+            j += 1
+        yield i, j, shape
+        i = j
 
 
 def layer_certificates(module) -> list:
@@ -300,15 +309,8 @@ def _step_maxima(steps: list):
     same-shape steps (the decoded tokens) rather than one per step."""
     import torch
 
-    parts = []
-    i = 0
-    while i < len(steps):
-        j = i + 1
-        while j < len(steps) and steps[j].shape == steps[i].shape:
-            j += 1
-        parts.append(torch.stack(steps[i:j]).amax(dim=(2, 3)))  # (S_run, B)
-        i = j
-    return torch.cat(parts).T
+    parts = [torch.stack(steps[i:j]).amax(dim=(2, 3)) for i, j, _ in _same_shape_runs(steps, lambda c: c.shape)]
+    return torch.cat(parts).T  # parts: (S_run, B) each
 
 
 def certificate_max(model) -> float:
