@@ -13,8 +13,8 @@ could round differently (other devices), calibration (both its paths) and the ru
 inside this context, so they still see the same queries. A window wider than :data:`WIDTH`
 recomputes, and so does everything outside the context (e.g. the press inside kvpress's own
 pipeline) and a model under ``eager`` attention, which is not wrapped: calibrating under eager and
-serving under sdpa is the same on CPU, but calibrate and serve with one implementation elsewhere. The wrapper
-forwards every argument unchanged to the implementation it wraps and registers that
+serving under sdpa is the same on CPU, but calibrate and serve with one implementation elsewhere.
+The wrapper forwards every argument unchanged to the implementation it wraps and registers that
 implementation's mask builder under its own name, so the prefill itself computes exactly what it
 computed before. Nothing is registered at import.
 """
@@ -63,6 +63,7 @@ def capturing_window_queries(model):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from certkv.engine.attention import use_attention
     from certkv.model_layers import attention_modules
 
     previous = model.config._attn_implementation
@@ -74,10 +75,9 @@ def capturing_window_queries(model):
         AttentionInterface.register(name, _wrap(previous))
         if previous in ALL_MASK_ATTENTION_FUNCTIONS:
             ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[previous])
-    model.config._attn_implementation = name
     try:
-        yield model
+        with use_attention(model, name):
+            yield model
     finally:
-        model.config._attn_implementation = previous
         for module in attention_modules(model):
             module.__dict__.pop(_ATTR, None)

@@ -272,13 +272,11 @@ def use_hajek_attention(model):
     States and certificates stay on the modules after the block so that the caller can read them;
     :func:`certkv.presses.probabilistic.clear_states` forgets them.
     """
+    from certkv.engine.attention import use_attention
+
     register()
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = NAME
-    try:
+    with use_attention(model, NAME):
         yield model
-    finally:
-        model.config._attn_implementation = previous
 
 
 def reset_certificates(model) -> None:
