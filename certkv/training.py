@@ -244,8 +244,11 @@ def train(args) -> Path:
         model, opt, state = fresh(args.seed)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"new run seed {args.seed}: {n_params} parameters")
-    batcher = Batcher(tok, state["seed"] * 100003 + state["step"], dense=args.dense, recall_share=args.recall_share,
-                              lookalike_share=args.lookalike_share)
+    def batcher_for(seed: int, step: int) -> Batcher:
+        return Batcher(tok, seed * 100003 + step, dense=args.dense, recall_share=args.recall_share,
+                       lookalike_share=args.lookalike_share)
+
+    batcher = batcher_for(state["seed"], state["step"])
 
     window: list[tuple[int, int]] = []
     t0 = time.time()
@@ -311,8 +314,7 @@ def train(args) -> Path:
             step = state["step"]
             model, opt, state = fresh(new_seed)
             state["step"] = step
-            batcher = Batcher(tok, new_seed * 100003 + step, dense=args.dense, recall_share=args.recall_share,
-                              lookalike_share=args.lookalike_share)
+            batcher = batcher_for(new_seed, step)
             window = []
         if state["step"] % args.checkpoint_every == 0:
             save_checkpoint(ckpt_path, model, opt, state)
@@ -335,7 +337,7 @@ def grown(source: str, fresh):
 
     ckpt = torch.load(Path(source) / "checkpoint.pt", weights_only=False)
     model, opt, state = fresh(ckpt["state"]["seed"])
-    old_layers = 1 + max(int(k.split(".")[2]) for k in ckpt["model"] if k.startswith("model.layers."))
+    old_layers = checkpoint_layers(ckpt["model"])
     layers = model.model.layers
     if len(layers) <= old_layers:
         raise SystemExit(f"--grow-from needs --layers above the checkpoint's {old_layers}")
@@ -349,6 +351,11 @@ def grown(source: str, fresh):
     state.update({k: v for k, v in ckpt["state"].items() if k not in ("since_start",)})
     state["grown_from"] = {"source": str(source), "layers": old_layers, "step": ckpt["state"]["step"]}
     return model, opt, state
+
+
+def checkpoint_layers(state_dict) -> int:
+    """How many decoder layers a checkpoint's model state holds."""
+    return 1 + max(int(k.split(".")[2]) for k in state_dict if k.startswith("model.layers."))
 
 
 def save_checkpoint(path: Path, model, opt, state) -> None:
@@ -379,7 +386,7 @@ def export_from_checkpoint(out: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
     ckpt = torch.load(Path(out) / "checkpoint.pt", weights_only=False)
-    layers = 1 + max(int(k.split(".")[2]) for k in ckpt["model"] if k.startswith("model.layers."))
+    layers = checkpoint_layers(ckpt["model"])
     model = new_model(model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, layers), 0)
     model.load_state_dict(ckpt["model"])
     export(model, tok)
