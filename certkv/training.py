@@ -35,16 +35,20 @@ CURRICULUM = [64, 96, 128, 192, 256, 320, 384, 448, 512, 576]
 MAX_QUESTIONS = 8
 
 
-def model_config(vocab_size: int, bos: int, eos: int, pad: int, layers: int = 2):
+def model_config(vocab_size: int, bos: int, eos: int, pad: int, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+    """The embedded model's shape. More, narrower heads at the same width cost no parameters
+    (hidden 128 = 4 × 32 = 8 × 16) and give the first layer more distinct attention patterns."""
     from transformers import LlamaConfig
 
+    if heads % kv_heads or 128 % heads:
+        raise SystemExit(f"--heads {heads} must divide 128 and be a multiple of --kv-heads {kv_heads}")
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
@@ -219,7 +223,7 @@ def train(args) -> Path:
     if not (EMBEDDED_DIR / "tokenizer.json").is_file():  # the shipped one is kept as it is
         save_tokenizer(EMBEDDED_DIR)
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
-    config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, args.layers)
+    config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, args.layers, args.heads, args.kv_heads)
     ckpt_path = out / "checkpoint.pt"
 
     def fresh(seed: int):
@@ -232,6 +236,12 @@ def train(args) -> Path:
 
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
+        saved = (ckpt.get("config", {}).get("num_attention_heads", 4), ckpt.get("config", {}).get("num_key_value_heads", 2))
+        if saved != (args.heads, args.kv_heads):
+            # Every weight has the same shape whatever the head count: loading would not fail, it
+            # would silently read the weights as a different model.
+            raise SystemExit(f"{ckpt_path} holds a model with {saved[0]} / {saved[1]} heads: resume it with"
+                             f" --heads {saved[0]} --kv-heads {saved[1]}")
         model, opt, state = fresh(ckpt["state"]["seed"])
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
@@ -362,7 +372,8 @@ def save_checkpoint(path: Path, model, opt, state) -> None:
     import torch
 
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
+    # The config travels with the weights: export rebuilds exactly this shape (heads included).
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "config": model.config.to_dict()}, tmp)
     tmp.replace(path)
 
 
@@ -385,9 +396,14 @@ def export_from_checkpoint(out: Path) -> None:
     from certkv.embedded_tokenizer import EMBEDDED_DIR
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    from transformers import LlamaConfig
+
     ckpt = torch.load(Path(out) / "checkpoint.pt", weights_only=False)
-    layers = checkpoint_layers(ckpt["model"])
-    model = new_model(model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, layers), 0)
+    if "config" in ckpt:
+        config = LlamaConfig.from_dict(ckpt["config"])
+    else:  # checkpoints written before the config was saved: 4 / 2 heads, depth from the weights
+        config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, checkpoint_layers(ckpt["model"]))
+    model = new_model(config, 0, shared_vector=False)
     model.load_state_dict(ckpt["model"])
     export(model, tok)
 
@@ -413,6 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4, help="query heads (head size 128 / heads)")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA: fewer than --heads)")
     p.add_argument("--recall-share", type=float, default=0.0,
                    help="share of bare key-value recall sequences (a warm-up for key matching)")
     p.add_argument("--needle-share", type=float, default=0.1, help="share of single-needle sequences")

@@ -67,3 +67,28 @@ def test_batches_label_only_answer_tokens_and_accuracy_counts_whole_answers(toke
     assert right == total > 0
     logits[rows[0], cols[0]] = 0
     assert answer_accuracy(logits, labels) == (total - 1, total)
+
+
+def test_export_rebuilds_the_checkpoint_shape_and_resume_refuses_other_heads(tokenizer, tmp_path, monkeypatch):
+    """Head counts leave every weight's shape unchanged, so only the saved config tells them apart."""
+    import certkv.embedded_tokenizer as embedded
+    from certkv.training import export_from_checkpoint, main, model_config, new_model, save_checkpoint
+
+    config = model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, 2, 8, 4)
+    model = new_model(config, 1, shared_vector=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    save_checkpoint(run / "checkpoint.pt", model, torch.optim.AdamW(model.parameters()), {"seed": 1, "step": 0, "stage": 0})
+    target = tmp_path / "embedded"
+    tokenizer.save_pretrained(target)
+    monkeypatch.setattr(embedded, "EMBEDDED_DIR", target)
+    export_from_checkpoint(run)
+    from transformers import LlamaForCausalLM
+
+    loaded = LlamaForCausalLM.from_pretrained(target)
+    assert (loaded.config.num_attention_heads, loaded.config.num_key_value_heads) == (8, 4)
+    ids = torch.randint(5, len(tokenizer), (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
+    with pytest.raises(SystemExit, match="--heads 8 --kv-heads 4"):
+        main(["--out", str(run), "--steps", "1"])
