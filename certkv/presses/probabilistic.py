@@ -95,20 +95,41 @@ def inclusion_probabilities(scores, budget):
     if n == 0:
         return s.to(out_dtype)
     b = torch.as_tensor(budget, dtype=torch.float64, device=s.device).expand(s.shape[:-1]).clamp(0, n)
+    return _capped_proportional(s, b).to(out_dtype)
+
+
+def _capped_proportional(s, b):
+    """:func:`inclusion_probabilities` without its checks, for float64 `s` (..., n) that is already
+    known to be finite and nonnegative and `b` (...) in [0, n] (the selection's tail, made so).
+
+    Each round caps the entries whose proportional share reaches 1 and re-spreads the rest of the
+    budget; the capped count and the free entries' score mass are kept up to date in place rather
+    than recounted (the same numbers bit for bit: counts are exact and a masked entry is +0 either
+    way). The uniform spread over zero-score entries is only computed when some score is zero.
+    """
+    import torch
+
+    n = s.shape[-1]
     capped = torch.zeros_like(s, dtype=torch.bool)
+    n_capped = torch.zeros_like(b)
+    free_mass = s.clone()  # s on free entries, +0 on capped ones
+    zeros = bool((s == 0).any())
     pi = s
     for _ in range(n + 1):
-        free = ~capped
-        remaining = (b - capped.sum(-1)).clamp_min(0).unsqueeze(-1)
-        free_sum = (s * free).sum(-1, keepdim=True)
-        proportional = s * remaining / free_sum.clamp_min(1e-300)
-        uniform = (remaining / free.sum(-1, keepdim=True).clamp_min(1)).expand_as(s)
-        pi = torch.where(capped, torch.ones_like(s), torch.where(free_sum > 0, proportional, uniform))
-        newly = free & (pi >= 1)
+        remaining = (b - n_capped).clamp_min(0).unsqueeze(-1)
+        free_sum = free_mass.sum(-1, keepdim=True)
+        pi = s * remaining / free_sum.clamp_min(1e-300)
+        if zeros:  # a row whose free entries all score 0 spreads its budget over them uniformly
+            uniform = (remaining / (n - n_capped).unsqueeze(-1).clamp_min(1)).expand_as(s)
+            pi = torch.where(free_sum > 0, pi, uniform)
+        pi = pi.masked_fill(capped, 1.0)
+        newly = (pi >= 1) ^ capped  # capped entries are at exactly 1
         if not bool(newly.any()):
             break
         capped |= newly
-    return pi.clamp(0, 1).to(out_dtype)
+        free_mass.masked_fill_(newly, 0.0)
+        n_capped += newly.sum(-1)
+    return pi.clamp(0, 1)
 
 
 def head_priority(scores, n_sink: int, window: int):
@@ -179,23 +200,25 @@ def probabilistic_selection(
         counts = torch.full((batch, heads), n_head, dtype=torch.long, device=device)
         return Selection(head_idx, zeros_head, ones_head, counts, n_head)
 
-    in_head = torch.zeros(batch, heads, k_len, dtype=torch.bool, device=device).scatter_(-1, head_idx, True)
-    tail_idx = torch.arange(k_len, device=device).expand(batch, heads, k_len)[~in_head].view(batch, heads, n_tail)
+    # The tail in ascending position: a stable sort of head membership puts the non-members first.
+    membership = torch.zeros(batch, heads, k_len, dtype=torch.uint8, device=device).scatter_(-1, head_idx, 1)
+    tail_idx = membership.argsort(dim=-1, stable=True)[..., :n_tail]
     tail = scores.gather(-1, tail_idx).to(torch.float64)
     if not bool(torch.isfinite(tail).all()):
         raise ValueError("the base press returned non-finite scores outside the sinks and window")
     tail = tail - tail.amin(dim=-1, keepdim=True).clamp(max=0)
     tail = tail + score_floor * tail.mean(dim=-1, keepdim=True)
-    pi = inclusion_probabilities(tail, budget).to(torch.float64)
+    b = torch.full(tail.shape[:-1], float(budget), dtype=torch.float64, device=device)
+    pi = _capped_proportional(tail, b)
 
     u = torch.rand(pi.shape, generator=generator, dtype=torch.float64).to(device)
     kept = u < pi
     tail_counts = kept.sum(-1)
     width = int(tail_counts.max())
-    # kept entries first (ascending position), then unsampled ones to fill the padding
-    order = ((~kept).long() * n_tail + torch.arange(n_tail, device=device)).argsort(dim=-1)[..., :width]
+    # kept entries first, then unsampled ones to fill the padding, each in ascending position
+    order = kept.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :width]
     slot_valid = kept.gather(-1, order)
-    slot_log_pi = torch.where(slot_valid, pi.gather(-1, order).log(), torch.zeros((), dtype=torch.float64, device=device))
+    slot_log_pi = torch.where(slot_valid, pi.gather(-1, order).log(), 0.0)
     return Selection(
         indices=torch.cat([head_idx, tail_idx.gather(-1, order)], dim=-1),
         log_pi=torch.cat([zeros_head, slot_log_pi.float()], dim=-1),
