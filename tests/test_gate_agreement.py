@@ -202,3 +202,36 @@ def test_capturing_is_a_no_op_for_eager_attention(tiny_llama):
         assert tiny_llama.config._attn_implementation == "eager"
         tiny_llama.model(input_ids=torch.arange(5, 45).view(1, -1), past_key_values=DynamicCache())
     assert all(captured_queries(layer.self_attn, 40, 32) is None for layer in tiny_llama.model.layers)
+
+
+def test_gate_and_press_share_one_window_attention_per_layer_and_prefill(tiny_llama):
+    """The recorder and the probabilistic press's score read one window-attention mean per layer:
+    computed once per prefill (counted) and never carried to the next."""
+    from unittest import mock
+
+    from transformers import DynamicCache
+
+    import certkv.gate.agreement as agreement
+    from certkv.engine.probabilistic_decode import selection_hooks
+    from certkv.presses.probabilistic import ProbabilisticPress
+
+    recorder = agreement.AgreementRecorder()
+    presses = {"a": ProbabilisticPress(compression_ratio=0.5), "b": ProbabilisticPress(compression_ratio=0.3, seed=1)}
+    calls = []
+    direct = agreement.window_attention
+
+    def counted(module, *args):
+        calls.append(module.layer_idx)
+        return direct(module, *args)
+
+    with mock.patch.object(agreement, "window_attention", counted):
+        for n_tokens in (60, 61):
+            selections: dict = {}
+            with torch.no_grad(), recorder.attach(tiny_llama), selection_hooks(tiny_llama, presses, selections):
+                tiny_llama.model(input_ids=torch.arange(5, 5 + n_tokens).view(1, -1), past_key_values=DynamicCache())
+            assert all(len(v) == 3 for v in selections.values())
+            assert all(s.shape[-1] == n_tokens for s in recorder.scores.values())
+    assert calls == [0, 1, 2] * 2  # three readers per layer, one computation per layer and prefill
+    from certkv.model_layers import attention_modules
+
+    assert all(agreement._MEMO_ATTR not in m.__dict__ for m in attention_modules(tiny_llama)), "forgotten after the block"

@@ -15,6 +15,7 @@ _LAZY = {
     "layer_agreements": ("certkv.gate.agreement", "layer_agreements"),
     "layer_split": ("certkv.gate.agreement", "layer_split"),
     "window_attention": ("certkv.gate.agreement", "window_attention"),
+    "window_attention_mean": ("certkv.gate.agreement", "window_attention_mean"),
 }
 
 

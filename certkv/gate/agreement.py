@@ -43,10 +43,8 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
 
     Returns float32 weights of shape (B, H, W, K) with H the number of query heads and
     W = min(window, Q). The query heads of a KV group share one matmul with their keys (no copy of
-    the keys per query head). The last result per layer is remembered (keyed on the very same
-    input tensors), so the gate and a press scoring from the same window in the same prefill pay
-    for it once. The remembered weights are dropped at that second use, and by
-    :func:`forget_window_attention` when the hooks that may use them are removed.
+    the keys per query head). The gate and the probabilistic press's score read only its mean over
+    the window queries: :func:`window_attention_mean`, which they share.
     """
     import torch
     from kvpress.utils import get_prerope_query_states
@@ -55,9 +53,6 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     from certkv.gate.window_queries import captured_queries
 
     _check_positive_int("window", window)
-    memo = module.__dict__.pop(_MEMO_ATTR, None)  # used at most once more, then gone
-    if memo is not None and memo[0]() is hidden_states and memo[1]() is keys and memo[2] == window:
-        return memo[3]
     q_len = hidden_states.shape[1]
     batch, kv_heads, k_len, head_dim = keys.shape
     w = min(window, q_len)
@@ -78,14 +73,29 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     # Window query j sits at position k_len - w + j and sees keys 0 .. k_len - w + j: only the
     # last w keys are ever in its future.
     logits[..., k_len - w :].masked_fill_(_future_mask(w, logits.device), float("-inf"))
-    weights = torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float32)
+    return torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def window_attention_mean(module, hidden_states, keys, position_embeddings, window: int):
+    """:func:`window_attention` averaged over its window queries: float32 (B, H, K).
+
+    This is all that the gate (each head's key ranking) and the probabilistic press's default score
+    read of the window attention, so the last result per layer is remembered, keyed on the very
+    same input tensors (weak references: a new prefill's tensors never match an old one's): every
+    reader in one prefill after the first pays nothing. :func:`forget_window_attention` drops it
+    when the hooks that may read it are removed.
+    """
     import weakref
 
-    setattr(module, _MEMO_ATTR, (weakref.ref(hidden_states), weakref.ref(keys), window, weights))
-    return weights
+    memo = module.__dict__.get(_MEMO_ATTR)
+    if memo is not None and memo[0]() is hidden_states and memo[1]() is keys and memo[2] == window:
+        return memo[3]
+    mean = window_attention(module, hidden_states, keys, position_embeddings, window).mean(dim=-2)
+    module.__dict__[_MEMO_ATTR] = (weakref.ref(hidden_states), weakref.ref(keys), window, mean)
+    return mean
 
 
-_MEMO_ATTR = "_certkv_window_attention"
+_MEMO_ATTR = "_certkv_window_attention_mean"
 
 
 @lru_cache(maxsize=8)
@@ -98,7 +108,7 @@ def _future_mask(w: int, device):
 
 
 def forget_window_attention(modules) -> None:
-    """Drop any remembered window attention (a (B, H, W, K) tensor per layer) from `modules`."""
+    """Drop any remembered window attention mean (a (B, H, K) tensor per layer) from `modules`."""
     for module in modules:
         module.__dict__.pop(_MEMO_ATTR, None)
 
@@ -189,8 +199,9 @@ class AgreementRecorder:
         The Jaccard agreements of all layers are computed together when they are read (one
         batched top-k instead of one per layer: the prefill pays only for the window attention).
         """
-        weights = window_attention(module, hidden_states, keys, kwargs["position_embeddings"], self.window)
-        self.scores[module.layer_idx] = weights.mean(dim=-2)
+        self.scores[module.layer_idx] = window_attention_mean(
+            module, hidden_states, keys, kwargs["position_embeddings"], self.window
+        )
 
     @property
     def agreements(self) -> dict:

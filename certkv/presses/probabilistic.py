@@ -444,14 +444,13 @@ class AttentionTimesValueNormPress(ScorerPress):
         _check_count("window_size", self.window_size, 1)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        from certkv.gate.agreement import window_attention
+        from certkv.gate.agreement import window_attention_mean
 
         batch, kv_heads, k_len, _ = keys.shape
         # Always from the window queries, even when the layer returned eager attention weights:
         # calibration may run eager attention and the runtime sdpa, and the sampled entries must
         # not depend on which (rounding differs, and π drives the Poisson draw).
-        weights = window_attention(module, hidden_states, keys, kwargs["position_embeddings"], self.window_size)
-        attention = weights.mean(dim=-2)
+        attention = window_attention_mean(module, hidden_states, keys, kwargs["position_embeddings"], self.window_size)
         attention = attention.view(batch, kv_heads, attention.shape[1] // kv_heads, k_len).mean(dim=2)
         return attention * torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
 
