@@ -25,8 +25,8 @@ at kv_retained 0.5) decoded for 16 steps with
 probabilistic press's decode step, the issue's figure); ``decode_step_overhead_hajek_and_certificate``
 is certified over sdpa (everything, the correction included, against stock attention).
 
-Models: the embedded model at 512 tokens and a randomly initialised 8-layer Llama (hidden 512,
-16/4 heads) at 512 and 2048 tokens. Times are medians over requests of the per-request time.
+Models: the embedded model and a randomly initialised 8-layer Llama (hidden 512, 16/4 heads), each
+at 512 and 2048 tokens. Times are medians over requests of the per-request time.
 
     python benchmarks/gate_overhead.py           # writes benchmarks/results/gate_overhead.json
     python benchmarks/gate_overhead.py --quick
@@ -250,8 +250,8 @@ def main() -> None:
     results = {"threads": args.threads, "torch": torch.__version__, "settings": {}}
     model, tokenizer = load_model("embedded", device="cpu")
     n = 4 if args.quick else args.n + 1
-    for length in (512,):
-        reqs = generate_requests("demo", n, seed=77, context_length=length)
+    for length in (512, 2048):
+        reqs = generate_requests("demo", n if length == 512 else max(3, n // 2), seed=77, context_length=length)
         results["settings"][f"embedded@{length}"] = measure(model, tokenizer, reqs)
         print(f"embedded@{length}", json.dumps(results["settings"][f"embedded@{length}"], indent=1), flush=True)
     big = larger_llama(tokenizer)
