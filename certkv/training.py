@@ -16,6 +16,8 @@ Early on, part of the sequences ask the model to repeat a random string, which m
 heads form; one shared random vector is added to every token embedding at initialisation so that
 RoPE-based position heads have a content-free component to attend with. A run that has not started
 learning after ``--patience`` steps is restarted from a fresh initialisation with the next seed.
+The model's shape (``--layers``, ``--heads``, ``--kv-heads``) is saved in the checkpoint; resuming
+or growing a run needs the same head counts.
 
 Levers for a run that stalls (the README says what each did): ``--shared-vector none|on-match``,
 ``--lookalike-share`` (multi-key contexts whose values look alike, so that copying a digit from
@@ -40,8 +42,9 @@ def model_config(vocab_size: int, bos: int, eos: int, pad: int, layers: int = 2,
     (hidden 128 = 4 × 32 = 8 × 16) and give the first layer more distinct attention patterns."""
     from transformers import LlamaConfig
 
-    if heads % kv_heads or 128 % heads:
-        raise SystemExit(f"--heads {heads} must divide 128 and be a multiple of --kv-heads {kv_heads}")
+    if kv_heads < 1 or heads < kv_heads or heads % kv_heads or 128 % heads or 128 // heads < 8:
+        raise ValueError(f"heads {heads} / kv_heads {kv_heads}: heads must divide 128 into heads of at least 8"
+                         " dimensions and be a multiple of kv_heads")
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -236,12 +239,7 @@ def train(args) -> Path:
 
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
-        saved = (ckpt.get("config", {}).get("num_attention_heads", 4), ckpt.get("config", {}).get("num_key_value_heads", 2))
-        if saved != (args.heads, args.kv_heads):
-            # Every weight has the same shape whatever the head count: loading would not fail, it
-            # would silently read the weights as a different model.
-            raise SystemExit(f"{ckpt_path} holds a model with {saved[0]} / {saved[1]} heads: resume it with"
-                             f" --heads {saved[0]} --kv-heads {saved[1]}")
+        check_heads(ckpt, config, ckpt_path, "resume it")
         model, opt, state = fresh(ckpt["state"]["seed"])
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
@@ -347,6 +345,7 @@ def grown(source: str, fresh):
 
     ckpt = torch.load(Path(source) / "checkpoint.pt", weights_only=False)
     model, opt, state = fresh(ckpt["state"]["seed"])
+    check_heads(ckpt, model.config, Path(source) / "checkpoint.pt", "grow it")
     old_layers = checkpoint_layers(ckpt["model"])
     layers = model.model.layers
     if len(layers) <= old_layers:
@@ -361,6 +360,20 @@ def grown(source: str, fresh):
     state.update({k: v for k, v in ckpt["state"].items() if k not in ("since_start",)})
     state["grown_from"] = {"source": str(source), "layers": old_layers, "step": ckpt["state"]["step"]}
     return model, opt, state
+
+
+def check_heads(ckpt, config, path, action: str) -> None:
+    """Refuse a checkpoint whose head counts differ from `config`'s.
+
+    With the same ratio of query to key/value heads (4 / 2 and 8 / 4) every weight has the same
+    shape, so loading would not fail: it would silently read the weights as another model.
+    Checkpoints written before the config was saved hold 4 / 2 heads.
+    """
+    saved = ckpt.get("config", {})
+    heads, kv_heads = saved.get("num_attention_heads", 4), saved.get("num_key_value_heads", 2)
+    if (heads, kv_heads) != (config.num_attention_heads, config.num_key_value_heads):
+        raise SystemExit(f"{path} holds a model with {heads} / {kv_heads} heads: {action} with"
+                         f" --heads {heads} --kv-heads {kv_heads}")
 
 
 def checkpoint_layers(state_dict) -> int:
@@ -453,6 +466,10 @@ def main(argv: list[str] | None = None) -> None:
                    " the extra layers are appended as identities")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
+    try:
+        model_config(1, 0, 0, 0, args.layers, args.heads, args.kv_heads)
+    except ValueError as error:
+        p.error(str(error))
     if args.export_only:
         export_from_checkpoint(Path(args.out))
         return

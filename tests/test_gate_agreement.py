@@ -142,7 +142,7 @@ def test_captured_window_queries_are_the_recomputed_ones_and_change_nothing_else
 
     from transformers import DynamicCache
 
-    from certkv.gate.agreement import forget_window_attention, window_attention
+    from certkv.gate.agreement import window_attention
     from certkv.gate.window_queries import WIDTH, capturing_window_queries, captured_queries
     from certkv.model_layers import attention_modules
 
@@ -155,10 +155,8 @@ def test_captured_window_queries_are_the_recomputed_ones_and_change_nothing_else
         keys = kwargs["past_key_values"].layers[module.layer_idx].keys
         hidden = kwargs["hidden_states"]
         captured = captured_queries(module, hidden.shape[1], 32)
-        forget_window_attention([module])
         used = window_attention(module, hidden, keys, kwargs["position_embeddings"], 32)
         stash = module.__dict__.pop("_certkv_window_queries", None)  # recompute for the reference
-        forget_window_attention([module])
         recomputed = window_attention(module, hidden, keys, kwargs["position_embeddings"], 32)
         if stash is not None:
             module.__dict__["_certkv_window_queries"] = stash

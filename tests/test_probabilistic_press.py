@@ -428,6 +428,7 @@ def test_bad_parameters_raise_value_error():
         ({"window": 2.5}, "window"),
         ({"seed": -3}, "seed"),
         ({"score_floor": -1.0}, "score_floor"),
+        ({"score_floor": float("inf")}, "score_floor"),
         ({"base_press": "snapkv"}, "base_press"),
     ):
         with pytest.raises(ValueError, match=match):
@@ -465,3 +466,22 @@ def test_imports_have_no_side_effects():
         for mapping, value in saved:
             if value is not None:
                 mapping._global_mapping[hajek.NAME] = value
+
+
+def test_selection_refuses_tails_it_cannot_turn_into_sizes():
+    """Non-finite tail scores, scores whose shift to nonnegative overflows, and a non-finite or
+    negative floor raise instead of giving NaN inclusion probabilities (and an empty tail)."""
+    from certkv.presses.probabilistic import probabilistic_selection
+
+    kw = dict(n_sink=0, window=0, head_share=0.0, generator=torch.Generator().manual_seed(0))
+    ok = torch.rand(1, 1, 40)
+    assert int(probabilistic_selection(ok, 20, **kw).counts) > 0
+    for scores, floor in (
+        (ok.clone().index_fill_(-1, torch.tensor([5]), float("inf")), 0.01),
+        (torch.tensor([[[1.7e308, -1.7e308] * 20]], dtype=torch.float64), 0.01),
+        (ok, float("inf")),
+        (ok, float("nan")),
+        (ok, -5.0),
+    ):
+        with pytest.raises(ValueError, match="non-finite|score_floor"):
+            probabilistic_selection(scores, 20, **{**kw, "score_floor": floor})

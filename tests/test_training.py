@@ -70,7 +70,7 @@ def test_batches_label_only_answer_tokens_and_accuracy_counts_whole_answers(toke
 
 
 def test_export_rebuilds_the_checkpoint_shape_and_resume_refuses_other_heads(tokenizer, tmp_path, monkeypatch):
-    """Head counts leave every weight's shape unchanged, so only the saved config tells them apart."""
+    """4 / 2 and 8 / 4 heads give every weight the same shape: only the saved config tells them apart."""
     import certkv.embedded_tokenizer as embedded
     from certkv.training import export_from_checkpoint, main, model_config, new_model, save_checkpoint
 
@@ -90,5 +90,8 @@ def test_export_rebuilds_the_checkpoint_shape_and_resume_refuses_other_heads(tok
     ids = torch.randint(5, len(tokenizer), (1, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
-    with pytest.raises(SystemExit, match="--heads 8 --kv-heads 4"):
-        main(["--out", str(run), "--steps", "1"])
+    threads = str(torch.get_num_threads())  # train() sets the thread count before it reads the checkpoint
+    with pytest.raises(SystemExit, match="resume it with --heads 8 --kv-heads 4"):
+        main(["--out", str(run), "--steps", "1", "--threads", threads])
+    with pytest.raises(SystemExit, match="grow it with --heads 8 --kv-heads 4"):
+        main(["--out", str(tmp_path / "deeper"), "--grow-from", str(run), "--layers", "3", "--steps", "1", "--threads", threads])

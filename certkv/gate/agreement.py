@@ -82,8 +82,9 @@ def window_attention_mean(module, hidden_states, keys, position_embeddings, wind
     This is all that the gate (each head's key ranking) and the probabilistic press's default score
     read of the window attention, so the last result per layer is remembered, keyed on the very
     same input tensors (weak references: a new prefill's tensors never match an old one's): every
-    reader in one prefill after the first pays nothing. :func:`forget_window_attention` drops it
-    when the hooks that may read it are removed.
+    reader in one prefill after the first pays nothing. Readers get the same tensor: read-only.
+    :func:`forget_window_attention` drops it when the hooks that may read it are removed (and the
+    probabilistic press after the last layer).
     """
     import weakref
 

@@ -107,8 +107,6 @@ def _capped_proportional(s, b):
     than recounted (the same numbers bit for bit: counts are exact and a masked entry is +0 either
     way). The uniform spread over zero-score entries is only computed when some score is zero.
     """
-    import torch
-
     n = s.shape[-1]
     capped = torch.zeros_like(s, dtype=torch.bool)
     n_capped = torch.zeros_like(b)
@@ -187,6 +185,8 @@ def probabilistic_selection(
     entry has π > 0 (Hájek's estimator needs π > 0 to be consistent). Scores must be finite in the
     tail. `generator` is a CPU ``torch.Generator`` (None: torch's global one).
     """
+    if not (math.isfinite(score_floor) and score_floor >= 0):
+        raise ValueError(f"score_floor must be a finite number ≥ 0, got {score_floor!r}")
     batch, heads, k_len = scores.shape
     device = scores.device
     n_kept = max(0, min(int(n_kept), k_len))
@@ -204,10 +204,13 @@ def probabilistic_selection(
     membership = torch.zeros(batch, heads, k_len, dtype=torch.uint8, device=device).scatter_(-1, head_idx, 1)
     tail_idx = membership.argsort(dim=-1, stable=True)[..., :n_tail]
     tail = scores.gather(-1, tail_idx).to(torch.float64)
-    if not bool(torch.isfinite(tail).all()):
-        raise ValueError("the base press returned non-finite scores outside the sinks and window")
     tail = tail - tail.amin(dim=-1, keepdim=True).clamp(max=0)
     tail = tail + score_floor * tail.mean(dim=-1, keepdim=True)
+    # After the shift and the floor: non-finite base scores, or finite ones whose shift overflows,
+    # end up here as inf or NaN (the shifted tail is nonnegative otherwise).
+    if not bool(torch.isfinite(tail).all()):
+        raise ValueError("the base press returned non-finite scores outside the sinks and window (or scores too"
+                         " large to shift into sizes)")
     b = torch.full(tail.shape[:-1], float(budget), dtype=torch.float64, device=device)
     pi = _capped_proportional(tail, b)
 
@@ -518,8 +521,9 @@ class ProbabilisticPress(BasePress):
         if isinstance(self.head_share, bool) or not isinstance(self.head_share, (int, float)) or not 0 <= self.head_share <= 1:
             raise ValueError(f"head_share must be a number in [0, 1], got {self.head_share!r}")
         _check_count("seed", self.seed)
-        if isinstance(self.score_floor, bool) or not isinstance(self.score_floor, (int, float)) or not self.score_floor >= 0:
-            raise ValueError(f"score_floor must be a number ≥ 0, got {self.score_floor!r}")
+        if (isinstance(self.score_floor, bool) or not isinstance(self.score_floor, (int, float))
+                or not (math.isfinite(self.score_floor) and self.score_floor >= 0)):
+            raise ValueError(f"score_floor must be a finite number ≥ 0, got {self.score_floor!r}")
 
     def post_init_from_model(self, model):
         self.base_press.post_init_from_model(model)
@@ -537,6 +541,10 @@ class ProbabilisticPress(BasePress):
             and is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1])
         ):
             equalise_widths(kwargs["past_key_values"], modules)
+            # the window-attention means the scores shared are not needed while decoding
+            from certkv.gate.agreement import forget_window_attention
+
+            forget_window_attention(modules)
         return output
 
     def generator(self, layer_idx: int):
