@@ -42,9 +42,7 @@ def model_config(vocab_size: int, bos: int, eos: int, pad: int, layers: int = 2,
     (hidden 128 = 4 × 32 = 8 × 16) and give the first layer more distinct attention patterns."""
     from transformers import LlamaConfig
 
-    if kv_heads < 1 or heads < kv_heads or heads % kv_heads or 128 % heads or 128 // heads < 8:
-        raise ValueError(f"heads {heads} / kv_heads {kv_heads}: heads must divide 128 into heads of at least 8"
-                         " dimensions and be a multiple of kv_heads")
+    check_shape(heads, kv_heads)
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -62,6 +60,14 @@ def model_config(vocab_size: int, bos: int, eos: int, pad: int, layers: int = 2,
         attention_bias=False,
         mlp_bias=False,
     )
+
+
+def check_shape(heads: int, kv_heads: int) -> None:
+    """Head counts the embedded model can have: GQA (fewer key/value than query heads), heads of
+    at least 8 dimensions that split the width of 128 evenly."""
+    if not (1 <= kv_heads < heads and heads % kv_heads == 0 and 128 % heads == 0 and 128 // heads >= 8):
+        raise ValueError(f"--heads {heads} --kv-heads {kv_heads}: the query heads must split 128 into heads of at"
+                         " least 8 dimensions and be a multiple of the key/value heads, which must be fewer")
 
 
 def new_model(config, seed: int, shared_vector: bool = True):
@@ -404,13 +410,11 @@ def export(model, tok) -> None:
 
 def export_from_checkpoint(out: Path) -> None:
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, LlamaConfig
 
     from certkv.embedded_tokenizer import EMBEDDED_DIR
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
-    from transformers import LlamaConfig
-
     ckpt = torch.load(Path(out) / "checkpoint.pt", weights_only=False)
     if "config" in ckpt:
         config = LlamaConfig.from_dict(ckpt["config"])
@@ -443,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4, help="query heads (head size 128 / heads)")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA: fewer than --heads)")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA: fewer than --heads, dividing it)")
     p.add_argument("--recall-share", type=float, default=0.0,
                    help="share of bare key-value recall sequences (a warm-up for key matching)")
     p.add_argument("--needle-share", type=float, default=0.1, help="share of single-needle sequences")
@@ -467,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
     try:
-        model_config(1, 0, 0, 0, args.layers, args.heads, args.kv_heads)
+        check_shape(args.heads, args.kv_heads)
     except ValueError as error:
         p.error(str(error))
     if args.export_only:
