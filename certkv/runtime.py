@@ -290,8 +290,8 @@ class _CertificateWatch:
     def exceeded(self) -> bool:
         from certkv.presses.hajek_attention import certificate_steps
 
-        rows = certificate_steps(self.model)
-        for value in (rows[0] if rows else [])[self.seen :]:
+        rows = certificate_steps(self.model, self.seen)
+        for value in rows[0] if rows else []:
             self.peak = max(self.peak, value)
             self.seen += 1
             if self.peak > self.bound:

@@ -257,7 +257,7 @@ def test_certificate_watch_decides_as_a_check_after_every_step(monkeypatch, step
     from certkv.runtime import CERTIFICATE_CHECK_EVERY, _CertificateWatch
 
     recorded: list[float] = []
-    monkeypatch.setattr(hajek_attention, "certificate_steps", lambda model: [list(recorded)])
+    monkeypatch.setattr(hajek_attention, "certificate_steps", lambda model, start=0: [recorded[start:]])
     watch = _CertificateWatch(model=None, bound=bound)
     stopped_at = None
     for call, value in enumerate(steps[:calls], start=1):

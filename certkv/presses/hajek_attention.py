@@ -286,9 +286,11 @@ def reset_certificates(model) -> None:
             setattr(module, CERT_ATTR, [])
 
 
-def certificate_steps(model) -> list[list[float]]:
-    """Per batch row, per step (attention call after compression), the max certificate over
-    layers, KV heads and the step's query positions. Empty when nothing was recorded."""
+def certificate_steps(model, start: int = 0) -> list[list[float]]:
+    """Per batch row, per step (attention call after compression) from step `start` on, the max
+    certificate over layers, KV heads and the step's query positions. Empty when nothing was
+    recorded; empty rows when nothing was recorded since `start` (a caller that checks as the
+    answer grows reads only the steps it has not seen)."""
     import torch
 
     per_layer = [layer_certificates(m) for m in attention_modules(model)]
@@ -298,7 +300,9 @@ def certificate_steps(model) -> list[list[float]]:
     n_steps = {len(steps) for steps in per_layer}
     if len(n_steps) != 1:
         raise ValueError(f"layers recorded different numbers of steps {sorted(n_steps)}; was the model reused mid-answer?")
-    layer_maxima = [_step_maxima(steps) for steps in per_layer]
+    if start >= n_steps.pop():
+        return [[] for _ in range(per_layer[0][0].shape[0])]
+    layer_maxima = [_step_maxima(steps[start:]) for steps in per_layer]
     return torch.stack(layer_maxima).amax(dim=0).float().cpu().tolist()
 
 
