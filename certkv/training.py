@@ -112,6 +112,8 @@ class Batcher:
         self.digit_ids = tokenizer.convert_tokens_to_ids(DIGITS)
         self.space = tokenizer.convert_tokens_to_ids("\u2581")
         self.repeat_ids = tokenizer.encode("Repeat:", add_special_tokens=False)
+        self.for_id = tokenizer.convert_tokens_to_ids("\u2581for")
+        self.record_ends = set(tokenizer.convert_tokens_to_ids([".", "?"])) | {self.eos}
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -168,7 +170,9 @@ class Batcher:
         mask = [0] * (1 + len(s) + len(self.repeat_ids)) + [1] * (len(s) + 1)
         return ids, mask
 
-    def batch(self, max_len: int, tokens: int, copy_share: float, mix: dict[str, float]):
+    def batch(self, max_len: int, tokens: int, copy_share: float, mix: dict[str, float], with_sources: bool = False):
+        """Sequences of about `tokens` tokens in all: input ids, labels, first-answer labels, tasks
+        and, `with_sources`, each position's copy source (`answer_sources`; -1 where none)."""
         import torch
 
         seqs = []
@@ -199,7 +203,80 @@ class Batcher:
             m = torch.tensor(mask)
             labels[row, : len(ids) - 1] = torch.where(m > 0, t, -100)[1:]  # predict token i+1 at position i
             first[row, : len(ids) - 1] = torch.where(m == 1, t, -100)[1:]
-        return input_ids, labels, first, tasks
+        if not with_sources:
+            return input_ids, labels, first, tasks
+        sources = torch.full((2, len(seqs), width), -1, dtype=torch.long)
+        for row, ((ids, mask), task) in enumerate(zip(seqs, tasks)):
+            for position, source in answer_sources(ids, mask, preceding=0 if task == "copy" else 2).items():
+                sources[0, row, position] = source
+            for position, source in self.key_sources(ids).items():
+                sources[1, row, position] = source
+        return input_ids, labels, first, tasks, sources
+
+    def key_sources(self, ids: list[int]) -> dict[int, int]:
+        """For each token of a record after its key ("for apple is 4729." and the answer prefix with
+        its answer alike), the key's position: where a first-layer head should look so that every
+        digit carries the name of its record."""
+        out: dict[int, int] = {}
+        keys = set(self.key_ids)
+        for i in range(len(ids) - 1):
+            if ids[i] == self.for_id and ids[i + 1] in keys:
+                for j in range(i + 2, min(len(ids), i + 9)):
+                    out[j] = i + 1
+                    if ids[j] in self.record_ends:
+                        break
+        return out
+
+
+def retrieval_loss(weights, sources):
+    """Mean −log of the attention that answer positions pay to their copy source.
+
+    `weights` (batch, T, T) are one last-layer head's attention weights. Telling one head where
+    the answer's token stands gives the key-matching circuit a gradient of its own from the first
+    step, instead of only through a copy that works once the match does (the plateau multi-key
+    runs stalled on)."""
+    import torch
+
+    rows, positions = torch.nonzero(sources >= 0, as_tuple=True)
+    if rows.numel() == 0:
+        return weights.sum() * 0.0
+    picked = weights[rows, positions, sources[rows, positions]]
+    return -torch.log(picked + 1e-6).mean()
+
+
+def answer_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of answer positions (mask > 0)."""
+    runs, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m > 0 and start is None:
+            start = i
+        elif m == 0 and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+def answer_sources(ids: list[int], mask: list[int], preceding: int = 2) -> dict[int, int]:
+    """For each position that predicts an answer token, where that token stands in the context.
+
+    An answer (its final end-of-sequence token aside) is a copy of a span of the context: the
+    asked record's value, preceded there by the same `preceding` tokens as the answer is in its
+    question ("apple is"). Only answers whose span is found exactly once outside other answers
+    get sources (multi-value and variable-tracking answers are not a copy of one span and get
+    none). Position i predicts token i + 1, so the position before the answer's j-th token maps
+    to the span's j-th position.
+    """
+    out: dict[int, int] = {}
+    for start, length in answer_runs(mask):
+        span = ids[start : start + length - 1]
+        before = ids[start - preceding : start]
+        if not span or start < preceding:
+            continue
+        found = [c for c in range(preceding, start - len(span) + 1)
+                 if ids[c : c + len(span)] == span and ids[c - preceding : c] == before and mask[c] == 0]
+        if len(found) == 1:
+            out.update({start - 1 + j: found[0] + j for j in range(len(span))})
+    return out
 
 
 def answer_accuracy(logits, labels) -> tuple[int, int]:
@@ -235,6 +312,8 @@ def train(args) -> Path:
     config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, args.layers, args.heads, args.kv_heads)
     ckpt_path = out / "checkpoint.pt"
 
+    if args.retrieval_supervision > 0:
+        config._attn_implementation = "eager"  # the supervised head's attention weights are needed
     def fresh(seed: int):
         model = new_model(config, seed, shared_vector=args.shared_vector == "init")
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
@@ -279,12 +358,19 @@ def train(args) -> Path:
         if stage >= 4:
             mix = {"multi_key": 0.85 - needle, "single_needle": needle, "dilution": 0.05, "variable_tracking": 0.05,
                    "multi_value": 0.05}
-        input_ids, labels, first_labels, tasks = batcher.batch(max_len, args.tokens_per_step, copy_share, mix)
+        supervise = args.retrieval_supervision > 0
+        input_ids, labels, first_labels, tasks, *sources = batcher.batch(
+            max_len, args.tokens_per_step, copy_share, mix, with_sources=supervise)
         warm = min(1.0, (state["since_start"] + 1) / args.warmup)
         for g in opt.param_groups:
             g["lr"] = args.lr * warm
-        logits = model(input_ids=input_ids).logits
+        output = model(input_ids=input_ids, output_attentions=supervise)
+        logits = output.logits
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        if supervise:
+            copy_targets, key_targets = sources[0]
+            loss = loss + args.retrieval_supervision * (retrieval_loss(output.attentions[-1][:, 0], copy_targets)
+                                                        + retrieval_loss(output.attentions[0][:, 0], key_targets))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -468,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grow-from", default=None,
                    help="start a new run (empty --out) from this run folder's checkpoint with --layers layers:"
                    " the extra layers are appended as identities")
+    p.add_argument("--retrieval-supervision", type=float, default=0.0,
+                   help="weight of a loss that tells one last-layer head where each answer token stands in the context")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
     try:

@@ -95,3 +95,67 @@ def test_export_rebuilds_the_checkpoint_shape_and_resume_refuses_other_heads(tok
         main(["--out", str(run), "--steps", "1", "--threads", threads])
     with pytest.raises(SystemExit, match="grow it with --heads 8 --kv-heads 4"):
         main(["--out", str(tmp_path / "deeper"), "--grow-from", str(run), "--layers", "3", "--steps", "1", "--threads", threads])
+
+
+
+def test_answer_sources_point_at_the_asked_records_tokens(tokenizer):
+    from certkv.training import Batcher, answer_runs, answer_sources
+
+    batcher = Batcher(tokenizer, seed=11, lookalike_share=0.5)
+    key = tokenizer.convert_tokens_to_ids("\u2581apple")
+    for task in ("multi_key", "single_needle"):
+        for _ in range(5):
+            ids, mask = batcher.task_sequence(task, 128)
+            sources = answer_sources(ids, mask)
+            runs = answer_runs(mask)
+            # every answer token but the final </s> gets a source holding that very token, in the context
+            assert len(sources) == sum(n - 1 for _, n in runs)
+            context_end = runs[0][0]
+            assert all(ids[q + 1] == ids[s] and s < context_end and mask[s] == 0 for q, s in sources.items())
+            # the source is the asked record's span: the two tokens before it are the question's key and "is"
+            for start, n in runs:
+                s = sources[start - 1]
+                assert ids[s - 2 : s] == ids[start - 2 : start]
+    # a value that appears after another key does not count: no source rather than a wrong one
+    ids, mask = batcher.task_sequence("multi_key", 64)
+    start, n = answer_runs(mask)[0]
+    ids[start - 2] = key if ids[start - 2] != key else key + 1
+    assert start - 1 not in answer_sources(ids, mask)
+    for task in ("multi_value", "variable_tracking"):  # not a copy of one span after "<key> is"
+        ids, mask = batcher.task_sequence(task, 128)
+        assert answer_sources(ids, mask) == {}
+    ids, mask = batcher.copy_sequence()
+    sources = answer_sources(ids, mask, preceding=0)
+    (start, n), = answer_runs(mask)
+    assert sources == {start - 1 + j: 1 + j for j in range(n - 1)}
+
+
+def test_key_sources_give_every_record_token_its_key(tokenizer):
+    from certkv.training import Batcher
+    from certkv.vocabulary import KEY_WORDS
+
+    batcher = Batcher(tokenizer, seed=12)
+    ids, mask = batcher.task_sequence("multi_key", 128)
+    sources = batcher.key_sources(ids)
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    keys = {"\u2581" + w for w in KEY_WORDS}
+    assert sources and all(tokens[s] in keys and tokens[s - 1] == "\u2581for" and s < q <= s + 7 for q, s in sources.items())
+    # a record's digits and its end, an answer's digits and its </s> all look at the key they belong to
+    digits = [q for q in sources if tokens[q].isdigit()]
+    # every "for <key>" is a record's, an answer prefix's (4 digits each) or a question's (none: it stops at "?")
+    assert len(digits) == 4 * (tokens.count("\u2581for") - tokens.count("\u2581Question"))
+    assert not any(q in sources for q, t in enumerate(tokens) if t in ("\u2581The", "\u2581Question", "\u2581Answer"))
+
+
+def test_retrieval_loss_is_minus_log_of_the_attention_on_the_sources():
+    from certkv.training import retrieval_loss
+
+    weights = torch.softmax(torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(0)), -1).requires_grad_()
+    sources = torch.full((2, 6), -1)
+    sources[0, 3], sources[1, 5] = 1, 4
+    loss = retrieval_loss(weights, sources)
+    expected = -(torch.log(weights[0, 3, 1] + 1e-6) + torch.log(weights[1, 5, 4] + 1e-6)) / 2
+    assert torch.allclose(loss, expected)
+    loss.backward()
+    assert weights.grad[0, 3, 1] < 0 and weights.grad[1, 5, 4] < 0 and int((weights.grad != 0).sum()) == 2
+    assert float(retrieval_loss(weights, torch.full((2, 6), -1))) == 0.0
