@@ -10,16 +10,24 @@ it finishes (or with ``--export-only``) it writes the weights, config and tokeni
 ``certkv/embedded/``.
 
 Recipe (multi-query associative recall): every training sequence is one built-in context followed
-by several question/answer pairs about it, with the loss only on the answer tokens. A curriculum
-raises the context length from 64 to 576 tokens each time the running answer accuracy passes 0.9.
-Early on, part of the sequences ask the model to repeat a random string, which makes copy (induction)
-heads form; one shared random vector is added to every token embedding at initialisation so that
-RoPE-based position heads have a content-free component to attend with. A run that has not started
-learning after ``--patience`` steps is restarted from a fresh initialisation with the next seed.
-The model's shape (``--layers``, ``--heads``, ``--kv-heads``) is saved in the checkpoint; resuming
-or growing a run needs the same head counts.
+by several question/answer pairs about it, with the loss only on the answer tokens, ~4k tokens per
+step. A curriculum raises the context length from 64 to 576 tokens each time the running
+multi-key accuracy passes 0.9. Early on, part of the sequences ask the model to repeat a random
+string, which makes copy (induction) heads form; half the multi-key contexts have look-alike
+values, so that copying a digit from whatever followed the previous digit fails. What makes
+multi-key retrieval learnable at all on this 2-layer model is the retrieval supervision: an
+auxiliary loss on two heads' attention, −log of the weight that one last-layer head puts on the
+context position of the token each answer position must produce (the asked record's value, or
+the string to repeat), and that one first-layer head puts, at every token of a record after its
+key, on that key (so that every digit carries the name of its record, which the second and later
+digits' lookups need). Without it, runs found the asked record for the first digit only, or not
+at all (README). The heads stay ordinary heads of a stock ``LlamaForCausalLM``; nothing of the
+supervision is in the exported model. A run that has not started learning after ``--patience``
+steps is restarted from a fresh initialisation with the next seed. The model's shape
+(``--layers``, ``--heads``, ``--kv-heads``) is saved in the checkpoint; resuming or growing a run
+needs the same head counts.
 
-Levers for a run that stalls (the README says what each did): ``--shared-vector none|on-match``,
+Levers for a run that stalls (the README says what each did): ``--shared-vector init|on-match``,
 ``--lookalike-share`` (multi-key contexts whose values look alike, so that copying a digit from
 whatever followed the previous digit fails), ``--copy-share`` (more repeat-a-string sequences once
 matching has started) and ``--grow-from`` (continue a run's checkpoint with more layers).
@@ -520,7 +528,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="train_runs/embedded", help="checkpoint folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=6000)
-    p.add_argument("--tokens-per-step", type=int, default=12000)
+    p.add_argument("--tokens-per-step", type=int, default=4000,
+                   help="tokens per optimizer step (4000: three times the steps of 12000 for the same compute)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--window", type=int, default=20, help="steps in the running accuracy")
@@ -537,14 +546,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recall-share", type=float, default=0.0,
                    help="share of bare key-value recall sequences (a warm-up for key matching)")
     p.add_argument("--needle-share", type=float, default=0.1, help="share of single-needle sequences")
-    p.add_argument("--advance-on", default="all", choices=["all", "single_needle", "multi_key"],
+    p.add_argument("--advance-on", default="multi_key", choices=["all", "single_needle", "multi_key"],
                    help="which tasks' running accuracy advances the length curriculum")
-    p.add_argument("--shared-vector", choices=["init", "on-match", "none"], default="init",
+    p.add_argument("--shared-vector", choices=["init", "on-match", "none"], default="none",
                    help="when to add the shared random vector to the embeddings: at initialisation, once"
                    " multi-key matching has started, or never")
     p.add_argument("--shared-vector-scale", type=float, default=0.5,
                    help="with --shared-vector on-match: its size relative to the embeddings' std")
-    p.add_argument("--lookalike-share", type=float, default=0.0,
+    p.add_argument("--lookalike-share", type=float, default=0.5,
                    help="share of multi-key training contexts with look-alike values (shared 2-digit prefixes,"
                    " anagrams, or shared first and third digits; see tasks.multi_key): they force the asked key"
                    " into every digit's lookup, not only the first")
@@ -554,8 +563,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grow-from", default=None,
                    help="start a new run (empty --out) from this run folder's checkpoint with --layers layers:"
                    " the extra layers are appended as identities")
-    p.add_argument("--retrieval-supervision", type=float, default=0.0,
-                   help="weight of a loss that tells one last-layer head where each answer token stands in the context")
+    p.add_argument("--retrieval-supervision", type=float, default=1.0,
+                   help="weight of the attention loss that tells one last-layer head where each answer token stands"
+                   " in the context and one first-layer head where each record token's key stands (0: none)")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
     args = p.parse_args(argv)
     try:
