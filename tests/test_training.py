@@ -159,3 +159,11 @@ def test_retrieval_loss_is_minus_log_of_the_attention_on_the_sources():
     loss.backward()
     assert weights.grad[0, 3, 1] < 0 and weights.grad[1, 5, 4] < 0 and int((weights.grad != 0).sum()) == 2
     assert float(retrieval_loss(weights, torch.full((2, 6), -1))) == 0.0
+
+
+def test_cooldown_lowers_the_rate_only_over_the_last_steps():
+    from certkv.training import cooldown_factor
+
+    assert [cooldown_factor(s, 1000, 0) for s in (0, 999)] == [1.0, 1.0]
+    assert cooldown_factor(799, 1000, 200) == 1.0 and cooldown_factor(800, 1000, 200) == 1.0
+    assert cooldown_factor(900, 1000, 200) == 0.5 and cooldown_factor(999, 1000, 200) == 0.05
