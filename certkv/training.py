@@ -180,7 +180,8 @@ class Batcher:
 
     def batch(self, max_len: int, tokens: int, copy_share: float, mix: dict[str, float], with_sources: bool = False):
         """Sequences of about `tokens` tokens in all: input ids, labels, first-answer labels, tasks
-        and, `with_sources`, each position's copy source (`answer_sources`; -1 where none)."""
+        and, `with_sources`, a (2, batch, T) tensor of attention targets per position: its copy
+        source (`answer_sources`) and its record's key (`key_sources`); -1 where none."""
         import torch
 
         seqs = []
@@ -245,12 +246,12 @@ def cooldown_factor(step: int, steps: int, cooldown: int) -> float:
 
 
 def retrieval_loss(weights, sources):
-    """Mean −log of the attention that answer positions pay to their copy source.
+    """Mean −log of the attention that positions pay to their target (`sources`, -1: none).
 
-    `weights` (batch, T, T) are one last-layer head's attention weights. Telling one head where
-    the answer's token stands gives the key-matching circuit a gradient of its own from the first
-    step, instead of only through a copy that works once the match does (the plateau multi-key
-    runs stalled on)."""
+    `weights` (batch, T, T) are one head's attention weights. Telling a last-layer head where the
+    answer's token stands, and a first-layer head where a record's key stands, gives the
+    key-matching circuit a gradient of its own from the first step, instead of only through a
+    copy that works once the match does (the plateau multi-key runs stalled on)."""
     import torch
 
     rows, positions = torch.nonzero(sources >= 0, as_tuple=True)
@@ -328,8 +329,10 @@ def train(args) -> Path:
     config = model_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, args.layers, args.heads, args.kv_heads)
     ckpt_path = out / "checkpoint.pt"
 
-    if args.retrieval_supervision > 0:
-        config._attn_implementation = "eager"  # the supervised head's attention weights are needed
+    supervise = args.retrieval_supervision > 0
+    if supervise:
+        config._attn_implementation = "eager"  # the supervised heads' attention weights are needed
+
     def fresh(seed: int):
         model = new_model(config, seed, shared_vector=args.shared_vector == "init")
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98))
@@ -374,8 +377,7 @@ def train(args) -> Path:
         if stage >= 4:
             mix = {"multi_key": 0.85 - needle, "single_needle": needle, "dilution": 0.05, "variable_tracking": 0.05,
                    "multi_value": 0.05}
-        supervise = args.retrieval_supervision > 0
-        input_ids, labels, first_labels, tasks, *sources = batcher.batch(
+        input_ids, labels, first_labels, tasks, *targets = batcher.batch(
             max_len, args.tokens_per_step, copy_share, mix, with_sources=supervise)
         warm = min(1.0, (state["since_start"] + 1) / args.warmup) * cooldown_factor(state["step"], args.steps, args.cooldown)
         for g in opt.param_groups:
@@ -384,7 +386,7 @@ def train(args) -> Path:
         logits = output.logits
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
         if supervise:
-            copy_targets, key_targets = sources[0]
+            copy_targets, key_targets = targets[0]
             loss = loss + args.retrieval_supervision * (retrieval_loss(output.attentions[-1][:, 0], copy_targets)
                                                         + retrieval_loss(output.attentions[0][:, 0], key_targets))
         opt.zero_grad(set_to_none=True)
