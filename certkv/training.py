@@ -121,6 +121,7 @@ class Batcher:
         self.space = tokenizer.convert_tokens_to_ids("\u2581")
         self.repeat_ids = tokenizer.encode("Repeat:", add_special_tokens=False)
         self.for_id = tokenizer.convert_tokens_to_ids("\u2581for")
+        self.key_id_set = set(self.key_ids)
         self.record_ends = set(tokenizer.convert_tokens_to_ids([".", "?"])) | {self.eos}
 
     def encode(self, text: str) -> list[int]:
@@ -227,9 +228,8 @@ class Batcher:
         its answer alike), the key's position: where a first-layer head should look so that every
         digit carries the name of its record."""
         out: dict[int, int] = {}
-        keys = set(self.key_ids)
         for i in range(len(ids) - 1):
-            if ids[i] == self.for_id and ids[i + 1] in keys:
+            if ids[i] == self.for_id and ids[i + 1] in self.key_id_set:
                 for j in range(i + 2, min(len(ids), i + 9)):
                     out[j] = i + 1
                     if ids[j] in self.record_ends:
