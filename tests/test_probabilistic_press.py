@@ -40,6 +40,46 @@ def test_inclusion_probabilities_sum_range_monotone():
     torch.testing.assert_close(pi.sum(-1), torch.tensor([2.0, 10.0, 30.0]), atol=1e-4, rtol=0)
 
 
+def _capped_round_by_round(s, b):
+    """The definition, executed literally: cap every entry whose proportional share reaches 1,
+    re-spread the rest of the budget over the others, repeat until nothing new is capped (the
+    uniform spread when only zero scores are left free). The reference for the closed form."""
+    pi = torch.zeros_like(s)
+    for row in range(s.shape[0]):
+        capped = torch.zeros(s.shape[1], dtype=torch.bool)
+        while True:
+            remaining = max(float(b[row]) - int(capped.sum()), 0.0)
+            free_sum = float(s[row][~capped].sum())
+            if free_sum > 0:
+                share = s[row] * remaining / free_sum
+            else:
+                share = torch.full_like(s[row], remaining / max(int((~capped).sum()), 1))
+            share[capped] = 1.0
+            newly = (share >= 1) & ~capped
+            if not bool(newly.any()):
+                break
+            capped |= newly
+        pi[row] = share.clamp(0, 1)
+    return pi
+
+
+def test_closed_form_capping_equals_capping_round_by_round():
+    from certkv.presses.probabilistic import _capped_proportional
+
+    g = torch.Generator().manual_seed(11)
+    for trial in range(120):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        s = torch.rand(3, n, generator=g, dtype=torch.float64) ** float(torch.randint(1, 12, (1,), generator=g))
+        if trial % 4 == 1:
+            s[s < 0.3] = 0  # zero scores: some rows need the uniform spread
+        if trial % 4 == 2:
+            s = torch.round(s * 4) / 4  # ties, and all-zero rows
+        b = torch.rand(3, generator=g, dtype=torch.float64) * n
+        if trial % 4 == 3:
+            b = torch.floor(b)  # whole budgets: shares of exactly 1
+        torch.testing.assert_close(_capped_proportional(s, b), _capped_round_by_round(s, b), atol=1e-12, rtol=0)
+
+
 def test_inclusion_probabilities_zero_scores_and_bad_input():
     from certkv.presses.probabilistic import inclusion_probabilities
 

@@ -80,7 +80,7 @@ def inclusion_probabilities(scores, budget):
     entry is capped (at most n rounds; usually two or three). If the positive scores cannot absorb
     the budget even when all capped, the rest is spread uniformly over the zero-score entries, so
     Σ π = budget whenever budget ≤ n. Otherwise an entry with score 0 gets π = 0. π is
-    nondecreasing in the score. Computed in float64; returned in the scores' dtype promoted to at
+    nondecreasing in the score (it is min(1, c·score) for one c per row). Computed in float64; returned in the scores' dtype promoted to at
     least float32.
     """
     if scores.dim() < 1:
@@ -102,32 +102,33 @@ def _capped_proportional(s, b):
     """:func:`inclusion_probabilities` without its checks, for float64 `s` (..., n) that is already
     known to be finite and nonnegative and `b` (...) in [0, n] (the selection's tail, made so).
 
-    Each round caps the entries whose proportional share reaches 1 and re-spreads the rest of the
-    budget; the capped count and the free entries' score mass are kept up to date in place rather
-    than recounted (the same numbers bit for bit: counts are exact and a masked entry is +0 either
-    way). The uniform spread over zero-score entries is only computed when some score is zero.
+    The answer is π_i = min(1, c·s_i) with the one c that makes Σ π = b. It is found in closed form
+    rather than by capping round after round (each round a dozen small kernel calls): with the
+    scores sorted in decreasing order d_0 ≥ d_1 ≥ … and S_m = Σ_{j ≥ m} d_j, capping the top m
+    leaves c_m = (b − m) / S_m, and the right m is the first whose largest free entry stays below
+    1, c_m·d_m < 1 (that condition only becomes true as m grows, and the first m meeting it had
+    its m-th largest entry rightly capped). The same π as the iterative capping to float rounding
+    (tested against it, including budgets that rounding leaves entirely to the capped entries). When the positive scores cannot absorb the budget even all capped
+    (S_m = 0 there), the rest is spread uniformly over the zero-score entries.
     """
     n = s.shape[-1]
-    capped = torch.zeros_like(s, dtype=torch.bool)
-    n_capped = torch.zeros_like(b)
-    free_mass = s.clone()  # s on free entries, +0 on capped ones
-    zeros = bool((s == 0).any())
-    pi = s
-    for _ in range(n + 1):
-        remaining = (b - n_capped).clamp_min(0).unsqueeze(-1)
-        free_sum = free_mass.sum(-1, keepdim=True)
-        pi = s * remaining / free_sum.clamp_min(1e-300)
-        if zeros:  # a row whose free entries all score 0 spreads its budget over them uniformly
-            uniform = (remaining / (n - n_capped).unsqueeze(-1).clamp_min(1)).expand_as(s)
-            pi = torch.where(free_sum > 0, pi, uniform)
-        pi = pi.masked_fill(capped, 1.0)
-        newly = (pi >= 1) ^ capped  # capped entries are at exactly 1
-        if not bool(newly.any()):
-            break
-        capped |= newly
-        free_mass.masked_fill_(newly, 0.0)
-        n_capped += newly.sum(-1)
-    return pi.clamp(0, 1)
+    decreasing = s.sort(dim=-1, descending=True).values
+    suffix = decreasing.flip(-1).cumsum(-1).flip(-1)  # S_m, summed from the smallest up
+    c = (b.unsqueeze(-1) - torch.arange(n, dtype=s.dtype, device=s.device)).clamp_min_(0)
+    c.div_(suffix.clamp_min(1e-300))
+    free_below_one = c * decreasing < 1
+    first = free_below_one.to(torch.uint8).argmax(-1, keepdim=True)
+    # the capped entries are the top `first`; by score, not by c·s ≥ 1, which fails when rounding
+    # leaves no budget for the free ones (c = 0 at m = b)
+    smallest_capped = decreasing.gather(-1, (first - 1).clamp_min(0)).masked_fill_(first == 0, float("inf"))
+    pi = (c.gather(-1, first) * s).clamp_max_(1).masked_fill_(s >= smallest_capped, 1.0)
+    found = free_below_one.gather(-1, first) & (suffix.gather(-1, first) > 0)
+    if bool(found.all()):
+        return pi
+    positive = s > 0
+    n_positive = positive.sum(-1, keepdim=True)
+    uniform = ((b.unsqueeze(-1) - n_positive) / (n - n_positive).clamp_min(1)).clamp(0, 1)
+    return torch.where(found, pi, torch.where(positive, 1.0, uniform)).clamp(0, 1)
 
 
 def head_priority(scores, n_sink: int, window: int):
@@ -200,9 +201,9 @@ def probabilistic_selection(
         counts = torch.full((batch, heads), n_head, dtype=torch.long, device=device)
         return Selection(head_idx, zeros_head, ones_head, counts, n_head)
 
-    # The tail in ascending position: a stable sort of head membership puts the non-members first.
-    membership = torch.zeros(batch, heads, k_len, dtype=torch.uint8, device=device).scatter_(-1, head_idx, 1)
-    tail_idx = membership.argsort(dim=-1, stable=True)[..., :n_tail]
+    # The tail in ascending position: every row has exactly n_tail non-members, listed row by row.
+    in_tail = torch.ones(batch, heads, k_len, dtype=torch.bool, device=device).scatter_(-1, head_idx, False)
+    tail_idx = in_tail.nonzero()[:, 2].view(batch, heads, n_tail)
     tail = scores.gather(-1, tail_idx).to(torch.float64)
     tail = tail - tail.amin(dim=-1, keepdim=True).clamp(max=0)
     tail = tail + score_floor * tail.mean(dim=-1, keepdim=True)
@@ -216,10 +217,14 @@ def probabilistic_selection(
 
     u = torch.rand(pi.shape, generator=generator, dtype=torch.float64).to(device)
     kept = u < pi
-    tail_counts = kept.sum(-1)
+    # each tail entry's slot: the kept ones first, then the unsampled ones that fill the padding,
+    # each in ascending position (a counting sort by kept / not kept; no comparison sort needed)
+    kept_before = kept.cumsum(-1)
+    tail_counts = kept_before[..., -1]
     width = int(tail_counts.max())
-    # kept entries first, then unsampled ones to fill the padding, each in ascending position
-    order = kept.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :width]
+    rank = torch.arange(n_tail, device=device)
+    slot = torch.where(kept, kept_before - 1, tail_counts.unsqueeze(-1) + rank - kept_before)
+    order = torch.empty_like(slot).scatter_(-1, slot, rank.expand_as(slot))[..., :width]
     slot_valid = kept.gather(-1, order)
     slot_log_pi = torch.where(slot_valid, pi.gather(-1, order).log(), 0.0)
     return Selection(
