@@ -395,6 +395,41 @@ def test_all_pi_one_equals_deterministic_press(tiny):
     assert certificate_max(model) == 0.0
 
 
+def test_engine_selects_all_layers_at_once_as_the_press_prunes_layer_by_layer(tiny):
+    """selection_hooks scores each layer and selects after the last one (one batched selection per
+    press); the press itself prunes layer by layer. Same kept entries, log π and counts per layer."""
+    from transformers import DynamicCache
+
+    from certkv.engine.probabilistic_decode import selection_hooks
+    from certkv.presses.probabilistic import STATE_ATTR, ProbabilisticPress, attention_modules, clear_states
+
+    model, context, _ = tiny
+    presses = {f"p{seed}": ProbabilisticPress(compression_ratio=0.6, head_share=0.25, seed=seed) for seed in range(3)}
+    selections: dict = {}
+    full = DynamicCache()
+    with torch.no_grad(), selection_hooks(model, presses, selections):
+        model.model(input_ids=context, past_key_values=full)
+    for policy, press in presses.items():
+        clear_states(model)
+        cache = DynamicCache()
+        with torch.no_grad(), press(model):
+            model.model(input_ids=context, past_key_values=cache)
+        assert len(selections[policy]) == 3
+        for module, joint in zip(attention_modules(model), selections[policy]):
+            state = getattr(module, STATE_ATTR)
+            n = int(joint.counts.max())
+            assert torch.equal(joint.counts, state.counts) and joint.n_head == state.n_head
+            assert torch.equal(joint.valid[..., :n], state.valid[..., :n])
+            assert torch.equal(joint.log_pi[..., :n], state.log_pi[..., :n])
+            assert not bool(joint.valid[..., n:].any()) and not bool(state.valid[..., n:].any())
+            full_keys = full.layers[module.layer_idx].keys
+            index = joint.indices[..., :n].unsqueeze(-1).expand(-1, -1, -1, full_keys.shape[-1])
+            pruned = cache.layers[module.layer_idx].keys[:, :, :n]
+            valid = joint.valid[..., :n]
+            assert torch.equal(full_keys.gather(2, index)[valid], pruned[valid])  # the same entries kept
+        clear_states(model)
+
+
 def test_ratio_zero_is_the_full_cache(tiny):
     from certkv.presses.hajek_attention import certificate_steps
     from certkv.presses.probabilistic import ProbabilisticPress, kept_fraction

@@ -39,7 +39,9 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
 
     `presses` maps policy → ProbabilisticPress; ``selections[policy]`` receives one
     :class:`~certkv.presses.probabilistic.Selection` per layer (None when the press keeps all).
-    Nothing is pruned.
+    Nothing is pruned. Each layer's hook only takes the base press's scores; after the last layer
+    every press selects for all layers at once (:meth:`ProbabilisticPress.select_layers`: the same
+    selections as layer by layer, a fraction of the kernel calls).
     """
     from kvpress.presses.base_press import is_prefilling
     from kvpress.utils import extract_keys_and_values
@@ -50,6 +52,8 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
         press.post_init_from_model(model)
     for policy in presses:
         selections[policy] = []
+    modules = attention_modules(model)
+    scores: dict[str, list] = {policy: [] for policy in presses}
 
     def hook(module, args, kwargs, output):
         hidden_states = kwargs["hidden_states"]
@@ -57,13 +61,19 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
             return output
         keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
         for policy, press in presses.items():
-            if press.compression_ratio == 0:
-                selections[policy].append(None)
-            else:
-                selections[policy].append(press.select(module, hidden_states, keys, values, output[1], kwargs))
+            if press.compression_ratio > 0:
+                scores[policy].append(press.base_press.score(module, hidden_states, keys, values, output[1], kwargs))
+        if module is modules[-1]:
+            layers = [m.layer_idx for m in modules]
+            for policy, press in presses.items():
+                if press.compression_ratio == 0:
+                    selections[policy] = [None] * len(layers)
+                else:
+                    selections[policy] = press.select_layers(layers, scores[policy])
+                scores[policy] = []
         return output
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
         yield selections
     finally:
@@ -71,7 +81,7 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
 
         for handle in handles:
             handle.remove()
-        forget_window_attention(attention_modules(model))
+        forget_window_attention(modules)
 
 
 def _full_selection(n_heads: int, context_length: int, device):

@@ -184,7 +184,11 @@ def probabilistic_selection(
     Tail scores are made usable as sizes: shifted up when any is negative (so the lowest is 0; e.g.
     kvpress's knorm scores are −‖k‖), then ``score_floor`` × their mean is added so that every tail
     entry has π > 0 (Hájek's estimator needs π > 0 to be consistent). Scores must be finite in the
-    tail. `generator` is a CPU ``torch.Generator`` (None: torch's global one).
+    tail. `generator` is a CPU ``torch.Generator`` (None: torch's global one), or a sequence of
+    them, one per batch row: row b's uniforms are then exactly those a selection of row b alone
+    with generator b would draw, so rows that are different layers of one prefill can be
+    selected together (one set of kernel calls instead of one per layer; the rows only share
+    the padded width).
     """
     if not (math.isfinite(score_floor) and score_floor >= 0):
         raise ValueError(f"score_floor must be a finite number ≥ 0, got {score_floor!r}")
@@ -215,7 +219,12 @@ def probabilistic_selection(
     b = torch.full(tail.shape[:-1], float(budget), dtype=torch.float64, device=device)
     pi = _capped_proportional(tail, b)
 
-    u = torch.rand(pi.shape, generator=generator, dtype=torch.float64).to(device)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch:
+            raise ValueError(f"got {len(generator)} generators for {batch} batch rows")
+        u = torch.cat([torch.rand((1, *pi.shape[1:]), generator=g, dtype=torch.float64) for g in generator]).to(device)
+    else:
+        u = torch.rand(pi.shape, generator=generator, dtype=torch.float64).to(device)
     kept = u < pi
     # each tail entry's slot: the kept ones first, then the unsampled ones that fill the padding,
     # each in ascending position (a counting sort by kept / not kept; no comparison sort needed)
@@ -564,6 +573,26 @@ class ProbabilisticPress(BasePress):
             scores, n_kept, n_sink=self.n_sink, window=self.window, head_share=self.head_share,
             score_floor=self.score_floor, generator=self.generator(module.layer_idx),
         )
+
+    def select_layers(self, layer_indices, scores) -> list[Selection]:
+        """The selections of several layers of one prefill from their base scores, computed together.
+
+        `scores` is one (1, H_kv, K) tensor per layer of `layer_indices` (the base press's, same K);
+        each returned Selection equals what :meth:`select` gives that layer (each layer draws from
+        its own generator) except that all are padded to the widest (invalid slots). The engine
+        scores each layer in its hook and selects once after the last one.
+        """
+        stacked = torch.cat(list(scores), dim=0)
+        n_kept = compute_n_kept(stacked.shape[2], self.compression_ratio)
+        joint = probabilistic_selection(
+            stacked, n_kept, n_sink=self.n_sink, window=self.window, head_share=self.head_share,
+            score_floor=self.score_floor, generator=[self.generator(i) for i in layer_indices],
+        )
+        return [
+            Selection(joint.indices[i : i + 1], joint.log_pi[i : i + 1], joint.valid[i : i + 1],
+                      joint.counts[i : i + 1], joint.n_head)
+            for i in range(len(layer_indices))
+        ]
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0:
