@@ -234,11 +234,11 @@ def test_hajek_attention_matches_explicit_computation():
                     torch.testing.assert_close(cert[b, h, t], max(per_head), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("pending_steps", [64, 2])
-def test_certificates_reduced_together_equal_each_step_reduced_alone(pending_steps, monkeypatch):
-    """Steps store their certificate's sums and are reduced when read (or when too many wait),
-    consecutive same-shape steps in one batch: the values must equal each step's certificate
-    computed on its own."""
+@pytest.mark.parametrize("pending_steps, pending_bytes", [(64, 8 * 2**20), (2, 8 * 2**20), (64, 1)])
+def test_certificates_reduced_together_equal_each_step_reduced_alone(pending_steps, pending_bytes, monkeypatch):
+    """Steps keep their tail weights and output and are reduced when read (or when too many wait,
+    or their weights hold too much memory), consecutive same-shape steps in one batch: the values
+    must equal each step's certificate computed on its own."""
     from certkv.presses import hajek_attention as module_under_test
     from certkv.presses.hajek_attention import (
         CertificateTerms, certificate, corrected_attention, hajek_attention, layer_certificates,
@@ -246,6 +246,7 @@ def test_certificates_reduced_together_equal_each_step_reduced_alone(pending_ste
     from certkv.presses.probabilistic import HajekState
 
     monkeypatch.setattr(module_under_test, "PENDING_STEPS", pending_steps)
+    monkeypatch.setattr(module_under_test, "PENDING_BYTES", pending_bytes)
 
     g = torch.Generator().manual_seed(9)
     batch, kv_heads, groups, d, ctx = 2, 2, 3, 8, 48
@@ -267,7 +268,7 @@ def test_certificates_reduced_together_equal_each_step_reduced_alone(pending_ste
         if q_len == 2:  # a read in the middle settles the steps so far; later ones stay pending
             assert len(layer_certificates(module)) == len(expected)
     waiting = sum(isinstance(step, CertificateTerms) for step in module.certkv_certificates)
-    assert waiting == (2 if pending_steps == 64 else 0)  # the last read, or the cap, settled the rest
+    assert waiting == (2 if pending_steps == 64 and pending_bytes > 1 else 0)  # the last read, or a cap, settled the rest
     got = layer_certificates(module)
     assert len(got) == len(expected)
     for step, (a, b) in enumerate(zip(got, expected)):
@@ -428,6 +429,26 @@ def test_engine_selects_all_layers_at_once_as_the_press_prunes_layer_by_layer(ti
             valid = joint.valid[..., :n]
             assert torch.equal(full_keys.gather(2, index)[valid], pruned[valid])  # the same entries kept
         clear_states(model)
+
+
+@pytest.mark.parametrize("start", [0, 1, 3, 5])
+def test_certificate_steps_reduces_all_layers_together_as_each_alone(tiny, start):
+    """Reading the certificates reduces every layer's pending decoded steps in one batch; the
+    per-step maxima must equal those of each layer reduced on its own."""
+    from certkv.presses.hajek_attention import CERT_ATTR, CertificateTerms, certificate_steps, settle_certificates
+    from certkv.presses.probabilistic import ProbabilisticPress, attention_modules
+
+    model, context, question = tiny
+    _answer(model, context, question, ProbabilisticPress(compression_ratio=0.6, head_share=0.25, seed=2), hajek=True,
+            new_tokens=6)
+    lists = [getattr(m, CERT_ATTR) for m in attention_modules(model)]
+    assert all(isinstance(step, CertificateTerms) for steps in lists for step in steps[1:])  # decoded: pending
+    alone = [settle_certificates(list(steps)) for steps in lists]  # copies, reduced layer by layer
+    expected = torch.stack([torch.stack([c.amax(dim=(1, 2)) for c in steps]) for steps in alone]).amax(dim=0).T
+    got = certificate_steps(model, start)
+    assert len(got) == 1 and len(got[0]) == max(0, 6 - start)
+    torch.testing.assert_close(torch.tensor(got), expected[:, start:], rtol=1e-6, atol=0)
+    assert not any(isinstance(step, CertificateTerms) for steps in lists for step in steps) or start >= 6
 
 
 def test_ratio_zero_is_the_full_cache(tiny):

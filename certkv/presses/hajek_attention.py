@@ -16,11 +16,14 @@ cache's first N slots. This attention function, registered with transformers'
   could hide one badly estimated head);
 * appends the certificates of the call to ``module.certkv_certificates``, kept on the model's
   device (no host sync per step). One call is one step: the question feed (Q > 1 positions) and
-  then each decoded token. A step stores the two matmuls' sums its certificate is made of
+  then each decoded token. A step keeps only its tail weights (a view) and a copy of its output
   (:class:`CertificateTerms`); reading them (:func:`layer_certificates`, :func:`certificate_steps`,
-  :func:`certificate_max`) reduces every pending step at once to a tensor of shape (B, H_kv, Q):
-  the same numbers to float rounding (tested), a fraction of a decoding step's kernel calls.
-  Question feeds (Q > 1) are reduced at once, and at most :data:`PENDING_STEPS` decoded tokens wait.
+  :func:`certificate_max`) computes every pending step at once — two matmuls per layer with the
+  cache's tail values for all of them, and one batch of elementwise operations for all layers —
+  to tensors of shape (B, H_kv, Q): the same numbers to float rounding (tested), and a decoding
+  step pays one small copy. Question feeds (Q > 1) are reduced at once; at most
+  :data:`PENDING_STEPS` decoded tokens wait, and fewer when their weights would keep more than
+  :data:`PENDING_BYTES` alive per layer (a large model reduces every step).
 
 Everything else is plain attention: a full prefill (query length == key length) clears the
 module's state (it belongs to a previous request) and runs transformers' sdpa; a module without
@@ -42,8 +45,10 @@ from dataclasses import dataclass
 from certkv.presses.probabilistic import CERT_ATTR, STATE_ATTR, attention_modules, clear_state
 
 NAME = "certkv_hajek"
-#: At most this many steps wait unreduced (each holds a few (B·H_kv, G·Q, d_v) tensors).
+#: At most this many decoded steps wait unreduced per layer ...
 PENDING_STEPS = 64
+#: ... and at most this much memory their weights keep alive (a large model reduces every step).
+PENDING_BYTES = 8 * 2**20
 
 
 def _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
@@ -84,10 +89,12 @@ def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     if state.n_tail == 0:
         certificates.append(torch.zeros(batch, kv_heads, q_len, dtype=torch.float32, device=query.device))
     else:  # decoded tokens are reduced when read (settle_certificates), many steps at once
-        certificates.append(certificate_terms(weights, output, value, state, (batch, kv_heads, query.shape[1] // kv_heads, q_len)))
-        if q_len > 1 or (len(certificates) >= PENDING_STEPS and isinstance(certificates[-PENDING_STEPS], CertificateTerms)):
-            # a multi-position step (the question feed) gains nothing from waiting and its sums are
-            # the largest; a long answer nobody reads yet must not hold every step's sums
+        terms = certificate_terms(weights, output, value, state, (batch, kv_heads, query.shape[1] // kv_heads, q_len))
+        certificates.append(terms)
+        # A multi-position step (the question feed) gains nothing from waiting; a long answer that
+        # nobody reads yet must not keep every step's weights alive (pending steps are a suffix).
+        allowed = max(1, min(PENDING_STEPS, PENDING_BYTES // max(1, terms.held_bytes)))
+        if q_len > 1 or (len(certificates) >= allowed and isinstance(certificates[-allowed], CertificateTerms)):
             settle_certificates(certificates)
     heads, head_dim = query.shape[1], value.shape[-1]
     output = output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
@@ -146,50 +153,73 @@ def corrected_attention(query, key, value, attention_mask, scaling, state):
 
 @dataclass
 class CertificateTerms:
-    """One step's certificate, not yet reduced: the sums it is made of.
+    """One step's certificate, not yet computed: what it is made of.
 
     With a_i = (1 − π_i) ŵ_i² over the kept tail, ĉ² = Σ a_i ‖v_i‖² − 2 ô·Σ a_i v_i + ‖ô‖² Σ a_i.
-    The sums need the step's weights and the cache's values, so they are taken during the step;
-    the rest is a few elementwise operations that :func:`settle_certificates` runs for many steps
-    at once when the certificates are read. A decoding step thus pays for two small matmuls, not
-    for a dozen kernel calls. Shapes: (B·H_kv, G·Q, ·) float32.
+    A decoding step keeps only its tail weights ŵ (a view of the weights its attention computed
+    anyway) and a copy of its output ô; the two matmuls with the cache's tail values and the
+    elementwise rest run for many steps at once when the certificates are read
+    (:func:`_run_sums`), so a step pays for one small copy, not for a dozen kernel calls. The
+    kept tail never changes while an answer is decoded (new tokens are appended after it), so the
+    values the sums need are read from the layer's latest cache tensor (:attr:`HajekState`'s
+    ``latest_values``), never from a copy.
     """
 
-    weighted: object
-    """Σ a_i v_i, (B·H_kv, G·Q, d_v)."""
-    moments: object
-    """[Σ a_i ‖v_i‖², Σ a_i], (B·H_kv, G·Q, 2)."""
+    weights: object
+    """ŵ over the kept tail slots, (B·H_kv, G·Q, T) float32."""
     output: object
-    """ô, (B·H_kv, G·Q, d_v)."""
+    """ô, (B·H_kv, G·Q, d_v) float32."""
+    state: object
+    """The layer's :class:`~certkv.presses.probabilistic.HajekState`."""
     shape: tuple
     """(B, H_kv, G, Q): how the rows and positions split into batch, heads and query positions."""
 
+    @property
+    def held_bytes(self) -> int:
+        """Memory this pending step keeps alive: its whole weights tensor (ŵ is a view of it)."""
+        base = self.weights._base if self.weights._base is not None else self.weights
+        return base.numel() * base.element_size() + self.output.numel() * self.output.element_size()
+
 
 def certificate_terms(weights, output, value, state, shape: tuple) -> CertificateTerms:
-    """The sums of one step's certificate (see :class:`CertificateTerms`).
+    """One step's pending certificate (see :class:`CertificateTerms`).
 
     `weights` (B·H_kv, G·Q, K) float32 and `output` (B·H_kv, G·Q, d_v) from
-    :func:`corrected_attention`, `value` the layer's (B, H_kv, K, d_v) cache values. Σ a_i v_i is
-    one matmul with the cached tail values; Σ a_i ‖v_i‖² and Σ a_i are one matmul with the state's
-    (T × 2) [‖v_i‖², 1] (the kept slots never change while decoding, so it is built once: two
-    floats per slot, not a copy of the values).
+    :func:`corrected_attention`, `value` the layer's (B, H_kv, K, d_v) cache values, remembered
+    on the state as its latest values.
     """
     import torch
 
-    n_head, n_tail = state.n_head, state.n_tail
-    rows, _, k_len = weights.shape
-    tail_values = value.reshape(rows, k_len, value.shape[-1])[:, n_head : n_head + n_tail]
-    w = weights[..., n_head : n_head + n_tail]
-    a = w * state.tail_weight_rows
-    a.mul_(w)
+    state.__dict__["latest_values"] = value
+    w = weights[..., state.n_head : state.n_head + state.n_tail]
+    # kept until read; the attention hands the same storage to the model
+    output = output.clone() if output.dtype == torch.float32 else output.float()
+    return CertificateTerms(w, output, state, shape)
+
+
+def _run_sums(run: list, value=None):
+    """Σ a v, [Σ a‖v‖², Σ a] and ô of a run of one layer's pending steps, (S, B·H_kv, G·Q, ·) each:
+    two matmuls for the whole run. `value`: the layer's cache values (default: the latest seen)."""
+    import torch
+
+    state = run[0].state
+    if value is None:
+        value = state.latest_values
+    w = torch.stack([t.weights for t in run], dim=1)  # (rows, S, G·Q, T)
+    rows, n_steps, positions, n_tail = w.shape
+    a = (w * state.tail_weight_rows.unsqueeze(1)).mul_(w).view(rows, n_steps * positions, n_tail)
+    k_len = value.shape[2]
+    tail_values = value.reshape(rows, k_len, value.shape[-1])[:, state.n_head : state.n_head + n_tail]
     if tail_values.dtype == torch.float32:
         weighted = torch.bmm(a, tail_values)
-        output = output.clone()  # kept until read; the attention hands the same storage to the model
     else:
         weighted = torch.bmm(a.to(tail_values.dtype), tail_values).float()
-        output = output.float()
     moments = torch.bmm(a, state.tail_moments(value))
-    return CertificateTerms(weighted, moments, output, shape)
+
+    def per_step(t):
+        return t.view(rows, n_steps, positions, t.shape[-1]).transpose(0, 1)
+
+    return per_step(weighted), per_step(moments), torch.stack([t.output for t in run])
 
 
 def _reduce(weighted, moments, output):
@@ -212,7 +242,7 @@ def certificate(weights, output, value, state):
     if state.n_tail == 0:
         return torch.zeros(weights.shape[:2], dtype=torch.float32, device=weights.device)
     terms = certificate_terms(weights, output, value, state, ())
-    return _reduce(terms.weighted, terms.moments, terms.output)
+    return _reduce(*_run_sums([terms], value))[0]
 
 
 def settle_certificates(steps: list) -> list:
@@ -222,20 +252,43 @@ def settle_certificates(steps: list) -> list:
     Consecutive steps of the same shape (the decoded tokens) are reduced together, one batch of
     elementwise operations for all of them.
     """
+    first = _first_pending(steps)
+    if first is None:
+        return steps
+    for i, j, shape in list(_same_shape_runs(steps[first:], _pending_shape)):
+        if shape is not None:
+            steps[first + i : first + j] = list(_reduce_runs([steps[first + i : first + j]], shape)[0].unbind(0))
+    return steps
+
+
+def _pending_shape(step):
+    return step.shape if isinstance(step, CertificateTerms) else None
+
+
+def _first_pending(steps: list):
+    """Index of the first unreduced step, None when all are reduced. Steps are reduced as a
+    suffix (every reduction takes all pending ones), so the scan stops at the first reduced step
+    from the end."""
+    first = None
+    for i in range(len(steps) - 1, -1, -1):
+        if not isinstance(steps[i], CertificateTerms):
+            break
+        first = i
+    if first is not None and any(isinstance(step, CertificateTerms) for step in steps[:first]):
+        return next(i for i, step in enumerate(steps) if isinstance(step, CertificateTerms))
+    return first
+
+
+def _reduce_runs(runs: list, shape: tuple) -> list:
+    """Certificates of several runs of same-shape pending steps (one per layer, equal lengths),
+    reduced as one batch: one (S, B, H_kv, Q) tensor per run."""
     import torch
 
-    def pending(step):
-        return step.shape if isinstance(step, CertificateTerms) else None
-
-    for i, j, shape in list(_same_shape_runs(steps, pending)):
-        if shape is None:
-            continue  # already reduced
-        run = steps[i:j]
-        stacked = [torch.stack([getattr(t, name) for t in run]) for name in ("weighted", "moments", "output")]
-        batch, kv_heads, groups, q_len = shape
-        values = _reduce(*stacked).view(len(run), batch, kv_heads, groups, q_len).amax(dim=3)
-        steps[i:j] = list(values.unbind(0))
-    return steps
+    sums = [_run_sums(run) for run in runs]
+    stacked = [torch.cat([s[i] for s in sums]) if len(sums) > 1 else sums[0][i] for i in range(3)]
+    batch, kv_heads, groups, q_len = shape
+    values = _reduce(*stacked).view(len(runs), len(runs[0]), batch, kv_heads, groups, q_len).amax(dim=4)
+    return list(values.unbind(0))
 
 
 def _same_shape_runs(items: list, shape_of):
@@ -290,20 +343,38 @@ def certificate_steps(model, start: int = 0) -> list[list[float]]:
     """Per batch row, per step (attention call after compression) from step `start` on, the max
     certificate over layers, KV heads and the step's query positions. Empty when nothing was
     recorded; empty rows when nothing was recorded since `start` (a caller that checks as the
-    answer grows reads only the steps it has not seen)."""
+    answer grows reads only the steps it has not seen).
+
+    The usual read — every layer holding the same run of decoded steps not yet reduced, all after
+    `start` — reduces the layers together (one batch of operations for the whole model); anything
+    else reduces layer by layer (:func:`layer_certificates`). The same numbers either way.
+    """
     import torch
 
-    per_layer = [layer_certificates(m) for m in attention_modules(model)]
+    per_layer = [getattr(m, CERT_ATTR, None) or [] for m in attention_modules(model)]
     per_layer = [steps for steps in per_layer if steps]
     if not per_layer:
         return []
     n_steps = {len(steps) for steps in per_layer}
     if len(n_steps) != 1:
         raise ValueError(f"layers recorded different numbers of steps {sorted(n_steps)}; was the model reused mid-answer?")
-    if start >= n_steps.pop():
-        return [[] for _ in range(per_layer[0][0].shape[0])]
-    layer_maxima = [_step_maxima(steps[start:]) for steps in per_layer]
-    return torch.stack(layer_maxima).amax(dim=0).float().cpu().tolist()
+    n_steps = n_steps.pop()
+    if start >= n_steps:
+        return [[] for _ in range(per_layer[0][0].shape[0])]  # a tensor's or pending terms' batch size
+    firsts = {_first_pending(steps) for steps in per_layer}
+    first = firsts.pop() if len(firsts) == 1 else None
+    joint = None
+    if first is not None:
+        shapes = {_pending_shape(t) for steps in per_layer for t in steps[first:]}
+        if len(shapes) == 1:  # one run of same-shape pending steps, the same in every layer
+            joint = _reduce_runs([steps[first:] for steps in per_layer], shapes.pop())
+            for steps, values in zip(per_layer, joint):
+                steps[first:] = list(values.unbind(0))
+    if joint is not None and first <= start:
+        maxima = torch.stack([values[start - first :].amax(dim=(2, 3)) for values in joint])  # (L, S, B)
+    else:
+        maxima = torch.stack([_step_maxima(settle_certificates(steps)[start:]) for steps in per_layer]).transpose(1, 2)
+    return maxima.amax(dim=0).T.float().cpu().tolist()
 
 
 def _step_maxima(steps: list):
