@@ -198,7 +198,7 @@ def certificate_terms(weights, output, value, state, shape: tuple) -> Certificat
 
 
 def _run_sums(run: list, value=None):
-    """Σ a v, [Σ a‖v‖², Σ a] and ô of a run of one layer's pending steps, (S, B·H_kv, G·Q, ·) each:
+    """Σ a v, [Σ a‖v‖², Σ a] and ô of a run of one layer's pending steps, (B·H_kv, S, G·Q, ·) each:
     two matmuls for the whole run. `value`: the layer's cache values (default: the latest seen)."""
     import torch
 
@@ -215,11 +215,9 @@ def _run_sums(run: list, value=None):
     else:
         weighted = torch.bmm(a.to(tail_values.dtype), tail_values).float()
     moments = torch.bmm(a, state.tail_moments(value))
-
-    def per_step(t):
-        return t.view(rows, n_steps, positions, t.shape[-1]).transpose(0, 1)
-
-    return per_step(weighted), per_step(moments), torch.stack([t.output for t in run])
+    # kept in the (rows, S, G·Q, ·) layout of the matmuls: no transposed copies
+    return (weighted.view(rows, n_steps, positions, -1), moments.view(rows, n_steps, positions, 2),
+            torch.stack([t.output for t in run], dim=1))
 
 
 def _reduce(weighted, moments, output):
@@ -242,7 +240,7 @@ def certificate(weights, output, value, state):
     if state.n_tail == 0:
         return torch.zeros(weights.shape[:2], dtype=torch.float32, device=weights.device)
     terms = certificate_terms(weights, output, value, state, ())
-    return _reduce(*_run_sums([terms], value))[0]
+    return _reduce(*_run_sums([terms], value))[:, 0]
 
 
 def settle_certificates(steps: list) -> list:
@@ -284,11 +282,11 @@ def _reduce_runs(runs: list, shape: tuple) -> list:
     reduced as one batch: one (S, B, H_kv, Q) tensor per run."""
     import torch
 
-    sums = [_run_sums(run) for run in runs]
+    sums = [_run_sums(run) for run in runs]  # (B·H_kv, S, G·Q, ·) each
     stacked = [torch.cat([s[i] for s in sums]) if len(sums) > 1 else sums[0][i] for i in range(3)]
     batch, kv_heads, groups, q_len = shape
-    values = _reduce(*stacked).view(len(runs), len(runs[0]), batch, kv_heads, groups, q_len).amax(dim=4)
-    return list(values.unbind(0))
+    values = _reduce(*stacked).view(len(runs), batch, kv_heads, len(runs[0]), groups, q_len).amax(dim=4)
+    return list(values.permute(0, 3, 1, 2, 4).unbind(0))
 
 
 def _same_shape_runs(items: list, shape_of):
