@@ -254,7 +254,8 @@ def test_runtime_falls_back(embedded, requests):
 )
 def test_certificate_watch_decides_as_a_check_after_every_step(monkeypatch, steps, bound, calls, escalates, peak):
     """Checking every CERTIFICATE_CHECK_EVERY calls and at the end must decide, and record, what
-    checking after every call would: escalate iff some step is above the bound, the peak up to the first such step."""
+    checking after every call would: escalate iff some step is above the bound, the peak up to
+    the first such step."""
     from certkv.presses import hajek_attention
     from certkv.runtime import CERTIFICATE_CHECK_EVERY, _CertificateWatch
 
