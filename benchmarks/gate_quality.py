@@ -106,7 +106,10 @@ def demo_savings_by_risk(risks=(0.05, 0.10, 0.15, 0.20)) -> dict | None:
     """What the gate buys at other risk targets: the demo store re-certified with ε replaced (the
     rest of the contract, its 24 sequences and δ included, unchanged). Only ε = the contract's own
     is the demo's certificate; the others are what-ifs on the same records, for sizing the gate,
-    not operating points anyone may deploy under the demo contract (ε is fixed before the data)."""
+    not operating points anyone may deploy under the demo contract (ε is fixed before the data).
+    ``kv_saved_by_gate`` = least certified mean KV without a gate − least with one, a family with
+    nothing certified counting as 1.0 (what would be deployed: the full cache); negative when the
+    gate costs KV."""
     from certkv.certifier import certify
     from certkv.contract import load_contract
     from certkv.contract_spec import certification_spec, load_records

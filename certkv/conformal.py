@@ -11,8 +11,8 @@ Requests, not pairs, are exchangeable. :func:`grouped_scale_factor` therefore ap
 risk control (Angelopoulos, Bates, Fisch, Lei & Schuster, 2022) with one loss per request: the
 share of its pairs that z does not cover, a bounded loss that does not increase with z. With n
 calibration requests, the smallest z whose (n/(n+1))·mean loss + 1/(n+1) is at most α gives a
-new request an expected uncovered share ≤ α: exactly, in finite samples, whatever the dependence
-inside a request. Numpy only (no torch), so that benchmarks and tests can use it anywhere.
+new request an expected uncovered share ≤ α — a finite-sample bound, not an asymptotic one —
+whatever the dependence inside a request. Numpy only (no torch), so that benchmarks and tests can use it anywhere.
 """
 
 from __future__ import annotations
@@ -44,11 +44,13 @@ def grouped_scale_factor(ratios_by_group: Sequence, alpha: float) -> float:
     weights = np.concatenate([np.full(g.size, 1.0 / (n * g.size)) for g in groups])
     order = np.argsort(ratios, kind="stable")
     ratios, weights = ratios[order], weights[order]
-    # mean loss at z = ratios[i]: the weight strictly above it (ties: after the last equal ratio)
-    last_equal = np.searchsorted(ratios, ratios, side="right") - 1
-    above = np.clip(1.0 - np.cumsum(weights), 0.0, None)[last_equal]
-    adjusted = n / (n + 1) * above + 1.0 / (n + 1)
-    ok = np.flatnonzero((adjusted <= alpha) & np.isfinite(ratios))
+    # mean loss at z = ratios[i]: the weight strictly above it (ties: after the last equal ratio),
+    # summed from the largest ratio down (a suffix sum, not 1 − a prefix sum, which cancels)
+    suffix = np.append(np.cumsum(weights[::-1])[::-1], 0.0)
+    above = suffix[np.searchsorted(ratios, ratios, side="right")]
+    # n/(n+1)·risk + 1/(n+1) ≤ α, i.e. n·risk ≤ α(n+1) − 1, with a 1e-12 allowance so that float
+    # rounding does not move a boundary that exact arithmetic would meet
+    ok = np.flatnonzero((n * above <= alpha * (n + 1) - 1 + 1e-12) & np.isfinite(ratios))
     # below the smallest ratio every pair is uncovered (loss 1), which never passes for alpha < 1
     return float(ratios[ok[0]]) if ok.size else math.inf
 

@@ -135,6 +135,28 @@ def test_selection_layout():
     assert torch.equal(det.indices, head_priority(scores, 4, 16).topk(48).indices)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_select_layers_equals_each_layer_selected_alone(batch):
+    """Several layers selected in one call: each layer's entries, log π and counts are those of
+    its own selection with its own generator (padding aside), for any batch size."""
+    from certkv.presses.probabilistic import ProbabilisticPress, probabilistic_selection
+
+    press = ProbabilisticPress(compression_ratio=0.6, head_share=0.3, seed=5)
+    g = torch.Generator().manual_seed(4)
+    scores = [torch.rand(batch, 2, 90, generator=g) ** 3 for _ in range(3)]
+    joint = press.select_layers([0, 1, 2], scores)
+    for layer, (together, s) in enumerate(zip(joint, scores)):
+        alone = probabilistic_selection(s, 36, n_sink=4, window=16, head_share=0.3, generator=press.generator(layer))
+        n = alone.indices.shape[-1]
+        assert together.indices.shape[0] == batch and together.indices.shape[-1] >= n
+        assert torch.equal(together.counts, alone.counts) and together.n_head == alone.n_head
+        assert torch.equal(together.valid[..., :n], alone.valid) and not bool(together.valid[..., n:].any())
+        assert torch.equal(together.log_pi[..., :n], alone.log_pi)
+        assert torch.equal(together.indices[..., :n][alone.valid], alone.indices[alone.valid])
+    with pytest.raises(ValueError, match="one score tensor per layer"):
+        press.select_layers([0, 1], scores)
+
+
 def test_pad_selection_and_widened_state():
     from certkv.presses.probabilistic import HajekState, pad_selection
 
@@ -433,9 +455,10 @@ def test_engine_selects_all_layers_at_once_as_the_press_prunes_layer_by_layer(ti
 
 @pytest.mark.parametrize("start", [0, 1, 3, 5])
 def test_certificate_steps_reduces_all_layers_together_as_each_alone(tiny, start):
-    """Reading the certificates reduces every layer's pending decoded steps in one batch; the
-    per-step maxima must equal those of each layer reduced on its own."""
-    from certkv.presses.hajek_attention import CERT_ATTR, CertificateTerms, certificate_steps, settle_certificates
+    """Reading the certificates computes every layer's pending decoded steps in one batch (the
+    cache's values taken from its latest tensor); the per-step maxima must equal the definition
+    applied to each step alone, and the remembered values must be let go after the read."""
+    from certkv.presses.hajek_attention import CERT_ATTR, CertificateTerms, certificate_steps
     from certkv.presses.probabilistic import ProbabilisticPress, attention_modules
 
     model, context, question = tiny
@@ -443,12 +466,25 @@ def test_certificate_steps_reduces_all_layers_together_as_each_alone(tiny, start
             new_tokens=6)
     lists = [getattr(m, CERT_ATTR) for m in attention_modules(model)]
     assert all(isinstance(step, CertificateTerms) for steps in lists for step in steps[1:])  # decoded: pending
-    alone = [settle_certificates(list(steps)) for steps in lists]  # copies, reduced layer by layer
-    expected = torch.stack([torch.stack([c.amax(dim=(1, 2)) for c in steps]) for steps in alone]).amax(dim=0).T
+
+    def explicit(term):  # ĉ = sqrt(Σ_tail (1 − π) ŵ² ‖v − ô‖²), straight from the definition
+        state = term.state
+        values = state.latest_values
+        rows, k_len = values.shape[0] * values.shape[1], values.shape[2]
+        tail = values.reshape(rows, k_len, -1)[:, state.n_head : state.n_head + state.n_tail]
+        spread = (tail.unsqueeze(1) - term.output.unsqueeze(2)).square().sum(-1)  # (rows, G·Q, T)
+        c = (state.tail_weight_rows * term.weights.square() * spread).sum(-1).sqrt()
+        batch, kv_heads, groups, q_len = term.shape
+        return c.view(batch, kv_heads, groups, q_len).amax(dim=2)
+
+    per_layer = [[steps[0]] + [explicit(t) for t in steps[1:]] for steps in lists]
+    expected = torch.stack([torch.stack([c.amax(dim=(1, 2)) for c in steps]) for steps in per_layer]).amax(dim=0).T
     got = certificate_steps(model, start)
     assert len(got) == 1 and len(got[0]) == max(0, 6 - start)
     torch.testing.assert_close(torch.tensor(got), expected[:, start:], rtol=1e-6, atol=0)
     assert not any(isinstance(step, CertificateTerms) for steps in lists for step in steps) or start >= 6
+    states = [getattr(m, "certkv_hajek") for m in attention_modules(model)]
+    assert all("latest_values" not in state.__dict__ for state in states) or start >= 6
 
 
 def test_ratio_zero_is_the_full_cache(tiny):

@@ -59,6 +59,9 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
         hidden_states = kwargs["hidden_states"]
         if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             return output
+        if module is modules[0]:  # a new prefill: nothing of an interrupted one may carry over
+            for kept in scores.values():
+                kept.clear()
         keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
         for policy, press in presses.items():
             if press.compression_ratio > 0:
@@ -70,7 +73,7 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
                     selections[policy] = [None] * len(layers)
                 else:
                     selections[policy] = press.select_layers(layers, scores[policy])
-                scores[policy] = []
+                scores[policy].clear()
         return output
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]

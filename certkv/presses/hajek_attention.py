@@ -161,8 +161,9 @@ class CertificateTerms:
     elementwise rest run for many steps at once when the certificates are read
     (:func:`_run_sums`), so a step pays for one small copy, not for a dozen kernel calls. The
     kept tail never changes while an answer is decoded (new tokens are appended after it), so the
-    values the sums need are read from the layer's latest cache tensor (:attr:`HajekState`'s
-    ``latest_values``), never from a copy.
+    values the sums need are read from the layer's latest cache tensor, remembered on the
+    :class:`~certkv.presses.probabilistic.HajekState` (``latest_values``) only while some step is
+    pending, never copied.
     """
 
     weights: object
@@ -204,7 +205,9 @@ def _run_sums(run: list, value=None):
 
     state = run[0].state
     if value is None:
-        value = state.latest_values
+        value = state.__dict__.get("latest_values")
+    if value is None:
+        raise RuntimeError("a pending certificate step outlived its layer's cache values (reduce before clear_state)")
     w = torch.stack([t.weights for t in run], dim=1)  # (rows, S, G·Q, T)
     rows, n_steps, positions, n_tail = w.shape
     a = (w * state.tail_weight_rows.unsqueeze(1)).mul_(w).view(rows, n_steps * positions, n_tail)
@@ -239,7 +242,8 @@ def certificate(weights, output, value, state):
 
     if state.n_tail == 0:
         return torch.zeros(weights.shape[:2], dtype=torch.float32, device=weights.device)
-    terms = certificate_terms(weights, output, value, state, ())
+    # built here rather than by certificate_terms, which would remember `value` on the state
+    terms = CertificateTerms(weights[..., state.n_head : state.n_head + state.n_tail], output.float(), state, ())
     return _reduce(*_run_sums([terms], value))[:, 0]
 
 
@@ -253,10 +257,19 @@ def settle_certificates(steps: list) -> list:
     first = _first_pending(steps)
     if first is None:
         return steps
+    states = {id(t.state): t.state for t in steps[first:] if isinstance(t, CertificateTerms)}
     for i, j, shape in list(_same_shape_runs(steps[first:], _pending_shape)):
         if shape is not None:
             steps[first + i : first + j] = list(_reduce_runs([steps[first + i : first + j]], shape)[0].unbind(0))
+    _release(states.values())
     return steps
+
+
+def _release(states) -> None:
+    """Forget the cache values remembered for pending steps once none is left: a state must not
+    keep a layer's value tensor alive after its certificates are read."""
+    for state in states:
+        state.__dict__.pop("latest_values", None)
 
 
 def _pending_shape(step):
@@ -343,8 +356,8 @@ def certificate_steps(model, start: int = 0) -> list[list[float]]:
     recorded; empty rows when nothing was recorded since `start` (a caller that checks as the
     answer grows reads only the steps it has not seen).
 
-    The usual read — every layer holding the same run of decoded steps not yet reduced, all after
-    `start` — reduces the layers together (one batch of operations for the whole model); anything
+    The usual read — every layer holding the same run of decoded steps not yet reduced, starting
+    at or before `start` — reduces the layers together (one batch of operations for the whole model); anything
     else reduces layer by layer (:func:`layer_certificates`). The same numbers either way.
     """
     import torch
@@ -366,6 +379,7 @@ def certificate_steps(model, start: int = 0) -> list[list[float]]:
         shapes = {_pending_shape(t) for steps in per_layer for t in steps[first:]}
         if len(shapes) == 1:  # one run of same-shape pending steps, the same in every layer
             joint = _reduce_runs([steps[first:] for steps in per_layer], shapes.pop())
+            _release({id(steps[first].state): steps[first].state for steps in per_layer}.values())
             for steps, values in zip(per_layer, joint):
                 steps[first:] = list(values.unbind(0))
     if joint is not None and first <= start:

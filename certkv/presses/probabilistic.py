@@ -76,12 +76,13 @@ def inclusion_probabilities(scores, budget):
 
     `scores` is a nonnegative, finite tensor of shape (..., n); `budget` a number or a tensor
     broadcastable to ``scores.shape[:-1]``, clamped to [0, n]. Entries whose proportional share
-    reaches 1 are capped at 1 and the remaining budget is re-spread over the others, until no new
-    entry is capped (at most n rounds; usually two or three). If the positive scores cannot absorb
-    the budget even when all capped, the rest is spread uniformly over the zero-score entries, so
-    Σ π = budget whenever budget ≤ n. Otherwise an entry with score 0 gets π = 0. π is
-    nondecreasing in the score (it is min(1, c·score) for one c per row). Computed in float64; returned in the scores' dtype promoted to at
-    least float32.
+    reaches 1 are capped at 1 and the remaining budget is re-spread over the others, as if capping
+    round after round until no new entry is capped (computed in closed form: see
+    :func:`_capped_proportional`). If the positive scores cannot absorb the budget even when all
+    capped, the rest is spread uniformly over the zero-score entries, so Σ π = budget whenever
+    budget ≤ n. Otherwise an entry with score 0 gets π = 0. π is nondecreasing in the score
+    (min(1, c·score) for one c per row, except in the uniform spread). Computed in float64;
+    returned in the scores' dtype promoted to at least float32.
     """
     if scores.dim() < 1:
         raise ValueError("scores must have at least one dimension (the entries)")
@@ -185,10 +186,10 @@ def probabilistic_selection(
     kvpress's knorm scores are −‖k‖), then ``score_floor`` × their mean is added so that every tail
     entry has π > 0 (Hájek's estimator needs π > 0 to be consistent). Scores must be finite in the
     tail. `generator` is a CPU ``torch.Generator`` (None: torch's global one), or a sequence of
-    them, one per batch row: row b's uniforms are then exactly those a selection of row b alone
-    with generator b would draw, so rows that are different layers of one prefill can be
-    selected together (one set of kernel calls instead of one per layer; the rows only share
-    the padded width).
+    G of them for a batch of G equal blocks of consecutive rows: block g's uniforms are exactly
+    those a selection of that block alone with generator g would draw, so the blocks can be the
+    layers of one prefill, selected together (one set of kernel calls instead of one per layer;
+    the blocks only share the padded width).
     """
     if not (math.isfinite(score_floor) and score_floor >= 0):
         raise ValueError(f"score_floor must be a finite number ≥ 0, got {score_floor!r}")
@@ -220,9 +221,10 @@ def probabilistic_selection(
     pi = _capped_proportional(tail, b)
 
     if isinstance(generator, (list, tuple)):
-        if len(generator) != batch:
-            raise ValueError(f"got {len(generator)} generators for {batch} batch rows")
-        u = torch.cat([torch.rand((1, *pi.shape[1:]), generator=g, dtype=torch.float64) for g in generator]).to(device)
+        if not generator or batch % len(generator):
+            raise ValueError(f"got {len(generator)} generators for {batch} batch rows (one per equal block of rows)")
+        block = (batch // len(generator), *pi.shape[1:])
+        u = torch.cat([torch.rand(block, generator=g, dtype=torch.float64) for g in generator]).to(device)
     else:
         u = torch.rand(pi.shape, generator=generator, dtype=torch.float64).to(device)
     kept = u < pi
@@ -577,21 +579,24 @@ class ProbabilisticPress(BasePress):
     def select_layers(self, layer_indices, scores) -> list[Selection]:
         """The selections of several layers of one prefill from their base scores, computed together.
 
-        `scores` is one (1, H_kv, K) tensor per layer of `layer_indices` (the base press's, same K);
-        each returned Selection equals what :meth:`select` gives that layer (each layer draws from
-        its own generator) except that all are padded to the widest (invalid slots). The engine
-        scores each layer in its hook and selects once after the last one.
+        `scores` is one (B, H_kv, K) tensor per layer of `layer_indices` (the base press's, same
+        shape); each returned Selection equals what :meth:`select` gives that layer (each layer
+        draws from its own generator) except that all are padded to the widest (invalid slots).
+        The engine scores each layer in its hook and selects once after the last one.
         """
-        stacked = torch.cat(list(scores), dim=0)
+        scores = list(scores)
+        if len(scores) != len(layer_indices) or len({tuple(s.shape) for s in scores}) > 1:
+            raise ValueError("select_layers needs one score tensor per layer, all of one shape")
+        batch = scores[0].shape[0]
+        stacked = torch.cat(scores, dim=0)
         n_kept = compute_n_kept(stacked.shape[2], self.compression_ratio)
         joint = probabilistic_selection(
             stacked, n_kept, n_sink=self.n_sink, window=self.window, head_share=self.head_share,
             score_floor=self.score_floor, generator=[self.generator(i) for i in layer_indices],
         )
+        rows = [slice(i * batch, (i + 1) * batch) for i in range(len(layer_indices))]
         return [
-            Selection(joint.indices[i : i + 1], joint.log_pi[i : i + 1], joint.valid[i : i + 1],
-                      joint.counts[i : i + 1], joint.n_head)
-            for i in range(len(layer_indices))
+            Selection(joint.indices[r], joint.log_pi[r], joint.valid[r], joint.counts[r], joint.n_head) for r in rows
         ]
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
