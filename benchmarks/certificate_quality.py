@@ -20,7 +20,10 @@ calibrated two ways:
 
 One split is noisy, so the figures are over 50 random halvings. Spearman's ρ between ĉ and the
 error says whether ĉ ranks steps by their error; ``by_layer_head`` gives, per (layer, KV head),
-the median and 95th percentile of error/ĉ: where the certificate under-reads the error.
+the median and 95th percentile of error/ĉ (where the certificate under-reads the error) and, on
+the head's worst 5% of pairs by error/ĉ and on the rest, the median error and the median
+full-cache attention mass on the context entries the press did not keep (what no statistic of
+the kept sample can see).
 
     python benchmarks/certificate_quality.py --n 100   # writes benchmarks/results/certificate_quality.json
 """
@@ -43,6 +46,8 @@ class Probe:
         self.full: dict[int, tuple] = {}  # layer → the context's full keys and values
         self.pairs: list[tuple] = []  # (certificate, error) tensors of one call
         self.layer_heads: list = []  # per call, the (layer, KV head) of each flattened pair
+        self.dropped: list = []  # per call, the full-cache attention mass on context entries not kept
+        self.kept: dict[int, object] = {}  # layer → (B, H_kv, K) bool, the context entries kept
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         import torch
@@ -74,6 +79,15 @@ class Probe:
         self.pairs.append((certificate.flatten().cpu(), error.flatten().cpu()))
         head = torch.arange(kv_heads).view(1, kv_heads, 1).expand(batch, kv_heads, q_len).flatten()
         self.layer_heads.append(head + kv_heads * module.layer_idx)
+        # where the full-cache attention of the same queries goes: its mass on the context
+        # entries the sample left out is what no statistic of the kept entries can see
+        groups = heads // kv_heads
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        logits = torch.matmul(query, k_all.repeat_interleave(groups, dim=1).transpose(2, 3)) * scale
+        weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)[..., : full_k.shape[2]]
+        left_out = ~self.kept[module.layer_idx].repeat_interleave(groups, dim=1).unsqueeze(2)
+        dropped = (weights * left_out).sum(-1).view(batch, kv_heads, groups, q_len).amax(dim=2)
+        self.dropped.append(dropped.flatten().cpu())
         return out
 
 
@@ -87,14 +101,24 @@ def collect(model, tok, requests, kv: float, probe: Probe):
 
     AttentionInterface.register(PROBE, probe)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)
-    press = ProbabilisticPress(compression_ratio=round(1 - kv, 6))
+    class Recording(ProbabilisticPress):
+        """The press, telling the probe which context entries each layer kept."""
+
+        def select(self, module, hidden_states, keys, values, attentions, kwargs):
+            selection = super().select(module, hidden_states, keys, values, attentions, kwargs)
+            kept = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
+            kept.scatter_(-1, torch.where(selection.valid, selection.indices, selection.indices[..., :1]), True)
+            probe.kept[module.layer_idx] = kept
+            return selection
+
+    press = Recording(compression_ratio=round(1 - kv, 6))
     per_request = []
     previous = model.config._attn_implementation
     model.config._attn_implementation = PROBE
     try:
         for r in requests:
             enc = encode_request(tok, r.context, r.question)
-            probe.pairs, probe.layer_heads = [], []
+            probe.pairs, probe.layer_heads, probe.dropped = [], [], []
             cache = DynamicCache()
             with torch.no_grad():
                 with press(model):
@@ -103,7 +127,7 @@ def collect(model, tok, requests, kv: float, probe: Probe):
             clear_states(model)
             per_request.append((
                 torch.cat([c for c, _ in probe.pairs]), torch.cat([e for _, e in probe.pairs]),
-                torch.cat(probe.layer_heads),
+                torch.cat(probe.layer_heads), torch.cat(probe.dropped),
             ))
     finally:
         model.config._attn_implementation = previous
@@ -119,8 +143,8 @@ def quality(per_request, seed: int, kv_heads: int, splits: int = 50) -> dict:
     from certkv.conformal import grouped_scale_factor, pooled_scale_factor
 
     rng = np.random.default_rng(seed)
-    ratios = [np.where(c.numpy() > 0, e.numpy() / np.maximum(c.numpy(), 1e-30), np.inf) for c, e, _ in per_request]
-    ratios = [np.where((c.numpy() == 0) & (e.numpy() == 0), 0.0, r) for r, (c, e, _) in zip(ratios, per_request)]
+    ratios = [np.where(c.numpy() > 0, e.numpy() / np.maximum(c.numpy(), 1e-30), np.inf) for c, e, _, _ in per_request]
+    ratios = [np.where((c.numpy() == 0) & (e.numpy() == 0), 0.0, r) for r, (c, e, _, _) in zip(ratios, per_request)]
     figures = {"grouped": {"z": [], "coverage": [], "request_coverage": []}, "pooled": {"z": [], "coverage": [], "request_coverage": []}}
     for _ in range(splits):
         order = rng.permutation(len(per_request))
@@ -134,10 +158,11 @@ def quality(per_request, seed: int, kv_heads: int, splits: int = 50) -> dict:
             figures[name]["z"].append(z)
             figures[name]["coverage"].append(float(np.mean(pooled_test <= z)))
             figures[name]["request_coverage"].append(float(np.mean([np.mean(r <= z) for r in test])))
-    all_c = np.concatenate([c.numpy() for c, _, _ in per_request])
-    all_e = np.concatenate([e.numpy() for _, e, _ in per_request])
+    all_c = np.concatenate([c.numpy() for c, _, _, _ in per_request])
+    all_e = np.concatenate([e.numpy() for _, e, _, _ in per_request])
     all_r = np.concatenate(ratios)
-    where = np.concatenate([lh.numpy() for _, _, lh in per_request])
+    where = np.concatenate([lh.numpy() for _, _, lh, _ in per_request])
+    dropped = np.concatenate([d.numpy() for _, _, _, d in per_request])
     by_layer_head = {}
     for code in np.unique(where):
         mask = where == code
@@ -146,6 +171,12 @@ def quality(per_request, seed: int, kv_heads: int, splits: int = 50) -> dict:
             "ratio_median": float(np.median(all_r[mask])),
             "ratio_p95": float(np.quantile(all_r[mask], 0.95)),
             "spearman": float(spearmanr(all_c[mask], all_e[mask]).statistic),
+            # the full-cache attention mass on context entries not kept, on this head's worst 5%
+            # of pairs by error / ĉ and on the rest
+            "dropped_mass_median_worst5": float(np.median(dropped[mask & (all_r >= np.quantile(all_r[mask], 0.95))])),
+            "dropped_mass_median_rest": float(np.median(dropped[mask & (all_r < np.quantile(all_r[mask], 0.95))])),
+            "error_median_worst5": float(np.median(all_e[mask & (all_r >= np.quantile(all_r[mask], 0.95))])),
+            "error_median_rest": float(np.median(all_e[mask & (all_r < np.quantile(all_r[mask], 0.95))])),
         }
     summary = {
         name: {
