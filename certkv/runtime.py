@@ -30,7 +30,7 @@ from certkv.errors import CertkvError
 #: Decoding steps between two checks of the certificate against the bound (and one at the end).
 #: A check reads every step since the last one (a few dozen small kernel calls for all layers and
 #: one host sync: 0.4–0.6 ms on the embedded model, measured inside decoding, whose steps take
-#: ~1.0–1.3 ms); an escalating request decodes at most this many steps minus one in vain before it
+#: ~1.0–1.6 ms); an escalating request decodes at most this many steps minus one in vain before it
 #: is re-answered from the full cache. 16 keeps the reads near 3% of the decoding time on the
 #: embedded model (8: ~6%) at the price of up to 15 wasted evicted steps per escalation; answers
 #: shorter than 16 tokens are checked once, at the end.
