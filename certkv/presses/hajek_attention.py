@@ -277,17 +277,9 @@ def _pending_shape(step):
 
 
 def _first_pending(steps: list):
-    """Index of the first unreduced step, None when all are reduced. Steps are reduced as a
-    suffix (every reduction takes all pending ones), so the scan stops at the first reduced step
-    from the end."""
-    first = None
-    for i in range(len(steps) - 1, -1, -1):
-        if not isinstance(steps[i], CertificateTerms):
-            break
-        first = i
-    if first is not None and any(isinstance(step, CertificateTerms) for step in steps[:first]):
-        return next(i for i, step in enumerate(steps) if isinstance(step, CertificateTerms))
-    return first
+    """Index of the first unreduced step, None when all are reduced (every reduction takes all
+    pending steps, so the unreduced ones are the list's tail)."""
+    return next((i for i, step in enumerate(steps) if isinstance(step, CertificateTerms)), None)
 
 
 def _reduce_runs(runs: list, shape: tuple) -> list:
@@ -357,8 +349,9 @@ def certificate_steps(model, start: int = 0) -> list[list[float]]:
     answer grows reads only the steps it has not seen).
 
     The usual read — every layer holding the same run of decoded steps not yet reduced, starting
-    at or before `start` — reduces the layers together (one batch of operations for the whole model); anything
-    else reduces layer by layer (:func:`layer_certificates`). The same numbers either way.
+    at or before `start` — reduces the layers together (one batch of operations for the whole
+    model); anything else reduces layer by layer (:func:`layer_certificates`). The same numbers
+    either way.
     """
     import torch
 

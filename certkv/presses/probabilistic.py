@@ -109,8 +109,9 @@ def _capped_proportional(s, b):
     leaves c_m = (b − m) / S_m, and the right m is the first whose largest free entry stays below
     1, c_m·d_m < 1 (that condition only becomes true as m grows, and the first m meeting it had
     its m-th largest entry rightly capped). The same π as the iterative capping to float rounding
-    (tested against it, including budgets that rounding leaves entirely to the capped entries). When the positive scores cannot absorb the budget even all capped
-    (S_m = 0 there), the rest is spread uniformly over the zero-score entries.
+    (tested against it, including budgets that rounding leaves entirely to the capped entries).
+    When the positive scores cannot absorb the budget even all capped (S_m = 0 there), the rest is
+    spread uniformly over the zero-score entries.
     """
     n = s.shape[-1]
     decreasing = s.sort(dim=-1, descending=True).values
@@ -570,10 +571,13 @@ class ProbabilisticPress(BasePress):
     def select(self, module, hidden_states, keys, values, attentions, kwargs) -> Selection:
         """The layer's selection, without pruning anything (the engine's one-prefill path can use it)."""
         scores = self.base_press.score(module, hidden_states, keys, values, attentions, kwargs)
-        n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
+        return self._selection(scores, self.generator(module.layer_idx))
+
+    def _selection(self, scores, generator) -> Selection:
+        """:func:`probabilistic_selection` of (B, H_kv, K) base scores with this press's settings."""
         return probabilistic_selection(
-            scores, n_kept, n_sink=self.n_sink, window=self.window, head_share=self.head_share,
-            score_floor=self.score_floor, generator=self.generator(module.layer_idx),
+            scores, compute_n_kept(scores.shape[2], self.compression_ratio), n_sink=self.n_sink,
+            window=self.window, head_share=self.head_share, score_floor=self.score_floor, generator=generator,
         )
 
     def select_layers(self, layer_indices, scores) -> list[Selection]:
@@ -588,12 +592,7 @@ class ProbabilisticPress(BasePress):
         if len(scores) != len(layer_indices) or len({tuple(s.shape) for s in scores}) > 1:
             raise ValueError("select_layers needs one score tensor per layer, all of one shape")
         batch = scores[0].shape[0]
-        stacked = torch.cat(scores, dim=0)
-        n_kept = compute_n_kept(stacked.shape[2], self.compression_ratio)
-        joint = probabilistic_selection(
-            stacked, n_kept, n_sink=self.n_sink, window=self.window, head_share=self.head_share,
-            score_floor=self.score_floor, generator=[self.generator(i) for i in layer_indices],
-        )
+        joint = self._selection(torch.cat(scores, dim=0), [self.generator(i) for i in layer_indices])
         rows = [slice(i * batch, (i + 1) * batch) for i in range(len(layer_indices))]
         return [
             Selection(joint.indices[r], joint.log_pi[r], joint.valid[r], joint.counts[r], joint.n_head) for r in rows
