@@ -81,6 +81,17 @@ def signal_quality(n: int) -> dict:
     return out
 
 
+def best_certified(op) -> tuple:
+    """The certified gated and ungated candidates of an operating point with the least mean KV
+    (None for a family with nothing certified)."""
+    certified = [c for c in op.candidates if c.certified]
+    best = {}
+    for gated in (True, False):
+        family = [c for c in certified if (c.gate is not None) == gated]
+        best[gated] = min(family, key=lambda c: c.mean_kv_retained) if family else None
+    return best[True], best[False]
+
+
 def demo_savings() -> dict | None:
     from certkv.certifier import load_operating_point
 
@@ -88,11 +99,7 @@ def demo_savings() -> dict | None:
     if not path.is_file():
         return None
     op = load_operating_point(path)
-    certified = [c for c in op.candidates if c.certified]
-    gated = [c for c in certified if c.gate is not None]
-    ungated = [c for c in certified if c.gate is None]
-    best = lambda cs: min(cs, key=lambda c: c.mean_kv_retained) if cs else None  # noqa: E731
-    g, u = best(gated), best(ungated)
+    g, u = best_certified(op)
     return {
         "chosen": op.policy,
         "chosen_mean_kv": op.mean_kv_retained,
@@ -126,12 +133,10 @@ def demo_savings_by_risk(risks=(0.05, 0.10, 0.15, 0.20)) -> dict | None:
     out = {}
     for risk in risks:
         op = certify(evidence.table, spec.model_copy(update={"risk": risk}))
-        certified = [c for c in op.candidates if c.certified]
-        best = {}
-        for kind, group in (("gated", [c for c in certified if c.gate is not None]),
-                            ("ungated", [c for c in certified if c.gate is None])):
-            c = min(group, key=lambda c: c.mean_kv_retained) if group else None
-            best[kind] = None if c is None else {"policy": c.policy, "mean_kv": c.mean_kv_retained, "gated_share": c.gated_share}
+        best = {
+            kind: None if c is None else {"policy": c.policy, "mean_kv": c.mean_kv_retained, "gated_share": c.gated_share}
+            for kind, c in zip(("gated", "ungated"), best_certified(op))
+        }
         mean_kv = {k: (1.0 if v is None else v["mean_kv"]) for k, v in best.items()}  # nothing certified: full KV
         out[f"{risk:g}"] = {
             "chosen": op.policy, "chosen_mean_kv": op.mean_kv_retained, **{f"best_{k}": v for k, v in best.items()},
