@@ -52,8 +52,8 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dic
 
     import kvpress  # noqa: F401  (registers the kvpress pipeline)
     from certkv.engine.engine import Candidate, Engine
-    from certkv.generation import full_kv_answer
-    from certkv.press_registry import build_press
+    from certkv.model.generation import full_kv_answer
+    from certkv.presses.registry import build_press
 
     candidates = [Candidate(f"{p}@{kv:.2f}", build_press(p, kv), p, kv) for p in PRESSES for kv in KV]
     engine = Engine(model, tokenizer, candidates, max_new_tokens=max_new_tokens)
@@ -115,8 +115,8 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dic
 def main() -> None:
     import torch
 
-    from certkv.models import load_model
-    from certkv.requests import generate_requests
+    from certkv.model.loading import load_model
+    from certkv.requests.request_set import generate_requests
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="few requests, for a smoke run")

@@ -13,7 +13,7 @@ share of (step, layer, head) pairs of the second half with error ≤ z·ĉ (targ
 calibrated two ways:
 
 - ``grouped`` (the figure that counts): conformal risk control with one loss per request, the
-  share of its pairs z leaves uncovered (:func:`certkv.conformal.grouped_scale_factor`, α = 0.05).
+  share of its pairs z leaves uncovered (:func:`certkv.core.conformal.grouped_scale_factor`, α = 0.05).
   Requests are exchangeable, their pairs are not, so this is what promises ≥ 95% on new requests;
 - ``pooled``: the plain conformal quantile (⌈(m+1)·0.95⌉-th smallest) of error/ĉ over the first
   half's m pairs, which treats correlated pairs as exchangeable (kept for comparison).
@@ -96,7 +96,7 @@ def collect(model, tok, requests, kv: float, probe: Probe):
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from certkv.generation import encode_request, greedy_decode
+    from certkv.model.generation import encode_request, greedy_decode
     from certkv.presses.probabilistic import ProbabilisticPress, clear_states
 
     AttentionInterface.register(PROBE, probe)
@@ -140,7 +140,7 @@ def quality(per_request, seed: int, kv_heads: int, splits: int = 50) -> dict:
     import numpy as np
     from scipy.stats import spearmanr
 
-    from certkv.conformal import grouped_scale_factor, pooled_scale_factor
+    from certkv.core.conformal import grouped_scale_factor, pooled_scale_factor
 
     rng = np.random.default_rng(seed)
     ratios = [np.where(c.numpy() > 0, e.numpy() / np.maximum(c.numpy(), 1e-30), np.inf) for c, e, _, _ in per_request]
@@ -203,8 +203,8 @@ def quality(per_request, seed: int, kv_heads: int, splits: int = 50) -> dict:
 def main() -> None:
     import torch
 
-    from certkv.models import load_model
-    from certkv.requests import generate_requests
+    from certkv.model.loading import load_model
+    from certkv.requests.request_set import generate_requests
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=100)

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from certkv.tasks import TASKS
+from certkv.requests.builtin_tasks import TASKS
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -22,9 +22,9 @@ RESULTS = Path(__file__).parent / "results"
 def main() -> None:
     import torch
 
-    from certkv.evaluation import full_kv_accuracy
-    from certkv.models import load_model, model_fingerprint
-    from certkv.requests import generate_requests
+    from certkv.calibration.accuracy import full_kv_accuracy
+    from certkv.model.loading import load_model, model_fingerprint
+    from certkv.requests.request_set import generate_requests
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=500, help="requests per task and length")

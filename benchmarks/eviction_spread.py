@@ -21,10 +21,10 @@ def main() -> None:
     from transformers import pipeline
 
     import kvpress  # noqa: F401  (registers the pipeline)
-    from certkv.models import load_model
-    from certkv.press_registry import build_press
-    from certkv.requests import generate_requests
-    from certkv.utility import exact_match
+    from certkv.model.loading import load_model
+    from certkv.presses.registry import build_press
+    from certkv.requests.request_set import generate_requests
+    from certkv.calibration.utility import exact_match
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=300)

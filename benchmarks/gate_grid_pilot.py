@@ -30,9 +30,9 @@ def main() -> None:
     import torch
 
     from certkv.engine.engine import Candidate, Engine
-    from certkv.models import load_model
+    from certkv.model.loading import load_model
     from certkv.presses.probabilistic import ProbabilisticPress
-    from certkv.requests import generate_requests
+    from certkv.requests.request_set import generate_requests
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=200)

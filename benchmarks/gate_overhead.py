@@ -59,7 +59,7 @@ def prefill_variants(model, context_ids, spent: list):
 
     from certkv.engine.probabilistic_decode import selection_hooks
     from certkv.gate.agreement import AgreementRecorder
-    from certkv.gate.window_queries import capturing_window_queries
+    from certkv.model.window_queries import capturing_window_queries
     from certkv.presses.probabilistic import ProbabilisticPress
 
     def timed(function):
@@ -142,7 +142,7 @@ def decode_steps(model, cache, states, context_length: int, variant: str) -> flo
 
     from certkv.presses.hajek_attention import use_hajek_attention
     from certkv.presses.probabilistic import attention_modules, clear_states, set_state
-    from certkv.runtime import _CertificateWatch
+    from certkv.runtime.certified_runtime import _CertificateWatch
 
     modules = attention_modules(model)
     token = torch.tensor([[5]])
@@ -185,7 +185,7 @@ def measure(model, tokenizer, requests, reps: int = 3) -> dict:
     import torch
 
     from certkv.engine.probabilistic_decode import gathered_cache
-    from certkv.generation import encode_request
+    from certkv.model.generation import encode_request
 
     names = ["plain", "gate", "gate+scoring", "sdpa", "hajek", "certified"]
     best: dict[str, list[float]] = {k: [] for k in names}
@@ -246,8 +246,8 @@ def main() -> None:
 
     from calibration_speed import larger_llama
 
-    from certkv.models import load_model
-    from certkv.requests import generate_requests
+    from certkv.model.loading import load_model
+    from certkv.requests.request_set import generate_requests
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")

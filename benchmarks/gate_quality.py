@@ -52,9 +52,9 @@ def signal_quality(n: int) -> dict:
     from scipy.stats import spearmanr
 
     from certkv.engine.engine import Candidate, Engine
-    from certkv.models import load_model
-    from certkv.press_registry import build_press
-    from certkv.requests import generate_requests
+    from certkv.model.loading import load_model
+    from certkv.presses.registry import build_press
+    from certkv.requests.request_set import generate_requests
 
     model, tok = load_model("embedded", device="cpu")
     candidates = [
@@ -93,7 +93,7 @@ def best_certified(op) -> tuple:
 
 
 def demo_savings() -> dict | None:
-    from certkv.certifier import load_operating_point
+    from certkv.core.certify import load_operating_point
 
     path = REPO / "runs" / "demo" / "operating_point.json"
     if not path.is_file():
@@ -117,9 +117,10 @@ def demo_savings_by_risk(risks=(0.05, 0.10, 0.15, 0.20)) -> dict | None:
     ``kv_saved_by_gate`` = least certified mean KV without a gate − least with one, a family with
     nothing certified counting as 1.0 (what would be deployed: the full cache); negative when the
     gate costs KV."""
-    from certkv.certifier import certify
-    from certkv.contract import load_contract
-    from certkv.contract_spec import certification_spec, load_records
+    from certkv.core.certify import certify
+    from certkv.contract.loading import load_contract
+    from certkv.contract.spec import certification_spec
+    from certkv.calibration.records import load_records
     from certkv.errors import CertkvError
 
     contract_path = REPO / "contracts" / "demo.yaml"
@@ -150,7 +151,7 @@ def demo_store_signals() -> dict | None:
     certificate gate removes: the figures the README quotes about the demo contract."""
     import numpy as np
 
-    from certkv.store import CalibrationStore, db_path
+    from certkv.calibration.store import CalibrationStore, db_path
 
     store = REPO / "runs" / "demo"
     if not db_path(store).is_file():

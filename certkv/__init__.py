@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from certkv._lazy import lazy_getattr
 
-__version__ = "0.1.0"
+from certkv._version import __version__
 
 _LAZY = {
-    "load_model": ("certkv.models", "load_model"),
-    "certify": ("certkv.certifier", "certify"),
-    "CertificationSpec": ("certkv.certifier", "CertificationSpec"),
-    "load_operating_point": ("certkv.certifier", "load_operating_point"),
-    "LossTable": ("certkv.loss_table", "LossTable"),
-    "read_loss_table": ("certkv.loss_table", "read_loss_table"),
-    "validate": ("certkv.validation", "validate"),
-    "certification_spec": ("certkv.contract_spec", "certification_spec"),
-    "CertifiedRuntime": ("certkv.runtime", "CertifiedRuntime"),
-    "Decision": ("certkv.runtime", "Decision"),
+    "load_model": ("certkv.model.loading", "load_model"),
+    "certify": ("certkv.core.certify", "certify"),
+    "CertificationSpec": ("certkv.core.spec", "CertificationSpec"),
+    "load_operating_point": ("certkv.core.certify", "load_operating_point"),
+    "LossTable": ("certkv.core.loss_table", "LossTable"),
+    "read_loss_table": ("certkv.core.loss_table", "read_loss_table"),
+    "validate": ("certkv.core.validation", "validate"),
+    "certification_spec": ("certkv.contract.spec", "certification_spec"),
+    "CertifiedRuntime": ("certkv.runtime.certified_runtime", "CertifiedRuntime"),
+    "Decision": ("certkv.runtime.certified_runtime", "Decision"),
 }
 
 

@@ -19,7 +19,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
     """Run `certkv ARGS` in a fresh interpreter, as a user would."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     return subprocess.run(
-        [sys.executable, "-m", "certkv.cli", *args],
+        [sys.executable, "-m", "certkv.cli.app", *args],
         cwd=cwd or REPO,
         env=env,
         capture_output=True,
@@ -30,7 +30,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
 
 def run_main(*args: str) -> int:
     """Run `certkv ARGS` in this process (fast, no interpreter start); returns the exit code."""
-    from certkv.cli import main
+    from certkv.cli.app import main
 
     old = sys.argv
     sys.argv = ["certkv", *args]
@@ -48,7 +48,7 @@ def embedded():
     """The embedded model and tokenizer, loaded once per test session."""
     import torch
 
-    from certkv.models import load_model
+    from certkv.model.loading import load_model
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     return load_model("embedded", device="cpu")

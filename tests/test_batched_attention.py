@@ -23,7 +23,7 @@ def test_row_groups_split_rows_by_first_real_slot():
 @pytest.mark.parametrize("q_len", [5, 2, 1])  # a verify forward (sdpa); decoding steps (grouped matmuls)
 def test_grouped_attention_equals_attention_over_the_whole_padded_width(q_len):
 
-    from certkv.engine.attention import attention_row_groups, gqa_sdpa_attention
+    from certkv.model.attention import attention_row_groups, gqa_sdpa_attention
     from certkv.engine.batched_decode import row_groups
 
     g = torch.Generator().manual_seed(3)
@@ -57,7 +57,7 @@ def test_grouped_attention_equals_attention_over_the_whole_padded_width(q_len):
 @pytest.mark.parametrize("q_len", [3, 7])  # grouped matmuls; sdpa
 def test_attention_without_a_mask_is_causal_over_the_last_positions(q_len):
     """transformers passes no mask when nothing needs masking; the new positions are the last keys."""
-    from certkv.engine.attention import gqa_sdpa_attention
+    from certkv.model.attention import gqa_sdpa_attention
 
     g = torch.Generator().manual_seed(5)
     batch, heads, kv_heads, k_len, d = 2, 4, 2, 17, 8

@@ -40,7 +40,7 @@ VOLATILE = {"seconds", "extra", "seconds_breakdown"}
 
 
 def _setup(folder: Path) -> Path:
-    from certkv.requests import generate_requests, write_jsonl
+    from certkv.requests.request_set import generate_requests, write_jsonl
 
     folder.mkdir(parents=True, exist_ok=True)
     write_jsonl(generate_requests("all", N_REQUESTS, seed=77, context_length="100-300"), folder / "requests.jsonl")
@@ -50,7 +50,7 @@ def _setup(folder: Path) -> Path:
 
 
 def _records(folder: Path) -> list[dict]:
-    from certkv.store import CalibrationStore
+    from certkv.calibration.store import CalibrationStore
 
     with CalibrationStore.read(folder / "store") as store:
         rows = [{k: v for k, v in r.items() if k not in VOLATILE} for r in store.records()]
@@ -60,7 +60,7 @@ def _records(folder: Path) -> list[dict]:
 
 def _stored_requests(folder: Path) -> int:
     """Requests committed to the store so far (0 before it exists); read-only, safe while a run writes."""
-    from certkv.store import CalibrationStore, db_path
+    from certkv.calibration.store import CalibrationStore, db_path
 
     if not db_path(folder / "store").is_file():
         return 0
@@ -88,7 +88,7 @@ def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path):
         if _stored_requests(tmp_path / "killed") >= N_REQUESTS or mid_run_kills >= 3:
             break
         before = _stored_requests(tmp_path / "killed")
-        proc = subprocess.Popen([sys.executable, "-m", "certkv.cli", "calibrate", str(killed), "--quiet"],
+        proc = subprocess.Popen([sys.executable, "-m", "certkv.cli.app", "calibrate", str(killed), "--quiet"],
                                 cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         # Kill once this run has stored at least one more request, at a random instant after that.
         deadline = time.monotonic() + 120

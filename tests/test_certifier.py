@@ -10,16 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from certkv.certifier import (
-    CertificationSpec,
-    OperatingPoint,
-    certify,
-    load_operating_point,
-    policy_name,
-    select_candidates,
-)
+from certkv.core.spec import CertificationSpec
+from certkv.core.certify import OperatingPoint, certify, load_operating_point, select_candidates
+from certkv.core.policy_names import policy_name
 from certkv.errors import CertkvError
-from certkv.loss_table import LossTable, read_loss_table, records_sha256
+from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 N = 200
@@ -393,13 +388,13 @@ def test_store_records_with_extra_columns_are_accepted():
 def test_certify_never_imports_torch(tmp_path):
     script = (
         "import sys\n"
-        "from certkv.certifier import certify, CertificationSpec\n"
-        "import certkv.validation\n"
+        "from certkv.core.certify import certify, CertificationSpec\n"
+        "import certkv.core.validation\n"
         "rows = [{'request_id': f'r{i}', 'policy': 'a@0.50', 'kv_retained': 0.5, 'loss': 0.0}\n"
         "        for i in range(100)]\n"
         "op = certify(rows, CertificationSpec(tolerance=0, risk=0.05, confidence=0.95,\n"
         "                                     sequences=[['a@0.50']]))\n"
-        "certkv.validation.validate(rows, CertificationSpec(tolerance=0, risk=0.05,\n"
+        "certkv.core.validation.validate(rows, CertificationSpec(tolerance=0, risk=0.05,\n"
         "                          confidence=0.95, sequences=[['a@0.50']]), n_splits=3)\n"
         "heavy = [m for m in ('torch', 'transformers', 'kvpress') if m in sys.modules]\n"
         "print(op.policy, heavy)\n"

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import yaml
 
-from certkv.certifier import certify
+from certkv.core.certify import certify
 from conftest import run_main
-from certkv.contract import load_contract
-from certkv.contract_spec import certification_spec, load_records
-from certkv.store import CalibrationStore
+from certkv.contract.loading import load_contract
+from certkv.contract.spec import certification_spec
+from certkv.calibration.records import load_records
+from certkv.calibration.store import CalibrationStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,7 +213,7 @@ def test_certify_does_not_import_torch(contract_path, tmp_path):
     out = tmp_path / "tf.json"
     code = (
         "import sys\n"
-        "from certkv.cli import main\n"
+        "from certkv.cli.app import main\n"
         f"sys.argv = ['certkv', 'certify', {str(contract_path)!r}, '-o', {str(out)!r}]\n"
         "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'kvpress'))\n"
@@ -251,7 +252,7 @@ def test_validate_bad_fraction_is_one_line(contract_path, tmp_path, capsys):
 def test_python_api_certifies_records_against_a_contract(tmp_path):
     """`certkv.certify(records, contract)` gives the same decision as the CLI's path."""
     import certkv
-    from certkv.contract import parse_contract
+    from certkv.contract.loading import parse_contract
 
     contract = parse_contract({
         "name": "api", "requests": {"source": "builtin:demo"}, "utility": "exact_match", "tolerance": 0.0,

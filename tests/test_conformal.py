@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from certkv.conformal import grouped_scale_factor, pooled_scale_factor
+from certkv.core.conformal import grouped_scale_factor, pooled_scale_factor
 
 
 def _brute_force(groups, alpha):

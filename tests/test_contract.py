@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from certkv import press_registry
-from certkv.contract import Contract, load_contract, parse_contract
+from certkv.presses import registry as press_registry
+from certkv.contract.schema import Contract
+from certkv.contract.loading import load_contract, parse_contract
 from certkv.errors import CertkvError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -274,8 +275,8 @@ def test_llama3_contract_validates_without_its_data():
 def test_data_layer_imports_no_torch():
     code = (
         "import sys\n"
-        "import certkv.contract, certkv.store, certkv.utility, certkv.press_registry, certkv.commands.export\n"
-        "from certkv.contract import load_contract\n"
+        "import certkv.contract.schema, certkv.calibration.store, certkv.calibration.utility, certkv.presses.registry, certkv.cli.export\n"
+        "from certkv.contract.loading import load_contract\n"
         f"load_contract({str(REPO / 'contracts' / 'demo.yaml')!r})\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'kvpress') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
@@ -405,7 +406,7 @@ def test_score_based_classification(kvpress):
 
 
 def test_query_aware_is_refused_until_implemented(tmp_path):
-    from certkv.contract import parse_contract
+    from certkv.contract.loading import parse_contract
 
     data = {
         "name": "q", "requests": {"source": "builtin:demo"}, "utility": "exact_match", "tolerance": 0.0,
@@ -425,7 +426,7 @@ def _order_contract(order):
 
 
 def test_interleaved_order_is_one_sequence_at_full_delta():
-    from certkv.contract_spec import certification_spec
+    from certkv.contract.spec import certification_spec
 
     contract = parse_contract(_order_contract(["snapkv@0.80", "knorm@0.70", "snapkv@0.50"]))
     assert contract.sequences() == [["snapkv@0.80", "knorm@0.70", "snapkv@0.50"]]

@@ -36,7 +36,7 @@ def _candidates(ratios):
 def test_fast_path_matches_kvpress_pipeline(embedded, pipe, monkeypatch):
     from certkv.engine import batched_decode
     from certkv.engine.engine import Engine
-    from certkv.requests import generate_requests
+    from certkv.requests.request_set import generate_requests
 
     compactions = []
     real_compact = batched_decode._Decoding.compact
@@ -74,7 +74,7 @@ def test_non_scorer_press_takes_the_pipeline_path(embedded, pipe):
     from kvpress import AdaKVPress, SnapKVPress
 
     from certkv.engine.engine import Candidate, Engine
-    from certkv.requests import generate_requests
+    from certkv.requests.request_set import generate_requests
 
     model, tokenizer = embedded
     press = AdaKVPress(SnapKVPress(compression_ratio=0.6))
@@ -90,7 +90,7 @@ def test_non_scorer_press_takes_the_pipeline_path(embedded, pipe):
 def test_chunked_candidate_batches_give_the_same_answers(embedded, monkeypatch):
     import certkv.engine.engine as engine_module
     from certkv.engine.engine import Engine
-    from certkv.requests import generate_requests
+    from certkv.requests.request_set import generate_requests
 
     model, tokenizer = embedded
     candidates = _candidates([0.7, 0.3])

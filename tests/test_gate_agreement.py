@@ -25,7 +25,7 @@ def _prefill_with_hooks(model, recorder, n_tokens=80):
     from kvpress.utils import extract_keys_and_values
     from transformers import DynamicCache
 
-    from certkv.gate.agreement import window_attention
+    from certkv.model.window_attention import window_attention
 
     eager, windowed = {}, {}
 
@@ -142,9 +142,9 @@ def test_captured_window_queries_are_the_recomputed_ones_and_change_nothing_else
 
     from transformers import DynamicCache
 
-    from certkv.gate.agreement import window_attention
-    from certkv.gate.window_queries import WIDTH, capturing_window_queries, captured_queries
-    from certkv.model_layers import attention_modules
+    from certkv.model.window_attention import window_attention
+    from certkv.model.window_queries import WIDTH, capturing_window_queries, captured_queries
+    from certkv.model.layers import attention_modules
 
     model, _ = embedded
     modules = attention_modules(model)
@@ -194,7 +194,7 @@ def test_captured_window_queries_are_the_recomputed_ones_and_change_nothing_else
 def test_capturing_is_a_no_op_for_eager_attention(tiny_llama):
     from transformers import DynamicCache
 
-    from certkv.gate.window_queries import capturing_window_queries, captured_queries
+    from certkv.model.window_queries import capturing_window_queries, captured_queries
 
     with torch.no_grad(), capturing_window_queries(tiny_llama):
         assert tiny_llama.config._attn_implementation == "eager"
@@ -209,20 +209,21 @@ def test_gate_and_press_share_one_window_attention_per_layer_and_prefill(tiny_ll
 
     from transformers import DynamicCache
 
-    import certkv.gate.agreement as agreement
+    import certkv.model.window_attention as window_attention_module
     from certkv.engine.probabilistic_decode import selection_hooks
+    from certkv.gate.agreement import AgreementRecorder
     from certkv.presses.probabilistic import ProbabilisticPress
 
-    recorder = agreement.AgreementRecorder()
+    recorder = AgreementRecorder()
     presses = {"a": ProbabilisticPress(compression_ratio=0.5), "b": ProbabilisticPress(compression_ratio=0.3, seed=1)}
     calls = []
-    direct = agreement.window_attention
+    direct = window_attention_module.window_attention
 
     def counted(module, *args):
         calls.append(module.layer_idx)
         return direct(module, *args)
 
-    with mock.patch.object(agreement, "window_attention", counted):
+    with mock.patch.object(window_attention_module, "window_attention", counted):
         for n_tokens in (60, 61):
             selections: dict = {}
             with torch.no_grad(), recorder.attach(tiny_llama), selection_hooks(tiny_llama, presses, selections):
@@ -230,6 +231,6 @@ def test_gate_and_press_share_one_window_attention_per_layer_and_prefill(tiny_ll
             assert all(len(v) == 3 for v in selections.values())
             assert all(s.shape[-1] == n_tokens for s in recorder.scores.values())
     assert calls == [0, 1, 2] * 2  # three readers per layer, one computation per layer and prefill
-    from certkv.model_layers import attention_modules
+    from certkv.model.layers import attention_modules
 
-    assert all(agreement._MEMO_ATTR not in m.__dict__ for m in attention_modules(tiny_llama)), "forgotten after the block"
+    assert all(window_attention_module._MEMO_ATTR not in m.__dict__ for m in attention_modules(tiny_llama)), "forgotten after the block"

@@ -15,17 +15,19 @@ import pytest
 import yaml
 from scipy import stats
 
-from certkv import press_registry
-from certkv.certifier import certify, load_operating_point
+from certkv.presses import registry as press_registry
+from certkv.core.certify import certify, load_operating_point
 from conftest import run_main
-from certkv.contract import gated_policy_name, load_contract, parse_contract
-from certkv.contract_spec import certification_spec, load_records
+from certkv.core.policy_names import gated_policy_name
+from certkv.contract.loading import load_contract, parse_contract
+from certkv.contract.spec import certification_spec
+from certkv.calibration.records import load_records
 from certkv.errors import CertkvError
-from certkv.gating import Derive, expand_for_contract, expand_gated
-from certkv.loss_table import LossTable, read_loss_table, records_sha256
-from certkv.procedures import certified_mask
-from certkv.store import CalibrationStore
-from certkv.validation import validate
+from certkv.core.gated import Derive, expand_for_contract, expand_gated
+from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
+from certkv.core.procedures import certified_mask
+from certkv.calibration.store import CalibrationStore
+from certkv.core.validation import validate
 
 BASE = {
     "name": "gated",
@@ -550,7 +552,7 @@ def test_validate_and_report_commands_with_gates(gated_store, tmp_path, capsys):
 
 
 def test_figures_draw_ungated_sequences_and_the_chosen_family():
-    from certkv.reporting import shown_candidates
+    from certkv.report.text import shown_candidates
 
     drop_of = lambda i: 0.1 if i < 20 else 0.9  # noqa: E731
     loss_of = lambda name, i: 1.0 if (name == "snapkv@0.50" and i < 20) else 0.0  # noqa: E731

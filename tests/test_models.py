@@ -24,7 +24,7 @@ def test_embedded_model_is_a_gqa_llama(embedded):
 def test_loads_offline_through_auto_classes(tmp_path):
     code = (
         "from transformers import AutoModelForCausalLM, AutoTokenizer;"
-        "from certkv.models import EMBEDDED_DIR;"
+        "from certkv.model.loading import EMBEDDED_DIR;"
         "m = AutoModelForCausalLM.from_pretrained(EMBEDDED_DIR, local_files_only=True);"
         "t = AutoTokenizer.from_pretrained(EMBEDDED_DIR, local_files_only=True);"
         "print(type(m).__name__, len(t))"
@@ -35,7 +35,7 @@ def test_loads_offline_through_auto_classes(tmp_path):
 
 
 def test_local_folder_loads_like_embedded(embedded, tmp_path):
-    from certkv.models import load_model
+    from certkv.model.loading import load_model
 
     model, tokenizer = embedded
     model.save_pretrained(tmp_path / "copy")
@@ -48,7 +48,7 @@ def test_local_folder_loads_like_embedded(embedded, tmp_path):
 
 
 def test_missing_hub_model_offline_is_one_line(monkeypatch):
-    from certkv.models import load_model
+    from certkv.model.loading import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CertkvError, match="not available offline") as err:
@@ -59,8 +59,8 @@ def test_missing_hub_model_offline_is_one_line(monkeypatch):
 
 
 def test_full_kv_generation_answers_needles(embedded):
-    from certkv.generation import full_kv_answer
-    from certkv.requests import generate_requests
+    from certkv.model.generation import full_kv_answer
+    from certkv.requests.request_set import generate_requests
 
     model, tokenizer = embedded
     reqs = generate_requests("demo", 20, seed=9001, context_length="256-512")

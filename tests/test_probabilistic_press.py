@@ -375,7 +375,7 @@ def _answer(model, context, question, press=None, hajek=False, new_tokens=5):
 
     from transformers import DynamicCache
 
-    from certkv.generation import greedy_decode
+    from certkv.model.generation import greedy_decode
     from certkv.presses.hajek_attention import reset_certificates, use_hajek_attention
     from certkv.presses.probabilistic import clear_states
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from certkv.contract import load_contract
+from certkv.contract.loading import load_contract
 from conftest import run_main
 from test_certify_cli import build_store  # the synthetic store
 
@@ -69,9 +69,9 @@ def test_report_reuses_an_up_to_date_validation(contract_path, tmp_path, capsys)
 
 def test_report_figures_for_a_fallback_without_tasks(tmp_path):
     """A table with no task column and nothing certified must still draw readable figures."""
-    from certkv.certifier import certify
-    from certkv.reporting import plot_per_task, plot_risk_vs_kv, plot_validation, save_figure
-    from certkv.validation import validate
+    from certkv.core.certify import certify
+    from certkv.report.text import plot_per_task, plot_risk_vs_kv, plot_validation, save_figure
+    from certkv.core.validation import validate
 
     rows = [
         {"request_id": f"q{i}", "policy": p, "kv_retained": kv, "loss": float(i % 3 == 0)}
@@ -88,5 +88,5 @@ def test_report_figures_for_a_fallback_without_tasks(tmp_path):
 
 
 def test_importing_reporting_does_not_touch_matplotlib():
-    code = "import sys, certkv.reporting; assert 'matplotlib' not in sys.modules"
+    code = "import sys, certkv.report.text; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

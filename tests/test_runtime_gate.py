@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from certkv.requests import generate_requests
+from certkv.requests.request_set import generate_requests
 
 N_REQUESTS = 12
 
@@ -20,7 +20,7 @@ def requests():
 @pytest.fixture(scope="module")
 def engine_results(embedded, requests):
     from certkv.engine.engine import Candidate, Engine
-    from certkv.press_registry import build_press
+    from certkv.presses.registry import build_press
     from certkv.presses.probabilistic import DeterministicHeadPress, ProbabilisticPress
 
     model, tok = embedded
@@ -45,7 +45,7 @@ def test_engine_agreement_drop_equals_eager_attention(embedded, requests, engine
     import torch
 
     from certkv.gate.agreement import agreement_drop, layer_agreements
-    from certkv.generation import encode_request
+    from certkv.model.generation import encode_request
 
     model, tok = embedded
     previous = model.config._attn_implementation
@@ -89,7 +89,7 @@ def test_engine_probabilistic_path_equals_kvpress_hooks(embedded, requests, engi
     import torch
     from transformers import DynamicCache
 
-    from certkv.generation import encode_request, greedy_decode
+    from certkv.model.generation import encode_request, greedy_decode
     from certkv.presses.hajek_attention import certificate_max, use_hajek_attention
     from certkv.presses.probabilistic import ProbabilisticPress, clear_states, kept_fraction
 
@@ -112,7 +112,7 @@ def test_engine_probabilistic_path_equals_kvpress_hooks(embedded, requests, engi
 
 
 def _operating_point(press, kv, policy, gate):
-    from certkv.certifier import ContractSummary, OperatingPoint
+    from certkv.core.certify import ContractSummary, OperatingPoint
 
     return OperatingPoint(
         policy=policy, press=press, kv_retained=kv, mean_kv_retained=kv, fallback=False,
@@ -126,7 +126,7 @@ def _operating_point(press, kv, policy, gate):
 @pytest.mark.parametrize("bound, expect", [(1e-9, "always"), (1e9, "never")])
 def test_escalation_tiny_bound_always_infinite_never(embedded, requests, engine_results, bound, expect):
     from certkv.presses.probabilistic import ProbabilisticPress
-    from certkv.runtime import CertifiedRuntime
+    from certkv.runtime.certified_runtime import CertifiedRuntime
 
     model, tok = embedded
     op = _operating_point("probabilistic", 0.5, "probabilistic@0.50+cert", {"certificate": bound})
@@ -145,9 +145,9 @@ def test_escalation_tiny_bound_always_infinite_never(embedded, requests, engine_
 def test_runtime_decisions_equal_the_engine_records(embedded, requests, engine_results):
     """Gate at the median drop and a certificate bound at the median certificate: every request's
     runtime decision and answer is the one the records imply."""
-    from certkv.press_registry import build_press
+    from certkv.presses.registry import build_press
     from certkv.presses.probabilistic import ProbabilisticPress
-    from certkv.runtime import CertifiedRuntime
+    from certkv.runtime.certified_runtime import CertifiedRuntime
 
     model, tok = embedded
     drops = sorted(r.agreement_drop for r in engine_results)
@@ -202,9 +202,9 @@ def test_probabilistic_batches_split_by_memory_give_the_same_answers(embedded, r
 
 def test_runtime_refuses_bad_input_with_one_line_errors(embedded, requests):
     from certkv.errors import CertkvError
-    from certkv.press_registry import build_press
+    from certkv.presses.registry import build_press
     from certkv.presses.probabilistic import ProbabilisticPress
-    from certkv.runtime import CertifiedRuntime
+    from certkv.runtime.certified_runtime import CertifiedRuntime
 
     model, tok = embedded
     op = _operating_point("snapkv", 0.5, "snapkv@0.50", None)
@@ -231,7 +231,7 @@ def test_runtime_refuses_bad_input_with_one_line_errors(embedded, requests):
 
 
 def test_runtime_falls_back(embedded, requests):
-    from certkv.runtime import CertifiedRuntime
+    from certkv.runtime.certified_runtime import CertifiedRuntime
 
     model, tok = embedded
     fallback = _operating_point("full", 1.0, "full", None)
@@ -257,7 +257,7 @@ def test_certificate_watch_decides_as_a_check_after_every_step(monkeypatch, step
     checking after every call would: escalate iff some step is above the bound, the peak up to
     the first such step."""
     from certkv.presses import hajek_attention
-    from certkv.runtime import CERTIFICATE_CHECK_EVERY, _CertificateWatch
+    from certkv.runtime.certified_runtime import CERTIFICATE_CHECK_EVERY, _CertificateWatch
 
     recorded: list[float] = []
     monkeypatch.setattr(hajek_attention, "certificate_steps", lambda model, start=0: [recorded[start:]])

@@ -16,7 +16,7 @@ N_REQUESTS = 12
 
 
 def _contract(folder: Path, drops: list[float] | None = None, bounds: list[float] | None = None) -> Path:
-    from certkv.requests import generate_requests, write_jsonl
+    from certkv.requests.request_set import generate_requests, write_jsonl
 
     folder.mkdir(parents=True, exist_ok=True)
     write_jsonl(generate_requests("demo", N_REQUESTS, seed=515, context_length="200-320"), folder / "requests.jsonl")
@@ -52,9 +52,9 @@ def calibrated(tmp_path_factory, embedded):
     then test the grid values nearest the records' medians, so that the gate splits the requests."""
     import statistics
 
-    from certkv.calibration import calibrate
-    from certkv.contract import load_contract
-    from certkv.store import CalibrationStore
+    from certkv.calibration.run import calibrate
+    from certkv.contract.loading import load_contract
+    from certkv.calibration.store import CalibrationStore
 
     folder = tmp_path_factory.mktemp("runtime")
     contract = load_contract(_contract(folder, DROPS, BOUNDS))
@@ -82,10 +82,11 @@ def test_store_rows_carry_the_gate_signals(calibrated):
 
 
 def test_certified_runtime_reproduces_the_store(calibrated, embedded):
-    from certkv.certifier import certify
-    from certkv.contract_spec import certification_spec, load_records
-    from certkv.requests import read_jsonl
-    from certkv.runtime import CertifiedRuntime
+    from certkv.core.certify import certify
+    from certkv.contract.spec import certification_spec
+    from certkv.calibration.records import load_records
+    from certkv.requests.request_set import read_jsonl
+    from certkv.runtime.certified_runtime import CertifiedRuntime
 
     contract, rows, threshold, bound = calibrated
     model, tok = embedded

@@ -36,8 +36,8 @@ def _check(model, input_ids, settings):
 
 
 def test_equal_to_kvpress_on_the_embedded_model(embedded):
-    from certkv.generation import encode_request
-    from certkv.requests import generate_requests
+    from certkv.model.generation import encode_request
+    from certkv.requests.request_set import generate_requests
 
     model, tok = embedded
     for request in generate_requests("demo", 3, seed=11, context_length=(100, 400)):

@@ -1,4 +1,4 @@
-"""Exact binomial statistics and family-wise error control (certkv.stats, certkv.procedures)."""
+"""Exact binomial statistics and family-wise error control (certkv.core.binomial, certkv.core.procedures)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from scipy.stats import binomtest
 from statsmodels.stats.proportion import proportion_confint
 
 from certkv.errors import CertkvError
-from certkv.procedures import (
+from certkv.core.procedures import (
     bonferroni_mask,
     candidate_levels,
     certified_mask,
@@ -17,7 +17,7 @@ from certkv.procedures import (
     holm_mask,
     is_prefix,
 )
-from certkv.stats import (
+from certkv.core.binomial import (
     binomial_p_value,
     binomial_p_value_table,
     clopper_pearson_upper,

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from certkv.contract import parse_contract
+from certkv.contract.loading import parse_contract
 from certkv.errors import CertkvError
-from certkv.store import COLUMNS, CalibrationStore, db_path
+from certkv.calibration.store import COLUMNS, CalibrationStore, db_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -213,8 +213,8 @@ CHILD = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from certkv.contract import parse_contract
-    from certkv.store import CalibrationStore
+    from certkv.contract.loading import parse_contract
+    from certkv.calibration.store import CalibrationStore
     {fake_rows}
     store_dir, n, slow = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     contract = parse_contract(json.loads(sys.argv[4]), "test", store_dir.parent)
@@ -309,7 +309,7 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted_run(tmp_path)
 def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
     return subprocess.run(
-        [sys.executable, "-m", "certkv.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "certkv.cli.app", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
 
 
@@ -333,7 +333,7 @@ def test_cli_export_writes_files(tmp_path):
     import yaml
 
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(dict(CONTRACT, store="st")))
-    from certkv.contract import load_contract
+    from certkv.contract.loading import load_contract
 
     contract = load_contract(tmp_path / "c.yaml")
     with CalibrationStore.open(contract.resolved_store_path(), contract) as store:

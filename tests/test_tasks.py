@@ -7,9 +7,9 @@ import random
 import pytest
 
 from certkv.errors import CertkvError
-from certkv.requests import generate_requests, parse_context_length, parse_mix, read_jsonl, write_jsonl
-from certkv.tasks import TASKS
-from certkv.vocabulary import count_tokens
+from certkv.requests.request_set import generate_requests, parse_context_length, parse_mix, read_jsonl, write_jsonl
+from certkv.requests.builtin_tasks import TASKS
+from certkv.requests.vocabulary import count_tokens
 from conftest import REPO
 
 
@@ -53,7 +53,7 @@ def test_variable_tracking_answer_is_chain_root_value():
 def test_lookalike_multi_key_values_share_prefixes_or_digits(seed):
     """Training's hard contexts: values with one of two 2-digit prefixes, anagrams of four digits, or
     one first and third digit; still one record per key, every answer in the context, within the length."""
-    from certkv.tasks import multi_key
+    from certkv.requests.builtin_tasks import multi_key
 
     sample = multi_key(random.Random(seed), 256, lookalike=True)
     values = [answer for _, answer in sample.qa]
@@ -81,7 +81,7 @@ def test_request_sets_stay_what_they_were():
 def test_token_count_matches_embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from certkv.models import EMBEDDED_DIR
+    from certkv.model.loading import EMBEDDED_DIR
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
     for r in generate_requests("all", 25, seed=1, context_length="64-2048"):
@@ -127,8 +127,8 @@ def test_demo_mix_holds_exactly_the_tasks_the_shipped_model_answers():
     calibration set must hold only demo-mix tasks."""
     import json
 
-    from certkv.models import model_fingerprint
-    from certkv.tasks import MIXES
+    from certkv.model.loading import model_fingerprint
+    from certkv.requests.builtin_tasks import MIXES
 
     table = json.loads((REPO / "benchmarks" / "results" / "embedded_accuracy.json").read_text())
     assert table["model"] == model_fingerprint("embedded"), "re-run benchmarks/embedded_accuracy.py for these weights"

@@ -11,13 +11,13 @@ torch = pytest.importorskip("torch")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from certkv.embedded_tokenizer import EMBEDDED_DIR
+    from certkv.model.embedded_tokenizer import EMBEDDED_DIR
 
     return AutoTokenizer.from_pretrained(EMBEDDED_DIR)
 
 
 def _fresh(tokenizer, layers):
-    from certkv.training import model_config, new_model
+    from train_embedded import model_config, new_model
 
     config = model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, layers)
 
@@ -30,7 +30,7 @@ def _fresh(tokenizer, layers):
 
 
 def test_grown_model_computes_what_its_source_did_and_can_learn(tokenizer, tmp_path):
-    from certkv.training import grown, save_checkpoint
+    from train_embedded import grown, save_checkpoint
 
     small, opt, state = _fresh(tokenizer, 2)(3)
     state.update(step=120, stage=2, since_start=50)
@@ -51,7 +51,7 @@ def test_grown_model_computes_what_its_source_did_and_can_learn(tokenizer, tmp_p
 
 
 def test_batches_label_only_answer_tokens_and_accuracy_counts_whole_answers(tokenizer):
-    from certkv.training import Batcher, answer_accuracy
+    from train_embedded import Batcher, answer_accuracy
 
     batcher = Batcher(tokenizer, seed=5, lookalike_share=1.0)
     ids, labels, first, tasks = batcher.batch(96, 3000, copy_share=0.0, mix={"multi_key": 1.0})
@@ -71,8 +71,8 @@ def test_batches_label_only_answer_tokens_and_accuracy_counts_whole_answers(toke
 
 def test_export_rebuilds_the_checkpoint_shape_and_resume_refuses_other_heads(tokenizer, tmp_path, monkeypatch):
     """4 / 2 and 8 / 4 heads give every weight the same shape: only the saved config tells them apart."""
-    import certkv.embedded_tokenizer as embedded
-    from certkv.training import export_from_checkpoint, main, model_config, new_model, save_checkpoint
+    import certkv.model.embedded_tokenizer as embedded
+    from train_embedded import export_from_checkpoint, main, model_config, new_model, save_checkpoint
 
     config = model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, 2, 8, 4)
     model = new_model(config, 1, shared_vector=False)
@@ -99,7 +99,7 @@ def test_export_rebuilds_the_checkpoint_shape_and_resume_refuses_other_heads(tok
 
 
 def test_answer_sources_point_at_the_asked_records_tokens(tokenizer):
-    from certkv.training import Batcher, answer_runs, answer_sources
+    from train_embedded import Batcher, answer_runs, answer_sources
 
     batcher = Batcher(tokenizer, seed=11, lookalike_share=0.5)
     key = tokenizer.convert_tokens_to_ids("\u2581apple")
@@ -131,8 +131,8 @@ def test_answer_sources_point_at_the_asked_records_tokens(tokenizer):
 
 
 def test_key_sources_give_every_record_token_its_key(tokenizer):
-    from certkv.training import Batcher
-    from certkv.vocabulary import KEY_WORDS
+    from train_embedded import Batcher
+    from certkv.requests.vocabulary import KEY_WORDS
 
     batcher = Batcher(tokenizer, seed=12)
     ids, mask = batcher.task_sequence("multi_key", 128)
@@ -148,7 +148,7 @@ def test_key_sources_give_every_record_token_its_key(tokenizer):
 
 
 def test_retrieval_loss_is_minus_log_of_the_attention_on_the_sources():
-    from certkv.training import retrieval_loss
+    from train_embedded import retrieval_loss
 
     weights = torch.softmax(torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(0)), -1).requires_grad_()
     sources = torch.full((2, 6), -1)
@@ -162,7 +162,7 @@ def test_retrieval_loss_is_minus_log_of_the_attention_on_the_sources():
 
 
 def test_cooldown_lowers_the_rate_only_over_the_last_steps():
-    from certkv.training import cooldown_factor
+    from train_embedded import cooldown_factor
 
     assert [cooldown_factor(s, 1000, 0) for s in (0, 999)] == [1.0, 1.0]
     assert cooldown_factor(799, 1000, 200) == 1.0 and cooldown_factor(800, 1000, 200) == 1.0

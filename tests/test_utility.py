@@ -7,7 +7,7 @@ import random
 import pytest
 
 from certkv.errors import CertkvError
-from certkv.utility import (
+from certkv.calibration.utility import (
     UTILITIES,
     agreement,
     contains,
@@ -98,7 +98,7 @@ def test_score_registry_and_bounds():
 
 
 def test_blank_references_do_not_make_every_prediction_right():
-    from certkv.utility import contains
+    from certkv.calibration.utility import contains
 
     assert contains("anything at all", ["", "4729"]) == 0.0
     assert contains("it is 4729", ["", "4729"]) == 1.0

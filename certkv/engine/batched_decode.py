@@ -189,7 +189,7 @@ def decode_candidates(
     """
     import time
 
-    from certkv.engine.attention import NAME, register, use_attention
+    from certkv.model.attention import NAME, register, use_attention
 
     register()
     state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids)
@@ -266,7 +266,7 @@ class _Decoding:
         """Greedy token after each fed position (after the last `keep` ones when keep > 0)."""
         import torch
 
-        from certkv.engine.attention import attention_row_groups
+        from certkv.model.attention import attention_row_groups
 
         self.mask = torch.cat([self.mask, new_mask], dim=1)
         with torch.no_grad(), attention_row_groups(self.groups):

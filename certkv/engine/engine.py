@@ -13,11 +13,12 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.probabilistic_decode import decode_probabilistic, selection_hooks
 from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
-from certkv.gate.window_queries import capturing_window_queries
-from certkv.generation import encode_request, greedy_decode, stop_token_ids
+from certkv.model.window_queries import capturing_window_queries
+from certkv.model.generation import encode_request, greedy_decode, stop_token_ids
 
 
 class RequestNotRunnable(Exception):
@@ -170,7 +171,7 @@ class Engine:
         cache.crop(n_ctx)
         t2 = time.perf_counter()
         seconds["full_decode"] = t2 - t1
-        full = CandidateAnswer("full", "full", 1.0, 1.0, self._decode(draft), draft, "full")
+        full = CandidateAnswer(REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, self._decode(draft), draft, "full")
 
         answers: dict[str, CandidateAnswer] = {}
         verify: dict[str, float] = {}
@@ -284,7 +285,7 @@ def needs_attention_weights(press) -> bool:
 
 def kept_entries(cache, model) -> float:
     """Mean number of context entries kept per layer and KV head (head-wise masks counted out)."""
-    from certkv.model_layers import attention_modules
+    from certkv.model.layers import attention_modules
 
     total = 0.0
     modules = attention_modules(model)

@@ -12,7 +12,7 @@ The head/tail split of the batch state is the smallest head over its rows: the e
 of the other rows have π = 1, hence 1 − π = 0, and contribute nothing to the certificate sum, so
 each row's certificate is the one of its own split (up to float summation order).
 
-Decoding follows :func:`certkv.generation.greedy_decode` step for step (question feed, then one
+Decoding follows :func:`certkv.model.generation.greedy_decode` step for step (question feed, then one
 call per generated token but the last, stop tokens honoured from the second token on), and each
 row's certificate maximum is taken over exactly the calls its own answer needed. That is what the
 runtime, which decodes one request at a time and escalates when any step's certificate exceeds
@@ -80,7 +80,7 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
     try:
         yield selections
     finally:
-        from certkv.gate.agreement import forget_window_attention
+        from certkv.model.window_attention import forget_window_attention
 
         for handle in handles:
             handle.remove()

@@ -74,7 +74,7 @@ def scoring_hooks(model, presses: dict[str, object], selections: Selections):
     from kvpress.presses.base_press import is_prefilling
     from kvpress.utils import compute_n_kept, extract_keys_and_values
 
-    from certkv.model_layers import decoder
+    from certkv.model.layers import decoder
 
     language_model = decoder(model)
     for press in presses.values():

@@ -14,8 +14,8 @@ _LAZY = {
     "layer_agreement": ("certkv.gate.agreement", "layer_agreement"),
     "layer_agreements": ("certkv.gate.agreement", "layer_agreements"),
     "layer_split": ("certkv.gate.agreement", "layer_split"),
-    "window_attention": ("certkv.gate.agreement", "window_attention"),
-    "window_attention_mean": ("certkv.gate.agreement", "window_attention_mean"),
+    "window_attention": ("certkv.model.window_attention", "window_attention"),
+    "window_attention_mean": ("certkv.model.window_attention", "window_attention_mean"),
 }
 
 

@@ -328,7 +328,7 @@ def use_hajek_attention(model):
     States and certificates stay on the modules after the block so that the caller can read them;
     :func:`certkv.presses.probabilistic.clear_states` forgets them.
     """
-    from certkv.engine.attention import use_attention
+    from certkv.model.attention import use_attention
 
     register()
     with use_attention(model, NAME):

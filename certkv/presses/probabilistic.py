@@ -58,7 +58,7 @@ from kvpress.presses.base_press import BasePress
 from kvpress.presses.scorer_press import ScorerPress
 from kvpress.utils import compute_n_kept
 
-from certkv.model_layers import attention_modules
+from certkv.model.layers import attention_modules
 
 #: Attribute of an attention module holding its layer's :class:`HajekState` (or None).
 STATE_ATTR = "certkv_hajek"
@@ -464,7 +464,7 @@ class AttentionTimesValueNormPress(ScorerPress):
         _check_count("window_size", self.window_size, 1)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        from certkv.gate.agreement import window_attention_mean
+        from certkv.model.window_attention import window_attention_mean
 
         batch, kv_heads, k_len, _ = keys.shape
         # Always from the window queries, even when the layer returned eager attention weights:
@@ -559,7 +559,7 @@ class ProbabilisticPress(BasePress):
         ):
             equalise_widths(kwargs["past_key_values"], modules)
             # the window-attention means the scores shared are not needed while decoding
-            from certkv.gate.agreement import forget_window_attention
+            from certkv.model.window_attention import forget_window_attention
 
             forget_window_attention(modules)
         return output

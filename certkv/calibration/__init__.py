@@ -1,0 +1,7 @@
+"""Calibration: run every request under the full cache and every candidate, keep the evidence.
+
+:mod:`~certkv.calibration.run` drives the engine over a contract's requests and writes
+:mod:`~certkv.calibration.store` (crash-safe SQLite); :mod:`~certkv.calibration.utility` scores an
+answer; :mod:`~certkv.calibration.records` loads a contract's evidence back for certification.
+Importing this package imports no torch; only the calibrate run does, inside its body.
+"""

@@ -1,0 +1,121 @@
+"""From a contract to what the certifier needs: the CertificationSpec and the loss table.
+
+The certifier (`certkv.core.certify`) knows nothing about contracts or stores, so that it can certify
+any loss table. The commands `certify`, `validate` and `report` all start the same way: validate
+the contract, turn its pre-registered choices into a spec, and load the evidence, either from the
+contract's own calibration store or from a plain CSV/JSONL loss table produced by another system.
+Doing that in one place keeps the three commands consistent: the same table, hence the same
+records hash, the same n and the same decision.
+
+Torch-free: numpy, scipy and pydantic only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from certkv.errors import CertkvError
+
+
+@dataclass(frozen=True)
+class ContractRecords:
+    """The loss table a command certifies, and where it came from.
+
+    ``source`` is shown to users ("store runs/demo" or "loss table losses.csv"). ``skipped`` lists
+    requests the calibration skipped (empty for a loss table): they are not part of n, so the
+    guarantee covers the requests calibration could run, which reports must say.
+    """
+
+    table: object  # certkv.core.loss_table.LossTable
+    source: str
+    records_sha256: str
+    store_path: Path
+    from_store: bool
+    skipped: list[dict] = field(default_factory=list)
+    incomplete: str | None = None  # "k of n planned requests" when calibration has not finished
+
+
+def mark_incomplete(op, evidence: ContractRecords):
+    """Strip the guarantee from an operating point computed on an unfinished calibration.
+
+    Certifying, adding requests and certifying again until something passes is optional stopping,
+    which voids the binomial guarantee; so a partial store yields a labelled preview, never a
+    certificate.
+    """
+    if evidence.incomplete:
+        op.guarantee = (
+            f"NO GUARANTEE: calibration is incomplete ({evidence.incomplete}); this is a preview. "
+            "Finish `certkv calibrate` and certify again."
+        )
+        op.notes.insert(0, f"incomplete calibration: {evidence.incomplete}")
+    return op
+
+
+def load_records(
+    contract, records_file: Path | str | None = None, contract_label: str | None = None, allow_incomplete: bool = False
+) -> ContractRecords:
+    """Load the evidence for `contract`: `records_file` when given, else the contract's store.
+
+    A store calibrated under another contract is refused: its hash is bound to the contract, and
+    certifying records against a contract they were not produced under voids the guarantee.
+    `contract_label` (the path the user typed) makes the "run calibrate first" hint copy-pastable.
+    The contract's gated candidates are derived here (:mod:`certkv.core.gated`), so that certify,
+    validate and report all see the same expanded table; the records hash covers the recorded
+    rows and gate signals, not the derived rows.
+    """
+    from dataclasses import replace
+
+    from certkv.core.gated import expand_for_contract
+    from certkv.core.loss_table import read_loss_table, records_sha256
+
+    store_path = contract.resolved_store_path()
+    if records_file is not None:
+        table = read_loss_table(records_file)
+        evidence = ContractRecords(table, f"loss table {records_file}", records_sha256(table), store_path, False)
+    else:
+        evidence = _load_store(contract, store_path, contract_label or contract.name, allow_incomplete)
+    return replace(evidence, table=expand_for_contract(evidence.table, contract))
+
+
+def _load_store(contract, store_path: Path, contract_label: str, allow_incomplete: bool = False) -> ContractRecords:
+    from certkv.core.loss_table import LossTable, records_sha256
+    from certkv.calibration.store import CalibrationStore, db_path
+
+    hint = f"run `certkv calibrate {contract_label}` first"
+    if not db_path(store_path).is_file():
+        raise CertkvError(f"no calibration store at {store_path} (contract {contract.name}); {hint}")
+    with CalibrationStore.read(store_path) as store:
+        stored_sha = store.meta().get("contract_sha256")
+        if stored_sha != contract.sha256():
+            raise CertkvError(
+                f"store {store_path} was calibrated under another contract (sha256 {str(stored_sha)[:12]}, "
+                f"this one {contract.sha256()[:12]}); certify it with the contract it was calibrated for, "
+                "or recalibrate with `--new-store`"
+            )
+        rows = store.records()
+        skipped = store.skipped()
+        planned = store.meta().get("planned_requests")
+    if not rows:
+        extra = f" ({len(skipped)} requests were skipped)" if skipped else ""
+        raise CertkvError(f"calibration store {store_path} has no records yet{extra}; {hint}")
+    incomplete = None
+    done = len({r["request_id"] for r in rows}) + len(skipped)
+    if planned is not None and done < int(planned):
+        incomplete = f"{done} of {planned} planned requests"
+        if not allow_incomplete:
+            raise CertkvError(
+                f"store {store_path} holds {incomplete}; finish it with `certkv calibrate {contract_label}` "
+                "(certifying a partial store and adding requests until something passes voids the "
+                "guarantee), or pass --allow-incomplete for a preview without guarantee"
+            )
+    table = LossTable.from_records(rows, source=f"store {store_path}")
+    return ContractRecords(table, f"store {store_path}", records_sha256(table), store_path, True, skipped, incomplete)
+
+
+def default_output(contract, name: str) -> Path:
+    """Where a command writes its result when no -o is given: ``<store>/<name>``."""
+    return contract.resolved_store_path() / name
+
+
+__all__ = ["ContractRecords", "default_output", "load_records", "mark_incomplete"]

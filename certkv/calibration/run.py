@@ -1,0 +1,241 @@
+"""`certkv calibrate`: run every request under the full cache and every candidate, store the losses.
+
+The loop is resumable by construction: each request's rows (the full cache and every candidate)
+are written in one store transaction, requests already in the store are skipped on restart, and a
+request that cannot run is recorded as skipped with its reason, so the run goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.errors import CertkvError
+
+
+@dataclass
+class CalibrationSummary:
+    """What one `calibrate` invocation did."""
+
+    store: str
+    total: int = 0
+    already_done: int = 0
+    calibrated: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def build_candidates(contract):
+    """Engine candidates (press objects) for every contract candidate, in contract order."""
+    from certkv.engine.engine import Candidate
+    from certkv.presses.registry import build_press
+
+    out = []
+    for c in contract.candidates():
+        press = build_press(c.press, c.kv_retained, c.press_kwargs)
+        out.append(Candidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained))
+    return out
+
+
+def agreement_settings(contract) -> dict | None:
+    """The agreement-drop settings of a contract with a gate (DESIGN.md defaults unless it sets
+    them), or None: without a gate nothing reads the signal, so calibration does not compute it."""
+    gate = contract.gate
+    if gate is None:
+        return None
+    return {"window": gate.agreement_window, "top_k": gate.agreement_top_k, "split_divisor": gate.agreement_split}
+
+
+def requests_digest(requests) -> str:
+    """sha256 of the request set's content, in order."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    for r in requests:
+        digest.update(json.dumps(r.model_dump(), sort_keys=True, ensure_ascii=False).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def skip_reason(request, n_context: int, n_question: int, contract, max_positions: int | None) -> str | None:
+    """Why a request cannot be calibrated, or None when it can."""
+    if not request.context.strip():
+        return "empty context"
+    if contract.utility != "agreement" and not any(a.strip() for a in request.answers):
+        return "answer missing (the contract's utility needs reference answers)"
+    needed = n_context + n_question + contract.protocol.max_new_tokens
+    if max_positions is not None and needed > max_positions:
+        return f"needs {needed} positions, longer than the model's {max_positions}"
+    return None
+
+
+def request_rows(request, result, contract) -> list[dict]:
+    """Store rows for one request: the full cache first, then every candidate."""
+    from certkv.calibration.utility import score
+
+    answers = request.answers
+    full = result.full
+    utility_full = score(contract.utility, full.answer, answers, full.answer)
+    seconds = result.seconds
+    rows = [
+        {
+            "request_id": request.id,
+            "task": request.task,
+            "policy": REFERENCE_POLICY,
+            "press": REFERENCE_POLICY,
+            "kv_retained": 1.0,
+            "kv_retained_actual": 1.0,
+            "utility": utility_full,
+            "utility_full": utility_full,
+            "loss": 0.0,
+            "answer": full.answer,
+            "path": None,
+            "seconds": seconds.get("prefill", 0.0) + seconds.get("full_decode", 0.0),
+            "context_tokens": result.context_length,
+            "seconds_breakdown": seconds,
+            "agreement_drop": result.agreement_drop,
+        }
+    ]
+    n_fast = sum(1 for c in result.candidates if c.path == "fast") or 1
+    for cand in result.candidates:
+        utility = score(contract.utility, cand.answer, answers, full.answer)
+        rows.append(
+            {
+                "request_id": request.id,
+                "task": request.task,
+                "policy": cand.policy,
+                "press": cand.press,
+                "kv_retained": cand.kv_retained,
+                "kv_retained_actual": cand.kv_retained_actual,
+                "utility": utility,
+                "utility_full": utility_full,
+                "loss": utility_full - utility,
+                "answer": cand.answer,
+                "path": cand.path,
+                "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
+                "agreement_drop": result.agreement_drop,
+                "certificate_max": cand.certificate_max,
+            }
+        )
+    return rows
+
+
+def calibrate(contract, *, new_store: bool = False, limit: int | None = None, quiet: bool = False,
+              device: str | None = None, dtype: str | None = None, console=None) -> CalibrationSummary:
+    """Calibrate `contract` into its store; returns a summary. Safe to interrupt and rerun."""
+    from certkv.model.loading import load_model
+    from certkv.calibration.store import CalibrationStore
+
+    from certkv.model.loading import model_fingerprint, resolve_device
+
+    if limit is not None and limit < 1:
+        raise CertkvError(f"--limit must be at least 1, got {limit}")
+    requests = contract.load_requests()
+    run_device = resolve_device(device or contract.protocol.device)
+    facts = {
+        # The population the certificate is about: its size lets certify refuse a partial store.
+        "planned_requests": len(requests),
+        "requests_sha256": requests_digest(requests),
+        "model_fingerprint": model_fingerprint(contract.model),
+        "device_type": run_device.split(":")[0],
+        "dtype": dtype or contract.protocol.dtype,
+    }
+    if limit is not None:
+        requests = requests[:limit]
+    store = CalibrationStore.open(contract.resolved_store_path(), contract, new=new_store)
+    summary = CalibrationSummary(store=str(store.path), total=len(requests))
+    try:
+        store.bind(facts)
+        done = store.done_request_ids()
+        todo = [r for r in requests if r.id not in done]
+        summary.already_done = len(requests) - len(todo)
+        if not todo:
+            return summary
+        candidates = build_candidates(contract)  # before the model: a press_kwargs typo fails fast
+        from certkv.engine.engine import Engine, needs_attention_weights
+
+        attn = "eager" if any(needs_attention_weights(c.press) for c in candidates) else "sdpa"
+        model, tokenizer = load_model(
+            contract.model, device=run_device, dtype=dtype or contract.protocol.dtype,
+            attn_implementation=attn,
+        )
+        engine = Engine(
+            model, tokenizer, candidates, max_new_tokens=contract.protocol.max_new_tokens,
+            agreement=agreement_settings(contract),
+        )
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        t0 = time.perf_counter()
+        with _progress(quiet, console) as progress:
+            task = progress.add_task("calibrating", total=len(todo)) if progress else None
+            for request in todo:
+                _calibrate_one(request, engine, tokenizer, contract, store, summary, max_positions)
+                if progress:
+                    progress.advance(task)
+        summary.seconds = time.perf_counter() - t0
+    finally:
+        store.close()
+    return summary
+
+
+def _calibrate_one(request, engine, tokenizer, contract, store, summary, max_positions) -> None:
+    from certkv.model.generation import encode_request
+
+    enc = encode_request(tokenizer, request.context, request.question)
+    reason = skip_reason(request, len(enc.context_ids), len(enc.question_ids), contract, max_positions)
+    if reason is None:
+        from certkv.engine.engine import RequestNotRunnable
+
+        try:
+            result = engine.run(request.context, request.question)
+        except RequestNotRunnable as exc:
+            reason = str(exc)
+        except AssertionError as exc:
+            # kvpress states its presses' requirements as asserts. One that is not a known property
+            # of the request (above) is systematic: recording it as a skip would silently skip
+            # every request, so stop instead; everything stored so far is kept.
+            message = " ".join(str(exc).split()) or "assertion failed"
+            raise CertkvError(
+                f"a press failed on request {request.id!r}: {message}; fix the contract's presses "
+                "(the requests stored so far are kept; rerun to resume)"
+            ) from None
+
+    if reason is not None:
+        store.write_skipped(request.id, reason)
+        summary.skipped[request.id] = reason
+        return
+    store.write_request(request.id, request_rows(request, result, contract))
+    summary.calibrated += 1
+
+
+class _NoProgress:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(quiet: bool, console):
+    if quiet:
+        return _NoProgress()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    class RateColumn(TextColumn):
+        def render(self, task):  # requests per second, from rich's own speed estimate
+            from rich.text import Text
+
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:.2f} req/s" if speed else "… req/s")
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RateColumn(""),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    )

@@ -1,0 +1,45 @@
+"""`certkv export`: write a calibration store's records as CSV or JSONL.
+
+The records are what certification reads; exporting them lets users audit every per-request loss
+with their own tools, or hand the table to `certkv certify` on another machine.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+class ExportFormat(str, Enum):
+    csv = "csv"
+    jsonl = "jsonl"
+
+
+def export(
+    store: Path = typer.Argument(..., help="Store folder, or a contract YAML (its `store:` is used)."),
+    format: ExportFormat = typer.Option(ExportFormat.csv, "--format", "-f", help="csv or jsonl."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="Output file ('-' for stdout); default <store>/records.<format>."
+    ),
+) -> None:
+    """Export calibration records (one row per request × candidate) to CSV or JSONL."""
+    import sys
+
+    from certkv.calibration.store import CalibrationStore, write_rows
+
+    folder = store
+    if store.suffix.lower() in (".yaml", ".yml"):
+        from certkv.contract.loading import load_contract
+
+        folder = load_contract(store).resolved_store_path()
+    fmt = format.value
+    with CalibrationStore.read(folder) as calib:
+        if output is not None and str(output) == "-":
+            write_rows(calib.records(), sys.stdout, fmt)
+            return
+        target = output or folder / f"records.{fmt}"
+        n = calib.export(target, fmt)
+    print(f"wrote {n} records to {target}", file=sys.stderr)

@@ -1,1 +1,0 @@
-"""One module per CLI command; each imports heavy libraries only inside its body."""

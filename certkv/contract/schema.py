@@ -1,0 +1,497 @@
+"""The contract: what is certified, on which requests, against which candidates.
+
+A contract is pre-registered: its tolerance, risk, confidence, candidate sequences and procedure
+are fixed before calibration, and its hash is stored with the records so that a store can never be
+certified against a contract it was not calibrated for. Validation is strict (unknown keys, wrong
+types and out-of-range values are errors) because a silently ignored typo in a contract changes the
+guarantee. Validation imports no torch: press names are checked against the static registry.
+
+Gated candidates. An optional ``gate:`` block pre-registers runtime gate settings; each setting is
+a candidate of its own, derived from the base candidate's records (no extra calibration):
+
+* ``agreement_drop: [t, ...]``: the request runs on the full cache when its agreement drop D < t;
+* ``certificate: [b, ...]``: the request escalates to the full cache when its survey-variance
+  certificate ĉ > b; only presses that produce certificates (:func:`press_registry.
+  produces_certificates`: certkv's ``probabilistic``) get these candidates.
+
+Names: ``<base>+drop<t>``, ``<base>+cert<b>`` and ``<base>+drop<t>+cert<b>``, with t and b
+written by ``format(x, "g")`` (``snapkv@0.50+drop0.1``, ``probabilistic@0.30+drop-0.05+cert0.02``).
+Sequences (:meth:`Contract.sequences`): for each policy entry, in the order written, the ungated
+sequence, then one sequence per threshold t, then (certificate presses only) one per bound b and
+one per pair (t, b) in the order (t1, b1), (t1, b2), ...; each runs over the entry's kv_retained
+in the written order. An entry therefore contributes (1 + T) sequences, or (1 + T)(1 + B) for a
+certificate press, and fixed-sequence testing splits δ over all of them — unless one interleaved
+``order:`` lists every candidate, gated ones included, as a single sequence at δ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from certkv.presses import registry as press_registry
+from certkv.core.policy_names import gate_label, gated_policy_name, policy_name
+from certkv.core.procedures import Procedure
+from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW
+from certkv.errors import CertkvError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+#: Optional top-level keys added after the first schema; omitted from the hash while unset.
+_LATER_KEYS = ("order",)
+
+
+def _error(message: str) -> PydanticCustomError:
+    """A validation error whose message is shown as written (no "Value error," prefix)."""
+    return PydanticCustomError("certkv", message)
+
+
+class _Strict(BaseModel):
+    """Base: unknown keys are errors and strings are never coerced into numbers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RequestsSpec(_Strict):
+    """Where calibration requests come from."""
+
+    source: str = Field(min_length=1, description="JSONL path relative to the contract, or builtin:<mix>")
+    limit: int | None = Field(default=None, ge=1, description="use at most this many requests")
+    seed: int = 0
+    context_length: str | int | None = Field(default=None, description="builtin sources only; default 256-512")
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        if value.startswith("builtin:"):
+            from certkv.requests.request_set import parse_mix
+
+            try:
+                parse_mix(value.removeprefix("builtin:"))
+            except CertkvError as exc:
+                raise _error(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_context_length(self) -> "RequestsSpec":
+        if self.context_length is None:
+            return self
+        if not self.is_builtin:
+            raise _error("context_length applies only to builtin:<mix> sources; remove it for a JSONL file")
+        from certkv.requests.request_set import parse_context_length
+
+        try:
+            parse_context_length(self.context_length)
+        except CertkvError as exc:
+            raise _error(str(exc)) from None
+        return self
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.source.startswith("builtin:")
+
+
+class Protocol(_Strict):
+    """How each request is run; part of the hash because it changes every answer."""
+
+    query_aware: bool = False
+    max_new_tokens: int = Field(default=8, ge=1)
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+
+    @field_validator("query_aware")
+    @classmethod
+    def _check_query_aware(cls, value: bool) -> bool:
+        if value:
+            raise _error(
+                "query_aware: true is not supported yet (the question is fed after compression, as kvpress "
+                "does); remove it or set it to false"
+            )
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise _error(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+
+KvRetained = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class Policy(_Strict):
+    """One candidate sequence: a press tried at decreasing retentions, most KV first."""
+
+    press: str
+    kv_retained: list[KvRetained] = Field(min_length=1)
+    press_kwargs: dict[str, Any] = Field(default_factory=dict)
+    label: str | None = Field(default=None, description="used instead of the press in policy names")
+
+    @field_validator("press")
+    @classmethod
+    def _check_press(cls, value: str) -> str:
+        if not press_registry.is_known_press(value):
+            raise _error(press_registry.unknown_press_message(value))
+        if press_registry.press_info(value).knob is None:
+            raise _error(
+                f"press {value!r} has no setting that kv_retained maps to (kvpress configures it by its "
+                "own parameters), so it cannot be certified by kv_retained"
+            )
+        return value
+
+    @field_validator("kv_retained")
+    @classmethod
+    def _check_order(cls, values: list[float]) -> list[float]:
+        for prev, cur in zip(values, values[1:]):
+            if cur == prev:
+                raise _error(
+                    f"kv_retained lists {cur} twice; a sequence is tested in the order written, "
+                    "conservative (most KV) first, so values must be strictly decreasing"
+                )
+            if cur > prev:
+                raise _error(
+                    f"kv_retained must be strictly decreasing, got {values}: a sequence is tested in the "
+                    "order written, conservative (most KV) first"
+                )
+        return values
+
+    @field_validator("press_kwargs")
+    @classmethod
+    def _check_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        for reserved in ("compression_ratio", "target_compression_ratio"):
+            if reserved in kwargs:
+                raise _error(f"press_kwargs must not set {reserved}; kv_retained sets it")
+        try:
+            nested = press_registry.nested_press_specs(kwargs)
+        except CertkvError as exc:
+            raise _error(str(exc)) from None
+        for path, spec, _ in nested:
+            if not press_registry.is_known_press(spec):
+                raise _error(f"press_kwargs.{path}: {press_registry.unknown_press_message(spec)}")
+        try:
+            json.dumps(kwargs, sort_keys=True)
+        except TypeError as exc:
+            raise _error(f"press_kwargs must hold plain YAML values: {exc}") from None
+        return kwargs
+
+    @field_validator("label")
+    @classmethod
+    def _check_label(cls, value: str | None) -> str | None:
+        if value is not None and not _LABEL_RE.match(value):
+            raise _error(f"label {value!r} may use letters, digits and _ . : - only (no @ or spaces)")
+        return value
+
+    @property
+    def display_name(self) -> str:
+        """The prefix of this entry's policy names."""
+        return self.label or self.press
+
+
+class Gate(_Strict):
+    """Pre-registered gate settings; each value is a candidate setting, not a tuned one.
+
+    ``agreement_drop`` thresholds may be any finite numbers (the drop can be negative);
+    ``certificate`` bounds are positive. The agreement signal's settings (window W, top-k, layer
+    split) are part of the contract because they change the signal the thresholds apply to.
+    """
+
+    agreement_drop: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=list)
+    certificate: list[Annotated[float, Field(gt=0.0, allow_inf_nan=False)]] = Field(default_factory=list)
+    agreement_window: int = Field(default=AGREEMENT_WINDOW, ge=1)
+    agreement_top_k: int = Field(default=AGREEMENT_TOP_K, ge=1)
+    agreement_split: int = Field(default=AGREEMENT_SPLIT, ge=1)
+
+    @field_validator("agreement_drop", "certificate")
+    @classmethod
+    def _check_values(cls, values: list[float]) -> list[float]:
+        if len(set(values)) != len(values):
+            raise _error(f"gate values must be distinct, got {values}")
+        labels = [gate_label(v) for v in values]
+        if len(set(labels)) != len(labels):
+            twice = next(x for x in labels if labels.count(x) > 1)
+            raise _error(
+                f"gate values {values} give the name {twice!r} twice (names use format(x, 'g'), 6 significant "
+                "digits); use values that differ within 6 significant digits"
+            )
+        return [v + 0.0 for v in values]  # -0.0 -> 0.0, so names never read "-0"
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "Gate":
+        if not self.agreement_drop and not self.certificate:
+            raise _error(
+                "gate lists no agreement_drop threshold and no certificate bound; remove `gate:` to certify "
+                "ungated candidates only"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (press, kv_retained) candidate in test order: `sequence` indexes policies, `position`
+    is its place within that sequence (0 = most conservative)."""
+
+    policy: str
+    press: str
+    kv_retained: float
+    press_kwargs: dict[str, Any] = field(default_factory=dict)
+    sequence: int = 0
+    position: int = 0
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class GatedCandidate:
+    """A gated candidate: `base_policy` (a :class:`Candidate`) with a runtime gate that sends a
+    request to the full cache when its agreement drop < `agreement_drop` or its certificate >
+    `certificate` (None: that part of the gate is off). Derived from the base's records, never
+    calibrated itself. `sequence`/`position` index :meth:`Contract.sequences` without `order`."""
+
+    policy: str
+    base_policy: str
+    press: str
+    kv_retained: float
+    agreement_drop: float | None
+    certificate: float | None
+    press_kwargs: dict[str, Any] = field(default_factory=dict)
+    sequence: int = 0
+    position: int = 0
+    label: str | None = None
+
+
+class Contract(_Strict):
+    """A validated contract. Build it with :func:`load_contract` so relative paths resolve."""
+
+    name: str
+    model: str = Field(default="embedded", min_length=1)
+    requests: RequestsSpec
+    protocol: Protocol = Field(default_factory=Protocol)
+    utility: Literal["exact_match", "contains", "f1", "rouge_l", "agreement"]
+    tolerance: float = Field(ge=0.0)
+    risk: float = Field(gt=0.0, lt=1.0)
+    confidence: float = Field(gt=0.0, lt=1.0)
+    procedure: Procedure = "fixed_sequence"
+    policies: list[Policy] = Field(min_length=1)
+    # One pre-registered interleaved test order of every candidate (policy names). Without it each
+    # policy entry is its own sequence and the sequences share δ (Bonferroni split δ/m).
+    order: list[str] | None = None
+    gate: Gate | None = None
+    store: str | None = Field(default=None, min_length=1, description="relative to the contract's folder")
+
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise _error(f"name {value!r} may use letters, digits and _ . - only (it names the store folder)")
+        return value
+
+    @field_validator("tolerance", "risk", "confidence")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _error("must be a finite number")
+        return value
+
+    @field_validator("policies")
+    @classmethod
+    def _check_policies(cls, policies: list[Policy]) -> list[Policy]:
+        seen: dict[str, int] = {}
+        kwargs_of: dict[str, tuple[int, dict[str, Any]]] = {}
+        for i, p in enumerate(policies):
+            display = p.display_name
+            if display in kwargs_of and kwargs_of[display][1] != p.press_kwargs:
+                j = kwargs_of[display][0]
+                raise _error(
+                    f"entries {j} and {i} both name their policies {display!r} but differ in press_kwargs; "
+                    "give them distinct `label`s"
+                )
+            kwargs_of.setdefault(display, (i, p.press_kwargs))
+            for kv in p.kv_retained:
+                name = policy_name(display, kv)
+                if name in seen:
+                    raise _error(
+                        f"policy {name!r} appears twice (entries {seen[name]} and {i}); every candidate must "
+                        "have a distinct name (kv_retained is shown with 2 decimals)"
+                    )
+                seen[name] = i
+        return policies
+
+    @field_validator("gate")
+    @classmethod
+    def _check_gate(cls, gate: Gate | None, info) -> Gate | None:
+        policies = info.data.get("policies")  # absent when the policies themselves were invalid
+        if gate is None or not gate.certificate or policies is None:
+            return gate
+        if not any(press_registry.produces_certificates(p.press) for p in policies):
+            raise _error(
+                "certificate bounds need a policy entry whose press produces certificates (certkv's "
+                "`probabilistic`); remove gate.certificate or add a probabilistic entry"
+            )
+        return gate
+
+    @model_validator(mode="after")
+    def _check_order(self) -> "Contract":
+        if self.order is None:
+            return self
+        names = [name for sequence in self._entry_sequences() for name in sequence]
+        unknown = [n for n in self.order if n not in names]
+        if unknown:
+            raise _error(f"order names {unknown[0]!r}, which no policy entry defines; use names like {names[0]!r}")
+        twice = sorted({n for n in self.order if self.order.count(n) > 1})
+        if twice:
+            raise _error(f"order lists {twice[0]!r} more than once; test each candidate once")
+        missing = [n for n in names if n not in self.order]
+        if missing:
+            raise _error(f"order leaves out {missing[0]!r}; an interleaved order must list every candidate")
+        return self
+
+    # -- derived views -------------------------------------------------------------------------
+
+    @property
+    def base_dir(self) -> Path:
+        """The folder relative paths resolve against (the contract file's folder)."""
+        return self._base_dir
+
+    def with_base_dir(self, base_dir: str | Path) -> "Contract":
+        """Set the folder that relative paths resolve against; returns self."""
+        self._base_dir = Path(base_dir)
+        return self
+
+    def canonical_json(self) -> str:
+        """The validated contract as canonical JSON (sorted keys, defaults filled in).
+
+        Keys added to the schema later (:data:`_LATER_KEYS`) are left out while unset, so adding an
+        optional feature does not change the hash of contracts that do not use it (stores
+        calibrated before it was added still match their contract).
+        """
+        data = self.model_dump(mode="json")
+        for key in _LATER_KEYS:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def sha256(self) -> str:
+        """Hash of :meth:`canonical_json`: comments, key order and formatting do not change it."""
+        return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
+
+    def certification_spec(self):
+        """This contract's pre-registered choices as the core's
+        :class:`~certkv.core.spec.CertificationSpec` (:func:`certkv.contract.spec.certification_spec`)."""
+        from certkv.contract.spec import certification_spec
+
+        return certification_spec(self)
+
+    def candidates(self) -> list[Candidate]:
+        """Every candidate, sequence by sequence, each sequence in its test order."""
+        return [
+            Candidate(
+                policy=policy_name(p.display_name, kv),
+                press=p.press,
+                kv_retained=kv,
+                press_kwargs=dict(p.press_kwargs),
+                sequence=s,
+                position=k,
+                label=p.label,
+            )
+            for s, p in enumerate(self.policies)
+            for k, kv in enumerate(p.kv_retained)
+        ]
+
+    def gate_settings(self, press: str) -> list[tuple[float | None, float | None]]:
+        """The gate settings a policy entry with `press` is tested under, in sequence order:
+        (None, None) (ungated), each threshold (t, None), then for a certificate press each bound
+        (None, b) and each pair (t, b), thresholds outer."""
+        settings: list[tuple[float | None, float | None]] = [(None, None)]
+        if self.gate is None:
+            return settings
+        settings += [(t, None) for t in self.gate.agreement_drop]
+        if press_registry.produces_certificates(press):
+            settings += [(None, b) for b in self.gate.certificate]
+            settings += [(t, b) for t in self.gate.agreement_drop for b in self.gate.certificate]
+        return settings
+
+    def gated_candidates(self) -> list[GatedCandidate]:
+        """Every gated candidate (the base candidates are :meth:`candidates`), sequence by
+        sequence in the per-entry layout of :meth:`sequences` (as without `order`)."""
+        out = []
+        s = 0
+        for p in self.policies:
+            for t, b in self.gate_settings(p.press):
+                if t is not None or b is not None:
+                    out += [
+                        GatedCandidate(
+                            policy=gated_policy_name(policy_name(p.display_name, kv), t, b),
+                            base_policy=policy_name(p.display_name, kv),
+                            press=p.press,
+                            kv_retained=kv,
+                            agreement_drop=t,
+                            certificate=b,
+                            press_kwargs=dict(p.press_kwargs),
+                            sequence=s,
+                            position=k,
+                            label=p.label,
+                        )
+                        for k, kv in enumerate(p.kv_retained)
+                    ]
+                s += 1
+        return out
+
+    def sequences(self) -> list[list[str]]:
+        """Policy names per sequence, in test order: the interleaved `order` as one sequence when
+        the contract gives one, else, for each policy entry, its ungated sequence followed by one
+        sequence per gate setting (see :meth:`gate_settings` and the module docstring)."""
+        if self.order is not None:
+            return [list(self.order)]
+        return self._entry_sequences()
+
+    def _entry_sequences(self) -> list[list[str]]:
+        return [
+            [gated_policy_name(policy_name(p.display_name, kv), t, b) for kv in p.kv_retained]
+            for p in self.policies
+            for t, b in self.gate_settings(p.press)
+        ]
+
+    def resolved_store_path(self) -> Path:
+        """The store folder: `store` relative to the contract's folder, default ``runs/<name>``."""
+        return self._resolve(self.store or f"runs/{self.name}")
+
+    def resolved_requests_path(self) -> Path | None:
+        """The JSONL request file, or None for a builtin source."""
+        return None if self.requests.is_builtin else self._resolve(self.requests.source)
+
+    def check_requests_source(self) -> None:
+        """Fail with one line when the request file is missing; called at calibration time, not at
+        validation, so a contract for data the user has yet to download still validates."""
+        path = self.resolved_requests_path()
+        if path is not None and not path.is_file():
+            raise CertkvError(
+                f"requests.source: request file {path} does not exist (paths are relative to the "
+                f"contract's folder {self._base_dir}); create it or fix the path"
+            )
+
+    def load_requests(self):
+        """Load the contract's requests (JSONL or builtin) after checking the source exists."""
+        from certkv.requests.request_set import load_requests
+
+        self.check_requests_source()
+        path = self.resolved_requests_path()
+        source = self.requests.source if path is None else str(path)
+        context_length = self.requests.context_length if self.requests.context_length is not None else "256-512"
+        return load_requests(source, self.requests.limit, self.requests.seed, str(context_length))
+
+    def _resolve(self, path: str) -> Path:
+        p = Path(path).expanduser()
+        return Path(os.path.normpath(p if p.is_absolute() else self._base_dir / p))

@@ -1,0 +1,45 @@
+"""From a contract to the core's :class:`~certkv.core.spec.CertificationSpec`.
+
+The core knows nothing about contracts, so that it can certify any loss table; this is the one
+place where a contract's pre-registered choices become a spec. Torch-free.
+"""
+
+from __future__ import annotations
+
+from certkv.core.spec import CertificationSpec
+
+
+def certification_spec(contract):
+    """The contract's τ, ε, confidence, procedure and sequences as a CertificationSpec.
+
+    The sequences are the contract's policy entries in the order written, each followed by its
+    gated sequences (:meth:`certkv.contract.schema.Contract.sequences`); that order is the
+    pre-registration and is never re-derived from data. ``candidate_info`` carries what deploying
+    each candidate needs (base policy, press_kwargs, gate settings).
+    """
+    info = {c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs)} for c in contract.candidates()}
+    gate = contract.gate
+    for g in contract.gated_candidates():
+        info[g.policy] = {
+            "base_policy": g.base_policy,
+            "press_kwargs": dict(g.press_kwargs),
+            "gate": {
+                "agreement_drop": g.agreement_drop,
+                "certificate": g.certificate,
+                "agreement_window": gate.agreement_window,
+                "agreement_top_k": gate.agreement_top_k,
+                "agreement_split": gate.agreement_split,
+            },
+        }
+    return CertificationSpec.parse(
+        {
+            "tolerance": contract.tolerance,
+            "risk": contract.risk,
+            "confidence": contract.confidence,
+            "procedure": contract.procedure,
+            "sequences": contract.sequences(),
+            "candidate_info": info,
+            "max_new_tokens": contract.protocol.max_new_tokens,
+        },
+        source=f"contract {contract.name}",
+    )

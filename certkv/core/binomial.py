@@ -1,0 +1,132 @@
+"""Exact binomial statistics behind a certificate.
+
+Everything here is small, pure and torch-free. The rules it implements are the promise in
+DESIGN.md ("Statistical rules"):
+
+* violation counts are integers, counted from the losses themselves, never reconstructed as
+  ``n * mean`` (flooring a float count is anti-conservative);
+* the p-value of a candidate is exact, ``P(Binomial(n, ε) <= k)``;
+* the Clopper–Pearson upper bound at confidence ``1 − δ`` is ``beta.ppf(1 − δ, k + 1, n − k)``
+  and 1 when ``k == n``, so that ``U <= ε`` if and only if ``p <= δ``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+from scipy.stats import beta, binom
+
+from certkv.errors import CertkvError
+
+#: Absolute slack in ``loss > tolerance``. Losses are differences of utilities in [0, 1] computed
+#: in floating point, so a loss that is exactly the tolerance on paper can land one ulp above it
+#: (``0.8 - 0.7 == 0.10000000000000009 > 0.1``) and flip a request into a violation at random.
+#: Rounding errors of such differences are ~1e-16; every meaningful utility difference (a token
+#: of an F1 over even thousands of tokens) is far above 1e-9, so the slack only absorbs noise.
+VIOLATION_EPS = 1e-9
+
+
+def as_count(value, name: str) -> int:
+    """Return ``value`` as a Python int, or raise if it is not an integer count.
+
+    Python and numpy integers are accepted. Floats are rejected, even integral ones such as
+    ``47.0``: a float count almost always comes from ``n * mean``, and the design forbids
+    reconstructing counts that way. Booleans are rejected because they are not counts.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise CertkvError(f"{name} must be an integer count, got the boolean {value!r}")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        raise CertkvError(
+            f"{name} must be an integer count, got the float {value!r}; count violations with "
+            "certkv.core.binomial.count_violations instead of reconstructing n * mean"
+        )
+    raise CertkvError(f"{name} must be an integer count, got {type(value).__name__} {value!r}")
+
+
+def check_counts(k, n) -> tuple[int, int]:
+    """Validate a (violations, requests) pair: ``n >= 1`` and ``0 <= k <= n``, both integers."""
+    k = as_count(k, "k (violations)")
+    n = as_count(n, "n (requests)")
+    if n < 1:
+        raise CertkvError(f"n (requests) must be at least 1, got {n}")
+    if not 0 <= k <= n:
+        raise CertkvError(f"k (violations) must be between 0 and n = {n}, got {k}")
+    return k, n
+
+
+def check_probability(value, name: str) -> float:
+    """Validate a probability strictly inside (0, 1), such as a risk target ε or a confidence."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise CertkvError(f"{name} must be a number in (0, 1), got {value!r}")
+    value = float(value)
+    if not 0.0 < value < 1.0:
+        raise CertkvError(f"{name} must be strictly between 0 and 1, got {value!r}")
+    return value
+
+
+def binomial_p_value(k, n, risk) -> float:
+    """Exact p-value of "true violation rate > ε" after seeing k violations in n requests.
+
+    ``P(Binomial(n, ε) <= k)``: small when k is much smaller than ``n·ε`` would suggest, so a
+    p-value ``<= δ`` is evidence that the true rate is at most ε. Exact (no normal approximation),
+    because the approximation is anti-conservative in the small-k tail we care about.
+    """
+    k, n = check_counts(k, n)
+    risk = check_probability(risk, "risk (ε)")
+    return float(binom.cdf(k, n, risk))
+
+
+def clopper_pearson_upper(k, n, confidence) -> float:
+    """One-sided Clopper–Pearson upper confidence bound on the violation rate.
+
+    ``beta.ppf(confidence, k + 1, n − k)``, and exactly 1 when ``k == n`` (the Beta quantile is
+    undefined there). It is the dual of :func:`binomial_p_value`: the bound is ``<= ε`` exactly
+    when the p-value at ε is ``<= 1 − confidence``.
+    """
+    k, n = check_counts(k, n)
+    confidence = check_probability(confidence, "confidence")
+    if k == n:
+        return 1.0
+    return float(beta.ppf(confidence, k + 1, n - k))
+
+
+def binomial_p_value_table(n, risk) -> np.ndarray:
+    """P-values for every possible count 0..n at once, for vectorised lookups ``table[k]``.
+
+    Repeated-split validation evaluates thousands of counts with the same n; indexing this table
+    gives exactly the numbers :func:`binomial_p_value` would, without calling scipy per count.
+    """
+    _, n = check_counts(0, n)
+    risk = check_probability(risk, "risk (ε)")
+    return binom.cdf(np.arange(n + 1), n, risk)
+
+
+def violation_mask(losses, tolerance) -> np.ndarray:
+    """Boolean array, True where ``loss > tolerance`` beyond floating-point noise.
+
+    NaN losses are rejected rather than silently treated as "no violation", which would be
+    anti-conservative.
+    """
+    tolerance = _check_tolerance(tolerance)
+    losses = np.asarray(losses, dtype=float)
+    if np.isnan(losses).any():
+        raise CertkvError("losses contain NaN; every request needs a numeric loss")
+    return losses > tolerance + VIOLATION_EPS
+
+
+def count_violations(losses, tolerance) -> int:
+    """Number of requests whose loss exceeds the tolerance, as a Python int."""
+    return int(np.count_nonzero(violation_mask(losses, tolerance)))
+
+
+def _check_tolerance(tolerance) -> float:
+    if isinstance(tolerance, (bool, np.bool_)) or not isinstance(tolerance, numbers.Real):
+        raise CertkvError(f"tolerance must be a number, got {tolerance!r}")
+    tolerance = float(tolerance)
+    if not math.isfinite(tolerance):
+        raise CertkvError(f"tolerance must be finite, got {tolerance!r}")
+    return tolerance

@@ -1,0 +1,523 @@
+"""Turn a loss table and a contract into a certified operating point.
+
+The certifier counts, for every candidate of the contract, the calibration requests whose loss
+exceeds the tolerance τ; computes the exact binomial p-value of "violation rate > ε"; applies the
+contract's family-wise procedure at δ = 1 − confidence; and, among the certified candidates,
+chooses the one that keeps the least KV cache (any certified candidate may be chosen because the
+guarantee is simultaneous). When nothing is certified it falls back to the full cache and says
+which candidate failed first and why.
+
+This module is torch-free: it imports numpy, scipy and pydantic only, so certificates can be
+computed and checked on machines without the model stack.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from certkv.atomic_io import write_text_atomic
+from certkv.errors import CertkvError, format_validation_error
+from certkv.core.loss_table import LossTable, as_loss_table
+from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
+from certkv.core.loss_table import records_sha256 as _records_sha256
+from certkv.core.procedures import Procedure, candidate_levels, certified_mask, sequence_stops
+from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings  # noqa: F401  (GateSettings, CandidateInfo: part of an operating point)
+from certkv.core.binomial import binomial_p_value, clopper_pearson_upper, violation_mask
+
+#: Re-exported helper; certify() takes a keyword of the same name, hence the private alias above.
+records_sha256 = _records_sha256
+
+NO_TASK = "(no task)"
+
+
+# ----------------------------------------------------------------------------- the result
+
+
+class ContractSummary(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tolerance: float
+    risk: float
+    confidence: float
+    procedure: Procedure
+
+    @classmethod
+    def of(cls, spec: "CertificationSpec") -> "ContractSummary":
+        """The contract terms a result reports, taken from the spec it was computed under."""
+        return cls(tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure)
+
+
+class TaskBreakdown(BaseModel):
+    """Violations of one policy within one task; ``exceeds_risk`` when the task's own rate > ε.
+
+    A task above ε does not break the certificate (which covers the task mix), but a user who
+    cares about that task on its own should know.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    n: int
+    violations: int
+    rate: float
+    exceeds_risk: bool
+
+
+class CandidateResult(BaseModel):
+    """The evidence for one candidate.
+
+    ``level`` is the significance level its p-value was compared with (δ/m for fixed-sequence
+    with m sequences, δ/N for Bonferroni, Holm's step-down level δ/(N − rank)), and
+    ``risk_upper_bound`` is the Clopper–Pearson bound at confidence ``1 − level``, so that
+    ``p_value <= level`` ⇔ ``risk_upper_bound <= ε``. ``mean_kv_retained`` is the mean KV fraction
+    actually used (the memory column; gated fallbacks count 1.0).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str
+    press: str
+    kv_retained: float
+    mean_kv_retained: float
+    kv_retained_actual: float | None = None
+    n: int
+    violations: int
+    empirical_risk: float
+    risk_upper_bound: float
+    p_value: float
+    level: float
+    certified: bool
+    sequence: int
+    position: int
+    per_task: dict[str, TaskBreakdown] = Field(default_factory=dict)
+    gate: GateSettings | None = None
+    gated_share: float = 0.0
+
+
+class SequenceResult(BaseModel):
+    """Where testing of one sequence ended (``stopped_at``: first non-certified position)."""
+
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    policies: list[str]
+    level: float | None
+    tested: int
+    certified: int
+    stopped_at: int | None
+    stopped_policy: str | None
+
+
+class OperatingPoint(BaseModel):
+    """The certified choice and the evidence for it; serialises to DESIGN.md's JSON.
+
+    Top-level ``n``, ``violations``, ``risk_upper_bound`` and ``p_value`` are the chosen
+    candidate's. On a fallback they describe the full cache, which loses nothing by definition:
+    0 violations, bound 0.0 and no p-value (null); ``reason`` says what failed.
+    ``kv_retained`` is nominal, ``mean_kv_retained`` the mean memory actually used and
+    ``kv_retained_actual`` the mean realised retention (null when the records lack it).
+
+    Deployment: ``base_policy`` is the ungated candidate, ``press_kwargs`` its press's kwargs
+    (from the contract; {} for a bare loss table), ``gate`` the runtime gate (null: none) and
+    ``gated_share`` the share of calibration requests that gate sent to the full cache. Files
+    written before these fields existed still load (ungated, ``base_policy`` = ``policy``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str
+    base_policy: str
+    press: str
+    press_kwargs: dict[str, Any] = Field(default_factory=dict)
+    kv_retained: float
+    gate: GateSettings | None = None
+    gated_share: float = 0.0
+    max_new_tokens: int | None = None
+    """Decode length the candidates were calibrated with; the runtime deploys exactly that."""
+    mean_kv_retained: float
+    kv_retained_actual: float | None = None
+    fallback: bool
+    reason: str | None = None
+    contract: ContractSummary
+    n: int
+    violations: int
+    empirical_risk: float
+    risk_upper_bound: float
+    p_value: float | None
+    candidates: list[CandidateResult]
+    sequences: list[SequenceResult]
+    per_task: dict[str, TaskBreakdown] = Field(default_factory=dict)
+    guarantee: str
+    notes: list[str] = Field(default_factory=list)
+    contract_sha256: str | None = None
+    records_sha256: str | None = None
+    created: str
+    certkv_version: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_files(cls, data):
+        """An operating point written before `base_policy` existed was ungated."""
+        if isinstance(data, dict) and "base_policy" not in data and "policy" in data:
+            data = {**data, "base_policy": data["policy"]}
+        return data
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; ``reason`` appears only when there is one (a fallback)."""
+        data = self.model_dump(mode="json")
+        if data.get("reason") is None:
+            data.pop("reason", None)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    def write_json(self, path) -> Path:
+        """Write atomically (temporary file in the same folder, then rename): a reader never
+        sees a half-written operating point, even if the process is killed mid-write."""
+        return write_text_atomic(path, self.to_json())
+
+
+def load_operating_point(path) -> OperatingPoint:
+    """Read and validate an operating point written by :meth:`OperatingPoint.write_json`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CertkvError(f"operating point not found: {path}; run `certkv certify` first")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CertkvError(f"{path}: not valid JSON ({exc}); re-run `certkv certify`") from None
+    try:
+        return OperatingPoint.model_validate(data)
+    except ValidationError as exc:
+        raise CertkvError(format_validation_error(exc, str(path))) from None
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def select_candidates(eligible, mean_memory, violations) -> np.ndarray:
+    """Index of the chosen candidate along the last axis, or -1 when none is eligible.
+
+    The rule: least mean KV retained; ties (to 1e-12, so that float noise in a mean does not
+    decide) by fewer violations, i.e. lower empirical risk at equal n; remaining ties by contract
+    order. Works on any leading batch shape, so validation applies the identical rule per split.
+    """
+    eligible = np.asarray(eligible, dtype=bool)
+    memory = np.where(eligible, np.round(np.asarray(mean_memory, dtype=float), 12), np.inf)
+    violations = np.broadcast_to(np.asarray(violations), eligible.shape)
+    order = np.lexsort((violations, memory), axis=-1)  # stable: last tie-break is contract order
+    first = order[..., 0]
+    found = np.take_along_axis(eligible, first[..., None], axis=-1)[..., 0]
+    return np.where(found, first, -1)
+
+
+def decide(p_values, mean_memory, violations, spec: CertificationSpec):
+    """Certified flags and the chosen index (-1: fallback) from per-candidate statistics.
+
+    The shared decision step of :func:`certify` and repeated-split validation; arrays have the
+    candidates on the last axis in contract order.
+    """
+    flags = certified_mask(p_values, spec.lengths, spec.delta, spec.procedure)
+    return flags, select_candidates(flags, mean_memory, violations)
+
+
+def candidate_rows(table: LossTable, spec: CertificationSpec) -> np.ndarray:
+    """Rows of the table for the spec's candidates, in contract order; absent ones are errors."""
+    rows = []
+    for s, sequence in enumerate(spec.sequences):
+        for j, name in enumerate(sequence):
+            if name not in table:
+                hint = "calibrate it or remove it from the contract"
+                if is_gated_policy(name):
+                    hint = ("a gated candidate is derived from its base's records: certify against the contract "
+                            "(certkv.certify(records, contract)) or a spec from certification_spec(contract)")
+                raise CertkvError(
+                    f"policy {name!r} (sequence {s}, position {j}) has no calibration records in "
+                    f"{table.source}; {hint}"
+                )
+            rows.append(table.index_of(name))
+    return np.asarray(rows, dtype=np.int64)
+
+
+def expand_for_spec(table: LossTable, spec: CertificationSpec) -> LossTable:
+    """`table` plus the spec's gated candidates derived from their bases (see
+    :mod:`certkv.core.gated`); candidates already derived are kept, the input is never modified."""
+    from certkv.core.gated import Derive, expand_gated
+
+    wanted = [
+        Derive(name, info.base_policy, info.gate.agreement_drop, info.gate.certificate)
+        for name in spec.candidates
+        if (info := spec.candidate_info.get(name)) is not None and info.gate is not None
+    ]
+    return expand_gated(table, wanted) if wanted else table
+
+
+def violation_matrix(table: LossTable, spec: CertificationSpec) -> np.ndarray:
+    """Boolean (candidates × requests) matrix of violations, candidates in contract order."""
+    return violation_mask(table.loss[candidate_rows(table, spec)], spec.tolerance)
+
+
+# ----------------------------------------------------------------------------- certify
+
+
+def certify(
+    records, spec, *, contract_sha256: str | None = None, records_sha256: str | None = None
+) -> OperatingPoint:
+    """Certify the most aggressive candidate whose violation rate is ≤ ε with prob. ≥ 1 − δ.
+
+    ``records`` is a :class:`LossTable`, a CSV/JSONL path, or a list of record dicts; ``spec`` a
+    :class:`CertificationSpec` (or a dict for one) or a contract (:class:`certkv.contract.schema.Contract`),
+    whose hash is then recorded too. ``records_sha256`` is computed from the table when not given.
+    """
+    if callable(getattr(spec, "certification_spec", None)):  # a Contract: its pre-registered choices
+        contract_sha256 = contract_sha256 or spec.sha256()
+        spec = spec.certification_spec()
+    spec = CertificationSpec.parse(spec)
+    table = as_loss_table(records)
+    if records_sha256 is None:  # the recorded evidence: derived gated rows are not part of it
+        records_sha256 = _records_sha256(table)
+    table = expand_for_spec(table, spec)
+    rows = candidate_rows(table, spec)
+    violations = violation_mask(table.loss[rows], spec.tolerance)
+    n = table.n_requests
+    k = violations.sum(axis=1)
+    mean_memory = table.memory[rows].mean(axis=1)
+    p = np.array([binomial_p_value(int(kj), n, spec.risk) for kj in k])
+    flags, chosen = decide(p, mean_memory, k, spec)
+    levels = candidate_levels(p, spec.lengths, spec.delta, spec.procedure)
+
+    task_names, task_codes = _task_codes(table)
+    candidates = [
+        _candidate_result(table, spec, rows[i], i, violations[i], p[i], levels[i], flags[i],
+                          mean_memory[i], task_names, task_codes)
+        for i in range(len(rows))
+    ]
+    stops = sequence_stops(flags, spec.lengths, spec.delta, spec.procedure)
+    sequences = [
+        SequenceResult(
+            index=stop.index,
+            policies=list(spec.sequences[stop.index]),
+            level=stop.level,
+            tested=stop.tested,
+            certified=stop.certified,
+            stopped_at=stop.stopped_at,
+            stopped_policy=None if stop.stopped_at is None
+            else spec.sequences[stop.index][stop.stopped_at],
+        )
+        for stop in stops
+    ]
+    notes = _notes(table, spec, task_names)
+    common = dict(
+        max_new_tokens=spec.max_new_tokens,
+        contract=ContractSummary.of(spec),
+        candidates=candidates,
+        sequences=sequences,
+        contract_sha256=contract_sha256,
+        records_sha256=records_sha256,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        certkv_version=_version(),
+    )
+    index = int(chosen)
+    if index < 0:
+        return _fallback(table, spec, candidates, task_names, task_codes, notes, common)
+    best = candidates[index]
+    notes += _task_notes(best)
+    info = spec.candidate_info.get(best.policy)
+    return OperatingPoint(
+        policy=best.policy,
+        base_policy=info.base_policy if info is not None else best.policy,
+        press=best.press,
+        press_kwargs=dict(info.press_kwargs) if info is not None else {},
+        kv_retained=best.kv_retained,
+        gate=best.gate,
+        gated_share=best.gated_share,
+        mean_kv_retained=best.mean_kv_retained,
+        kv_retained_actual=best.kv_retained_actual,
+        fallback=False,
+        n=best.n,
+        violations=best.violations,
+        empirical_risk=best.empirical_risk,
+        risk_upper_bound=best.risk_upper_bound,
+        p_value=best.p_value,
+        per_task=best.per_task,
+        guarantee=guarantee_sentence(spec),
+        notes=notes,
+        **common,
+    )
+
+
+def guarantee_sentence(spec: CertificationSpec) -> str:
+    """The promise in words, with its scope: the calibration distribution, not each task."""
+    return (
+        f"With probability ≥ {spec.confidence:g} over the calibration draw, at most "
+        f"{_percent(spec.risk)} of requests from the calibration distribution lose more than "
+        f"{float(spec.tolerance)} utility. This covers the calibration distribution (the declared "
+        "task mix), not each task or each request on its own."
+    )
+
+
+def _fallback(table, spec, candidates, task_names, task_codes, notes, common) -> OperatingPoint:
+    """Nothing certified: use the full cache (zero loss by definition) and say what failed."""
+    first = next(c for c in candidates if not c.certified)
+    failed = sum(not c.certified for c in candidates)
+    others = ""
+    if failed > 1:
+        others = f" (and {failed - 1} other candidate{'s' if failed > 2 else ''} failed)"
+    # Under Holm a candidate can pass its own level yet fail because the step-down stopped.
+    verdict = (
+        f"> ε = {spec.risk:g}" if first.risk_upper_bound > spec.risk
+        else f"≤ ε = {spec.risk:g} but Holm's step-down stopped before it"
+    )
+    reason = (
+        f"no candidate was certified; the first to fail was {first.policy!r} (sequence "
+        f"{first.sequence}, position {first.position}): {first.violations}/{first.n} violations, "
+        f"risk upper bound {first.risk_upper_bound:.4g} at confidence {1.0 - first.level:.4g} "
+        f"{verdict}{others}; using the full cache"
+    )
+    per_task = {}
+    if task_names:
+        counts = np.bincount(task_codes, minlength=len(task_names))
+        per_task = {
+            name: TaskBreakdown(n=int(c), violations=0, rate=0.0, exceeds_risk=False)
+            for name, c in zip(task_names, counts)
+        }
+    return OperatingPoint(
+        policy=REFERENCE_POLICY,
+        base_policy=REFERENCE_POLICY,
+        press=REFERENCE_POLICY,
+        kv_retained=1.0,
+        mean_kv_retained=1.0,
+        kv_retained_actual=1.0,
+        fallback=True,
+        reason=reason,
+        n=table.n_requests,
+        violations=0,
+        empirical_risk=0.0,
+        risk_upper_bound=0.0,
+        p_value=None,
+        per_task=per_task,
+        guarantee=(
+            f"Nothing was certified at confidence {spec.confidence:g}; the full cache is used, "
+            "which loses no utility by definition."
+        ),
+        notes=notes,
+        **common,
+    )
+
+
+def _candidate_result(table, spec, row, i, violated, p, level, certified, mean_memory,
+                      task_names, task_codes) -> CandidateResult:
+    n = table.n_requests
+    k = int(np.count_nonzero(violated))
+    actual = None
+    if table.kv_retained_actual is not None and not np.isnan(table.kv_retained_actual[row]).all():
+        actual = float(np.nanmean(table.kv_retained_actual[row]))
+    position = _position(spec, i)
+    policy = table.policies[row]
+    info = spec.candidate_info.get(policy)
+    derived = table.gated.get(policy)
+    return CandidateResult(
+        policy=table.policies[row],
+        press=table.press[row],
+        kv_retained=float(table.kv_retained[row]),
+        mean_kv_retained=float(mean_memory),
+        kv_retained_actual=actual,
+        n=n,
+        violations=k,
+        empirical_risk=k / n,
+        risk_upper_bound=clopper_pearson_upper(k, n, 1.0 - float(level)),
+        p_value=float(p),
+        level=float(level),
+        certified=bool(certified),
+        sequence=position[0],
+        position=position[1],
+        per_task=_per_task(violated, task_names, task_codes, spec.risk),
+        gate=info.gate if info is not None else None,
+        gated_share=derived.gated_share if derived is not None else 0.0,
+    )
+
+
+def _position(spec: CertificationSpec, flat_index: int) -> tuple[int, int]:
+    for s, length in enumerate(spec.lengths):
+        if flat_index < length:
+            return s, flat_index
+        flat_index -= length
+    raise IndexError(flat_index)
+
+
+def _task_codes(table: LossTable):
+    """Task names (sorted) and each request's task code; ([], None) when there are no tasks."""
+    if table.tasks is None:
+        return [], None
+    labels = [NO_TASK if t is None else t for t in table.tasks]
+    names = sorted(set(labels))
+    index = {name: i for i, name in enumerate(names)}
+    return names, np.fromiter((index[t] for t in labels), dtype=np.int64, count=len(labels))
+
+
+def _per_task(violated, task_names, task_codes, risk) -> dict[str, TaskBreakdown]:
+    if not task_names:
+        return {}
+    n = np.bincount(task_codes, minlength=len(task_names))
+    k = np.bincount(task_codes, weights=violated, minlength=len(task_names))
+    out = {}
+    for name, n_t, k_t in zip(task_names, n.tolist(), k.tolist()):
+        k_t = int(round(k_t))  # a sum of 0/1 weights: exact integers stored as floats
+        rate = k_t / n_t
+        out[name] = TaskBreakdown(n=n_t, violations=k_t, rate=rate, exceeds_risk=rate > risk)
+    return out
+
+
+def _notes(table: LossTable, spec: CertificationSpec, task_names) -> list[str]:
+    notes = []
+    tested = set(spec.candidates)
+    ignored = [p for p in table.policies if p not in tested]
+    if ignored:
+        shown = ", ".join(ignored[:10]) + (f" and {len(ignored) - 10} more" if len(ignored) > 10
+                                           else "")
+        notes.append(f"policies in the records but in no sequence were ignored: {shown}")
+    if not task_names:
+        notes.append("the records have no task column; no per-task breakdown")
+    return notes
+
+
+def _task_notes(best: CandidateResult) -> list[str]:
+    return [
+        f"task {name!r} has its own violation rate {t.rate:.4g} > ε under {best.policy}; the "
+        "guarantee covers the task mix, not this task on its own"
+        for name, t in best.per_task.items()
+        if t.exceeds_risk
+    ]
+
+
+def _percent(risk: float) -> str:
+    return f"{risk * 100:g}%"
+
+
+def _version() -> str:
+    from certkv._version import __version__
+
+    return __version__
+
+
+__all__ = [
+    "CandidateInfo",
+    "CandidateResult",
+    "CertificationSpec",
+    "ContractSummary",
+    "GateSettings",
+    "OperatingPoint",
+    "SequenceResult",
+    "TaskBreakdown",
+    "candidate_rows",
+    "certify",
+    "decide",
+    "expand_for_spec",
+    "guarantee_sentence",
+    "load_operating_point",
+    "policy_name",
+    "records_sha256",
+    "select_candidates",
+    "violation_matrix",
+]

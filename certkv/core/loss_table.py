@@ -1,0 +1,554 @@
+"""A compressor-agnostic loss table: one loss per (request, policy), as dense numpy matrices.
+
+certkv certifies anything that can produce, for each calibration request and each candidate
+policy, a loss ``utility(full) − utility(candidate)``. The table is built from the calibration
+store's records (dicts with the DESIGN.md record columns) or from a plain CSV/JSONL file with at
+least ``request_id, policy, kv_retained, loss``. Optional columns:
+
+* ``task``: the request's task, for the per-task breakdown (the guarantee covers the task mix);
+* ``press``: the eviction method; derived from a ``press@0.50`` policy name when absent;
+* ``kv_retained_actual``: the realised retention, reported next to the nominal one;
+* ``memory``: the KV fraction the policy actually used on that request (defaults to
+  ``kv_retained``). A gated candidate that falls back to the full cache has memory 1.0 there;
+* ``agreement_drop``: the request's agreement drop (a gate signal, DESIGN.md "Gate signals"), the
+  same on every row of a request (the ``full`` row included); blank/null where not recorded;
+* ``certificate_max``: the candidate's largest survey-variance certificate on that request
+  (certkv's probabilistic press only); blank/null elsewhere.
+
+Gated candidates (``snapkv@0.50+drop0.1``) are not read from the input: :mod:`certkv.core.gated`
+derives them from their base candidate's rows and these signals, and records what it derived in
+``LossTable.gated``.
+
+Rows with ``policy == "full"`` are the reference: they only contribute request ids and tasks.
+
+The table is validated strictly, because a silently dropped or duplicated row changes n or k and
+therefore the certificate: every (request, policy) pair appears once and every policy is evaluated
+on the same set of requests.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from certkv.core.policy_names import REFERENCE_POLICY, parse_policy_name
+from certkv.errors import CertkvError
+
+REQUIRED_COLUMNS = ("request_id", "policy", "kv_retained", "loss")
+OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", "agreement_drop", "certificate_max")
+
+
+@dataclass(frozen=True)
+class GatedRow:
+    """How a gated row of a table was derived (by :func:`certkv.core.gated.expand_gated`): from
+    `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`);
+    `gated_count` of the table's requests went to the full cache (`gated_share` of them)."""
+
+    base_policy: str
+    agreement_drop: float | None
+    certificate: float | None
+    gated_count: int
+    gated_share: float
+
+
+@dataclass(frozen=True, eq=False)
+class LossTable:
+    """Losses of P candidate policies on the same R requests.
+
+    Matrices are indexed ``[policy, request]``. ``request_ids`` are sorted (canonical order);
+    ``policies`` keep the order in which they first appear in the input. Gate signals:
+    ``agreement_drop`` has shape (R,) and ``certificate_max`` shape (P, R), NaN where absent (None
+    when the table was built without them). ``gated`` maps each derived gated policy to how it
+    was derived; it is empty for a table read from records.
+    """
+
+    request_ids: tuple[str, ...]
+    policies: tuple[str, ...]
+    press: tuple[str, ...]
+    kv_retained: np.ndarray
+    loss: np.ndarray
+    memory: np.ndarray
+    kv_retained_actual: np.ndarray | None
+    tasks: tuple[str | None, ...] | None
+    source: str = "records"
+    agreement_drop: np.ndarray | None = None
+    certificate_max: np.ndarray | None = None
+    gated: Mapping[str, GatedRow] = field(default_factory=dict)
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.request_ids)
+
+    def index_of(self, policy: str) -> int:
+        """Row of ``policy``; a one-line error names the available policies when it is absent."""
+        try:
+            return self._index[policy]
+        except KeyError:
+            raise CertkvError(
+                f"{self.source}: no records for policy {policy!r}; policies present: "
+                f"{_preview(self.policies)}"
+            ) from None
+
+    @property
+    def _index(self) -> dict[str, int]:
+        cached = self.__dict__.get("_index_cache")
+        if cached is None:
+            cached = {p: i for i, p in enumerate(self.policies)}
+            object.__setattr__(self, "_index_cache", cached)
+        return cached
+
+    def __contains__(self, policy: object) -> bool:
+        return policy in self._index
+
+    @classmethod
+    def from_records(cls, records: Iterable[Mapping], *, source: str = "records") -> "LossTable":
+        """Build from dicts (the calibration store's rows); extra keys are ignored."""
+        rows = records if isinstance(records, list) else list(records)
+        return _build(_columns_from_mappings(rows, source, _record_where), source, _record_where)
+
+    @classmethod
+    def read(cls, path) -> "LossTable":
+        """Read a ``.csv`` or ``.jsonl`` loss table."""
+        return read_loss_table(path)
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def read_loss_table(path) -> LossTable:
+    """Read a CSV or JSONL loss table, choosing the format from the file suffix."""
+    path = Path(path)
+    if not path.is_file():
+        raise CertkvError(f"loss table not found: {path}; check the path or export the store first")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return read_csv(path)
+    if suffix in (".jsonl", ".ndjson"):
+        return read_jsonl(path)
+    raise CertkvError(f"{path}: unknown loss-table format {suffix!r}; use a .csv or .jsonl file")
+
+
+def read_csv(path) -> LossTable:
+    """Read a CSV loss table with a header row; empty optional cells count as absent."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise CertkvError(f"loss table not found: {path}; check the path or export the store first")
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        header = reader.fieldnames or []
+        for column in REQUIRED_COLUMNS:
+            if column not in header:
+                raise CertkvError(
+                    f"{source}: missing column {column!r} (columns found: "
+                    f"{', '.join(header) or 'none'}); a loss table needs "
+                    f"{', '.join(REQUIRED_COLUMNS)}"
+                )
+        rows, lines = [], []
+        for row in reader:
+            rows.append(row)
+            lines.append(reader.line_num)
+    where = _line_where(lines)
+    columns = _columns_from_mappings(rows, source, where, blank_is_missing=True)
+    return _build(columns, source, where)
+
+
+def read_jsonl(path) -> LossTable:
+    """Read a JSONL loss table: one JSON object per line; blank lines are skipped."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise CertkvError(f"loss table not found: {path}; check the path or export the store first")
+    rows, lines = [], []
+    with open(path, encoding="utf-8") as fh:
+        for number, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise CertkvError(f"{source}: line {number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise CertkvError(f"{source}: line {number}: expected a JSON object per line")
+            rows.append(row)
+            lines.append(number)
+    where = _line_where(lines)
+    return _build(_columns_from_mappings(rows, source, where), source, where)
+
+
+def as_loss_table(records) -> LossTable:
+    """Accept a LossTable, a path to a CSV/JSONL file, or an iterable of record dicts."""
+    if isinstance(records, LossTable):
+        return records
+    if isinstance(records, (str, os.PathLike)):
+        return read_loss_table(records)
+    if isinstance(records, Iterable) and not isinstance(records, (bytes, Mapping)):
+        return LossTable.from_records(records)
+    raise CertkvError(
+        f"records must be a LossTable, a CSV/JSONL path or a list of dicts, "
+        f"got {type(records).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------- hashing
+
+
+def records_sha256(table) -> str:
+    """SHA-256 of a canonical serialisation of the table, sorted by (request_id, policy).
+
+    Independent of the input's row order and file format, so the same calibration evidence always
+    hashes the same; any change to a loss, a memory value, a task or the request set changes it.
+    The reference rows (policy ``full``) carry no certification evidence and are not part of it.
+    Gated rows are derived from the others (and the contract, hashed separately) and are left
+    out, so a table hashes the same before and after :func:`certkv.core.gated.expand_gated`; the gate
+    signals are part of it when the table has any (a table without them hashes as it always did).
+    """
+    table = as_loss_table(table)
+    order = sorted((i for i, p in enumerate(table.policies) if p not in table.gated),
+                   key=lambda i: table.policies[i])
+    header = {
+        "format": "certkv-loss-table-v1",
+        "request_ids": list(table.request_ids),
+        "tasks": list(table.tasks) if table.tasks is not None else None,
+        "policies": [table.policies[i] for i in order],
+        "press": [table.press[i] for i in order],
+        "kv_retained": [float(table.kv_retained[i]) for i in order],
+    }
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode("utf-8"))
+    # (request, policy) order: transpose the policy-sorted matrices. Adding 0.0 maps -0.0 to 0.0.
+    for matrix in (table.loss, table.memory, table.kv_retained_actual):
+        if matrix is None:
+            digest.update(b"none")
+            continue
+        block = np.ascontiguousarray(matrix[order].T + 0.0, dtype="<f8")
+        digest.update(block.tobytes())
+    drop, cert = table.agreement_drop, table.certificate_max
+    if cert is not None:
+        cert = cert[order]
+    if _has_values(drop) or _has_values(cert):
+        for name, values in (("agreement_drop", drop), ("certificate_max", cert)):
+            digest.update(name.encode("ascii"))
+            if _has_values(values):
+                block = np.ascontiguousarray(np.atleast_2d(values).T + 0.0, dtype="<f8")
+                digest.update(block.tobytes())
+    return digest.hexdigest()
+
+
+def _has_values(values) -> bool:
+    return values is not None and bool((~np.isnan(values)).any())
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _record_where(i: int) -> str:
+    return f"record {i + 1}"
+
+
+def _line_where(lines: Sequence[int]):
+    return lambda i: f"line {lines[i]}"
+
+
+def _preview(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in list(names)[:limit])
+    more = len(names) - limit
+    return shown + (f" and {more} more" if more > 0 else "") if names else "none"
+
+
+def _columns_from_mappings(rows, source: str, where, *, blank_is_missing: bool = False):
+    """Pull each known column out of the rows as a list; required ones must be in every row."""
+    if not rows:
+        raise CertkvError(f"{source}: the loss table has no rows")
+    columns = {}
+    for column in REQUIRED_COLUMNS:
+        try:
+            columns[column] = list(map(itemgetter(column), rows))
+        except KeyError:
+            bad = next(i for i, row in enumerate(rows) if column not in row)
+            raise CertkvError(
+                f"{source}: {where(bad)}: missing column {column!r}; a loss table needs "
+                f"{', '.join(REQUIRED_COLUMNS)}"
+            ) from None
+        except TypeError:
+            bad = next(i for i, row in enumerate(rows) if not isinstance(row, Mapping))
+            raise CertkvError(f"{source}: {where(bad)}: expected a mapping of column to value")
+    for column in OPTIONAL_COLUMNS:
+        values = [row.get(column) for row in rows]
+        if blank_is_missing and "" in values:
+            values = [None if v == "" else v for v in values]
+        columns[column] = None if values.count(None) == len(values) else values
+    return columns
+
+
+def _strings(values: list, column: str, source: str, where) -> list[str]:
+    """Identifiers as strings; a missing or empty identifier is an error naming the row."""
+    # Checked on the distinct values first: a fast path for the usual, valid table.
+    out = list(map(str, values))
+    if None in values or any(not text.strip() for text in set(out)):
+        bad = next(i for i, (raw, text) in enumerate(zip(values, out))
+                   if raw is None or not text.strip())
+        raise CertkvError(f"{source}: {where(bad)}: {column} is empty; give every row a {column}")
+    return out
+
+
+def _floats(values: list, column: str, source: str, where, *, optional: bool = False):
+    """Numbers as a float array; NaN marks a missing optional value, never a required one."""
+    try:
+        array = np.asarray(values, dtype=float)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.shape != (len(values),):
+        for i, value in enumerate(values):
+            if optional and value is None:
+                continue
+            try:
+                float(value)
+            except (TypeError, ValueError):
+                raise CertkvError(
+                    f"{source}: {where(i)}: {column} {value!r} is not a number"
+                ) from None
+        array = np.array([np.nan if v is None else float(v) for v in values], dtype=float)
+    if not optional:
+        bad = np.flatnonzero(~np.isfinite(array))
+        if bad.size:
+            i = int(bad[0])
+            raise CertkvError(
+                f"{source}: {where(i)}: {column} {values[i]!r} is not a finite number"
+            )
+    elif np.isinf(array).any():
+        i = int(np.flatnonzero(np.isinf(array))[0])
+        raise CertkvError(f"{source}: {where(i)}: {column} {values[i]!r} is not a finite number")
+    return array
+
+
+def _check_range(array, rows, column, low, high, source, where, *, low_open: bool) -> None:
+    """Values of ``array`` (indexed by original row numbers ``rows``) within [low or (low, high]."""
+    below = array <= low if low_open else array < low
+    bad = np.flatnonzero((below | (array > high)) & ~np.isnan(array))
+    if bad.size:
+        i = int(bad[0])
+        interval = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        raise CertkvError(
+            f"{source}: {where(int(rows[i]))}: {column} {float(array[i])!r} is outside "
+            f"{interval}; it is a fraction of the KV cache"
+        )
+
+
+def _codes(values: Sequence[str], mapping: dict[str, int]) -> np.ndarray:
+    """Integer codes of ``values``, filling the empty ``mapping`` in first-seen order."""
+    mapping.update((v, i) for i, v in enumerate(dict.fromkeys(values)))
+    return np.fromiter(map(mapping.__getitem__, values), dtype=np.int64, count=len(values))
+
+
+def _build(columns: dict, source: str, where) -> LossTable:
+    """Validate the columns and scatter them into dense (policy × request) matrices."""
+    request_ids = _strings(columns["request_id"], "request_id", source, where)
+    policy_names = _strings(columns["policy"], "policy", source, where)
+
+    universe = sorted(set(request_ids))
+    request_map = {r: i for i, r in enumerate(universe)}
+    request_codes = np.fromiter(
+        map(request_map.__getitem__, request_ids), dtype=np.int64, count=len(request_ids)
+    )
+    tasks = _request_tasks(columns["task"], request_codes, universe, source, where)
+
+    keep = np.fromiter(map(REFERENCE_POLICY.__ne__, policy_names), dtype=bool,
+                       count=len(policy_names))
+    rows = np.flatnonzero(keep)
+    if rows.size == 0:
+        raise CertkvError(f"{source}: only reference rows (policy 'full'); add candidate rows")
+    row_list = rows.tolist()
+
+    def pick(values):
+        return [values[i] for i in row_list] if rows.size != len(keep) else values
+
+    cand_where = lambda i: where(int(rows[i]))  # noqa: E731 - errors name the original row
+    loss = _floats(pick(columns["loss"]), "loss", source, cand_where)
+    kv = _floats(pick(columns["kv_retained"]), "kv_retained", source, cand_where)
+    _check_range(kv, rows, "kv_retained", 0.0, 1.0, source, where, low_open=True)
+    memory = kv
+    if columns["memory"] is not None:
+        memory = _floats(pick(columns["memory"]), "memory", source, cand_where, optional=True)
+        _check_range(memory, rows, "memory", 0.0, 1.0, source, where, low_open=False)
+        memory = np.where(np.isnan(memory), kv, memory)
+    actual = None
+    if columns["kv_retained_actual"] is not None:
+        actual = _floats(pick(columns["kv_retained_actual"]), "kv_retained_actual", source,
+                         cand_where, optional=True)
+        _check_range(actual, rows, "kv_retained_actual", 0.0, 1.0, source, where, low_open=False)
+
+    certificate = None
+    if columns["certificate_max"] is not None:
+        certificate = _floats(pick(columns["certificate_max"]), "certificate_max", source, cand_where,
+                              optional=True)
+        negative = np.flatnonzero(certificate < 0)
+        if negative.size:
+            i = int(negative[0])
+            raise CertkvError(
+                f"{source}: {where(int(rows[i]))}: certificate_max {float(certificate[i])!r} is negative; "
+                "a certificate is a standard deviation (≥ 0)"
+            )
+    drop = _request_drops(columns["agreement_drop"], request_codes, universe, source, where)
+
+    policy_map: dict[str, int] = {}
+    pol = _codes(pick(policy_names), policy_map)
+    req = request_codes[rows]
+    policies = tuple(policy_map)
+    n_pol, n_req = len(policies), len(universe)
+    _check_unique_pairs(pol, req, n_req, rows, policies, universe, source, where)
+    _check_complete(pol, req, n_pol, n_req, policies, universe, source)
+
+    def dense(values):
+        out = np.empty((n_pol, n_req), dtype=float)
+        out[pol, req] = values
+        return out
+
+    cert_dense = np.full((n_pol, n_req), np.nan) if certificate is None else dense(certificate)
+
+    press_names = _press_names(columns["press"], pick, policy_names, source, cand_where)
+    press_map: dict[str, int] = {}
+    press_dense = dense(_codes(press_names, press_map))
+    kv_dense = dense(kv)
+    _check_constant(kv_dense, "kv_retained", policies, source)
+    _check_constant(press_dense, "press", policies, source)
+    press_list = list(press_map)
+    return LossTable(
+        request_ids=tuple(universe),
+        policies=policies,
+        press=tuple(press_list[int(c)] for c in press_dense[:, 0]),
+        kv_retained=kv_dense[:, 0].copy(),
+        loss=dense(loss),
+        memory=dense(memory),
+        kv_retained_actual=None if actual is None else dense(actual),
+        tasks=tasks,
+        source=source,
+        agreement_drop=drop,
+        certificate_max=cert_dense,
+    )
+
+
+def _request_drops(values, request_codes, universe, source, where) -> np.ndarray:
+    """The agreement drop of each request (NaN where no row has one); rows of one request that
+    disagree are an error, since the drop is a property of the request, not of a candidate."""
+    n_req = len(universe)
+    if values is None:
+        return np.full(n_req, np.nan)
+    drops = _floats(values, "agreement_drop", source, where, optional=True)
+    has = ~np.isnan(drops)
+    low = np.full(n_req, np.inf)
+    high = np.full(n_req, -np.inf)
+    np.minimum.at(low, request_codes[has], drops[has])
+    np.maximum.at(high, request_codes[has], drops[has])
+    conflict = np.flatnonzero(np.isfinite(low) & (low != high))
+    if conflict.size:
+        r = int(conflict[0])
+        rows_of_r = np.flatnonzero((request_codes == r) & has)
+        first = int(rows_of_r[0])
+        other = int(rows_of_r[np.flatnonzero(drops[rows_of_r] != drops[first])[0]])
+        raise CertkvError(
+            f"{source}: request {universe[r]!r} has different agreement_drop values "
+            f"({drops[first]!r} at {where(first)}, {drops[other]!r} at {where(other)}); the drop is "
+            "one value per request, identical on every row of it"
+        )
+    return np.where(np.isfinite(low), low, np.nan)
+
+
+def _press_names(values, pick, policy_names, source, where) -> list[str]:
+    """The press of each candidate row: the column when given, else the part before '@'."""
+    names = pick(policy_names)
+    prefix = {p: parse_policy_name(p).display for p in set(names)}
+    derived = list(map(prefix.__getitem__, names))
+    if values is None:
+        return derived
+    given = pick(values)
+    return [d if v is None else str(v) for v, d in zip(given, derived)]
+
+
+def _request_tasks(values, request_codes, universe, source, where):
+    """One task per request (from any of its rows); conflicting tasks are an error."""
+    if values is None:
+        return None
+    present = [v for v in dict.fromkeys(values) if v is not None]
+    task_map = {v: i for i, v in enumerate(present)}
+    codes = np.fromiter(map(task_map.get, values, repeat(-1)), dtype=np.int64,
+                        count=len(values))
+    has = codes >= 0
+    n_req = len(universe)
+    low = np.full(n_req, np.iinfo(np.int64).max)
+    high = np.full(n_req, -1)
+    np.minimum.at(low, request_codes[has], codes[has])
+    np.maximum.at(high, request_codes[has], codes[has])
+    conflict = np.flatnonzero((high >= 0) & (low != high))
+    if conflict.size:
+        r = int(conflict[0])
+        rows_of_r = np.flatnonzero((request_codes == r) & has)
+        row = int(rows_of_r[np.flatnonzero(codes[rows_of_r] != codes[rows_of_r[0]])[0]])
+        raise CertkvError(
+            f"{source}: {where(row)}: request {universe[r]!r} has rows with different tasks; "
+            "give each request a single task"
+        )
+    names = [str(v) for v in task_map]
+    return tuple(names[int(c)] if c >= 0 else None for c in high)
+
+
+def _check_unique_pairs(pol, req, n_req, rows, policies, universe, source, where) -> None:
+    """Each (request_id, policy) pair must appear once; a duplicate would inflate n."""
+    flat = pol * n_req + req
+    counts = np.bincount(flat, minlength=len(policies) * n_req)
+    if counts.max() > 1:
+        key = int(np.flatnonzero(counts > 1)[0])
+        first, second = np.flatnonzero(flat == key)[:2]
+        raise CertkvError(
+            f"{source}: duplicate row for request {universe[key % n_req]!r} and policy "
+            f"{policies[key // n_req]!r} ({where(int(rows[first]))} and "
+            f"{where(int(rows[second]))}); keep one row per (request_id, policy)"
+        )
+
+
+def _check_complete(pol, req, n_pol, n_req, policies, universe, source) -> None:
+    """Every policy must be evaluated on every request of the table (the same request set)."""
+    per_policy = np.bincount(pol, minlength=n_pol)
+    short = np.flatnonzero(per_policy < n_req)
+    if short.size:
+        p = int(short[0])
+        covered = np.zeros(n_req, dtype=bool)
+        covered[req[pol == p]] = True
+        example = universe[int(np.flatnonzero(~covered)[0])]
+        others = f" ({short.size - 1} other policies are incomplete too)" if short.size > 1 else ""
+        raise CertkvError(
+            f"{source}: policy {policies[p]!r} is missing {n_req - int(per_policy[p])} of "
+            f"{n_req} requests (e.g. {example!r}){others}; every policy must be evaluated on the "
+            "same requests"
+        )
+
+
+def _check_constant(dense: np.ndarray, column: str, policies, source) -> None:
+    """A policy has one nominal kv_retained and one press; differing rows are an input error."""
+    varies = np.flatnonzero(dense.max(axis=1) != dense.min(axis=1))
+    if varies.size:
+        raise CertkvError(
+            f"{source}: policy {policies[int(varies[0])]!r} has rows with different {column} "
+            "values; give each policy a single " + column
+        )
+
+
+__all__ = [
+    "GatedRow",
+    "LossTable",
+    "OPTIONAL_COLUMNS",
+    "REQUIRED_COLUMNS",
+    "as_loss_table",
+    "read_csv",
+    "read_jsonl",
+    "read_loss_table",
+    "records_sha256",
+]

@@ -1,0 +1,128 @@
+"""Loading causal LMs: the embedded model, a local folder, or a Hugging Face id.
+
+All three load through the same `transformers` Auto classes. The embedded model ships inside the
+package (``certkv/embedded``), so ``load_model("embedded")`` never touches the network. A hub id is
+first looked up in the local Hugging Face cache; when it is not there and cannot be downloaded the
+caller gets one line saying so instead of a stack of HTTP errors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from certkv.errors import CertkvError
+from certkv.model.embedded_tokenizer import EMBEDDED_DIR
+
+EMBEDDED = "embedded"
+
+
+def resolve_device(device: str = "auto") -> str:
+    """`auto` means CUDA when present, else CPU; anything else is checked and passed through."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CertkvError(f"device {device!r} was asked for but CUDA is not available; use device: cpu or auto")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise CertkvError(f"unknown device {device!r}; use auto, cpu or cuda[:N]")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str):
+    """`auto` means bfloat16 on CUDA and float32 on CPU (CPU half precision is slow and inexact)."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise CertkvError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def _source(name_or_path: str) -> tuple[str, bool]:
+    """Return (what to pass to from_pretrained, whether it is a local folder)."""
+    if name_or_path == EMBEDDED:
+        if not (EMBEDDED_DIR / "model.safetensors").is_file():
+            raise CertkvError(
+                f"the embedded model's weights are missing from {EMBEDDED_DIR}; reinstall certkv "
+                "or train them with `python tools/train_embedded.py`"
+            )
+        return str(EMBEDDED_DIR), True
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise CertkvError(f"model folder {path} has no config.json; point to a saved Hugging Face model folder")
+        return str(path), True
+    return name_or_path, False
+
+
+def model_fingerprint(name_or_path: str = EMBEDDED) -> str:
+    """A short identity of a model's weights, without loading them.
+
+    Local folders (the embedded model included): sha256 over config.json and every weight file's
+    name and content (size and name only past 1 GB in total, to keep resuming cheap). Hub ids: the
+    id and the cached snapshot's commit when one is cached.
+    """
+    import hashlib
+
+    source, local = _source(name_or_path)
+    if not local:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name_or_path, "config.json")
+        except Exception:  # noqa: BLE001 - a fingerprint must never stop a run
+            cached = None
+        revision = Path(cached).parent.name if isinstance(cached, str) else "not-cached"
+        return f"{name_or_path}@{revision}"
+    folder = Path(source)
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+    hash_content = sum(p.stat().st_size for p in weights) <= 1 << 30
+    for p in weights:
+        digest.update(p.name.encode())
+        digest.update(p.read_bytes() if hash_content else str(p.stat().st_size).encode())
+    return f"{name_or_path}#{digest.hexdigest()[:16]}"
+
+
+def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"):
+    """Load `(model, tokenizer)` for a causal LM, in eval mode (sdpa attention unless asked otherwise).
+
+    `name_or_path` is ``"embedded"``, a local folder, or a Hugging Face id.
+    """
+    import torch  # noqa: F401  (imported for its side effect of being ready before transformers)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, local = _source(name_or_path)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    kwargs = {"local_files_only": True} if (local or offline) else {}
+    from transformers.utils import logging as hf_logging
+
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a weight-loading bar per call would drown certkv's own output
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=attn_implementation, **kwargs
+        )
+    except OSError as exc:
+        if local:
+            raise CertkvError(f"could not load the model in {source}: {exc}") from None
+        where = "offline (HF_HUB_OFFLINE is set)" if offline else "offline and could not be downloaded"
+        raise CertkvError(
+            f"model {name_or_path!r} is not available {where}; download it first "
+            f"(`hf download {name_or_path}`) or pass a local folder"
+        ) from None
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
+    model.to(device)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

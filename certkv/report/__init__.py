@@ -1,0 +1,1 @@
+"""Presentation: what a certificate means in words, figures and one self-contained HTML page."""

@@ -1,0 +1,186 @@
+"""Built-in long-context retrieval tasks in the spirit of RULER.
+
+Every task writes a context of about `context_length` embedded-tokenizer tokens (never more) and
+questions whose answers appear in that context. As in RULER, each question ends with an answer
+prefix that restates the asked record up to its value ("Answer: The magic number for apple is"),
+so the answer is what followed the same words in the context. Generation is deterministic: a request depends
+only on (task, seed, index, context_length). The texts use only the closed vocabulary of
+:mod:`certkv.requests.vocabulary`, so the embedded model can read every word; any other tokenizer reads them
+as plain English.
+
+Tasks:
+- ``single_needle``: one record hidden in filler sentences.
+- ``multi_key``: many records with distinct keys among filler; the question names one key.
+- ``multi_value``: like multi_key, but the asked key has two records; answer both values in order.
+- ``variable_tracking``: chains of assignments ``VAR b = a.``; ask the value at the end of a chain.
+- ``dilution``: the asked code is split in two parts stored in separate records.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from certkv.requests.vocabulary import KEY_WORDS, count_tokens
+
+FILLER = [
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+]
+
+MIN_CONTEXT = 64
+MAX_CONTEXT = 2048
+
+
+@dataclass
+class Sample:
+    """One context and every question it can answer (the generator picks one per request)."""
+
+    units: list[str]
+    qa: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def context(self) -> str:
+        return " ".join(self.units)
+
+
+def _value(rng: random.Random, digits: int = 4) -> str:
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+
+
+def _record(key: str, value: str) -> str:
+    return f"The magic number for {key} is {value}."
+
+
+def _question(key: str) -> str:
+    return f"Question: What is the magic number for {key}? Answer: The magic number for {key} is"
+
+
+def _fill(rng: random.Random, units: list[str], budget: int) -> list[str]:
+    """Scatter `units` (in order) among filler sentences so the total stays within `budget`."""
+    used = sum(count_tokens(u) for u in units)
+    if used > budget:
+        raise ValueError("records do not fit in the context length")
+    filler = []
+    while True:
+        sentence = rng.choice(FILLER)
+        cost = count_tokens(sentence)
+        if used + cost > budget:
+            break
+        filler.append(sentence)
+        used += cost
+    # Interleave: choose insertion slots for the units among the filler, keeping their order.
+    slots = sorted(rng.randint(0, len(filler)) for _ in units)
+    out: list[str] = []
+    j = 0
+    for i in range(len(filler) + 1):
+        while j < len(units) and slots[j] == i:
+            out.append(units[j])
+            j += 1
+        if i < len(filler):
+            out.append(filler[i])
+    return out
+
+
+def _n_records(context_length: int, tokens_per_record: int, share: float, cap: int) -> int:
+    return max(1, min(cap, int(context_length * share) // tokens_per_record))
+
+
+def single_needle(rng: random.Random, context_length: int) -> Sample:
+    key, value = rng.choice(KEY_WORDS), _value(rng)
+    return Sample(_fill(rng, [_record(key, value)], context_length), [(_question(key), value)])
+
+
+def multi_key(rng: random.Random, context_length: int, share: float = 0.6, lookalike: bool = False) -> Sample:
+    """`share` of the context goes to records, the rest to filler (training uses denser contexts).
+
+    With `lookalike`, the values look alike: all start with one of two 2-digit prefixes, or all are
+    anagrams of the same four digits, or all share their first and third digits (training uses
+    them: a model that copies each digit from whatever followed the same digit at the same place
+    in another value, ignoring the asked key, then fails on most answers instead of a few)."""
+    n = _n_records(context_length, 12, share, cap=80)
+    keys = rng.sample(KEY_WORDS, n)
+    kind = rng.randrange(3) if lookalike else None
+    if kind == 0:
+        prefixes = [_value(rng, 2) for _ in range(2)]
+        values = [rng.choice(prefixes) + f"{rng.randrange(100):02d}" for _ in keys]
+    elif kind == 1:
+        digits = rng.sample("123456789", 4)
+        values = ["".join(rng.sample(digits, 4)) for _ in keys]
+    elif kind == 2:
+        first, third = rng.choice("123456789"), rng.choice("0123456789")
+        values = [f"{first}{rng.randrange(10)}{third}{rng.randrange(10)}" for _ in keys]
+    else:
+        values = [_value(rng) for _ in keys]
+    units = [_record(k, v) for k, v in zip(keys, values)]
+    return Sample(_fill(rng, units, context_length), [(_question(k), v) for k, v in zip(keys, values)])
+
+
+def multi_value(rng: random.Random, context_length: int) -> Sample:
+    n = max(2, _n_records(context_length, 12, 0.6, cap=80))
+    keys = rng.sample(KEY_WORDS, n - 1)
+    asked = keys[0]
+    pairs = [(k, _value(rng)) for k in keys] + [(asked, _value(rng))]
+    rng.shuffle(pairs)
+    answer = " ".join(v for k, v in pairs if k == asked)
+    question = f"Question: What are all the magic numbers for {asked}? Answer: The magic numbers for {asked} are"
+    return Sample(_fill(rng, [_record(k, v) for k, v in pairs], context_length), [(question, answer)])
+
+
+def variable_tracking(rng: random.Random, context_length: int, hops: int = 2) -> Sample:
+    per_chain = count_tokens("VAR apple = 1234.") + hops * count_tokens("VAR apple = stone.")
+    n_chains = _n_records(context_length, per_chain, 0.6, cap=len(KEY_WORDS) // (hops + 1))
+    names = rng.sample(KEY_WORDS, n_chains * (hops + 1))
+    chains = [names[i * (hops + 1) : (i + 1) * (hops + 1)] for i in range(n_chains)]
+    statements: list[list[str]] = []
+    qa = []
+    for chain in chains:
+        value = _value(rng)
+        lines = [f"VAR {chain[0]} = {value}."]
+        lines += [f"VAR {b} = {a}." for a, b in zip(chain, chain[1:])]
+        statements.append(lines)
+        qa.append((f"Question: What is the value of {chain[-1]}? Answer: The value of {chain[-1]} is", value))
+    # Interleave chains while keeping each chain's statements in order.
+    order = [i for i, lines in enumerate(statements) for _ in lines]
+    rng.shuffle(order)
+    cursors = [0] * len(statements)
+    units = []
+    for i in order:
+        units.append(statements[i][cursors[i]])
+        cursors[i] += 1
+    return Sample(_fill(rng, units, context_length), qa)
+
+
+def dilution(rng: random.Random, context_length: int) -> Sample:
+    per_key = 2 * count_tokens("The first part of the code for apple is 12.")
+    n = _n_records(context_length, per_key, 0.6, cap=60)
+    keys = rng.sample(KEY_WORDS, n)
+    units, qa = [], []
+    for key in keys:
+        first, second = _value(rng, 2), _value(rng, 2)
+        units.append(f"The first part of the code for {key} is {first}.")
+        units.append(f"The second part of the code for {key} is {second}.")
+        qa.append((f"Question: What is the code for {key}? Answer: The code for {key} is", first + second))
+    rng.shuffle(units)
+    return Sample(_fill(rng, units, context_length), qa)
+
+
+TASKS: dict[str, Callable[[random.Random, int], Sample]] = {
+    "single_needle": single_needle,
+    "multi_key": multi_key,
+    "multi_value": multi_value,
+    "variable_tracking": variable_tracking,
+    "dilution": dilution,
+}
+
+# Named mixtures. `demo` holds only the tasks the embedded model answers with full-KV exact match
+# >= 0.90 (see the README's accuracy table), so that degradation comes from eviction, not from the
+# model: single-needle and multi-key (multi-value, variable tracking and dilution are not learned).
+MIXES: dict[str, dict[str, float]] = {
+    "all": {name: 1.0 for name in TASKS},
+    "demo": {"single_needle": 1.0, "multi_key": 1.0},
+}

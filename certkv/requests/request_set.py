@@ -1,0 +1,147 @@
+"""Calibration requests: the record type, the built-in generator and JSONL input/output.
+
+A request is ``{id, task, context, question, answers}``. Request sets are JSONL files (one request
+per line) or ``builtin:<mix>`` specifications generated on the fly from a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from certkv.atomic_io import atomic_write
+from certkv.errors import CertkvError, format_validation_error
+from certkv.requests.builtin_tasks import MAX_CONTEXT, MIN_CONTEXT, MIXES, TASKS
+
+
+class Request(BaseModel):
+    """One calibration request; `answers` lists every acceptable answer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    task: str = "unknown"
+    context: str
+    question: str
+    answers: list[str]
+
+
+def parse_mix(spec: str) -> dict[str, float]:
+    """Parse a mix: a named mix (`demo`, `all`), a task name, or `task=weight,task=weight`."""
+    spec = spec.strip()
+    if spec in MIXES:
+        return dict(MIXES[spec])
+    weights: dict[str, float] = {}
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition("=")
+        name = name.strip()
+        if name not in TASKS:
+            known = ", ".join([*MIXES, *TASKS])
+            raise CertkvError(f"unknown task or mix {name!r} in {spec!r}; use one of: {known}")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise CertkvError(f"weight {weight!r} of task {name!r} is not a number") from None
+        if w <= 0:
+            raise CertkvError(f"weight of task {name!r} must be positive, got {w}")
+        weights[name] = w
+    return weights
+
+
+def parse_context_length(spec: str | int) -> tuple[int, int]:
+    """Parse `512` or `256-512` into an inclusive (low, high) range within the supported span."""
+    text = str(spec).strip()
+    low_text, sep, high_text = text.partition("-")
+    try:
+        low = int(low_text)
+        high = int(high_text) if sep else low
+    except ValueError:
+        raise CertkvError(f"context length {text!r} must be an integer or a range like 256-512") from None
+    if not (MIN_CONTEXT <= low <= high <= MAX_CONTEXT):
+        raise CertkvError(
+            f"context length {text!r} must lie within {MIN_CONTEXT}-{MAX_CONTEXT} tokens, low <= high"
+        )
+    return low, high
+
+
+def generate_requests(
+    mix: str | dict[str, float], n: int, seed: int, context_length: str | int | tuple[int, int]
+) -> list[Request]:
+    """Generate `n` requests deterministically from `seed`.
+
+    The task of request i is drawn from the mix's weights, its context length uniformly from the
+    range; request i depends only on (seed, i), so a larger `n` extends a smaller set.
+    """
+    weights = parse_mix(mix) if isinstance(mix, str) else dict(mix)
+    low, high = context_length if isinstance(context_length, tuple) else parse_context_length(context_length)
+    if n < 1:
+        raise CertkvError(f"--n must be at least 1, got {n}")
+    names = sorted(weights)
+    out = []
+    for i in range(n):
+        rng = random.Random(f"certkv/{seed}/{i}")
+        task = rng.choices(names, weights=[weights[t] for t in names])[0]
+        length = rng.randint(low, high)
+        sample = TASKS[task](rng, length)
+        question, answer = rng.choice(sample.qa)
+        out.append(
+            Request(id=f"{task}-s{seed}-{i:06d}", task=task, context=sample.context, question=question, answers=[answer])
+        )
+    return out
+
+
+def write_jsonl(requests: Iterable[Request], path: Path) -> int:
+    """Write requests to `path` atomically (temp file + rename); return how many."""
+    count = 0
+    with atomic_write(path) as fh:
+        for r in requests:
+            fh.write(json.dumps(r.model_dump(), ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def read_jsonl(path: Path) -> list[Request]:
+    """Read a JSONL request file; any malformed line is a one-line error naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise CertkvError(f"request file {path} does not exist; check the path or generate it with `certkv generate`")
+    out = []
+    seen: set[str] = set()
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CertkvError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(data, dict):
+                raise CertkvError(f"{path}:{lineno}: expected a JSON object with id, context, question, answers")
+            try:
+                req = Request.model_validate(data)
+            except ValidationError as exc:
+                raise CertkvError(format_validation_error(exc, f"{path}:{lineno}")) from None
+            if req.id in seen:
+                raise CertkvError(f"{path}:{lineno}: duplicate request id {req.id!r}; ids must be unique")
+            seen.add(req.id)
+            out.append(req)
+    return out
+
+
+def load_requests(source: str, limit: int | None = None, seed: int = 0, context_length: str = "256-512") -> list[Request]:
+    """Load requests from a JSONL path or generate them from `builtin:<mix>`.
+
+    A `limit` below a file's size takes a seeded random subset (kept in file order), not the first
+    lines: files are often written task by task, and a prefix would silently change the mix.
+    """
+    if source.startswith("builtin:"):
+        return generate_requests(source.removeprefix("builtin:"), limit or 1200, seed, context_length)
+    requests = read_jsonl(Path(source))
+    if limit and limit < len(requests):
+        keep = sorted(random.Random(f"certkv-limit/{seed}").sample(range(len(requests)), limit))
+        requests = [requests[i] for i in keep]
+    return requests
