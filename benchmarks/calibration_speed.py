@@ -51,11 +51,11 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dic
     from transformers import pipeline
 
     import kvpress  # noqa: F401  (registers the kvpress pipeline)
-    from certkv.engine.engine import Candidate, Engine
+    from certkv.engine.engine import PressCandidate, Engine
     from certkv.model.generation import full_kv_answer
     from certkv.presses.registry import build_press
 
-    candidates = [Candidate(f"{p}@{kv:.2f}", build_press(p, kv), p, kv) for p in PRESSES for kv in KV]
+    candidates = [PressCandidate(f"{p}@{kv:.2f}", build_press(p, kv), p, kv) for p in PRESSES for kv in KV]
     engine = Engine(model, tokenizer, candidates, max_new_tokens=max_new_tokens)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device)
     # Warm up every path once.

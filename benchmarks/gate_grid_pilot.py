@@ -29,7 +29,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from certkv.engine.engine import Candidate, Engine
+    from certkv.engine.engine import PressCandidate, Engine
     from certkv.model.loading import load_model
     from certkv.presses.probabilistic import ProbabilisticPress
     from certkv.requests.request_set import generate_requests
@@ -42,7 +42,7 @@ def main() -> None:
     model, tok = load_model("embedded", device="cpu")
     kvs = (0.5, 0.3)
     candidates = [
-        Candidate(f"probabilistic@{kv:.2f}", ProbabilisticPress(compression_ratio=round(1 - kv, 6)), "probabilistic", kv)
+        PressCandidate(f"probabilistic@{kv:.2f}", ProbabilisticPress(compression_ratio=round(1 - kv, 6)), "probabilistic", kv)
         for kv in kvs
     ]
     engine = Engine(model, tok, candidates, agreement={})

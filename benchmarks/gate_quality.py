@@ -51,14 +51,14 @@ def signal_quality(n: int) -> dict:
     import numpy as np
     from scipy.stats import spearmanr
 
-    from certkv.engine.engine import Candidate, Engine
+    from certkv.engine.engine import PressCandidate, Engine
     from certkv.model.loading import load_model
     from certkv.presses.registry import build_press
     from certkv.requests.request_set import generate_requests
 
     model, tok = load_model("embedded", device="cpu")
     candidates = [
-        Candidate(f"{press}@{kv:.2f}", build_press(press, kv), press, kv) for press in PRESSES for kv in KVS
+        PressCandidate(f"{press}@{kv:.2f}", build_press(press, kv), press, kv) for press in PRESSES for kv in KVS
     ]
     engine = Engine(model, tok, candidates, agreement={})
     out: dict = {"seed": SEED, "requests_per_task": n, "auc_drop": {}, "auc_certificate": {}, "violations": {},

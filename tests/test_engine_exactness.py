@@ -18,7 +18,7 @@ def pipe(embedded):
 def _candidates(ratios):
     from kvpress import KnormPress, RandomPress, SnapKVPress, StreamingLLMPress, TOVAPress
 
-    from certkv.engine.engine import Candidate
+    from certkv.engine.engine import PressCandidate
 
     out = []
     for kv in ratios:
@@ -29,7 +29,7 @@ def _candidates(ratios):
             ("tova", TOVAPress, {}),
             ("random", RandomPress, {"seed": 11}),
         ]:
-            out.append(Candidate(f"{name}@{kv:.2f}", cls(compression_ratio=round(1 - kv, 6), **kwargs), name, kv))
+            out.append(PressCandidate(f"{name}@{kv:.2f}", cls(compression_ratio=round(1 - kv, 6), **kwargs), name, kv))
     return out
 
 
@@ -73,12 +73,12 @@ def test_fast_path_matches_kvpress_pipeline(embedded, pipe, monkeypatch):
 def test_non_scorer_press_takes_the_pipeline_path(embedded, pipe):
     from kvpress import AdaKVPress, SnapKVPress
 
-    from certkv.engine.engine import Candidate, Engine
+    from certkv.engine.engine import PressCandidate, Engine
     from certkv.requests.request_set import generate_requests
 
     model, tokenizer = embedded
     press = AdaKVPress(SnapKVPress(compression_ratio=0.6))
-    engine = Engine(model, tokenizer, [Candidate("adakv@0.40", press, "adakv", 0.4)], max_new_tokens=8)
+    engine = Engine(model, tokenizer, [PressCandidate("adakv@0.40", press, "adakv", 0.4)], max_new_tokens=8)
     assert engine.slow and not engine.fast
     for req in generate_requests("demo", 3, seed=5, context_length=300):
         got = engine.run(req.context, req.question).candidates[0]

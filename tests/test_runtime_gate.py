@@ -19,17 +19,17 @@ def requests():
 
 @pytest.fixture(scope="module")
 def engine_results(embedded, requests):
-    from certkv.engine.engine import Candidate, Engine
+    from certkv.engine.engine import PressCandidate, Engine
     from certkv.presses.registry import build_press
     from certkv.presses.probabilistic import DeterministicHeadPress, ProbabilisticPress
 
     model, tok = embedded
     candidates = [
-        Candidate("snapkv@0.30", build_press("snapkv", 0.3), "snapkv", 0.3),
-        Candidate("probabilistic@0.50", ProbabilisticPress(compression_ratio=0.5, seed=3), "probabilistic", 0.5),
-        Candidate("probabilistic@0.20", ProbabilisticPress(compression_ratio=0.8, seed=3), "probabilistic", 0.2),
-        Candidate("pi_one@0.40", ProbabilisticPress(compression_ratio=0.6, head_share=1.0), "probabilistic", 0.4),
-        Candidate("deterministic@0.40", DeterministicHeadPress(compression_ratio=0.6), "deterministic_head", 0.4),
+        PressCandidate("snapkv@0.30", build_press("snapkv", 0.3), "snapkv", 0.3),
+        PressCandidate("probabilistic@0.50", ProbabilisticPress(compression_ratio=0.5, seed=3), "probabilistic", 0.5),
+        PressCandidate("probabilistic@0.20", ProbabilisticPress(compression_ratio=0.8, seed=3), "probabilistic", 0.2),
+        PressCandidate("pi_one@0.40", ProbabilisticPress(compression_ratio=0.6, head_share=1.0), "probabilistic", 0.4),
+        PressCandidate("deterministic@0.40", DeterministicHeadPress(compression_ratio=0.6), "deterministic_head", 0.4),
     ]
     engine = Engine(model, tok, candidates, max_new_tokens=8, agreement={})
     return [engine.run(r.context, r.question) for r in requests]
@@ -184,13 +184,13 @@ def test_runtime_decisions_equal_the_engine_records(embedded, requests, engine_r
 
 
 def test_probabilistic_batches_split_by_memory_give_the_same_answers(embedded, requests, engine_results):
-    from certkv.engine.engine import Candidate, Engine
+    from certkv.engine.engine import PressCandidate, Engine
     from certkv.presses.probabilistic import ProbabilisticPress
 
     model, tok = embedded
     candidates = [
-        Candidate("probabilistic@0.50", ProbabilisticPress(compression_ratio=0.5, seed=3), "probabilistic", 0.5),
-        Candidate("probabilistic@0.20", ProbabilisticPress(compression_ratio=0.8, seed=3), "probabilistic", 0.2),
+        PressCandidate("probabilistic@0.50", ProbabilisticPress(compression_ratio=0.5, seed=3), "probabilistic", 0.5),
+        PressCandidate("probabilistic@0.20", ProbabilisticPress(compression_ratio=0.8, seed=3), "probabilistic", 0.2),
     ]
     engine = Engine(model, tok, candidates, max_batch_bytes=1)  # one row per batch
     for request, result in zip(requests[:3], engine_results[:3]):

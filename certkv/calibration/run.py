@@ -28,13 +28,13 @@ class CalibrationSummary:
 
 def build_candidates(contract):
     """Engine candidates (press objects) for every contract candidate, in contract order."""
-    from certkv.engine.engine import Candidate
+    from certkv.engine.engine import PressCandidate
     from certkv.presses.registry import build_press
 
     out = []
     for c in contract.candidates():
         press = build_press(c.press, c.kv_retained, c.press_kwargs)
-        out.append(Candidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained))
+        out.append(PressCandidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained))
     return out
 
 

@@ -131,7 +131,7 @@ class Protocol(_Strict):
 KvRetained = Annotated[float, Field(gt=0.0, le=1.0)]
 
 
-class Policy(_Strict):
+class CandidateSequence(_Strict):
     """One candidate sequence: a press tried at decreasing retentions, most KV first."""
 
     press: str
@@ -238,7 +238,7 @@ class Gate(_Strict):
 
 
 @dataclass(frozen=True)
-class Candidate:
+class CandidateSpec:
     """One (press, kv_retained) candidate in test order: `sequence` indexes policies, `position`
     is its place within that sequence (0 = most conservative)."""
 
@@ -252,8 +252,8 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class GatedCandidate:
-    """A gated candidate: `base_policy` (a :class:`Candidate`) with a runtime gate that sends a
+class GatedCandidateSpec:
+    """A gated candidate: `base_policy` (a :class:`CandidateSpec`) with a runtime gate that sends a
     request to the full cache when its agreement drop < `agreement_drop` or its certificate >
     `certificate` (None: that part of the gate is off). Derived from the base's records, never
     calibrated itself. `sequence`/`position` index :meth:`Contract.sequences` without `order`."""
@@ -282,7 +282,7 @@ class Contract(_Strict):
     risk: float = Field(gt=0.0, lt=1.0)
     confidence: float = Field(gt=0.0, lt=1.0)
     procedure: Procedure = "fixed_sequence"
-    policies: list[Policy] = Field(min_length=1)
+    policies: list[CandidateSequence] = Field(min_length=1)
     # One pre-registered interleaved test order of every candidate (policy names). Without it each
     # policy entry is its own sequence and the sequences share δ (Bonferroni split δ/m).
     order: list[str] | None = None
@@ -307,7 +307,7 @@ class Contract(_Strict):
 
     @field_validator("policies")
     @classmethod
-    def _check_policies(cls, policies: list[Policy]) -> list[Policy]:
+    def _check_policies(cls, policies: list[CandidateSequence]) -> list[CandidateSequence]:
         seen: dict[str, int] = {}
         kwargs_of: dict[str, tuple[int, dict[str, Any]]] = {}
         for i, p in enumerate(policies):
@@ -394,10 +394,10 @@ class Contract(_Strict):
 
         return certification_spec(self)
 
-    def candidates(self) -> list[Candidate]:
+    def candidates(self) -> list[CandidateSpec]:
         """Every candidate, sequence by sequence, each sequence in its test order."""
         return [
-            Candidate(
+            CandidateSpec(
                 policy=policy_name(p.display_name, kv),
                 press=p.press,
                 kv_retained=kv,
@@ -423,7 +423,7 @@ class Contract(_Strict):
             settings += [(t, b) for t in self.gate.agreement_drop for b in self.gate.certificate]
         return settings
 
-    def gated_candidates(self) -> list[GatedCandidate]:
+    def gated_candidates(self) -> list[GatedCandidateSpec]:
         """Every gated candidate (the base candidates are :meth:`candidates`), sequence by
         sequence in the per-entry layout of :meth:`sequences` (as without `order`)."""
         out = []
@@ -432,7 +432,7 @@ class Contract(_Strict):
             for t, b in self.gate_settings(p.press):
                 if t is not None or b is not None:
                     out += [
-                        GatedCandidate(
+                        GatedCandidateSpec(
                             policy=gated_policy_name(policy_name(p.display_name, kv), t, b),
                             base_policy=policy_name(p.display_name, kv),
                             press=p.press,

@@ -31,7 +31,7 @@ RECALIBRATE = "recalibrate with a current certkv (`certkv calibrate CONTRACT --n
 
 
 class GateSpec(Protocol):
-    """What a gated candidate needs (a contract's :class:`~certkv.contract.schema.GatedCandidate` fits)."""
+    """What a gated candidate needs (a contract's :class:`~certkv.contract.schema.GatedCandidateSpec` fits)."""
 
     policy: str
     base_policy: str

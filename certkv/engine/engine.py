@@ -26,8 +26,12 @@ class RequestNotRunnable(Exception):
 
 
 @dataclass
-class Candidate:
-    """One eviction policy to evaluate: a press object at a nominal KV fraction."""
+class PressCandidate:
+    """A built press ready to run: the engine's view of a contract candidate.
+
+    ``policy`` is the candidate's name (``snapkv@0.50``), ``press`` the press object at that
+    retention, ``press_name`` its registry name, ``kv_retained`` the nominal KV fraction.
+    """
 
     policy: str
     press: object
@@ -66,7 +70,7 @@ class Engine:
         self,
         model,
         tokenizer,
-        candidates: list[Candidate],
+        candidates: list[PressCandidate],
         max_new_tokens: int = 8,
         max_batch_bytes: int = 4 << 30,
         max_padding_bytes: int = 1 << 30,
@@ -91,7 +95,7 @@ class Engine:
             c for c in self.candidates if not is_fast_path_press(c.press) and not is_probabilistic_press(c.press)
         ]
 
-    def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[Candidate]]:
+    def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[PressCandidate]]:
         """Fast candidates grouped into padded batches, longest kept caches first.
 
         Rows are padded to the longest cache of their batch, but attention skips the padding (rows
@@ -100,8 +104,8 @@ class Engine:
         once its padding would exceed `max_padding_bytes`, or its size `max_batch_bytes`.
         """
         per_token = _bytes_per_token(cache)
-        chunks: list[list[Candidate]] = []
-        current: list[Candidate] = []
+        chunks: list[list[PressCandidate]] = []
+        current: list[PressCandidate] = []
         for c in sorted(self.fast, key=lambda c: -kept[c.policy]):
             longest = kept[current[0].policy] if current else kept[c.policy]
             size = (len(current) + 1) * (longest + reserve) * per_token
@@ -114,7 +118,7 @@ class Engine:
             chunks.append(current)
         return chunks
 
-    def _probabilistic_chunks(self, cache, width: int) -> list[list[Candidate]]:
+    def _probabilistic_chunks(self, cache, width: int) -> list[list[PressCandidate]]:
         """Probabilistic candidates in batches of at most `max_batch_bytes` (a row holds up to the
         whole context: sampled rows are padded to the widest)."""
         per_row = _bytes_per_token(cache) * width
@@ -212,7 +216,7 @@ class Engine:
         seconds["candidates_pipeline"] = time.perf_counter() - t3
         return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
 
-    def _run_pipeline(self, c: Candidate, enc, context_ids) -> CandidateAnswer:
+    def _run_pipeline(self, c: PressCandidate, enc, context_ids) -> CandidateAnswer:
         """kvpress's own path: prefill under the press's context manager, then decode."""
         import torch
         from transformers import DynamicCache
