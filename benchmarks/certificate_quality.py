@@ -53,7 +53,7 @@ class Probe:
         import torch
 
         from certkv.presses.hajek_attention import hajek_attention, layer_certificates
-        from certkv.presses.probabilistic import STATE_ATTR
+        from certkv.presses.hajek_state import STATE_ATTR
 
         q_len, k_len = query.shape[2], key.shape[2]
         if q_len == k_len:  # the prefill: remember the full context of this layer
@@ -97,7 +97,8 @@ def collect(model, tok, requests, kv: float, probe: Probe):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     from certkv.model.generation import encode_request, greedy_decode
-    from certkv.presses.probabilistic import ProbabilisticPress, clear_states
+    from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.hajek_state import clear_states
 
     AttentionInterface.register(PROBE, probe)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)

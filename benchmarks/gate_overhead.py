@@ -120,7 +120,7 @@ def hajek_without_certificate(module, query, key, value, attention_mask, dropout
     """The Hájek attention minus its certificate: what the −log π correction alone costs, so that
     the certificate's own share of a decode step can be told apart (benchmark only)."""
     from certkv.presses.hajek_attention import corrected_attention, hajek_attention
-    from certkv.presses.probabilistic import STATE_ATTR
+    from certkv.presses.hajek_state import STATE_ATTR
 
     state = getattr(module, STATE_ATTR, None)
     if state is None or state.trivial or query.shape[2] == key.shape[2]:
@@ -141,7 +141,8 @@ def decode_steps(model, cache, states, context_length: int, variant: str) -> flo
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     from certkv.presses.hajek_attention import use_hajek_attention
-    from certkv.presses.probabilistic import attention_modules, clear_states, set_state
+    from certkv.presses.probabilistic import attention_modules
+    from certkv.presses.hajek_state import clear_states, set_state
     from certkv.runtime.certified_runtime import _CertificateWatch
 
     modules = attention_modules(model)

@@ -300,7 +300,7 @@ def test_registry_names_and_import_paths():
 
 def test_register_press(monkeypatch):
     monkeypatch.setattr(press_registry, "_REGISTRY", dict(press_registry._REGISTRY))
-    press_registry.register_press("my_press", "certkv.presses.probabilistic:AttentionTimesValueNormPress")
+    press_registry.register_press("my_press", "certkv.presses.value_norm:AttentionTimesValueNormPress")
     assert press_registry.is_known_press("my_press")
     with pytest.raises(CertkvError, match="already registered"):
         press_registry.register_press("probabilistic", "x.y:Z")  # certkv's own presses are in the static table

@@ -120,7 +120,7 @@ def test_produces_certificates_is_static():
     assert not press_registry.produces_certificates("deterministic_head")
     assert not press_registry.produces_certificates("snapkv")
     assert not press_registry.produces_certificates("nope")
-    assert press_registry.press_info("deterministic_head").target == "certkv.presses.probabilistic:DeterministicHeadPress"
+    assert press_registry.press_info("deterministic_head").target == "certkv.presses.deterministic_head:DeterministicHeadPress"
     assert press_registry.press_info("probabilistic").knob == "compression_ratio"
 
 

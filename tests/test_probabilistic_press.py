@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 
 def test_inclusion_probabilities_sum_range_monotone():
-    from certkv.presses.probabilistic import inclusion_probabilities
+    from certkv.presses.poisson_selection import inclusion_probabilities
 
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(3, 50, generator=g) ** 4 * 10  # skewed: the top entries get capped
@@ -64,7 +64,7 @@ def _capped_round_by_round(s, b):
 
 
 def test_closed_form_capping_equals_capping_round_by_round():
-    from certkv.presses.probabilistic import _capped_proportional
+    from certkv.presses.poisson_selection import _capped_proportional
 
     g = torch.Generator().manual_seed(11)
     for trial in range(120):
@@ -81,7 +81,7 @@ def test_closed_form_capping_equals_capping_round_by_round():
 
 
 def test_inclusion_probabilities_zero_scores_and_bad_input():
-    from certkv.presses.probabilistic import inclusion_probabilities
+    from certkv.presses.poisson_selection import inclusion_probabilities
 
     s = torch.tensor([[0.0, 0.0, 1.0, 3.0]])
     torch.testing.assert_close(inclusion_probabilities(s, 1), torch.tensor([[0.0, 0.0, 0.25, 0.75]]))
@@ -100,13 +100,13 @@ def test_inclusion_probabilities_zero_scores_and_bad_input():
 
 
 def _selection(scores, n_kept, seed, **kw):
-    from certkv.presses.probabilistic import probabilistic_selection
+    from certkv.presses.poisson_selection import probabilistic_selection
 
     return probabilistic_selection(scores, n_kept, generator=torch.Generator().manual_seed(seed), **kw)
 
 
 def test_selection_layout():
-    from certkv.presses.probabilistic import head_priority
+    from certkv.presses.poisson_selection import head_priority
 
     scores = torch.rand(2, 3, 120, generator=torch.Generator().manual_seed(1)) - 0.2  # some negative
     sel = _selection(scores, 48, seed=3, n_sink=4, window=16, head_share=0.5)
@@ -139,7 +139,8 @@ def test_selection_layout():
 def test_select_layers_equals_each_layer_selected_alone(batch):
     """Several layers selected in one call: each layer's entries, log π and counts are those of
     its own selection with its own generator (padding aside), for any batch size."""
-    from certkv.presses.probabilistic import ProbabilisticPress, probabilistic_selection
+    from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.poisson_selection import probabilistic_selection
 
     press = ProbabilisticPress(compression_ratio=0.6, head_share=0.3, seed=5)
     g = torch.Generator().manual_seed(4)
@@ -158,7 +159,8 @@ def test_select_layers_equals_each_layer_selected_alone(batch):
 
 
 def test_pad_selection_and_widened_state():
-    from certkv.presses.probabilistic import HajekState, pad_selection
+    from certkv.presses.hajek_state import HajekState
+    from certkv.presses.poisson_selection import pad_selection
 
     sel = _selection(torch.rand(1, 2, 50, generator=torch.Generator().manual_seed(8)), 20, seed=1, head_share=0.2)
     wide = pad_selection(sel, sel.indices.shape[-1] + 3)
@@ -186,7 +188,7 @@ def test_realised_fraction_averages_to_target():
 
 
 def _fake_module(state, groups):
-    from certkv.presses.probabilistic import set_state
+    from certkv.presses.hajek_state import set_state
 
     module = SimpleNamespace(layer_idx=0, num_key_value_groups=groups, is_causal=True, training=False)
     set_state(module, state)
@@ -195,7 +197,7 @@ def _fake_module(state, groups):
 
 def test_hajek_attention_matches_explicit_computation():
     from certkv.presses.hajek_attention import hajek_attention, layer_certificates
-    from certkv.presses.probabilistic import HajekState
+    from certkv.presses.hajek_state import HajekState
 
     g = torch.Generator().manual_seed(4)
     batch, kv_heads, groups, d, ctx, new = 2, 2, 2, 4, 40, 3
@@ -265,7 +267,7 @@ def test_certificates_reduced_together_equal_each_step_reduced_alone(pending_ste
     from certkv.presses.hajek_attention import (
         CertificateTerms, certificate, corrected_attention, hajek_attention, layer_certificates,
     )
-    from certkv.presses.probabilistic import HajekState
+    from certkv.presses.hajek_state import HajekState
 
     monkeypatch.setattr(module_under_test, "PENDING_STEPS", pending_steps)
     monkeypatch.setattr(module_under_test, "PENDING_BYTES", pending_bytes)
@@ -304,7 +306,7 @@ def test_hajek_correction_is_closer_to_full_attention_than_uncorrected():
     over-weights the deterministic head. Synthetic logits: sinks carry much mass, the tail carries
     most, and the tail's values point elsewhere, so the uncorrected bias is large."""
     from certkv.presses.hajek_attention import hajek_attention, layer_certificates
-    from certkv.presses.probabilistic import HajekState
+    from certkv.presses.hajek_state import HajekState
 
     g = torch.Generator().manual_seed(6)
     k_len, d = 300, 8
@@ -377,7 +379,7 @@ def _answer(model, context, question, press=None, hajek=False, new_tokens=5):
 
     from certkv.model.generation import greedy_decode
     from certkv.presses.hajek_attention import reset_certificates, use_hajek_attention
-    from certkv.presses.probabilistic import clear_states
+    from certkv.presses.hajek_state import clear_states
 
     clear_states(model)
     cache = DynamicCache()
@@ -404,7 +406,9 @@ def _answer(model, context, question, press=None, hajek=False, new_tokens=5):
 
 def test_all_pi_one_equals_deterministic_press(tiny):
     from certkv.presses.hajek_attention import certificate_max, certificate_steps
-    from certkv.presses.probabilistic import DeterministicHeadPress, ProbabilisticPress, kept_fraction
+    from certkv.presses.deterministic_head import DeterministicHeadPress
+    from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.hajek_state import kept_fraction
 
     model, context, question = tiny
     ref_tokens, ref_logits = _answer(model, context, question, DeterministicHeadPress(compression_ratio=0.5))
@@ -424,7 +428,8 @@ def test_engine_selects_all_layers_at_once_as_the_press_prunes_layer_by_layer(ti
     from transformers import DynamicCache
 
     from certkv.engine.probabilistic_decode import selection_hooks
-    from certkv.presses.probabilistic import STATE_ATTR, ProbabilisticPress, attention_modules, clear_states
+    from certkv.presses.hajek_state import STATE_ATTR, clear_states
+    from certkv.presses.probabilistic import ProbabilisticPress, attention_modules
 
     model, context, _ = tiny
     presses = {f"p{seed}": ProbabilisticPress(compression_ratio=0.6, head_share=0.25, seed=seed) for seed in range(3)}
@@ -489,7 +494,8 @@ def test_certificate_steps_reduces_all_layers_together_as_each_alone(tiny, start
 
 def test_ratio_zero_is_the_full_cache(tiny):
     from certkv.presses.hajek_attention import certificate_steps
-    from certkv.presses.probabilistic import ProbabilisticPress, kept_fraction
+    from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.hajek_state import kept_fraction
 
     model, context, question = tiny
     full_tokens, full_logits = _answer(model, context, question)
@@ -500,7 +506,8 @@ def test_ratio_zero_is_the_full_cache(tiny):
 
 def test_sampled_tail_gives_positive_certificates_and_target_retention(tiny):
     from certkv.presses.hajek_attention import certificate_max, certificate_steps
-    from certkv.presses.probabilistic import ProbabilisticPress, attention_modules, kept_fraction
+    from certkv.presses.probabilistic import ProbabilisticPress, attention_modules
+    from certkv.presses.hajek_state import kept_fraction
 
     model, context, question = tiny
     fractions, padded_slots = [], []
@@ -552,7 +559,9 @@ def test_register_and_context_manager(tiny):
 def test_bad_parameters_raise_value_error():
     from kvpress import KnormPress
 
-    from certkv.presses.probabilistic import AttentionTimesValueNormPress, DeterministicHeadPress, ProbabilisticPress
+    from certkv.presses.value_norm import AttentionTimesValueNormPress
+    from certkv.presses.deterministic_head import DeterministicHeadPress
+    from certkv.presses.probabilistic import ProbabilisticPress
 
     for kwargs, match in (
         ({"compression_ratio": 1.0}, "compression_ratio"),
@@ -605,7 +614,7 @@ def test_imports_have_no_side_effects():
 def test_selection_refuses_tails_it_cannot_turn_into_sizes():
     """Non-finite tail scores, scores whose shift to nonnegative overflows, and a non-finite or
     negative floor raise instead of giving NaN inclusion probabilities (and an empty tail)."""
-    from certkv.presses.probabilistic import probabilistic_selection
+    from certkv.presses.poisson_selection import probabilistic_selection
 
     kw = dict(n_sink=0, window=0, head_share=0.0, generator=torch.Generator().manual_seed(0))
     ok = torch.rand(1, 1, 40)

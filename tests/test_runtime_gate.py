@@ -21,7 +21,8 @@ def requests():
 def engine_results(embedded, requests):
     from certkv.engine.engine import PressCandidate, Engine
     from certkv.presses.registry import build_press
-    from certkv.presses.probabilistic import DeterministicHeadPress, ProbabilisticPress
+    from certkv.presses.deterministic_head import DeterministicHeadPress
+    from certkv.presses.probabilistic import ProbabilisticPress
 
     model, tok = embedded
     candidates = [
@@ -91,7 +92,8 @@ def test_engine_probabilistic_path_equals_kvpress_hooks(embedded, requests, engi
 
     from certkv.model.generation import encode_request, greedy_decode
     from certkv.presses.hajek_attention import certificate_max, use_hajek_attention
-    from certkv.presses.probabilistic import ProbabilisticPress, clear_states, kept_fraction
+    from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.hajek_state import clear_states, kept_fraction
 
     model, tok = embedded
     press = ProbabilisticPress(compression_ratio=0.8, seed=3)

@@ -38,7 +38,7 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
     """During the next full prefill, record every probabilistic press's selection per layer.
 
     `presses` maps policy → ProbabilisticPress; ``selections[policy]`` receives one
-    :class:`~certkv.presses.probabilistic.Selection` per layer (None when the press keeps all).
+    :class:`~certkv.presses.poisson_selection.Selection` per layer (None when the press keeps all).
     Nothing is pruned. Each layer's hook only takes the base press's scores; after the last layer
     every press selects for all layers at once (:meth:`ProbabilisticPress.select_layers`: the same
     selections as layer by layer, a fraction of the kernel calls).
@@ -91,7 +91,7 @@ def _full_selection(n_heads: int, context_length: int, device):
     """A selection that keeps every entry with π = 1 (a press at compression ratio 0)."""
     import torch
 
-    from certkv.presses.probabilistic import Selection
+    from certkv.presses.poisson_selection import Selection
 
     return Selection(
         indices=torch.arange(context_length, device=device).expand(1, n_heads, context_length),
@@ -111,7 +111,8 @@ def gathered_cache(full_cache, selections: list[list], context_length: int):
     import torch
     from transformers import DynamicCache
 
-    from certkv.presses.probabilistic import HajekState, pad_selection
+    from certkv.presses.hajek_state import HajekState
+    from certkv.presses.poisson_selection import pad_selection
 
     first = full_cache.layers[0].keys
     n_heads, device = first.shape[1], first.device
@@ -149,7 +150,8 @@ def decode_probabilistic(model, full_cache, selections: list[list], question_ids
     import torch
 
     from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
-    from certkv.presses.probabilistic import attention_modules, clear_states, set_state
+    from certkv.presses.probabilistic import attention_modules
+    from certkv.presses.hajek_state import clear_states, set_state
 
     if not selections:
         return []

@@ -12,12 +12,12 @@ from certkv._lazy import lazy_getattr
 
 _LAZY = {
     "ProbabilisticPress": ("certkv.presses.probabilistic", "ProbabilisticPress"),
-    "DeterministicHeadPress": ("certkv.presses.probabilistic", "DeterministicHeadPress"),
-    "AttentionTimesValueNormPress": ("certkv.presses.probabilistic", "AttentionTimesValueNormPress"),
-    "HajekState": ("certkv.presses.probabilistic", "HajekState"),
-    "inclusion_probabilities": ("certkv.presses.probabilistic", "inclusion_probabilities"),
-    "probabilistic_selection": ("certkv.presses.probabilistic", "probabilistic_selection"),
-    "kept_fraction": ("certkv.presses.probabilistic", "kept_fraction"),
+    "DeterministicHeadPress": ("certkv.presses.deterministic_head", "DeterministicHeadPress"),
+    "AttentionTimesValueNormPress": ("certkv.presses.value_norm", "AttentionTimesValueNormPress"),
+    "HajekState": ("certkv.presses.hajek_state", "HajekState"),
+    "inclusion_probabilities": ("certkv.presses.poisson_selection", "inclusion_probabilities"),
+    "probabilistic_selection": ("certkv.presses.poisson_selection", "probabilistic_selection"),
+    "kept_fraction": ("certkv.presses.hajek_state", "kept_fraction"),
     "hajek_attention": ("certkv.presses.hajek_attention", "hajek_attention"),
     "use_hajek_attention": ("certkv.presses.hajek_attention", "use_hajek_attention"),
     "certificate_steps": ("certkv.presses.hajek_attention", "certificate_steps"),

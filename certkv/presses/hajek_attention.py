@@ -1,7 +1,7 @@
 """Hájek-corrected attention with a per-step survey-variance certificate (DESIGN.md, "Gate signals").
 
 After :class:`~certkv.presses.probabilistic.ProbabilisticPress` has pruned a layer, the layer's
-attention module carries a :class:`~certkv.presses.probabilistic.HajekState` describing the
+attention module carries a :class:`~certkv.presses.hajek_state.HajekState` describing the
 cache's first N slots. This attention function, registered with transformers'
 ``AttentionInterface`` under :data:`NAME` (with the stock sdpa mask builder), then
 
@@ -42,7 +42,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from certkv.presses.probabilistic import CERT_ATTR, STATE_ATTR, attention_modules, clear_state
+from certkv.presses.hajek_state import CERT_ATTR, STATE_ATTR, clear_state
+from certkv.presses.probabilistic import attention_modules
 
 NAME = "certkv_hajek"
 #: At most this many decoded steps wait unreduced per layer ...
@@ -162,7 +163,7 @@ class CertificateTerms:
     (:func:`_run_sums`), so a step pays for one small copy, not for a dozen kernel calls. The
     kept tail never changes while an answer is decoded (new tokens are appended after it), so the
     values the sums need are read from the layer's latest cache tensor, remembered on the
-    :class:`~certkv.presses.probabilistic.HajekState` (``latest_values``) only while some step is
+    :class:`~certkv.presses.hajek_state.HajekState` (``latest_values``) only while some step is
     pending, never copied.
     """
 
@@ -171,7 +172,7 @@ class CertificateTerms:
     output: object
     """ô, (B·H_kv, G·Q, d_v) float32."""
     state: object
-    """The layer's :class:`~certkv.presses.probabilistic.HajekState`."""
+    """The layer's :class:`~certkv.presses.hajek_state.HajekState`."""
     shape: tuple
     """(B, H_kv, G, Q): how the rows and positions split into batch, heads and query positions."""
 
@@ -326,7 +327,7 @@ def use_hajek_attention(model):
     """Run `model` with the Hájek attention inside the block, restoring its attention after.
 
     States and certificates stay on the modules after the block so that the caller can read them;
-    :func:`certkv.presses.probabilistic.clear_states` forgets them.
+    :func:`certkv.presses.hajek_state.clear_states` forgets them.
     """
     from certkv.model.attention import use_attention
 

@@ -107,7 +107,7 @@ KVPRESS_NOT_PRESSES = frozenset({"BasePress", "ScorerPress", "KVPressTextGenerat
 #: certkv's own presses (static, like the kvpress table: naming them imports nothing).
 _CERTKV: dict[str, tuple[str, str | None]] = {
     "probabilistic": ("certkv.presses.probabilistic:ProbabilisticPress", "compression_ratio"),
-    "deterministic_head": ("certkv.presses.probabilistic:DeterministicHeadPress", "compression_ratio"),
+    "deterministic_head": ("certkv.presses.deterministic_head:DeterministicHeadPress", "compression_ratio"),
 }
 
 #: Press targets whose candidates record a survey-variance certificate (``certificate_max``), so

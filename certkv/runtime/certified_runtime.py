@@ -202,7 +202,7 @@ class CertifiedRuntime:
         import time
 
         from certkv.model.generation import full_kv_ids
-        from certkv.presses.probabilistic import clear_states
+        from certkv.presses.hajek_state import clear_states
 
         clear_states(self.model)
         ids = full_kv_ids(self.model, enc, max_new)
@@ -223,7 +223,7 @@ class CertifiedRuntime:
         from certkv.model.window_queries import capturing_window_queries
         from certkv.model.generation import greedy_decode
         from certkv.presses.hajek_attention import certificate_max, use_hajek_attention
-        from certkv.presses.probabilistic import clear_states, kept_fraction
+        from certkv.presses.hajek_state import clear_states, kept_fraction
 
         n_ctx = len(enc.context_ids)
         probabilistic = is_probabilistic_press(self.press)
