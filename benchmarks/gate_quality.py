@@ -93,7 +93,7 @@ def best_certified(op) -> tuple:
 
 
 def demo_savings() -> dict | None:
-    from certkv.core.certify import load_operating_point
+    from certkv.core.operating_point import load_operating_point
 
     path = REPO / "runs" / "demo" / "operating_point.json"
     if not path.is_file():

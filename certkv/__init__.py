@@ -14,7 +14,7 @@ _LAZY = {
     "load_model": ("certkv.model.loading", "load_model"),
     "certify": ("certkv.core.certify", "certify"),
     "CertificationSpec": ("certkv.core.spec", "CertificationSpec"),
-    "load_operating_point": ("certkv.core.certify", "load_operating_point"),
+    "load_operating_point": ("certkv.core.operating_point", "load_operating_point"),
     "LossTable": ("certkv.core.loss_table", "LossTable"),
     "read_loss_table": ("certkv.core.loss_table", "read_loss_table"),
     "validate": ("certkv.core.validation", "validate"),

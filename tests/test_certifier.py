@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from certkv.core.spec import CertificationSpec
-from certkv.core.certify import OperatingPoint, certify, load_operating_point, select_candidates
+from certkv.core.operating_point import OperatingPoint, load_operating_point
+from certkv.core.certify import certify, select_candidates
 from certkv.core.policy_names import policy_name
 from certkv.errors import CertkvError
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256

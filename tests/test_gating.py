@@ -16,7 +16,8 @@ import yaml
 from scipy import stats
 
 from certkv.presses import registry as press_registry
-from certkv.core.certify import certify, load_operating_point
+from certkv.core.certify import certify
+from certkv.core.operating_point import load_operating_point
 from conftest import run_main
 from certkv.core.policy_names import gated_policy_name
 from certkv.contract.loading import load_contract, parse_contract

@@ -114,7 +114,7 @@ def test_engine_probabilistic_path_equals_kvpress_hooks(embedded, requests, engi
 
 
 def _operating_point(press, kv, policy, gate):
-    from certkv.core.certify import ContractSummary, OperatingPoint
+    from certkv.core.operating_point import ContractSummary, OperatingPoint
 
     return OperatingPoint(
         policy=policy, press=press, kv_retained=kv, mean_kv_retained=kv, fallback=False,

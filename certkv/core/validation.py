@@ -28,7 +28,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.spec import CertificationSpec
-from certkv.core.certify import ContractSummary, candidate_rows, decide, expand_for_spec, select_candidates
+from certkv.core.operating_point import ContractSummary
+from certkv.core.certify import candidate_rows, decide, expand_for_spec, select_candidates
 from certkv.errors import CertkvError
 from certkv.core.loss_table import as_loss_table
 from certkv.core.policy_names import REFERENCE_POLICY

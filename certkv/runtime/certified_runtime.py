@@ -74,7 +74,7 @@ class RuntimeAnswer:
 class CertifiedRuntime:
     """Answer requests with a certified operating point.
 
-    `operating_point` is an :class:`~certkv.core.certify.OperatingPoint` or the path of its JSON.
+    `operating_point` is an :class:`~certkv.core.operating_point.OperatingPoint` or the path of its JSON.
     `press` is optional: by default the press is built from the operating point (its registry name
     or import path, its press_kwargs and its kv_retained); any press object may be passed instead,
     e.g. one that cannot be named, and must then be configured at the certified retention (its
@@ -84,7 +84,7 @@ class CertifiedRuntime:
     def __init__(self, model, tokenizer, operating_point, press=None, max_new_tokens: int | None = None):
         from pydantic import ValidationError
 
-        from certkv.core.certify import OperatingPoint, load_operating_point
+        from certkv.core.operating_point import OperatingPoint, load_operating_point
         from certkv.errors import format_validation_error
         from certkv.model.generation import stop_token_ids
 

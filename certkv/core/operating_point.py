@@ -1,0 +1,176 @@
+"""The certifier's result: the operating point, with every candidate's evidence, as JSON.
+
+An :class:`OperatingPoint` is what ``certkv certify`` writes (``operating_point.json``) and what
+the runtime deploys: the chosen candidate (or the full-cache fallback), its press, kwargs, gate
+and retention, the counts and bounds behind the decision, every candidate's result
+(:class:`CandidateResult`), where each sequence stopped (:class:`SequenceResult`), per-task
+breakdowns and the guarantee in words, bound to the contract and records by their hashes.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from certkv.atomic_io import write_text_atomic
+from certkv.core.procedures import Procedure
+from certkv.core.spec import CertificationSpec, GateSettings
+from certkv.errors import CertkvError, format_validation_error
+
+
+class ContractSummary(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tolerance: float
+    risk: float
+    confidence: float
+    procedure: Procedure
+
+    @classmethod
+    def of(cls, spec: "CertificationSpec") -> "ContractSummary":
+        """The contract terms a result reports, taken from the spec it was computed under."""
+        return cls(tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure)
+
+
+class TaskBreakdown(BaseModel):
+    """Violations of one policy within one task; ``exceeds_risk`` when the task's own rate > ε.
+
+    A task above ε does not break the certificate (which covers the task mix), but a user who
+    cares about that task on its own should know.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    n: int
+    violations: int
+    rate: float
+    exceeds_risk: bool
+
+
+class CandidateResult(BaseModel):
+    """The evidence for one candidate.
+
+    ``level`` is the significance level its p-value was compared with (δ/m for fixed-sequence
+    with m sequences, δ/N for Bonferroni, Holm's step-down level δ/(N − rank)), and
+    ``risk_upper_bound`` is the Clopper–Pearson bound at confidence ``1 − level``, so that
+    ``p_value <= level`` ⇔ ``risk_upper_bound <= ε``. ``mean_kv_retained`` is the mean KV fraction
+    actually used (the memory column; gated fallbacks count 1.0).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str
+    press: str
+    kv_retained: float
+    mean_kv_retained: float
+    kv_retained_actual: float | None = None
+    n: int
+    violations: int
+    empirical_risk: float
+    risk_upper_bound: float
+    p_value: float
+    level: float
+    certified: bool
+    sequence: int
+    position: int
+    per_task: dict[str, TaskBreakdown] = Field(default_factory=dict)
+    gate: GateSettings | None = None
+    gated_share: float = 0.0
+
+
+class SequenceResult(BaseModel):
+    """Where testing of one sequence ended (``stopped_at``: first non-certified position)."""
+
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    policies: list[str]
+    level: float | None
+    tested: int
+    certified: int
+    stopped_at: int | None
+    stopped_policy: str | None
+
+
+class OperatingPoint(BaseModel):
+    """The certified choice and the evidence for it; serialises to DESIGN.md's JSON.
+
+    Top-level ``n``, ``violations``, ``risk_upper_bound`` and ``p_value`` are the chosen
+    candidate's. On a fallback they describe the full cache, which loses nothing by definition:
+    0 violations, bound 0.0 and no p-value (null); ``reason`` says what failed.
+    ``kv_retained`` is nominal, ``mean_kv_retained`` the mean memory actually used and
+    ``kv_retained_actual`` the mean realised retention (null when the records lack it).
+
+    Deployment: ``base_policy`` is the ungated candidate, ``press_kwargs`` its press's kwargs
+    (from the contract; {} for a bare loss table), ``gate`` the runtime gate (null: none) and
+    ``gated_share`` the share of calibration requests that gate sent to the full cache. Files
+    written before these fields existed still load (ungated, ``base_policy`` = ``policy``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str
+    base_policy: str
+    press: str
+    press_kwargs: dict[str, Any] = Field(default_factory=dict)
+    kv_retained: float
+    gate: GateSettings | None = None
+    gated_share: float = 0.0
+    max_new_tokens: int | None = None
+    """Decode length the candidates were calibrated with; the runtime deploys exactly that."""
+    mean_kv_retained: float
+    kv_retained_actual: float | None = None
+    fallback: bool
+    reason: str | None = None
+    contract: ContractSummary
+    n: int
+    violations: int
+    empirical_risk: float
+    risk_upper_bound: float
+    p_value: float | None
+    candidates: list[CandidateResult]
+    sequences: list[SequenceResult]
+    per_task: dict[str, TaskBreakdown] = Field(default_factory=dict)
+    guarantee: str
+    notes: list[str] = Field(default_factory=list)
+    contract_sha256: str | None = None
+    records_sha256: str | None = None
+    created: str
+    certkv_version: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_files(cls, data):
+        """An operating point written before `base_policy` existed was ungated."""
+        if isinstance(data, dict) and "base_policy" not in data and "policy" in data:
+            data = {**data, "base_policy": data["policy"]}
+        return data
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; ``reason`` appears only when there is one (a fallback)."""
+        data = self.model_dump(mode="json")
+        if data.get("reason") is None:
+            data.pop("reason", None)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    def write_json(self, path) -> Path:
+        """Write atomically (temporary file in the same folder, then rename): a reader never
+        sees a half-written operating point, even if the process is killed mid-write."""
+        return write_text_atomic(path, self.to_json())
+
+
+def load_operating_point(path) -> OperatingPoint:
+    """Read and validate an operating point written by :meth:`OperatingPoint.write_json`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CertkvError(f"operating point not found: {path}; run `certkv certify` first")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CertkvError(f"{path}: not valid JSON ({exc}); re-run `certkv certify`") from None
+    try:
+        return OperatingPoint.model_validate(data)
+    except ValidationError as exc:
+        raise CertkvError(format_validation_error(exc, str(path))) from None
