@@ -52,3 +52,57 @@ def embedded():
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     return load_model("embedded", device="cpu")
+
+
+# -- markers -------------------------------------------------------------------------------------
+#
+# `pytest -m "not model"` runs the torch-free tests alone, in seconds: the core's statistics,
+# certification and validation, gated candidates, the store, the report, the certify CLI, the
+# import graph and the docs. Every other test file is marked
+# `model` (it loads a model, runs the engine or a calibrating CLI); a new file is `model` until it
+# is added here, so the fast selection can only ever shrink by mistake, never slow down.
+TORCH_FREE_TEST_FILES = frozenset({
+    "test_certifier.py",
+    "test_conformal.py",
+    "test_stats.py",
+    "test_utility.py",
+    "test_validation.py",
+    "test_import_layers.py",
+    "test_gating.py",
+    "test_store.py",
+    "test_report.py",
+    "test_certify_cli.py",
+    "test_prompt_lookup.py",
+    "test_docs.py",
+})
+_HEAVY = ("torch", "transformers", "kvpress")
+_LOADED_BEFORE_RUN = pytest.StashKey[set]()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "model: loads a model or runs the engine (deselect with -m 'not model')")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name not in TORCH_FREE_TEST_FILES:
+            item.add_marker(pytest.mark.model)
+
+
+def pytest_collection_finish(session):
+    # Collecting a model test file may import torch; only what the selected tests import counts.
+    session.config.stash[_LOADED_BEFORE_RUN] = {m for m in _HEAVY if m in sys.modules}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that selected no `model` test must not import the model stack: that keeps the
+    torch-free list honest (a test that starts needing torch fails the fast run loudly)."""
+    items = getattr(session, "items", [])
+    if not items or any(item.get_closest_marker("model") for item in items):
+        return
+    before = session.config.stash.get(_LOADED_BEFORE_RUN, set())
+    heavy = sorted(m for m in _HEAVY if m in sys.modules and m not in before)
+    if heavy:
+        session.exitstatus = 1
+        print(f"\nERROR: the torch-free selection imported {', '.join(heavy)}; move the test that "
+              "needs it out of TORCH_FREE_TEST_FILES in tests/conftest.py", file=sys.stderr)
