@@ -42,7 +42,7 @@ def _answer(result, policy):
 
 def test_engine_agreement_drop_equals_eager_attention(embedded, requests, engine_results):
     """The drop recorded inside the engine's sdpa prefill equals one computed from eager attention
-    weights of a separate full forward (DESIGN.md: W = 32, k = 32, first/last ⌊L/3⌋ layers)."""
+    weights of a separate full forward (docs/design.md: W = 32, k = 32, first/last ⌊L/3⌋ layers)."""
     import torch
 
     from certkv.gate.agreement import agreement_drop, layer_agreements

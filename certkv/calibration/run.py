@@ -39,8 +39,8 @@ def build_candidates(contract):
 
 
 def agreement_settings(contract) -> dict | None:
-    """The agreement-drop settings of a contract with a gate (DESIGN.md defaults unless it sets
-    them), or None: without a gate nothing reads the signal, so calibration does not compute it."""
+    """The agreement-drop settings of a contract with a gate (the defaults of
+    :mod:`certkv.core.spec` unless it sets them), or None: without a gate nothing reads the signal, so calibration does not compute it."""
     gate = contract.gate
     if gate is None:
         return None

@@ -1,7 +1,7 @@
 """Exact binomial statistics behind a certificate.
 
 Everything here is small, pure and torch-free. The rules it implements are the promise in
-DESIGN.md ("Statistical rules"):
+docs/design.md ("Statistical rules"):
 
 * violation counts are integers, counted from the losses themselves, never reconstructed as
   ``n * mean`` (flooring a float count is anti-conservative);

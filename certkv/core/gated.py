@@ -1,4 +1,4 @@
-"""Gated candidates, derived from their base candidate's records (DESIGN.md, "Gate signals").
+"""Gated candidates, derived from their base candidate's records (docs/design.md, "Gate signals").
 
 A runtime gate sends a request to the full cache when its agreement drop D is below a threshold t,
 or escalates it to the full cache when the candidate's survey-variance certificate ĉ exceeds a

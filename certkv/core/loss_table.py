@@ -2,7 +2,7 @@
 
 certkv certifies anything that can produce, for each calibration request and each candidate
 policy, a loss ``utility(full) − utility(candidate)``. The table is built from the calibration
-store's records (dicts with the DESIGN.md record columns) or from a plain CSV/JSONL file with at
+store's records (dicts with the record columns of docs/design.md, "File formats") or from a plain CSV/JSONL file with at
 least ``request_id, policy, kv_retained, loss``. Optional columns:
 
 * ``task``: the request's task, for the per-task breakdown (the guarantee covers the task mix);
@@ -10,7 +10,7 @@ least ``request_id, policy, kv_retained, loss``. Optional columns:
 * ``kv_retained_actual``: the realised retention, reported next to the nominal one;
 * ``memory``: the KV fraction the policy actually used on that request (defaults to
   ``kv_retained``). A gated candidate that falls back to the full cache has memory 1.0 there;
-* ``agreement_drop``: the request's agreement drop (a gate signal, DESIGN.md "Gate signals"), the
+* ``agreement_drop``: the request's agreement drop (a gate signal, docs/design.md "Gate signals"), the
   same on every row of a request (the ``full`` row included); blank/null where not recorded;
 * ``certificate_max``: the candidate's largest survey-variance certificate on that request
   (certkv's probabilistic press only); blank/null elsewhere.

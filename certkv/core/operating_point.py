@@ -93,7 +93,8 @@ class SequenceResult(BaseModel):
 
 
 class OperatingPoint(BaseModel):
-    """The certified choice and the evidence for it; serialises to DESIGN.md's JSON.
+    """The certified choice and the evidence for it; serialises to ``operating_point.json``
+    (docs/design.md, "File formats").
 
     Top-level ``n``, ``violations``, ``risk_upper_bound`` and ``p_value`` are the chosen
     candidate's. On a fallback they describe the full cache, which loses nothing by definition:

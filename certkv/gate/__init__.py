@@ -1,4 +1,4 @@
-"""Runtime gate signals (DESIGN.md, "Gate signals").
+"""Runtime gate signals (docs/design.md, "Gate signals").
 
 Importing this package is cheap and has no side effects: torch and kvpress are imported only when
 a function that needs them is called.

@@ -1,4 +1,4 @@
-"""PAGE-style agreement drop, the pre-decoding gate signal (DESIGN.md, "Gate signals").
+"""PAGE-style agreement drop, the pre-decoding gate signal (docs/design.md, "Gate signals").
 
 For each layer and query head, the attention of the last ``W`` context queries is averaged over
 every key; each head's top-``k`` keys form a set, and the layer's *agreement* is the mean pairwise
@@ -82,7 +82,7 @@ class AgreementRecorder:
 
     Call :meth:`observe` from a forward hook on every attention layer (or use :meth:`attach`, which
     registers :meth:`forward_hook` for the duration of a ``with`` block), then :meth:`drop`. The
-    settings are the pre-registered ones of DESIGN.md; changing them changes the gate, so a
+    settings are the pre-registered ones of docs/design.md ("Gate signals"); changing them changes the gate, so a
     calibration run and the runtime must use the same values. Layers are ordered by their
     ``layer_idx``; the split applies to the layers actually observed. Agreements stay on the
     model's device until :meth:`drop` so that observing costs no host synchronisation.

@@ -1,4 +1,5 @@
-"""Hájek-corrected attention with a per-step survey-variance certificate (DESIGN.md, "Gate signals").
+"""Hájek-corrected attention with a per-step survey-variance certificate (docs/design.md,
+"Gate signals").
 
 After :class:`~certkv.presses.probabilistic.ProbabilisticPress` has pruned a layer, the layer's
 attention module carries a :class:`~certkv.presses.hajek_state.HajekState` describing the

@@ -1,4 +1,5 @@
-"""Probabilistic (Poisson-sampled) eviction with Hájek-corrected attention (DESIGN.md, "Gate signals").
+"""Probabilistic (Poisson-sampled) eviction with Hájek-corrected attention (docs/design.md,
+"Gate signals").
 
 A deterministic eviction press has no handle on its own error: the entries it drops are simply
 gone. Sampling the low-score tail instead, with known inclusion probabilities π_i, turns the kept

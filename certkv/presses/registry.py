@@ -111,7 +111,7 @@ _CERTKV: dict[str, tuple[str, str | None]] = {
 }
 
 #: Press targets whose candidates record a survey-variance certificate (``certificate_max``), so
-#: a contract's ``gate.certificate`` bounds apply to them (DESIGN.md, "Gate signals").
+#: a contract's ``gate.certificate`` bounds apply to them (docs/design.md, "Gate signals").
 _CERTIFICATE_TARGETS = frozenset({"certkv.presses.probabilistic:ProbabilisticPress"})
 
 _REGISTRY: dict[str, PressInfo] = {
