@@ -8,7 +8,7 @@ uses seed 0), runs the engine once per request and prints quantiles of
 - the agreement drop (thresholds: the gate sends the lowest-drop requests to the full cache),
 - each probabilistic candidate's certificate maximum (bounds: escalate the highest ones).
 
-The printed grid is what `contracts/demo.yaml` pre-registers, rounded to two significant digits.
+The printed grid is what `certkv/demo/demo.yaml` pre-registers, rounded to two significant digits.
 
     python benchmarks/gate_grid_pilot.py --n 200
 """

@@ -11,8 +11,9 @@
 3. **On the demo store** (`certkv demo` first): the same AUCs for exact-match violations, the
    drop's correlation with context length, and how many violations each certificate bound
    removes against what escalating the same share at random would remove.
-4. **KV saved on the demo contract.** From `certkv certify contracts/demo.yaml`'s operating point
-   (run calibrate first): the least mean KV of a certified gated candidate versus the least mean
+4. **KV saved on the demo contract.** From `certkv certify certkv-demo/demo.yaml`'s operating point
+   (`certkv demo` from the repository root first: it copies the packaged demo into certkv-demo/
+   and calibrates there): the least mean KV of a certified gated candidate versus the least mean
    KV of a certified ungated one, in the same certification (same family-wise correction); and
    the same comparison with the demo's records re-certified at other risk targets ε (what-ifs
    for sizing the gate: only the contract's own ε is its certificate).
@@ -28,6 +29,9 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
+#: Where `certkv demo` run from the repository root puts its copy of the demo contract and its store.
+DEMO_CONTRACT = REPO / "certkv-demo" / "demo.yaml"
+DEMO_STORE = DEMO_CONTRACT.parent / "runs" / "demo"
 SEED = 6061
 TASKS = ("single_needle", "multi_key", "multi_value", "variable_tracking", "dilution")
 KVS = (0.5, 0.3)
@@ -95,7 +99,7 @@ def best_certified(op) -> tuple:
 def demo_savings() -> dict | None:
     from certkv.core.operating_point import load_operating_point
 
-    path = REPO / "runs" / "demo" / "operating_point.json"
+    path = DEMO_STORE / "operating_point.json"
     if not path.is_file():
         return None
     op = load_operating_point(path)
@@ -123,9 +127,9 @@ def demo_savings_by_risk(risks=(0.05, 0.10, 0.15, 0.20)) -> dict | None:
     from certkv.calibration.records import load_records
     from certkv.errors import CertkvError
 
-    contract_path = REPO / "contracts" / "demo.yaml"
-    contract = load_contract(contract_path)
+    contract_path = DEMO_CONTRACT
     try:
+        contract = load_contract(contract_path)
         evidence = load_records(contract, None, contract_label=str(contract_path), allow_incomplete=False)
     except CertkvError as error:  # no finished store for this contract yet: run `certkv demo` first
         print(f"demo_by_risk skipped: {error}")
@@ -153,7 +157,7 @@ def demo_store_signals() -> dict | None:
 
     from certkv.calibration.store import CalibrationStore, db_path
 
-    store = REPO / "runs" / "demo"
+    store = DEMO_STORE
     if not db_path(store).is_file():
         return None
     with CalibrationStore.read(store) as s:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from conftest import run_cli
 
@@ -50,3 +51,81 @@ def test_import_certkv_and_help_do_not_import_torch():
         " sorted(m for m in sys.modules if m.split('.')[0] in ('torch','transformers','kvpress'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _help_text(res) -> str:
+    """Help output with rich's box drawing and line wrapping taken out."""
+    return " ".join(res.stdout.replace("│", " ").split())
+
+
+def test_generate_help_says_which_tasks_the_embedded_model_answers():
+    from certkv.requests.builtin_tasks import MIXES, TASKS
+
+    res = run_cli("generate", "--help")
+    assert res.returncode == 0, res.stderr
+    text = _help_text(res)
+    answered = ", ".join(MIXES["demo"])
+    failed = ", ".join(t for t in TASKS if t not in MIXES["demo"])
+    assert f"demo = {answered}, the tasks the embedded model answers" in text, text
+    assert f"adding {failed}, which the embedded model fails even with the full cache" in text, text
+
+
+def test_calibrate_warns_about_tasks_the_model_fails_with_the_full_cache(tmp_path):
+    """builtin:all on the embedded model: the tasks it fails at full KV measure nothing for
+    eviction. The warning must name exactly the tasks whose full-cache rows are all 0 (read here
+    through the store's public reader), and none that the model answers."""
+    from certkv.calibration.store import CalibrationStore
+
+    contract = tmp_path / "all.yaml"
+    contract.write_text(
+        "name: all\nmodel: embedded\nrequests:\n  source: builtin:all\n  context_length: 128-256\n  limit: 25\n"
+        "utility: exact_match\ntolerance: 0.0\nrisk: 0.1\nconfidence: 0.9\n"
+        "policies:\n  - press: streaming_llm\n    kv_retained: [0.5]\n"
+    )
+    res = run_cli("calibrate", str(contract), "--quiet", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    with CalibrationStore.read(tmp_path / "runs" / "all") as store:
+        full = [r for r in store.records() if r["policy"] == "full"]
+    by_task: dict[str, list[float]] = {}
+    for row in full:
+        by_task.setdefault(row["task"], []).append(row["utility"])
+    failed = {task for task, utilities in by_task.items() if max(utilities) == 0.0}
+    answered = set(by_task) - failed
+    assert failed and answered, by_task  # the check below must be able to fail both ways
+    warnings = [line for line in res.stderr.splitlines() if "measures nothing for eviction" in line]
+    warned = {line.split("task ", 1)[1].split(" ", 1)[0] for line in warnings}
+    assert warned == failed, res.stderr
+    for line in warnings:
+        assert line.startswith("certkv: warning: task ") and "fails it even with the full cache" in line, line
+        task = line.split("task ", 1)[1].split(" ", 1)[0]
+        n = len(by_task[task])
+        assert f"utility 0 on {'its only request' if n == 1 else f'all {n} of its requests'})" in line, line
+
+
+def test_demo_never_overwrites_an_edited_copy(tmp_path):
+    from certkv.demo import DEMO_CONTRACT
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    edited = DEMO_CONTRACT.read_text().replace("risk: 0.05", "risk: 0.10", 1)
+    (folder / "demo.yaml").write_text(edited)
+    _assert_clean_error(run_cli("demo", "--dir", str(folder), cwd=tmp_path), "demo.yaml", "another --dir", "remove it")
+    assert (folder / "demo.yaml").read_text() == edited  # the user's edit is untouched
+    assert not (folder / "demo.jsonl").exists() and not (folder / "runs").exists()
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    _assert_clean_error(run_cli("demo", "--dir", str(not_a_folder), cwd=tmp_path), "is a file, not a folder")
+
+
+def test_copy_demo_copies_then_reuses_identical_files(tmp_path):
+    from certkv.demo import DEMO_FILES, copy_demo
+
+    contract = copy_demo(tmp_path / "d")
+    assert contract == tmp_path / "d" / "demo.yaml"
+    for source in DEMO_FILES:
+        assert (tmp_path / "d" / source.name).read_bytes() == source.read_bytes()
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "d").iterdir()}
+    time.sleep(0.01)
+    assert copy_demo(tmp_path / "d") == contract  # identical copies: reused, not rewritten
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "d").iterdir()} == stamps
+    assert sorted(stamps) == sorted(s.name for s in DEMO_FILES)  # no temporary file left behind

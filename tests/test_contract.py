@@ -18,6 +18,7 @@ import pytest
 from certkv.presses import registry as press_registry
 from certkv.contract.schema import Contract
 from certkv.contract.loading import load_contract, parse_contract
+from certkv.demo import DEMO_CONTRACT, DEMO_DIR, DEMO_REQUESTS
 from certkv.errors import CertkvError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,7 +247,7 @@ def test_parse_contract_accepts_mappings():
 
 
 def test_demo_contract_validates():
-    c = load_contract(REPO / "contracts" / "demo.yaml")
+    c = load_contract(DEMO_CONTRACT)
     assert c.name == "demo" and c.model == "embedded" and c.utility == "exact_match"
     assert (c.tolerance, c.risk, c.confidence, c.procedure) == (0.0, 0.05, 0.95, "fixed_sequence")
     grid = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
@@ -254,10 +255,10 @@ def test_demo_contract_validates():
     assert [(p.press, p.kv_retained) for p in c.policies] == [(n, grid) for n in presses]
     assert c.gate is not None and len(c.gate.agreement_drop) == 3 and len(c.gate.certificate) == 2
     assert len(c.sequences()) == 3 * 4 + 4 * 3  # (1 + T) per entry, (1 + T)(1 + B) for probabilistic
-    assert c.resolved_store_path() == REPO / "runs" / "demo"
-    assert c.resolved_requests_path() == REPO / "calibration" / "demo.jsonl"
-    if c.resolved_requests_path().exists():
-        c.check_requests_source()
+    # relative to the contract's folder: `certkv demo` copies both files and the store follows the copy
+    assert c.resolved_store_path() == DEMO_DIR / "runs" / "demo"
+    assert c.resolved_requests_path() == DEMO_REQUESTS
+    c.check_requests_source()  # the request file ships with the contract
 
 
 def test_llama3_contract_validates_without_its_data():
@@ -277,7 +278,7 @@ def test_data_layer_imports_no_torch():
         "import sys\n"
         "import certkv.contract.schema, certkv.calibration.store, certkv.calibration.utility, certkv.presses.registry, certkv.cli.export\n"
         "from certkv.contract.loading import load_contract\n"
-        f"load_contract({str(REPO / 'contracts' / 'demo.yaml')!r})\n"
+        f"load_contract({str(DEMO_CONTRACT)!r})\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'kvpress') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )

@@ -3,11 +3,14 @@
 Each command lives in its own module under `certkv.cli` and is registered here. Command
 modules import torch/transformers/kvpress only inside the command body, so `certkv certify`
 and `certkv --help` stay torch-free. User errors (:class:`certkv.errors.CertkvError`, pydantic
-validation errors) become one line on stderr and exit code 2.
+validation errors) become one line on stderr and exit code 2; click's usage errors (an unknown
+command or option, a missing argument, a value of the wrong type) become click's short usage
+message and exit code 2, whichever click the running typer uses (see :func:`_click_exceptions`).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import typer
@@ -29,14 +32,50 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-app.command("demo")(_demo.demo)
-app.command("generate")(_generate.generate)
-app.command("accuracy")(_accuracy.accuracy)
-app.command("calibrate")(_calibrate.calibrate)
-app.command("certify")(_certify.certify)
-app.command("validate")(_validate.validate)
-app.command("report")(_report.report)
-app.command("export")(_export.export)
+
+class _Interrupted(Exception):
+    """Ctrl-C inside a command. typer >= 0.26 turns a KeyboardInterrupt into a silent exit code
+    130 and older typer into an Abort; raised from the command itself, it reaches :func:`main`
+    the same way under every typer version, so the "everything stored is kept" line is printed."""
+
+
+def _command(name: str, function) -> None:
+    """Register `function` as command `name`, with Ctrl-C inside it raised as :class:`_Interrupted`."""
+
+    @functools.wraps(function)  # typer reads the signature and type hints through __wrapped__
+    def command(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
+
+    app.command(name)(command)
+
+
+_command("demo", _demo.demo)
+_command("generate", _generate.generate)
+_command("accuracy", _accuracy.accuracy)
+_command("calibrate", _calibrate.calibrate)
+_command("certify", _certify.certify)
+_command("validate", _validate.validate)
+_command("report", _report.report)
+_command("export", _export.export)
+
+
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(usage-error classes, abort classes) of the click that the running typer raises.
+
+    typer >= 0.26 ships its own copy of click as ``typer._click`` and raises that copy's exceptions
+    (its Abort is ``typer.exceptions.Abort``); older typer uses the ``click`` package. Every typer
+    version re-exports ``typer.BadParameter`` and ``typer.Abort``, so the module that defines
+    ``typer.BadParameter`` is the running click's ``exceptions`` module, already imported by typer
+    (nothing is imported here); the ``click`` package's classes are added when something loaded it.
+    """
+    modules = [sys.modules.get(typer.BadParameter.__module__), sys.modules.get("click.exceptions")]
+    modules = [m for m in modules if m is not None]
+    usage = tuple(m.ClickException for m in modules if hasattr(m, "ClickException"))
+    aborts = tuple({typer.Abort, *(m.Abort for m in modules if hasattr(m, "Abort"))})
+    return usage, aborts
 
 
 def main() -> None:
@@ -56,16 +95,15 @@ def main() -> None:
     except sqlite3.OperationalError as exc:
         print(f"certkv: error: calibration store: {exc} (is another certkv process using this store?)", file=sys.stderr)
         raise SystemExit(2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Interrupted):
         print("certkv: interrupted; everything stored so far is kept (rerun to resume)", file=sys.stderr)
         raise SystemExit(130)
-    except Exception as exc:  # click usage errors
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+    except Exception as exc:
+        usage_errors, aborts = _click_exceptions()
+        if isinstance(exc, usage_errors):  # click's short usage message: "Usage: …", "Error: …"
             exc.show()
             raise SystemExit(2)
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, aborts):
             print("certkv: aborted", file=sys.stderr)
             raise SystemExit(130)
         raise

@@ -19,6 +19,7 @@ def calibrate(
     from rich.console import Console
 
     from certkv.calibration.run import calibrate as run_calibration
+    from certkv.calibration.task_health import failed_task_warnings
     from certkv.contract.loading import load_contract
     from certkv.report.calibration_summary import print_calibration_summary
 
@@ -27,5 +28,7 @@ def calibrate(
     summary = run_calibration(contract, new_store=new_store, limit=limit, quiet=quiet, device=device, dtype=dtype, console=console)
     if quiet:
         typer.echo(f"{summary.calibrated} calibrated, {summary.already_done} already stored, {len(summary.skipped)} skipped -> {summary.store}")
-        return
-    print_calibration_summary(contract, summary, console)
+    else:
+        print_calibration_summary(contract, summary, console)
+    for line in failed_task_warnings(summary.store, contract.model):  # even with --quiet: it voids a task
+        typer.echo(f"certkv: {line}", err=True)

@@ -1,4 +1,10 @@
-"""`certkv demo`: calibrate, certify, validate and report the shipped demo contract in one go."""
+"""`certkv demo`: calibrate, certify, validate and report the shipped demo contract in one go.
+
+The demo contract and its requests ship inside the package (:mod:`certkv.demo`). They are copied
+into ``--dir`` (default ``./certkv-demo``) and run from there, so the store and the report land in
+``<dir>/runs/demo``, never inside the installation, and the copy is the contract to pass to
+``certkv certify`` or ``certkv report`` later.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,18 @@ from typing import Optional
 
 import typer
 
+from certkv.demo import DEFAULT_DEMO_DIR
 from certkv.errors import CertkvError
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_CONTRACT = REPO_ROOT / "contracts" / "demo.yaml"
 
 
 def demo(
-    contract_path: Optional[Path] = typer.Option(None, "--contract", help="another contract; default contracts/demo.yaml"),
+    folder: Path = typer.Option(
+        Path(DEFAULT_DEMO_DIR), "--dir",
+        help="folder the demo contract and requests are copied into and run from (its store: <dir>/runs/demo)",
+    ),
+    contract_path: Optional[Path] = typer.Option(
+        None, "--contract", help="run this contract in place instead of the packaged demo (--dir is then unused)"
+    ),
     limit: Optional[int] = typer.Option(None, "--limit", help="calibrate at most this many requests (a quick look)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
@@ -25,14 +35,16 @@ def demo(
     from certkv.cli.certify import certify
     from certkv.cli.report import report
     from certkv.cli.validate import validate
+    from certkv.demo import copy_demo
 
-    path = contract_path or DEMO_CONTRACT
-    if not path.is_file():
-        raise CertkvError(
-            f"demo contract {path} not found; run `certkv demo` from a clone of the certkv repository "
-            "(installed with `pip install -e .`) or pass --contract"
-        )
+    if contract_path is not None:
+        if not contract_path.is_file():
+            raise CertkvError(f"--contract {contract_path} not found; pass an existing contract YAML")
+        path = contract_path
+    else:
+        path = copy_demo(folder)
     console = Console()
+    typer.echo(f"demo contract: {path}")
     console.rule("1/4 calibrate: full cache and every candidate on every request")
     calibrate(path, limit=limit, new_store=False, quiet=quiet, device=None, dtype=None)
     console.rule("2/4 certify: exact binomial tests, fixed-sequence family-wise control")
@@ -42,3 +54,7 @@ def demo(
     validate(path, splits=1000, calibration_fraction=0.5, seed=0, records=None, output=None, allow_incomplete=partial)
     console.rule("4/4 report")
     report(path, output=None, records=None, splits=1000, seed=0, allow_incomplete=partial)
+    typer.echo(
+        f"the demo contract is {path}: pass it to `certkv certify {path}` or `certkv report {path}` later; "
+        "rerunning `certkv demo` with the same --dir resumes its store"
+    )

@@ -1,0 +1,105 @@
+"""`certkv demo` from an installed wheel, run from a folder that is neither the checkout nor the venv.
+
+Slow (a wheel build, a venv, a 30-request demo: about a minute) but run by default; it belongs to
+the `model` selection (``pytest -m "not model"`` leaves it out). The venv borrows this machine's
+site-packages for the dependencies, so nothing is downloaded; the wheel is installed over them with
+--force-reinstall so it shadows the editable install of the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+#: What the wheel is built from: the package and the project files setuptools reads.
+_SOURCES = ("certkv", "pyproject.toml", "README.md")
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "runs", "certkv-demo")
+
+
+def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    assert res.returncode == 0, (cmd, res.returncode, res.stdout[-2000:], res.stderr[-4000:])
+    return res
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `folder` but bytecode (the interpreter may cache it), with size and mtime."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory):
+    """(wheel, venv folder): the checkout built into a wheel and installed into a fresh venv."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"  # a copy, so the build writes nothing into the shared checkout
+    src.mkdir()
+    for name in _SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=_IGNORE)
+        else:
+            shutil.copy2(path, src / name)
+    _run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist")],
+         timeout=300)
+    (wheel,) = (tmp / "dist").glob("certkv-*.whl")
+    venv = tmp / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], timeout=300)
+    python = venv / "bin" / "python"
+    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", "-q", str(wheel)],
+         timeout=300)
+    return wheel, venv
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
+    return env
+
+
+def test_wheel_ships_typing_marker_model_and_demo(wheel_venv):
+    wheel, _ = wheel_venv
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "certkv/py.typed" in names
+    embedded = {f"certkv/embedded/{p.name}" for p in (REPO / "certkv" / "embedded").iterdir()
+                if p.suffix in (".json", ".safetensors")}
+    assert "certkv/embedded/model.safetensors" in embedded and embedded <= names, embedded - names
+    with zipfile.ZipFile(wheel) as zf:
+        for name in ("demo.yaml", "demo.jsonl"):
+            assert zf.read(f"certkv/demo/{name}") == (REPO / "certkv" / "demo" / name).read_bytes(), name
+    assert "certkv/demo/__init__.py" in names
+
+
+def test_demo_runs_from_the_installed_wheel_in_any_folder(wheel_venv, tmp_path):
+    _, venv = wheel_venv
+    python = venv / "bin" / "python"
+    where = _run([str(python), "-c", "import certkv; print(certkv.__file__)"], cwd=tmp_path, env=_env()).stdout.strip()
+    package = Path(where).resolve().parent
+    assert package.is_relative_to(venv.resolve()), f"certkv imported from {where}, not from the venv"
+    assert not package.is_relative_to(REPO), where
+
+    before = _snapshot(package)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    res = subprocess.run([str(venv / "bin" / "certkv"), "demo", "--limit", "30", "--quiet"], cwd=work,
+                         env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    run = work / "certkv-demo"
+    assert (run / "demo.yaml").read_bytes() == (package / "demo" / "demo.yaml").read_bytes()
+    assert (run / "runs" / "demo" / "operating_point.json").is_file()
+    assert (run / "runs" / "demo" / "report" / "report.html").is_file()
+    assert "certkv-demo/demo.yaml" in res.stdout  # it says which contract to pass later
+    assert "measures nothing for eviction" not in res.stderr  # the demo holds only answered tasks
+    assert _snapshot(package) == before, "certkv demo wrote into the installed package"
+    assert not (package / "demo" / "runs").exists()
