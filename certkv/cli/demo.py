@@ -50,7 +50,7 @@ def demo(
     console.rule("2/4 certify: exact binomial tests, fixed-sequence family-wise control")
     partial = limit is not None  # a quick look: a preview without guarantee
     certify(path, records=None, output=None, allow_incomplete=partial)
-    console.rule("3/4 validate: 1000 random calibration/test splits, certkv vs empirical thresholding")
+    console.rule("3/4 validate: 1000 random splits, certkv vs empirical thresholding")
     validate(path, splits=1000, calibration_fraction=0.5, seed=0, records=None, output=None, allow_incomplete=partial)
     console.rule("4/4 report")
     report(path, output=None, records=None, splits=1000, seed=0, allow_incomplete=partial)
