@@ -135,12 +135,22 @@ def test_certify_end_to_end_matches_the_python_api(contract_path, tmp_path, caps
     assert [c["policy"] for c in data["candidates"]] == [p for s in contract.sequences() for p in s]
     assert data["contract"] == {"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "procedure": "fixed_sequence"}
 
-    # The console: ladder, stops and why, the choice, per-task flags and the scoped guarantee.
+    # The console: one row per sequence, the choice, per-task flags and the scoped guarantee.
+    for fragment in ("snapkv 2/4 @0.50 ★ @0.20 77/200", "knorm 0/1 — @0.50", "stopped at", "--wide",
+                     "Chosen", "realised 0.496", "per-task breakdown", "above ε", "calibration distribution",
+                     "the declared task mix", "not each task", "1 request(s) were skipped"):
+        assert fragment in printed, fragment
+    assert "snapkv@0.80" not in printed  # the candidate table is --wide's (and the JSON's), not the default's
+    assert data["per_task"]["t2"]["exceeds_risk"] is True
+
+    # --wide: the ladder of every candidate and where each sequence stopped, with the same summary after it.
+    assert run_main("certify", str(contract_path), "-o", str(tmp_path / "op_wide.json"), "--wide") == 0
+    printed = " ".join(capsys.readouterr().out.split())
     for fragment in ("snapkv@0.80", "knorm@0.50", "not tested", "stopped at snapkv@0.20", "stopped at knorm@0.50",
                      "Chosen", "realised 0.496", "per-task breakdown", "above ε", "calibration distribution",
                      "the declared task mix", "not each task", "1 request(s) were skipped"):
         assert fragment in printed, fragment
-    assert data["per_task"]["t2"]["exceeds_risk"] is True
+    assert json.loads((tmp_path / "op_wide.json").read_text())["candidates"] == data["candidates"]
 
 
 def test_certify_default_output_is_in_the_store(contract_path, capsys):

@@ -70,7 +70,7 @@ def test_report_reuses_an_up_to_date_validation(contract_path, tmp_path, capsys)
 def test_report_figures_for_a_fallback_without_tasks(tmp_path):
     """A table with no task column and nothing certified must still draw readable figures."""
     from certkv.core.certify import certify
-    from certkv.report.text import plot_per_task, plot_risk_vs_kv, plot_validation, save_figure
+    from certkv.report.figures import plot_per_task, plot_risk_vs_kv, plot_validation, save_figure
     from certkv.core.validation import validate
 
     rows = [
@@ -88,5 +88,42 @@ def test_report_figures_for_a_fallback_without_tasks(tmp_path):
 
 
 def test_importing_reporting_does_not_touch_matplotlib():
-    code = "import sys, certkv.report.text; assert 'matplotlib' not in sys.modules"
+    modules = "certkv.report.text, certkv.report.figures, certkv.report.html, certkv.report.console"
+    code = f"import sys, {modules}; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_importing_the_report_keeps_the_users_matplotlib_backend():
+    """A user's backend survives importing the report modules (only drawing selects Agg)."""
+    code = (
+        "import matplotlib; matplotlib.use('svg'); import certkv.report.figures, certkv.report.html\n"
+        "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_the_page_is_rendered_from_an_autoescaping_template(tmp_path):
+    """Names from a loss table (here a task) and notes reach the page escaped, by the template."""
+    from certkv.calibration.records import certify_contract
+    from certkv.contract.spec import certification_spec
+    from certkv.core.validation import validate
+    from certkv.report.html import render_html
+    from test_certify_cli import write_contract
+
+    contract = load_contract(write_contract(tmp_path, policies=[{"press": "snapkv", "kv_retained": [0.8, 0.2]}]))
+    table = tmp_path / "losses.csv"
+    table.write_text("request_id,task,policy,kv_retained,loss\n" + "".join(
+        f"q{i},<script>x</script>,{p},{kv},{float(i % 9 == 0 and kv < 0.5)}\n"
+        for i in range(60) for p, kv in (("snapkv@0.80", 0.8), ("snapkv@0.20", 0.2))
+    ))
+    evidence, op = certify_contract(contract, table)
+    result = validate(evidence.table, certification_spec(contract), n_splits=20)
+    figures = {}
+    for name in FIGURES:
+        figures[name] = tmp_path / name
+        figures[name].write_bytes(name.encode())
+    page = render_html(contract, evidence, op, result, figures, notes=["a <note> & more"])
+    assert "<script>" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
+    assert "a &lt;note&gt; &amp; more" in page
+    for name in FIGURES:
+        assert f'src="data:image/png;base64,{base64.b64encode(name.encode()).decode()}"' in page

@@ -5,7 +5,8 @@ any loss table. The commands `certify`, `validate` and `report` all start the sa
 the contract, turn its pre-registered choices into a spec, and load the evidence, either from the
 contract's own calibration store or from a plain CSV/JSONL loss table produced by another system.
 Doing that in one place keeps the three commands consistent: the same table, hence the same
-records hash, the same n and the same decision.
+records hash, the same n and the same decision; :func:`certify_contract` goes one step further,
+to the operating point that `certify` writes and `report` explains.
 
 Torch-free: numpy, scipy and pydantic only.
 """
@@ -50,6 +51,50 @@ def mark_incomplete(op, evidence: ContractRecords):
         )
         op.notes.insert(0, f"incomplete calibration: {evidence.incomplete}")
     return op
+
+
+def certify_contract(
+    contract, records_file: Path | str | None = None, contract_label: str | None = None, allow_incomplete: bool = False
+):
+    """Certify `contract` on its evidence: spec, records, certificate, incomplete-store label.
+
+    `certkv certify` and `certkv report` must describe the very same decision, so the one path
+    from a validated contract to an operating point lives here: the contract's pre-registered
+    spec, the records of :func:`load_records`, the certifier bound to both hashes, and
+    :func:`mark_incomplete`, so that no caller can forget to strip the guarantee from a partial
+    store.
+
+    Parameters
+    ----------
+    contract : certkv.contract.schema.Contract
+        A validated contract (:func:`certkv.contract.loading.load_contract`).
+    records_file : path, optional
+        A CSV/JSONL loss table to certify instead of the contract's store.
+    contract_label : str, optional
+        The contract path as the user typed it, quoted in "run calibrate first" hints.
+    allow_incomplete : bool
+        Accept an unfinished store; the result is then a labelled preview without guarantee.
+
+    Returns
+    -------
+    evidence : ContractRecords
+        What was certified: its source, hash and skipped requests are shown next to the result.
+    operating_point : certkv.core.operating_point.OperatingPoint
+        The certified choice (or the full-cache fallback) and every candidate's evidence.
+
+    Raises
+    ------
+    CertkvError
+        No store, an empty store, a store of another contract, an unfinished store without
+        `allow_incomplete`, or a loss table that lacks a candidate (one line each).
+    """
+    from certkv.contract.spec import certification_spec
+    from certkv.core.certify import certify
+
+    spec = certification_spec(contract)
+    evidence = load_records(contract, records_file, contract_label=contract_label, allow_incomplete=allow_incomplete)
+    op = certify(evidence.table, spec, contract_sha256=contract.sha256(), records_sha256=evidence.records_sha256)
+    return evidence, mark_incomplete(op, evidence)
 
 
 def load_records(
@@ -118,4 +163,4 @@ def default_output(contract, name: str) -> Path:
     return contract.resolved_store_path() / name
 
 
-__all__ = ["ContractRecords", "default_output", "load_records", "mark_incomplete"]
+__all__ = ["ContractRecords", "certify_contract", "default_output", "load_records", "mark_incomplete"]

@@ -26,20 +26,15 @@ def report(
     """Write risk_vs_kv.png, per_task.png, validation.png and report.html."""
     from rich.console import Console
 
-    from certkv.core.certify import certify as run_certify
+    from certkv.calibration.records import certify_contract, default_output
     from certkv.cli.validate import VALIDATION_FILE, read_validation, run_validation, write_validation
     from certkv.contract.loading import load_contract
-    from certkv.contract.spec import certification_spec
-    from certkv.calibration.records import default_output, load_records, mark_incomplete
-    from certkv.report.text import write_report
+    from certkv.report.html import write_report
 
     console = Console(stderr=True)
     contract = load_contract(contract_path)
-    evidence = load_records(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
+    evidence, op = certify_contract(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
     out_dir = output or default_output(contract, "report")
-    op = run_certify(evidence.table, certification_spec(contract), contract_sha256=contract.sha256(),
-                     records_sha256=evidence.records_sha256)
-    mark_incomplete(op, evidence)
     notes = _stored_point_note(default_output(contract, "operating_point.json"), op)
 
     validation = None
@@ -60,7 +55,7 @@ def _stored_point_note(path: Path, op) -> list[str]:
     """Warn when the operating point on disk disagrees with the records the report shows."""
     if not path.is_file():
         return []
-    from certkv.core.certify import load_operating_point
+    from certkv.core.operating_point import load_operating_point
     from certkv.errors import CertkvError
 
     try:

@@ -32,14 +32,16 @@ def validate(
 
     from certkv.contract.loading import load_contract
     from certkv.calibration.records import default_output, load_records
+    from certkv.report.tables import say_path
 
     contract = load_contract(contract_path)
     evidence = load_records(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
     result = run_validation(contract, evidence, splits, calibration_fraction, seed)
     target = output or default_output(contract, VALIDATION_FILE)
     write_validation(result, contract, evidence, target)
-    print_validation(result, Console())
-    Console().print(f"wrote {target}", soft_wrap=True, highlight=False)
+    console = Console()
+    print_validation(result, console)
+    say_path(console, "wrote", target)
 
 
 def run_validation(contract, evidence, splits: int = 1000, calibration_fraction: float = 0.5, seed: int = 0):
@@ -89,36 +91,48 @@ def read_validation(path: Path, contract, evidence):
 
 
 def print_validation(result, console) -> None:
-    """Both methods side by side, with δ: the certificate's promised bound on failures."""
-    from rich.table import Table
+    """Both methods side by side, with δ: the certificate's promised bound on failures.
 
-    from certkv.report.text import METHOD_LABELS, contract_delta
+    A narrow table (method, share of splits above ε with its count and 95% interval, mean KV,
+    fallback share) that fits 80 columns, then each method's most chosen policies on a line of
+    their own: policy names are long and would otherwise fold the table in a log.
+
+    Parameters
+    ----------
+    result : certkv.core.validation.ValidationResult
+    console : rich.console.Console
+        80 columns without a TTY unless ``COLUMNS`` says otherwise; nothing printed is cut.
+    """
+    from certkv.report.tables import add_row, narrow_table, print_table, say
+    from certkv.report.text import METHOD_LABELS, contract_delta, fmt_share
 
     eps = result.contract.risk
     delta = contract_delta(result.contract)
-    table = Table(
-        title=(
-            f"{result.n_splits} splits of {result.n_requests} requests: {result.n_calibration} calibrate, "
-            f"{result.n_test} test (seed {result.seed}); ε = {eps:g}, δ = {delta:g}"
-        )
+    title = (
+        f"{result.n_splits} splits of {result.n_requests} requests: {result.n_calibration} calibrate, "
+        f"{result.n_test} test (seed {result.seed}); ε = {eps:g}, δ = {delta:g}"
     )
-    for col, justify in [("method", "left"), ("splits with test risk > ε", "right"), ("95% CI", "right"),
-                         ("mean KV retained", "right"), ("fallback share", "right"), ("most chosen", "left")]:
-        table.add_column(col, justify=justify)
+    table = narrow_table([("method", "left"), ("test risk > ε", "right"), ("95% CI", "right"),
+                          ("mean KV", "right"), ("fallback", "right")])
     for name, m in result.methods.items():
-        top = sorted(m.chosen.items(), key=lambda kv: -kv[1])[:2]
-        table.add_row(
+        add_row(
+            table,
             METHOD_LABELS.get(name, name),
-            f"{100 * m.exceed_fraction:.1f}% ({m.exceed_count})",
+            f"{fmt_share(m.exceed_fraction)} ({m.exceed_count})",
             f"{100 * m.exceed_ci_low:.1f}–{100 * m.exceed_ci_high:.1f}%",
             f"{m.mean_kv_retained:.3f}",
-            f"{100 * m.fallback_share:.1f}%",
-            ", ".join(f"{p} ({100 * c / result.n_splits:.0f}%)" for p, c in top),
+            fmt_share(m.fallback_share),
         )
-    console.print(table)
-    console.print(
+    print_table(console, table, title=title)
+    say(console, "test risk > ε: share (count) of splits whose test half exceeds ε; mean KV: mean KV retained "
+                 "of the chosen policy; fallback: share of splits that chose the full cache.")
+    for name, m in result.methods.items():
+        top = sorted(m.chosen.items(), key=lambda kv: -kv[1])[:2]
+        chosen = ", ".join(f"{p} ({100 * c / result.n_splits:.0f}%)" for p, c in top) or "—"
+        say(console, f"most chosen by {METHOD_LABELS.get(name, name)}: {chosen}")
+    say(
+        console,
         f"certkv promises that its choice's true risk exceeds ε = {eps:g} with probability at most δ = {delta:g}; "
         "empirical thresholding promises nothing. Test halves are finite and splits overlap, so these shares "
         "are noisy and descriptive, not a test of the guarantee.",
-        highlight=False,
     )

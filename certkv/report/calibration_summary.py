@@ -1,4 +1,9 @@
-"""Human-readable summaries of a calibration store."""
+"""Human-readable summaries of a calibration store: what `certkv calibrate` prints when it ends.
+
+Per candidate policy: how many requests it ran on, its mean utility, its violations at the
+contract's tolerance and the KV it really kept, so that a user sees at a glance, before
+certifying, whether a candidate is hopeless or the store is incomplete.
+"""
 
 from __future__ import annotations
 
@@ -33,29 +38,41 @@ def candidate_summary(records, tolerance: float) -> list[dict]:
 
 
 def print_calibration_summary(contract, summary, console) -> None:
-    from rich.table import Table
+    """The store's candidates after `certkv calibrate`, then what this run did.
 
+    Every column folds instead of being cut (:mod:`certkv.report.tables`): the summary is often
+    read in a log of an unattended run, where the console is 80 columns wide and a rate cut to
+    ``0.0…`` would hide exactly what the reader looks for.
+
+    Parameters
+    ----------
+    contract : Contract
+        The contract calibrated; its candidates give the row order and its tolerance the k.
+    summary : certkv.calibration.run.CalibrationSummary
+        What this run did (calibrated, already stored, skipped, seconds).
+    console : rich.console.Console
+    """
     from certkv.calibration.store import CalibrationStore
+    from certkv.report.tables import add_row, narrow_table, print_table, say, say_path
 
     with CalibrationStore.read(contract.resolved_store_path()) as store:
         records = store.records()
         skipped = store.skipped()
     order = {"full": -1, **{c.policy: i for i, c in enumerate(contract.candidates())}}
     rows = sorted(candidate_summary(records, contract.tolerance), key=lambda r: order.get(r["policy"], 1 << 30))
-    table = Table(
-        title=f"{summary.store}: mean utility, violations k (loss > {contract.tolerance:g}), rate, realised KV kept"
-    )
-    for col, justify in [("policy", "left"), ("n", "right"), ("utility", "right"), ("k", "right"),
-                         ("rate", "right"), ("KV kept", "right"), ("path", "left")]:
-        table.add_column(col, justify=justify, no_wrap=True)
+    table = narrow_table([("policy", "left"), ("n", "right"), ("utility", "right"), ("k", "right"),
+                          ("rate", "right"), ("KV kept", "right"), ("path", "left")])
     for r in rows:
-        table.add_row(r["policy"], str(r["n"]), f"{r['mean_utility']:.3f}", str(r["violations"]),
+        add_row(table, r["policy"], str(r["n"]), f"{r['mean_utility']:.3f}", str(r["violations"]),
                       f"{r['violation_rate']:.3f}", f"{r['kv_retained_actual']:.3f}", r["path"])
-    console.print(table)
+    say_path(console, "store", summary.store)
+    title = f"per policy: mean utility, violations k (loss > {contract.tolerance:g}), their rate, realised KV kept"
+    print_table(console, table, title=title)
     rate = f", {summary.calibrated / summary.seconds:.2f} req/s" if summary.seconds else ""
-    console.print(
+    say(
+        console,
         f"{summary.calibrated} requests calibrated now{rate}, {summary.already_done} were already stored, "
-        f"{len(summary.skipped)} skipped now ({len(skipped)} skipped in the store)."
+        f"{len(summary.skipped)} skipped now ({len(skipped)} skipped in the store).",
     )
     for rid, reason in list(summary.skipped.items())[:5]:
-        console.print(f"  skipped {rid}: {reason}")
+        say(console, f"  skipped {rid}: {reason}")

@@ -1,0 +1,152 @@
+"""`certkv certify`'s console output: the certificate in a form that reads in 80 columns and in logs.
+
+A contract with a gate grid has hundreds of candidates (the demo: 216 in 24 sequences); a table
+of all of them squeezed into a terminal or a CI log is unreadable. So the console shows one row
+per *sequence*: how far testing got, where it stopped and why, and the best certified candidate,
+followed by the choice, the chosen policy's tasks, the guarantee and the notes. The full
+candidate table is in the operating-point JSON and the HTML report, and ``--wide`` prints it here,
+at its natural width. Every table goes through :mod:`certkv.report.tables`, so no value is ever
+cut to ``0.0…``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from certkv.report import text
+from certkv.report.tables import add_row, narrow_table, print_table, say, say_path
+
+
+def print_operating_point(contract, evidence, op, console, target: Path | None = None, wide: bool = False) -> None:
+    """Print a certificate for a reader of a terminal or a log.
+
+    Parameters
+    ----------
+    contract : Contract
+        The contract certified (its name and gate grid are shown).
+    evidence : certkv.calibration.records.ContractRecords
+        The records certified: source, hash and skipped requests.
+    op : OperatingPoint
+        The result to show.
+    console : rich.console.Console
+        Where to print; without a TTY rich assumes 80 columns unless ``COLUMNS`` says otherwise,
+        and every line here fits that (paths excepted, which are never broken).
+    target : path, optional
+        Where the JSON was written, named last so it is the line a user copies.
+    wide : bool
+        Every candidate at the table's natural width and a sentence per sequence, instead of one
+        row per sequence: for wide terminals, pagers and files.
+    """
+    say_path(console, "evidence:", evidence.source)
+    say(console, f"records sha256 {evidence.records_sha256[:12]}")
+    delta = text.contract_delta(op.contract)
+    say(console, f"{contract.name}: {op.contract.procedure}, τ = {op.contract.tolerance:g}, ε = {op.contract.risk:g}, "
+                 f"confidence {op.contract.confidence:g} (δ = {delta:g}), n = {op.n}")
+    console.print()
+    if wide:
+        print_candidates(op, console)
+        for line in text.sequence_summaries(op):
+            say(console, f"  {line}")
+    else:
+        print_sequences(op, console)
+    console.print()
+    if op.fallback:
+        say(console, text.choice_summary(op), label="Fallback", style="bold red")
+    else:
+        say(console, text.choice_summary(op), label="Chosen", style="bold green")
+    print_per_task(op, console)
+    say(console, text.guarantee_text(op), label="Guarantee", style="bold")
+    for note in text.all_notes(contract, evidence, op):
+        say(console, note, label="note", style="yellow")
+    if not wide:
+        where = "the operating point JSON" + (" written below" if target is not None else "")
+        say(console, f"All {len(op.candidates)} candidates: `certkv certify --wide`, {where}, or `certkv report`.")
+    if target is not None:
+        say_path(console, "wrote", target)
+
+
+def sequence_cells(op, row: dict) -> list[str]:
+    """One sequence's cells as :func:`print_sequences` shows them: number, name (the candidates'
+    stem), certified/total, best certified, where testing stopped, its k/n and its bound."""
+    stem = row["name"]
+    best = "—"
+    if row["best"] is not None:
+        best = text.member_label(row["best"].policy, stem) + (" ★" if row["chosen"] else "")
+    stop, kn, bound = "—", "—", "—"
+    if row["stop"] is not None:
+        c = row["stop"]
+        stop, kn = text.member_label(c.policy, stem), f"{c.violations}/{c.n}"
+        bound = text.fmt_bound(c.risk_upper_bound) + ("" if c.risk_upper_bound > op.contract.risk else "*")
+    return [str(row["index"]), stem, f"{row['certified']}/{row['total']}", best, stop, kn, bound]
+
+
+def print_sequences(op, console) -> None:
+    """One row per sequence, laid out for 80 columns, with a legend that says what the cells mean."""
+    rows = text.sequence_rows(op)
+    fixed = op.contract.procedure == "fixed_sequence"
+    levels = {r["level"] for r in rows}
+    if len(levels) == 1 and None not in levels:
+        how = f"at level {text.fmt_bound(levels.pop())}"
+    else:
+        how = "at Holm's step-down levels"
+    order = "each tested most KV first" if fixed else "every candidate tested"
+    n_cert = sum(c.certified for c in op.candidates)
+    title = (f"{len(rows)} sequence{'s' if len(rows) != 1 else ''}, {len(op.candidates)} candidates, "
+             f"{order} {how}: {n_cert} certified")
+    stop_header = "stopped at" if fixed else "failed at"
+    table = narrow_table([("seq", "right"), ("sequence", "left"), ("certified", "right"), ("best", "left"),
+                          (stop_header, "left"), ("k/n", "right"), ("bound", "right")])
+    for row in rows:
+        add_row(table, *sequence_cells(op, row), style="bold" if row["chosen"] else None)
+    print_table(console, table, title=title)
+    eps = f"{op.contract.risk:g}"
+    holm = any(r["stop"] is not None and r["stop"].risk_upper_bound <= op.contract.risk for r in rows)
+    stopped = (
+        f"stopped at: the first candidate not certified, its violations k/n and upper bound (> ε = {eps}); "
+        "the candidates after it are not tested."
+        if fixed else
+        f"failed at: the first candidate not certified, its violations k/n and upper bound (> ε = {eps}"
+        + ("; * ≤ ε, but Holm's step-down stopped before it" if holm else "")
+        + "); the later candidates are tested too (--wide lists them)."
+    )
+    say(console, f"best: the sequence's certified candidate with the least memory (★ chosen). {stopped}")
+
+
+def print_candidates(op, console) -> None:
+    """Every candidate, in contract order, at the table's natural width (``--wide``)."""
+    rows = text.ladder_rows(op)
+    gated = any(r["gated_share"] is not None for r in rows)  # gate columns only when the contract has a gate
+    columns = [("seq", "right"), ("policy", "left"), ("n", "right"), ("k", "right"), ("empirical risk", "right"),
+               ("upper bound", "right"), ("p-value", "right"), ("tested level", "right")]
+    columns += [("mean KV", "right"), ("gated", "right")] if gated else []
+    table = narrow_table([*columns, ("status", "left")])
+    style = {"certified": "green", "not certified": "red", "not tested": "dim"}
+    for r in rows:
+        gate_cells = []
+        if gated:
+            share = "—" if r["gated_share"] is None else text.fmt_share(r["gated_share"])
+            gate_cells = [f"{r['mean_kv']:.3f}", share]
+        add_row(
+            table, str(r["sequence"]), r["policy"] + (" ★" if r["chosen"] else ""), str(r["n"]), str(r["k"]),
+            f"{r['empirical_risk']:.4f}", f"{r['upper_bound']:.4f}", text.fmt_p(r["p_value"]), f"{r['level']:.3g}",
+            *gate_cells, r["status"],
+            style="bold" if r["chosen"] else style[r["status"]],
+        )
+    print_table(console, table, natural=True)
+
+
+def print_per_task(op, console) -> None:
+    """The chosen policy's own violation rate per task, flagged when above ε (the certificate
+    covers the mix, not each task)."""
+    if not op.per_task or op.fallback:
+        return
+    eps = op.contract.risk
+    table = narrow_table([("task", "left"), ("n", "right"), ("violations", "right"), ("rate", "right"),
+                          (f"vs ε = {eps:g}", "left")])
+    for name, b in sorted(op.per_task.items()):
+        add_row(table, name, str(b.n), str(b.violations), f"{b.rate:.4f}", "above ε" if b.exceeds_risk else "≤ ε",
+                      style="bold red" if b.exceeds_risk else None)
+    print_table(console, table, title=f"per-task breakdown of {op.policy}:")
+
+
+__all__ = ["print_candidates", "print_operating_point", "print_per_task", "print_sequences", "sequence_cells"]
