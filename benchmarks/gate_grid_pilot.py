@@ -1,7 +1,7 @@
 """Pre-register the demo contract's gate grid on pilot requests that calibration never sees.
 
 A gate threshold or certificate bound chosen on the calibration requests would be tuned on the
-data that then tests it. DESIGN.md allows a grid learned on a separate split; this script is that
+data that then tests it. docs/design.md ("Gate signals") allows a grid learned on a separate split; this script is that
 split: it draws pilot requests from the demo mix with their own seed (the shipped calibration set
 uses seed 0), runs the engine once per request and prints quantiles of
 

@@ -50,7 +50,7 @@ RATES = {
     "snapkv@0.10": (0.6, 0.6, 0.7),
     "knorm@0.50": (0.2, 0.2, 0.2),
 }
-#: The operating point keys DESIGN.md shows.
+#: The operating point keys docs/design.md lists ("File formats").
 DESIGN_KEYS = {
     "policy", "press", "kv_retained", "fallback", "contract", "n", "violations", "risk_upper_bound", "p_value",
     "candidates", "guarantee", "contract_sha256", "records_sha256", "created", "certkv_version",
