@@ -48,10 +48,10 @@ def larger_llama(tokenizer):
 
 
 def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dict:
+    import kvpress  # noqa: F401  (registers the kvpress pipeline)
     from transformers import pipeline
 
-    import kvpress  # noqa: F401  (registers the kvpress pipeline)
-    from certkv.engine.engine import PressCandidate, Engine
+    from certkv.engine.engine import Engine, PressCandidate
     from certkv.model.generation import full_kv_answer
     from certkv.presses.registry import build_press
 

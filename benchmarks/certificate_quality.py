@@ -97,8 +97,8 @@ def collect(model, tok, requests, kv: float, probe: Probe):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     from certkv.model.generation import encode_request, greedy_decode
-    from certkv.presses.probabilistic import ProbabilisticPress
     from certkv.presses.hajek_state import clear_states
+    from certkv.presses.probabilistic import ProbabilisticPress
 
     AttentionInterface.register(PROBE, probe)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, sdpa_mask)
@@ -146,7 +146,7 @@ def quality(per_request, seed: int, kv_heads: int, splits: int = 50) -> dict:
     rng = np.random.default_rng(seed)
     ratios = [np.where(c.numpy() > 0, e.numpy() / np.maximum(c.numpy(), 1e-30), np.inf) for c, e, _, _ in per_request]
     ratios = [np.where((c.numpy() == 0) & (e.numpy() == 0), 0.0, r) for r, (c, e, _, _) in zip(ratios, per_request)]
-    figures = {"grouped": {"z": [], "coverage": [], "request_coverage": []}, "pooled": {"z": [], "coverage": [], "request_coverage": []}}
+    figures = {method: {"z": [], "coverage": [], "request_coverage": []} for method in ("grouped", "pooled")}
     for _ in range(splits):
         order = rng.permutation(len(per_request))
         half = len(order) // 2

@@ -29,8 +29,8 @@ def records(n_requests: int = 3704, seed: int = 0) -> list[dict]:
 
 
 def main() -> None:
-    from certkv.core.spec import CertificationSpec
     from certkv.core.certify import certify
+    from certkv.core.spec import CertificationSpec
 
     rows = records()
     spec = CertificationSpec(

@@ -17,14 +17,14 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
+    import kvpress  # noqa: F401  (registers the pipeline)
     import torch
     from transformers import pipeline
 
-    import kvpress  # noqa: F401  (registers the pipeline)
+    from certkv.calibration.utility import exact_match
     from certkv.model.loading import load_model
     from certkv.presses.registry import build_press
     from certkv.requests.request_set import generate_requests
-    from certkv.calibration.utility import exact_match
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=300)

@@ -29,7 +29,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from certkv.engine.engine import PressCandidate, Engine
+    from certkv.engine.engine import Engine, PressCandidate
     from certkv.model.loading import load_model
     from certkv.presses.probabilistic import ProbabilisticPress
     from certkv.requests.request_set import generate_requests

@@ -141,8 +141,8 @@ def decode_steps(model, cache, states, context_length: int, variant: str) -> flo
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     from certkv.presses.hajek_attention import use_hajek_attention
-    from certkv.presses.probabilistic import attention_modules
     from certkv.presses.hajek_state import clear_states, set_state
+    from certkv.presses.probabilistic import attention_modules
     from certkv.runtime.certified_runtime import _CertificateWatch
 
     modules = attention_modules(model)
@@ -244,7 +244,6 @@ def measure(model, tokenizer, requests, reps: int = 3) -> dict:
 
 def main() -> None:
     import torch
-
     from calibration_speed import larger_llama
 
     from certkv.model.loading import load_model

@@ -55,7 +55,7 @@ def signal_quality(n: int) -> dict:
     import numpy as np
     from scipy.stats import spearmanr
 
-    from certkv.engine.engine import PressCandidate, Engine
+    from certkv.engine.engine import Engine, PressCandidate
     from certkv.model.loading import load_model
     from certkv.presses.registry import build_press
     from certkv.requests.request_set import generate_requests
@@ -121,10 +121,10 @@ def demo_savings_by_risk(risks=(0.05, 0.10, 0.15, 0.20)) -> dict | None:
     ``kv_saved_by_gate`` = least certified mean KV without a gate − least with one, a family with
     nothing certified counting as 1.0 (what would be deployed: the full cache); negative when the
     gate costs KV."""
-    from certkv.core.certify import certify
+    from certkv.calibration.records import load_records
     from certkv.contract.loading import load_contract
     from certkv.contract.spec import certification_spec
-    from certkv.calibration.records import load_records
+    from certkv.core.certify import certify
     from certkv.errors import CertkvError
 
     contract_path = DEMO_CONTRACT

@@ -7,7 +7,6 @@ imported only when a function that needs them is called.
 from __future__ import annotations
 
 from certkv._lazy import lazy_getattr
-
 from certkv._version import __version__
 
 _LAZY = {

@@ -68,6 +68,7 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_utility.py",
     "test_validation.py",
     "test_import_layers.py",
+    "test_lint.py",
     "test_gating.py",
     "test_store.py",
     "test_report.py",

@@ -23,8 +23,8 @@ def test_row_groups_split_rows_by_first_real_slot():
 @pytest.mark.parametrize("q_len", [5, 2, 1])  # a verify forward (sdpa); decoding steps (grouped matmuls)
 def test_grouped_attention_equals_attention_over_the_whole_padded_width(q_len):
 
-    from certkv.model.attention import attention_row_groups, gqa_sdpa_attention
     from certkv.engine.batched_decode import row_groups
+    from certkv.model.attention import attention_row_groups, gqa_sdpa_attention
 
     g = torch.Generator().manual_seed(3)
     lengths, width, kv_heads, heads, d = [40, 40, 25, 11, 11, 3], 40, 2, 4, 8

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, run_cli
 
 N_REQUESTS = 30  # enough that a kill soon after a commit lands mid-run on a fast machine
@@ -121,7 +120,9 @@ def test_labelled_policies_calibrate_and_certify(tmp_path):
     res = run_cli("calibrate", str(path), "--quiet", "--limit", "3")
     assert res.returncode == 0, res.stderr
     rows, _ = _records(tmp_path)
-    assert {(r["policy"], r["press"]) for r in rows} == {("full", "full"), ("snap_wide@0.50", "snapkv"), ("snapkv@0.50", "snapkv")}
+    assert {(r["policy"], r["press"]) for r in rows} == {
+        ("full", "full"), ("snap_wide@0.50", "snapkv"), ("snapkv@0.50", "snapkv")
+    }
     # Three of the planned requests: certify refuses, a preview is labelled as such.
     res = run_cli("certify", str(path))
     assert res.returncode == 2 and f"3 of {N_REQUESTS} planned requests" in res.stderr

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from certkv.core.spec import CertificationSpec
-from certkv.core.operating_point import OperatingPoint, load_operating_point
 from certkv.core.certify import certify, select_candidates
-from certkv.core.policy_names import policy_name
-from certkv.errors import CertkvError
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
+from certkv.core.operating_point import OperatingPoint, load_operating_point
+from certkv.core.policy_names import policy_name
+from certkv.core.spec import CertificationSpec
+from certkv.errors import CertkvError
 
 REPO = Path(__file__).resolve().parents[1]
 N = 200

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
-from certkv.core.certify import certify
 from conftest import run_main
-from certkv.contract.loading import load_contract
-from certkv.contract.spec import certification_spec
+
 from certkv.calibration.records import load_records
 from certkv.calibration.store import CalibrationStore
+from certkv.contract.loading import load_contract
+from certkv.contract.spec import certification_spec
+from certkv.core.certify import certify
 
 REPO = Path(__file__).resolve().parents[1]
 

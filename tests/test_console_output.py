@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import run_cli
 
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract
-from conftest import run_cli
 
 WIDTH = 80
 RETENTIONS = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]

@@ -7,9 +7,8 @@ import pytest
 
 @pytest.fixture(scope="module")
 def pipe(embedded):
-    from transformers import pipeline
-
     import kvpress  # noqa: F401  (registers the pipeline)
+    from transformers import pipeline
 
     model, tokenizer = embedded
     return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
@@ -73,7 +72,7 @@ def test_fast_path_matches_kvpress_pipeline(embedded, pipe, monkeypatch):
 def test_non_scorer_press_takes_the_pipeline_path(embedded, pipe):
     from kvpress import AdaKVPress, SnapKVPress
 
-    from certkv.engine.engine import PressCandidate, Engine
+    from certkv.engine.engine import Engine, PressCandidate
     from certkv.requests.request_set import generate_requests
 
     model, tokenizer = embedded

@@ -142,9 +142,9 @@ def test_captured_window_queries_are_the_recomputed_ones_and_change_nothing_else
 
     from transformers import DynamicCache
 
-    from certkv.model.window_attention import window_attention
-    from certkv.model.window_queries import WIDTH, capturing_window_queries, captured_queries
     from certkv.model.layers import attention_modules
+    from certkv.model.window_attention import window_attention
+    from certkv.model.window_queries import WIDTH, captured_queries, capturing_window_queries
 
     model, _ = embedded
     modules = attention_modules(model)
@@ -194,7 +194,7 @@ def test_captured_window_queries_are_the_recomputed_ones_and_change_nothing_else
 def test_capturing_is_a_no_op_for_eager_attention(tiny_llama):
     from transformers import DynamicCache
 
-    from certkv.model.window_queries import capturing_window_queries, captured_queries
+    from certkv.model.window_queries import captured_queries, capturing_window_queries
 
     with torch.no_grad(), capturing_window_queries(tiny_llama):
         assert tiny_llama.config._attn_implementation == "eager"
@@ -233,4 +233,5 @@ def test_gate_and_press_share_one_window_attention_per_layer_and_prefill(tiny_ll
     assert calls == [0, 1, 2] * 2  # three readers per layer, one computation per layer and prefill
     from certkv.model.layers import attention_modules
 
-    assert all(window_attention_module._MEMO_ATTR not in m.__dict__ for m in attention_modules(tiny_llama)), "forgotten after the block"
+    memo = window_attention_module._MEMO_ATTR
+    assert all(memo not in m.__dict__ for m in attention_modules(tiny_llama)), "forgotten after the block"

@@ -13,22 +13,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import run_main
 from scipy import stats
 
-from certkv.presses import registry as press_registry
-from certkv.core.certify import certify
-from certkv.core.operating_point import load_operating_point
-from conftest import run_main
-from certkv.core.policy_names import gated_policy_name
+from certkv.calibration.records import load_records
+from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract, parse_contract
 from certkv.contract.spec import certification_spec
-from certkv.calibration.records import load_records
-from certkv.errors import CertkvError
+from certkv.core.certify import certify
 from certkv.core.gated import Derive, expand_for_contract, expand_gated
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
+from certkv.core.operating_point import load_operating_point
+from certkv.core.policy_names import gated_policy_name
 from certkv.core.procedures import certified_mask
-from certkv.calibration.store import CalibrationStore
 from certkv.core.validation import validate
+from certkv.errors import CertkvError
+from certkv.presses import registry as press_registry
 
 BASE = {
     "name": "gated",

@@ -139,8 +139,8 @@ def test_selection_layout():
 def test_select_layers_equals_each_layer_selected_alone(batch):
     """Several layers selected in one call: each layer's entries, log π and counts are those of
     its own selection with its own generator (padding aside), for any batch size."""
-    from certkv.presses.probabilistic import ProbabilisticPress
     from certkv.presses.poisson_selection import probabilistic_selection
+    from certkv.presses.probabilistic import ProbabilisticPress
 
     press = ProbabilisticPress(compression_ratio=0.6, head_share=0.3, seed=5)
     g = torch.Generator().manual_seed(4)
@@ -210,7 +210,6 @@ def test_hajek_attention_matches_explicit_computation():
     gather = sel.indices.unsqueeze(-1).expand(-1, -1, -1, d)
     keys = torch.cat([full_k.gather(2, gather), torch.randn(batch, kv_heads, new, d, generator=g)], dim=2)
     values = torch.cat([full_v.gather(2, gather), torch.randn(batch, kv_heads, new, d, generator=g)], dim=2)
-    k_len = n + new
     scale = d**-0.5
     pi = sel.log_pi.exp()
 
@@ -265,7 +264,11 @@ def test_certificates_reduced_together_equal_each_step_reduced_alone(pending_ste
     must equal each step's certificate computed on its own."""
     from certkv.presses import hajek_attention as module_under_test
     from certkv.presses.hajek_attention import (
-        CertificateTerms, certificate, corrected_attention, hajek_attention, layer_certificates,
+        CertificateTerms,
+        certificate,
+        corrected_attention,
+        hajek_attention,
+        layer_certificates,
     )
     from certkv.presses.hajek_state import HajekState
 
@@ -405,10 +408,10 @@ def _answer(model, context, question, press=None, hajek=False, new_tokens=5):
 
 
 def test_all_pi_one_equals_deterministic_press(tiny):
-    from certkv.presses.hajek_attention import certificate_max, certificate_steps
     from certkv.presses.deterministic_head import DeterministicHeadPress
-    from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.hajek_attention import certificate_max, certificate_steps
     from certkv.presses.hajek_state import kept_fraction
+    from certkv.presses.probabilistic import ProbabilisticPress
 
     model, context, question = tiny
     ref_tokens, ref_logits = _answer(model, context, question, DeterministicHeadPress(compression_ratio=0.5))
@@ -488,14 +491,14 @@ def test_certificate_steps_reduces_all_layers_together_as_each_alone(tiny, start
     assert len(got) == 1 and len(got[0]) == max(0, 6 - start)
     torch.testing.assert_close(torch.tensor(got), expected[:, start:], rtol=1e-6, atol=0)
     assert not any(isinstance(step, CertificateTerms) for steps in lists for step in steps) or start >= 6
-    states = [getattr(m, "certkv_hajek") for m in attention_modules(model)]
+    states = [m.certkv_hajek for m in attention_modules(model)]
     assert all("latest_values" not in state.__dict__ for state in states) or start >= 6
 
 
 def test_ratio_zero_is_the_full_cache(tiny):
     from certkv.presses.hajek_attention import certificate_steps
-    from certkv.presses.probabilistic import ProbabilisticPress
     from certkv.presses.hajek_state import kept_fraction
+    from certkv.presses.probabilistic import ProbabilisticPress
 
     model, context, question = tiny
     full_tokens, full_logits = _answer(model, context, question)
@@ -506,8 +509,8 @@ def test_ratio_zero_is_the_full_cache(tiny):
 
 def test_sampled_tail_gives_positive_certificates_and_target_retention(tiny):
     from certkv.presses.hajek_attention import certificate_max, certificate_steps
-    from certkv.presses.probabilistic import ProbabilisticPress, attention_modules
     from certkv.presses.hajek_state import kept_fraction
+    from certkv.presses.probabilistic import ProbabilisticPress, attention_modules
 
     model, context, question = tiny
     fractions, padded_slots = [], []
@@ -559,9 +562,9 @@ def test_register_and_context_manager(tiny):
 def test_bad_parameters_raise_value_error():
     from kvpress import KnormPress
 
-    from certkv.presses.value_norm import AttentionTimesValueNormPress
     from certkv.presses.deterministic_head import DeterministicHeadPress
     from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.value_norm import AttentionTimesValueNormPress
 
     for kwargs, match in (
         ({"compression_ratio": 1.0}, "compression_ratio"),

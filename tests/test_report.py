@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from certkv.contract.loading import load_contract
 from conftest import run_main
 from test_certify_cli import build_store  # the synthetic store
+
+from certkv.contract.loading import load_contract
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ("risk_vs_kv.png", "per_task.png", "validation.png")
@@ -70,8 +70,8 @@ def test_report_reuses_an_up_to_date_validation(contract_path, tmp_path, capsys)
 def test_report_figures_for_a_fallback_without_tasks(tmp_path):
     """A table with no task column and nothing certified must still draw readable figures."""
     from certkv.core.certify import certify
-    from certkv.report.figures import plot_per_task, plot_risk_vs_kv, plot_validation, save_figure
     from certkv.core.validation import validate
+    from certkv.report.figures import plot_per_task, plot_risk_vs_kv, plot_validation, save_figure
 
     rows = [
         {"request_id": f"q{i}", "policy": p, "kv_retained": kv, "loss": float(i % 3 == 0)}
@@ -104,11 +104,12 @@ def test_importing_the_report_keeps_the_users_matplotlib_backend():
 
 def test_the_page_is_rendered_from_an_autoescaping_template(tmp_path):
     """Names from a loss table (here a task) and notes reach the page escaped, by the template."""
+    from test_certify_cli import write_contract
+
     from certkv.calibration.records import certify_contract
     from certkv.contract.spec import certification_spec
     from certkv.core.validation import validate
     from certkv.report.html import render_html
-    from test_certify_cli import write_contract
 
     contract = load_contract(write_contract(tmp_path, policies=[{"press": "snapkv", "kv_retained": [0.8, 0.2]}]))
     table = tmp_path / "losses.csv"

@@ -19,10 +19,10 @@ def requests():
 
 @pytest.fixture(scope="module")
 def engine_results(embedded, requests):
-    from certkv.engine.engine import PressCandidate, Engine
-    from certkv.presses.registry import build_press
+    from certkv.engine.engine import Engine, PressCandidate
     from certkv.presses.deterministic_head import DeterministicHeadPress
     from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.registry import build_press
 
     model, tok = embedded
     candidates = [
@@ -92,8 +92,8 @@ def test_engine_probabilistic_path_equals_kvpress_hooks(embedded, requests, engi
 
     from certkv.model.generation import encode_request, greedy_decode
     from certkv.presses.hajek_attention import certificate_max, use_hajek_attention
-    from certkv.presses.probabilistic import ProbabilisticPress
     from certkv.presses.hajek_state import clear_states, kept_fraction
+    from certkv.presses.probabilistic import ProbabilisticPress
 
     model, tok = embedded
     press = ProbabilisticPress(compression_ratio=0.8, seed=3)
@@ -147,8 +147,8 @@ def test_escalation_tiny_bound_always_infinite_never(embedded, requests, engine_
 def test_runtime_decisions_equal_the_engine_records(embedded, requests, engine_results):
     """Gate at the median drop and a certificate bound at the median certificate: every request's
     runtime decision and answer is the one the records imply."""
-    from certkv.presses.registry import build_press
     from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.registry import build_press
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
     model, tok = embedded
@@ -186,7 +186,7 @@ def test_runtime_decisions_equal_the_engine_records(embedded, requests, engine_r
 
 
 def test_probabilistic_batches_split_by_memory_give_the_same_answers(embedded, requests, engine_results):
-    from certkv.engine.engine import PressCandidate, Engine
+    from certkv.engine.engine import Engine, PressCandidate
     from certkv.presses.probabilistic import ProbabilisticPress
 
     model, tok = embedded
@@ -204,8 +204,8 @@ def test_probabilistic_batches_split_by_memory_give_the_same_answers(embedded, r
 
 def test_runtime_refuses_bad_input_with_one_line_errors(embedded, requests):
     from certkv.errors import CertkvError
-    from certkv.presses.registry import build_press
     from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.registry import build_press
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
     model, tok = embedded

@@ -53,8 +53,8 @@ def calibrated(tmp_path_factory, embedded):
     import statistics
 
     from certkv.calibration.run import calibrate
-    from certkv.contract.loading import load_contract
     from certkv.calibration.store import CalibrationStore
+    from certkv.contract.loading import load_contract
 
     folder = tmp_path_factory.mktemp("runtime")
     contract = load_contract(_contract(folder, DROPS, BOUNDS))
@@ -82,9 +82,9 @@ def test_store_rows_carry_the_gate_signals(calibrated):
 
 
 def test_certified_runtime_reproduces_the_store(calibrated, embedded):
-    from certkv.core.certify import certify
-    from certkv.contract.spec import certification_spec
     from certkv.calibration.records import load_records
+    from certkv.contract.spec import certification_spec
+    from certkv.core.certify import certify
     from certkv.requests.request_set import read_jsonl
     from certkv.runtime.certified_runtime import CertifiedRuntime
 

@@ -7,7 +7,13 @@ import pytest
 from scipy.stats import binomtest
 from statsmodels.stats.proportion import proportion_confint
 
-from certkv.errors import CertkvError
+from certkv.core.binomial import (
+    binomial_p_value,
+    binomial_p_value_table,
+    clopper_pearson_upper,
+    count_violations,
+    violation_mask,
+)
 from certkv.core.procedures import (
     bonferroni_mask,
     candidate_levels,
@@ -17,13 +23,7 @@ from certkv.core.procedures import (
     holm_mask,
     is_prefix,
 )
-from certkv.core.binomial import (
-    binomial_p_value,
-    binomial_p_value_table,
-    clopper_pearson_upper,
-    count_violations,
-    violation_mask,
-)
+from certkv.errors import CertkvError
 
 GRID = [(n, k) for n in (1, 2, 7, 50, 333, 1200) for k in sorted({0, 1, n // 20, n // 2, n - 1, n})
         if 0 <= k <= n]

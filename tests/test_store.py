@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from certkv.calibration.store import COLUMNS, CalibrationStore, db_path
 from certkv.contract.loading import parse_contract
 from certkv.errors import CertkvError
-from certkv.calibration.store import COLUMNS, CalibrationStore, db_path
 
 REPO = Path(__file__).resolve().parents[1]
 

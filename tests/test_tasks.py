@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import REPO
 
 from certkv.demo import DEMO_REQUESTS
 from certkv.errors import CertkvError
-from certkv.requests.request_set import generate_requests, parse_context_length, parse_mix, read_jsonl, write_jsonl
 from certkv.requests.builtin_tasks import TASKS
+from certkv.requests.request_set import generate_requests, parse_context_length, parse_mix, read_jsonl, write_jsonl
 from certkv.requests.vocabulary import count_tokens
-from conftest import REPO
 
 
 def test_same_seed_same_requests_and_prefix_property():

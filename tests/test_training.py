@@ -71,8 +71,9 @@ def test_batches_label_only_answer_tokens_and_accuracy_counts_whole_answers(toke
 
 def test_export_rebuilds_the_checkpoint_shape_and_resume_refuses_other_heads(tokenizer, tmp_path, monkeypatch):
     """4 / 2 and 8 / 4 heads give every weight the same shape: only the saved config tells them apart."""
-    import certkv.model.embedded_tokenizer as embedded
     from train_embedded import export_from_checkpoint, main, model_config, new_model, save_checkpoint
+
+    import certkv.model.embedded_tokenizer as embedded
 
     config = model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, 2, 8, 4)
     model = new_model(config, 1, shared_vector=False)
@@ -113,7 +114,7 @@ def test_answer_sources_point_at_the_asked_records_tokens(tokenizer):
             context_end = runs[0][0]
             assert all(ids[q + 1] == ids[s] and s < context_end and mask[s] == 0 for q, s in sources.items())
             # the source is the asked record's span: the two tokens before it are the question's key and "is"
-            for start, n in runs:
+            for start, _ in runs:
                 s = sources[start - 1]
                 assert ids[s - 2 : s] == ids[start - 2 : start]
     # a value that appears after another key does not count: no source rather than a wrong one
@@ -132,6 +133,7 @@ def test_answer_sources_point_at_the_asked_records_tokens(tokenizer):
 
 def test_key_sources_give_every_record_token_its_key(tokenizer):
     from train_embedded import Batcher
+
     from certkv.requests.vocabulary import KEY_WORDS
 
     batcher = Batcher(tokenizer, seed=12)

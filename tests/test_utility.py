@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from certkv.errors import CertkvError
 from certkv.calibration.utility import (
     UTILITIES,
     agreement,
@@ -18,6 +17,7 @@ from certkv.calibration.utility import (
     rouge_l,
     score,
 )
+from certkv.errors import CertkvError
 
 
 def test_normalize_answer_is_squad():

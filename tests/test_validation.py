@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from certkv.core.spec import CertificationSpec
-from certkv.core.certify import certify, decide, select_candidates
-from certkv.errors import CertkvError
 from certkv.core.binomial import binomial_p_value_table
+from certkv.core.certify import certify, decide, select_candidates
+from certkv.core.spec import CertificationSpec
 from certkv.core.validation import calibration_masks, empirical_eligible, validate
+from certkv.errors import CertkvError
 
 # ----------------------------------------------------------------------------- simulation
 

@@ -16,7 +16,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 #: What the wheel is built from: the package and the project files setuptools reads.

@@ -7,8 +7,8 @@ from collections import defaultdict
 
 def full_kv_accuracy(model, tokenizer, requests, utility: str = "exact_match", max_new_tokens: int = 8, progress=True):
     """Return {task: (n, mean utility)} with an `all` row, answering each request on the full cache."""
-    from certkv.model.generation import full_kv_answer
     from certkv.calibration.utility import score
+    from certkv.model.generation import full_kv_answer
 
     scores: dict[str, list[float]] = defaultdict(list)
     iterator = requests

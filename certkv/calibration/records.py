@@ -124,8 +124,8 @@ def load_records(
 
 
 def _load_store(contract, store_path: Path, contract_label: str, allow_incomplete: bool = False) -> ContractRecords:
-    from certkv.core.loss_table import LossTable, records_sha256
     from certkv.calibration.store import CalibrationStore, db_path
+    from certkv.core.loss_table import LossTable, records_sha256
 
     hint = f"run `certkv calibrate {contract_label}` first"
     if not db_path(store_path).is_file():

@@ -40,7 +40,8 @@ def build_candidates(contract):
 
 def agreement_settings(contract) -> dict | None:
     """The agreement-drop settings of a contract with a gate (the defaults of
-    :mod:`certkv.core.spec` unless it sets them), or None: without a gate nothing reads the signal, so calibration does not compute it."""
+    :mod:`certkv.core.spec` unless it sets them), or None: without a gate nothing reads the
+    signal, so calibration does not compute it."""
     gate = contract.gate
     if gate is None:
         return None
@@ -125,10 +126,8 @@ def request_rows(request, result, contract) -> list[dict]:
 def calibrate(contract, *, new_store: bool = False, limit: int | None = None, quiet: bool = False,
               device: str | None = None, dtype: str | None = None, console=None) -> CalibrationSummary:
     """Calibrate `contract` into its store; returns a summary. Safe to interrupt and rerun."""
-    from certkv.model.loading import load_model
     from certkv.calibration.store import CalibrationStore
-
-    from certkv.model.loading import model_fingerprint, resolve_device
+    from certkv.model.loading import load_model, model_fingerprint, resolve_device
 
     if limit is not None and limit < 1:
         raise CertkvError(f"--limit must be at least 1, got {limit}")

@@ -23,9 +23,10 @@ import csv
 import json
 import math
 import sqlite3
-from datetime import datetime, timezone
+from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from certkv.atomic_io import atomic_write
 from certkv.core.policy_names import REFERENCE_POLICY
@@ -122,7 +123,7 @@ def _move_aside(path: Path) -> Path:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # fold the WAL into the file first
     finally:
         conn.close()
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
     path.rename(target)
     for suffix in ("-wal", "-shm"):
@@ -135,7 +136,7 @@ def _move_aside(path: Path) -> Path:
 class CalibrationStore:
     """Per-request calibration records of one contract. Use :meth:`open` or :meth:`read`."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path, contract: "Contract | None", moved_aside: Path | None = None):
+    def __init__(self, conn: sqlite3.Connection, path: Path, contract: Contract | None, moved_aside: Path | None = None):
         self._conn = conn
         self.path = path
         self.contract = contract
@@ -148,7 +149,7 @@ class CalibrationStore:
     # -- opening -------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | Path, contract: "Contract", *, new: bool = False) -> "CalibrationStore":
+    def open(cls, path: str | Path, contract: Contract, *, new: bool = False) -> CalibrationStore:
         """Create the store for `contract` at folder `path`, or resume it when the hash matches.
 
         With `new`, an existing database is moved aside (timestamp suffix) and a fresh one created.
@@ -185,7 +186,7 @@ class CalibrationStore:
             "contract_sha256": sha,
             "contract": contract.canonical_json(),
             "contract_name": contract.name,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "certkv_version": __version__,
             "schema_version": SCHEMA_VERSION,
         }
@@ -202,7 +203,7 @@ class CalibrationStore:
         return cls(conn, folder, contract, moved)
 
     @classmethod
-    def read(cls, path: str | Path) -> "CalibrationStore":
+    def read(cls, path: str | Path) -> CalibrationStore:
         """Open an existing store read-only, without a contract (export, certify)."""
         folder = Path(path)
         file = db_path(folder)
@@ -218,7 +219,7 @@ class CalibrationStore:
     def close(self) -> None:
         self._conn.close()
 
-    def __enter__(self) -> "CalibrationStore":
+    def __enter__(self) -> CalibrationStore:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from certkv.errors import CertkvError
 

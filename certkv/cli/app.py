@@ -80,32 +80,32 @@ def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
 
 def main() -> None:
     """Entry point that turns user errors into one line and exit code 2."""
-    from certkv.errors import CertkvError
-
     import sqlite3
+
+    from certkv.errors import CertkvError
 
     try:
         code = app(standalone_mode=False)  # click returns a ctx.exit() code instead of raising it
     except CertkvError as exc:
         print(f"certkv: error: {exc}", file=sys.stderr)
-        raise SystemExit(exc.exit_code)
+        raise SystemExit(exc.exit_code) from None
     except PermissionError as exc:
         print(f"certkv: error: permission denied: {exc.filename or exc}; choose a writable path", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     except sqlite3.OperationalError as exc:
         print(f"certkv: error: calibration store: {exc} (is another certkv process using this store?)", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     except (KeyboardInterrupt, _Interrupted):
         print("certkv: interrupted; everything stored so far is kept (rerun to resume)", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     except Exception as exc:
         usage_errors, aborts = _click_exceptions()
         if isinstance(exc, usage_errors):  # click's short usage message: "Usage: …", "Error: …"
             exc.show()
-            raise SystemExit(2)
+            raise SystemExit(2) from None
         if isinstance(exc, aborts):
             print("certkv: aborted", file=sys.stderr)
-            raise SystemExit(130)
+            raise SystemExit(130) from None
         raise
     if isinstance(code, int) and code:
         raise SystemExit(code)

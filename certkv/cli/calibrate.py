@@ -25,9 +25,11 @@ def calibrate(
 
     console = Console(stderr=True)
     contract = load_contract(contract_path)
-    summary = run_calibration(contract, new_store=new_store, limit=limit, quiet=quiet, device=device, dtype=dtype, console=console)
+    summary = run_calibration(contract, new_store=new_store, limit=limit, quiet=quiet, device=device, dtype=dtype,
+                              console=console)
     if quiet:
-        typer.echo(f"{summary.calibrated} calibrated, {summary.already_done} already stored, {len(summary.skipped)} skipped -> {summary.store}")
+        typer.echo(f"{summary.calibrated} calibrated, {summary.already_done} already stored, "
+                   f"{len(summary.skipped)} skipped -> {summary.store}")
     else:
         print_calibration_summary(contract, summary, console)
     for line in failed_task_warnings(summary.store, contract.model):  # even with --quiet: it voids a task

@@ -10,17 +10,16 @@ one row per sequence (:mod:`certkv.report.console`), readable in 80 columns and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
 def certify(
     contract_path: Path = typer.Argument(..., metavar="CONTRACT", help="the contract YAML"),
-    records: Optional[Path] = typer.Option(
+    records: Path | None = typer.Option(
         None, "--records", help="certify a CSV/JSONL loss table (request_id, policy, kv_retained, loss) instead of the store"
     ),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="operating point JSON; default <store>/operating_point.json"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="operating point JSON; default <store>/operating_point.json"),
     allow_incomplete: bool = typer.Option(
         False, "--allow-incomplete", help="use an unfinished store for a preview (no guarantee)"
     ),

@@ -9,7 +9,6 @@ into ``--dir`` (default ``./certkv-demo``) and run from there, so the store and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -22,10 +21,10 @@ def demo(
         Path(DEFAULT_DEMO_DIR), "--dir",
         help="folder the demo contract and requests are copied into and run from (its store: <dir>/runs/demo)",
     ),
-    contract_path: Optional[Path] = typer.Option(
+    contract_path: Path | None = typer.Option(
         None, "--contract", help="run this contract in place instead of the packaged demo (--dir is then unused)"
     ),
-    limit: Optional[int] = typer.Option(None, "--limit", help="calibrate at most this many requests (a quick look)"),
+    limit: int | None = typer.Option(None, "--limit", help="calibrate at most this many requests (a quick look)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Run the whole pipeline on the demo contract: calibrate → certify → validate → report."""

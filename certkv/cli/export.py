@@ -6,14 +6,13 @@ with their own tools, or hand the table to `certkv certify` on another machine.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
-class ExportFormat(str, Enum):
+class ExportFormat(StrEnum):
     csv = "csv"
     jsonl = "jsonl"
 
@@ -21,7 +20,7 @@ class ExportFormat(str, Enum):
 def export(
     store: Path = typer.Argument(..., help="Store folder, or a contract YAML (its `store:` is used)."),
     format: ExportFormat = typer.Option(ExportFormat.csv, "--format", "-f", help="csv or jsonl."),
-    output: Optional[Path] = typer.Option(
+    output: Path | None = typer.Option(
         None, "--output", "-o", help="Output file ('-' for stdout); default <store>/records.<format>."
     ),
 ) -> None:

@@ -8,15 +8,14 @@ when a validation.json computed from the same records exists, and computed other
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
 def report(
     contract_path: Path = typer.Argument(..., metavar="CONTRACT", help="the contract YAML"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="output folder; default <store>/report/"),
-    records: Optional[Path] = typer.Option(None, "--records", help="use a CSV/JSONL loss table instead of the store"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="output folder; default <store>/report/"),
+    records: Path | None = typer.Option(None, "--records", help="use a CSV/JSONL loss table instead of the store"),
     splits: int = typer.Option(1000, "--splits", help="validation splits when no up-to-date validation.json exists"),
     seed: int = typer.Option(0, "--seed", help="seed of the validation splits when they are computed here"),
     allow_incomplete: bool = typer.Option(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -21,8 +20,8 @@ def validate(
     splits: int = typer.Option(1000, "--splits", help="number of random calibration/test splits"),
     calibration_fraction: float = typer.Option(0.5, "--calibration-fraction", help="share of requests in the calibration half"),
     seed: int = typer.Option(0, "--seed", help="seed of the split generator"),
-    records: Optional[Path] = typer.Option(None, "--records", help="use a CSV/JSONL loss table instead of the store"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="validation JSON; default <store>/validation.json"),
+    records: Path | None = typer.Option(None, "--records", help="use a CSV/JSONL loss table instead of the store"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="validation JSON; default <store>/validation.json"),
     allow_incomplete: bool = typer.Option(
         False, "--allow-incomplete", help="use an unfinished store for a preview (no guarantee)"
     ),
@@ -30,8 +29,8 @@ def validate(
     """Split the calibration records many times and check both selection methods on the test half."""
     from rich.console import Console
 
-    from certkv.contract.loading import load_contract
     from certkv.calibration.records import default_output, load_records
+    from certkv.contract.loading import load_contract
     from certkv.report.tables import say_path
 
     contract = load_contract(contract_path)

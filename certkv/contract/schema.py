@@ -37,11 +37,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from certkv.presses import registry as press_registry
 from certkv.core.policy_names import gate_label, gated_policy_name, policy_name
 from certkv.core.procedures import Procedure
 from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW
 from certkv.errors import CertkvError
+from certkv.presses import registry as press_registry
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
@@ -84,7 +84,7 @@ class RequestsSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _check_context_length(self) -> "RequestsSpec":
+    def _check_context_length(self) -> RequestsSpec:
         if self.context_length is None:
             return self
         if not self.is_builtin:
@@ -228,7 +228,7 @@ class Gate(_Strict):
         return [v + 0.0 for v in values]  # -0.0 -> 0.0, so names never read "-0"
 
     @model_validator(mode="after")
-    def _not_empty(self) -> "Gate":
+    def _not_empty(self) -> Gate:
         if not self.agreement_drop and not self.certificate:
             raise _error(
                 "gate lists no agreement_drop threshold and no certificate bound; remove `gate:` to certify "
@@ -343,7 +343,7 @@ class Contract(_Strict):
         return gate
 
     @model_validator(mode="after")
-    def _check_order(self) -> "Contract":
+    def _check_order(self) -> Contract:
         if self.order is None:
             return self
         names = [name for sequence in self._entry_sequences() for name in sequence]
@@ -365,7 +365,7 @@ class Contract(_Strict):
         """The folder relative paths resolve against (the contract file's folder)."""
         return self._base_dir
 
-    def with_base_dir(self, base_dir: str | Path) -> "Contract":
+    def with_base_dir(self, base_dir: str | Path) -> Contract:
         """Set the folder that relative paths resolve against; returns self."""
         self._base_dir = Path(base_dir)
         return self

@@ -13,18 +13,18 @@ computed and checked on machines without the model stack.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 
-from certkv.errors import CertkvError
-from certkv.core.loss_table import LossTable, as_loss_table
-from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
-from certkv.core.loss_table import records_sha256 as _records_sha256
-from certkv.core.procedures import candidate_levels, certified_mask, sequence_stops
-from certkv.core.operating_point import CandidateResult, ContractSummary, OperatingPoint, SequenceResult, TaskBreakdown
-from certkv.core.spec import CertificationSpec
 from certkv.core.binomial import binomial_p_value, clopper_pearson_upper, violation_mask
+from certkv.core.loss_table import LossTable, as_loss_table
+from certkv.core.loss_table import records_sha256 as _records_sha256
+from certkv.core.operating_point import CandidateResult, ContractSummary, OperatingPoint, SequenceResult, TaskBreakdown
+from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
+from certkv.core.procedures import candidate_levels, certified_mask, sequence_stops
+from certkv.core.spec import CertificationSpec
+from certkv.errors import CertkvError
 
 #: Re-exported helper; certify() takes a keyword of the same name, hence the private alias above.
 records_sha256 = _records_sha256
@@ -154,7 +154,7 @@ def certify(
         sequences=sequences,
         contract_sha256=contract_sha256,
         records_sha256=records_sha256,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        created=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
         certkv_version=_version(),
     )
     index = int(chosen)

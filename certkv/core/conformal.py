@@ -18,7 +18,7 @@ whatever the dependence inside a request. Numpy only (no torch), so that benchma
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -19,13 +19,14 @@ Torch-free: numpy only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from certkv.errors import CertkvError
 from certkv.core.loss_table import GatedRow, LossTable
+from certkv.errors import CertkvError
 
 RECALIBRATE = "recalibrate with a current certkv (`certkv calibrate CONTRACT --new-store`)"
 

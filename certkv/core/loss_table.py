@@ -32,11 +32,11 @@ import csv
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -110,13 +110,13 @@ class LossTable:
         return policy in self._index
 
     @classmethod
-    def from_records(cls, records: Iterable[Mapping], *, source: str = "records") -> "LossTable":
+    def from_records(cls, records: Iterable[Mapping], *, source: str = "records") -> LossTable:
         """Build from dicts (the calibration store's rows); extra keys are ignored."""
         rows = records if isinstance(records, list) else list(records)
         return _build(_columns_from_mappings(rows, source, _record_where), source, _record_where)
 
     @classmethod
-    def read(cls, path) -> "LossTable":
+    def read(cls, path) -> LossTable:
         """Read a ``.csv`` or ``.jsonl`` loss table."""
         return read_loss_table(path)
 
@@ -280,7 +280,7 @@ def _columns_from_mappings(rows, source: str, where, *, blank_is_missing: bool =
             ) from None
         except TypeError:
             bad = next(i for i, row in enumerate(rows) if not isinstance(row, Mapping))
-            raise CertkvError(f"{source}: {where(bad)}: expected a mapping of column to value")
+            raise CertkvError(f"{source}: {where(bad)}: expected a mapping of column to value") from None
     for column in OPTIONAL_COLUMNS:
         values = [row.get(column) for row in rows]
         if blank_is_missing and "" in values:

@@ -30,7 +30,7 @@ class ContractSummary(BaseModel):
     procedure: Procedure
 
     @classmethod
-    def of(cls, spec: "CertificationSpec") -> "ContractSummary":
+    def of(cls, spec: CertificationSpec) -> ContractSummary:
         """The contract terms a result reports, taken from the spec it was computed under."""
         return cls(tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure)
 

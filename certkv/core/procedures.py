@@ -23,8 +23,9 @@ thousands of splits at once; :func:`control_fwer` is the friendly one-shot inter
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence, get_args
+from typing import Literal, get_args
 
 import numpy as np
 

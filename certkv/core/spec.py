@@ -113,7 +113,7 @@ class CertificationSpec(BaseModel):
         return [len(sequence) for sequence in self.sequences]
 
     @classmethod
-    def parse(cls, data, source: str = "certification spec") -> "CertificationSpec":
+    def parse(cls, data, source: str = "certification spec") -> CertificationSpec:
         """Validate a dict, turning pydantic's error into a one-line CertkvError."""
         if isinstance(data, cls):
             return data
@@ -123,4 +123,12 @@ class CertificationSpec(BaseModel):
             raise CertkvError(format_validation_error(exc, source)) from None
 
 
-__all__ = ["AGREEMENT_SPLIT", "AGREEMENT_TOP_K", "AGREEMENT_WINDOW", "CandidateInfo", "CertificationSpec", "GateSettings", "delta_of"]
+__all__ = [
+    "AGREEMENT_SPLIT",
+    "AGREEMENT_TOP_K",
+    "AGREEMENT_WINDOW",
+    "CandidateInfo",
+    "CertificationSpec",
+    "GateSettings",
+    "delta_of",
+]

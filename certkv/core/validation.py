@@ -27,13 +27,13 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from certkv.core.spec import CertificationSpec
-from certkv.core.operating_point import ContractSummary
-from certkv.core.certify import candidate_rows, decide, expand_for_spec, select_candidates
-from certkv.errors import CertkvError
-from certkv.core.loss_table import as_loss_table
-from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
+from certkv.core.certify import candidate_rows, decide, expand_for_spec, select_candidates
+from certkv.core.loss_table import as_loss_table
+from certkv.core.operating_point import ContractSummary
+from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.spec import CertificationSpec
+from certkv.errors import CertkvError
 
 METHODS = ("certkv", "empirical_thresholding")
 _BLOCK = 256  # splits per matrix product: bounds memory at 256 × requests floats per mask

@@ -17,8 +17,8 @@ from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.probabilistic_decode import decode_probabilistic, selection_hooks
 from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
-from certkv.model.window_queries import capturing_window_queries
 from certkv.model.generation import encode_request, greedy_decode, stop_token_ids
+from certkv.model.window_queries import capturing_window_queries
 
 
 class RequestNotRunnable(Exception):

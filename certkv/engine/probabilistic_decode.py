@@ -150,8 +150,8 @@ def decode_probabilistic(model, full_cache, selections: list[list], question_ids
     import torch
 
     from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
-    from certkv.presses.probabilistic import attention_modules
     from certkv.presses.hajek_state import clear_states, set_state
+    from certkv.presses.probabilistic import attention_modules
 
     if not selections:
         return []

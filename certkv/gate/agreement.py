@@ -17,9 +17,9 @@ Nothing here registers anything or touches a model at import time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW
 from certkv.model.window_attention import check_positive_int, forget_window_attention, window_attention_mean

@@ -100,10 +100,10 @@ class HajekState:
         return moments
 
     @classmethod
-    def from_selection(cls, selection: Selection, context_length: int) -> "HajekState":
+    def from_selection(cls, selection: Selection, context_length: int) -> HajekState:
         return cls(selection.log_pi, selection.valid, selection.counts, selection.n_head, context_length)
 
-    def widened(self, width: int) -> "HajekState":
+    def widened(self, width: int) -> HajekState:
         """The same state with invalid slots appended up to `width`."""
         extra = width - self.n_slots
         if extra <= 0:

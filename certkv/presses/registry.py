@@ -18,8 +18,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from certkv.errors import CertkvError
 

@@ -11,7 +11,7 @@ anywhere, offline and on its own, e.g. as a CI artifact or an e-mail attachment.
 from __future__ import annotations
 
 import base64
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from certkv.report import text
@@ -113,7 +113,7 @@ def page_context(contract, records, op, validation, figures: dict[str, Path], no
     """Everything the template shows, as plain strings, numbers and lists (no HTML in them)."""
     return {
         "name": contract.name,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "version": op.certkv_version,
         "choice": text.choice_summary(op),
         "guarantee": text.guarantee_text(op),

@@ -134,8 +134,8 @@ def sequence_rows(op) -> list[dict]:
         Per sequence, in ``op.sequences`` order: ``index``, ``name`` (the stem), ``level``,
         ``certified`` and ``total`` (counts), ``stop`` (the first candidate not certified, or
         None; :func:`failure_reason` says why), ``best`` (:func:`best_certified`, or None) and
-        ``chosen`` (whether ``best`` is the operating point's choice). Values are the operating point's own, unformatted, so each medium
-        formats them its own way.
+        ``chosen`` (whether ``best`` is the operating point's choice). Values are the operating
+        point's own, unformatted, so each medium formats them its own way.
     """
     rows = []
     for stop, cands in zip(op.sequences, by_sequence(op)):

@@ -19,8 +19,8 @@ Tasks:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from certkv.requests.vocabulary import KEY_WORDS, count_tokens
 

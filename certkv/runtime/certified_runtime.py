@@ -220,8 +220,8 @@ class CertifiedRuntime:
 
         from certkv.engine.engine import continues_from_compressed_length, is_probabilistic_press, kept_entries
         from certkv.gate.agreement import AgreementRecorder
-        from certkv.model.window_queries import capturing_window_queries
         from certkv.model.generation import greedy_decode
+        from certkv.model.window_queries import capturing_window_queries
         from certkv.presses.hajek_attention import certificate_max, use_hajek_attention
         from certkv.presses.hajek_state import clear_states, kept_fraction
 
