@@ -25,6 +25,8 @@ import json
 import time
 from pathlib import Path
 
+from certkv.core.policy_names import policy_name
+
 RESULTS = Path(__file__).parent / "results"
 PRESSES = ["snapkv", "streaming_llm", "knorm"]
 KV = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
@@ -55,7 +57,7 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dic
     from certkv.model.generation import full_kv_answer
     from certkv.presses.registry import build_press
 
-    candidates = [PressCandidate(f"{p}@{kv:.2f}", build_press(p, kv), p, kv) for p in PRESSES for kv in KV]
+    candidates = [PressCandidate(policy_name(p, kv), build_press(p, kv), p, kv) for p in PRESSES for kv in KV]
     engine = Engine(model, tokenizer, candidates, max_new_tokens=max_new_tokens)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device)
     # Warm up every path once.

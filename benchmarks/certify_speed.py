@@ -12,6 +12,8 @@ import random
 import sys
 import time
 
+from certkv.core.policy_names import REFERENCE_POLICY, policy_name
+
 
 def records(n_requests: int = 3704, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
@@ -19,11 +21,11 @@ def records(n_requests: int = 3704, seed: int = 0) -> list[dict]:
     rows = []
     for i in range(n_requests):
         rid = f"r{i:06d}"
-        rows.append({"request_id": rid, "task": "t", "policy": "full", "kv_retained": 1.0, "loss": 0.0})
+        rows.append({"request_id": rid, "task": "t", "policy": REFERENCE_POLICY, "kv_retained": 1.0, "loss": 0.0})
         for press, hardness in [("snapkv", 0.3), ("streaming_llm", 0.8), ("knorm", 1.0)]:
             for kv in kvs:
                 loss = 1.0 if rng.random() < hardness * (1 - kv) ** 2 else 0.0
-                rows.append({"request_id": rid, "task": "t", "policy": f"{press}@{kv:.2f}", "press": press,
+                rows.append({"request_id": rid, "task": "t", "policy": policy_name(press, kv), "press": press,
                              "kv_retained": kv, "loss": loss})
     return rows
 
@@ -35,7 +37,7 @@ def main() -> None:
     rows = records()
     spec = CertificationSpec(
         tolerance=0.0, risk=0.05, confidence=0.95, procedure="fixed_sequence",
-        sequences=[[f"{p}@{kv:.2f}" for kv in [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]]
+        sequences=[[policy_name(p, kv) for kv in [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]]
                    for p in ("snapkv", "streaming_llm", "knorm")],
     )
     certify(rows[:2800], spec)  # warm imports
@@ -44,7 +46,7 @@ def main() -> None:
         t = time.perf_counter()
         op = certify(rows, spec)
         times.append(time.perf_counter() - t)
-    n_candidate_rows = sum(1 for r in rows if r["policy"] != "full")
+    n_candidate_rows = sum(1 for r in rows if r["policy"] != REFERENCE_POLICY)
     print(f"{len(rows)} records ({n_candidate_rows} candidate rows): certify best {min(times):.3f} s, "
           f"median {sorted(times)[2]:.3f} s; chose {op.policy}; torch imported: {'torch' in sys.modules}")
 

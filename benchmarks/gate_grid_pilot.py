@@ -19,6 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
+from certkv.core.policy_names import policy_name
+
 RESULTS = Path(__file__).parent / "results"
 PILOT_SEED = 31337
 THRESHOLD_QUANTILES = (0.05, 0.10, 0.20)
@@ -42,7 +44,8 @@ def main() -> None:
     model, tok = load_model("embedded", device="cpu")
     kvs = (0.5, 0.3)
     candidates = [
-        PressCandidate(f"probabilistic@{kv:.2f}", ProbabilisticPress(compression_ratio=round(1 - kv, 6)), "probabilistic", kv)
+        PressCandidate(policy_name("probabilistic", kv), ProbabilisticPress(compression_ratio=round(1 - kv, 6)),
+                       "probabilistic", kv)
         for kv in kvs
     ]
     engine = Engine(model, tok, candidates, agreement={})

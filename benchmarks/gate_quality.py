@@ -27,6 +27,8 @@ import argparse
 import json
 from pathlib import Path
 
+from certkv.core.policy_names import REFERENCE_POLICY, gated_policy_name, policy_name
+
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 #: Where `certkv demo` run from the repository root puts its copy of the demo contract and its store.
@@ -62,7 +64,7 @@ def signal_quality(n: int) -> dict:
 
     model, tok = load_model("embedded", device="cpu")
     candidates = [
-        PressCandidate(f"{press}@{kv:.2f}", build_press(press, kv), press, kv) for press in PRESSES for kv in KVS
+        PressCandidate(policy_name(press, kv), build_press(press, kv), press, kv) for press in PRESSES for kv in KVS
     ]
     engine = Engine(model, tok, candidates, agreement={})
     out: dict = {"seed": SEED, "requests_per_task": n, "auc_drop": {}, "auc_certificate": {}, "violations": {},
@@ -165,9 +167,9 @@ def demo_store_signals() -> dict | None:
     by: dict[str, dict] = {}
     for r in rows:
         by.setdefault(r["policy"], {})[r["request_id"]] = r
-    ids = sorted(by["full"])
-    drop = np.array([by["full"][i]["agreement_drop"] for i in ids], dtype=float)
-    context = np.array([by["full"][i].get("context_tokens", np.nan) for i in ids], dtype=float)
+    ids = sorted(by[REFERENCE_POLICY])
+    drop = np.array([by[REFERENCE_POLICY][i]["agreement_drop"] for i in ids], dtype=float)
+    context = np.array([by[REFERENCE_POLICY][i].get("context_tokens", np.nan) for i in ids], dtype=float)
     out: dict = {"auc_drop": {}, "auc_certificate": {}, "certificate_gate": {},
                  "corr_drop_context_tokens": float(np.corrcoef(drop, context)[0, 1])}
     for policy in ("snapkv@0.50", "snapkv@0.40", "snapkv@0.30", "streaming_llm@0.90", "probabilistic@0.90",
@@ -179,7 +181,7 @@ def demo_store_signals() -> dict | None:
             out["auc_certificate"][policy] = auc(cert, violated)
             for bound in (0.7, 1.1):
                 escalated = cert > bound
-                out["certificate_gate"][f"{policy}+cert{bound:g}"] = {
+                out["certificate_gate"][gated_policy_name(policy, certificate=bound)] = {
                     "escalated_share": float(escalated.mean()),
                     "violations": int(violated.sum()),
                     "violations_removed": int((violated & escalated).sum()),

@@ -69,6 +69,8 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_validation.py",
     "test_import_layers.py",
     "test_lint.py",
+    "test_policy_names.py",
+    "test_atomic_io.py",
     "test_gating.py",
     "test_store.py",
     "test_report.py",

@@ -21,8 +21,9 @@ import pytest
 
 from certkv.demo import DEMO_CONTRACT
 
-#: The console script of this interpreter's environment first, then whatever PATH finds.
-_SCRIPT = shutil.which("certkv", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+#: The console script of this interpreter's environment (never another environment's from PATH,
+#: whose typer may differ); the module entry point when this environment has no script.
+_SCRIPT = shutil.which("certkv", path=str(Path(sys.executable).parent))
 CERTKV = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "certkv.cli.app"]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore", COLUMNS="100")
 

@@ -92,7 +92,7 @@ def test_demo_runs_from_the_installed_wheel_in_any_folder(wheel_venv, tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     res = subprocess.run([str(venv / "bin" / "certkv"), "demo", "--limit", "30", "--quiet"], cwd=work,
-                         env=_env(), capture_output=True, text=True, timeout=600)
+                         env={**_env(), "COLUMNS": "80"}, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     run = work / "certkv-demo"
     assert (run / "demo.yaml").read_bytes() == (package / "demo" / "demo.yaml").read_bytes()
@@ -102,3 +102,7 @@ def test_demo_runs_from_the_installed_wheel_in_any_folder(wheel_venv, tmp_path):
     assert "measures nothing for eviction" not in res.stderr  # the demo holds only answered tasks
     assert _snapshot(package) == before, "certkv demo wrote into the installed package"
     assert not (package / "demo" / "runs").exists()
+    # Readable in a log: 80 columns, nothing cut; only a path longer than that may stick out whole.
+    wide = [line for line in res.stdout.splitlines() if len(line) > 80 and str(work) not in line]
+    assert not wide, wide[:5]
+    assert "…" not in res.stdout

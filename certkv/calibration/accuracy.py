@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 
-def full_kv_accuracy(model, tokenizer, requests, utility: str = "exact_match", max_new_tokens: int = 8, progress=True):
+
+def full_kv_accuracy(
+    model, tokenizer, requests, utility: str = "exact_match", max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, progress=True
+):
     """Return {task: (n, mean utility)} with an `all` row, answering each request on the full cache."""
     from certkv.calibration.utility import score
     from certkv.model.generation import full_kv_answer

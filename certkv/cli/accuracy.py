@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
+
 
 def accuracy(
     source: str = typer.Argument(..., help="a JSONL request file or builtin:<mix>"),
@@ -12,7 +14,7 @@ def accuracy(
     seed: int = typer.Option(0, "--seed", help="seed for builtin sources"),
     context_length: str = typer.Option("256-512", "--context-length", help="for builtin sources"),
     utility: str = typer.Option("exact_match", "--utility", help="exact_match, contains, f1 or rouge_l"),
-    max_new_tokens: int = typer.Option(8, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens"),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
 ) -> None:

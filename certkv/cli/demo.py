@@ -48,12 +48,13 @@ def demo(
     calibrate(path, limit=limit, new_store=False, quiet=quiet, device=None, dtype=None)
     console.rule("2/4 certify: exact binomial tests, fixed-sequence family-wise control")
     partial = limit is not None  # a quick look: a preview without guarantee
-    certify(path, records=None, output=None, allow_incomplete=partial)
+    certify(path, records=None, output=None, allow_incomplete=partial, wide=False)
     console.rule("3/4 validate: 1000 random splits, certkv vs empirical thresholding")
     validate(path, splits=1000, calibration_fraction=0.5, seed=0, records=None, output=None, allow_incomplete=partial)
     console.rule("4/4 report")
     report(path, output=None, records=None, splits=1000, seed=0, allow_incomplete=partial)
-    typer.echo(
+    console.print(
         f"the demo contract is {path}: pass it to `certkv certify {path}` or `certkv report {path}` later; "
-        "rerunning `certkv demo` with the same --dir resumes its store"
+        "rerunning `certkv demo` with the same --dir resumes its store",
+        highlight=False, markup=False,
     )

@@ -39,7 +39,7 @@ from pydantic_core import PydanticCustomError
 
 from certkv.core.policy_names import gate_label, gated_policy_name, policy_name
 from certkv.core.procedures import Procedure
-from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW
+from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, DEFAULT_MAX_NEW_TOKENS
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
 
@@ -106,7 +106,7 @@ class Protocol(_Strict):
     """How each request is run; part of the hash because it changes every answer."""
 
     query_aware: bool = False
-    max_new_tokens: int = Field(default=8, ge=1)
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1)
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
 

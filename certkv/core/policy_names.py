@@ -21,6 +21,7 @@ REFERENCE_POLICY = "full"
 
 _GATE_MARKERS = ("+drop", "+cert")
 _RETENTION = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+_AT_RETENTION = re.compile(r"@[0-9]+(?:\.[0-9]+)?")
 
 
 def policy_name(display: str, kv_retained: float) -> str:
@@ -47,49 +48,31 @@ def gated_policy_name(base: str, agreement_drop: float | None = None, certificat
 class PolicyName:
     """A policy name read back into its parts.
 
-    ``display`` is the press or the entry's label; ``kv_retained`` the retention written after
-    ``@`` (None when the name has none); ``gate`` the gate suffix exactly as written
-    (``"+drop0.1"``, empty when ungated).
+    ``display`` is the press or the entry's label (everything before the first ``@``);
+    ``kv_retained`` the retention written after ``@`` (None when the name has none); ``gate`` the
+    gate suffix from the first ``+drop`` or ``+cert`` on, exactly as written (empty when ungated);
+    ``stem`` the name without its ``@<retention>``: the name of its sequence.
     """
 
     display: str
     kv_retained: float | None
     gate: str
-    unparsed: str = ""  # what follows a non-numeric "@" in a foreign name, kept for the stem
+    stem: str
 
     @property
     def is_gated(self) -> bool:
         return bool(self.gate)
 
-    @property
-    def stem(self) -> str:
-        """The name without its retention: the name of its sequence (``snapkv+drop0.1``)."""
-        return self.display + (f"@{self.unparsed}" if self.unparsed else "") + self.gate
-
 
 def parse_policy_name(name: str) -> PolicyName:
-    """Split `name` into display name, retention and gate suffix; never fails (see module doc)."""
+    """Split `name` into display name, retention, gate suffix and stem; never fails (module doc)."""
     display, at, rest = name.partition("@")
-    kv = None
-    if at:
-        match = _RETENTION.match(rest)
-        if match is not None:
-            tail = rest[match.end():]
-            if tail and not tail.startswith(_GATE_MARKERS):
-                return PolicyName(display, None, "", rest)  # "x@0.5y": not a certkv name
-            kv, rest = float(match.group()), tail
-    else:
-        for marker in _GATE_MARKERS:
-            if marker in display:
-                cut = display.index(marker)
-                display, rest = display[:cut], display[cut:]
-                break
-    gate = rest if any(rest.startswith(m) for m in _GATE_MARKERS) else ""
-    if not at and not gate:
-        display = name
-    elif at and kv is None:
-        return PolicyName(display, None, "", rest)  # "x@y": not a certkv name
-    return PolicyName(display, kv, gate)
+    match = _RETENTION.match(rest) if at else None
+    kv = float(match.group()) if match is not None else None
+    stem = _AT_RETENTION.sub("", name, count=1)
+    cuts = [name.index(m) for m in _GATE_MARKERS if m in name]
+    gate = name[min(cuts):] if cuts else ""
+    return PolicyName(display, kv, gate, stem)
 
 
 def is_gated_policy(name: str) -> bool:

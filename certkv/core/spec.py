@@ -17,6 +17,9 @@ from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.procedures import Procedure
 from certkv.errors import CertkvError, format_validation_error
 
+#: The decode length a contract certifies unless it sets ``protocol.max_new_tokens``.
+DEFAULT_MAX_NEW_TOKENS = 8
+
 #: The agreement gate's signal: the last W context queries' attention ...
 AGREEMENT_WINDOW = 32
 #: ... each query head's top-k keys of it ...
@@ -127,6 +130,7 @@ __all__ = [
     "AGREEMENT_SPLIT",
     "AGREEMENT_TOP_K",
     "AGREEMENT_WINDOW",
+    "DEFAULT_MAX_NEW_TOKENS",
     "CandidateInfo",
     "CertificationSpec",
     "GateSettings",

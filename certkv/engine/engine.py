@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.probabilistic_decode import decode_probabilistic, selection_hooks
 from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
@@ -71,7 +72,7 @@ class Engine:
         model,
         tokenizer,
         candidates: list[PressCandidate],
-        max_new_tokens: int = 8,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         max_batch_bytes: int = 4 << 30,
         max_padding_bytes: int = 1 << 30,
         agreement: dict | None = None,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
+
 
 @dataclass
 class EncodedRequest:
@@ -79,7 +81,7 @@ def greedy_decode(model, cache, question_ids, context_length: int, max_new_token
     return generated
 
 
-def full_kv_ids(model, enc: EncodedRequest, max_new_tokens: int = 8) -> list[int]:
+def full_kv_ids(model, enc: EncodedRequest, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> list[int]:
     """The full-cache answer's token ids: prefill the whole context, then decode greedily."""
     import torch
     from transformers import DynamicCache
@@ -90,7 +92,7 @@ def full_kv_ids(model, enc: EncodedRequest, max_new_tokens: int = 8) -> list[int
     return greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
 
 
-def full_kv_answer(model, tokenizer, context: str, question: str, max_new_tokens: int = 8) -> str:
+def full_kv_answer(model, tokenizer, context: str, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> str:
     """Answer one request with the full cache (no eviction)."""
     ids = full_kv_ids(model, encode_request(tokenizer, context, question), max_new_tokens)
     return tokenizer.decode(ids, skip_special_tokens=True)

@@ -48,7 +48,7 @@ def _source(name_or_path: str) -> tuple[str, bool]:
         if not (EMBEDDED_DIR / "model.safetensors").is_file():
             raise CertkvError(
                 f"the embedded model's weights are missing from {EMBEDDED_DIR}; reinstall certkv "
-                "or train them with `python tools/train_embedded.py`"
+                "or, from a certkv checkout, train them with `python tools/train_embedded.py`"
             )
         return str(EMBEDDED_DIR), True
     path = Path(name_or_path).expanduser()

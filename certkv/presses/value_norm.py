@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from kvpress.presses.scorer_press import ScorerPress
 
+from certkv.core.spec import AGREEMENT_WINDOW
 from certkv.presses._checks import check_count, check_ratio
 
 
@@ -23,7 +24,8 @@ class AttentionTimesValueNormPress(ScorerPress):
     """
 
     compression_ratio: float = 0.0
-    window_size: int = 32
+    window_size: int = AGREEMENT_WINDOW
+    """The agreement gate's window by default, so the two read one window attention per layer."""
 
     def __post_init__(self):
         check_ratio(self.compression_ratio)

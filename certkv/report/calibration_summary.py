@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from certkv.core.policy_names import REFERENCE_POLICY
+
 
 def candidate_summary(records, tolerance: float) -> list[dict]:
     """Per policy: n, mean utility, violation count and rate at `tolerance`, mean realised KV."""
@@ -58,7 +60,7 @@ def print_calibration_summary(contract, summary, console) -> None:
     with CalibrationStore.read(contract.resolved_store_path()) as store:
         records = store.records()
         skipped = store.skipped()
-    order = {"full": -1, **{c.policy: i for i, c in enumerate(contract.candidates())}}
+    order = {REFERENCE_POLICY: -1, **{c.policy: i for i, c in enumerate(contract.candidates())}}
     rows = sorted(candidate_summary(records, contract.tolerance), key=lambda r: order.get(r["policy"], 1 << 30))
     table = narrow_table([("policy", "left"), ("n", "right"), ("utility", "right"), ("k", "right"),
                           ("rate", "right"), ("KV kept", "right"), ("path", "left")])

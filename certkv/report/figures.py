@@ -232,9 +232,11 @@ def plot_validation(result, title: str | None = None):
 def save_figure(fig, path: Path) -> Path:
     """Save as PNG and free the figure (reports draw several; pyplot keeps them alive otherwise)."""
     plt = _pyplot()
+    from certkv.atomic_io import atomic_write
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with atomic_write(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)
     return path
 

@@ -14,6 +14,7 @@ import base64
 from datetime import UTC, datetime
 from pathlib import Path
 
+from certkv.atomic_io import write_text_atomic
 from certkv.report import text
 from certkv.report.figures import draw_figures
 
@@ -174,7 +175,7 @@ def write_report(contract, records, op, validation, out_dir, notes: list[str] | 
     out.mkdir(parents=True, exist_ok=True)
     figures = draw_figures(op, validation, out)
     page = out / "report.html"
-    page.write_text(render_html(contract, records, op, validation, figures, notes), encoding="utf-8")
+    write_text_atomic(page, render_html(contract, records, op, validation, figures, notes))
     return {**figures, "report.html": page}
 
 

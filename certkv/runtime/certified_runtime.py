@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW
+from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, DEFAULT_MAX_NEW_TOKENS
 from certkv.errors import CertkvError
 
 #: Decoding steps between two checks of the certificate against the bound (and one at the end).
@@ -118,7 +118,7 @@ class CertifiedRuntime:
         """The calibrated decode length: what was certified is an answer of at most that many tokens."""
         calibrated = self.operating_point.max_new_tokens
         if requested is None:
-            return calibrated or 8
+            return calibrated or DEFAULT_MAX_NEW_TOKENS
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise CertkvError(f"max_new_tokens must be a positive integer, got {requested!r}")
         if calibrated is not None and requested != calibrated:
