@@ -105,9 +105,30 @@ def certify(
 ) -> OperatingPoint:
     """Certify the most aggressive candidate whose violation rate is ≤ ε with prob. ≥ 1 − δ.
 
-    ``records`` is a :class:`LossTable`, a CSV/JSONL path, or a list of record dicts; ``spec`` a
-    :class:`CertificationSpec` (or a dict for one) or a contract (:class:`certkv.contract.schema.Contract`),
-    whose hash is then recorded too. ``records_sha256`` is computed from the table when not given.
+    Counts each candidate's violations (loss > τ) as integers, computes the exact binomial
+    p-value of "violation rate > ε", applies the spec's family-wise procedure at δ over the
+    pre-registered sequences, and picks, among the certified candidates, the one keeping the least
+    KV (any certified one may be picked: the guarantee is simultaneous). Nothing certified means
+    the full cache.
+
+    Parameters
+    ----------
+    records : LossTable, str, Path or list of dict
+        One loss per (request, policy): a :class:`~certkv.core.loss_table.LossTable`, a CSV/JSONL
+        loss-table path, or record dicts (a calibration store's rows).
+    spec : CertificationSpec, dict or Contract
+        τ, ε, confidence, procedure and sequences; a contract
+        (:class:`certkv.contract.schema.Contract`) gives its own spec and its hash is recorded.
+    contract_sha256 : str, optional
+        Recorded in the operating point (taken from the contract when `spec` is one).
+    records_sha256 : str, optional
+        The hash of the evidence; computed from the table when not given.
+
+    Returns
+    -------
+    OperatingPoint
+        The choice (or the fallback, with the reason), every candidate's counts, bounds and
+        levels, where each sequence stopped, per-task breakdowns and the guarantee in words.
     """
     if callable(getattr(spec, "certification_spec", None)):  # a Contract: its pre-registered choices
         contract_sha256 = contract_sha256 or spec.sha256()

@@ -89,9 +89,30 @@ def model_fingerprint(name_or_path: str = EMBEDDED) -> str:
 
 
 def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"):
-    """Load `(model, tokenizer)` for a causal LM, in eval mode (sdpa attention unless asked otherwise).
+    """Load a causal LM and its tokenizer, in eval mode, for calibration or serving.
 
-    `name_or_path` is ``"embedded"``, a local folder, or a Hugging Face id.
+    Parameters
+    ----------
+    name_or_path : str, default "embedded"
+        ``"embedded"`` (the tiny Llama shipped in the package: offline, CPU), a local folder, or a
+        Hugging Face id (downloaded unless ``HF_HUB_OFFLINE`` is set and it is cached).
+    device : str, default "auto"
+        ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    dtype : str, default "auto"
+        ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+    attn_implementation : str, default "sdpa"
+        The transformers attention the model is built with; certkv switches it per call where it
+        needs another (the batched candidate decode, the Hájek attention).
+
+    Returns
+    -------
+    (model, tokenizer)
+        A ``transformers`` causal LM and its tokenizer.
+
+    Raises
+    ------
+    CertkvError
+        One line naming what is missing (weights, a folder, a device) and how to fix it.
     """
     import torch  # noqa: F401  (imported for its side effect of being ready before transformers)
     from transformers import AutoModelForCausalLM, AutoTokenizer

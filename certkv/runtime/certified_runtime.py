@@ -65,6 +65,8 @@ class Decision:
 
 @dataclass
 class RuntimeAnswer:
+    """What :meth:`CertifiedRuntime.generate` returns: the answer and the decision behind it."""
+
     answer: str
     token_ids: list[int]
     decision: Decision
@@ -72,13 +74,26 @@ class RuntimeAnswer:
 
 
 class CertifiedRuntime:
-    """Answer requests with a certified operating point.
+    """Answer requests with a certified operating point: what is deployed is what was calibrated.
 
-    `operating_point` is an :class:`~certkv.core.operating_point.OperatingPoint` or the path of its JSON.
-    `press` is optional: by default the press is built from the operating point (its registry name
-    or import path, its press_kwargs and its kv_retained); any press object may be passed instead,
-    e.g. one that cannot be named, and must then be configured at the certified retention (its
-    ``compression_ratio`` is checked when it has one).
+    Parameters
+    ----------
+    model, tokenizer
+        The calibrated model (:func:`certkv.load_model`).
+    operating_point : OperatingPoint, dict or path
+        An :class:`~certkv.core.operating_point.OperatingPoint`, its dict, or the path of its JSON
+        (``certkv certify`` writes ``<store>/operating_point.json``).
+    press : object, optional
+        By default the press is built from the operating point (its registry name or import path,
+        its press_kwargs and its kv_retained). Any press object may be passed instead, e.g. one
+        that cannot be named; it must be configured at the certified retention (its
+        ``compression_ratio`` is checked when it has one).
+    max_new_tokens : int, optional
+        The calibrated decode length by default; another length is refused, since the
+        certificate covers answers of the calibrated length only.
+
+    A fallback operating point answers every request from the full cache; a gated one sends a
+    request to the full cache when its gate says so (:class:`Decision` records which and why).
     """
 
     def __init__(self, model, tokenizer, operating_point, press=None, max_new_tokens: int | None = None):
@@ -173,7 +188,21 @@ class CertifiedRuntime:
     # -- answering ----------------------------------------------------------------------------
 
     def generate(self, context: str, question: str, max_new_tokens: int | None = None) -> RuntimeAnswer:
-        """Answer one request; the decision record says which cache answered and why."""
+        """Answer one request greedily; the decision record says which cache answered and why.
+
+        Parameters
+        ----------
+        context, question : str
+            Fed as kvpress does: the context is prefilled (and compressed), the question after it.
+        max_new_tokens : int, optional
+            Must equal the calibrated decode length when given.
+
+        Returns
+        -------
+        RuntimeAnswer
+            ``answer`` (text), ``token_ids``, ``decision`` (:class:`Decision`: ``mode`` "evicted"
+            or "full", ``reason``, the gate signals, realised KV) and ``seconds`` per phase.
+        """
         import time
 
         from certkv.engine.engine import press_precondition_failure
