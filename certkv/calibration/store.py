@@ -281,6 +281,15 @@ class CalibrationStore:
         """Number of requests with records (skipped ones excluded)."""
         return self._conn.execute("SELECT COUNT(DISTINCT request_id) FROM records").fetchone()[0]
 
+    def full_cache_utility_by_task(self) -> list[tuple[str, int, float]]:
+        """(task, requests, best full-cache utility) per labelled task, by task name."""
+        rows = self._conn.execute(
+            "SELECT task, COUNT(*), MAX(utility) FROM records WHERE policy = ? AND task IS NOT NULL "
+            "GROUP BY task ORDER BY task",
+            (REFERENCE_POLICY,),
+        )
+        return [(r[0], r[1], r[2]) for r in rows]
+
     # -- writing -------------------------------------------------------------------------------
 
     def write_request(self, request_id: str, rows: list[Mapping[str, Any]]) -> None:

@@ -9,12 +9,10 @@ full-cache rows (nothing here knows which model fails which task).
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from certkv.calibration.store import db_path
-from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.calibration.store import CalibrationStore, db_path
 
 
 @dataclass(frozen=True)
@@ -31,19 +29,10 @@ def tasks_failed_at_full_cache(store: str | Path) -> list[FailedTask]:
     Requests without a task label are left out (nothing to name). A store that does not exist yet
     has no such task.
     """
-    path = db_path(store)
-    if not path.is_file():
+    if not db_path(store).is_file():
         return []
-    conn = sqlite3.connect(path, timeout=30)
-    try:
-        conn.execute("PRAGMA query_only=1")
-        rows = conn.execute(
-            "SELECT task, COUNT(*), MAX(utility) FROM records WHERE policy = ? AND task IS NOT NULL "
-            "GROUP BY task ORDER BY task",
-            (REFERENCE_POLICY,),
-        ).fetchall()
-    finally:
-        conn.close()
+    with CalibrationStore.read(store) as opened:
+        rows = opened.full_cache_utility_by_task()
     return [FailedTask(task, count) for task, count, best in rows if best is not None and best <= 0.0]
 
 
