@@ -31,6 +31,7 @@ def validate(
 
     from certkv.calibration.records import default_output, load_records
     from certkv.contract.loading import load_contract
+    from certkv.report.console import print_validation
     from certkv.report.tables import say_path
 
     contract = load_contract(contract_path)
@@ -87,51 +88,3 @@ def read_validation(path: Path, contract, evidence):
         return ValidationResult.model_validate(data)
     except ValidationError:
         return None
-
-
-def print_validation(result, console) -> None:
-    """Both methods side by side, with δ: the certificate's promised bound on failures.
-
-    A narrow table (method, share of splits above ε with its count and 95% interval, mean KV,
-    fallback share) that fits 80 columns, then each method's most chosen policies on a line of
-    their own: policy names are long and would otherwise fold the table in a log.
-
-    Parameters
-    ----------
-    result : certkv.core.validation.ValidationResult
-    console : rich.console.Console
-        80 columns without a TTY unless ``COLUMNS`` says otherwise; nothing printed is cut.
-    """
-    from certkv.report.tables import add_row, narrow_table, print_table, say
-    from certkv.report.text import METHOD_LABELS, contract_delta, fmt_share
-
-    eps = result.contract.risk
-    delta = contract_delta(result.contract)
-    title = (
-        f"{result.n_splits} splits of {result.n_requests} requests: {result.n_calibration} calibrate, "
-        f"{result.n_test} test (seed {result.seed}); ε = {eps:g}, δ = {delta:g}"
-    )
-    table = narrow_table([("method", "left"), ("test risk > ε", "right"), ("95% CI", "right"),
-                          ("mean KV", "right"), ("fallback", "right")])
-    for name, m in result.methods.items():
-        add_row(
-            table,
-            METHOD_LABELS.get(name, name),
-            f"{fmt_share(m.exceed_fraction)} ({m.exceed_count})",
-            f"{100 * m.exceed_ci_low:.1f}–{100 * m.exceed_ci_high:.1f}%",
-            f"{m.mean_kv_retained:.3f}",
-            fmt_share(m.fallback_share),
-        )
-    print_table(console, table, title=title)
-    say(console, "test risk > ε: share (count) of splits whose test half exceeds ε; mean KV: mean KV retained "
-                 "of the chosen policy; fallback: share of splits that chose the full cache.")
-    for name, m in result.methods.items():
-        top = sorted(m.chosen.items(), key=lambda kv: -kv[1])[:2]
-        chosen = ", ".join(f"{p} ({100 * c / result.n_splits:.0f}%)" for p, c in top) or "—"
-        say(console, f"most chosen by {METHOD_LABELS.get(name, name)}: {chosen}")
-    say(
-        console,
-        f"certkv promises that its choice's true risk exceeds ε = {eps:g} with probability at most δ = {delta:g}; "
-        "empirical thresholding promises nothing. Test halves are finite and splits overlap, so these shares "
-        "are noisy and descriptive, not a test of the guarantee.",
-    )

@@ -1,4 +1,4 @@
-"""`certkv certify`'s console output: the certificate in a form that reads in 80 columns and in logs.
+"""The console output of `certkv certify` and `certkv validate`, readable in 80 columns and in logs.
 
 A contract with a gate grid has hundreds of candidates (the demo: 216 in 24 sequences); a table
 of all of them squeezed into a terminal or a CI log is unreadable. So the console shows one row
@@ -145,8 +145,60 @@ def print_per_task(op, console) -> None:
                           (f"vs ε = {eps:g}", "left")])
     for name, b in sorted(op.per_task.items()):
         add_row(table, name, str(b.n), str(b.violations), f"{b.rate:.4f}", "above ε" if b.exceeds_risk else "≤ ε",
-                      style="bold red" if b.exceeds_risk else None)
+                style="bold red" if b.exceeds_risk else None)
     print_table(console, table, title=f"per-task breakdown of {op.policy}:")
 
 
-__all__ = ["print_candidates", "print_operating_point", "print_per_task", "print_sequences", "sequence_cells"]
+def print_validation(result, console) -> None:
+    """Both methods side by side, with δ: the certificate's promised bound on failures.
+
+    A narrow table (method, share of splits above ε with its count and 95% interval, mean KV,
+    fallback share) that fits 80 columns, then each method's most chosen policies on a line of
+    their own: policy names are long and would otherwise fold the table in a log.
+
+    Parameters
+    ----------
+    result : certkv.core.validation.ValidationResult
+    console : rich.console.Console
+        80 columns without a TTY unless ``COLUMNS`` says otherwise; nothing printed is cut.
+    """
+    eps = result.contract.risk
+    delta = text.contract_delta(result.contract)
+    title = (
+        f"{result.n_splits} splits of {result.n_requests} requests: {result.n_calibration} calibrate, "
+        f"{result.n_test} test (seed {result.seed}); ε = {eps:g}, δ = {delta:g}"
+    )
+    table = narrow_table([("method", "left"), ("test risk > ε", "right"), ("95% CI", "right"),
+                          ("mean KV", "right"), ("fallback", "right")])
+    for name, m in result.methods.items():
+        add_row(
+            table,
+            text.METHOD_LABELS.get(name, name),
+            f"{text.fmt_share(m.exceed_fraction)} ({m.exceed_count})",
+            f"{100 * m.exceed_ci_low:.1f}–{100 * m.exceed_ci_high:.1f}%",
+            f"{m.mean_kv_retained:.3f}",
+            text.fmt_share(m.fallback_share),
+        )
+    print_table(console, table, title=title)
+    say(console, "test risk > ε: share (count) of splits whose test half exceeds ε; mean KV: mean KV retained "
+                 "of the chosen policy; fallback: share of splits that chose the full cache.")
+    for name, m in result.methods.items():
+        top = sorted(m.chosen.items(), key=lambda kv: -kv[1])[:2]
+        chosen = ", ".join(f"{p} ({100 * c / result.n_splits:.0f}%)" for p, c in top) or "—"
+        say(console, f"most chosen by {text.METHOD_LABELS.get(name, name)}: {chosen}")
+    say(
+        console,
+        f"certkv promises that its choice's true risk exceeds ε = {eps:g} with probability at most δ = {delta:g}; "
+        "empirical thresholding promises nothing. Test halves are finite and splits overlap, so these shares "
+        "are noisy and descriptive, not a test of the guarantee.",
+    )
+
+
+__all__ = [
+    "print_candidates",
+    "print_operating_point",
+    "print_per_task",
+    "print_sequences",
+    "print_validation",
+    "sequence_cells",
+]
