@@ -110,14 +110,18 @@ def sequence_name(cands) -> str:
 
 
 def best_certified(cands):
-    """The candidate of a sequence that the certifier's own rule would pick among the sequence's
-    certified ones (least mean KV retained, then fewer violations, then test order), or None.
+    """The candidate of a sequence that the certifier's own rule
+    (:func:`certkv.core.certify.select_candidates`: least mean KV retained, then fewer violations,
+    then test order) picks among the sequence's certified ones, or None.
 
     Showing it per sequence tells a reader what each press could deliver, not only the winner."""
-    certified = [c for c in cands if c.certified]
-    if not certified:
+    from certkv.core.certify import select_candidates
+
+    if not cands:
         return None
-    return min(certified, key=lambda c: (round(c.mean_kv_retained, 12), c.violations, c.position))
+    index = int(select_candidates([c.certified for c in cands], [c.mean_kv_retained for c in cands],
+                                  [c.violations for c in cands]))
+    return cands[index] if index >= 0 else None
 
 
 def sequence_rows(op) -> list[dict]:
