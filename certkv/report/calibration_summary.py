@@ -66,7 +66,7 @@ def print_calibration_summary(contract, summary, console) -> None:
                           ("rate", "right"), ("KV kept", "right"), ("path", "left")])
     for r in rows:
         add_row(table, r["policy"], str(r["n"]), f"{r['mean_utility']:.3f}", str(r["violations"]),
-                      f"{r['violation_rate']:.3f}", f"{r['kv_retained_actual']:.3f}", r["path"])
+                f"{r['violation_rate']:.3f}", f"{r['kv_retained_actual']:.3f}", r["path"])
     say_path(console, "store", summary.store)
     title = f"per policy: mean utility, violations k (loss > {contract.tolerance:g}), their rate, realised KV kept"
     print_table(console, table, title=title)
