@@ -37,15 +37,25 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from certkv.core.gate_features import DEFAULT_FEATURES
 from certkv.core.policy_names import gate_label, gated_policy_name, policy_name
 from certkv.core.procedures import Procedure
-from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, DEFAULT_MAX_NEW_TOKENS
+from certkv.core.spec import (
+    AGREEMENT_SPLIT,
+    AGREEMENT_TOP_K,
+    AGREEMENT_WINDOW,
+    DEFAULT_MAX_NEW_TOKENS,
+    LOOKAHEAD_TOKENS,
+)
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+#: Gate kinds whose thresholds a pilot split places, in sequence order.
+PILOT_GATE_KINDS = ("confidence", "lookahead", "learned")
 
 
 #: Optional top-level keys added after the first schema; omitted from the hash while unset.
@@ -199,19 +209,100 @@ class CandidateSequence(_Strict):
         return self.label or self.press
 
 
+Quantile = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _check_quantiles(values: list[float]) -> list[float]:
+    """Quantiles in (0, 1), strictly increasing, with distinct names."""
+    for q in values:
+        if not 0.0 < q < 1.0:
+            raise _error(
+                f"quantile {q!r} is outside (0, 1); a quantile q sends the share q of the pilot requests with "
+                "the most suspicious signal to the full cache, so use values like 0.05, 0.1, 0.2"
+            )
+    for prev, cur in zip(values, values[1:]):
+        if cur == prev:
+            raise _error(f"lists {cur} twice; list each quantile once, in increasing order")
+        if cur < prev:
+            raise _error(f"quantiles must be sorted in increasing order, got {values}; sort them")
+    labels = [gate_label(v) for v in values]
+    if len(set(labels)) != len(labels):
+        raise _error(f"quantiles {values} give the same name twice (6 significant digits); use distinct values")
+    return [v + 0.0 for v in values]
+
+
+class QuantileGate(_Strict):
+    """A gate whose thresholds the pilot places: one candidate per pre-registered quantile q."""
+
+    quantiles: list[Quantile] = Field(min_length=1)
+
+    @field_validator("quantiles")
+    @classmethod
+    def _check(cls, values: list[float]) -> list[float]:
+        return _check_quantiles(values)
+
+
+class LearnedGateSpec(QuantileGate):
+    """The learned gate: a logistic regression over `features`, fit per base candidate on the
+    pilot, thresholded at the pre-registered quantiles of the pilot's scores."""
+
+    features: list[Literal["lookahead", "confidence", "agreement_drop", "context_length"]] = Field(
+        default_factory=lambda: list(DEFAULT_FEATURES), min_length=1
+    )
+
+    @field_validator("features")
+    @classmethod
+    def _distinct(cls, values: list[str]) -> list[str]:
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise _error(f"lists {twice[0]!r} twice; list each feature once")
+        return values
+
+
+#: Keys added to `gate:` after its first schema; omitted from the hash while unset (or default).
+_LATER_GATE_KEYS = {"pilot": None, "confidence": None, "lookahead": None, "learned": None,
+                    "lookahead_tokens": LOOKAHEAD_TOKENS}
+
+
 class Gate(_Strict):
     """Pre-registered gate settings; each value is a candidate setting, not a tuned one.
 
     ``agreement_drop`` thresholds may be any finite numbers (the drop can be negative);
     ``certificate`` bounds are positive. The agreement signal's settings (window W, top-k, layer
     split) are part of the contract because they change the signal the thresholds apply to.
+    ``confidence``, ``lookahead`` and ``learned`` list quantiles whose thresholds the ``pilot``
+    share of the requests places (so they need a pilot); ``lookahead_tokens`` is the probe's A.
     """
 
+    pilot: float | None = None
     agreement_drop: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=list)
     certificate: list[Annotated[float, Field(gt=0.0, allow_inf_nan=False)]] = Field(default_factory=list)
     agreement_window: int = Field(default=AGREEMENT_WINDOW, ge=1)
     agreement_top_k: int = Field(default=AGREEMENT_TOP_K, ge=1)
     agreement_split: int = Field(default=AGREEMENT_SPLIT, ge=1)
+    confidence: QuantileGate | None = None
+    lookahead: QuantileGate | None = None
+    learned: LearnedGateSpec | None = None
+    lookahead_tokens: int = Field(default=LOOKAHEAD_TOKENS, ge=1, le=64)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_kinds(cls, data):
+        if isinstance(data, dict):
+            unknown = [k for k in data if k not in cls.model_fields]
+            if unknown:
+                raise _error(
+                    f"unknown key {unknown[0]!r} (not a gate kind or setting); gate: takes "
+                    f"{', '.join(cls.model_fields)}; check the spelling or remove it"
+                )
+        return data
+
+    @field_validator("pilot")
+    @classmethod
+    def _check_pilot(cls, value: float | None) -> float | None:
+        if value is not None and not (0.0 < value < 1.0 and value == value):
+            raise _error(f"the pilot share must be strictly between 0 and 1 (e.g. 0.25), got {value!r}")
+        return value
 
     @field_validator("agreement_drop", "certificate")
     @classmethod
@@ -229,12 +320,43 @@ class Gate(_Strict):
 
     @model_validator(mode="after")
     def _not_empty(self) -> Gate:
-        if not self.agreement_drop and not self.certificate:
-            raise _error(
-                "gate lists no agreement_drop threshold and no certificate bound; remove `gate:` to certify "
-                "ungated candidates only"
-            )
+        for kind in PILOT_GATE_KINDS:
+            if getattr(self, kind) is not None and self.pilot is None:
+                raise _error(
+                    f"gate.{kind} places its thresholds on a pilot split; add gate.pilot (e.g. pilot: 0.25) "
+                    f"or remove gate.{kind}"
+                )
         return self
+
+    @property
+    def has_pilot_gates(self) -> bool:
+        """Whether some gate's thresholds are placed on the pilot (confidence, lookahead, learned)."""
+        return any(getattr(self, kind) is not None for kind in PILOT_GATE_KINDS)
+
+    @property
+    def is_empty(self) -> bool:
+        """No gate setting at all (a `gate:` holding only a pilot, for procedure pilot_ordered)."""
+        return not self.agreement_drop and not self.certificate and not self.has_pilot_gates
+
+    @property
+    def needs_agreement(self) -> bool:
+        """Calibration must record the agreement drop (a drop threshold, or a learned feature)."""
+        return bool(self.agreement_drop) or (self.learned is not None and "agreement_drop" in self.learned.features)
+
+    @property
+    def needs_lookahead(self) -> bool:
+        """Calibration must run the lookahead probe (a lookahead gate, or a learned feature)."""
+        return self.lookahead is not None or (self.learned is not None and "lookahead" in self.learned.features)
+
+    def pilot_settings(self) -> list[tuple[str, float]]:
+        """(kind, quantile) of every pilot gate setting, in sequence order: confidence quantiles,
+        then lookahead, then learned."""
+        return [(kind, q) for kind in PILOT_GATE_KINDS if (block := getattr(self, kind)) is not None
+                for q in block.quantiles]
+
+    def hashed_dump(self, data: dict) -> dict:
+        """`data` (this gate's JSON dump) without the later keys left at their defaults."""
+        return {k: v for k, v in data.items() if not (k in _LATER_GATE_KEYS and v == _LATER_GATE_KEYS[k])}
 
 
 @dataclass(frozen=True)
@@ -255,8 +377,10 @@ class CandidateSpec:
 class GatedCandidateSpec:
     """A gated candidate: `base_policy` (a :class:`CandidateSpec`) with a runtime gate that sends a
     request to the full cache when its agreement drop < `agreement_drop` or its certificate >
-    `certificate` (None: that part of the gate is off). Derived from the base's records, never
-    calibrated itself. `sequence`/`position` index :meth:`Contract.sequences` without `order`."""
+    `certificate` (None: that part of the gate is off), or, for a pilot gate (`pilot_kind`
+    confidence, lookahead or learned), at the threshold the pilot places at `quantile`. Derived
+    from the base's records, never calibrated itself. `sequence`/`position` index
+    :meth:`Contract.sequences` without `order`."""
 
     policy: str
     base_policy: str
@@ -268,6 +392,27 @@ class GatedCandidateSpec:
     sequence: int = 0
     position: int = 0
     label: str | None = None
+    pilot_kind: str | None = None
+    quantile: float | None = None
+
+
+@dataclass(frozen=True)
+class GateChoice:
+    """One gate setting a policy entry is tested under: (t, b) fixed thresholds, or a pilot
+    gate `kind` at `quantile`; all None: ungated."""
+
+    agreement_drop: float | None = None
+    certificate: float | None = None
+    pilot_kind: str | None = None
+    quantile: float | None = None
+
+    @property
+    def is_gated(self) -> bool:
+        return self.agreement_drop is not None or self.certificate is not None or self.pilot_kind is not None
+
+    def name(self, base: str) -> str:
+        return gated_policy_name(base, self.agreement_drop, self.certificate,
+                                 pilot_kind=self.pilot_kind, quantile=self.quantile)
 
 
 class Contract(_Strict):
@@ -329,6 +474,29 @@ class Contract(_Strict):
                 seen[name] = i
         return policies
 
+    @model_validator(mode="after")
+    def _check_pilot(self) -> Contract:
+        gate = self.gate
+        if self.procedure == "pilot_ordered" and (gate is None or gate.pilot is None):
+            raise _error(
+                "procedure pilot_ordered orders the candidates by their risk on a pilot split; add gate.pilot "
+                "(e.g. gate: {pilot: 0.25}) or use procedure fixed_sequence"
+            )
+        if self.procedure == "pilot_ordered" and self.order is not None:
+            raise _error("order and procedure pilot_ordered both set the test order; remove one of them")
+        if gate is not None and gate.is_empty:
+            if gate.pilot is None:
+                raise _error(
+                    "gate lists no agreement_drop threshold and no certificate bound; remove `gate:` to certify "
+                    "ungated candidates only"
+                )
+            if self.procedure != "pilot_ordered":
+                raise _error(
+                    "gate.pilot is used by nothing: list confidence, lookahead or learned quantiles, or set "
+                    "procedure: pilot_ordered, or remove gate.pilot"
+                )
+        return self
+
     @field_validator("gate")
     @classmethod
     def _check_gate(cls, gate: Gate | None, info) -> Gate | None:
@@ -381,6 +549,8 @@ class Contract(_Strict):
         for key in _LATER_KEYS:
             if data.get(key) is None:
                 data.pop(key, None)
+        if self.gate is not None:
+            data["gate"] = self.gate.hashed_dump(data["gate"])
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     def sha256(self) -> str:
@@ -411,9 +581,10 @@ class Contract(_Strict):
         ]
 
     def gate_settings(self, press: str) -> list[tuple[float | None, float | None]]:
-        """The gate settings a policy entry with `press` is tested under, in sequence order:
-        (None, None) (ungated), each threshold (t, None), then for a certificate press each bound
-        (None, b) and each pair (t, b), thresholds outer."""
+        """The fixed-threshold gate settings a policy entry with `press` is tested under, in
+        sequence order: (None, None) (ungated), each threshold (t, None), then for a certificate
+        press each bound (None, b) and each pair (t, b), thresholds outer. Pilot gates follow
+        them (:meth:`gate_choices`)."""
         settings: list[tuple[float | None, float | None]] = [(None, None)]
         if self.gate is None:
             return settings
@@ -423,26 +594,37 @@ class Contract(_Strict):
             settings += [(t, b) for t in self.gate.agreement_drop for b in self.gate.certificate]
         return settings
 
+    def gate_choices(self, press: str) -> list[GateChoice]:
+        """Every gate setting of a policy entry with `press`, in sequence order: the fixed ones of
+        :meth:`gate_settings`, then one per confidence quantile, per lookahead quantile and per
+        learned quantile (pilot gates, never combined with each other or with drop/cert)."""
+        choices = [GateChoice(t, b) for t, b in self.gate_settings(press)]
+        if self.gate is not None:
+            choices += [GateChoice(pilot_kind=kind, quantile=q) for kind, q in self.gate.pilot_settings()]
+        return choices
+
     def gated_candidates(self) -> list[GatedCandidateSpec]:
         """Every gated candidate (the base candidates are :meth:`candidates`), sequence by
         sequence in the per-entry layout of :meth:`sequences` (as without `order`)."""
         out = []
         s = 0
         for p in self.policies:
-            for t, b in self.gate_settings(p.press):
-                if t is not None or b is not None:
+            for choice in self.gate_choices(p.press):
+                if choice.is_gated:
                     out += [
                         GatedCandidateSpec(
-                            policy=gated_policy_name(policy_name(p.display_name, kv), t, b),
+                            policy=choice.name(policy_name(p.display_name, kv)),
                             base_policy=policy_name(p.display_name, kv),
                             press=p.press,
                             kv_retained=kv,
-                            agreement_drop=t,
-                            certificate=b,
+                            agreement_drop=choice.agreement_drop,
+                            certificate=choice.certificate,
                             press_kwargs=dict(p.press_kwargs),
                             sequence=s,
                             position=k,
                             label=p.label,
+                            pilot_kind=choice.pilot_kind,
+                            quantile=choice.quantile,
                         )
                         for k, kv in enumerate(p.kv_retained)
                     ]
@@ -452,16 +634,18 @@ class Contract(_Strict):
     def sequences(self) -> list[list[str]]:
         """Policy names per sequence, in test order: the interleaved `order` as one sequence when
         the contract gives one, else, for each policy entry, its ungated sequence followed by one
-        sequence per gate setting (see :meth:`gate_settings` and the module docstring)."""
+        sequence per gate setting (see :meth:`gate_choices` and the module docstring). Under
+        procedure pilot_ordered these are the candidates; the pilot orders them into one sequence
+        at certification time (:mod:`certkv.core.pilot`)."""
         if self.order is not None:
             return [list(self.order)]
         return self._entry_sequences()
 
     def _entry_sequences(self) -> list[list[str]]:
         return [
-            [gated_policy_name(policy_name(p.display_name, kv), t, b) for kv in p.kv_retained]
+            [choice.name(policy_name(p.display_name, kv)) for kv in p.kv_retained]
             for p in self.policies
-            for t, b in self.gate_settings(p.press)
+            for choice in self.gate_choices(p.press)
         ]
 
     def resolved_store_path(self) -> Path:

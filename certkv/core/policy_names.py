@@ -4,7 +4,10 @@
 A candidate's name is ``<display>@<kv>`` with the retention at two decimals (``snapkv@0.50``);
 a gated candidate appends its gate, each value written by ``format(x, "g")``:
 ``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``
-(``probabilistic@0.30+drop-0.05+cert0.02``). ``full`` names the full cache, the reference every
+(``probabilistic@0.30+drop-0.05+cert0.02``); a gate whose threshold the pilot places at a
+pre-registered quantile q names the quantile: ``<base>+confq<q>`` (confidence),
+``<base>+lookq<q>`` (lookahead mass) or ``<base>+learnq<q>`` (learned score), e.g.
+``snapkv@0.70+confq0.1``. ``full`` names the full cache, the reference every
 candidate is compared with; it is never a candidate.
 
 Loss tables written by other systems may use any names; the parser never fails on them, it
@@ -19,7 +22,9 @@ from dataclasses import dataclass
 #: The full cache: the reference policy of every request, never a candidate.
 REFERENCE_POLICY = "full"
 
-_GATE_MARKERS = ("+drop", "+cert")
+_GATE_MARKERS = ("+drop", "+cert", "+confq", "+lookq", "+learnq")
+#: Name suffix of each pilot gate kind (followed by the quantile).
+PILOT_GATE_MARKERS = {"confidence": "+confq", "lookahead": "+lookq", "learned": "+learnq"}
 _RETENTION = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 _AT_RETENTION = re.compile(r"@[0-9]+(?:\.[0-9]+)?")
 
@@ -34,13 +39,22 @@ def gate_label(value: float) -> str:
     return format(float(value) + 0.0, "g")
 
 
-def gated_policy_name(base: str, agreement_drop: float | None = None, certificate: float | None = None) -> str:
-    """``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``; `base` when ungated."""
+def gated_policy_name(base: str, agreement_drop: float | None = None, certificate: float | None = None,
+                      *, pilot_kind: str | None = None, quantile: float | None = None) -> str:
+    """``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``; `base` when ungated.
+
+    With `pilot_kind` (confidence, lookahead or learned) and its `quantile`:
+    ``<base>+confq<q>``, ``<base>+lookq<q>`` or ``<base>+learnq<q>`` (never combined with the others).
+    """
     name = base
     if agreement_drop is not None:
         name += f"+drop{gate_label(agreement_drop)}"
     if certificate is not None:
         name += f"+cert{gate_label(certificate)}"
+    if pilot_kind is not None:
+        if quantile is None:
+            raise ValueError(f"a {pilot_kind} gate's name needs its quantile")
+        name += f"{PILOT_GATE_MARKERS[pilot_kind]}{gate_label(quantile)}"
     return name
 
 

@@ -11,9 +11,15 @@ certifying ANY candidate whose true violation rate exceeds ε at most δ (family
   interleaved order is simply m = 1.
 * ``bonferroni``: every candidate is tested at δ / N, N being the total number of candidates.
 * ``holm``: Holm's step-down over all N candidates; never certifies less than Bonferroni.
+* ``pilot_ordered``: split fixed-sequence testing. A pilot split of the requests (which never
+  certifies) orders every candidate into ONE sequence by its pilot violation rate
+  (:mod:`certkv.core.pilot`); the certification requests then test that sequence at the full δ.
+  The order depends on the pilot only, which is independent of the certification requests, so it
+  is pre-registered with respect to them. Here the sequences given are concatenated and tested as
+  one fixed sequence at δ.
 
-The order of the candidates comes from the contract and never from the calibration data; the
-functions below take it as given.
+The order of the candidates comes from the contract (or, for ``pilot_ordered``, from the pilot)
+and never from the certification data; the functions below take it as given.
 
 Layout: the vectorised functions take p-values of shape ``(..., N)`` where the last axis holds the
 candidates of all sequences concatenated in contract order, and ``lengths`` gives each sequence's
@@ -32,7 +38,7 @@ import numpy as np
 from certkv.errors import CertkvError
 
 #: The family-wise procedures, by the names contracts and specs use.
-Procedure = Literal["fixed_sequence", "bonferroni", "holm"]
+Procedure = Literal["fixed_sequence", "bonferroni", "holm", "pilot_ordered"]
 PROCEDURES: tuple[str, ...] = get_args(Procedure)
 
 
@@ -147,7 +153,19 @@ def holm_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
     return out
 
 
-_MASKS = {"fixed_sequence": fixed_sequence_mask, "bonferroni": bonferroni_mask, "holm": holm_mask}
+def pilot_ordered_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
+    """Certified flags of split fixed-sequence testing: the sequences concatenated (in the order
+    the pilot set) and tested as one fixed sequence at the full δ."""
+    lengths = check_lengths(lengths)
+    return fixed_sequence_mask(p, [sum(lengths)], delta)
+
+
+_MASKS = {
+    "fixed_sequence": fixed_sequence_mask,
+    "bonferroni": bonferroni_mask,
+    "holm": holm_mask,
+    "pilot_ordered": pilot_ordered_mask,
+}
 
 
 def certified_mask(p, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
@@ -158,7 +176,8 @@ def certified_mask(p, lengths: Sequence[int], delta: float, procedure: str) -> n
 def candidate_levels(p, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
     """The significance level each candidate's p-value is compared with.
 
-    fixed_sequence: δ/m; bonferroni: δ/N; holm: δ/(N − rank), rank of the candidate's p-value.
+    fixed_sequence: δ/m; bonferroni: δ/N; holm: δ/(N − rank), rank of the candidate's p-value;
+    pilot_ordered: δ.
     Reporting it lets a reader check ``p <= level`` (and the matching Clopper–Pearson bound at
     confidence ``1 − level``) candidate by candidate.
     """
@@ -169,6 +188,8 @@ def candidate_levels(p, lengths: Sequence[int], delta: float, procedure: str) ->
     n_total = p.shape[-1]
     if procedure == "fixed_sequence":
         return np.full(p.shape, delta / len(lengths))
+    if procedure == "pilot_ordered":
+        return np.full(p.shape, delta)
     if procedure == "bonferroni":
         return np.full(p.shape, delta / n_total)
     order = np.argsort(p, axis=-1, kind="stable")
@@ -182,6 +203,9 @@ def sequence_stops(certified_flat: np.ndarray, lengths, delta: float, procedure:
     lengths = check_lengths(lengths)
     delta = check_delta(delta)
     stops = []
+    if procedure == "pilot_ordered" and len(lengths) > 1:  # one sequence: stopped at the first failure
+        first_fail = np.flatnonzero(~np.asarray(certified_flat, dtype=bool))
+        cut = int(first_fail[0]) if first_fail.size else sum(lengths)
     for index, (start, stop) in enumerate(_segments(lengths)):
         flags = np.asarray(certified_flat[start:stop], dtype=bool)
         failures = np.flatnonzero(~flags)
@@ -189,6 +213,11 @@ def sequence_stops(certified_flat: np.ndarray, lengths, delta: float, procedure:
         if procedure == "fixed_sequence":
             level = delta / len(lengths)
             tested = len(flags) if stopped_at is None else stopped_at + 1
+        elif procedure == "pilot_ordered":
+            level = delta
+            tested = len(flags) if stopped_at is None else stopped_at + 1
+            if len(lengths) > 1:
+                tested = min(max(cut + 1 - start, 0), len(flags))
         else:
             level = delta / sum(lengths) if procedure == "bonferroni" else None
             tested = len(flags)
@@ -252,5 +281,6 @@ __all__ = [
     "fixed_sequence_mask",
     "holm_mask",
     "is_prefix",
+    "pilot_ordered_mask",
     "sequence_stops",
 ]

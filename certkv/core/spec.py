@@ -2,16 +2,19 @@
 
 :class:`CertificationSpec` carries τ, ε, 1 − δ, the family-wise procedure and the candidate
 sequences in their pre-registered test order; :class:`CandidateInfo` and :class:`GateSettings`
-say how each candidate is deployed (base policy, press kwargs, gate). The agreement gate's signal
-settings default here, once, for the contract, the certificate and the runtime alike.
+say how each candidate is deployed (base policy, press kwargs, gate: fixed thresholds, or
+thresholds and a fitted :class:`LearnedGate` placed on the pilot split, :class:`PilotConfig`). The
+agreement gate's signal settings and the lookahead probe's length default here, once, for the
+contract, the certificate and the runtime alike.
 Torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.procedures import Procedure
@@ -27,6 +30,12 @@ AGREEMENT_TOP_K = 32
 #: ... and the first/last ⌊L / split⌋ layers whose mean agreements are compared.
 AGREEMENT_SPLIT = 3
 
+#: Answer tokens the lookahead probe feeds back after the question (A): A + 1 probe queries.
+LOOKAHEAD_TOKENS = 2
+
+#: Gate kinds whose thresholds are placed on a pilot split, at pre-registered quantiles.
+PilotGateKind = Literal["confidence", "lookahead", "learned"]
+
 
 def delta_of(confidence: float) -> float:
     """δ = 1 − confidence, the allowed probability that the certificate is wrong.
@@ -37,10 +46,55 @@ def delta_of(confidence: float) -> float:
     return round(1.0 - confidence, 12)
 
 
+class LearnedGate(BaseModel):
+    """A fitted logistic-regression gate (scikit-learn ``LogisticRegression`` on
+    ``StandardScaler``-ed features, fit on the pilot rows of one base candidate, label loss > τ).
+
+    ``features`` are expanded names (:func:`certkv.core.gate_features.expand_features`:
+    ``lookahead[0]`` .. ``lookahead[F-1]``, ``confidence_min``, ``logprob_mean``,
+    ``agreement_drop``, ``log_context_tokens``); ``mean``/``scale`` the scaler's, ``coef`` and
+    ``intercept`` the model's, so that the score is
+    ``1 / (1 + exp(-(intercept + Σ coef_i (x_i − mean_i) / scale_i)))``
+    (:func:`certkv.core.gate_features.learned_score`), on any machine, without scikit-learn.
+    A pilot with one class only gives the constant model (coef 0), which gates nothing.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    features: list[str] = Field(min_length=1)
+    mean: list[float]
+    scale: list[float]
+    coef: list[float]
+    intercept: float
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> LearnedGate:
+        n = len(self.features)
+        if not len(self.mean) == len(self.scale) == len(self.coef) == n:
+            raise ValueError(
+                f"learned gate: features, mean, scale and coef must have one value per feature ({n}), "
+                f"got {len(self.mean)}, {len(self.scale)}, {len(self.coef)}"
+            )
+        if any(not math.isfinite(x) or x <= 0 for x in self.scale):
+            raise ValueError("learned gate: every scale must be a positive finite number")
+        return self
+
+
 class GateSettings(BaseModel):
-    """A gated candidate's runtime gate: full cache when the agreement drop < ``agreement_drop``
-    or the certificate > ``certificate`` (null: that part is off), with the agreement signal's
-    settings (window, top-k, layer split) it was calibrated under."""
+    """A gated candidate's runtime gate; a request goes to the full cache when any set part fires:
+
+    * ``agreement_drop``: its agreement drop < t (before the evicted decode);
+    * ``certificate``: its survey-variance certificate > b (after the decode: escalation);
+    * ``confidence``: the lowest token probability of the evicted answer < b (after the decode);
+    * ``lookahead``: the full-cache attention mass the probe queries put on evicted entries > t
+      (before the decode);
+    * ``learned`` with ``learned_threshold``: its logistic score > t (before the decode, or after
+      it when the model reads a confidence feature: :func:`certkv.core.gate_features.is_post_decode`).
+
+    null: that part is off. ``quantile`` is the pre-registered pilot quantile a confidence,
+    lookahead or learned threshold was placed at (null for fixed thresholds; while it is set and
+    the threshold is null, the gate is not resolved yet: :mod:`certkv.core.pilot`). The agreement
+    signal's settings and the probe's ``lookahead_tokens`` are those it was calibrated under.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     agreement_drop: float | None = None
@@ -48,16 +102,54 @@ class GateSettings(BaseModel):
     agreement_window: int = AGREEMENT_WINDOW
     agreement_top_k: int = AGREEMENT_TOP_K
     agreement_split: int = AGREEMENT_SPLIT
+    confidence: float | None = None
+    lookahead: float | None = None
+    learned: LearnedGate | None = None
+    learned_threshold: float | None = None
+    quantile: float | None = None
+    lookahead_tokens: int = LOOKAHEAD_TOKENS
+
+    @property
+    def kind(self) -> str:
+        """``agreement_drop``, ``certificate``, ``agreement_drop+certificate``, ``confidence``,
+        ``lookahead`` or ``learned``: the parts that are set ("" while a pilot gate is unresolved)."""
+        parts = [k for k in ("agreement_drop", "certificate", "confidence", "lookahead") if getattr(self, k) is not None]
+        if self.learned is not None:
+            parts.append("learned")
+        return "+".join(parts)
+
+
+class PilotGate(BaseModel):
+    """A gate whose threshold the pilot places: ``kind`` at the pre-registered ``quantile``
+    (the share of pilot requests with the most suspicious signal it sends to the full cache);
+    ``features`` are the learned gate's feature groups (contract names: lookahead, confidence,
+    agreement_drop, context_length)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: PilotGateKind
+    quantile: float = Field(gt=0.0, lt=1.0)
+    features: tuple[str, ...] = ()
+
+
+class PilotConfig(BaseModel):
+    """The pilot split: ``share`` of the calibration requests, drawn by ``seed``
+    (:func:`certkv.core.pilot.draw_pilot`), fits the gates and never certifies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    share: float = Field(gt=0.0, lt=1.0)
+    seed: int = 0
 
 
 class CandidateInfo(BaseModel):
     """What deploying a candidate needs beyond its press and retention: the ungated base policy,
-    the press's kwargs and the gate (null for an ungated candidate)."""
+    the press's kwargs and the gate (null for an ungated candidate). ``pilot_gate`` marks a gate
+    whose threshold the pilot places (:mod:`certkv.core.pilot` fills ``gate`` from it)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     base_policy: str
     press_kwargs: dict[str, Any] = Field(default_factory=dict)
     gate: GateSettings | None = None
+    pilot_gate: PilotGate | None = None
 
 
 class CertificationSpec(BaseModel):
@@ -78,6 +170,7 @@ class CertificationSpec(BaseModel):
     sequences: list[list[str]] = Field(min_length=1)
     candidate_info: dict[str, CandidateInfo] = Field(default_factory=dict)
     max_new_tokens: int | None = Field(default=None, ge=1, description="the contract's decode length")
+    pilot: PilotConfig | None = Field(default=None, description="the pilot split (gate.pilot of a contract)")
 
     @field_validator("sequences")
     @classmethod
@@ -131,8 +224,13 @@ __all__ = [
     "AGREEMENT_TOP_K",
     "AGREEMENT_WINDOW",
     "DEFAULT_MAX_NEW_TOKENS",
+    "LOOKAHEAD_TOKENS",
     "CandidateInfo",
     "CertificationSpec",
     "GateSettings",
+    "LearnedGate",
+    "PilotConfig",
+    "PilotGate",
+    "PilotGateKind",
     "delta_of",
 ]

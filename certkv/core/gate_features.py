@@ -1,0 +1,181 @@
+"""The learned gate's features and score: the one definition certification and the runtime share.
+
+Certification computes the score of every (pilot or certification) request of a base candidate
+from the loss table's signal arrays; the runtime computes it for one request from the signals it
+measured. Both go through :func:`feature_matrix`, so the two cannot drift apart.
+
+Feature groups (the contract's ``gate.learned.features``) expand into named features:
+
+* ``lookahead`` → ``lookahead[0]`` .. ``lookahead[F-1]``: the per-(layer, KV head) evicted
+  attention mass of the lookahead probe, layer-major (index = layer · H_kv + head);
+* ``confidence`` → ``confidence_min`` and ``logprob_mean`` of the candidate's own greedy answer;
+* ``agreement_drop`` → ``agreement_drop``;
+* ``context_length`` → ``log_context_tokens``: log of the request's context length in tokens.
+
+A gate that reads ``confidence_min`` or ``logprob_mean`` can only decide after the evicted
+decode (:func:`is_post_decode`); the others decide while the full cache still exists.
+
+Torch-free: numpy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from certkv.core.spec import GateSettings, LearnedGate
+from certkv.errors import CertkvError
+
+#: Feature groups a contract may list under ``gate.learned.features``, in expansion order.
+FEATURE_GROUPS = ("lookahead", "confidence", "agreement_drop", "context_length")
+#: The groups a learned gate reads unless the contract lists its own.
+DEFAULT_FEATURES = ("lookahead", "confidence", "context_length")
+#: Expanded features that exist only after the evicted decode.
+POST_DECODE_FEATURES = frozenset({"confidence_min", "logprob_mean"})
+_SCALAR = {"confidence_min", "logprob_mean", "agreement_drop"}
+
+
+def expand_features(groups: Sequence[str], n_heads: int | None = None) -> list[str]:
+    """Expanded feature names of `groups`, in :data:`FEATURE_GROUPS` order.
+
+    `n_heads` (F = layers × KV heads) is needed when ``lookahead`` is among the groups.
+    """
+    unknown = [g for g in groups if g not in FEATURE_GROUPS]
+    if unknown:
+        raise CertkvError(f"unknown learned-gate feature {unknown[0]!r}; use {', '.join(FEATURE_GROUPS)}")
+    names: list[str] = []
+    for group in FEATURE_GROUPS:
+        if group not in groups:
+            continue
+        if group == "lookahead":
+            if not n_heads:
+                raise CertkvError("the lookahead feature needs the per-head lookahead masses (lookahead_heads)")
+            names += [f"lookahead[{i}]" for i in range(int(n_heads))]
+        elif group == "confidence":
+            names += ["confidence_min", "logprob_mean"]
+        elif group == "agreement_drop":
+            names.append("agreement_drop")
+        else:
+            names.append("log_context_tokens")
+    return names
+
+
+def needed_signals(features: Sequence[str]) -> list[str]:
+    """The signal keys (lookahead_heads, confidence_min, ...) that expanded `features` read."""
+    keys = []
+    for name in features:
+        key = "lookahead_heads" if name.startswith("lookahead[") else (
+            "context_tokens" if name == "log_context_tokens" else name)
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def feature_matrix(signals: Mapping, features: Sequence[str]) -> np.ndarray:
+    """Features of N requests as an (N, len(features)) float64 matrix.
+
+    `signals` maps ``lookahead_heads`` to an (N, F) array, and ``confidence_min``,
+    ``logprob_mean``, ``agreement_drop``, ``context_tokens`` to (N,) arrays (only the keys the
+    features read are needed). A missing key, a NaN value or a context length below 1 is an
+    error: a gate must never score a signal it did not observe.
+    """
+    columns = []
+    n = None
+    for name in features:
+        if name.startswith("lookahead["):
+            heads = _signal(signals, "lookahead_heads", 2)
+            index = int(name[len("lookahead["):-1])
+            if index >= heads.shape[1]:
+                raise CertkvError(
+                    f"the learned gate reads {name} but the signals hold {heads.shape[1]} lookahead heads; "
+                    "the model was fit on another architecture"
+                )
+            column = heads[:, index]
+        elif name == "log_context_tokens":
+            tokens = _signal(signals, "context_tokens", 1)
+            if (tokens < 1).any():
+                raise CertkvError(f"context_tokens must be ≥ 1, got {float(tokens.min())!r}")
+            column = np.log(tokens)
+        elif name in _SCALAR:
+            column = _signal(signals, name, 1)
+        else:
+            raise CertkvError(f"unknown learned-gate feature {name!r}")
+        if n is not None and column.shape[0] != n:
+            raise CertkvError(f"signal {name} has {column.shape[0]} values, the others {n}")
+        n = column.shape[0]
+        columns.append(column)
+    if not columns:
+        raise CertkvError("a learned gate needs at least one feature")
+    return np.stack(columns, axis=1)
+
+
+def _signal(signals: Mapping, key: str, ndim: int) -> np.ndarray:
+    value = signals.get(key)
+    if value is None:
+        raise CertkvError(f"the learned gate needs the signal {key!r}, which was not recorded")
+    array = np.asarray(value, dtype=float)
+    if array.ndim != ndim:
+        raise CertkvError(f"signal {key!r} must have {ndim} dimension(s) here, got shape {array.shape}")
+    if np.isnan(array).any():
+        raise CertkvError(f"signal {key!r} has missing (NaN) values; the learned gate cannot score them")
+    return array
+
+
+def feature_vector(signals: Mapping, features: Sequence[str]) -> np.ndarray:
+    """Features of one request, (len(features),): `signals` holds one request's values
+    (``lookahead_heads`` a list of F floats, the others scalars); see :func:`feature_matrix`."""
+    one = {}
+    for key, value in signals.items():
+        if value is None:
+            continue
+        one[key] = np.asarray(value, dtype=float)[None, ...]
+    return feature_matrix(one, features)[0]
+
+
+def learned_scores(model: LearnedGate, x: np.ndarray) -> np.ndarray:
+    """Logistic scores (N,) of the feature matrix `x` (N, len(model.features)) under `model`:
+    ``1 / (1 + exp(-(intercept + Σ coef_i (x_i − mean_i) / scale_i)))``, as scikit-learn's
+    ``predict_proba(...)[:, 1]`` of the fitted pipeline."""
+    z = ((np.asarray(x, dtype=float) - np.asarray(model.mean)) / np.asarray(model.scale)) @ np.asarray(model.coef)
+    z = z + model.intercept
+    # exp of a large |z| overflows to inf, which divides to the right limit 0 or 1.
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-z))
+
+
+def learned_score(model: LearnedGate, signals: Mapping) -> float:
+    """The learned gate's score of one request from its signals dict (the runtime's call)."""
+    return float(learned_scores(model, feature_vector(signals, model.features)[None, :])[0])
+
+
+def is_post_decode(settings: GateSettings) -> bool:
+    """Whether the gate can only decide after the evicted decode: a confidence or certificate
+    bound, or a learned model that reads a confidence feature. Such a gate escalates: the full
+    answer is computed again from the full cache."""
+    if settings.confidence is not None or settings.certificate is not None:
+        return True
+    return settings.learned is not None and any(f in POST_DECODE_FEATURES for f in settings.learned.features)
+
+
+def is_pre_decode(settings: GateSettings) -> bool:
+    """Whether some part of the gate decides before the evicted decode (agreement drop,
+    lookahead, a learned model without confidence features)."""
+    if settings.agreement_drop is not None or settings.lookahead is not None:
+        return True
+    return settings.learned is not None and not is_post_decode(settings)
+
+
+__all__ = [
+    "DEFAULT_FEATURES",
+    "FEATURE_GROUPS",
+    "POST_DECODE_FEATURES",
+    "expand_features",
+    "feature_matrix",
+    "feature_vector",
+    "is_post_decode",
+    "is_pre_decode",
+    "learned_score",
+    "learned_scores",
+    "needed_signals",
+]
