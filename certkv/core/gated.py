@@ -2,17 +2,21 @@
 
 A runtime gate sends a request to the full cache when its agreement drop D is below a threshold t,
 or escalates it to the full cache when the candidate's survey-variance certificate ĉ exceeds a
-bound b. On such a request the answer is the full-KV answer, so the gated candidate loses nothing
-there and uses the whole cache. A gated candidate therefore needs no calibration of its own: from
-the base candidate's rows and the recorded signals,
+bound b, its answer's lowest token probability is below b_c (confidence), the lookahead probe's
+evicted attention mass exceeds t_l, or its learned score exceeds t_s. On such a request the answer
+is the full-KV answer, so the gated candidate loses nothing there and uses the whole cache. A
+gated candidate therefore needs no calibration of its own: from the base candidate's rows and the
+recorded signals,
 
-    gated_i  = (agreement_drop_i < t) or (certificate_max_i > b)      (a part is off when unset)
+    gated_i  = (agreement_drop_i < t) or (certificate_max_i > b) or (confidence_min_i < b_c)
+               or (lookahead_mass_i > t_l) or (learned_score_i > t_s)   (a part is off when unset)
     loss_i   = 0    where gated_i, else the base's loss
     memory_i = 1.0  where gated_i, else the base's memory
 
 with the base's nominal kv_retained and press. The thresholds are pre-registered in the contract
-(each setting is a candidate of its own, tested like any other), so nothing here is tuned on the
-calibration data.
+(each setting is a candidate of its own, tested like any other), or placed on a pilot split that
+never certifies (:mod:`certkv.core.pilot`), so nothing here is tuned on the certification data.
+The learned score is :func:`certkv.core.gate_features.learned_scores`, the runtime's definition.
 
 Torch-free: numpy only.
 """
@@ -25,14 +29,17 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from certkv.core.gate_features import feature_matrix, learned_scores, needed_signals
 from certkv.core.loss_table import GatedRow, LossTable
+from certkv.core.spec import LearnedGate
 from certkv.errors import CertkvError
 
 RECALIBRATE = "recalibrate with a current certkv (`certkv calibrate CONTRACT --new-store`)"
 
 
 class GateSpec(Protocol):
-    """What a gated candidate needs (a contract's :class:`~certkv.contract.schema.GatedCandidateSpec` fits)."""
+    """What a gated candidate needs (a contract's :class:`~certkv.contract.schema.GatedCandidateSpec`
+    fits for fixed thresholds; pilot gates come as :class:`Derive` with their resolved thresholds)."""
 
     policy: str
     base_policy: str
@@ -47,18 +54,80 @@ class Derive(NamedTuple):
     base_policy: str
     agreement_drop: float | None
     certificate: float | None
+    confidence: float | None = None
+    lookahead: float | None = None
+    learned: LearnedGate | None = None
+    learned_threshold: float | None = None
+
+
+def _settings(g) -> tuple:
+    """The gate settings of a spec (contract specs lack the pilot kinds: None)."""
+    return (
+        g.agreement_drop,
+        g.certificate,
+        getattr(g, "confidence", None),
+        getattr(g, "lookahead", None),
+        getattr(g, "learned", None),
+        getattr(g, "learned_threshold", None),
+    )
+
+
+def _has_gate(g) -> bool:
+    drop, cert, conf, look, learned, _ = _settings(g)
+    return any(x is not None for x in (drop, cert, conf, look, learned))
+
+
+def learned_table_scores(table: LossTable, base_row: int, model: LearnedGate, policy: str = "",
+                         columns=None) -> np.ndarray:
+    """The learned score of each request (at `columns`, default all) of `base_row`: (R,) floats,
+    through :func:`certkv.core.gate_features.feature_matrix` (the runtime's definition)."""
+    base = table.policies[base_row]
+    who = f"policy {base!r}" + (f" (needed by {policy!r})" if policy and policy != base else "")
+    signals = table.signals_of(base_row, columns)
+    for key in needed_signals(model.features):
+        check_signal(table, signals.get(key), key, who, columns)
+    return learned_scores(model, feature_matrix(signals, model.features))
+
+
+def check_signal(table: LossTable, values, column: str, who: str, columns=None) -> np.ndarray:
+    """`values` when fully recorded, else the one-line recalibrate error naming `column`."""
+    n = table.n_requests if columns is None else len(columns)
+    if values is None:
+        missing = np.ones(n, dtype=bool)
+    else:
+        values = np.asarray(values, dtype=float)
+        missing = np.isnan(values) if values.ndim == 1 else np.isnan(values).any(axis=tuple(range(1, values.ndim)))
+    if missing.any():
+        ids = table.request_ids if columns is None else [table.request_ids[int(i)] for i in columns]
+        _missing(column, who, missing, table, ids)
+    return values
 
 
 def gated_mask(table: LossTable, base_row: int, agreement_drop: float | None,
-               certificate: float | None, policy: str = "") -> np.ndarray:
+               certificate: float | None, policy: str = "", *, confidence: float | None = None,
+               lookahead: float | None = None, learned: LearnedGate | None = None,
+               learned_threshold: float | None = None) -> np.ndarray:
     """Boolean (R,) mask of the requests the gate sends to the full cache.
 
-    A signal the gate needs but the records lack (NaN) is a one-line error: silently treating a
-    missing drop as "not gated" would certify a gate that was never observed.
+    Fires where agreement_drop < `agreement_drop`, certificate_max > `certificate`,
+    confidence_min < `confidence`, lookahead_mass > `lookahead`, or the `learned` score >
+    `learned_threshold` (each part off when None). A signal the gate needs but the records lack
+    (NaN) is a one-line error: silently treating a missing signal as "not gated" would certify a
+    gate that was never observed.
     """
     base = table.policies[base_row]
     who = f"policy {base!r}" + (f" (needed by {policy!r})" if policy and policy != base else "")
     mask = np.zeros(table.n_requests, dtype=bool)
+    if confidence is not None:
+        values = check_signal(table, _row(table.confidence_min, base_row), "confidence_min", who)
+        mask |= values < float(confidence)
+    if lookahead is not None:
+        values = check_signal(table, _row(table.lookahead_mass, base_row), "lookahead_mass", who)
+        mask |= values > float(lookahead)
+    if learned is not None:
+        if learned_threshold is None:
+            raise CertkvError(f"{policy or base!r}: a learned gate needs its threshold (learned_threshold)")
+        mask |= learned_table_scores(table, base_row, learned, policy) > float(learned_threshold)
     if agreement_drop is not None:
         drop = table.agreement_drop
         missing = np.ones(table.n_requests, bool) if drop is None else np.isnan(drop)
@@ -74,11 +143,19 @@ def gated_mask(table: LossTable, base_row: int, agreement_drop: float | None,
     return mask
 
 
-def _missing(column: str, who: str, missing: np.ndarray, table: LossTable) -> None:
-    example = table.request_ids[int(np.flatnonzero(missing)[0])]
+def _row(matrix, row: int):
+    return None if matrix is None else matrix[row]
+
+
+def _missing(column: str, who: str, missing: np.ndarray, table: LossTable, ids=None) -> None:
+    ids = table.request_ids if ids is None else ids
+    example = ids[int(np.flatnonzero(missing)[0])]
+    why = ""
+    if column in ("lookahead_mass", "lookahead_heads"):
+        why = " (a contract without a lookahead gate records none, nor does a pipeline-path press)"
     raise CertkvError(
-        f"{table.source} lacks `{column}` for {who} on {int(missing.sum())} of {table.n_requests} "
-        f"requests (e.g. {example!r}), so its gated candidates cannot be derived; {RECALIBRATE}"
+        f"{table.source} lacks `{column}` for {who} on {int(missing.sum())} of {len(ids)} "
+        f"requests (e.g. {example!r}){why}, so its gated candidates cannot be derived; {RECALIBRATE}"
     )
 
 
@@ -99,9 +176,9 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
                     f"{table.source} has rows for {g.policy!r}, a gated candidate that certkv derives from "
                     f"{g.base_policy!r} and the gate signals; remove those rows (or rename the policy)"
                 )
-            if (done.base_policy, done.agreement_drop, done.certificate) != (
-                g.base_policy, g.agreement_drop, g.certificate
-            ):
+            drop, cert, conf, look, _, learned_t = _settings(g)
+            if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead,
+                    done.learned_threshold) != (g.base_policy, drop, cert, conf, look, learned_t):
                 raise CertkvError(
                     f"{g.policy!r} was derived with other gate settings; derive it from the records again"
                 )
@@ -111,7 +188,7 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
                 f"gated candidate {g.policy!r} needs its base {g.base_policy!r}, which has no records in "
                 f"{table.source}; calibrate it or remove it from the contract"
             )
-        if g.agreement_drop is None and g.certificate is None:
+        if not _has_gate(g):
             raise CertkvError(f"{g.policy!r} has no gate setting; it is not a gated candidate")
         specs.append(g)
     if not specs:
@@ -120,7 +197,8 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
     n_new = len(specs)
     base_rows = np.array([table.index_of(g.base_policy) for g in specs], dtype=np.int64)
     masks = np.stack([
-        gated_mask(table, int(row), g.agreement_drop, g.certificate, g.policy)
+        gated_mask(table, int(row), *_settings(g)[:2], g.policy, confidence=_settings(g)[2],
+                   lookahead=_settings(g)[3], learned=_settings(g)[4], learned_threshold=_settings(g)[5])
         for row, g in zip(base_rows, specs)
     ])
     loss = np.where(masks, 0.0, table.loss[base_rows])
@@ -131,15 +209,24 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
     cert = None
     if table.certificate_max is not None:
         cert = np.vstack([table.certificate_max, np.full((n_new, table.n_requests), np.nan)])
+    padded = {}
+    for name in ("confidence_min", "logprob_mean", "lookahead_mass"):
+        values = getattr(table, name)
+        if values is not None:
+            padded[name] = np.vstack([values, np.full((n_new, table.n_requests), np.nan)])
     counts = masks.sum(axis=1)
     gated_rows = dict(table.gated)
     for g, count in zip(specs, counts.tolist()):
+        drop, bound, conf, look, _, learned_t = _settings(g)
         gated_rows[g.policy] = GatedRow(
             base_policy=g.base_policy,
-            agreement_drop=None if g.agreement_drop is None else float(g.agreement_drop),
-            certificate=None if g.certificate is None else float(g.certificate),
+            agreement_drop=None if drop is None else float(drop),
+            certificate=None if bound is None else float(bound),
             gated_count=int(count),
             gated_share=int(count) / table.n_requests,
+            confidence=None if conf is None else float(conf),
+            lookahead=None if look is None else float(look),
+            learned_threshold=None if learned_t is None else float(learned_t),
         )
     return replace(
         table,
@@ -151,12 +238,16 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
         kv_retained_actual=actual,
         certificate_max=cert,
         gated=gated_rows,
+        **padded,
     )
 
 
 def expand_for_contract(table: LossTable, contract) -> LossTable:
     """`table` with every gated candidate of `contract` derived (the table itself when it has no
-    gate)."""
+    gate). A contract with a pilot split is left as it is: its gates are resolved on the pilot and
+    derived on the certification requests only, when it is certified (:mod:`certkv.core.pilot`)."""
+    if contract.gate is not None and contract.gate.pilot is not None:
+        return table
     gated = contract.gated_candidates()
     return expand_gated(table, gated) if gated else table
 
@@ -167,4 +258,14 @@ def gated_share(table: LossTable, policy: str) -> float:
     return 0.0 if row is None else row.gated_share
 
 
-__all__ = ["Derive", "GateSpec", "expand_for_contract", "expand_gated", "gated_mask", "gated_share"]
+__all__ = [
+    "RECALIBRATE",
+    "Derive",
+    "GateSpec",
+    "check_signal",
+    "expand_for_contract",
+    "expand_gated",
+    "gated_mask",
+    "gated_share",
+    "learned_table_scores",
+]

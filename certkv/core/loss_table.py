@@ -13,7 +13,17 @@ least ``request_id, policy, kv_retained, loss``. Optional columns:
 * ``agreement_drop``: the request's agreement drop (a gate signal, docs/design.md "Gate signals"), the
   same on every row of a request (the ``full`` row included); blank/null where not recorded;
 * ``certificate_max``: the candidate's largest survey-variance certificate on that request
-  (certkv's probabilistic press only); blank/null elsewhere.
+  (certkv's probabilistic press only); blank/null elsewhere;
+* ``confidence_min`` / ``logprob_mean``: the lowest token probability and the mean token
+  log-probability of the candidate's own greedy answer (the confidence gate's signal);
+* ``lookahead_mass`` and ``lookahead_heads``: the full-cache attention mass the lookahead probe's
+  queries put on the context entries the candidate evicts, max over heads, and per (layer, KV
+  head), layer-major (a JSON list; in a CSV cell, the list as JSON text);
+* ``context_tokens``: the request's context length in tokens (any row of the request, usually the
+  ``full`` row; one value per request).
+
+The signal columns are optional, NaN (None for ``lookahead_heads``) where a row lacks them; a gate
+that needs a missing one refuses the table (:mod:`certkv.core.gated`).
 
 Gated candidates (``snapkv@0.50+drop0.1``) are not read from the input: :mod:`certkv.core.gated`
 derives them from their base candidate's rows and these signals, and records what it derived in
@@ -33,7 +43,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
@@ -44,13 +54,18 @@ from certkv.core.policy_names import REFERENCE_POLICY, parse_policy_name
 from certkv.errors import CertkvError
 
 REQUIRED_COLUMNS = ("request_id", "policy", "kv_retained", "loss")
-OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", "agreement_drop", "certificate_max")
+OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", "agreement_drop", "certificate_max",
+                    "confidence_min", "logprob_mean", "lookahead_mass", "lookahead_heads", "context_tokens")
+#: Per-(policy, request) float signals that pilot gates read, (P, R) each.
+CANDIDATE_SIGNALS = ("confidence_min", "logprob_mean", "lookahead_mass")
 
 
 @dataclass(frozen=True)
 class GatedRow:
     """How a gated row of a table was derived (by :func:`certkv.core.gated.expand_gated`): from
-    `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`);
+    `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`) or
+    (confidence_min < `confidence`) or (lookahead_mass > `lookahead`) or (learned score >
+    `learned_threshold`);
     `gated_count` of the table's requests went to the full cache (`gated_share` of them)."""
 
     base_policy: str
@@ -58,6 +73,9 @@ class GatedRow:
     certificate: float | None
     gated_count: int
     gated_share: float
+    confidence: float | None = None
+    lookahead: float | None = None
+    learned_threshold: float | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,8 +85,11 @@ class LossTable:
     Matrices are indexed ``[policy, request]``. ``request_ids`` are sorted (canonical order);
     ``policies`` keep the order in which they first appear in the input. Gate signals:
     ``agreement_drop`` has shape (R,) and ``certificate_max`` shape (P, R), NaN where absent (None
-    when the table was built without them). ``gated`` maps each derived gated policy to how it
-    was derived; it is empty for a table read from records.
+    when the table was built without them); so do ``confidence_min``, ``logprob_mean`` and
+    ``lookahead_mass`` (P, R) and ``context_tokens`` (R,), None when no row has them.
+    ``lookahead_heads`` is (P_recorded, R, F): it covers the policies read from the input, which
+    come first; derived gated rows appended after them have no per-head masses. ``gated`` maps each
+    derived gated policy to how it was derived; it is empty for a table read from records.
     """
 
     request_ids: tuple[str, ...]
@@ -83,6 +104,11 @@ class LossTable:
     agreement_drop: np.ndarray | None = None
     certificate_max: np.ndarray | None = None
     gated: Mapping[str, GatedRow] = field(default_factory=dict)
+    confidence_min: np.ndarray | None = None
+    logprob_mean: np.ndarray | None = None
+    lookahead_mass: np.ndarray | None = None
+    lookahead_heads: np.ndarray | None = None
+    context_tokens: np.ndarray | None = None
 
     @property
     def n_requests(self) -> int:
@@ -108,6 +134,54 @@ class LossTable:
 
     def __contains__(self, policy: object) -> bool:
         return policy in self._index
+
+    def take_requests(self, columns, source: str | None = None) -> LossTable:
+        """The table restricted to the requests at `columns` (indices into ``request_ids``, in
+        increasing order, so the canonical sorted order is kept); ``gated`` shares are not
+        recounted, so take requests before deriving gated rows."""
+        columns = np.asarray(columns, dtype=np.int64)
+        if columns.size and (np.diff(columns) <= 0).any():
+            raise ValueError("take_requests needs increasing request indices")
+
+        def cut(array, axis=1):
+            return None if array is None else np.take(array, columns, axis=axis)
+
+        return replace(
+            self,
+            request_ids=tuple(self.request_ids[int(i)] for i in columns),
+            tasks=None if self.tasks is None else tuple(self.tasks[int(i)] for i in columns),
+            loss=cut(self.loss),
+            memory=cut(self.memory),
+            kv_retained_actual=cut(self.kv_retained_actual),
+            agreement_drop=cut(self.agreement_drop, 0),
+            certificate_max=cut(self.certificate_max),
+            confidence_min=cut(self.confidence_min),
+            logprob_mean=cut(self.logprob_mean),
+            lookahead_mass=cut(self.lookahead_mass),
+            lookahead_heads=cut(self.lookahead_heads),
+            context_tokens=cut(self.context_tokens, 0),
+            source=source or self.source,
+        )
+
+    def signals_of(self, row: int, columns=None) -> dict[str, np.ndarray | None]:
+        """The gate signals of policy row `row` (optionally at request `columns`), as arrays keyed
+        like :func:`certkv.core.gate_features.feature_matrix` reads them (None where absent)."""
+        sel = slice(None) if columns is None else np.asarray(columns, dtype=np.int64)
+
+        def of(matrix):
+            return None if matrix is None else matrix[row][sel]
+
+        heads = None
+        if self.lookahead_heads is not None and row < self.lookahead_heads.shape[0]:
+            heads = self.lookahead_heads[row][sel]
+        return {
+            "confidence_min": of(self.confidence_min),
+            "logprob_mean": of(self.logprob_mean),
+            "lookahead_mass": of(self.lookahead_mass),
+            "lookahead_heads": heads,
+            "agreement_drop": None if self.agreement_drop is None else self.agreement_drop[sel],
+            "context_tokens": None if self.context_tokens is None else self.context_tokens[sel],
+        }
 
     @classmethod
     def from_records(cls, records: Iterable[Mapping], *, source: str = "records") -> LossTable:
@@ -240,6 +314,21 @@ def records_sha256(table) -> str:
             if _has_values(values):
                 block = np.ascontiguousarray(np.atleast_2d(values).T + 0.0, dtype="<f8")
                 digest.update(block.tobytes())
+    # Signals added later (pilot gates): hashed only when present, so older tables keep their hash.
+    for name in (*CANDIDATE_SIGNALS, "lookahead_heads", "context_tokens"):
+        values = getattr(table, name)
+        if not _has_values(values):
+            continue
+        digest.update(name.encode("ascii"))
+        if name == "context_tokens":
+            block = values
+        elif name == "lookahead_heads":
+            recorded = [i for i in order if i < values.shape[0]]
+            block = np.swapaxes(values[recorded], 0, 1)  # (R, P, F)
+            digest.update(json.dumps([table.policies[i] for i in recorded]).encode("utf-8"))
+        else:
+            block = values[order].T
+        digest.update(np.ascontiguousarray(block + 0.0, dtype="<f8").tobytes())
     return digest.hexdigest()
 
 
@@ -287,6 +376,34 @@ def _columns_from_mappings(rows, source: str, where, *, blank_is_missing: bool =
             values = [None if v == "" else v for v in values]
         columns[column] = None if values.count(None) == len(values) else values
     return columns
+
+
+def _head_lists(values, source: str, where) -> list | None:
+    """``lookahead_heads`` cells as lists of floats (JSON text in a CSV cell); all one length."""
+    out = []
+    length = None
+    for i, value in enumerate(values):
+        if value is None:
+            out.append(None)
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise CertkvError(
+                    f"{source}: {where(i)}: lookahead_heads {value[:40]!r} is not a JSON list of numbers"
+                ) from None
+        if not isinstance(value, (list, tuple)) or not value:
+            raise CertkvError(f"{source}: {where(i)}: lookahead_heads must be a non-empty list of numbers")
+        if length is None:
+            length = len(value)
+        elif len(value) != length:
+            raise CertkvError(
+                f"{source}: {where(i)}: lookahead_heads has {len(value)} values, other rows {length}; one value "
+                "per (layer, KV head) of the model, the same on every row"
+            )
+        out.append(value)
+    return out if length is not None else None
 
 
 def _strings(values: list, column: str, source: str, where) -> list[str]:
@@ -398,6 +515,18 @@ def _build(columns: dict, source: str, where) -> LossTable:
                 "a certificate is a standard deviation (≥ 0)"
             )
     drop = _request_drops(columns["agreement_drop"], request_codes, universe, source, where)
+    context_tokens = None
+    if columns["context_tokens"] is not None:
+        context_tokens = _request_drops(columns["context_tokens"], request_codes, universe, source, where,
+                                        column="context_tokens")
+    signals = {}
+    for name in CANDIDATE_SIGNALS:
+        if columns[name] is not None:
+            values = _floats(pick(columns[name]), name, source, cand_where, optional=True)
+            signals[name] = values if (~np.isnan(values)).any() else None
+    heads = None
+    if columns["lookahead_heads"] is not None:
+        heads = _head_lists(pick(columns["lookahead_heads"]), source, cand_where)
 
     policy_map: dict[str, int] = {}
     pol = _codes(pick(policy_names), policy_map)
@@ -413,6 +542,25 @@ def _build(columns: dict, source: str, where) -> LossTable:
         return out
 
     cert_dense = np.full((n_pol, n_req), np.nan) if certificate is None else dense(certificate)
+    signal_dense = {name: None if values is None else dense(values) for name, values in signals.items()}
+    heads_dense = None
+    if heads is not None:
+        n_heads = len(next(h for h in heads if h is not None))
+        flat = np.full((len(heads), n_heads), np.nan)
+        has = np.fromiter((h is not None for h in heads), dtype=bool, count=len(heads))
+        if has.any():
+            try:
+                flat[has] = np.asarray([h for h in heads if h is not None], dtype=float)
+            except (TypeError, ValueError):
+                bad = next(i for i, h in enumerate(heads) if h is not None and not _all_numbers(h))
+                raise CertkvError(f"{source}: {cand_where(bad)}: lookahead_heads holds a value that is not a number") from None
+        if np.isinf(flat).any() or (flat < 0).any():
+            bad = int(np.flatnonzero(np.isinf(flat).any(axis=1) | (flat < 0).any(axis=1))[0])
+            raise CertkvError(
+                f"{source}: {cand_where(bad)}: lookahead_heads must hold attention masses in [0, 1]"
+            )
+        heads_dense = np.full((n_pol, n_req, n_heads), np.nan)
+        heads_dense[pol, req] = flat
 
     press_names = _press_names(columns["press"], pick, policy_names, source, cand_where)
     press_map: dict[str, int] = {}
@@ -433,16 +581,30 @@ def _build(columns: dict, source: str, where) -> LossTable:
         source=source,
         agreement_drop=drop,
         certificate_max=cert_dense,
+        confidence_min=signal_dense.get("confidence_min"),
+        logprob_mean=signal_dense.get("logprob_mean"),
+        lookahead_mass=signal_dense.get("lookahead_mass"),
+        lookahead_heads=heads_dense,
+        context_tokens=context_tokens,
     )
 
 
-def _request_drops(values, request_codes, universe, source, where) -> np.ndarray:
-    """The agreement drop of each request (NaN where no row has one); rows of one request that
-    disagree are an error, since the drop is a property of the request, not of a candidate."""
+def _all_numbers(values) -> bool:
+    try:
+        [float(v) for v in values]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _request_drops(values, request_codes, universe, source, where, column: str = "agreement_drop") -> np.ndarray:
+    """The agreement drop (or another per-request `column`) of each request (NaN where no row has
+    one); rows of one request that disagree are an error, since the value is a property of the
+    request, not of a candidate."""
     n_req = len(universe)
     if values is None:
         return np.full(n_req, np.nan)
-    drops = _floats(values, "agreement_drop", source, where, optional=True)
+    drops = _floats(values, column, source, where, optional=True)
     has = ~np.isnan(drops)
     low = np.full(n_req, np.inf)
     high = np.full(n_req, -np.inf)
@@ -455,8 +617,8 @@ def _request_drops(values, request_codes, universe, source, where) -> np.ndarray
         first = int(rows_of_r[0])
         other = int(rows_of_r[np.flatnonzero(drops[rows_of_r] != drops[first])[0]])
         raise CertkvError(
-            f"{source}: request {universe[r]!r} has different agreement_drop values "
-            f"({drops[first]!r} at {where(first)}, {drops[other]!r} at {where(other)}); the drop is "
+            f"{source}: request {universe[r]!r} has different {column} values "
+            f"({drops[first]!r} at {where(first)}, {drops[other]!r} at {where(other)}); it is "
             "one value per request, identical on every row of it"
         )
     return np.where(np.isfinite(low), low, np.nan)
@@ -542,6 +704,7 @@ def _check_constant(dense: np.ndarray, column: str, policies, source) -> None:
 
 
 __all__ = [
+    "CANDIDATE_SIGNALS",
     "GatedRow",
     "LossTable",
     "OPTIONAL_COLUMNS",
