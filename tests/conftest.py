@@ -72,6 +72,7 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_policy_names.py",
     "test_atomic_io.py",
     "test_gating.py",
+    "test_pilot_gates.py",
     "test_store.py",
     "test_report.py",
     "test_certify_cli.py",

@@ -82,14 +82,21 @@ def candidate_rows(table: LossTable, spec: CertificationSpec) -> np.ndarray:
 def expand_for_spec(table: LossTable, spec: CertificationSpec) -> LossTable:
     """`table` plus the spec's gated candidates derived from their bases (see
     :mod:`certkv.core.gated`); candidates already derived are kept, the input is never modified."""
-    from certkv.core.gated import Derive, expand_gated
+    from certkv.core.gated import expand_gated, spec_derivations
 
-    wanted = [
-        Derive(name, info.base_policy, info.gate.agreement_drop, info.gate.certificate)
-        for name in spec.candidates
-        if (info := spec.candidate_info.get(name)) is not None and info.gate is not None
-    ]
+    wanted = spec_derivations(spec)
     return expand_gated(table, wanted) if wanted else table
+
+
+def prepare(records, spec) -> tuple[LossTable, CertificationSpec, object]:
+    """The table and spec a decision is computed on, shared by :func:`certify` and validation:
+    with a pilot (``spec.pilot``), the certification requests only and the pilot-resolved spec
+    (:func:`certkv.core.pilot.resolve_pilot`); then every gated candidate derived. Returns
+    (table, spec, the pilot resolution or None)."""
+    from certkv.core.pilot import apply_pilot
+
+    table, spec, resolution = apply_pilot(as_loss_table(records), CertificationSpec.parse(spec))
+    return expand_for_spec(table, spec), spec, resolution
 
 
 def violation_matrix(table: LossTable, spec: CertificationSpec) -> np.ndarray:
@@ -109,7 +116,9 @@ def certify(
     p-value of "violation rate > ε", applies the spec's family-wise procedure at δ over the
     pre-registered sequences, and picks, among the certified candidates, the one keeping the least
     KV (any certified one may be picked: the guarantee is simultaneous). Nothing certified means
-    the full cache.
+    the full cache. With a pilot split (``spec.pilot``) the pilot requests place the gate
+    thresholds (and, under pilot_ordered, the test order) and never certify: n, the violations,
+    the per-task breakdown and the mean KV count the certification requests only.
 
     Parameters
     ----------
@@ -135,9 +144,9 @@ def certify(
         spec = spec.certification_spec()
     spec = CertificationSpec.parse(spec)
     table = as_loss_table(records)
-    if records_sha256 is None:  # the recorded evidence: derived gated rows are not part of it
+    if records_sha256 is None:  # the recorded evidence (pilot included): derived gated rows are not part of it
         records_sha256 = _records_sha256(table)
-    table = expand_for_spec(table, spec)
+    table, spec, resolution = prepare(table, spec)
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance)
     n = table.n_requests
@@ -168,7 +177,10 @@ def certify(
         for stop in stops
     ]
     notes = _notes(table, spec, task_names)
+    if resolution is not None:
+        notes = [*resolution.notes, *notes]
     common = dict(
+        pilot=None if resolution is None else resolution.info,
         max_new_tokens=spec.max_new_tokens,
         contract=ContractSummary.of(spec),
         candidates=candidates,
@@ -366,6 +378,7 @@ __all__ = [
     "certify",
     "decide",
     "expand_for_spec",
+    "prepare",
     "guarantee_sentence",
     "records_sha256",
     "select_candidates",

@@ -242,6 +242,25 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
     )
 
 
+def spec_derivations(spec) -> list[Derive]:
+    """The gated candidates a :class:`~certkv.core.spec.CertificationSpec` lists, with their gate
+    settings; a pilot gate whose threshold is not placed yet is an error."""
+    out = []
+    for name in spec.candidates:
+        info = spec.candidate_info.get(name)
+        if info is None or info.gate is None:
+            continue
+        g = info.gate
+        if info.pilot_gate is not None and g.confidence is None and g.lookahead is None and g.learned is None:
+            raise CertkvError(
+                f"{name!r} places its threshold on the pilot split; resolve the spec first "
+                "(certkv.core.pilot.resolve_pilot, which certify and validate run)"
+            )
+        out.append(Derive(name, info.base_policy, g.agreement_drop, g.certificate, g.confidence, g.lookahead,
+                          g.learned, g.learned_threshold))
+    return out
+
+
 def expand_for_contract(table: LossTable, contract) -> LossTable:
     """`table` with every gated candidate of `contract` derived (the table itself when it has no
     gate). A contract with a pilot split is left as it is: its gates are resolved on the pilot and
@@ -266,6 +285,7 @@ __all__ = [
     "expand_for_contract",
     "expand_gated",
     "gated_mask",
+    "spec_derivations",
     "gated_share",
     "learned_table_scores",
 ]

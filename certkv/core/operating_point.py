@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from certkv.atomic_io import write_text_atomic
+from certkv.core.pilot import PilotInfo
 from certkv.core.procedures import Procedure
 from certkv.core.spec import CertificationSpec, GateSettings
 from certkv.errors import CertkvError, format_validation_error
@@ -137,6 +138,9 @@ class OperatingPoint(BaseModel):
     records_sha256: str | None = None
     created: str
     certkv_version: str
+    pilot: PilotInfo | None = None
+    """The pilot split (null without one): its share, seed, size, the certification size and the
+    pilot's request ids; n and the counts above are over the certification requests only."""
 
     @model_validator(mode="before")
     @classmethod
@@ -151,6 +155,8 @@ class OperatingPoint(BaseModel):
         data = self.model_dump(mode="json")
         if data.get("reason") is None:
             data.pop("reason", None)
+        if data.get("pilot") is None:
+            data.pop("pilot", None)
         return data
 
     def to_json(self) -> str:

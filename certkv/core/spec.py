@@ -107,7 +107,23 @@ class GateSettings(BaseModel):
     learned: LearnedGate | None = None
     learned_threshold: float | None = None
     quantile: float | None = None
-    lookahead_tokens: int = LOOKAHEAD_TOKENS
+    lookahead_tokens: int = Field(default=LOOKAHEAD_TOKENS, ge=1)
+
+    @model_validator(mode="after")
+    def _ranges(self) -> GateSettings:
+        checks = (
+            ("confidence", self.confidence, 0.0, 1.0, "a token probability"),
+            ("lookahead", self.lookahead, 0.0, 1.0, "an attention mass"),
+            ("learned_threshold", self.learned_threshold, 0.0, 1.0, "a logistic score"),
+        )
+        for name, value, low, high, what in checks:
+            if value is not None and not (low <= value <= high):
+                raise ValueError(f"{name} {value!r} is outside [{low:g}, {high:g}]; it is {what}")
+        if self.quantile is not None and not 0.0 < self.quantile < 1.0:
+            raise ValueError(f"quantile {self.quantile!r} is outside (0, 1)")
+        if (self.learned is None) != (self.learned_threshold is None):
+            raise ValueError("a learned gate needs both its model (learned) and its threshold (learned_threshold)")
+        return self
 
     @property
     def kind(self) -> str:

@@ -1,6 +1,8 @@
 """Repeated-split validation: does the certificate hold on requests it has not seen?
 
 The calibration requests are split at random into a calibration half and a test half, many times.
+With a pilot split (``gate.pilot``) only the certification requests are split: the pilot placed
+the gate thresholds (and, under pilot_ordered, the test order) once, and every split keeps them.
 On each split two methods choose a policy from the calibration half only:
 
 * ``certkv``: the certifier's own decision (exact binomial p-values, the contract's FWER
@@ -28,9 +30,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
-from certkv.core.certify import candidate_rows, decide, expand_for_spec, select_candidates
+from certkv.core.certify import candidate_rows, decide, prepare, select_candidates
 from certkv.core.loss_table import as_loss_table
 from certkv.core.operating_point import ContractSummary
+from certkv.core.pilot import PilotInfo
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import CertificationSpec
 from certkv.errors import CertkvError
@@ -73,6 +76,7 @@ class ValidationResult(BaseModel):
     seed: int
     methods: dict[str, MethodResult]
     note: str
+    pilot: PilotInfo | None = None
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
@@ -111,7 +115,9 @@ def validate(
     """
     spec = CertificationSpec.parse(spec)
     n_splits, calibration_fraction = _check_settings(n_splits, calibration_fraction)
-    table = expand_for_spec(as_loss_table(records), spec)  # gated candidates: derived, memory 1.0 where gated
+    # Gated candidates derived (memory 1.0 where gated); with a pilot, the certification requests
+    # only, under the thresholds and order the pilot fixed once (the splits never refit them).
+    table, spec, resolution = prepare(as_loss_table(records), spec)
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance).T.astype(float)  # (R, C)
     memory = np.ascontiguousarray(table.memory[rows].T)  # (R, C)
@@ -160,6 +166,7 @@ def validate(
         calibration_fraction=calibration_fraction,
         seed=seed,
         methods=methods,
+        pilot=None if resolution is None else resolution.info,
         note=(
             "exceed_fraction: share of splits whose chosen policy has a test-half violation rate "
             "above ε (full-cache fallback counts as 0). Test halves are finite and splits overlap, "

@@ -83,7 +83,7 @@ def sequence_cells(op, row: dict) -> list[str]:
 def print_sequences(op, console) -> None:
     """One row per sequence, laid out for 80 columns, with a legend that says what the cells mean."""
     rows = text.sequence_rows(op)
-    fixed = op.contract.procedure == "fixed_sequence"
+    fixed = op.contract.procedure in text.FIXED_ORDER
     levels = {r["level"] for r in rows}
     if len(levels) == 1 and None not in levels:
         how = f"at level {text.fmt_bound(levels.pop())}"

@@ -19,6 +19,9 @@ SCOPE_CAVEAT = (
     "The guarantee covers the calibration distribution (the declared task mix), not each task "
     "or each request on its own."
 )
+#: Procedures that test one order and stop at the first failure (later candidates: not tested).
+FIXED_ORDER = ("fixed_sequence", "pilot_ordered")
+
 METHOD_LABELS = {"certkv": "certkv (certified)", "empirical_thresholding": "empirical thresholding"}
 
 
@@ -71,7 +74,7 @@ def candidate_status(op, candidate) -> str:
         return "certified"
     stop = op.sequences[candidate.sequence]
     if (
-        op.contract.procedure == "fixed_sequence"
+        op.contract.procedure in FIXED_ORDER
         and stop.stopped_at is not None
         and candidate.position > stop.stopped_at
     ):
@@ -170,7 +173,7 @@ def sequence_summaries(op) -> list[str]:
             out.append(f"{head}; every candidate passed, down to {stop.policies[-1]}.")
             continue
         failed = cands[stop.stopped_at]
-        if op.contract.procedure == "fixed_sequence":
+        if op.contract.procedure in FIXED_ORDER:
             untested = len(stop.policies) - stop.stopped_at - 1
             tail = f"; {untested} later candidate{'s' if untested != 1 else ''} not tested" if untested else ""
             out.append(f"{head}; stopped at {failed.policy}: {_failure(op, failed)}{tail}.")
@@ -237,7 +240,16 @@ def gate_text(gate) -> str:
         parts.append(f"agreement drop < {gate.agreement_drop:g}")
     if gate.certificate is not None:
         parts.append(f"certificate > {gate.certificate:g}")
-    return "full cache when " + " or ".join(parts)
+    if getattr(gate, "confidence", None) is not None:
+        parts.append(f"lowest token probability < {gate.confidence:.4g}")
+    if getattr(gate, "lookahead", None) is not None:
+        parts.append(f"lookahead evicted mass > {gate.lookahead:.4g}")
+    if getattr(gate, "learned", None) is not None and gate.learned_threshold is not None:
+        parts.append(f"learned score > {gate.learned_threshold:.4g} ({len(gate.learned.features)} features)")
+    placed = ""
+    if getattr(gate, "quantile", None) is not None:
+        placed = f", placed at pilot quantile {gate.quantile:g}"
+    return "full cache when " + " or ".join(parts) + placed
 
 
 def choice_summary(op) -> str:
@@ -276,11 +288,19 @@ def gate_note(contract) -> str | None:
     n_gated = len(contract.gated_candidates())
     m = len(contract.sequences())
     split = "one interleaved order at the full δ" if contract.order is not None else f"δ split over {m} sequences"
+    if contract.procedure == "pilot_ordered":
+        split = "one sequence ordered by pilot risk, at the full δ"
     grid = []
     if gate.agreement_drop:
         grid.append(f"agreement_drop {gate.agreement_drop}")
     if gate.certificate:
         grid.append(f"certificate {gate.certificate}")
+    for kind in ("confidence", "lookahead", "learned"):
+        block = getattr(gate, kind, None)
+        if block is not None:
+            grid.append(f"{kind} quantiles {block.quantiles}")
+    if not grid:
+        return None
     return (
         f"gate grid ({', '.join(grid)}): {n_gated} gated candidates derived from the base candidates' records "
         f"(loss 0 and memory 1.0 on requests the gate sends to the full cache), tested with the others ({split})"
