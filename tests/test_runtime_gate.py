@@ -240,39 +240,3 @@ def test_runtime_falls_back(embedded, requests):
     fallback.fallback = True
     out = CertifiedRuntime(model, tok, fallback).generate(requests[0].context, requests[0].question)
     assert out.decision.mode == "full" and out.decision.reason == "fallback"
-
-
-@pytest.mark.parametrize(
-    "steps, bound, calls, escalates, peak",
-    [
-        # above the bound only after the last multiple of the check period (16): caught at the end
-        ([0.1] * 17 + [0.9], 0.5, 18, True, 0.9),
-        # above at step 19 of 40: caught by the periodic check after call 32, peak from step 19
-        ([0.1] * 18 + [0.8] + [0.95] * 21, 0.5, 40, True, 0.8),
-        # above at step 3, larger later: the peak is the first value above the bound
-        ([0.1, 0.2, 0.7, 0.95, 0.3, 0.1, 0.1, 0.1], 0.5, 8, True, 0.7),
-        ([0.1, 0.4, 0.3], 0.5, 3, False, 0.4),
-    ],
-)
-def test_certificate_watch_decides_as_a_check_after_every_step(monkeypatch, steps, bound, calls, escalates, peak):
-    """Checking every CERTIFICATE_CHECK_EVERY calls and at the end must decide, and record, what
-    checking after every call would: escalate iff some step is above the bound, the peak up to
-    the first such step."""
-    from certkv.presses import hajek_attention
-    from certkv.runtime.certified_runtime import CERTIFICATE_CHECK_EVERY, _CertificateWatch
-
-    recorded: list[float] = []
-    monkeypatch.setattr(hajek_attention, "certificate_steps", lambda model, start=0: [recorded[start:]])
-    watch = _CertificateWatch(model=None, bound=bound)
-    stopped_at = None
-    for call, value in enumerate(steps[:calls], start=1):
-        recorded.append(value)
-        if watch.after_step():
-            stopped_at = call
-            break
-    decided = stopped_at is not None or watch.exceeded()
-    assert decided == escalates
-    assert watch.peak == peak
-    if stopped_at is not None:
-        assert stopped_at % CERTIFICATE_CHECK_EVERY == 0
-    assert CERTIFICATE_CHECK_EVERY == 16 and (stopped_at == 32) == (calls == 40)  # the periodic check happened

@@ -5,54 +5,60 @@ what is deployed is exactly what was certified:
 
 1. Requests outside what the candidate can run (a context no longer than the press's window) and
    operating points that fell back to the full cache are answered from the full cache.
-2. The context is prefilled once under the press (kvpress's own hooks), with the agreement
-   recorder attached first so that it sees each layer's full keys before the press prunes them.
-3. If the operating point has an agreement-drop threshold and the request's drop is below it, the
-   gate sends the request to the full cache (re-prefilled without the press).
-4. Otherwise the answer is decoded from the pruned cache. Under certkv's probabilistic press every
-   step's survey-variance certificate is checked against the operating point's bound, every
-   :data:`CERTIFICATE_CHECK_EVERY` steps and at the end; a step above it escalates: the request is
-   answered again from the full cache. Checking in batches changes neither the decision nor the
-   answer (an escalated request is answered from the full cache from scratch; the record's
-   ``certificate_max`` stops at the first step above the bound either way), only how many evicted
-   steps an escalating request decodes in vain, and it lets the steps' certificates be reduced
-   together instead of one by one.
+2. Fast-path presses (:func:`certkv.engine.scoring.is_fast_path_press`) and certkv's probabilistic
+   press run on the engine's single-prefill path (:mod:`certkv.runtime.single_prefill`): one full
+   prefill records the press's kept entries and the gate's signals; a pre-decode gate (agreement
+   drop, lookahead, a learned score without confidence features) answers from that full cache,
+   no second prefill; otherwise the kept entries are gathered and decoded, and a post-decode gate
+   (certificate, confidence, a learned score with confidence features) escalates: the full answer
+   is decoded from the full cache, which still exists.
+3. Any other press runs through kvpress's own hooks, as calibration ran it
+   (:mod:`certkv.runtime.pipeline`); its full-cache answers need a prefill of their own, and gates
+   that read the lookahead probe are refused for it when the runtime is built.
 
-Every answer comes with a :class:`Decision` record saying which cache answered and why.
+The gate's comparisons are those certification derived the gated records with
+(:mod:`certkv.runtime.gates`); the learned score is :func:`certkv.core.gate_features.learned_score`.
+Every answer comes with a :class:`Decision` record saying which cache answered, why, and the
+signals it was decided on; ``seconds`` gives the time of each phase (prefill, probe, decode,
+escalation) and the total.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, DEFAULT_MAX_NEW_TOKENS
+from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.errors import CertkvError
-
-#: Decoding steps between two checks of the certificate against the bound (and one at the end).
-#: A check reads every step since the last one (a few dozen small kernel calls for all layers and
-#: one host sync: 0.4–0.6 ms on the embedded model, measured inside decoding, whose steps take
-#: ~1.0–1.6 ms); an escalating request decodes at most this many steps minus one in vain before it
-#: is re-answered from the full cache. 16 keeps the reads near 3% of the decoding time on the
-#: embedded model (8: ~6%) at the price of up to 15 wasted evicted steps per escalation; answers
-#: shorter than 16 tokens are checked once, at the end.
-CERTIFICATE_CHECK_EVERY = 16
 
 
 @dataclass
 class Decision:
-    """How one request was answered."""
+    """How one request was answered, and the signals it was decided on (None: not computed)."""
 
     mode: str
     """``"evicted"`` (the press's cache answered) or ``"full"``."""
     reason: str | None
-    """Why the full cache answered: ``fallback``, ``precondition``, ``gate`` or ``certificate``."""
+    """Why the full cache answered: ``fallback``, ``precondition``, ``gate`` (agreement drop),
+    ``lookahead``, ``learned``, ``confidence`` or ``certificate``; None when the press answered."""
     policy: str
+    gate_kind: str | None = None
+    """The operating point's gate (:func:`certkv.runtime.gates.gate_kind`); None when ungated."""
     agreement_drop: float | None = None
     gate_threshold: float | None = None
     certificate_max: float | None = None
-    """Largest certificate over the evicted decode's steps (up to escalation); None without one."""
+    """Largest certificate over the evicted answer's decoding steps; None without one."""
     certificate_bound: float | None = None
+    confidence_min: float | None = None
+    """Lowest probability of a token of the evicted greedy answer (stop token included)."""
+    logprob_mean: float | None = None
+    """Mean log-probability of the evicted answer's tokens."""
+    lookahead_mass: float | None = None
+    """Max over (layer, KV head) of :attr:`lookahead_heads`."""
+    lookahead_heads: list[float] | None = None
+    """Per (layer, KV head), layer-major: the probe's full-cache attention mass on evicted entries."""
+    learned_score: float | None = None
     escalated: bool = False
+    """True when the evicted answer was decoded and then replaced by the full cache's."""
     kv_retained: float = 1.0
     """Nominal retention of the cache that answered (1.0 for the full cache)."""
     kv_retained_actual: float = 1.0
@@ -71,6 +77,9 @@ class RuntimeAnswer:
     token_ids: list[int]
     decision: Decision
     seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: ``prefill``, ``probe`` (lookahead), ``decode`` (the first answer decoded),
+    ``escalation`` (recomputing the full answer after the evicted path was taken; on the pipeline
+    path any full answer, its prefill included) and ``total``; a phase that did not run is absent."""
 
 
 class CertifiedRuntime:
@@ -94,6 +103,14 @@ class CertifiedRuntime:
 
     A fallback operating point answers every request from the full cache; a gated one sends a
     request to the full cache when its gate says so (:class:`Decision` records which and why).
+    Fast-path and probabilistic presses prefill each request once (module docstring); a press on
+    kvpress's pipeline path whose gate needs the lookahead probe is refused (CertkvError).
+
+    Raises
+    ------
+    CertkvError
+        An invalid operating point, a press that does not match it, a decode length other than
+        the calibrated one, or a gate this press cannot run (one line each).
     """
 
     def __init__(self, model, tokenizer, operating_point, press=None, max_new_tokens: int | None = None):
@@ -115,17 +132,16 @@ class CertifiedRuntime:
         self.operating_point = operating_point
         self.max_new_tokens = self._decode_length(max_new_tokens)
         self.stop_ids = stop_token_ids(model)
-        gate = operating_point.gate.model_dump() if operating_point.gate is not None else {}
-        self.threshold = gate.get("agreement_drop")
-        self.bound = gate.get("certificate")
-        self.agreement = {
-            "window": gate.get("agreement_window") or AGREEMENT_WINDOW,
-            "top_k": gate.get("agreement_top_k") or AGREEMENT_TOP_K,
-            "split_divisor": gate.get("agreement_split") or AGREEMENT_SPLIT,
-        }
+        from certkv.runtime.gates import runtime_gate
+
+        self.gate = runtime_gate(operating_point.gate)
+        self.threshold = self.gate.agreement_drop
+        self.bound = self.gate.certificate
         self.press = None
+        self.single_prefill = False
         if not operating_point.fallback:
             self.press = self._build_press() if press is None else self._checked(press)
+            self.single_prefill = self._on_single_prefill(self.press)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -181,6 +197,21 @@ class CertifiedRuntime:
             )
         return press
 
+    def _on_single_prefill(self, press) -> bool:
+        """Whether `press` runs on the engine's single-prefill path; a gate that needs the full
+        cache after the prefill (the lookahead probe) is refused for any other press."""
+        from certkv.engine.engine import is_probabilistic_press
+        from certkv.engine.scoring import is_fast_path_press
+
+        single = is_fast_path_press(press) or is_probabilistic_press(press)
+        if not single and self.gate.needs_lookahead:
+            raise CertkvError(
+                f"the operating point's {self.gate.kind} gate reads the lookahead probe, which needs the "
+                f"full cache that a {type(press).__name__} (kvpress's pipeline path) never keeps; certify a "
+                "score-based or probabilistic press for this gate"
+            )
+        return single
+
     @property
     def policy(self) -> str:
         return self.operating_point.policy
@@ -215,125 +246,48 @@ class CertifiedRuntime:
         enc = encode_request(self.tokenizer, context, question)
         if not enc.context_ids:
             raise CertkvError("the context is empty; certkv answers questions about a context")
-        base = Decision(mode="full", reason=None, policy=self.policy,
+        base = Decision(mode="full", reason=None, policy=self.policy, gate_kind=self.gate.kind,
                         gate_threshold=self.threshold, certificate_bound=self.bound)
         t0 = time.perf_counter()
         if self.press is None:
             base.reason = "fallback"
-            return self._full(enc, max_new, base, t0)
+            seconds: dict = {}
+            return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds)
         failure = press_precondition_failure(self.press, len(enc.context_ids))
         if failure:
             base.reason, base.detail = "precondition", failure
-            return self._full(enc, max_new, base, t0)
-        return self._evicted(enc, max_new, base, t0)
-
-    def _full(self, enc, max_new: int, decision: Decision, t0: float, seconds=None) -> RuntimeAnswer:
-        import time
-
-        from certkv.model.generation import full_kv_ids
+            seconds = {}
+            return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds)
         from certkv.presses.hajek_state import clear_states
+        from certkv.runtime import pipeline, single_prefill
 
         clear_states(self.model)
-        ids = full_kv_ids(self.model, enc, max_new)
-        decision.mode = "full"
-        decision.kv_retained = decision.kv_retained_actual = 1.0
-        seconds = dict(seconds or {}, total=time.perf_counter() - t0)
-        return RuntimeAnswer(self.tokenizer.decode(ids, skip_special_tokens=True), ids, decision, seconds)
+        try:
+            path = single_prefill if self.single_prefill else pipeline
+            ids, seconds = path.answer(self, enc, max_new, base, t0)
+        finally:
+            clear_states(self.model)
+        return self._finish(ids, base, t0, seconds)
 
-    def _evicted(self, enc, max_new: int, decision: Decision, t0: float) -> RuntimeAnswer:
+    def full_answer(self, enc, max_new: int, seconds: dict | None = None) -> list[int]:
+        """The full-cache answer with a prefill of its own, decoded as calibration decodes it
+        (its ``prefill`` and ``decode`` seconds go into `seconds` when given)."""
         import time
-        from contextlib import nullcontext
 
-        import torch
-        from transformers import DynamicCache
+        from certkv.runtime.single_prefill import decode_full, prefill_full
 
-        from certkv.engine.engine import continues_from_compressed_length, is_probabilistic_press, kept_entries
-        from certkv.gate.agreement import AgreementRecorder
-        from certkv.model.generation import greedy_decode
-        from certkv.model.window_queries import capturing_window_queries
-        from certkv.presses.hajek_attention import certificate_max, use_hajek_attention
-        from certkv.presses.hajek_state import clear_states, kept_fraction
+        t0 = time.perf_counter()
+        cache, _, _ = prefill_full(self.model, enc.context_ids)
+        t1 = time.perf_counter()
+        ids = decode_full(self.model, cache, enc, max_new, self.stop_ids)
+        if seconds is not None:
+            seconds.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
+        return ids
 
-        n_ctx = len(enc.context_ids)
-        probabilistic = is_probabilistic_press(self.press)
-        # The gate signal is computed only when a threshold reads it (it costs a window attention
-        # per layer); the decision record then leaves it empty.
-        recorder = AgreementRecorder(**self.agreement) if self.threshold is not None else None
-        cache = DynamicCache()
-        hajek = use_hajek_attention(self.model) if probabilistic else nullcontext()
-        clear_states(self.model)
-        ids = None
-        gated = False
-        with torch.no_grad(), hajek:
-            # The recorder's hooks are registered before the press's, so they run first on each
-            # layer and see its keys before the press prunes them.
-            with (
-                recorder.attach(self.model) if recorder else nullcontext(),
-                self.press(self.model),
-                capturing_window_queries(self.model),  # as calibration prefills
-            ):
-                self.model.model(input_ids=self._ids(enc.context_ids), past_key_values=cache)
-            seconds = {"prefill": time.perf_counter() - t0}
-            if recorder:
-                decision.agreement_drop = recorder.drop()
-                gated = decision.agreement_drop < self.threshold
-            if not gated:
-                kept = kept_fraction(self.model) if probabilistic else kept_entries(cache, self.model) / n_ctx
-                position = cache.get_seq_length() if continues_from_compressed_length(self.press) else n_ctx
-                watch = _CertificateWatch(self.model, self.bound) if probabilistic and self.bound is not None else None
-                ids = greedy_decode(
-                    self.model, cache, enc.question_ids, position, max_new, after_step=watch.after_step if watch else None
-                )
-                if watch and ids is not None and watch.exceeded():  # the steps since the last check
-                    ids = None
-                if probabilistic:
-                    decision.certificate_max = watch.peak if watch else certificate_max(self.model)
-        clear_states(self.model)
-        if gated:
-            decision.reason = "gate"
-            return self._full(enc, max_new, decision, t0, seconds)
-        if ids is None:
-            decision.escalated = True
-            decision.reason = "certificate"
-            return self._full(enc, max_new, decision, t0, seconds)
-        decision.mode = "evicted"
-        decision.kv_retained = self.operating_point.kv_retained
-        decision.kv_retained_actual = kept
-        seconds["total"] = time.perf_counter() - t0
+    def _finish(self, ids: list[int], decision: Decision, t0: float, seconds: dict) -> RuntimeAnswer:
+        import time
+
+        if decision.mode == "full":
+            decision.kv_retained = decision.kv_retained_actual = 1.0
+        seconds = dict(seconds, total=time.perf_counter() - t0)
         return RuntimeAnswer(self.tokenizer.decode(ids, skip_special_tokens=True), ids, decision, seconds)
-
-    def _ids(self, ids):
-        import torch
-
-        return torch.as_tensor(ids, device=self.model.device).view(1, -1)
-
-
-class _CertificateWatch:
-    """Checks an evicted decode's certificates against the operating point's bound.
-
-    Called after every model call (:meth:`after_step`), it reads the certificates every
-    :data:`CERTIFICATE_CHECK_EVERY` calls; :meth:`exceeded` also covers the calls since the last
-    check. :attr:`peak` is the largest certificate up to the first step above the bound (or over
-    every step when none is), what the decision records.
-    """
-
-    def __init__(self, model, bound: float):
-        self.model, self.bound = model, bound
-        self.peak = 0.0
-        self.seen = 0  # steps already compared with the bound
-        self.calls = 0
-
-    def exceeded(self) -> bool:
-        from certkv.presses.hajek_attention import certificate_steps
-
-        rows = certificate_steps(self.model, self.seen)
-        for value in rows[0] if rows else []:
-            self.peak = max(self.peak, value)
-            self.seen += 1
-            if self.peak > self.bound:
-                return True
-        return False
-
-    def after_step(self) -> bool:
-        self.calls += 1
-        return self.calls % CERTIFICATE_CHECK_EVERY == 0 and self.exceeded()

@@ -1,0 +1,133 @@
+"""The runtime's reading of an operating point's gate: which signals to compute, when to decide.
+
+A gate (:class:`~certkv.core.spec.GateSettings`) sends a request to the full cache on a signal
+calibration recorded for its base candidate. The runtime has to know three things about it:
+
+- which signals it needs: the agreement drop (a recorder on the prefill), the lookahead masses
+  (the probe over the full cache), the evicted answer's confidence (log-probabilities of its decode);
+- whether it decides *before* the evicted decode (agreement drop, lookahead, a learned score without
+  confidence features: the request is answered from the full cache it has just prefilled) or
+  *after* it (certificate, confidence, a learned score with confidence features: the request
+  escalates, its full answer is decoded again);
+- its comparison, the one :mod:`certkv.core.gated` derives the gated candidate's records with, so
+  that the runtime sends exactly the requests to the full cache that the certified records did:
+  full cache when drop < t, lookahead mass > t or learned score > t; escalation when
+  certificate > b, confidence < b or (post-decode) learned score > t.
+
+New gate kinds (confidence, lookahead, learned) are never combined with each other or with the
+agreement drop and the certificate (the contract refuses that), so a gate has one kind, or the
+pair ``agreement_drop+certificate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from certkv.core.spec import LOOKAHEAD_TOKENS
+
+
+@dataclass(frozen=True)
+class RuntimeGate:
+    """What the runtime needs of a gate; built by :func:`runtime_gate`.
+
+    Thresholds are None when that part of the gate is off. ``learned`` is the fitted
+    :class:`~certkv.core.spec.LearnedGate` (features, standardisation, coefficients).
+    """
+
+    kind: str | None
+    agreement_drop: float | None = None
+    certificate: float | None = None
+    confidence: float | None = None
+    lookahead: float | None = None
+    learned: object | None = None
+    learned_threshold: float | None = None
+    learned_post_decode: bool = False
+    needs_agreement: bool = False
+    needs_lookahead: bool = False
+    lookahead_tokens: int = LOOKAHEAD_TOKENS
+    agreement: Mapping | None = None
+    """The recorder's settings (window, top_k, split_divisor) the drop was calibrated under."""
+
+    @property
+    def needs_confidence(self) -> bool:
+        return self.confidence is not None or self.learned_post_decode
+
+    def before_decode(self, signals: Mapping) -> str | None:
+        """The reason to answer from the full cache before any evicted decode, or None.
+
+        `signals` holds ``agreement_drop``, ``lookahead_mass``, ``learned_score`` (those computed).
+        """
+        if self.agreement_drop is not None and signals["agreement_drop"] < self.agreement_drop:
+            return "gate"
+        if self.lookahead is not None and signals["lookahead_mass"] > self.lookahead:
+            return "lookahead"
+        if self.learned is not None and not self.learned_post_decode and signals["learned_score"] > self.learned_threshold:
+            return "learned"
+        return None
+
+    def after_decode(self, signals: Mapping) -> str | None:
+        """The reason to escalate an evicted answer to the full cache, or None.
+
+        `signals` holds ``certificate_max``, ``confidence_min`` and ``learned_score`` (those computed).
+        """
+        if self.certificate is not None and signals["certificate_max"] > self.certificate:
+            return "certificate"
+        if self.confidence is not None and signals["confidence_min"] < self.confidence:
+            return "confidence"
+        if self.learned is not None and self.learned_post_decode and signals["learned_score"] > self.learned_threshold:
+            return "learned"
+        return None
+
+
+def gate_kind(settings) -> str | None:
+    """The gate's kind (:attr:`~certkv.core.spec.GateSettings.kind`: ``agreement_drop``,
+    ``certificate``, ``agreement_drop+certificate``, ``confidence``, ``lookahead``, ``learned``);
+    None without a gate or while a pilot gate has no threshold yet."""
+    return (settings.kind or None) if settings is not None else None
+
+
+def runtime_gate(settings) -> RuntimeGate:
+    """The :class:`RuntimeGate` of an operating point's GateSettings (None: an ungated point)."""
+    from certkv.core.gate_features import is_post_decode
+    from certkv.errors import CertkvError
+
+    if settings is None:
+        return RuntimeGate(kind=None)
+    learned = settings.learned
+    if settings.quantile is not None and not settings.kind:
+        raise CertkvError(
+            f"the operating point's gate (pilot quantile {settings.quantile}) has no threshold yet; "
+            "deploy the operating point `certkv certify` writes, which places it on the pilot"
+        )
+    if learned is not None and settings.learned_threshold is None:
+        raise CertkvError("the operating point's learned gate has no learned_threshold; certify the contract again")
+    features = list(learned.features) if learned is not None else []
+    return RuntimeGate(
+        kind=gate_kind(settings),
+        agreement_drop=settings.agreement_drop,
+        certificate=settings.certificate,
+        confidence=settings.confidence,
+        lookahead=settings.lookahead,
+        learned=learned,
+        learned_threshold=settings.learned_threshold,
+        learned_post_decode=learned is not None and is_post_decode(settings),
+        needs_agreement=settings.agreement_drop is not None or "agreement_drop" in features,
+        needs_lookahead=settings.lookahead is not None or any(f.startswith("lookahead[") for f in features),
+        lookahead_tokens=settings.lookahead_tokens,
+        agreement={
+            "window": settings.agreement_window,
+            "top_k": settings.agreement_top_k,
+            "split_divisor": settings.agreement_split,
+        },
+    )
+
+
+def learned_score(gate: RuntimeGate, signals: Mapping) -> float | None:
+    """The learned gate's score of one request (:func:`certkv.core.gate_features.learned_score`,
+    the definition certification uses), or None when the gate has no learned model."""
+    if gate.learned is None:
+        return None
+    from certkv.core.gate_features import learned_score as score
+
+    return float(score(gate.learned, signals))

@@ -1,0 +1,81 @@
+"""One request under a press that is not on the engine's single-prefill path (kvpress's own hooks).
+
+Wrappers, threshold and decoding-time presses prune while they prefill (calibration runs them the
+same way, ``path="pipeline"``), so their kept entries are known only after the cache is pruned:
+
+1. The context is prefilled under the press, with the agreement recorder attached first when the
+   gate reads the drop (its hooks run before the press's and see each layer's full keys).
+2. A pre-decode gate (agreement drop; a learned score without confidence or lookahead features)
+   that says "full" answers from the full cache, which needs a prefill of its own.
+3. Otherwise the answer is decoded greedily from the pruned cache with its log-probabilities; a
+   post-decode gate (confidence, learned with confidence features) escalates, again with a full
+   prefill. Gates that need the lookahead probe cannot run here (the runtime refuses them when
+   it is built): the probe reads the full cache, which this path never holds.
+
+Every full-cache answer of this path costs its prefill: ``seconds["escalation"]`` reports it.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+
+def answer(runtime, enc, max_new: int, decision, t0: float):
+    """Answer one request through the press's own hooks; fills `decision`, returns (ids, seconds)."""
+    import torch
+    from transformers import DynamicCache
+
+    from certkv.engine.engine import continues_from_compressed_length, kept_entries
+    from certkv.gate.agreement import AgreementRecorder
+    from certkv.model.generation import greedy_decode
+    from certkv.model.window_queries import capturing_window_queries
+    from certkv.runtime.gates import learned_score
+    from certkv.runtime.single_prefill import answer_confidence, context_tensor
+
+    model, gate, press = runtime.model, runtime.gate, runtime.press
+    n_ctx = len(enc.context_ids)
+    recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
+    cache = DynamicCache()
+    with torch.no_grad():
+        # The recorder's hooks are registered before the press's, so they run first on each layer
+        # and see its keys before the press prunes them.
+        with (
+            recorder.attach(model) if recorder else nullcontext(),
+            press(model),
+            capturing_window_queries(model),  # as calibration prefills
+        ):
+            model.model(input_ids=context_tensor(model, enc.context_ids), past_key_values=cache)
+    seconds = {"prefill": time.perf_counter() - t0}
+    signals: dict = {"context_tokens": n_ctx, "agreement_drop": None, "lookahead_heads": None,
+                     "lookahead_mass": None, "confidence_min": None, "logprob_mean": None}
+    if recorder:
+        signals["agreement_drop"] = decision.agreement_drop = recorder.drop()
+    if gate.learned is not None and not gate.learned_post_decode:
+        signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
+    reason = gate.before_decode(signals)
+    if reason is None:
+        t = time.perf_counter()
+        position = cache.get_seq_length() if continues_from_compressed_length(press) else n_ctx
+        kept = kept_entries(cache, model) / n_ctx
+        logprobs: list = []
+        ids = greedy_decode(model, cache, enc.question_ids, position, max_new, logprobs=logprobs)
+        seconds["decode"] = time.perf_counter() - t
+        decision.confidence_min, decision.logprob_mean = answer_confidence(logprobs)
+        signals.update(confidence_min=decision.confidence_min, logprob_mean=decision.logprob_mean,
+                       certificate_max=None)
+        if gate.learned is not None and gate.learned_post_decode:
+            signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
+        reason = gate.after_decode(signals)
+        if reason is None:
+            decision.mode = "evicted"
+            decision.kv_retained = runtime.operating_point.kv_retained
+            decision.kv_retained_actual = kept
+            return ids, seconds
+        decision.escalated = True
+    del cache
+    t = time.perf_counter()
+    ids = runtime.full_answer(enc, max_new)
+    seconds["escalation"] = time.perf_counter() - t
+    decision.reason = reason
+    return ids, seconds

@@ -1,0 +1,197 @@
+"""One request on the engine's single-prefill path: one full prefill, gates, then the kept entries.
+
+For a fast-path press (:func:`certkv.engine.scoring.is_fast_path_press`) or certkv's probabilistic
+press, the runtime does what calibration did for this candidate, with the same engine functions:
+
+1. **One full prefill** of the context under the engine's hooks: :func:`~certkv.engine.scoring.scoring_hooks`
+   (the press's top-k indices per layer) or :func:`~certkv.engine.probabilistic_decode.selection_hooks`
+   (its Poisson selection per layer), the :class:`~certkv.gate.agreement.AgreementRecorder` when the gate
+   reads the drop, and :func:`~certkv.model.window_queries.capturing_window_queries`, as calibration
+   prefills. Nothing is pruned: the full cache of shape (1, H_kv, n_ctx, d) per layer stays.
+2. **Pre-decode signals and gates** while the full cache exists: the agreement drop, the lookahead
+   probe (:func:`certkv.model.lookahead.lookahead_probe`, its mass on the entries the press evicts)
+   and a learned score without confidence features. When the gate says so, the answer is decoded
+   from that same cache: no second prefill.
+3. **The evicted answer**: the kept entries are gathered into a one-row cache
+   (:func:`~certkv.engine.batched_decode.padded_cache` / the probabilistic decode's own gather) and
+   decoded with their log-probabilities (:func:`~certkv.engine.batched_decode.decode_candidates`,
+   :func:`~certkv.engine.probabilistic_decode.decode_probabilistic`).
+4. **Post-decode gates** (certificate, confidence, learned with confidence features): an escalated
+   request's full answer is decoded from the still-existing full cache (cropped back to the
+   context first); ``seconds["escalation"]`` is that recomputation.
+
+The full-cache answer is always decoded as calibration decodes it (:func:`decode_full`: the engine's
+``decode_candidates`` over the full cache, one row, every slot visible), so that it equals the
+store's ``full`` record.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+
+def context_tensor(model, ids):
+    """Token ids as a (1, n) long tensor on the model's device."""
+    import torch
+
+    return torch.as_tensor(ids, device=model.device).view(1, -1)
+
+
+def prefill_full(model, context_ids, fast: dict | None = None, probabilistic: dict | None = None, recorder=None):
+    """The full prefill of calibration: returns (cache, fast selections, probabilistic selections).
+
+    `fast` / `probabilistic` map a policy name to its press (the engine's scoring / selection
+    hooks record their kept entries per layer); `recorder` is an AgreementRecorder or None.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from certkv.engine.probabilistic_decode import selection_hooks
+    from certkv.engine.scoring import Selections, scoring_hooks
+    from certkv.model.window_queries import capturing_window_queries
+
+    selections = Selections()
+    sampled: dict[str, list] = {}
+    cache = DynamicCache()
+    with (
+        torch.no_grad(),
+        scoring_hooks(model, fast, selections) if fast else nullcontext(),
+        selection_hooks(model, probabilistic, sampled) if probabilistic else nullcontext(),
+        recorder.attach(model) if recorder else nullcontext(),
+        capturing_window_queries(model),
+    ):
+        model.model(input_ids=context_tensor(model, context_ids), past_key_values=cache)
+    return cache, selections.by_candidate, sampled
+
+
+def decode_full(model, cache, enc, max_new_tokens: int, stop_ids) -> list[int]:
+    """The full-cache answer from a full prefill's `cache`, decoded as calibration decodes it.
+
+    :func:`~certkv.engine.batched_decode.decode_candidates` over the full cache (one row, every
+    one of the n_ctx slots visible, no draft); the cache is cropped back to the context first and
+    afterwards, so it can serve again.
+    """
+    import torch
+
+    from certkv.engine.batched_decode import decode_candidates
+
+    n_ctx = len(enc.context_ids)
+    cache.crop(n_ctx)
+    full_mask = torch.ones((1, n_ctx), dtype=torch.long, device=model.device)
+    (ids,) = decode_candidates(
+        model, cache, full_mask, enc.question_ids, [], n_ctx, max_new_tokens, stop_ids, context_ids=enc.context_ids,
+    )
+    cache.crop(n_ctx)
+    return ids
+
+
+def answer(runtime, enc, max_new: int, decision, t0: float):
+    """Answer one request on the single-prefill path; fills `decision` and returns
+    (token ids, seconds). `runtime` is the :class:`~certkv.runtime.certified_runtime.CertifiedRuntime`."""
+    from certkv.engine.engine import is_probabilistic_press
+    from certkv.gate.agreement import AgreementRecorder
+    from certkv.runtime.gates import learned_score
+
+    model, gate, press = runtime.model, runtime.gate, runtime.press
+    policy = runtime.policy
+    n_ctx = len(enc.context_ids)
+    probabilistic = is_probabilistic_press(press)
+    recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
+    cache, fast_sel, sampled = prefill_full(
+        model, enc.context_ids,
+        fast=None if probabilistic else {policy: press},
+        probabilistic={policy: press} if probabilistic else None,
+        recorder=recorder,
+    )
+    selection = sampled[policy] if probabilistic else fast_sel[policy]
+    seconds = {"prefill": time.perf_counter() - t0}
+    signals: dict = {"context_tokens": n_ctx, "agreement_drop": None, "lookahead_heads": None,
+                     "confidence_min": None, "logprob_mean": None}
+    if recorder:
+        signals["agreement_drop"] = decision.agreement_drop = recorder.drop()
+        recorder.reset()
+    if gate.needs_lookahead:
+        t = time.perf_counter()
+        heads = lookahead_heads(model, cache, enc, selection, gate.lookahead_tokens, runtime.stop_ids)
+        signals["lookahead_heads"] = decision.lookahead_heads = heads
+        decision.lookahead_mass = max(heads)
+        seconds["probe"] = time.perf_counter() - t
+    signals["lookahead_mass"] = decision.lookahead_mass
+    if gate.learned is not None and not gate.learned_post_decode:
+        signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
+
+    reason = gate.before_decode(signals)
+    t = time.perf_counter()
+    if reason is not None:
+        ids = decode_full(model, cache, enc, max_new, runtime.stop_ids)
+        seconds["decode"] = time.perf_counter() - t
+        decision.reason = reason
+        return ids, seconds
+
+    ids, logprobs, kept, certificate = evicted_decode(model, cache, enc, selection, probabilistic, max_new,
+                                                      runtime.stop_ids)
+    seconds["decode"] = time.perf_counter() - t
+    decision.certificate_max = certificate
+    decision.confidence_min, decision.logprob_mean = answer_confidence(logprobs)
+    signals.update(confidence_min=decision.confidence_min, logprob_mean=decision.logprob_mean,
+                   certificate_max=certificate)
+    if gate.learned is not None and gate.learned_post_decode:
+        signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
+    reason = gate.after_decode(signals)
+    if reason is not None:
+        t = time.perf_counter()
+        ids = decode_full(model, cache, enc, max_new, runtime.stop_ids)
+        seconds["escalation"] = time.perf_counter() - t
+        decision.reason, decision.escalated = reason, True
+        return ids, seconds
+    decision.mode = "evicted"
+    decision.kv_retained = runtime.operating_point.kv_retained
+    decision.kv_retained_actual = kept
+    return ids, seconds
+
+
+def evicted_decode(model, cache, enc, selection, probabilistic: bool, max_new: int, stop_ids):
+    """The candidate's answer from its kept entries of the full `cache` (left intact).
+
+    Returns (token ids, per-token log p, realised kept fraction, certificate maximum or None).
+    Fast path: the kept entries in one row (:func:`~certkv.engine.batched_decode.padded_cache`,
+    with the engine's reserve for the question and answer) decoded by ``decode_candidates``;
+    probabilistic press: ``decode_probabilistic`` (Hájek attention, certificate per step).
+    """
+    from certkv.engine.batched_decode import decode_candidates, padded_cache
+    from certkv.engine.probabilistic_decode import decode_probabilistic
+
+    n_ctx = len(enc.context_ids)
+    if probabilistic:
+        (result,) = decode_probabilistic(model, cache, [selection], enc.question_ids, n_ctx, max_new, stop_ids)
+        return result.token_ids, result.logprobs, result.kept_fraction, result.certificate_max
+    logprobs: list = [None]
+    reserve = len(enc.question_ids) + 4 * max_new
+    batch, mask, lengths = padded_cache(cache, [selection], n_ctx, reserve=reserve)
+    (ids,) = decode_candidates(
+        model, batch, mask, enc.question_ids, [], n_ctx, max_new, stop_ids, context_ids=enc.context_ids,
+        logprobs=logprobs,
+    )
+    return ids, logprobs[0], lengths[0] / n_ctx, None
+
+
+def answer_confidence(logprobs) -> tuple[float | None, float | None]:
+    """(confidence_min, logprob_mean) of an answer's per-token log p, as calibration records them
+    (:func:`certkv.gate.confidence.answer_confidence`); (None, None) when they are not known."""
+    if logprobs is None:
+        return None, None
+    from certkv.gate.confidence import answer_confidence as confidence
+
+    return confidence(logprobs)
+
+
+def lookahead_heads(model, cache, enc, selection, tokens: int, stop_ids) -> list[float]:
+    """Per (layer, KV head), layer-major, the full-cache attention mass the probe's queries put on
+    the context entries the candidate evicts, as the engine records it
+    (:func:`~certkv.model.lookahead.lookahead_probe`, then :func:`~certkv.model.lookahead.evicted_mass`
+    of the candidate's per-layer selection); the probe leaves the cache cropped to the context."""
+    from certkv.model.lookahead import evicted_mass, lookahead_probe
+
+    probe = lookahead_probe(model, cache, enc.question_ids, len(enc.context_ids), tokens, stop_ids)
+    return evicted_mass(probe.weights, selection, cache.layers[0].keys.shape[1])
