@@ -134,3 +134,180 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
             assert 0 < gated_count < len(requests), f"{name}: the grid value should split the requests"
         tested += 1
     assert tested == len(names)
+
+
+# -- the gates of issue 16: confidence, lookahead, learned ----------------------------------------
+#
+# A pilot needs ≥ 100 certification requests, far more than a test calibrates; the gate settings
+# are therefore built here, with thresholds placed between two recorded values (never on one),
+# and the runtime's answers, decisions and signals are checked against the store's records.
+
+SIGNAL_POLICIES = ("snapkv@0.30", "probabilistic@0.40")
+#: Signals recomputed by the runtime agree with the records to this (batched vs one-row decode).
+SIGNAL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def signals_store(tmp_path_factory, embedded):
+    """A store calibrated under a contract whose pilot gates need every new signal."""
+    from certkv.calibration.run import calibrate
+    from certkv.calibration.store import CalibrationStore
+    from certkv.contract.loading import load_contract
+
+    folder = tmp_path_factory.mktemp("runtime_signals")
+    path = _contract(folder, [0.1])
+    data = yaml.safe_load(path.read_text())
+    data["gate"].update({
+        "pilot": 0.25,
+        "confidence": {"quantiles": [0.2]},
+        "lookahead": {"quantiles": [0.2]},
+        "learned": {"quantiles": [0.2], "features": ["lookahead", "confidence", "agreement_drop", "context_length"]},
+    })
+    path.write_text(yaml.safe_dump(data))
+    contract = load_contract(path)
+    summary = calibrate(contract, quiet=True)
+    assert summary.calibrated == N_REQUESTS and not summary.skipped
+    with CalibrationStore.read(folder / "store") as store:
+        rows = store.records()
+    return contract, {(r["request_id"], r["policy"]): r for r in rows}
+
+
+def _between(values: list[float], gap: float = 10 * SIGNAL_TOL) -> float:
+    """A threshold that splits `values` near their median, in the widest gap of the middle half
+    (so a value recomputed within the tolerance falls on the same side)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    lo, hi = max(1, n // 4), max(2, n - n // 4)
+    i = max(range(lo, hi), key=lambda j: ordered[j] - ordered[j - 1])
+    assert ordered[i] - ordered[i - 1] > gap, f"no clear gap to place a threshold in: {ordered}"
+    return (ordered[i] + ordered[i - 1]) / 2
+
+
+def _record_signals(row: dict, full: dict) -> dict:
+    return {"lookahead_heads": row["lookahead_heads"], "confidence_min": row["confidence_min"],
+            "logprob_mean": row["logprob_mean"], "agreement_drop": row["agreement_drop"],
+            "context_tokens": full["context_tokens"]}
+
+
+def _learned_model(features: list[str], n_heads: int, seed: int):
+    """A fixed logistic model over `features` (the runtime must score it exactly as the core)."""
+    import numpy as np
+
+    from certkv.core.gate_features import expand_features
+    from certkv.core.spec import LearnedGate
+
+    names = expand_features(features, n_heads)
+    rng = np.random.default_rng(seed)
+    return LearnedGate(features=names, mean=[0.1] * len(names), scale=[0.5] * len(names),
+                       coef=rng.normal(size=len(names)).tolist(), intercept=0.0)
+
+
+def _gates(rows: dict, requests) -> list[tuple[str, str, dict, str, bool]]:
+    """(name, base policy, gate dict, reason when it fires, whether it escalates), thresholds
+    from the records; each gate splits the requests."""
+    from certkv.core.gate_features import learned_score
+
+    ids = [r.id for r in requests]
+    snap = [rows[(i, "snapkv@0.30")] for i in ids]
+    prob = [rows[(i, "probabilistic@0.40")] for i in ids]
+    full = [rows[(i, "full")] for i in ids]
+    n_heads = len(snap[0]["lookahead_heads"])
+    pre = _learned_model(["lookahead", "agreement_drop", "context_length"], n_heads, seed=1)
+    post = _learned_model(["lookahead", "confidence", "context_length"], n_heads, seed=2)
+    score = lambda model, base: [learned_score(model, _record_signals(r, f)) for r, f in zip(base, full)]  # noqa: E731
+    return [
+        ("ungated", "snapkv@0.30", {}, None, False),
+        ("agreement_drop", "snapkv@0.30", {"agreement_drop": _between([r["agreement_drop"] for r in snap])}, "gate", False),
+        ("lookahead", "snapkv@0.30", {"lookahead": _between([r["lookahead_mass"] for r in snap])}, "lookahead", False),
+        ("lookahead_sampled", "probabilistic@0.40",
+         {"lookahead": _between([r["lookahead_mass"] for r in prob])}, "lookahead", False),
+        ("confidence", "snapkv@0.30", {"confidence": _between([r["confidence_min"] for r in snap])}, "confidence", True),
+        ("certificate", "probabilistic@0.40",
+         {"certificate": _between([r["certificate_max"] for r in prob])}, "certificate", True),
+        ("learned", "snapkv@0.30", {"learned": pre, "learned_threshold": _between(score(pre, snap))}, "learned", False),
+        ("learned_confidence", "snapkv@0.30",
+         {"learned": post, "learned_threshold": _between(score(post, snap))}, "learned", True),
+    ]
+
+
+def test_store_rows_carry_the_new_signals(signals_store, embedded):
+    contract, rows = signals_store
+    model, _ = embedded
+    n_heads = model.config.num_hidden_layers * model.config.num_key_value_heads
+    for (_, policy), row in rows.items():
+        assert 0 < row["confidence_min"] <= 1 and row["logprob_mean"] <= 0, row
+        if policy in SIGNAL_POLICIES:
+            assert len(row["lookahead_heads"]) == n_heads
+            assert row["lookahead_mass"] == max(row["lookahead_heads"])
+
+
+def test_runtime_equals_the_store_for_every_gate_kind(signals_store, embedded):
+    """For an ungated candidate and each gate kind, the runtime's answer, decision and signals on
+    every calibration request are the store's: evicted answer and signals of the base candidate,
+    the full record's answer wherever the gate fires."""
+    from certkv.core.gate_features import learned_score
+    from certkv.core.gated import gated_mask
+    from certkv.core.loss_table import LossTable
+    from certkv.core.operating_point import ContractSummary, OperatingPoint
+    from certkv.core.spec import GateSettings
+    from certkv.requests.request_set import read_jsonl
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    contract, rows = signals_store
+    model, tok = embedded
+    requests = read_jsonl(contract.resolved_requests_path())
+    table = LossTable.from_records(list(rows.values()))
+    for name, base_policy, gate, reason, escalates in _gates(rows, requests):
+        press, kv = base_policy.split("@")
+        settings = GateSettings(**gate) if gate else None
+        op = OperatingPoint(
+            policy=f"{base_policy}+{name}", base_policy=base_policy, press=press, kv_retained=float(kv),
+            mean_kv_retained=float(kv), fallback=False, gate=settings, max_new_tokens=8,
+            press_kwargs={"seed": 5} if press == "probabilistic" else {},
+            contract=ContractSummary(tolerance=0.0, risk=0.6, confidence=0.6, procedure="fixed_sequence"),
+            n=N_REQUESTS, violations=0, empirical_risk=0.0, risk_upper_bound=0.6, p_value=0.1, candidates=[],
+            sequences=[], guarantee="test", created="now", certkv_version="test",
+        )
+        runtime = CertifiedRuntime(model, tok, op)
+        fired = {}
+        for request in requests:
+            full, base = rows[(request.id, "full")], rows[(request.id, base_policy)]
+            out = runtime.generate(request.context, request.question)
+            d = out.decision
+            signals = _record_signals(base, full)
+            goes_full = (
+                ("agreement_drop" in gate and base["agreement_drop"] < gate["agreement_drop"])
+                or ("lookahead" in gate and base["lookahead_mass"] > gate["lookahead"])
+                or ("confidence" in gate and base["confidence_min"] < gate["confidence"])
+                or ("certificate" in gate and base["certificate_max"] > gate["certificate"])
+                or ("learned" in gate and learned_score(gate["learned"], signals) > gate["learned_threshold"])
+            )
+            assert out.answer == (full["answer"] if goes_full else base["answer"]), (name, request.id, d)
+            assert (d.mode, d.reason, d.escalated) == (
+                ("full", reason, escalates) if goes_full else ("evicted", None, False)
+            ), (name, request.id, d)
+            assert d.gate_kind == (None if not gate else settings.kind)
+            decoded = not goes_full or escalates  # the evicted answer was decoded: its signals exist
+            if decoded:
+                assert d.confidence_min == pytest.approx(base["confidence_min"], rel=SIGNAL_TOL)
+                assert d.logprob_mean == pytest.approx(base["logprob_mean"], rel=SIGNAL_TOL, abs=SIGNAL_TOL)
+            if decoded and press == "probabilistic":
+                assert d.certificate_max == pytest.approx(base["certificate_max"], rel=SIGNAL_TOL)
+            if runtime.gate.needs_lookahead:
+                assert d.lookahead_heads == pytest.approx(base["lookahead_heads"], abs=SIGNAL_TOL)
+                assert d.lookahead_mass == pytest.approx(base["lookahead_mass"], abs=SIGNAL_TOL)
+            if runtime.gate.needs_agreement:
+                assert d.agreement_drop == pytest.approx(base["agreement_drop"], abs=1e-6)
+            if "learned" in gate and (decoded or not runtime.gate.learned_post_decode):
+                assert d.learned_score == pytest.approx(learned_score(gate["learned"], signals), abs=SIGNAL_TOL)
+            if d.mode == "evicted":
+                assert d.kv_retained_actual == pytest.approx(base["kv_retained_actual"])
+            fired[request.id] = goes_full
+        if gate:
+            assert 0 < sum(fired.values()) < len(requests), f"{name}: the threshold should split the requests"
+        # the requests the runtime sent to the full cache are those certification derives as gated
+        derived = gated_mask(table, table.policies.index(base_policy), gate.get("agreement_drop"),
+                             gate.get("certificate"), confidence=gate.get("confidence"),
+                             lookahead=gate.get("lookahead"), learned=gate.get("learned"),
+                             learned_threshold=gate.get("learned_threshold"))
+        assert dict(zip(table.request_ids, derived.tolist())) == fired, name
