@@ -39,13 +39,22 @@ def build_candidates(contract):
 
 
 def agreement_settings(contract) -> dict | None:
-    """The agreement-drop settings of a contract with a gate (the defaults of
-    :mod:`certkv.core.spec` unless it sets them), or None: without a gate nothing reads the
-    signal, so calibration does not compute it."""
+    """The agreement-drop settings of a contract whose gate reads the drop (drop thresholds, or a
+    learned gate with that feature; the defaults of :mod:`certkv.core.spec` unless it sets them),
+    or None: when nothing reads the signal, calibration does not compute it."""
     gate = contract.gate
-    if gate is None:
+    if gate is None or not gate.needs_agreement:
         return None
     return {"window": gate.agreement_window, "top_k": gate.agreement_top_k, "split_divisor": gate.agreement_split}
+
+
+def lookahead_tokens(contract) -> int | None:
+    """The lookahead probe's answer tokens A when the contract's gate reads the lookahead mass
+    (a lookahead gate, or a learned gate with that feature), else None: no probe is run."""
+    gate = contract.gate
+    if gate is None or not gate.needs_lookahead:
+        return None
+    return gate.lookahead_tokens
 
 
 def requests_digest(requests) -> str:
@@ -97,6 +106,8 @@ def request_rows(request, result, contract) -> list[dict]:
             "context_tokens": result.context_length,
             "seconds_breakdown": seconds,
             "agreement_drop": result.agreement_drop,
+            "confidence_min": full.confidence_min,
+            "logprob_mean": full.logprob_mean,
         }
     ]
     n_fast = sum(1 for c in result.candidates if c.path == "fast") or 1
@@ -118,8 +129,12 @@ def request_rows(request, result, contract) -> list[dict]:
                 "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
                 "agreement_drop": result.agreement_drop,
                 "certificate_max": cand.certificate_max,
+                "confidence_min": cand.confidence_min,
+                "logprob_mean": cand.logprob_mean,
             }
         )
+        if cand.lookahead_heads is not None:  # only probed when the gate reads it (not on the pipeline path)
+            rows[-1].update(lookahead_heads=cand.lookahead_heads, lookahead_mass=cand.lookahead_mass)
     return rows
 
 
@@ -162,7 +177,7 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
         )
         engine = Engine(
             model, tokenizer, candidates, max_new_tokens=contract.protocol.max_new_tokens,
-            agreement=agreement_settings(contract),
+            agreement=agreement_settings(contract), lookahead_tokens=lookahead_tokens(contract),
         )
         max_positions = getattr(model.config, "max_position_embeddings", None)
         t0 = time.perf_counter()

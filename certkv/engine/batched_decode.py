@@ -172,6 +172,7 @@ def decode_candidates(
     stop_ids: set[int],
     context_ids: list[int] | None = None,
     timings: dict[str, float] | None = None,
+    logprobs: list | None = None,
 ) -> list[list[int]]:
     """Greedy answers (token ids) of every row of a padded batch cache, verified against the `draft`.
 
@@ -186,13 +187,19 @@ def decode_candidates(
     `timings`, when given, accumulates the seconds of the verifying forward under ``"verify"``:
     every row must at least read the question and an answer over its own cache, so that forward is
     the part of the cost no exact calibrator can skip.
+
+    `logprobs`, when given (a list with one slot per row), receives in ``logprobs[row]`` the log p
+    of every token of that row's answer (python floats: ``logit_tok − logsumexp(logits)`` in
+    float64, from the logits the token was chosen from: the verifying forward's or a continuation
+    round's). The answers themselves do not depend on it.
     """
     import time
 
     from certkv.model.attention import NAME, register, use_attention
 
     register()
-    state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids)
+    state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids,
+                      with_logprobs=logprobs is not None)
     with use_attention(model, NAME):
         t0 = time.perf_counter()
         state.verify_draft(question_ids, draft)
@@ -202,6 +209,8 @@ def decode_candidates(
         while state.active:
             proposals = {r: lookup.propose(state.answers[r], max_new_tokens - len(state.answers[r])) for r in state.active}
             state.step(proposals)
+    if logprobs is not None:
+        logprobs[:] = state.logprobs
     return state.answers
 
 
@@ -248,13 +257,16 @@ class _Decoding:
     caches still being decoded.
     """
 
-    def __init__(self, model, cache, mask, q_len, context_length, max_new_tokens, stop_ids):
+    def __init__(self, model, cache, mask, q_len, context_length, max_new_tokens, stop_ids, with_logprobs=False):
         self.model, self.cache, self.mask = model, cache, mask
         self.n = mask.shape[0]
         self.rows = list(range(self.n))
         self.q_len, self.context_length = q_len, context_length
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.answers: list[list[int]] = [[] for _ in range(self.n)]
+        # Per row, the log p of each answer token (kept only when asked for).
+        self.with_logprobs = with_logprobs
+        self.logprobs: list[list[float]] = [[] for _ in range(self.n)]
         self.active: list[int] = []
         self.groups = row_groups(mask)  # attention skips each row's padding
 
@@ -263,10 +275,12 @@ class _Decoding:
         return len(tokens) >= self.max_new_tokens or (len(tokens) > 1 and tokens[-1] in self.stop_ids)
 
     def _forward(self, inputs, positions, new_mask, keep: int = 0):
-        """Greedy token after each fed position (after the last `keep` ones when keep > 0)."""
+        """Greedy token after each fed position (after the last `keep` ones when keep > 0), and
+        their log p (batch, positions) as nested lists, or None when not asked for."""
         import torch
 
         from certkv.model.attention import attention_row_groups
+        from certkv.model.generation import chosen_logprobs
 
         self.mask = torch.cat([self.mask, new_mask], dim=1)
         with torch.no_grad(), attention_row_groups(self.groups):
@@ -274,7 +288,9 @@ class _Decoding:
                 input_ids=inputs, past_key_values=self.cache, position_ids=positions, attention_mask=self.mask,
                 logits_to_keep=keep,
             )
-        return out.logits.argmax(-1).tolist()
+        tokens = out.logits.argmax(-1)
+        logprobs = chosen_logprobs(out.logits, tokens).tolist() if self.with_logprobs else None
+        return tokens.tolist(), logprobs
 
     def verify_draft(self, question_ids: list[int], draft: list[int]) -> None:
         """One teacher-forced forward of question + draft for every row; keep each row's agreeing prefix."""
@@ -287,7 +303,7 @@ class _Decoding:
         positions = torch.arange(start, start + len(fed), device=device).view(1, -1).expand(self.n, -1)
         base = self.mask.shape[1]
         keep = len(fed) - self.q_len + 1  # the question's last position and every draft position
-        choices = self._forward(
+        choices, logprobs = self._forward(
             inputs, positions, torch.ones((self.n, len(fed)), dtype=self.mask.dtype, device=device), keep=keep
         )
         for row in range(self.n):
@@ -297,6 +313,8 @@ class _Decoding:
                 if j >= len(draft) or token != draft[j] or self.finished(tokens):
                     break
             self.answers[row] = tokens
+            if logprobs is not None:
+                self.logprobs[row] = logprobs[row][: len(tokens)]
             # Slots the row saw: the question and the draft tokens it agreed with before its last token.
             self.mask[row, base + self.q_len + len(tokens) - 1 :] = 0
             if not self.finished(tokens):
@@ -335,13 +353,15 @@ class _Decoding:
             positions[b] = torch.arange(first, first + width, device=device)
             new_mask[b, : len(fed)] = 1
         base = self.mask.shape[1]
-        choices = self._forward(inputs, positions, new_mask)
+        choices, logprobs = self._forward(inputs, positions, new_mask)
         still = []
         for r in self.active:
             b = where[r]
             accepted = 0
             for i, token in enumerate(choices[b][: 1 + len(proposals[r])]):
                 self.answers[r].append(token)
+                if logprobs is not None:
+                    self.logprobs[r].append(logprobs[b][i])
                 accepted = i + 1
                 if self.finished(self.answers[r]) or i >= len(proposals[r]) or token != proposals[r][i]:
                     break

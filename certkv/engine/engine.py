@@ -18,7 +18,9 @@ from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.probabilistic_decode import decode_probabilistic, selection_hooks
 from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
+from certkv.gate.confidence import answer_confidence
 from certkv.model.generation import encode_request, greedy_decode, stop_token_ids
+from certkv.model.lookahead import evicted_mass, lookahead_probe
 from certkv.model.window_queries import capturing_window_queries
 
 
@@ -42,6 +44,16 @@ class PressCandidate:
 
 @dataclass
 class CandidateAnswer:
+    """One answer of a request and its recorded signals.
+
+    ``confidence_min`` / ``logprob_mean``: the lowest token probability and the mean log p of the
+    answer's own greedy tokens (:func:`certkv.gate.confidence.answer_confidence`).
+    ``lookahead_heads``: per (layer, KV head), layer-major, the lookahead probe's attention mass
+    on the context entries this candidate evicts (:func:`certkv.model.lookahead.evicted_mass`),
+    ``lookahead_mass`` its maximum; None when the engine runs no probe, for the full cache, and on
+    the pipeline path (kvpress prunes there, the kept indices are not known).
+    """
+
     policy: str
     press: str
     kv_retained: float
@@ -51,6 +63,19 @@ class CandidateAnswer:
     path: str
     seconds: float = 0.0
     certificate_max: float | None = None
+    confidence_min: float | None = None
+    logprob_mean: float | None = None
+    lookahead_heads: list[float] | None = None
+    lookahead_mass: float | None = None
+
+    def set_confidence(self, logprobs) -> None:
+        """Record the answer's confidence signals from its per-token log p (None: not known)."""
+        if logprobs is not None:
+            self.confidence_min, self.logprob_mean = answer_confidence(logprobs)
+
+    def set_lookahead(self, heads: list[float] | None) -> None:
+        self.lookahead_heads = heads
+        self.lookahead_mass = None if heads is None else max(heads)
 
 
 @dataclass
@@ -76,6 +101,7 @@ class Engine:
         max_batch_bytes: int = 4 << 30,
         max_padding_bytes: int = 1 << 30,
         agreement: dict | None = None,
+        lookahead_tokens: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -90,6 +116,10 @@ class Engine:
         # The gate signal of every request, from the same prefill (settings: the contract's gate;
         # None: not recorded).
         self.recorder = None if agreement is None else AgreementRecorder(**agreement)
+        # The lookahead probe's answer tokens A (None: no probe, no lookahead signal).
+        if lookahead_tokens is not None and lookahead_tokens < 0:
+            raise ValueError(f"lookahead_tokens must be at least 0, got {lookahead_tokens}")
+        self.lookahead_tokens = lookahead_tokens
         self.probabilistic = [c for c in self.candidates if is_probabilistic_press(c.press)]
         self.fast = [c for c in self.candidates if is_fast_path_press(c.press)]
         self.slow = [
@@ -166,17 +196,32 @@ class Engine:
             self.recorder.reset()
         t1 = time.perf_counter()
         seconds["prefill"] = t1 - t0
+        # Where the full-cache answer's first queries look, while the full cache exists (the probe
+        # leaves it cropped to the context); each candidate's evicted share follows below.
+        probe = None
+        if self.lookahead_tokens is not None:
+            probe = lookahead_probe(self.model, cache, enc.question_ids, n_ctx, self.lookahead_tokens, self.stop_ids)
+        n_kv_heads = cache.layers[0].keys.shape[1]
+
+        def lookahead(kept):
+            return None if probe is None else evicted_mass(probe.weights, kept, n_kv_heads)
+
+        t1b = time.perf_counter()
+        seconds["lookahead"] = t1b - t1
 
         # The full-KV answer, decoded speculatively (prompt lookup); it then drafts for every candidate.
         full_mask = torch.ones((1, n_ctx), dtype=torch.long, device=self.model.device)
+        full_logprobs: list = [None]
         (draft,) = decode_candidates(
             self.model, cache, full_mask, enc.question_ids, [], n_ctx, self.max_new_tokens, self.stop_ids,
-            context_ids=enc.context_ids,
+            context_ids=enc.context_ids, logprobs=full_logprobs,
         )
         cache.crop(n_ctx)
         t2 = time.perf_counter()
-        seconds["full_decode"] = t2 - t1
+        seconds["full_decode"] = t2 - t1b
         full = CandidateAnswer(REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, self._decode(draft), draft, "full")
+        full.set_confidence(full_logprobs[0])
+        mass_seconds = 0.0
 
         answers: dict[str, CandidateAnswer] = {}
         verify: dict[str, float] = {}
@@ -189,15 +234,20 @@ class Engine:
             batch, mask, lengths = padded_cache(
                 cache, [selections.by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve, pool=self._pool
             )
+            chunk_logprobs: list = [None] * len(chunk)
             token_lists = decode_candidates(
                 self.model, batch, mask, enc.question_ids, draft, n_ctx, self.max_new_tokens, self.stop_ids,
-                context_ids=enc.context_ids, timings=verify,
+                context_ids=enc.context_ids, timings=verify, logprobs=chunk_logprobs,
             )
             del batch
-            for c, kept, ids in zip(chunk, lengths, token_lists):
+            for c, kept, ids, lp in zip(chunk, lengths, token_lists, chunk_logprobs):
                 answers[c.policy] = CandidateAnswer(
                     c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "fast"
                 )
+                answers[c.policy].set_confidence(lp)
+                tm = time.perf_counter()
+                answers[c.policy].set_lookahead(lookahead(selections.by_candidate[c.policy]))
+                mass_seconds += time.perf_counter() - tm
         probabilistic = []
         for chunk in self._probabilistic_chunks(cache, n_ctx + reserve):
             probabilistic += decode_probabilistic(
@@ -209,8 +259,13 @@ class Engine:
                 c.policy, c.press_name, c.kv_retained, result.kept_fraction, self._decode(result.token_ids),
                 result.token_ids, "fast", certificate_max=result.certificate_max,
             )
+            answers[c.policy].set_confidence(result.logprobs)
+            tm = time.perf_counter()
+            answers[c.policy].set_lookahead(lookahead(sampled[c.policy]))
+            mass_seconds += time.perf_counter() - tm
         t3 = time.perf_counter()
-        seconds["candidates_fast"] = t3 - t2
+        seconds["candidates_fast"] = t3 - t2 - mass_seconds
+        seconds["lookahead"] += mass_seconds  # the probe and every candidate's evicted mass
         seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
         for c in self.slow:
             answers[c.policy] = self._run_pipeline(c, enc, context_ids)
@@ -232,11 +287,14 @@ class Engine:
         # compressed length instead of the original one.
         if continues_from_compressed_length(c.press):
             n_ctx = cache.get_seq_length()
-        ids = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens)
-        return CandidateAnswer(
+        logprobs: list[float] = []
+        ids = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens, logprobs=logprobs)
+        answer = CandidateAnswer(
             c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "pipeline",
             time.perf_counter() - t0,
         )
+        answer.set_confidence(logprobs)
+        return answer
 
 
 def _bytes_per_token(cache) -> int:

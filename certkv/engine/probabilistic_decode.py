@@ -28,9 +28,12 @@ from dataclasses import dataclass
 
 @dataclass
 class ProbabilisticAnswer:
+    """One candidate's answer; ``logprobs`` is each answer token's log p (float64 python floats)."""
+
     token_ids: list[int]
     certificate_max: float
     kept_fraction: float
+    logprobs: list[float] | None = None
 
 
 @contextmanager
@@ -145,10 +148,16 @@ def gathered_cache(full_cache, selections: list[list], context_length: int):
 
 
 def decode_probabilistic(model, full_cache, selections: list[list], question_ids, context_length: int,
-                         max_new_tokens: int, stop_ids: set[int]) -> list[ProbabilisticAnswer]:
-    """Greedy answers, certificate maxima and realised retention of every probabilistic candidate."""
+                         max_new_tokens: int, stop_ids: set[int], logprobs: list | None = None) -> list[ProbabilisticAnswer]:
+    """Greedy answers, certificate maxima and realised retention of every probabilistic candidate.
+
+    Every answer carries its tokens' log p (``ProbabilisticAnswer.logprobs``: ``logit_tok −
+    logsumexp(logits)`` in float64 from the logits each token was chosen from); `logprobs`, when
+    given (one slot per candidate), receives them too, as ``decode_candidates`` fills it.
+    """
     import torch
 
+    from certkv.model.generation import chosen_logprobs
     from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
     from certkv.presses.hajek_state import clear_states, set_state
     from certkv.presses.probabilistic import attention_modules
@@ -163,6 +172,7 @@ def decode_probabilistic(model, full_cache, selections: list[list], question_ids
     q = torch.as_tensor(question_ids, device=device).view(1, -1).expand(n, -1)
     positions = torch.arange(context_length, context_length + q.shape[1], device=device).expand(n, -1)
     answers: list[list[int]] = [[] for _ in range(n)]
+    row_logprobs: list[list[float]] = [[] for _ in range(n)]
     done = [False] * n
     try:
         for module, state in zip(modules, states):
@@ -170,23 +180,29 @@ def decode_probabilistic(model, full_cache, selections: list[list], question_ids
         with torch.no_grad(), use_hajek_attention(model):
             out = model(input_ids=q, past_key_values=cache, position_ids=positions, logits_to_keep=1)
             tokens = out.logits[:, -1].argmax(dim=-1)
+            step_logprobs = chosen_logprobs(out.logits[:, -1], tokens).tolist()
             for row, token in enumerate(tokens.tolist()):
                 answers[row].append(token)
+                row_logprobs[row].append(step_logprobs[row])
             next_position = positions[:, -1:] + 1
             for i in range(max_new_tokens - 1):
                 out = model(input_ids=tokens.view(n, 1), past_key_values=cache, position_ids=next_position + i)
                 tokens = out.logits[:, -1].argmax(dim=-1)
+                step_logprobs = chosen_logprobs(out.logits[:, -1], tokens).tolist()
                 for row, token in enumerate(tokens.tolist()):
                     if not done[row]:
                         answers[row].append(token)
+                        row_logprobs[row].append(step_logprobs[row])
                         done[row] = token in stop_ids
                 if all(done):
                     break
         steps = certificate_steps(model)
     finally:
         clear_states(model)
+    if logprobs is not None:
+        logprobs[:] = row_logprobs
     # A row's answer of T tokens took T calls: the question feed and every token but the last.
     return [
-        ProbabilisticAnswer(ids, max(steps[row][: len(ids)], default=0.0), float(kept[row]))
+        ProbabilisticAnswer(ids, max(steps[row][: len(ids)], default=0.0), float(kept[row]), row_logprobs[row])
         for row, ids in enumerate(answers)
     ]

@@ -49,14 +49,41 @@ def stop_token_ids(model) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-def greedy_decode(model, cache, question_ids, context_length: int, max_new_tokens: int, after_step=None) -> list[int] | None:
+def chosen_logprobs(logits, tokens):
+    """log p of the chosen `tokens` under `logits`: ``logit_tok − logsumexp(logits)`` in float64.
+
+    `logits` (..., vocab) in any float dtype, `tokens` (...) long (the greedy choices, taken by
+    the caller from the same logits, so answers do not depend on this). Returns a float64 tensor
+    of `tokens`' shape. The float64 copy is made one leading row at a time, so a wide candidate
+    batch over a large vocabulary never holds all its logits in float64 at once.
+    """
+    import torch
+
+    flat = logits.reshape(-1, logits.shape[-1])
+    index = tokens.reshape(-1, 1)
+    rows = max(1, (1 << 24) // max(1, flat.shape[-1]))  # at most ~128 MB of float64 per slice
+    out = []
+    for start in range(0, flat.shape[0], rows):
+        part = flat[start : start + rows].double()
+        out.append(part.gather(1, index[start : start + rows]).squeeze(1) - torch.logsumexp(part, dim=-1))
+    return torch.cat(out).view(tokens.shape)
+
+
+def greedy_decode(model, cache, question_ids, context_length: int, max_new_tokens: int, after_step=None,
+                  logprobs: list | None = None) -> list[int] | None:
     """Feed the question after the (possibly pruned) cache and decode greedily.
 
     Returns the generated token ids, the stop token included when one was produced. `after_step`,
     when given, is called after every model call (the question feed, then each fed token); when it
-    returns True decoding stops and None is returned (the runtime's escalation).
+    returns True decoding stops and None is returned (the runtime's escalation). `logprobs`, when
+    given, is extended with each generated token's log p (python floats, float64; see
+    :func:`chosen_logprobs`).
     """
     import torch
+
+    def record(logits, token):
+        if logprobs is not None:
+            logprobs.append(float(chosen_logprobs(logits.view(1, -1), token.view(1))[0]))
 
     device = model.device
     q = torch.as_tensor(question_ids, device=device).view(1, -1)
@@ -66,6 +93,7 @@ def greedy_decode(model, cache, question_ids, context_length: int, max_new_token
         if after_step is not None and after_step():
             return None
         token = out.logits[0, -1].argmax()
+        record(out.logits[0, -1], token)
         generated = [int(token)]
         stops = stop_token_ids(model)
         next_position = positions[:, -1:] + 1
@@ -75,6 +103,7 @@ def greedy_decode(model, cache, question_ids, context_length: int, max_new_token
             if after_step is not None and after_step():
                 return None
             token = out.logits[0, -1].argmax()
+            record(out.logits[0, -1], token)
             generated.append(int(token))
             if generated[-1] in stops:
                 break
