@@ -259,3 +259,39 @@ def test_keep_everything_has_no_evicted_mass_and_keep_nothing_has_all(embedded, 
     groups = model.config.num_attention_heads // n_kv
     total = probe.weights.double().sum(-1).view(n_layers, n_kv, groups * probe.weights.shape[2]).amax(-1)
     assert evicted_mass(probe.weights, nothing, n_kv) == pytest.approx(total.flatten().tolist(), abs=1e-6)
+
+
+def _contract(tmp_path, gate):
+    from certkv.contract.loading import parse_contract
+    from certkv.requests.request_set import write_jsonl
+
+    write_jsonl(_requests(2, seed=47), tmp_path / "requests.jsonl")
+    data = {
+        "name": "signals", "model": "embedded", "requests": {"source": "requests.jsonl"},
+        "protocol": {"max_new_tokens": 8, "device": "cpu"}, "utility": "exact_match", "tolerance": 0.0,
+        "risk": 0.1, "confidence": 0.9, "store": "store",
+        "policies": [{"press": "snapkv", "kv_retained": [0.5]},
+                     {"press": "adakv", "press_kwargs": {"press": "knorm"}, "kv_retained": [0.5]}],
+        "gate": gate,
+    }
+    return parse_contract(data, base_dir=tmp_path)
+
+
+def test_calibration_stores_the_signals_its_gate_reads(tmp_path):
+    from certkv.calibration.run import calibrate
+    from certkv.calibration.store import CalibrationStore
+
+    lookahead = _contract(tmp_path, {"pilot": 0.25, "lookahead": {"quantiles": [0.1]}})
+    summary = calibrate(lookahead, quiet=True)
+    assert summary.calibrated == 2
+    with CalibrationStore.read(lookahead.resolved_store_path()) as store:
+        rows = {(r["request_id"], r["policy"]): r for r in store.records()}
+    for (_, policy), row in rows.items():
+        assert 0 < row["confidence_min"] <= 1 and row["logprob_mean"] <= 0
+        assert row.get("agreement_drop") is None  # nothing reads it: not computed
+        if policy == "snapkv@0.50":
+            assert len(row["lookahead_heads"]) == 4 and row["lookahead_mass"] == max(row["lookahead_heads"])
+        else:  # the full cache, and the pipeline path (kept indices unknown)
+            assert row.get("lookahead_heads") is None and row.get("lookahead_mass") is None
+        if policy == "full":
+            assert row["context_tokens"] > 0 and "lookahead" in row["seconds_breakdown"]

@@ -347,6 +347,26 @@ def runtime_cost(data: dict) -> str:
     ])
 
 
+def lookahead_cost(data: dict) -> str:
+    rows = [[r["request_id"], r["context_tokens"], seconds(r["plain_seconds"]), seconds(r["lookahead_seconds"]),
+             pct(r["share"]), pct(r["overhead"])] for r in data["per_request"]]
+    return "\n\n".join([
+        "## The lookahead probe's cost",
+        command("python benchmarks/lookahead_cost.py"),
+        f"Model: {data['model']} (sdpa, float32, CPU, {data['threads']} thread, torch {data['torch']}); "
+        f"{data['requests']} demo-mix requests of {data['context_tokens']} context tokens. Each request is "
+        f"answered by the engine with one candidate ({data['candidate']}) without and with the probe "
+        f"(lookahead_tokens = {data['lookahead_tokens']}: the question and that many answer tokens fed over "
+        "the full cache with their attention captured, then the candidate's evicted mass), in alternating "
+        f"order, {data['repeats']} times each, the fastest counting. Share: the probe's own seconds over the "
+        "request without it; overhead: the request with the probe over the one without, minus 1 (carries "
+        "the noise of both runs).",
+        table(["request", "context tokens", "request without probe", "probe", "share", "overhead"], rows),
+        f"Median share **{pct(data['share_median'])}** (largest {pct(data['share_max'])}), median overhead "
+        f"{pct(data['overhead_median'])}. Target: the probe ≤ {PROBE_TARGET:.0%} of the request time.",
+    ])
+
+
 def certificate_quality(data: dict) -> str:
     by_kv = data["by_kv_retained"]
     rows, heads = [], []
@@ -403,6 +423,7 @@ SECTIONS = {
     "gate_quality": gate_quality,
     "gate_overhead": gate_overhead,
     "runtime_cost": runtime_cost,
+    "lookahead_cost": lookahead_cost,
     "certificate_quality": certificate_quality,
 }
 
