@@ -545,3 +545,24 @@ def test_a_short_store_is_exit_2_with_one_line(tmp_path, capsys):
     assert run_main("certify", str(path), "--records", str(table), "-o", str(tmp_path / "o.json")) == 2
     err = capsys.readouterr().err.strip()
     assert "fewer than 100" in err and len(err.splitlines()) == 1
+
+
+def test_export_then_certify_the_csv_gives_the_same_operating_point(pilot_store, tmp_path, capsys):
+    path, _ = pilot_store
+    csv_path = tmp_path / "records.csv"
+    assert run_main("export", str(path), "-o", str(csv_path)) == 0
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert run_main("certify", str(path), "-o", str(a)) == 0
+    assert run_main("certify", str(path), "--records", str(csv_path), "-o", str(b)) == 0
+    da, db = json.loads(a.read_text()), json.loads(b.read_text())
+    assert da["records_sha256"] == db["records_sha256"]
+    for key in ("policy", "n", "violations", "pilot", "candidates", "gate"):
+        assert da[key] == db[key]
+
+
+def test_report_command_on_a_pilot_store(pilot_store, tmp_path, capsys):
+    path, _ = pilot_store
+    out = tmp_path / "report"
+    assert run_main("report", str(path), "-o", str(out), "--splits", "30") == 0
+    page = (out / "report.html").read_text()
+    assert "pilot_ordered" in page and "pilot: 100 of 400 requests" in page

@@ -38,3 +38,14 @@ def test_foreign_names_never_fail_and_keep_the_loss_table_rules(name):
 def test_the_reference_is_not_a_candidate_name():
     parsed = parse_policy_name(REFERENCE_POLICY)
     assert (parsed.display, parsed.kv_retained, parsed.is_gated) == ("full", None, False)
+
+
+def test_pilot_gate_names_parse_back():
+    from certkv.core.policy_names import gated_policy_name, is_gated_policy, parse_policy_name
+
+    for kind, marker in (("confidence", "+confq"), ("lookahead", "+lookq"), ("learned", "+learnq")):
+        name = gated_policy_name("snapkv@0.70", pilot_kind=kind, quantile=0.1)
+        assert name == f"snapkv@0.70{marker}0.1" and is_gated_policy(name)
+        parsed = parse_policy_name(name)
+        assert parsed.display == "snapkv" and parsed.kv_retained == 0.7 and parsed.gate == f"{marker}0.1"
+        assert parsed.stem == f"snapkv{marker}0.1"

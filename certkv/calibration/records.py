@@ -107,7 +107,11 @@ def load_records(
     `contract_label` (the path the user typed) makes the "run calibrate first" hint copy-pastable.
     The contract's gated candidates are derived here (:mod:`certkv.core.gated`), so that certify,
     validate and report all see the same expanded table; the records hash covers the recorded
-    rows and gate signals, not the derived rows.
+    rows and gate signals, not the derived rows. A contract with a pilot split (``gate.pilot``)
+    gets its recorded table unexpanded: the certifier and validation resolve it through the one
+    :func:`certkv.core.pilot.resolve_pilot` (pilot draw, thresholds, learned fit, pilot_ordered
+    order) and derive the gated rows on the certification requests only; the hash covers every
+    recorded request, pilot included.
     """
     from dataclasses import replace
 
