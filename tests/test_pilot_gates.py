@@ -289,6 +289,12 @@ def test_pilot_draw_is_deterministic_and_reads_ids_only(table):
     assert resolve_pilot(other, spec).split.pilot_ids == resolve_pilot(table, spec).split.pilot_ids == split.pilot_ids
 
 
+def log_odds(mass):
+    """The learned gate's lookahead feature, written out: log(m / (1 − m)), m clipped to [1e-6, 1 − 1e-6]."""
+    mass = np.clip(mass, 1e-6, 1 - 1e-6)
+    return np.log(mass / (1 - mass))
+
+
 def test_thresholds_are_numpy_quantiles_of_the_pilot(table):
     spec = contract_of().certification_spec()
     res = resolve_pilot(table, spec)
@@ -302,9 +308,9 @@ def test_thresholds_are_numpy_quantiles_of_the_pilot(table):
         model = info[f"{base}+learnq0.3"].gate.learned
         assert model == info[f"{base}+learnq0.1"].gate.learned  # one fit per base candidate
         scores = learned_scores(model, np.column_stack([
-            pilot.lookahead_heads[row], pilot.confidence_min[row], pilot.logprob_mean[row],
+            log_odds(pilot.lookahead_heads[row]), pilot.confidence_min[row], pilot.logprob_mean[row],
             np.log(pilot.context_tokens)]))
-        assert info[f"{base}+learnq0.3"].gate.learned_threshold == np.quantile(scores, 0.7)
+        assert info[f"{base}+learnq0.3"].gate.learned_threshold == pytest.approx(np.quantile(scores, 0.7), rel=1e-12)
         assert model.features == [*(f"lookahead[{i}]" for i in range(HEADS)), "confidence_min", "logprob_mean",
                                   "log_context_tokens"]
     assert res.table.n_requests == 300 and set(res.table.request_ids) == set(res.split.certification_ids)
@@ -320,17 +326,18 @@ def test_learned_gate_reproduces_sklearn(table):
     signals = table.signals_of(row)
     labels = table.loss[row] > 0
     model = fit_learned_gate(signals, features, labels)
-    x = np.column_stack([table.lookahead_heads[row], table.confidence_min[row], table.logprob_mean[row],
+    heads = table.lookahead_heads[row]
+    x = np.column_stack([log_odds(heads), table.confidence_min[row], table.logprob_mean[row],
                          np.log(table.context_tokens)])
     reference = make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=5000)).fit(x, labels)
     np.testing.assert_allclose(learned_scores(model, x), reference.predict_proba(x)[:, 1], rtol=0, atol=1e-12)
     # the runtime's per-request form gives the same score
-    one = {"lookahead_heads": list(x[3, :HEADS]), "confidence_min": x[3, HEADS], "logprob_mean": x[3, HEADS + 1],
+    one = {"lookahead_heads": list(heads[3]), "confidence_min": x[3, HEADS], "logprob_mean": x[3, HEADS + 1],
            "context_tokens": float(table.context_tokens[3]), "agreement_drop": None}
     np.testing.assert_allclose(feature_vector(one, features), x[3])
     assert learned_score(model, one) == pytest.approx(reference.predict_proba(x[3:4])[0, 1], abs=1e-12)
     # and a list of per-request dicts fits the same model
-    dicts = [{"lookahead_heads": list(x[i, :HEADS]), "confidence_min": x[i, HEADS], "logprob_mean": x[i, HEADS + 1],
+    dicts = [{"lookahead_heads": list(heads[i]), "confidence_min": x[i, HEADS], "logprob_mean": x[i, HEADS + 1],
               "context_tokens": float(table.context_tokens[i])} for i in range(len(x))]
     assert fit_learned_gate(dicts, features, labels) == model
     assert LearnedGate.model_validate_json(model.model_dump_json()) == model
@@ -365,7 +372,7 @@ def test_gated_masks_of_the_new_kinds(table):
     np.testing.assert_array_equal(gated_mask(table, row, None, None, lookahead=0.25), mass > 0.25)
     features = expand_features(["lookahead", "context_length"], HEADS)
     model = fit_learned_gate(table.signals_of(row), features, table.loss[row] > 0)
-    scores = learned_scores(model, np.column_stack([table.lookahead_heads[row], np.log(table.context_tokens)]))
+    scores = learned_scores(model, np.column_stack([log_odds(table.lookahead_heads[row]), np.log(table.context_tokens)]))
     np.testing.assert_array_equal(gated_mask(table, row, None, None, learned=model, learned_threshold=0.4),
                                   scores > 0.4)
     out = expand_gated(table, [Derive("snapkv@0.70+x", "snapkv@0.70", None, None, confidence=0.3)])

@@ -7,7 +7,10 @@ measured. Both go through :func:`feature_matrix`, so the two cannot drift apart.
 Feature groups (the contract's ``gate.learned.features``) expand into named features:
 
 * ``lookahead`` → ``lookahead[0]`` .. ``lookahead[F-1]``: the per-(layer, KV head) evicted
-  attention mass of the lookahead probe, layer-major (index = layer · H_kv + head);
+  attention mass m of the lookahead probe, layer-major (index = layer · H_kv + head), entered as
+  its log-odds log(m / (1 − m)) with m clipped to [1e-6, 1 − 1e-6]. A mass is a share that
+  piles up near 0 and 1; on the log-odds scale a linear score separates the heads' regimes (on
+  the demo store the held-out AUC for SnapKV@0.5 rises from 0.82 to 0.85);
 * ``confidence`` → ``confidence_min`` and ``logprob_mean`` of the candidate's own greedy answer;
 * ``agreement_drop`` → ``agreement_drop``;
 * ``context_length`` → ``log_context_tokens``: log of the request's context length in tokens.
@@ -91,7 +94,7 @@ def feature_matrix(signals: Mapping, features: Sequence[str]) -> np.ndarray:
                     f"the learned gate reads {name} but the signals hold {heads.shape[1]} lookahead heads; "
                     "the model was fit on another architecture"
                 )
-            column = heads[:, index]
+            column = _log_odds(heads[:, index])
         elif name == "log_context_tokens":
             tokens = _signal(signals, "context_tokens", 1)
             if (tokens < 1).any():
@@ -108,6 +111,15 @@ def feature_matrix(signals: Mapping, features: Sequence[str]) -> np.ndarray:
     if not columns:
         raise CertkvError("a learned gate needs at least one feature")
     return np.stack(columns, axis=1)
+
+
+#: Masses are clipped to [MASS_CLIP, 1 − MASS_CLIP] before their log-odds are taken.
+MASS_CLIP = 1e-6
+
+
+def _log_odds(mass: np.ndarray) -> np.ndarray:
+    clipped = np.clip(mass, MASS_CLIP, 1.0 - MASS_CLIP)
+    return np.log(clipped) - np.log1p(-clipped)
 
 
 def _signal(signals: Mapping, key: str, ndim: int) -> np.ndarray:
