@@ -46,10 +46,11 @@ def validate(
 
 def run_validation(contract, evidence, splits: int = 1000, calibration_fraction: float = 0.5, seed: int = 0):
     """certkv.core.validation.validate on the contract's spec and the loaded records."""
+    from certkv.calibration.records import preview_spec
     from certkv.contract.spec import certification_spec
     from certkv.core.validation import validate as run
 
-    return run(evidence.table, certification_spec(contract), n_splits=splits,
+    return run(evidence.table, preview_spec(certification_spec(contract), evidence), n_splits=splits,
                calibration_fraction=calibration_fraction, seed=seed)
 
 

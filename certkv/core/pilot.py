@@ -200,7 +200,7 @@ def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
     """
     if spec.pilot is None:
         raise CertkvError("this spec has no pilot (gate.pilot); nothing to resolve")
-    split = draw_pilot(table.request_ids, spec.pilot.share, spec.pilot.seed)
+    split = draw_pilot(table.request_ids, spec.pilot.share, spec.pilot.seed, spec.pilot.min_certification)
     pilot = table.take_requests(split.pilot_columns, source=f"{table.source} (pilot)")
     certification = table.take_requests(split.certification_columns)
     notes = [
@@ -232,7 +232,7 @@ def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
             f"pilot_ordered: the pilot ordered all {len(names)} candidates into one sequence by pilot violation "
             "rate (ties: more KV first, then contract order), tested on the certification requests at the full δ"
         )
-    return PilotResolution(split, certification, resolved, violations, memory, tuple(notes))
+    return PilotResolution(split, certification, resolved, violations, memory, tuple(_merge_one_class(notes)))
 
 
 def _resolve_candidate(name: str, entry: CandidateInfo, pilot: LossTable, spec: CertificationSpec,
@@ -278,11 +278,28 @@ def _fit_base(pilot: LossTable, row: int, groups, spec: CertificationSpec, who: 
     model = fit_learned_gate(signals, features, labels)
     if labels.all() or not labels.any():
         kind = "no violation" if not labels.any() else "only violations"
-        notes.append(
-            f"learned gate of {pilot.policies[row]!r}: the pilot has {kind} ({int(labels.sum())} of "
-            f"{labels.size}), one class only; its constant model gates nothing"
-        )
+        notes.append(f"{ONE_CLASS}{kind}: {pilot.policies[row]!r}")
     return model, learned_scores(model, feature_matrix(signals, features))
+
+
+#: Prefix of the notes about learned gates whose pilot holds one class (merged per kind).
+ONE_CLASS = "learned gate, constant model that gates nothing (one class on the pilot): "
+
+
+def _merge_one_class(notes: list[str]) -> list[str]:
+    """One note per kind instead of one per base candidate (a demo grid has dozens)."""
+    merged: dict[str, list[str]] = {}
+    out: list[str] = []
+    for note in notes:
+        if note.startswith(ONE_CLASS):
+            kind, _, policy = note[len(ONE_CLASS):].partition(": ")
+            if kind not in merged:
+                merged[kind] = []
+                out.append(kind)  # placeholder, filled below in first-seen order
+            merged[kind].append(policy)
+        else:
+            out.append(note)
+    return [f"{ONE_CLASS}{n} for {', '.join(merged[n])}" if n in merged else n for n in out]
 
 
 def is_unresolved(info: CandidateInfo) -> bool:

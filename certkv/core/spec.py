@@ -154,6 +154,9 @@ class PilotConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     share: float = Field(gt=0.0, lt=1.0)
     seed: int = 0
+    min_certification: int = Field(default=100, ge=1)
+    """Fewest certification requests the pilot may leave; a preview of an unfinished store, which
+    carries no guarantee, lowers it to 1 (:func:`certkv.calibration.records.preview_spec`)."""
 
 
 class CandidateInfo(BaseModel):
