@@ -18,8 +18,7 @@ at kv_retained 0.5) decoded for 16 steps (5 rounds per repetition, the fastest c
 - ``sdpa``: transformers' sdpa attention over the kept entries (no correction, no certificate);
 - ``hajek``: the Hájek attention with its −log π correction but no certificate (benchmark only);
 - ``certified``: the Hájek attention with its −log π correction and the certificate of every step,
-  read back as the runtime does (checked against a bound every ``CERTIFICATE_CHECK_EVERY`` steps
-  and at the end).
+  read back once at the end of the decode, as the runtime does.
 
 ``decode_step_overhead_certificate_over_hajek`` is certified over hajek (what the certificate adds to the
 probabilistic press's decode step, the issue's figure); ``decode_step_overhead_hajek_and_certificate``
@@ -140,10 +139,9 @@ def decode_steps(model, cache, states, context_length: int, variant: str) -> flo
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from certkv.presses.hajek_attention import use_hajek_attention
+    from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
     from certkv.presses.hajek_state import clear_states, set_state
     from certkv.presses.probabilistic import attention_modules
-    from certkv.runtime.certified_runtime import _CertificateWatch
 
     modules = attention_modules(model)
     token = torch.tensor([[5]])
@@ -153,7 +151,6 @@ def decode_steps(model, cache, states, context_length: int, variant: str) -> flo
     AttentionInterface.register(HAJEK_ONLY, hajek_without_certificate)
     ALL_MASK_ATTENTION_FUNCTIONS.register(HAJEK_ONLY, sdpa_mask)
     certified = variant == "certified"
-    watch = _CertificateWatch(model, float("inf"))  # the runtime's own check (never escalates here)
     with torch.no_grad(), (_nothing() if variant == "sdpa" else use_hajek_attention(model)):
         if variant == "hajek":
             model.config._attn_implementation = HAJEK_ONLY  # restored by use_hajek_attention
@@ -162,10 +159,8 @@ def decode_steps(model, cache, states, context_length: int, variant: str) -> flo
             out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[context_length + i]]))
             token = out.logits[:, -1:].argmax(-1)
             float(out.logits[0, -1, 0])  # one host sync per step, as greedy decoding has
-            if certified:
-                watch.after_step()  # reads the new certificates every CERTIFICATE_CHECK_EVERY steps
         if certified:
-            watch.exceeded()  # and the steps since the last check, at the end
+            certificate_steps(model)  # the runtime reads every step's certificate once, at the end
         seconds = time.perf_counter() - t0
     clear_states(model)
     return seconds

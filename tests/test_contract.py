@@ -256,8 +256,12 @@ def test_demo_contract_validates():
     grid = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
     presses = ("snapkv", "streaming_llm", "knorm", "probabilistic")
     assert [(p.press, p.kv_retained) for p in c.policies] == [(n, grid) for n in presses]
-    assert c.gate is not None and len(c.gate.agreement_drop) == 3 and len(c.gate.certificate) == 2
-    assert len(c.sequences()) == 3 * 4 + 4 * 3  # (1 + T) per entry, (1 + T)(1 + B) for probabilistic
+    gate = c.gate
+    assert gate is not None and gate.pilot == 0.25 and not gate.agreement_drop and not gate.certificate
+    assert [g.quantiles for g in (gate.confidence, gate.lookahead, gate.learned)] == [
+        [0.1, 0.2, 0.3], [0.3, 0.4, 0.5], [0.3, 0.4, 0.5]]
+    assert gate.needs_lookahead and not gate.needs_agreement  # calibration records the probe, not the drop
+    assert len(c.sequences()) == 4 * (1 + 3 + 3 + 3)  # per entry: ungated, then one per pilot-gate quantile
     # relative to the contract's folder: `certkv demo` copies both files and the store follows the copy
     assert c.resolved_store_path() == DEMO_DIR / "runs" / "demo"
     assert c.resolved_requests_path() == DEMO_REQUESTS
