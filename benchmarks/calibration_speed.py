@@ -32,15 +32,15 @@ PRESSES = ["snapkv", "streaming_llm", "knorm"]
 KV = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
 
 
-def larger_llama(tokenizer):
-    """A randomly initialised Llama with 2048+ positions (GQA 16/4 heads, 8 layers, hidden 512)."""
+def larger_llama(tokenizer, heads: int = 16, kv_heads: int = 4):
+    """A randomly initialised Llama with 2048+ positions (GQA `heads`/`kv_heads`, 8 layers, hidden 512)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     config._attn_implementation = "sdpa"

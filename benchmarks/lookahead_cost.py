@@ -32,19 +32,9 @@ LOOKAHEAD_TOKENS = 2
 
 def random_llama(tokenizer):
     """The random 8-layer Llama of the issue's target (hidden 512, 8/2 heads, 4096 positions)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from calibration_speed import larger_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+    return larger_llama(tokenizer, heads=8, kv_heads=2)
 
 
 def main() -> None:

@@ -30,8 +30,8 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
     from certkv.gate.agreement import AgreementRecorder
     from certkv.model.generation import greedy_decode
     from certkv.model.window_queries import capturing_window_queries
-    from certkv.runtime.gates import learned_score
-    from certkv.runtime.single_prefill import answer_confidence, context_tensor
+    from certkv.runtime.gates import learned_score, post_decode_reason
+    from certkv.runtime.single_prefill import context_tensor
 
     model, gate, press = runtime.model, runtime.gate, runtime.press
     n_ctx = len(enc.context_ids)
@@ -61,12 +61,7 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
         logprobs: list = []
         ids = greedy_decode(model, cache, enc.question_ids, position, max_new, logprobs=logprobs)
         seconds["decode"] = time.perf_counter() - t
-        decision.confidence_min, decision.logprob_mean = answer_confidence(logprobs)
-        signals.update(confidence_min=decision.confidence_min, logprob_mean=decision.logprob_mean,
-                       certificate_max=None)
-        if gate.learned is not None and gate.learned_post_decode:
-            signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
-        reason = gate.after_decode(signals)
+        reason = post_decode_reason(gate, decision, signals, logprobs, None)
         if reason is None:
             decision.mode = "evicted"
             decision.kv_retained = runtime.operating_point.kv_retained

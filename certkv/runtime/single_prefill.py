@@ -91,7 +91,7 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
     (token ids, seconds). `runtime` is the :class:`~certkv.runtime.certified_runtime.CertifiedRuntime`."""
     from certkv.engine.engine import is_probabilistic_press
     from certkv.gate.agreement import AgreementRecorder
-    from certkv.runtime.gates import learned_score
+    from certkv.runtime.gates import learned_score, post_decode_reason
 
     model, gate, press = runtime.model, runtime.gate, runtime.press
     policy = runtime.policy
@@ -133,12 +133,7 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
                                                       runtime.stop_ids)
     seconds["decode"] = time.perf_counter() - t
     decision.certificate_max = certificate
-    decision.confidence_min, decision.logprob_mean = answer_confidence(logprobs)
-    signals.update(confidence_min=decision.confidence_min, logprob_mean=decision.logprob_mean,
-                   certificate_max=certificate)
-    if gate.learned is not None and gate.learned_post_decode:
-        signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
-    reason = gate.after_decode(signals)
+    reason = post_decode_reason(gate, decision, signals, logprobs, certificate)
     if reason is not None:
         t = time.perf_counter()
         ids = decode_full(model, cache, enc, max_new, runtime.stop_ids)
@@ -174,16 +169,6 @@ def evicted_decode(model, cache, enc, selection, probabilistic: bool, max_new: i
         logprobs=logprobs,
     )
     return ids, logprobs[0], lengths[0] / n_ctx, None
-
-
-def answer_confidence(logprobs) -> tuple[float | None, float | None]:
-    """(confidence_min, logprob_mean) of an answer's per-token log p, as calibration records them
-    (:func:`certkv.gate.confidence.answer_confidence`); (None, None) when they are not known."""
-    if logprobs is None:
-        return None, None
-    from certkv.gate.confidence import answer_confidence as confidence
-
-    return confidence(logprobs)
 
 
 def lookahead_heads(model, cache, enc, selection, tokens: int, stop_ids) -> list[float]:
