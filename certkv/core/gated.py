@@ -36,6 +36,23 @@ from certkv.errors import CertkvError
 
 RECALIBRATE = "recalibrate with a current certkv (`certkv calibrate CONTRACT --new-store`)"
 
+#: Each gate part: the signal it reads and the side of its threshold that sends a request to the
+#: full cache. Certification (:func:`gated_mask`) and the runtime (:mod:`certkv.runtime.gates`)
+#: both decide through :func:`fires`, so they cannot compare differently.
+GATE_PARTS = {
+    "agreement_drop": ("agreement_drop", np.less),
+    "certificate": ("certificate_max", np.greater),
+    "confidence": ("confidence_min", np.less),
+    "lookahead": ("lookahead_mass", np.greater),
+    "learned": ("learned_score", np.greater),
+}
+
+
+def fires(part: str, value, threshold: float):
+    """Whether gate `part` (a key of :data:`GATE_PARTS`) sends `value` (a signal, or an (R,)
+    array of them) to the full cache at `threshold`: a bool, or a boolean array."""
+    return GATE_PARTS[part][1](value, float(threshold))
+
 
 class GateSpec(Protocol):
     """What a gated candidate needs (a contract's :class:`~certkv.contract.schema.GatedCandidateSpec`
@@ -81,8 +98,7 @@ def learned_table_scores(table: LossTable, base_row: int, model: LearnedGate, po
                          columns=None) -> np.ndarray:
     """The learned score of each request (at `columns`, default all) of `base_row`: (R,) floats,
     through :func:`certkv.core.gate_features.feature_matrix` (the runtime's definition)."""
-    base = table.policies[base_row]
-    who = f"policy {base!r}" + (f" (needed by {policy!r})" if policy and policy != base else "")
+    who = _who(table, base_row, policy)
     signals = table.signals_of(base_row, columns)
     for key in needed_signals(model.features):
         check_signal(table, signals.get(key), key, who, columns)
@@ -115,32 +131,28 @@ def gated_mask(table: LossTable, base_row: int, agreement_drop: float | None,
     (NaN) is a one-line error: silently treating a missing signal as "not gated" would certify a
     gate that was never observed.
     """
-    base = table.policies[base_row]
-    who = f"policy {base!r}" + (f" (needed by {policy!r})" if policy and policy != base else "")
+    who = _who(table, base_row, policy)
     mask = np.zeros(table.n_requests, dtype=bool)
-    if confidence is not None:
-        values = check_signal(table, _row(table.confidence_min, base_row), "confidence_min", who)
-        mask |= values < float(confidence)
-    if lookahead is not None:
-        values = check_signal(table, _row(table.lookahead_mass, base_row), "lookahead_mass", who)
-        mask |= values > float(lookahead)
+    for part, threshold in (("confidence", confidence), ("lookahead", lookahead),
+                            ("agreement_drop", agreement_drop), ("certificate", certificate)):
+        if threshold is None:
+            continue
+        column = GATE_PARTS[part][0]
+        # the drop is one value per request (every row shares it); the others are the base row's
+        values = table.agreement_drop if part == "agreement_drop" else _row(getattr(table, column), base_row)
+        mask |= fires(part, check_signal(table, values, column, who), threshold)
     if learned is not None:
         if learned_threshold is None:
-            raise CertkvError(f"{policy or base!r}: a learned gate needs its threshold (learned_threshold)")
-        mask |= learned_table_scores(table, base_row, learned, policy) > float(learned_threshold)
-    if agreement_drop is not None:
-        drop = table.agreement_drop
-        missing = np.ones(table.n_requests, bool) if drop is None else np.isnan(drop)
-        if missing.any():
-            _missing("agreement_drop", who, missing, table)
-        mask |= drop < float(agreement_drop)
-    if certificate is not None:
-        cert = None if table.certificate_max is None else table.certificate_max[base_row]
-        missing = np.ones(table.n_requests, bool) if cert is None else np.isnan(cert)
-        if missing.any():
-            _missing("certificate_max", who, missing, table)
-        mask |= cert > float(certificate)
+            raise CertkvError(f"{policy or table.policies[base_row]!r}: a learned gate needs its threshold "
+                              "(learned_threshold)")
+        mask |= fires("learned", learned_table_scores(table, base_row, learned, policy), learned_threshold)
     return mask
+
+
+def _who(table: LossTable, base_row: int, policy: str) -> str:
+    """How errors name a base candidate, and the gated candidate that needs it."""
+    base = table.policies[base_row]
+    return f"policy {base!r}" + (f" (needed by {policy!r})" if policy and policy != base else "")
 
 
 def _row(matrix, row: int):
@@ -278,12 +290,14 @@ def gated_share(table: LossTable, policy: str) -> float:
 
 
 __all__ = [
+    "GATE_PARTS",
     "RECALIBRATE",
     "Derive",
     "GateSpec",
     "check_signal",
     "expand_for_contract",
     "expand_gated",
+    "fires",
     "gated_mask",
     "spec_derivations",
     "gated_share",

@@ -58,25 +58,30 @@ class RuntimeGate:
 
         `signals` holds ``agreement_drop``, ``lookahead_mass``, ``learned_score`` (those computed).
         """
-        if self.agreement_drop is not None and signals["agreement_drop"] < self.agreement_drop:
-            return "gate"
-        if self.lookahead is not None and signals["lookahead_mass"] > self.lookahead:
-            return "lookahead"
-        if self.learned is not None and not self.learned_post_decode and signals["learned_score"] > self.learned_threshold:
-            return "learned"
-        return None
+        learned = self.learned_threshold if self.learned is not None and not self.learned_post_decode else None
+        return self._first_firing(signals, (("agreement_drop", self.agreement_drop, "gate"),
+                                            ("lookahead", self.lookahead, "lookahead"),
+                                            ("learned", learned, "learned")))
 
     def after_decode(self, signals: Mapping) -> str | None:
         """The reason to escalate an evicted answer to the full cache, or None.
 
         `signals` holds ``certificate_max``, ``confidence_min`` and ``learned_score`` (those computed).
         """
-        if self.certificate is not None and signals["certificate_max"] > self.certificate:
-            return "certificate"
-        if self.confidence is not None and signals["confidence_min"] < self.confidence:
-            return "confidence"
-        if self.learned is not None and self.learned_post_decode and signals["learned_score"] > self.learned_threshold:
-            return "learned"
+        learned = self.learned_threshold if self.learned is not None and self.learned_post_decode else None
+        return self._first_firing(signals, (("certificate", self.certificate, "certificate"),
+                                            ("confidence", self.confidence, "confidence"),
+                                            ("learned", learned, "learned")))
+
+    @staticmethod
+    def _first_firing(signals: Mapping, parts) -> str | None:
+        """The decision reason of the first (part, threshold, reason) whose part fires, through
+        :func:`certkv.core.gated.fires` (certification's own comparison); None when none does."""
+        from certkv.core.gated import GATE_PARTS, fires
+
+        for part, threshold, reason in parts:
+            if threshold is not None and fires(part, signals[GATE_PARTS[part][0]], threshold):
+                return reason
         return None
 
 
@@ -89,7 +94,7 @@ def gate_kind(settings) -> str | None:
 
 def runtime_gate(settings) -> RuntimeGate:
     """The :class:`RuntimeGate` of an operating point's GateSettings (None: an ungated point)."""
-    from certkv.core.gate_features import is_post_decode
+    from certkv.core.gate_features import is_post_decode, needed_signals
     from certkv.errors import CertkvError
 
     if settings is None:
@@ -102,7 +107,7 @@ def runtime_gate(settings) -> RuntimeGate:
         )
     if learned is not None and settings.learned_threshold is None:
         raise CertkvError("the operating point's learned gate has no learned_threshold; certify the contract again")
-    features = list(learned.features) if learned is not None else []
+    read = needed_signals(learned.features) if learned is not None else []  # the learned model's signals
     return RuntimeGate(
         kind=gate_kind(settings),
         agreement_drop=settings.agreement_drop,
@@ -112,8 +117,8 @@ def runtime_gate(settings) -> RuntimeGate:
         learned=learned,
         learned_threshold=settings.learned_threshold,
         learned_post_decode=learned is not None and is_post_decode(settings),
-        needs_agreement=settings.agreement_drop is not None or "agreement_drop" in features,
-        needs_lookahead=settings.lookahead is not None or any(f.startswith("lookahead[") for f in features),
+        needs_agreement=settings.agreement_drop is not None or "agreement_drop" in read,
+        needs_lookahead=settings.lookahead is not None or "lookahead_heads" in read,
         lookahead_tokens=settings.lookahead_tokens,
         agreement={
             "window": settings.agreement_window,
