@@ -10,14 +10,14 @@ slower, and labelled ``path="pipeline"`` in the records.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, padded_cache
-from certkv.engine.probabilistic_decode import decode_probabilistic, selection_hooks
-from certkv.engine.scoring import Selections, is_fast_path_press, scoring_hooks
+from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
+from certkv.engine.probabilistic_decode import decode_probabilistic
+from certkv.engine.scoring import is_fast_path_press
 from certkv.gate.confidence import answer_confidence
 from certkv.model.generation import encode_request, greedy_decode, stop_token_ids
 from certkv.model.lookahead import evicted_mass, lookahead_probe
@@ -168,9 +168,6 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def run(self, context: str, question: str) -> RequestResult:
-        import torch
-        from transformers import DynamicCache
-
         enc = encode_request(self.tokenizer, context, question)
         n_ctx = len(enc.context_ids)
         reason = self.precondition_failure(n_ctx)
@@ -178,18 +175,10 @@ class Engine:
             raise RequestNotRunnable(reason)
         seconds: dict[str, float] = {}
         t0 = time.perf_counter()
-        selections = Selections()
-        sampled: dict[str, list] = {}
-        cache = DynamicCache()
-        context_ids = torch.as_tensor(enc.context_ids, device=self.model.device).view(1, -1)
-        with (
-            torch.no_grad(),
-            scoring_hooks(self.model, {c.policy: c.press for c in self.fast}, selections),
-            selection_hooks(self.model, {c.policy: c.press for c in self.probabilistic}, sampled),
-            self.recorder.attach(self.model) if self.recorder else nullcontext(),
-            capturing_window_queries(self.model),
-        ):
-            self.model.model(input_ids=context_ids, past_key_values=cache)
+        cache, by_candidate, sampled = prefill_full(
+            self.model, enc.context_ids, {c.policy: c.press for c in self.fast},
+            {c.policy: c.press for c in self.probabilistic}, self.recorder,
+        )
         agreement_drop = None
         if self.recorder:
             agreement_drop = self.recorder.drop()
@@ -210,13 +199,8 @@ class Engine:
         seconds["lookahead"] = t1b - t1
 
         # The full-KV answer, decoded speculatively (prompt lookup); it then drafts for every candidate.
-        full_mask = torch.ones((1, n_ctx), dtype=torch.long, device=self.model.device)
         full_logprobs: list = [None]
-        (draft,) = decode_candidates(
-            self.model, cache, full_mask, enc.question_ids, [], n_ctx, self.max_new_tokens, self.stop_ids,
-            context_ids=enc.context_ids, logprobs=full_logprobs,
-        )
-        cache.crop(n_ctx)
+        draft = decode_full(self.model, cache, enc, self.max_new_tokens, self.stop_ids, logprobs=full_logprobs)
         t2 = time.perf_counter()
         seconds["full_decode"] = t2 - t1b
         full = CandidateAnswer(REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, self._decode(draft), draft, "full")
@@ -227,12 +211,12 @@ class Engine:
         verify: dict[str, float] = {}
         reserve = len(enc.question_ids) + 4 * self.max_new_tokens
         kept = {
-            c.policy: n_ctx if selections.by_candidate[c.policy][0] is None else selections.by_candidate[c.policy][0].shape[2]
+            c.policy: n_ctx if by_candidate[c.policy][0] is None else by_candidate[c.policy][0].shape[2]
             for c in self.fast
         }
         for chunk in self._chunks(cache, kept, reserve):
             batch, mask, lengths = padded_cache(
-                cache, [selections.by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve, pool=self._pool
+                cache, [by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve, pool=self._pool
             )
             chunk_logprobs: list = [None] * len(chunk)
             token_lists = decode_candidates(
@@ -246,7 +230,7 @@ class Engine:
                 )
                 answers[c.policy].set_confidence(lp)
                 tm = time.perf_counter()
-                answers[c.policy].set_lookahead(lookahead(selections.by_candidate[c.policy]))
+                answers[c.policy].set_lookahead(lookahead(by_candidate[c.policy]))
                 mass_seconds += time.perf_counter() - tm
         probabilistic = []
         for chunk in self._probabilistic_chunks(cache, n_ctx + reserve):
@@ -268,7 +252,7 @@ class Engine:
         seconds["lookahead"] += mass_seconds  # the probe and every candidate's evicted mass
         seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
         for c in self.slow:
-            answers[c.policy] = self._run_pipeline(c, enc, context_ids)
+            answers[c.policy] = self._run_pipeline(c, enc, context_tensor(self.model, enc.context_ids))
         seconds["candidates_pipeline"] = time.perf_counter() - t3
         return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
 

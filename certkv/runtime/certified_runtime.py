@@ -274,7 +274,7 @@ class CertifiedRuntime:
         (its ``prefill`` and ``decode`` seconds go into `seconds` when given)."""
         import time
 
-        from certkv.runtime.single_prefill import decode_full, prefill_full
+        from certkv.engine.full_cache import decode_full, prefill_full
 
         t0 = time.perf_counter()
         cache, _, _ = prefill_full(self.model, enc.context_ids)

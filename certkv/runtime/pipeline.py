@@ -27,11 +27,11 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
     from transformers import DynamicCache
 
     from certkv.engine.engine import continues_from_compressed_length, kept_entries
+    from certkv.engine.full_cache import context_tensor
     from certkv.gate.agreement import AgreementRecorder
     from certkv.model.generation import greedy_decode
     from certkv.model.window_queries import capturing_window_queries
     from certkv.runtime.gates import learned_score, post_decode_reason
-    from certkv.runtime.single_prefill import context_tensor
 
     model, gate, press = runtime.model, runtime.gate, runtime.press
     n_ctx = len(enc.context_ids)

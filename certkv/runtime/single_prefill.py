@@ -20,7 +20,8 @@ press, the runtime does what calibration did for this candidate, with the same e
    request's full answer is decoded from the still-existing full cache (cropped back to the
    context first); ``seconds["escalation"]`` is that recomputation.
 
-The full-cache answer is always decoded as calibration decodes it (:func:`decode_full`: the engine's
+The full-cache answer is always decoded as calibration decodes it
+(:func:`certkv.engine.full_cache.decode_full`: the engine's
 ``decode_candidates`` over the full cache, one row, every slot visible), so that it equals the
 store's ``full`` record.
 """
@@ -28,68 +29,13 @@ store's ``full`` record.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
-
-
-def context_tensor(model, ids):
-    """Token ids as a (1, n) long tensor on the model's device."""
-    import torch
-
-    return torch.as_tensor(ids, device=model.device).view(1, -1)
-
-
-def prefill_full(model, context_ids, fast: dict | None = None, probabilistic: dict | None = None, recorder=None):
-    """The full prefill of calibration: returns (cache, fast selections, probabilistic selections).
-
-    `fast` / `probabilistic` map a policy name to its press (the engine's scoring / selection
-    hooks record their kept entries per layer); `recorder` is an AgreementRecorder or None.
-    """
-    import torch
-    from transformers import DynamicCache
-
-    from certkv.engine.probabilistic_decode import selection_hooks
-    from certkv.engine.scoring import Selections, scoring_hooks
-    from certkv.model.window_queries import capturing_window_queries
-
-    selections = Selections()
-    sampled: dict[str, list] = {}
-    cache = DynamicCache()
-    with (
-        torch.no_grad(),
-        scoring_hooks(model, fast, selections) if fast else nullcontext(),
-        selection_hooks(model, probabilistic, sampled) if probabilistic else nullcontext(),
-        recorder.attach(model) if recorder else nullcontext(),
-        capturing_window_queries(model),
-    ):
-        model.model(input_ids=context_tensor(model, context_ids), past_key_values=cache)
-    return cache, selections.by_candidate, sampled
-
-
-def decode_full(model, cache, enc, max_new_tokens: int, stop_ids) -> list[int]:
-    """The full-cache answer from a full prefill's `cache`, decoded as calibration decodes it.
-
-    :func:`~certkv.engine.batched_decode.decode_candidates` over the full cache (one row, every
-    one of the n_ctx slots visible, no draft); the cache is cropped back to the context first and
-    afterwards, so it can serve again.
-    """
-    import torch
-
-    from certkv.engine.batched_decode import decode_candidates
-
-    n_ctx = len(enc.context_ids)
-    cache.crop(n_ctx)
-    full_mask = torch.ones((1, n_ctx), dtype=torch.long, device=model.device)
-    (ids,) = decode_candidates(
-        model, cache, full_mask, enc.question_ids, [], n_ctx, max_new_tokens, stop_ids, context_ids=enc.context_ids,
-    )
-    cache.crop(n_ctx)
-    return ids
 
 
 def answer(runtime, enc, max_new: int, decision, t0: float):
     """Answer one request on the single-prefill path; fills `decision` and returns
     (token ids, seconds). `runtime` is the :class:`~certkv.runtime.certified_runtime.CertifiedRuntime`."""
     from certkv.engine.engine import is_probabilistic_press
+    from certkv.engine.full_cache import decode_full, prefill_full
     from certkv.gate.agreement import AgreementRecorder
     from certkv.runtime.gates import learned_score, post_decode_reason
 

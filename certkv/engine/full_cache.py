@@ -1,0 +1,69 @@
+"""The full-cache half of a request, shared by calibration's engine and the runtime.
+
+Calibration (:class:`certkv.engine.engine.Engine`) and the runtime
+(:mod:`certkv.runtime.single_prefill`) prefill a request the same way, once, with the full cache
+and every press's scoring hooks, and decode its full-cache answer the same way, so that the
+runtime's full answer and the press's kept entries equal the store's records. Both call these.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+
+def context_tensor(model, ids):
+    """Token ids as a (1, n) long tensor on the model's device."""
+    import torch
+
+    return torch.as_tensor(ids, device=model.device).view(1, -1)
+
+
+def prefill_full(model, context_ids, fast: dict | None = None, probabilistic: dict | None = None, recorder=None):
+    """The one full prefill of a request: returns (cache, fast selections, probabilistic selections).
+
+    `fast` / `probabilistic` map a policy name to its press (the engine's scoring / selection
+    hooks record their kept entries per layer); `recorder` is an AgreementRecorder or None.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from certkv.engine.probabilistic_decode import selection_hooks
+    from certkv.engine.scoring import Selections, scoring_hooks
+    from certkv.model.window_queries import capturing_window_queries
+
+    selections = Selections()
+    sampled: dict[str, list] = {}
+    cache = DynamicCache()
+    with (
+        torch.no_grad(),
+        scoring_hooks(model, fast, selections) if fast else nullcontext(),
+        selection_hooks(model, probabilistic, sampled) if probabilistic else nullcontext(),
+        recorder.attach(model) if recorder else nullcontext(),
+        capturing_window_queries(model),
+    ):
+        model.model(input_ids=context_tensor(model, context_ids), past_key_values=cache)
+    return cache, selections.by_candidate, sampled
+
+
+def decode_full(model, cache, enc, max_new_tokens: int, stop_ids, logprobs: list | None = None) -> list[int]:
+    """The full-cache answer from a full prefill's `cache`.
+
+    :func:`~certkv.engine.batched_decode.decode_candidates` over the full cache (one row, every
+    one of the n_ctx slots visible, no draft: speculative greedy decoding with prompt lookup); the
+    cache is cropped back to the context first and afterwards, so it can serve again (the engine
+    gathers every candidate's cache from it). `logprobs`, when given, is a one-element list that
+    receives the answer's per-token log p.
+    """
+    import torch
+
+    from certkv.engine.batched_decode import decode_candidates
+
+    n_ctx = len(enc.context_ids)
+    cache.crop(n_ctx)
+    full_mask = torch.ones((1, n_ctx), dtype=torch.long, device=model.device)
+    (ids,) = decode_candidates(
+        model, cache, full_mask, enc.question_ids, [], n_ctx, max_new_tokens, stop_ids, context_ids=enc.context_ids,
+        logprobs=logprobs,
+    )
+    cache.crop(n_ctx)
+    return ids
