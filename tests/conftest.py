@@ -28,6 +28,22 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproce
     )
 
 
+def certify_without_torch(*args: str) -> None:
+    """Run ``certkv certify ARGS`` in a fresh interpreter and fail if it exited non-zero or
+    imported torch, transformers or kvpress (certify must stay torch-free)."""
+    code = (
+        "import sys\n"
+        "from certkv.cli.app import main\n"
+        f"sys.argv = ['certkv', 'certify', *{list(args)!r}]\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'kvpress'))\n"
+        "assert not heavy, heavy\n"
+    )
+    env = dict(os.environ, COLUMNS="200")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
 def run_main(*args: str) -> int:
     """Run `certkv ARGS` in this process (fast, no interpreter start); returns the exit code."""
     from certkv.cli.app import main

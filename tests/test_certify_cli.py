@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import run_main
+from conftest import certify_without_torch, run_main
 
 from certkv.calibration.records import load_records
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract
 from certkv.contract.spec import certification_spec
 from certkv.core.certify import certify
-
-REPO = Path(__file__).resolve().parents[1]
 
 CONTRACT = {
     "name": "synthetic",
@@ -221,17 +216,7 @@ def test_store_of_another_contract_is_refused(contract_path, tmp_path, capsys):
 def test_certify_does_not_import_torch(contract_path, tmp_path):
     """Run in a fresh interpreter: nothing certify imports may pull in the model stack."""
     out = tmp_path / "tf.json"
-    code = (
-        "import sys\n"
-        "from certkv.cli.app import main\n"
-        f"sys.argv = ['certkv', 'certify', {str(contract_path)!r}, '-o', {str(out)!r}]\n"
-        "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'kvpress'))\n"
-        "assert not heavy, heavy\n"
-    )
-    env = dict(os.environ, COLUMNS="200")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    certify_without_torch(str(contract_path), "-o", str(out))
     assert json.loads(out.read_text())["policy"] == "snapkv@0.50"
 
 

@@ -10,15 +10,11 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import run_main
+from conftest import certify_without_torch, run_main
 from scipy import stats
 
 from certkv.calibration.store import CalibrationStore
@@ -41,7 +37,6 @@ from certkv.core.spec import CertificationSpec, GateSettings, LearnedGate
 from certkv.core.validation import validate
 from certkv.errors import CertkvError
 
-REPO = Path(__file__).resolve().parents[1]
 HEADS = 4
 
 CONTRACT = {
@@ -531,17 +526,7 @@ def test_certify_on_a_table_with_signals_does_not_import_torch(pilot_store, tmp_
     table = tmp_path / "losses.jsonl"
     table.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "tf.json"
-    code = (
-        "import sys\n"
-        "from certkv.cli.app import main\n"
-        f"sys.argv = ['certkv', 'certify', {str(path)!r}, '--records', {str(table)!r}, '-o', {str(out)!r}]\n"
-        "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'kvpress'))\n"
-        "assert not heavy, heavy\n"
-    )
-    env = dict(os.environ, COLUMNS="200")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    certify_without_torch(str(path), "--records", str(table), "-o", str(out))
     assert json.loads(out.read_text())["pilot"]["n_pilot"] == 100
 
 
