@@ -346,7 +346,7 @@ def test_malformed_csv_errors_name_the_problem(tmp_path, lines, match):
          "line 1: loss None is not a finite number"),
         ([{"request_id": "r1", "policy": "a", "kv_retained": 0.5, "loss": 0, "task": "x"},
           {"request_id": "r1", "policy": "b", "kv_retained": 0.5, "loss": 0, "task": "y"}],
-         "line 2: request 'r1' has rows with different tasks"),
+         "line 2: request 'r1' has rows with different task values"),
     ],
 )
 def test_malformed_jsonl_errors_name_the_line(tmp_path, rows, match):

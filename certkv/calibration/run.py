@@ -64,7 +64,7 @@ def requests_digest(requests) -> str:
 
     digest = hashlib.sha256()
     for r in requests:
-        digest.update(json.dumps(r.model_dump(), sort_keys=True, ensure_ascii=False).encode())
+        digest.update(json.dumps(r.as_record(), sort_keys=True, ensure_ascii=False).encode())
         digest.update(b"\n")
     return digest.hexdigest()
 
@@ -135,6 +135,12 @@ def request_rows(request, result, contract) -> list[dict]:
         )
         if cand.lookahead_heads is not None:  # only probed when the gate reads it (not on the pipeline path)
             rows[-1].update(lookahead_heads=cand.lookahead_heads, lookahead_mass=cand.lookahead_mass)
+    by = contract.strata.by if contract.strata is not None else "task"
+    if by != "task":  # strata by a metadata key: the records carry its value (a `stratum` column)
+        from certkv.requests.request_set import stratum_of
+
+        for row in rows:
+            row["stratum"] = stratum_of(request, by)
     return rows
 
 
@@ -147,6 +153,10 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
     if limit is not None and limit < 1:
         raise CertkvError(f"--limit must be at least 1, got {limit}")
     requests = contract.load_requests()
+    if contract.strata is not None:  # before the model and the store: a missing stratum fails fast
+        from certkv.requests.request_set import check_strata
+
+        check_strata(requests, contract.strata.by)
     run_device = resolve_device(device or contract.protocol.device)
     facts = {
         # The population the certificate is about: its size lets certify refuse a partial store.

@@ -59,7 +59,7 @@ PILOT_GATE_KINDS = ("confidence", "lookahead", "learned")
 
 
 #: Optional top-level keys added after the first schema; omitted from the hash while unset.
-_LATER_KEYS = ("order",)
+_LATER_KEYS = ("order", "strata", "coverage")
 
 
 def _error(message: str) -> PydanticCustomError:
@@ -139,6 +139,29 @@ class Protocol(_Strict):
 
 
 KvRetained = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class StrataSpec(_Strict):
+    """``strata:``: certify each value of a request field on its own (:mod:`certkv.core.strata`)."""
+
+    by: str = Field(default="task", min_length=1, description="task, or metadata.<key>")
+    simultaneous: bool = Field(default=False, description="all strata at δ together (each at δ/S)")
+
+    @field_validator("by")
+    @classmethod
+    def _check_by(cls, value: str) -> str:
+        if value != "task" and not (value.startswith("metadata.") and value.removeprefix("metadata.").strip()):
+            raise _error(f"strata.by {value!r} must be 'task' or 'metadata.<key>' (a key of the requests' metadata)")
+        return value
+
+
+class CoverageSpec(_Strict):
+    """``coverage:``: how far beyond the calibrated context lengths the runtime still serves."""
+
+    context_margin: float = Field(
+        default=0.0, ge=0.0, le=10.0,
+        description="widen the calibrated [min, max] context tokens to [min·(1 − m), max·(1 + m)]",
+    )
 
 
 class CandidateSequence(_Strict):
@@ -432,6 +455,8 @@ class Contract(_Strict):
     # policy entry is its own sequence and the sequences share δ (Bonferroni split δ/m).
     order: list[str] | None = None
     gate: Gate | None = None
+    strata: StrataSpec | None = None
+    coverage: CoverageSpec | None = None
     store: str | None = Field(default=None, min_length=1, description="relative to the contract's folder")
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)

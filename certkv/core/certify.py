@@ -13,14 +13,21 @@ computed and checked on machines without the model stack.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import numpy as np
 
 from certkv.core.binomial import binomial_p_value, clopper_pearson_upper, violation_mask
+from certkv.core.coverage import coverage_of
 from certkv.core.loss_table import LossTable, as_loss_table
 from certkv.core.loss_table import records_sha256 as _records_sha256
-from certkv.core.operating_point import CandidateResult, ContractSummary, OperatingPoint, SequenceResult, TaskBreakdown
+from certkv.core.operating_point import (
+    CandidateResult,
+    ContractSummary,
+    OperatingPoint,
+    SequenceResult,
+    TaskBreakdown,
+    certified_at,
+    certkv_version,
+)
 from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
 from certkv.core.procedures import candidate_levels, certified_mask, sequence_stops
 from certkv.core.spec import CertificationSpec
@@ -146,6 +153,10 @@ def certify(
     table = as_loss_table(records)
     if records_sha256 is None:  # the recorded evidence (pilot included): derived gated rows are not part of it
         records_sha256 = _records_sha256(table)
+    if spec.strata is not None:
+        from certkv.core.strata import certify_stratified
+
+        return certify_stratified(table, spec, certify, contract_sha256=contract_sha256, records_sha256=records_sha256)
     table, spec, resolution = prepare(table, spec)
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance)
@@ -181,14 +192,16 @@ def certify(
         notes = [*resolution.notes, *notes]
     common = dict(
         pilot=None if resolution is None else resolution.info,
+        coverage=coverage_of(table.context_tokens, table.tasks, "task", context_margin=spec.context_margin,
+                             max_new_tokens=spec.max_new_tokens),
         max_new_tokens=spec.max_new_tokens,
         contract=ContractSummary.of(spec),
         candidates=candidates,
         sequences=sequences,
         contract_sha256=contract_sha256,
         records_sha256=records_sha256,
-        created=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        certkv_version=_version(),
+        created=certified_at(),
+        certkv_version=certkv_version(),
     )
     index = int(chosen)
     if index < 0:
@@ -365,12 +378,6 @@ def _task_notes(best: CandidateResult) -> list[str]:
 
 def _percent(risk: float) -> str:
     return f"{risk * 100:g}%"
-
-
-def _version() -> str:
-    from certkv._version import __version__
-
-    return __version__
 
 
 __all__ = [

@@ -20,7 +20,10 @@ least ``request_id, policy, kv_retained, loss``. Optional columns:
   queries put on the context entries the candidate evicts, max over heads, and per (layer, KV
   head), layer-major (a JSON list; in a CSV cell, the list as JSON text);
 * ``context_tokens``: the request's context length in tokens (any row of the request, usually the
-  ``full`` row; one value per request).
+  ``full`` row; one value per request);
+* ``stratum``: the request's stratum (a contract with ``strata:`` certifies each stratum on its own;
+  one value per request, like ``task``). Without the column a ``strata: {by: task}`` contract
+  reads the ``task`` column.
 
 The signal columns are optional, NaN (None for ``lookahead_heads``) where a row lacks them; a gate
 that needs a missing one refuses the table (:mod:`certkv.core.gated`).
@@ -55,7 +58,7 @@ from certkv.errors import CertkvError
 
 REQUIRED_COLUMNS = ("request_id", "policy", "kv_retained", "loss")
 OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", "agreement_drop", "certificate_max",
-                    "confidence_min", "logprob_mean", "lookahead_mass", "lookahead_heads", "context_tokens")
+                    "confidence_min", "logprob_mean", "lookahead_mass", "lookahead_heads", "context_tokens", "stratum")
 #: Per-(policy, request) float signals that pilot gates read, (P, R) each.
 CANDIDATE_SIGNALS = ("confidence_min", "logprob_mean", "lookahead_mass")
 
@@ -109,6 +112,7 @@ class LossTable:
     lookahead_mass: np.ndarray | None = None
     lookahead_heads: np.ndarray | None = None
     context_tokens: np.ndarray | None = None
+    strata: tuple[str | None, ...] | None = None
 
     @property
     def n_requests(self) -> int:
@@ -150,6 +154,7 @@ class LossTable:
             self,
             request_ids=tuple(self.request_ids[int(i)] for i in columns),
             tasks=None if self.tasks is None else tuple(self.tasks[int(i)] for i in columns),
+            strata=None if self.strata is None else tuple(self.strata[int(i)] for i in columns),
             loss=cut(self.loss),
             memory=cut(self.memory),
             kv_retained_actual=cut(self.kv_retained_actual),
@@ -314,6 +319,8 @@ def records_sha256(table) -> str:
             if _has_values(values):
                 block = np.ascontiguousarray(np.atleast_2d(values).T + 0.0, dtype="<f8")
                 digest.update(block.tobytes())
+    if table.strata is not None:  # added later: hashed only when present, so older tables keep their hash
+        digest.update(json.dumps(["stratum", list(table.strata)]).encode("utf-8"))
     # Signals added later (pilot gates): hashed only when present, so older tables keep their hash.
     for name in (*CANDIDATE_SIGNALS, "lookahead_heads", "context_tokens"):
         values = getattr(table, name)
@@ -477,6 +484,7 @@ def _build(columns: dict, source: str, where) -> LossTable:
         map(request_map.__getitem__, request_ids), dtype=np.int64, count=len(request_ids)
     )
     tasks = _request_tasks(columns["task"], request_codes, universe, source, where)
+    strata = _request_tasks(columns["stratum"], request_codes, universe, source, where, column="stratum")
 
     keep = np.fromiter(map(REFERENCE_POLICY.__ne__, policy_names), dtype=bool,
                        count=len(policy_names))
@@ -586,6 +594,7 @@ def _build(columns: dict, source: str, where) -> LossTable:
         lookahead_mass=signal_dense.get("lookahead_mass"),
         lookahead_heads=heads_dense,
         context_tokens=context_tokens,
+        strata=strata,
     )
 
 
@@ -635,8 +644,9 @@ def _press_names(values, pick, policy_names, source, where) -> list[str]:
     return [d if v is None else str(v) for v, d in zip(given, derived)]
 
 
-def _request_tasks(values, request_codes, universe, source, where):
-    """One task per request (from any of its rows); conflicting tasks are an error."""
+def _request_tasks(values, request_codes, universe, source, where, column: str = "task"):
+    """One task (or another per-request label `column`) per request, from any of its rows;
+    conflicting values are an error."""
     if values is None:
         return None
     present = [v for v in dict.fromkeys(values) if v is not None]
@@ -655,8 +665,8 @@ def _request_tasks(values, request_codes, universe, source, where):
         rows_of_r = np.flatnonzero((request_codes == r) & has)
         row = int(rows_of_r[np.flatnonzero(codes[rows_of_r] != codes[rows_of_r[0]])[0]])
         raise CertkvError(
-            f"{source}: {where(row)}: request {universe[r]!r} has rows with different tasks; "
-            "give each request a single task"
+            f"{source}: {where(row)}: request {universe[r]!r} has rows with different {column} values; "
+            f"give each request a single {column}"
         )
     names = [str(v) for v in task_map]
     return tuple(names[int(c)] if c >= 0 else None for c in high)

@@ -11,16 +11,30 @@ Torch-free.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from certkv.atomic_io import write_text_atomic
+from certkv.core.coverage import Coverage
 from certkv.core.pilot import PilotInfo
 from certkv.core.procedures import Procedure
 from certkv.core.spec import CertificationSpec, GateSettings
 from certkv.errors import CertkvError, format_validation_error
+
+
+def certified_at() -> str:
+    """Now, as the ``created`` stamp of an operating point (UTC, seconds, ``Z``)."""
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def certkv_version() -> str:
+    """The installed certkv version, recorded in every operating point."""
+    from certkv._version import __version__
+
+    return __version__
 
 
 class ContractSummary(BaseModel):
@@ -141,6 +155,26 @@ class OperatingPoint(BaseModel):
     pilot: PilotInfo | None = None
     """The pilot split (null without one): its share, seed, size, the certification size and the
     pilot's request ids; n and the counts above are over the certification requests only."""
+    coverage: Coverage | None = None
+    """What was calibrated (strata, context lengths, decode length); the runtime answers requests
+    outside it from the full cache. Null in files written before it existed (nothing checked)."""
+    strata: StrataResult | None = None
+    """A stratified operating point (contract ``strata:``): one operating point per stratum, each
+    deployed for its own requests. The top-level fields then summarise them: ``policy`` is
+    ``"stratified"``, ``n``/``violations`` are sums over the strata, ``mean_kv_retained`` the pooled
+    mean over every certification request, ``risk_upper_bound`` the largest stratum bound, and
+    ``candidates``/``sequences`` are empty (each stratum has its own)."""
+
+    @property
+    def is_stratified(self) -> bool:
+        return self.strata is not None
+
+    def entry_for(self, stratum: str | None) -> OperatingPoint | None:
+        """The operating point that serves `stratum`: a stratum's entry when stratified (None for
+        a stratum it does not know, or none given), else this one."""
+        if self.strata is None:
+            return self
+        return None if stratum is None else self.strata.entries.get(stratum)
 
     @model_validator(mode="before")
     @classmethod
@@ -155,8 +189,11 @@ class OperatingPoint(BaseModel):
         data = self.model_dump(mode="json")
         if data.get("reason") is None:
             data.pop("reason", None)
-        if data.get("pilot") is None:
-            data.pop("pilot", None)
+        for key in ("pilot", "coverage", "strata"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        if self.strata is not None:
+            data["strata"]["entries"] = {name: op.to_dict() for name, op in self.strata.entries.items()}
         return data
 
     def to_json(self) -> str:
@@ -166,6 +203,21 @@ class OperatingPoint(BaseModel):
         """Write atomically (temporary file in the same folder, then rename): a reader never
         sees a half-written operating point, even if the process is killed mid-write."""
         return write_text_atomic(path, self.to_json())
+
+
+class StrataResult(BaseModel):
+    """The strata of a stratified operating point: ``by`` (the request field), whether the
+    guarantees hold ``simultaneously`` (each stratum certified at δ/S) or per stratum (each at δ),
+    the ``confidence`` each stratum was certified at, and one operating point per stratum."""
+
+    model_config = ConfigDict(extra="forbid")
+    by: str
+    simultaneous: bool
+    confidence: float
+    entries: dict[str, OperatingPoint]
+
+
+OperatingPoint.model_rebuild()
 
 
 def load_operating_point(path) -> OperatingPoint:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 #: The full cache: the reference policy of every request, never a candidate.
 REFERENCE_POLICY = "full"
+#: The top-level policy of a stratified operating point: each stratum deploys its own.
+STRATIFIED_POLICY = "stratified"
 
 _GATE_MARKERS = ("+drop", "+cert", "+confq", "+lookq", "+learnq")
 #: Name suffix of each pilot gate kind (followed by the quantile).

@@ -159,6 +159,27 @@ class PilotConfig(BaseModel):
     carries no guarantee, lowers it to 1 (:func:`certkv.calibration.records.preview_spec`)."""
 
 
+class StrataConfig(BaseModel):
+    """Certify each stratum of the calibration requests on its own (:mod:`certkv.core.strata`).
+
+    ``by`` names the request field whose values are the strata: ``task``, or ``metadata.<key>``
+    for a key of the requests' ``metadata`` (a loss table's ``stratum`` column holds the values).
+    ``simultaneous``: every stratum is certified at δ/S, so that all S guarantees hold together
+    with probability ≥ 1 − δ; otherwise each stratum is certified at δ (a guarantee per stratum).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    by: str = Field(default="task", min_length=1)
+    simultaneous: bool = False
+
+    @field_validator("by")
+    @classmethod
+    def _check_by(cls, value: str) -> str:
+        if value != "task" and not (value.startswith("metadata.") and value[len("metadata."):].strip()):
+            raise ValueError(f"strata.by {value!r} must be 'task' or 'metadata.<key>' (a key of the requests' metadata)")
+        return value
+
+
 class CandidateInfo(BaseModel):
     """What deploying a candidate needs beyond its press and retention: the ungated base policy,
     the press's kwargs and the gate (null for an ungated candidate). ``pilot_gate`` marks a gate
@@ -190,6 +211,12 @@ class CertificationSpec(BaseModel):
     candidate_info: dict[str, CandidateInfo] = Field(default_factory=dict)
     max_new_tokens: int | None = Field(default=None, ge=1, description="the contract's decode length")
     pilot: PilotConfig | None = Field(default=None, description="the pilot split (gate.pilot of a contract)")
+    strata: StrataConfig | None = Field(default=None, description="certify each stratum on its own (strata:)")
+    context_margin: float = Field(
+        default=0.0, ge=0.0, allow_inf_nan=False,
+        description="relative widening of the calibrated context-length range the runtime serves "
+                    "(coverage.context_margin)",
+    )
 
     @field_validator("sequences")
     @classmethod
@@ -251,5 +278,6 @@ __all__ = [
     "PilotConfig",
     "PilotGate",
     "PilotGateKind",
+    "StrataConfig",
     "delta_of",
 ]

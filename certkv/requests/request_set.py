@@ -19,7 +19,8 @@ from certkv.requests.builtin_tasks import MAX_CONTEXT, MIN_CONTEXT, MIXES, TASKS
 
 
 class Request(BaseModel):
-    """One calibration request; `answers` lists every acceptable answer."""
+    """One calibration request; `answers` lists every acceptable answer. `metadata` holds any
+    other labels of the request (a contract may certify per value of one: ``strata.by``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -28,6 +29,41 @@ class Request(BaseModel):
     context: str
     question: str
     answers: list[str]
+    metadata: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    def as_record(self) -> dict:
+        """The request as written to JSONL and hashed: ``metadata`` only when it holds something,
+        so request files and store digests made before it existed are unchanged."""
+        return self.model_dump(exclude=None if self.metadata else {"metadata"})
+
+
+def stratum_of(request: Request, by: str) -> str | None:
+    """The request's value of the strata field `by` (``task`` or ``metadata.<key>``) as text; None
+    when the request does not give it (a task left to its default counts as not given)."""
+    if by == "task":
+        return request.task if "task" in request.model_fields_set else None
+    value = request.metadata.get(by.removeprefix("metadata."))
+    return None if value is None else str(value)
+
+
+def check_strata(requests: list[Request], by: str) -> list[str]:
+    """Each request's stratum under `by`, or a one-line error: a field no request has, a request
+    without it, an empty value."""
+    values = [stratum_of(r, by) for r in requests]
+    if values and all(v is None for v in values):
+        keys = sorted({k for r in requests for k in r.metadata})
+        offered = ", ".join(["task", *(f"metadata.{k}" for k in keys)])
+        raise CertkvError(f"strata.by {by!r}: no request has this field; requests offer: {offered}")
+    missing = [r.id for r, v in zip(requests, values) if v is None]
+    if missing:
+        raise CertkvError(
+            f"strata.by {by!r}: request {missing[0]!r} does not give it ({len(missing)} of {len(requests)} "
+            "requests lack it); give every request a value or stratify by another field"
+        )
+    empty = [r.id for r, v in zip(requests, values) if not v.strip()]
+    if empty:
+        raise CertkvError(f"strata.by {by!r}: request {empty[0]!r} has an empty value; every stratum needs a name")
+    return values
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -99,7 +135,7 @@ def write_jsonl(requests: Iterable[Request], path: Path) -> int:
     count = 0
     with atomic_write(path) as fh:
         for r in requests:
-            fh.write(json.dumps(r.model_dump(), ensure_ascii=False) + "\n")
+            fh.write(json.dumps(r.as_record(), ensure_ascii=False) + "\n")
             count += 1
     return count
 

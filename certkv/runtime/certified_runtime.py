@@ -3,8 +3,11 @@
 :class:`CertifiedRuntime` answers one request at a time the way calibration measured it, so that
 what is deployed is exactly what was certified:
 
-1. Requests outside what the candidate can run (a context no longer than the press's window) and
-   operating points that fell back to the full cache are answered from the full cache.
+1. Operating points that fell back, requests outside the certificate's coverage envelope
+   (:mod:`certkv.core.coverage`: a stratum that was not calibrated, or none given to a stratified
+   operating point; a context outside the calibrated length range) and requests the candidate
+   cannot run (a context no longer than the press's window) are answered from the full cache. A
+   stratified operating point routes each request to its stratum's own certified policy.
 2. Fast-path presses (:func:`certkv.engine.scoring.is_fast_path_press`) and certkv's probabilistic
    press run on the engine's single-prefill path (:mod:`certkv.runtime.single_prefill`): one full
    prefill records the press's kept entries and the gate's signals; a pre-decode gate (agreement
@@ -38,9 +41,12 @@ class Decision:
     mode: str
     """``"evicted"`` (the press's cache answered) or ``"full"``."""
     reason: str | None
-    """Why the full cache answered: ``fallback``, ``precondition``, ``gate`` (agreement drop),
-    ``lookahead``, ``learned``, ``confidence`` or ``certificate``; None when the press answered."""
+    """Why the full cache answered: ``fallback``, ``uncovered`` (outside the coverage envelope),
+    ``precondition``, ``gate`` (agreement drop), ``lookahead``, ``learned``, ``confidence`` or
+    ``certificate``; None when the press answered."""
     policy: str
+    stratum: str | None = None
+    """The stratum the request named (None: none given)."""
     gate_kind: str | None = None
     """The operating point's gate (:func:`certkv.runtime.gates.gate_kind`); None when ungated."""
     agreement_drop: float | None = None
@@ -101,7 +107,9 @@ class CertifiedRuntime:
         The calibrated decode length by default; another length is refused, since the
         certificate covers answers of the calibrated length only.
 
-    A fallback operating point answers every request from the full cache; a gated one sends a
+    A stratified operating point deploys one runtime per stratum (:attr:`strata`), each its
+    stratum's certified policy; `press` cannot be passed for it. A fallback operating point
+    answers every request from the full cache; a gated one sends a
     request to the full cache when its gate says so (:class:`Decision` records which and why).
     Fast-path and probabilistic presses prefill each request once (module docstring); a press on
     kvpress's pipeline path whose gate needs the lookahead probe is refused (CertkvError).
@@ -132,6 +140,17 @@ class CertifiedRuntime:
         self.operating_point = operating_point
         self.max_new_tokens = self._decode_length(max_new_tokens)
         self.stop_ids = stop_token_ids(model)
+        self.strata: dict[str, CertifiedRuntime] = {}
+        """Per stratum, the runtime of its certified policy (empty unless stratified)."""
+        if operating_point.is_stratified:
+            if press is not None:
+                raise CertkvError(
+                    "a stratified operating point deploys each stratum's own press; pass no press object"
+                )
+            self.strata = {
+                name: CertifiedRuntime(model, tokenizer, entry, max_new_tokens=max_new_tokens)
+                for name, entry in operating_point.strata.entries.items()
+            }
         from certkv.runtime.gates import runtime_gate
 
         self.gate = runtime_gate(operating_point.gate)
@@ -139,7 +158,7 @@ class CertifiedRuntime:
         self.bound = self.gate.certificate
         self.press = None
         self.single_prefill = False
-        if not operating_point.fallback:
+        if not operating_point.fallback and not operating_point.is_stratified:
             self.press = self._build_press() if press is None else self._checked(press)
             self.single_prefill = self._on_single_prefill(self.press)
 
@@ -218,13 +237,19 @@ class CertifiedRuntime:
 
     # -- answering ----------------------------------------------------------------------------
 
-    def generate(self, context: str, question: str, max_new_tokens: int | None = None) -> RuntimeAnswer:
+    def generate(self, context: str, question: str, stratum: str | None = None, *,
+                 max_new_tokens: int | None = None) -> RuntimeAnswer:
         """Answer one request greedily; the decision record says which cache answered and why.
 
         Parameters
         ----------
         context, question : str
             Fed as kvpress does: the context is prefilled (and compressed), the question after it.
+        stratum : str, optional
+            The request's stratum (its task, or its value of the contract's ``strata.by``). A
+            stratified operating point answers a request without one, or with one it does not
+            know, from the full cache (reason ``uncovered``); a pooled one only checks that a
+            given stratum was calibrated.
         max_new_tokens : int, optional
             Must equal the calibrated decode length when given.
 
@@ -243,14 +268,23 @@ class CertifiedRuntime:
         for name, value in (("context", context), ("question", question)):
             if not isinstance(value, str):
                 raise CertkvError(f"{name} must be a string, got {type(value).__name__}")
+        if stratum is not None and not isinstance(stratum, str):
+            raise CertkvError(f"stratum must be a string or None, got {type(stratum).__name__}")
+        if stratum in self.strata:
+            return self.strata[stratum].generate(context, question, stratum, max_new_tokens=max_new)
         enc = encode_request(self.tokenizer, context, question)
         if not enc.context_ids:
             raise CertkvError("the context is empty; certkv answers questions about a context")
-        base = Decision(mode="full", reason=None, policy=self.policy, gate_kind=self.gate.kind,
+        base = Decision(mode="full", reason=None, policy=self.policy, stratum=stratum, gate_kind=self.gate.kind,
                         gate_threshold=self.threshold, certificate_bound=self.bound)
         t0 = time.perf_counter()
-        if self.press is None:
+        coverage = self.operating_point.coverage
+        outside = None if coverage is None else coverage.uncovered(stratum, len(enc.context_ids))
+        if outside is not None and not self.operating_point.fallback:
+            base.reason, base.detail = "uncovered", outside
+        elif self.press is None:
             base.reason = "fallback"
+        if base.reason is not None:
             seconds: dict = {}
             return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds)
         failure = press_precondition_failure(self.press, len(enc.context_ids))

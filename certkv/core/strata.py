@@ -1,0 +1,254 @@
+"""Certify each stratum of the calibration requests on its own (contract ``strata:``).
+
+One pooled certificate lets the most fragile task decide for every task: on the demo mix,
+multi-key requests break SnapKV far more often than single-needle ones, and a pooled contract falls
+back to the full cache for both. Partitioning the calibration requests by a request field (the
+task, or a ``metadata`` key) and certifying each part with the contract's τ, ε, sequences and gates
+gives each stratum the most aggressive policy its own requests support; the runtime then routes a
+request to its stratum's policy (and a request of an unknown stratum to the full cache).
+
+Two readings of δ (:class:`~certkv.core.spec.StrataConfig`):
+
+* per stratum (default): each stratum is certified at δ, so each stratum's guarantee holds with
+  probability ≥ 1 − δ on its own; the chance that at least one of S strata is wrong can reach S·δ;
+* ``simultaneous``: each stratum is certified at δ/S, so by the union bound all S guarantees hold
+  together with probability ≥ 1 − δ (and the pooled violation rate, a mixture of the strata's,
+  is ≤ ε as well).
+
+The strata are fixed by the contract before calibration (the field, not its values: the values are
+whatever the calibration requests carry), and each stratum's decision uses only its own requests,
+so the per-stratum certificates are exactly those of :func:`~certkv.core.certify.certify` on each
+stratum's table (with a pilot, each stratum draws its own pilot from its own ids). A stratum with
+fewer certification requests than a zero-violation certificate needs falls back with that reason
+and its requests are answered from the full cache. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from certkv.core.binomial import binomial_p_value
+from certkv.core.coverage import merge_coverage
+from certkv.core.loss_table import LossTable
+from certkv.core.operating_point import (
+    ContractSummary,
+    OperatingPoint,
+    StrataResult,
+    TaskBreakdown,
+    certified_at,
+    certkv_version,
+)
+from certkv.core.pilot import pilot_size
+from certkv.core.policy_names import REFERENCE_POLICY, STRATIFIED_POLICY
+from certkv.core.procedures import candidate_levels
+from certkv.core.spec import CertificationSpec
+from certkv.errors import CertkvError
+
+
+def stratum_labels(table: LossTable, by: str) -> tuple[str, ...]:
+    """Each request's stratum: the table's ``stratum`` column, or its ``task`` column for
+    ``by: task``; a request without a value (or with an empty one) is an error."""
+    labels = table.strata
+    if labels is None and by == "task":
+        labels = table.tasks
+    if labels is None:
+        column = "a task or stratum column" if by == "task" else "a stratum column"
+        raise CertkvError(
+            f"{table.source}: strata.by {by!r} needs {column}, and these records have none; recalibrate "
+            "under this contract (the store records each request's stratum) or add the column to the loss table"
+        )
+    missing = [rid for rid, label in zip(table.request_ids, labels) if label is None or not str(label).strip()]
+    if missing:
+        raise CertkvError(
+            f"{table.source}: request {missing[0]!r} has no {by} value ({len(missing)} of {table.n_requests} "
+            f"requests lack one); give every request a non-empty {by}"
+        )
+    return tuple(str(label) for label in labels)
+
+
+def stratum_spec(spec: CertificationSpec, n_strata: int) -> CertificationSpec:
+    """The spec each stratum is certified under: no strata, and δ/S when `simultaneous`."""
+    confidence = spec.confidence
+    if spec.strata.simultaneous and n_strata > 1:
+        confidence = round(1.0 - spec.delta / n_strata, 12)
+    return spec.model_copy(update={"strata": None, "confidence": confidence})
+
+
+def fewest_requests(spec: CertificationSpec) -> int:
+    """Fewest certification requests with which any candidate of `spec` can certify: n such that
+    zero violations give a p-value ``(1 − ε)^n`` ≤ the most generous level the procedure gives a
+    candidate (δ/m for fixed_sequence, δ/N for bonferroni and Holm's first step, δ for
+    pilot_ordered)."""
+    level = float(candidate_levels(np.zeros(len(spec.candidates)), spec.lengths, spec.delta, spec.procedure).max())
+    n = max(1, math.ceil(math.log(level) / math.log1p(-spec.risk)))
+    while n > 1 and binomial_p_value(0, n - 1, spec.risk) <= level:  # float rounding at the ceiling
+        n -= 1
+    while binomial_p_value(0, n, spec.risk) > level:
+        n += 1
+    return n
+
+
+def certify_stratified(table: LossTable, spec: CertificationSpec, certify_one, *, contract_sha256: str | None,
+                       records_sha256: str) -> OperatingPoint:
+    """One operating point per stratum of `table`, and their pooled summary (the module docstring).
+
+    Parameters
+    ----------
+    table : LossTable
+        Every calibration request (pilot included), with a stratum or task column.
+    spec : CertificationSpec
+        With ``strata`` set; each stratum is certified under :func:`stratum_spec`.
+    certify_one : callable
+        :func:`certkv.core.certify.certify` (passed in: it is what dispatches here), called as
+        ``certify_one(stratum_table, stratum_spec, contract_sha256=..., records_sha256=...)``.
+    contract_sha256, records_sha256 : str
+        Bound into every entry and the summary (the records hash is the whole table's).
+
+    Returns
+    -------
+    OperatingPoint
+        ``strata.entries`` holds each stratum's operating point; the top level is their summary
+        (:class:`~certkv.core.operating_point.OperatingPoint`, field ``strata``).
+    """
+    by = spec.strata.by
+    labels = stratum_labels(table, by)
+    names = sorted(set(labels))
+    per_stratum = stratum_spec(spec, len(names))
+    need = fewest_requests(per_stratum)
+    codes = _codes(labels, names)
+    entries = {}
+    for s, name in enumerate(names):
+        columns = np.flatnonzero(codes == s)
+        sub = table.take_requests(columns, source=f"{table.source} [{by} {name}]")
+        n_cert = columns.size
+        floor = need
+        if per_stratum.pilot is not None:
+            n_cert -= pilot_size(columns.size, per_stratum.pilot.share)
+            floor = max(need, per_stratum.pilot.min_certification)
+        if n_cert < floor:
+            entry = _too_small(sub, per_stratum, name, by, n_cert, floor, need, contract_sha256, records_sha256)
+        else:
+            entry = certify_one(sub, per_stratum, contract_sha256=contract_sha256, records_sha256=records_sha256)
+            entry.guarantee = stratum_guarantee(per_stratum, by, name, entry.fallback)
+        coverage = entry.coverage.model_copy(update={"by": by, "strata": [name], "stratum_required": True})
+        entries[name] = entry.model_copy(update={"coverage": coverage})
+    return _summary(entries, spec, per_stratum, by, contract_sha256, records_sha256)
+
+
+def stratum_guarantee(spec: CertificationSpec, by: str, name: str, fallback: bool) -> str:
+    """One stratum's promise in words (`spec`: the per-stratum spec)."""
+    if fallback:
+        return f"Nothing was certified for {by} {name!r}; its requests are answered from the full cache."
+    return (
+        f"With probability ≥ {spec.confidence:.12g} over the calibration draw, at most {spec.risk * 100:g}% of "
+        f"{by} {name!r} requests lose more than {float(spec.tolerance)} utility under this policy."
+    )
+
+
+def strata_guarantee(spec: CertificationSpec, per_stratum: CertificationSpec, by: str, n_strata: int) -> str:
+    """The stratified promise in words, with which reading of δ holds."""
+    eps, tau = f"{spec.risk * 100:g}%", float(spec.tolerance)
+    if spec.strata.simultaneous:
+        return (
+            f"With probability ≥ {spec.confidence:g} over the calibration draw, for every one of the {n_strata} "
+            f"{by} strata at once, at most {eps} of that stratum's requests lose more than {tau} utility under "
+            f"its policy (each stratum certified at confidence {per_stratum.confidence:.12g}), so the mix of "
+            f"calibrated strata loses more than {tau} on at most {eps} too. Requests of another {by} are "
+            "answered from the full cache."
+        )
+    return (
+        f"For each of the {n_strata} {by} strata on its own: with probability ≥ {spec.confidence:g} over the "
+        f"calibration draw, at most {eps} of its requests lose more than {tau} utility under its policy. The "
+        f"guarantees are per stratum (the chance that some stratum's fails may exceed {spec.delta:g}; set "
+        f"strata.simultaneous for a joint guarantee). Requests of another {by} are answered from the full cache."
+    )
+
+
+def _too_small(sub, spec, name, by, n_cert, floor, need, contract_sha256, records_sha256) -> OperatingPoint:
+    """A stratum too small to certify anything: the full cache, with why."""
+    from certkv.core.coverage import coverage_of
+
+    if floor > need:
+        why = f"the pilot leaves {n_cert} certification requests, fewer than the {floor} a pilot must leave"
+    else:
+        why = (f"{n_cert} certification requests, fewer than the {need} that certifying anything at "
+               f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations")
+    reason = f"{by} {name!r} is too small to certify: {why}; using the full cache"
+    return OperatingPoint(
+        policy=REFERENCE_POLICY, base_policy=REFERENCE_POLICY, press=REFERENCE_POLICY, kv_retained=1.0,
+        mean_kv_retained=1.0, kv_retained_actual=1.0, fallback=True, reason=reason, n=max(n_cert, 0),
+        violations=0, empirical_risk=0.0, risk_upper_bound=0.0, p_value=None, candidates=[], sequences=[],
+        guarantee=stratum_guarantee(spec, by, name, True), contract=ContractSummary.of(spec),
+        max_new_tokens=spec.max_new_tokens,
+        coverage=coverage_of(sub.context_tokens, None, None, context_margin=spec.context_margin,
+                             max_new_tokens=spec.max_new_tokens),
+        contract_sha256=contract_sha256, records_sha256=records_sha256, created=certified_at(),
+        certkv_version=certkv_version(), notes=[reason],
+    )
+
+
+def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract_sha256, records_sha256) -> OperatingPoint:
+    """The top level of a stratified operating point: sums and pooled means over the strata."""
+    ops = list(entries.values())
+    n = sum(op.n for op in ops)
+    violations = sum(op.violations for op in ops)
+    weights = np.asarray([op.n for op in ops], dtype=float)
+    weights = weights / weights.sum() if weights.sum() > 0 else np.full(len(ops), 1.0 / len(ops))
+
+    def pooled(values) -> float:
+        return float(np.dot(weights, values))
+
+    actual = [op.kv_retained_actual for op in ops]
+    per_task: dict[str, TaskBreakdown] = {}
+    for op in ops:
+        for task, t in op.per_task.items():
+            old = per_task.get(task)
+            n_t = t.n + (old.n if old else 0)
+            k_t = t.violations + (old.violations if old else 0)
+            per_task[task] = TaskBreakdown(n=n_t, violations=k_t, rate=k_t / n_t if n_t else 0.0,
+                                           exceeds_risk=n_t > 0 and k_t / n_t > spec.risk)
+    fallback = all(op.fallback for op in ops)
+    certified = [name for name, op in entries.items() if not op.fallback]
+    notes = [f"{by} {name!r}: {op.reason}" for name, op in entries.items() if op.fallback and op.reason]
+    return OperatingPoint(
+        policy=STRATIFIED_POLICY,
+        base_policy=STRATIFIED_POLICY,
+        press=STRATIFIED_POLICY,
+        kv_retained=pooled([op.kv_retained for op in ops]),
+        mean_kv_retained=pooled([op.mean_kv_retained for op in ops]),
+        kv_retained_actual=None if None in actual else pooled(actual),
+        fallback=fallback,
+        reason=(f"no {by} stratum certified a candidate; using the full cache for every request" if fallback
+                else None),
+        contract=ContractSummary.of(spec),
+        n=n,
+        violations=violations,
+        empirical_risk=violations / n if n else 0.0,
+        risk_upper_bound=max(op.risk_upper_bound for op in ops),
+        p_value=None,
+        candidates=[],
+        sequences=[],
+        per_task=dict(sorted(per_task.items())),
+        guarantee=strata_guarantee(spec, per_stratum, by, len(ops)),
+        notes=[f"certified per {by}: {len(certified)} of {len(ops)} strata chose a compressed policy", *notes],
+        max_new_tokens=spec.max_new_tokens,
+        coverage=merge_coverage({k: op.coverage for k, op in entries.items()}, by,
+                                context_margin=spec.context_margin, max_new_tokens=spec.max_new_tokens),
+        strata=StrataResult(by=by, simultaneous=spec.strata.simultaneous, confidence=per_stratum.confidence,
+                            entries=entries),
+        contract_sha256=contract_sha256,
+        records_sha256=records_sha256,
+        created=certified_at(),
+        certkv_version=certkv_version(),
+    )
+
+
+def _codes(labels, names) -> np.ndarray:
+    index = {name: i for i, name in enumerate(names)}
+    return np.fromiter((index[label] for label in labels), dtype=np.int64, count=len(labels))
+
+
+__all__ = ["certify_stratified", "fewest_requests", "strata_guarantee", "stratum_guarantee", "stratum_labels",
+           "stratum_spec"]
