@@ -94,6 +94,7 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_certify_cli.py",
     "test_prompt_lookup.py",
     "test_docs.py",
+    "test_strata.py",
 })
 _HEAVY = ("torch", "transformers", "kvpress")
 _LOADED_BEFORE_RUN = pytest.StashKey[set]()
