@@ -596,3 +596,18 @@ def test_fallback_has_no_gate():
     op = certify([{"request_id": f"r{i}", "policy": "x@0.50", "kv_retained": 0.5, "loss": 1.0} for i in range(100)],
                  {"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "sequences": [["x@0.50"]]})
     assert op.fallback and op.gate is None and op.base_policy == "full" and op.gated_share == 0.0
+
+
+@pytest.mark.parametrize("missing", [None, float("nan")])
+def test_the_runtime_gate_sends_a_request_whose_signal_is_missing_to_the_full_cache(missing):
+    """Certification refuses records without a gate's signal, so the runtime must not let a request
+    whose signal it could not read through as if the gate had not fired."""
+    from certkv.core.spec import GateSettings
+    from certkv.runtime.gates import runtime_gate
+
+    pre = runtime_gate(GateSettings(agreement_drop=0.1))
+    assert pre.before_decode({"agreement_drop": 0.5}) is None
+    assert pre.before_decode({"agreement_drop": missing}) == "gate"
+    post = runtime_gate(GateSettings(confidence=0.2))
+    assert post.after_decode({"confidence_min": 0.9, "certificate_max": None}) is None
+    assert post.after_decode({"confidence_min": missing, "certificate_max": None}) == "confidence"

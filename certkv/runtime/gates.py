@@ -76,11 +76,17 @@ class RuntimeGate:
     @staticmethod
     def _first_firing(signals: Mapping, parts) -> str | None:
         """The decision reason of the first (part, threshold, reason) whose part fires, through
-        :func:`certkv.core.gated.fires` (certification's own comparison); None when none does."""
+        :func:`certkv.core.gated.fires` (certification's own comparison); None when none does.
+
+        A signal the gate needs but could not read (None or NaN) fires: certification refuses
+        records without it, so nothing certified such a request, and the full cache answers it."""
         from certkv.core.gated import GATE_PARTS, fires
 
         for part, threshold, reason in parts:
-            if threshold is not None and fires(part, signals[GATE_PARTS[part][0]], threshold):
+            if threshold is None:
+                continue
+            value = signals.get(GATE_PARTS[part][0])
+            if value is None or value != value or fires(part, value, threshold):
                 return reason
         return None
 
