@@ -50,6 +50,7 @@ def certification_spec(contract):
             "max_new_tokens": contract.protocol.max_new_tokens,
             "pilot": pilot,
             "strata": None if contract.strata is None else contract.strata.model_dump(),
+            "utility": contract.utility,
             "context_margin": 0.0 if contract.coverage is None else contract.coverage.context_margin,
         },
         source=f"contract {contract.name}",

@@ -38,16 +38,21 @@ def certkv_version() -> str:
 
 
 class ContractSummary(BaseModel):
+    """The contract terms a result was computed under; ``utility`` (null for a bare loss table's
+    spec) is the score calibration used, which a live monitor must use too."""
+
     model_config = ConfigDict(extra="forbid")
     tolerance: float
     risk: float
     confidence: float
     procedure: Procedure
+    utility: str | None = None
 
     @classmethod
     def of(cls, spec: CertificationSpec) -> ContractSummary:
         """The contract terms a result reports, taken from the spec it was computed under."""
-        return cls(tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure)
+        return cls(tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure,
+                   utility=spec.utility)
 
 
 class TaskBreakdown(BaseModel):

@@ -212,6 +212,9 @@ class CertificationSpec(BaseModel):
     max_new_tokens: int | None = Field(default=None, ge=1, description="the contract's decode length")
     pilot: PilotConfig | None = Field(default=None, description="the pilot split (gate.pilot of a contract)")
     strata: StrataConfig | None = Field(default=None, description="certify each stratum on its own (strata:)")
+    utility: str | None = Field(
+        default=None, description="the contract's utility, recorded so that live answers are scored as calibration scored them"
+    )
     context_margin: float = Field(
         default=0.0, ge=0.0, allow_inf_nan=False,
         description="relative widening of the calibrated context-length range the runtime serves "
