@@ -95,6 +95,7 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_prompt_lookup.py",
     "test_docs.py",
     "test_strata.py",
+    "test_monitor.py",
 })
 _HEAVY = ("torch", "transformers", "kvpress")
 _LOADED_BEFORE_RUN = pytest.StashKey[set]()
