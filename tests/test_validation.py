@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import numpy as np
 import pytest
+import yaml
+from conftest import run_main
 from scipy.stats import binom
 
 from certkv.core.binomial import binomial_p_value_table
 from certkv.core.certify import certify, decide, select_candidates
 from certkv.core.spec import CertificationSpec
-from certkv.core.validation import calibration_masks, empirical_eligible, validate
+from certkv.core.strata import stratum_spec
+from certkv.core.validation import ValidationResult, calibration_masks, empirical_eligible, stratum_seed, validate
 from certkv.errors import CertkvError
 
 # ----------------------------------------------------------------------------- simulation
@@ -183,3 +187,147 @@ def test_validate_input_errors(kwargs, match):
     rows = loss_rows(n=20)
     with pytest.raises(CertkvError, match=match):
         validate(rows, spec_for(rows), **kwargs)
+
+
+# ----------------------------------------------------------------------------- stratified validate()
+
+#: Known violation rates per stratum of four nested candidates (snapkv@0.80 … @0.20): "easy" supports
+#: @0.40 (0.03 < ε), "hard" @0.80 at most (0.02; @0.60 is at 0.06 > ε).
+STRATUM_RISKS = {"easy": (0.0, 0.01, 0.03, 0.2), "hard": (0.02, 0.06, 0.15, 0.3)}
+
+
+def stratum_rows(sizes=None, seed: int = 0) -> list[dict]:
+    """Rows of requests in strata (the task column) whose violations are drawn at STRATUM_RISKS; a request that
+    violates one candidate violates every more aggressive one."""
+    sizes = sizes or {"easy": 400, "hard": 300}
+    rng = np.random.default_rng(seed)
+    rows = []
+    for name, n in sizes.items():
+        risks = STRATUM_RISKS.get(name, STRATUM_RISKS["easy"])
+        for i, u in enumerate(rng.random(n)):
+            rows += [{"request_id": f"{name}{i:04d}", "policy": f"snapkv@{0.8 - 0.2 * j:.2f}",
+                      "kv_retained": round(0.8 - 0.2 * j, 2), "loss": float(u < r), "task": name}
+                     for j, r in enumerate(risks)]
+    return rows
+
+
+def stratified_spec(rows, simultaneous: bool = False, **kw) -> CertificationSpec:
+    return spec_for(rows, strata={"by": "task", "simultaneous": simultaneous}, **kw)
+
+
+def comparable(result) -> dict:
+    """A result without its note (a stratum's note may add why certkv cannot certify there)."""
+    return {k: v for k, v in result.to_dict().items() if k != "note"}
+
+
+@pytest.mark.parametrize("simultaneous", [False, True])
+def test_each_stratum_is_validate_of_its_own_table(simultaneous):
+    rows = stratum_rows()
+    spec = stratified_spec(rows, simultaneous)
+    result = validate(rows, spec, n_splits=200, seed=5)
+    assert result.by == "task" and sorted(result.strata) == ["easy", "hard"] and result.pilot is None
+    per = stratum_spec(spec, 2)
+    assert per.confidence == pytest.approx(0.975 if simultaneous else 0.95)
+    for name, entry in result.strata.items():
+        alone = validate([r for r in rows if r["task"] == name], per, n_splits=200, seed=stratum_seed(5, name))
+        assert entry.seed == stratum_seed(5, name) and entry.contract.confidence == per.confidence
+        assert comparable(entry) == comparable(alone)
+    # The known rates decide: easy always certifies a compressed candidate, hard mostly no more than @0.80.
+    easy, hard = result.strata["easy"].methods["certkv"], result.strata["hard"].methods["certkv"]
+    assert "full" not in easy.chosen and easy.mean_kv_retained < hard.mean_kv_retained
+    assert hard.chosen.get("full", 0) + hard.chosen.get("snapkv@0.80", 0) > 0.8 * 200
+
+
+def test_pooled_numbers_combine_the_strata_by_test_requests():
+    rows = stratum_rows()
+    result = validate(rows, stratified_spec(rows), n_splits=300, seed=2)
+    easy, hard = result.strata["easy"], result.strata["hard"]
+    assert (result.n_requests, result.n_calibration, result.n_test) == (700, 350, 350)
+    assert (easy.n_test, hard.n_test) == (200, 150)
+    for method, pooled in result.methods.items():
+        a, b = easy.methods[method], hard.methods[method]
+        k = np.rint(np.asarray(a.test_risks) * 200).astype(int) + np.rint(np.asarray(b.test_risks) * 150).astype(int)
+        assert pooled.test_risks == pytest.approx(list(k / 350))
+        assert pooled.exceed_count == int((k > 0.05 * 350).sum())
+        assert pooled.mean_kv_retained == pytest.approx((200 * a.mean_kv_retained + 150 * b.mean_kv_retained) / 350)
+        assert pooled.fallback_share == pytest.approx((200 * a.fallback_share + 150 * b.fallback_share) / 350)
+        assert pooled.chosen == {**{f"easy:{p}": c for p, c in a.chosen.items()},
+                                 **{f"hard:{p}": c for p, c in b.chosen.items()}}
+        assert sum(pooled.chosen.values()) == 2 * 300
+
+
+def test_simultaneous_validates_each_stratum_at_delta_over_s():
+    rows = stratum_rows(sizes={"easy": 400, "hard": 300, "easy2": 300})
+    per_stratum = validate(rows, stratified_spec(rows), n_splits=100, seed=1)
+    joint = validate(rows, stratified_spec(rows, simultaneous=True), n_splits=100, seed=1)
+    assert [e.contract.confidence for e in joint.strata.values()] == pytest.approx([1 - 0.05 / 3] * 3)
+    assert {e.contract.confidence for e in per_stratum.strata.values()} == {0.95}
+    # A stricter level certifies no more aggressively on the very same splits.
+    for name in joint.strata:
+        assert (joint.strata[name].methods["certkv"].mean_kv_retained
+                >= per_stratum.strata[name].methods["certkv"].mean_kv_retained)
+
+
+def test_a_stratum_too_small_to_certify_gets_the_full_cache():
+    rows = stratum_rows(sizes={"easy": 400, "tiny": 30})
+    result = validate(rows, stratified_spec(rows), n_splits=50, seed=0)
+    tiny = result.strata["tiny"]
+    # 15 calibration requests: at ε = δ = 0.05 a zero-violation certificate needs 59.
+    assert tiny.n_calibration == 15 and tiny.methods["certkv"].chosen == {"full": 50}
+    assert tiny.methods["certkv"].fallback_share == 1.0 and "full cache on every split" in tiny.note
+    assert "59" in tiny.note
+    assert "full" not in result.strata["easy"].methods["certkv"].chosen
+
+
+@pytest.mark.parametrize(
+    "sizes,pilot,match",
+    [
+        ({"easy": 400, "tiny": 1}, None, "split into 0 calibration and 1 test"),
+        ({"easy": 400, "tiny": 60}, {"share": 0.25}, "fewer than the 100 a pilot must leave"),
+    ],
+)
+def test_a_stratum_that_cannot_be_split_does_not_crash(sizes, pilot, match):
+    rows = stratum_rows(sizes=sizes)
+    result = validate(rows, stratified_spec(rows, pilot=pilot), n_splits=40, seed=0)
+    tiny = result.strata["tiny"]
+    assert match in tiny.note and "too small to validate" in tiny.note and tiny.pilot is None
+    for method in tiny.methods.values():
+        assert method.chosen == {"full": 40} and method.test_risks == [0.0] * 40 and method.mean_kv_retained == 1.0
+    easy = result.strata["easy"]
+    assert (easy.pilot is not None) == (pilot is not None)
+    assert result.n_test == easy.n_test + tiny.n_test
+
+
+def test_stratified_result_round_trips_through_json():
+    rows = stratum_rows()
+    result = validate(rows, stratified_spec(rows, pilot={"share": 0.25}), n_splits=30, seed=4)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["by"] == "task" and set(data["strata"]) == {"easy", "hard"}
+    assert data["strata"]["easy"]["pilot"]["n_pilot"] == 100 and data["strata"]["easy"]["strata"] is None
+    assert ValidationResult.model_validate(data) == result
+    # An older validation.json (no by, no strata) still loads.
+    old = validate(rows, spec_for(rows), n_splits=10).to_dict()
+    del old["by"], old["strata"]
+    assert ValidationResult.model_validate(old).strata is None
+
+
+def test_validate_command_writes_the_strata(tmp_path):
+    rows = stratum_rows()
+    records = tmp_path / "records.csv"
+    with records.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    contract = {
+        "name": "strata", "requests": {"source": "builtin:demo"}, "utility": "exact_match", "tolerance": 0.0,
+        "risk": 0.05, "confidence": 0.95, "policies": [{"press": "snapkv", "kv_retained": [0.8, 0.6, 0.4, 0.2]}],
+        "strata": {"by": "task", "simultaneous": True}, "store": "store",
+    }
+    path = tmp_path / "contract.yaml"
+    path.write_text(yaml.safe_dump(contract, sort_keys=False))
+    out = tmp_path / "v.json"
+    assert run_main("validate", str(path), "--records", str(records), "--splits", "40", "-o", str(out)) == 0
+    data = json.loads(out.read_text())
+    assert data["by"] == "task" and set(data["strata"]) == {"easy", "hard"}
+    assert data["strata"]["hard"]["contract"]["confidence"] == pytest.approx(0.975)
+    assert data["n_test"] == data["strata"]["easy"]["n_test"] + data["strata"]["hard"]["n_test"]

@@ -22,18 +22,29 @@ Speed: the violation matrix (requests × candidates) is computed once; each bloc
 0/1 calibration mask, and the calibration counts of all candidates on all splits of the block are a
 single matrix product. The decision itself is :func:`certkv.core.certify.decide`, the same code
 :func:`certkv.core.certify.certify` runs.
+
+A stratified spec (``strata:``) is validated the way it certifies: every stratum on its own, under
+its per-stratum spec (:func:`certkv.core.strata.stratum_spec`), with its own pilot and its own
+splits (seed :func:`stratum_seed`), so each entry of ``ValidationResult.strata`` is exactly
+:func:`validate` of that stratum's table. The top level pools the strata split by split: split i
+splits every stratum, and its test risk is the strata's test violations over their test requests
+(:func:`_pool`). A stratum too small to certify anything (or to split, or to draw its pilot) gets
+the full cache on every split, with that reason in its note, instead of an error.
 """
 
 from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
 from certkv.core.certify import candidate_rows, decide, prepare, select_candidates
-from certkv.core.loss_table import as_loss_table
+from certkv.core.loss_table import LossTable, as_loss_table
 from certkv.core.operating_point import ContractSummary
-from certkv.core.pilot import PilotInfo
+from certkv.core.pilot import PilotInfo, pilot_size
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import CertificationSpec
 from certkv.errors import CertkvError
@@ -64,7 +75,13 @@ class MethodResult(BaseModel):
 
 
 class ValidationResult(BaseModel):
-    """Repeated-split results for both methods; ``to_dict()`` is JSON-ready."""
+    """Repeated-split results for both methods; ``to_dict()`` is JSON-ready.
+
+    For a stratified spec ``by`` names the strata's field and ``strata`` holds each stratum's own
+    result (its ``seed`` is the derived :func:`stratum_seed`); the top level then pools them
+    (:func:`_pool` defines every pooled field) and has no pilot. Both are None for a pooled spec,
+    which keeps older validation.json files loading.
+    """
 
     model_config = ConfigDict(extra="forbid")
     contract: ContractSummary
@@ -77,9 +94,44 @@ class ValidationResult(BaseModel):
     methods: dict[str, MethodResult]
     note: str
     pilot: PilotInfo | None = None
+    by: str | None = None
+    strata: dict[str, ValidationResult] | None = None
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
+
+
+POOLED_NOTE = (
+    "exceed_fraction: share of splits whose chosen policy has a test-half violation rate "
+    "above ε (full-cache fallback counts as 0). Test halves are finite and splits overlap, "
+    "so this is a noisy, descriptive estimate; the interval is Clopper–Pearson over splits."
+)
+
+
+@dataclass(frozen=True)
+class SplitOutcomes:
+    """One method's per-split outcome on one table: the chosen candidate (-1: full cache), its
+    test-half violation count (an integer) and its test-half mean memory (1.0 for the full cache)."""
+
+    index: np.ndarray
+    k_test: np.ndarray
+    used_kv: np.ndarray
+
+
+@dataclass(frozen=True)
+class SplitRun:
+    """The repeated splits of one table: its sizes, candidate names, pilot and each method's outcomes.
+
+    Kept apart from :class:`ValidationResult` because pooling strata needs the integer counts of
+    every split, which the result only holds as rates.
+    """
+
+    n_requests: int
+    n_cal: int
+    n_test: int
+    names: list[str]
+    resolution: object
+    outcomes: dict[str, SplitOutcomes]
 
 
 def validate(
@@ -95,6 +147,7 @@ def validate(
     :func:`~certkv.core.certify.certify`, and measures the chosen candidate's violation rate on
     the rest; empirical thresholding (the cheapest candidate whose calibration rate is ≤ ε) is
     scored on the same splits for comparison. Splits overlap, so the result is descriptive.
+    A stratified spec is validated per stratum and pooled (the module docstring).
 
     Parameters
     ----------
@@ -111,19 +164,31 @@ def validate(
     -------
     ValidationResult
         Per method: the share of splits whose test risk exceeds ε, its interval, mean KV and
-        fallback share, and the policies chosen.
+        fallback share, and the policies chosen; per stratum too when the spec has strata.
     """
     spec = CertificationSpec.parse(spec)
     n_splits, calibration_fraction = _check_settings(n_splits, calibration_fraction)
-    # Gated candidates derived (memory 1.0 where gated); with a pilot, the certification requests
-    # only, under the thresholds and order the pilot fixed once (the splits never refit them).
-    table, spec, resolution = prepare(as_loss_table(records), spec)
+    table = as_loss_table(records)
+    if spec.strata is not None:
+        return _validate_stratified(table, spec, n_splits, calibration_fraction, seed)
+    run = run_splits(table, spec, n_splits, calibration_fraction, seed)
+    return _result(run, spec, n_splits, calibration_fraction, seed, POOLED_NOTE)
+
+
+def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float,
+               seed: int) -> SplitRun:
+    """Both methods' choices and test outcomes on `n_splits` random splits of one unstratified table.
+
+    Gated candidates are derived (memory 1.0 where gated); with a pilot, only the certification
+    requests are split, under the thresholds and order the pilot fixed once (the splits never
+    refit them).
+    """
+    table, spec, resolution = prepare(table, spec)
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance).T.astype(float)  # (R, C)
     memory = np.ascontiguousarray(table.memory[rows].T)  # (R, C)
     n_requests = table.n_requests
-    n_cal = int(round(calibration_fraction * n_requests))
-    n_test = n_requests - n_cal
+    n_cal, n_test = _halves(n_requests, calibration_fraction)
     if n_cal < 1 or n_test < 1:
         raise CertkvError(
             f"calibration_fraction {calibration_fraction} leaves {n_cal} calibration and {n_test} "
@@ -132,9 +197,7 @@ def validate(
 
     rng = np.random.default_rng(seed)
     p_table = binomial_p_value_table(n_cal, spec.risk)
-    chosen = {m: [] for m in METHODS}
-    test_k = {m: [] for m in METHODS}
-    kv = {m: [] for m in METHODS}
+    parts = {m: [] for m in METHODS}
     for size in _blocks(n_splits):
         cal = calibration_masks(rng, size, n_requests, n_cal)
         k_cal, k_test, mem_cal, mem_test = _split_statistics(cal, violations, memory)
@@ -146,33 +209,151 @@ def validate(
             ),
         }
         for method, index in picks.items():
-            k_chosen, used_kv = _score(index, k_test, mem_test)
-            chosen[method].append(index)
-            test_k[method].append(k_chosen)
-            kv[method].append(used_kv)
+            parts[method].append((index, *_score(index, k_test, mem_test)))
+    outcomes = {m: SplitOutcomes(*(np.concatenate(column) for column in zip(*parts[m]))) for m in METHODS}
+    return SplitRun(n_requests, n_cal, n_test, [table.policies[r] for r in rows], resolution, outcomes)
 
-    names = [table.policies[r] for r in rows]
+
+def stratum_seed(seed: int, stratum: str) -> int:
+    """The split seed of one stratum: the first 13 hex digits of ``sha256(f"{seed}:{stratum}")``.
+
+    Derived from the name rather than the stratum's position, so adding a stratum does not redraw
+    the others' splits; 52 bits, so the seed survives a JSON reader that parses numbers as doubles.
+    """
+    return int(hashlib.sha256(f"{seed}:{stratum}".encode()).hexdigest()[:13], 16)
+
+
+def _validate_stratified(table: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float,
+                         seed: int) -> ValidationResult:
+    """Each stratum validated under its per-stratum spec, then pooled split by split (:func:`_pool`)."""
+    from certkv.core.strata import stratum_labels, stratum_spec
+
+    by = spec.strata.by
+    labels = np.asarray(stratum_labels(table, by), dtype=object)
+    names = sorted(set(labels))
+    per_stratum = stratum_spec(spec, len(names))
+    runs, results = {}, {}
+    for name in names:
+        sub = table.take_requests(np.flatnonzero(labels == name), source=f"{table.source} [{by} {name}]")
+        runs[name], note = _stratum_run(sub, per_stratum, n_splits, calibration_fraction, stratum_seed(seed, name))
+        results[name] = _result(runs[name], per_stratum, n_splits, calibration_fraction,
+                                stratum_seed(seed, name), note)
+    return _pool(runs, results, spec, per_stratum, n_splits, calibration_fraction, seed)
+
+
+def _stratum_run(sub: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float,
+                 seed: int) -> tuple[SplitRun, str]:
+    """One stratum's splits and note; the full cache on every split when it is too small to run."""
+    from certkv.core.strata import fewest_requests
+
+    n_cert = sub.n_requests
+    if spec.pilot is not None:
+        n_cert -= pilot_size(sub.n_requests, spec.pilot.share)
+    n_cal, n_test = _halves(n_cert, calibration_fraction)
+    why = _unsplittable(sub.n_requests, n_cert, n_cal, n_test, spec)
+    if why:
+        note = f"too small to validate: {why}; certkv and empirical thresholding use the full cache on every split"
+        return _full_cache_run(n_cert, n_cal, n_test, n_splits), note
+    run = run_splits(sub, spec, n_splits, calibration_fraction, seed)
+    need = fewest_requests(spec)
+    if run.n_cal < need:
+        return run, (f"{POOLED_NOTE} A calibration half has {run.n_cal} requests, fewer than the {need} that "
+                     f"certifying anything at ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with "
+                     "zero violations, so certkv chooses the full cache on every split here.")
+    return run, POOLED_NOTE
+
+
+def _unsplittable(n_requests: int, n_cert: int, n_cal: int, n_test: int, spec: CertificationSpec) -> str:
+    """Why a stratum's requests cannot be split (or its pilot drawn), or "" when they can."""
+    if spec.pilot is not None and n_requests - n_cert < 1:
+        return f"a pilot share of {spec.pilot.share:g} draws no pilot request from its {n_requests}"
+    if spec.pilot is not None and n_cert < spec.pilot.min_certification:
+        return (f"the pilot leaves {n_cert} certification requests, fewer than the "
+                f"{spec.pilot.min_certification} a pilot must leave")
+    if n_cal < 1 or n_test < 1:
+        return f"its {n_cert} certification requests split into {n_cal} calibration and {n_test} test requests"
+    return ""
+
+
+def _full_cache_run(n_requests: int, n_cal: int, n_test: int, n_splits: int) -> SplitRun:
+    """Every split of a too-small stratum: both methods fall back (no violation, memory 1.0)."""
+    full = SplitOutcomes(np.full(n_splits, -1), np.zeros(n_splits, dtype=np.int64), np.ones(n_splits))
+    return SplitRun(n_requests, n_cal, n_test, [], None, {m: full for m in METHODS})
+
+
+def _result(run: SplitRun, spec: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int,
+            note: str) -> ValidationResult:
+    """The ValidationResult of one table's splits."""
     methods = {
-        m: _summarise(m, np.concatenate(chosen[m]), np.concatenate(test_k[m]),
-                      np.concatenate(kv[m]), n_test, spec.risk, names)
-        for m in METHODS
+        m: _summarise(m, out.k_test, run.n_test, out.used_kv, out.index < 0, _chosen(out.index, run.names),
+                      spec.risk)
+        for m, out in run.outcomes.items()
     }
     return ValidationResult(
         contract=ContractSummary.of(spec),
-        n_requests=n_requests,
+        n_requests=run.n_requests,
+        n_calibration=run.n_cal,
+        n_test=run.n_test,
+        n_splits=n_splits,
+        calibration_fraction=calibration_fraction,
+        seed=seed,
+        methods=methods,
+        pilot=None if run.resolution is None else run.resolution.info,
+        note=note,
+    )
+
+
+def _pool(runs: dict[str, SplitRun], results: dict[str, ValidationResult], spec: CertificationSpec,
+          per_stratum: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int) -> ValidationResult:
+    """The top level of a stratified validation: the strata pooled split by split.
+
+    With n_s the test requests of stratum s, N = Σ_s n_s, and k_s[i] the test violations of
+    stratum s's choice on split i (0 when it falls back), per method:
+
+    * ``test_risks[i]`` = Σ_s k_s[i] / N; ``exceed_count``: splits with Σ_s k_s[i] > ε·N (integers);
+    * ``mean_kv_retained`` = mean over splits of Σ_s n_s · kv_s[i] / N, kv_s[i] the test-half mean
+      memory of stratum s's choice (1.0 for the full cache): the memory a test request gets;
+    * ``fallback_share`` = mean over splits of Σ_s n_s · [stratum s fell back on split i] / N: the
+      share of test requests a fallback answered from the full cache;
+    * ``chosen``: "stratum:policy" counted over (split, stratum) pairs (sums to S · n_splits).
+    """
+    n_test = sum(run.n_test for run in runs.values())
+    n_cal = sum(run.n_cal for run in runs.values())
+    if n_cal < 1 or n_test < 1:
+        raise CertkvError(
+            f"calibration_fraction {calibration_fraction} leaves {n_cal} calibration and {n_test} test requests "
+            f"over the {len(runs)} {spec.strata.by} strata; both halves need at least one request"
+        )
+    methods = {m: _pool_method(m, runs, n_test, spec.risk) for m in METHODS}
+    note = (f"pooled over the {len(runs)} {spec.strata.by} strata, each validated on its own splits under its "
+            f"per-stratum spec (confidence {per_stratum.confidence:.12g}): test_risks[i] = the strata's test "
+            "violations on split i over their test requests; mean KV and fallback share weighted by test "
+            "requests; chosen counts stratum:policy. " + POOLED_NOTE)
+    return ValidationResult(
+        contract=ContractSummary.of(spec),
+        n_requests=sum(run.n_requests for run in runs.values()),
         n_calibration=n_cal,
         n_test=n_test,
         n_splits=n_splits,
         calibration_fraction=calibration_fraction,
         seed=seed,
         methods=methods,
-        pilot=None if resolution is None else resolution.info,
-        note=(
-            "exceed_fraction: share of splits whose chosen policy has a test-half violation rate "
-            "above ε (full-cache fallback counts as 0). Test halves are finite and splits overlap, "
-            "so this is a noisy, descriptive estimate; the interval is Clopper–Pearson over splits."
-        ),
+        note=note,
+        by=spec.strata.by,
+        strata=results,
     )
+
+
+def _pool_method(method: str, runs: dict[str, SplitRun], n_test: int, risk: float) -> MethodResult:
+    """One method's pooled MethodResult (definitions in :func:`_pool`)."""
+    k_test = sum(run.outcomes[method].k_test for run in runs.values())
+    used_kv = sum(run.n_test * run.outcomes[method].used_kv for run in runs.values()) / n_test
+    fallback = sum(run.n_test * (run.outcomes[method].index < 0) for run in runs.values()) / n_test
+    chosen: dict[str, int] = {}
+    for name, run in runs.items():
+        for policy, count in _chosen(run.outcomes[method].index, run.names).items():
+            chosen[f"{name}:{policy}"] = count
+    return _summarise(method, k_test, n_test, used_kv, fallback, chosen, risk)
 
 
 def empirical_eligible(k, n: int, risk: float) -> np.ndarray:
@@ -203,6 +384,12 @@ def _check_settings(n_splits, calibration_fraction) -> tuple[int, float]:
     return int(n_splits), calibration_fraction
 
 
+def _halves(n_requests: int, calibration_fraction: float) -> tuple[int, int]:
+    """Calibration and test sizes of a split: ``round(fraction · n)`` and the rest."""
+    n_cal = int(round(calibration_fraction * n_requests))
+    return n_cal, n_requests - n_cal
+
+
 def _blocks(n_splits: int):
     full, rest = divmod(n_splits, _BLOCK)
     return [_BLOCK] * full + ([rest] if rest else [])
@@ -230,19 +417,23 @@ def _score(index, k_test, mem_test):
     return np.where(fallback, 0, k), np.where(fallback, 1.0, used)
 
 
-def _summarise(method, index, k_test, used_kv, n_test, risk, names) -> MethodResult:
+def _chosen(index, names) -> dict[str, int]:
+    """How often each candidate was chosen ("full" for a fallback)."""
+    labels, counts = np.unique(index, return_counts=True)
+    return {(REFERENCE_POLICY if i < 0 else names[int(i)]): int(c) for i, c in zip(labels, counts)}
+
+
+def _summarise(method, k_test, n_test, used_kv, fallback, chosen, risk) -> MethodResult:
+    """A MethodResult from per-split integer test violations out of `n_test`, per-split mean memory and
+    fallback share (0/1 for one table, a share of test requests when pooled over strata)."""
     # Imported here: statsmodels pulls in pandas, which `import certkv.core.validation` should not pay.
     from statsmodels.stats.proportion import proportion_confint
 
     exceed = k_test > risk * n_test + VIOLATION_EPS  # integer count vs ε·n: no float ratio
-    test_risk = k_test / n_test
+    test_risk = k_test / n_test if n_test else np.zeros(len(k_test))
     count = int(exceed.sum())
-    total = len(index)
+    total = len(k_test)
     low, high = proportion_confint(count, total, alpha=0.05, method="beta")
-    labels, counts = np.unique(index, return_counts=True)
-    chosen = {
-        (REFERENCE_POLICY if i < 0 else names[int(i)]): int(c) for i, c in zip(labels, counts)
-    }
     return MethodResult(
         method=method,
         exceed_count=count,
@@ -250,7 +441,7 @@ def _summarise(method, index, k_test, used_kv, n_test, risk, names) -> MethodRes
         exceed_ci_low=float(np.nan_to_num(low, nan=0.0)),
         exceed_ci_high=float(np.nan_to_num(high, nan=1.0)),
         mean_kv_retained=float(used_kv.mean()),
-        fallback_share=float((index < 0).mean()),
+        fallback_share=float(np.mean(fallback)),
         chosen=chosen,
         test_risks=[float(x) for x in test_risk],
     )
@@ -258,9 +449,14 @@ def _summarise(method, index, k_test, used_kv, n_test, risk, names) -> MethodRes
 
 __all__ = [
     "METHODS",
+    "POOLED_NOTE",
     "MethodResult",
+    "SplitOutcomes",
+    "SplitRun",
     "ValidationResult",
     "calibration_masks",
     "empirical_eligible",
+    "run_splits",
+    "stratum_seed",
     "validate",
 ]
