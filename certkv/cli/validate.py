@@ -2,6 +2,7 @@
 
 It answers "does the certificate hold on requests it has not seen, and what does the usual
 practice (pick the cheapest candidate whose calibration rate is ≤ ε) cost in broken promises?".
+A stratified contract is validated per stratum and pooled; the JSON holds both (``by``, ``strata``).
 Torch-free: it only reads records.
 """
 

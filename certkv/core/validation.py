@@ -26,10 +26,11 @@ single matrix product. The decision itself is :func:`certkv.core.certify.decide`
 A stratified spec (``strata:``) is validated the way it certifies: every stratum on its own, under
 its per-stratum spec (:func:`certkv.core.strata.stratum_spec`), with its own pilot and its own
 splits (seed :func:`stratum_seed`), so each entry of ``ValidationResult.strata`` is exactly
-:func:`validate` of that stratum's table. The top level pools the strata split by split: split i
-splits every stratum, and its test risk is the strata's test violations over their test requests
-(:func:`_pool`). A stratum too small to certify anything (or to split, or to draw its pilot) gets
-the full cache on every split, with that reason in its note, instead of an error.
+:func:`validate` of that stratum's table (its note aside). The top level pools the strata split by
+split: split i splits every stratum, and its test risk is the strata's test violations over their
+test requests (:class:`ValidationResult`). A stratum too small to split or to draw its pilot gets
+the full cache on every split, with that reason in its note, instead of an error; one whose
+calibration half is too small to certify anything says so (certkv falls back on every split there).
 """
 
 from __future__ import annotations
@@ -78,9 +79,20 @@ class ValidationResult(BaseModel):
     """Repeated-split results for both methods; ``to_dict()`` is JSON-ready.
 
     For a stratified spec ``by`` names the strata's field and ``strata`` holds each stratum's own
-    result (its ``seed`` is the derived :func:`stratum_seed`); the top level then pools them
-    (:func:`_pool` defines every pooled field) and has no pilot. Both are None for a pooled spec,
-    which keeps older validation.json files loading.
+    result (its ``seed`` is the derived :func:`stratum_seed`, its ``n_*`` count its certification
+    requests). The top level then pools them split by split and has no pilot. With n_s the test
+    requests of stratum s, N = Σ_s n_s, and k_s[i] the test violations of stratum s's choice on
+    split i (0 when it falls back), per method:
+
+    * ``test_risks[i]`` = Σ_s k_s[i] / N; ``exceed_count``: splits with Σ_s k_s[i] > ε·N (integers);
+    * ``mean_kv_retained`` = mean over splits of Σ_s n_s · kv_s[i] / N, kv_s[i] the test-half mean
+      memory of stratum s's choice (1.0 for the full cache): the memory a test request gets;
+    * ``fallback_share`` = mean over splits of Σ_s n_s · [stratum s fell back on split i] / N: the
+      share of test requests a fallback answered from the full cache;
+    * ``chosen``: "stratum:policy" counted over (split, stratum) pairs (sums to S · n_splits);
+    * ``n_requests``, ``n_calibration``, ``n_test``: sums over the strata.
+
+    ``by`` and ``strata`` are None for a pooled spec, which keeps older validation.json files loading.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -305,18 +317,8 @@ def _result(run: SplitRun, spec: CertificationSpec, n_splits: int, calibration_f
 
 def _pool(runs: dict[str, SplitRun], results: dict[str, ValidationResult], spec: CertificationSpec,
           per_stratum: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int) -> ValidationResult:
-    """The top level of a stratified validation: the strata pooled split by split.
-
-    With n_s the test requests of stratum s, N = Σ_s n_s, and k_s[i] the test violations of
-    stratum s's choice on split i (0 when it falls back), per method:
-
-    * ``test_risks[i]`` = Σ_s k_s[i] / N; ``exceed_count``: splits with Σ_s k_s[i] > ε·N (integers);
-    * ``mean_kv_retained`` = mean over splits of Σ_s n_s · kv_s[i] / N, kv_s[i] the test-half mean
-      memory of stratum s's choice (1.0 for the full cache): the memory a test request gets;
-    * ``fallback_share`` = mean over splits of Σ_s n_s · [stratum s fell back on split i] / N: the
-      share of test requests a fallback answered from the full cache;
-    * ``chosen``: "stratum:policy" counted over (split, stratum) pairs (sums to S · n_splits).
-    """
+    """The top level of a stratified validation: the strata pooled split by split (the definitions are in
+    :class:`ValidationResult`)."""
     n_test = sum(run.n_test for run in runs.values())
     n_cal = sum(run.n_cal for run in runs.values())
     if n_cal < 1 or n_test < 1:
@@ -345,7 +347,7 @@ def _pool(runs: dict[str, SplitRun], results: dict[str, ValidationResult], spec:
 
 
 def _pool_method(method: str, runs: dict[str, SplitRun], n_test: int, risk: float) -> MethodResult:
-    """One method's pooled MethodResult (definitions in :func:`_pool`)."""
+    """One method's pooled MethodResult (definitions in :class:`ValidationResult`)."""
     k_test = sum(run.outcomes[method].k_test for run in runs.values())
     used_kv = sum(run.n_test * run.outcomes[method].used_kv for run in runs.values()) / n_test
     fallback = sum(run.n_test * (run.outcomes[method].index < 0) for run in runs.values()) / n_test
