@@ -426,6 +426,105 @@ def certificate_quality(data: dict) -> str:
     ])
 
 
+def strata_profiles(data: dict) -> str:
+    """The simulation's true violation rates, one row per (profile, press)."""
+    rows = [[name, press, *[pct(r) for r in rates]] for name, profile in data["profiles"].items()
+            for press, rates in profile.items()]
+    return table(["profile", "press", *[f"@{kv:.2f}" for kv in data["kv_retained"]]], rows)
+
+
+def strata_simulation(data: dict) -> str:
+    """Per setting: each stratum's error frequency under both readings of δ, then any stratum's."""
+    rows = []
+    for n_strata, setting in data["simulation"].items():
+        per, joint = setting["modes"]["per_stratum"], setting["modes"]["simultaneous"]
+        for stratum in setting["strata"]:
+            name = stratum["name"]
+            rows.append([n_strata, name, stratum["profile"], stratum["n"], verdict(per["per_stratum"][name]),
+                         verdict(joint["per_stratum"][name])])
+        rows.append([n_strata, "**any stratum**", "", "", verdict(per["any"]), f"**{verdict(joint['any'])}**"])
+        rows.append([n_strata, "mean KV retained", "", "", num(per["mean_kv_retained"]),
+                     num(joint["mean_kv_retained"])])
+    return table(["S", "stratum", "profile", "requests", "per stratum (δ each)", "simultaneous (δ/S each)"], rows)
+
+
+def verdict(entry: dict) -> str:
+    """An error frequency, marked when it is above δ plus three Monte-Carlo standard errors."""
+    return pct(entry["frequency"]) + ("" if entry["within_delta"] else " (above δ)")
+
+
+def strata_choices(label: str, certificates: dict) -> list[list[str]]:
+    """Rows of one demo certificate family: each reading's choice per stratum and its mean KV."""
+    rows = []
+    for reading, c in certificates.items():
+        if "strata" not in c:
+            rows.append([label, reading, "all (pooled)", f"`{c['policy']}`", c["n"], c["violations"],
+                         num(c["mean_kv_retained"])])
+            continue
+        for name, e in c["strata"].items():
+            rows.append([label, reading, name, f"`{e['policy']}`", e["n"], e["violations"], num(e["mean_kv_retained"])])
+        rows.append([label, reading, "**pooled**", "", c["n"], c["violations"], f"**{num(c['mean_kv_retained'])}**"])
+    return rows
+
+
+def strata_validation(label: str, validations: dict) -> list[list[str]]:
+    """Rows of one demo validation family: share of splits over ε, pooled and per stratum, both methods."""
+    rows = []
+    for reading, v in validations.items():
+        parts = [("**pooled**", v["n_test"], v["pooled"])] + [(n, s["n_test"], s) for n, s in v["strata"].items()]
+        for name, n_test, m in parts:
+            cert, emp = m["certkv"], m["empirical_thresholding"]
+            rows.append([label, reading, name, n_test, f"{pct(cert['exceed_fraction'])} ({cert['exceed_count']})",
+                         num(cert["mean_kv_retained"]), f"{pct(emp['exceed_fraction'])} ({emp['exceed_count']})",
+                         num(emp["mean_kv_retained"])])
+    return rows
+
+
+def strata_quality(data: dict) -> str:
+    first = next(iter(data["simulation"].values()))
+    parts = [
+        "## Strata: per-stratum and simultaneous certificates",
+        command("python benchmarks/strata_quality.py"),
+        f"Simulation with known true violation rates (seed {data['seed']}, ε = {data['risk']:g}, "
+        f"δ = {data['delta']:g}, τ = 0): S strata, each with its own rate for every candidate of a ladder like "
+        f"the demo contract's ({', '.join(data['presses'])} at kv_retained {data['kv_retained']}, one fixed "
+        "sequence per press, procedure fixed_sequence). A request that violates a candidate violates the "
+        "more aggressive ones of its press too. Each of "
+        f"{first['draws']} draws per setting certifies with `certkv.certify` under `strata: {{by: task}}` "
+        "(each stratum at δ) and `{by: task, simultaneous: true}` (each at δ/S), and scores each stratum's "
+        "choice by its true rate (the full cache: never above ε). A cell is the share of draws whose choice's "
+        "true rate is above ε; *any stratum* is the share of draws where at least one stratum's is. The "
+        "per-stratum promise bounds each stratum's share by δ; only the simultaneous one bounds *any stratum* "
+        "by δ. \"(above δ)\" marks a share above δ plus three Monte-Carlo standard errors "
+        f"({pct(first['modes']['per_stratum']['limit'], 2)} at these draws). Mean KV retained: over the "
+        "draws, the stratified certificate's pooled mean over certification requests.",
+        strata_profiles(data),
+        strata_simulation(data),
+        f"certify took {', '.join(num(s['ms_per_certify'], 1) + ' ms' for s in data['simulation'].values())} per "
+        "call (S = " + ", ".join(data["simulation"]) + ").",
+    ]
+    demo = data.get("demo")
+    if demo:
+        parts += [
+            "On the demo store (the demo contract's calibration records): the contract as it is (*gated*, with "
+            "its pilot, which never certifies) and its ungated sequences only (*ungated*: no pilot, so the "
+            "pilot's requests certify too), certified pooled (strata removed), per stratum and simultaneous. "
+            "n and violations count the certification requests of the chosen policy.",
+            table(["contract", "reading", "stratum", "chosen", "n", "violations", "mean KV retained"],
+                  strata_choices("gated", demo["gated"]["certify"]) + strata_choices("ungated", demo["ungated"]["certify"])),
+            f"`certkv.validate` of the stratified readings, {demo['splits']} splits (seed {demo['seed']}): each "
+            "stratum split and certified on its own calibration half; the share (count) of splits whose test "
+            "half's violation rate is above ε, and the mean KV of the choice on the test half. The pooled row "
+            "counts a split's violations over all strata's test requests, a stratum that fell back counting its "
+            "test requests as safe, so a pooled share can hide a stratum that is over ε on its own.",
+            table(["contract", "reading", "stratum", "test requests", "certkv > ε", "certkv mean KV",
+                   "thresholding > ε", "thresholding mean KV"],
+                  strata_validation("gated", demo["gated"]["validate"])
+                  + strata_validation("ungated", demo["ungated"]["validate"])),
+        ]
+    return "\n\n".join(parts)
+
+
 def certify_speed_note() -> str:
     return "\n\n".join([
         "## Certification speed",
@@ -446,6 +545,7 @@ SECTIONS = {
     "runtime_cost": runtime_cost,
     "lookahead_cost": lookahead_cost,
     "certificate_quality": certificate_quality,
+    "strata_quality": strata_quality,
 }
 
 
