@@ -11,6 +11,9 @@ import yaml
 from conftest import run_main
 from scipy.stats import binom
 
+from certkv.calibration.records import load_records
+from certkv.cli.validate import read_validation
+from certkv.contract.loading import load_contract
 from certkv.core.binomial import binomial_p_value_table
 from certkv.core.certify import certify, decide, select_candidates
 from certkv.core.spec import CertificationSpec
@@ -331,3 +334,10 @@ def test_validate_command_writes_the_strata(tmp_path):
     assert data["by"] == "task" and set(data["strata"]) == {"easy", "hard"}
     assert data["strata"]["hard"]["contract"]["confidence"] == pytest.approx(0.975)
     assert data["n_test"] == data["strata"]["easy"]["n_test"] + data["strata"]["hard"]["n_test"]
+    # A report reuses this file, but not one an older certkv wrote without the strata (same hashes).
+    contract = load_contract(path)
+    evidence = load_records(contract, records)
+    assert read_validation(out, contract, evidence).strata.keys() == {"easy", "hard"}
+    del data["by"], data["strata"]
+    out.write_text(json.dumps(data))
+    assert read_validation(out, contract, evidence) is None

@@ -69,7 +69,11 @@ def write_validation(result, contract, evidence, path: Path) -> Path:
 
 
 def read_validation(path: Path, contract, evidence):
-    """A validation.json computed from these very records under this contract, else None."""
+    """A validation.json computed from these very records under this contract, else None.
+
+    The hashes alone do not tell a file that an older certkv wrote for a stratified contract before
+    it validated strata (no ``by``, no ``strata``): such a file is stale too, so a report recomputes it.
+    """
     from pydantic import ValidationError
 
     from certkv.core.validation import ValidationResult
@@ -86,7 +90,17 @@ def read_validation(path: Path, contract, evidence):
     if data.pop("contract_sha256", None) != contract.sha256() or data.pop("records_sha256", None) != evidence.records_sha256:
         return None
     data.pop("delta", None)
+    if data.get("by") != _strata_by(contract):  # written before strata were validated, or under other strata
+        return None
     try:
         return ValidationResult.model_validate(data)
     except ValidationError:
         return None
+
+
+def _strata_by(contract) -> str | None:
+    """The field a contract's strata are drawn from, or None for a pooled contract."""
+    from certkv.contract.spec import certification_spec
+
+    strata = certification_spec(contract).strata
+    return None if strata is None else strata.by
