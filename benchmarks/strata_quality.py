@@ -2,8 +2,9 @@
 
 **Simulation.** S = 2, 3, 4 strata, each with its own true violation rate for every candidate of a
 ladder like the demo contract's (two presses, kv_retained 0.9 … 0.1, one fixed sequence each,
-procedure fixed_sequence): some strata have a candidate just above ε right after ones below it,
-some have every candidate below ε, one has the first candidate already above ε. Each draw samples
+procedure fixed_sequence): a "mixed" stratum has a candidate just above ε right after ones below
+it, an "edge" stratum has its first candidates just above ε (anything certified there is an
+error), a "safe" stratum has every candidate below ε. Each draw samples
 every stratum's requests (a request that violates a candidate also violates the more aggressive
 ones of its press, as eviction does), certifies with :func:`certkv.core.certify.certify` under
 ``strata: {by: task}`` and ``{by: task, simultaneous: true}``, and scores each stratum's choice by
@@ -51,8 +52,6 @@ PROFILES = {
     "mixed": {"snapkv": (0.005, 0.02, 0.051, 0.1, 0.3), "streaming_llm": (0.01, 0.035, 0.055, 0.15, 0.4)},
     # every candidate below ε: no choice can be an error
     "safe": {"snapkv": (0.0, 0.005, 0.01, 0.02, 0.04), "streaming_llm": (0.0, 0.01, 0.02, 0.03, 0.045)},
-    # a candidate well below, then well above ε
-    "hard": {"snapkv": (0.02, 0.12, 0.25, 0.4, 0.6), "streaming_llm": (0.03, 0.15, 0.3, 0.5, 0.7)},
 }
 #: The strata of each setting: (name, profile, certification requests).
 SETTINGS = {
