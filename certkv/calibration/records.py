@@ -88,13 +88,57 @@ def certify_contract(
         No store, an empty store, a store of another contract, an unfinished store without
         `allow_incomplete`, or a loss table that lacks a candidate (one line each).
     """
+    evidence = load_records(contract, records_file, contract_label=contract_label, allow_incomplete=allow_incomplete)
+    return evidence, _certify_evidence(contract, evidence, _contract_spec(contract, evidence))
+
+
+def certify_contract_with_comparison(
+    contract, records_file: Path | str | None = None, contract_label: str | None = None, allow_incomplete: bool = False
+):
+    """:func:`certify_contract` plus :func:`pooled_comparison` of the same evidence.
+
+    `certkv certify`, `certkv report` and `certkv demo` show a stratified certificate next to what
+    one pooled certificate of the same records would have chosen; computing both here means the
+    three commands print the same two numbers. Returns ``(evidence, operating_point, pooled)``,
+    ``pooled`` None for a contract without strata.
+    """
+    evidence, op = certify_contract(contract, records_file, contract_label, allow_incomplete)
+    return evidence, op, pooled_comparison(contract, evidence)
+
+
+def pooled_comparison(contract, evidence: ContractRecords):
+    """The contract certified on `evidence` with its strata removed, or None when it has none.
+
+    A COMPARISON ONLY, never deployed and never written as the operating point: it answers "what
+    would one certificate for the whole mix have chosen?", so a reader can see what stratifying
+    bought (or cost). Same spec otherwise (τ, ε, δ, sequences, gates, pilot), same records and
+    hashes, and the incomplete-store label when there is one; its first note says what it is.
+    """
+    spec = _contract_spec(contract, evidence)
+    if spec.strata is None:
+        return None
+    op = _certify_evidence(contract, evidence, spec.model_copy(update={"strata": None}))
+    op.notes.insert(0, POOLED_COMPARISON_NOTE.format(by=spec.strata.by))
+    return op
+
+
+#: The first note of :func:`pooled_comparison`'s operating point.
+POOLED_COMPARISON_NOTE = ("pooled comparison: the contract certified with its {by} strata removed (one certificate "
+                          "for the whole mix); shown for comparison only, not deployed")
+
+
+def _contract_spec(contract, evidence: ContractRecords):
     from certkv.contract.spec import certification_spec
+
+    return preview_spec(certification_spec(contract), evidence)
+
+
+def _certify_evidence(contract, evidence: ContractRecords, spec):
+    """Certify `evidence` under `spec`, bound to both hashes, labelled when the store is unfinished."""
     from certkv.core.certify import certify
 
-    evidence = load_records(contract, records_file, contract_label=contract_label, allow_incomplete=allow_incomplete)
-    spec = preview_spec(certification_spec(contract), evidence)
     op = certify(evidence.table, spec, contract_sha256=contract.sha256(), records_sha256=evidence.records_sha256)
-    return evidence, mark_incomplete(op, evidence)
+    return mark_incomplete(op, evidence)
 
 
 def preview_spec(spec, evidence: ContractRecords):
@@ -176,4 +220,14 @@ def default_output(contract, name: str) -> Path:
     return contract.resolved_store_path() / name
 
 
-__all__ = ["ContractRecords", "certify_contract", "default_output", "load_records", "mark_incomplete", "preview_spec"]
+__all__ = [
+    "POOLED_COMPARISON_NOTE",
+    "ContractRecords",
+    "certify_contract",
+    "certify_contract_with_comparison",
+    "default_output",
+    "load_records",
+    "mark_incomplete",
+    "pooled_comparison",
+    "preview_spec",
+]

@@ -26,16 +26,19 @@ def certify(
     wide: bool = typer.Option(
         False, "--wide", help="print every candidate (a wide table) instead of one row per sequence"
     ),
-) -> None:
+):
     """Test every candidate of the contract and write the certified operating point."""
     from rich.console import Console
 
-    from certkv.calibration.records import certify_contract, default_output
+    from certkv.calibration.records import certify_contract_with_comparison, default_output
     from certkv.contract.loading import load_contract
     from certkv.report.console import print_operating_point
 
     contract = load_contract(contract_path)
-    evidence, op = certify_contract(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
+    evidence, op, pooled = certify_contract_with_comparison(
+        contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete
+    )
     target = output or default_output(contract, "operating_point.json")
-    op.write_json(target)
-    print_operating_point(contract, evidence, op, Console(), target, wide=wide)
+    op.write_json(target)  # the contract's point only: the pooled comparison is never deployed
+    print_operating_point(contract, evidence, op, Console(), target, wide=wide, pooled=pooled)
+    return op, pooled

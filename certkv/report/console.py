@@ -17,7 +17,8 @@ from certkv.report import text
 from certkv.report.tables import add_row, narrow_table, print_table, say, say_path
 
 
-def print_operating_point(contract, evidence, op, console, target: Path | None = None, wide: bool = False) -> None:
+def print_operating_point(contract, evidence, op, console, target: Path | None = None, wide: bool = False,
+                          pooled=None) -> None:
     """Print a certificate for a reader of a terminal or a log.
 
     Parameters
@@ -27,7 +28,7 @@ def print_operating_point(contract, evidence, op, console, target: Path | None =
     evidence : certkv.calibration.records.ContractRecords
         The records certified: source, hash and skipped requests.
     op : OperatingPoint
-        The result to show.
+        The result to show; a stratified one gets a row per stratum (:func:`print_strata`).
     console : rich.console.Console
         Where to print; without a TTY rich assumes 80 columns unless ``COLUMNS`` says otherwise,
         and every line here fits that (paths excepted, which are never broken).
@@ -35,7 +36,11 @@ def print_operating_point(contract, evidence, op, console, target: Path | None =
         Where the JSON was written, named last so it is the line a user copies.
     wide : bool
         Every candidate at the table's natural width and a sentence per sequence, instead of one
-        row per sequence: for wide terminals, pagers and files.
+        row per sequence: for wide terminals, pagers and files (per stratum when stratified).
+    pooled : OperatingPoint, optional
+        A stratified point's pooled comparison
+        (:func:`certkv.calibration.records.pooled_comparison`), shown beside it, labelled as
+        never deployed.
     """
     say_path(console, "evidence:", evidence.source)
     say(console, f"records sha256 {evidence.records_sha256[:12]}")
@@ -43,6 +48,29 @@ def print_operating_point(contract, evidence, op, console, target: Path | None =
     say(console, f"{contract.name}: {op.contract.procedure}, τ = {op.contract.tolerance:g}, ε = {op.contract.risk:g}, "
                  f"confidence {op.contract.confidence:g} (δ = {delta:g}), n = {op.n}")
     console.print()
+    if op.is_stratified:
+        print_strata(op, console, wide, pooled)
+    else:
+        print_decision(op, console, wide)
+    say(console, text.guarantee_text(op), label="Guarantee", style="bold")
+    print_coverage(op, console)
+    for note in text.all_notes(contract, evidence, op):
+        say(console, note, label="note", style="yellow")
+    if not wide:
+        where = "the operating point JSON" + (" written below" if target is not None else "")
+        if op.is_stratified:
+            say(console, f"Each stratum's candidates: `certkv certify --wide`, {where} (strata.entries), "
+                         "or `certkv report`.")
+        else:
+            say(console, f"All {len(op.candidates)} candidates: `certkv certify --wide`, {where}, or `certkv report`.")
+    if target is not None:
+        say_path(console, "wrote", target)
+
+
+def print_decision(op, console, wide: bool = False) -> None:
+    """An ordinary operating point's evidence and choice: its sequences (or, `wide`, every candidate
+    and a sentence per sequence), the choice or fallback, and the chosen policy's tasks. Shared by a
+    pooled point and each stratum's entry, which is one."""
     if wide:
         print_candidates(op, console)
         for line in text.sequence_summaries(op):
@@ -50,19 +78,72 @@ def print_operating_point(contract, evidence, op, console, target: Path | None =
     else:
         print_sequences(op, console)
     console.print()
-    if op.fallback:
-        say(console, text.choice_summary(op), label="Fallback", style="bold red")
-    else:
-        say(console, text.choice_summary(op), label="Chosen", style="bold green")
+    print_choice(op, console)
     print_per_task(op, console)
-    say(console, text.guarantee_text(op), label="Guarantee", style="bold")
-    for note in text.all_notes(contract, evidence, op):
-        say(console, note, label="note", style="yellow")
-    if not wide:
-        where = "the operating point JSON" + (" written below" if target is not None else "")
-        say(console, f"All {len(op.candidates)} candidates: `certkv certify --wide`, {where}, or `certkv report`.")
-    if target is not None:
-        say_path(console, "wrote", target)
+
+
+def print_choice(op, console, label: str = "") -> None:
+    """``Chosen: …`` or ``Fallback: …`` (with `label`, e.g. a stratum's name, before it)."""
+    if op.fallback:
+        say(console, text.choice_summary(op), label=f"{label}Fallback", style="bold red")
+    else:
+        say(console, text.choice_summary(op), label=f"{label}Chosen", style="bold green")
+
+
+def print_strata(op, console, wide: bool = False, pooled=None) -> None:
+    """A stratified point: a row per stratum, each stratum's choice in words, the pooled memory and
+    the pooled comparison; `wide` adds each stratum's own evidence, printed as the ordinary
+    operating point it is (:func:`print_decision`)."""
+    if wide:
+        for name, entry in op.strata.entries.items():
+            console.rule(f"{op.strata.by} {name}: {entry.n} certification requests", style="dim")
+            print_decision(entry, console, wide=True)
+            say(console, text.guarantee_text(entry), label="Guarantee", style="bold")
+        console.rule(style="dim")
+    print_strata_table(op, console)
+    console.print()
+    for name, entry in op.strata.entries.items():
+        print_choice(entry, console, label=f"{name}: ")
+    print_choice(op, console)
+    if op.strata.by != "task":  # by task the strata rows are the tasks already
+        print_per_task(op, console)
+    if pooled is not None:
+        console.print()
+        print_comparison(op, pooled, console)
+    console.print()
+
+
+def print_strata_table(op, console) -> None:
+    """One row per stratum: n, policy, gated share, violations, bound, mean KV, why it fell back."""
+    rows = text.stratum_rows(op)
+    table = narrow_table([("stratum", "left"), ("n", "right"), ("policy", "left"), ("gated", "right"),
+                          ("k", "right"), ("bound", "right"), ("mean KV", "right"), ("fallback", "left")])
+    for r in rows:
+        gated = "—" if r["gated_share"] is None else text.fmt_share(r["gated_share"])
+        add_row(table, r["name"], str(r["n"]), r["policy"], gated, str(r["violations"]), text.fmt_bound(r["bound"]),
+                f"{r['mean_kv']:.3f}", r["reason"] or "—", style="red" if r["fallback"] else None)
+    print_table(console, table, title=text.strata_header(op))
+    say(console, f"pooled mean KV retained {op.mean_kv_retained:.3f} over the {op.n} certification requests "
+                 "(each stratum weighted by its n); gated: share of the stratum's requests its gate sends to the "
+                 "full cache; k: violations; bound: the stratum's risk upper bound.")
+
+
+def print_comparison(op, pooled, console) -> None:
+    """The stratified certificate and the pooled comparison side by side, with each one's memory."""
+    table = narrow_table([("certificate", "left"), ("policy", "left"), ("mean KV", "right"), ("k/n", "right"),
+                          ("deployed", "left")])
+    for r in text.comparison_rows(op, pooled):
+        add_row(table, r["label"], r["policy"], f"{r['mean_kv']:.3f}", r["kn"], r["deployed"],
+                style="bold" if r["deployed"].startswith("yes") else "dim")
+    print_table(console, table, title="stratified vs pooled:")
+    say(console, text.comparison_text(op, pooled))
+
+
+def print_coverage(op, console) -> None:
+    """The coverage envelope in one line (nothing for a file written before it existed)."""
+    line = text.coverage_text(op)
+    if line:
+        say(console, line, label="Coverage", style="bold")
 
 
 def sequence_cells(op, row: dict) -> list[str]:
@@ -196,9 +277,15 @@ def print_validation(result, console) -> None:
 
 __all__ = [
     "print_candidates",
+    "print_choice",
+    "print_comparison",
+    "print_coverage",
+    "print_decision",
     "print_operating_point",
     "print_per_task",
     "print_sequences",
+    "print_strata",
+    "print_strata_table",
     "print_validation",
     "sequence_cells",
 ]

@@ -19,6 +19,10 @@ SCOPE_CAVEAT = (
     "The guarantee covers the calibration distribution (the declared task mix), not each task "
     "or each request on its own."
 )
+STRATA_CAVEAT = (
+    "Each stratum's guarantee covers requests drawn like that stratum's calibration requests, not each "
+    "request on its own."
+)
 #: Procedures that test one order and stop at the first failure (later candidates: not tested).
 FIXED_ORDER = ("fixed_sequence", "pilot_ordered")
 
@@ -60,11 +64,19 @@ def member_label(policy: str, stem: str) -> str:
 # ----------------------------------------------------------------------------- candidates
 
 
+def is_stratum_point(op) -> bool:
+    """Whether `op` is a stratified point or one stratum's entry: its coverage requires a stratum."""
+    return op.coverage is not None and op.coverage.stratum_required
+
+
 def guarantee_text(op) -> str:
-    """The operating point's guarantee, with the calibration-distribution caveat always present."""
+    """The operating point's guarantee, with its scope caveat always present: the declared task mix
+    for a pooled certificate, each stratum's own requests for a stratified one (where "not each
+    task" would be wrong: by task, each task is certified)."""
     text = op.guarantee.strip()
-    if "calibration distribution (the declared task mix)" not in text:
-        text = f"{text} {SCOPE_CAVEAT}"
+    caveat = STRATA_CAVEAT if is_stratum_point(op) else SCOPE_CAVEAT
+    if caveat not in text and "calibration distribution (the declared task mix)" not in text:
+        text = f"{text} {caveat}"
     return text
 
 
@@ -253,7 +265,10 @@ def gate_text(gate) -> str:
 
 
 def choice_summary(op) -> str:
-    """The chosen policy and its memory in one sentence (nominal and realised retention)."""
+    """The chosen policy and its memory in one sentence (nominal and realised retention); for a
+    stratified point, each stratum's policy and the pooled memory (:func:`stratified_summary`)."""
+    if op.is_stratified and not op.fallback:
+        return stratified_summary(op)
     if op.fallback:
         return f"full cache (fallback): {op.reason}"
     actual = "" if op.kv_retained_actual is None else f", realised {op.kv_retained_actual:.3f}"
@@ -266,6 +281,100 @@ def choice_summary(op) -> str:
         f"cache saved; {op.violations}/{op.n} violations, risk upper bound {fmt_bound(op.risk_upper_bound)} "
         f"≤ ε = {op.contract.risk:g}"
     )
+
+
+def stratified_summary(op) -> str:
+    """A stratified point in one sentence: each stratum's policy, the memory pooled over the strata
+    (each weighted by its certification requests) and the summed violations."""
+    by = op.strata.by
+    parts = [f"{name} {'full cache (fallback)' if e.fallback else e.policy}" for name, e in op.strata.entries.items()]
+    return (
+        f"per {by}: {'; '.join(parts)}. Mean memory {op.mean_kv_retained:.3f} pooled over the {op.n} "
+        f"certification requests, so {100 * (1 - op.mean_kv_retained):.1f}% of the KV cache saved; "
+        f"{op.violations}/{op.n} violations, largest stratum bound {fmt_bound(op.risk_upper_bound)} "
+        f"≤ ε = {op.contract.risk:g}"
+    )
+
+
+def short_reason(op) -> str:
+    """Why a stratum fell back, in a table cell's few words (the note gives the whole reason)."""
+    if not op.fallback:
+        return ""
+    reason = op.reason or ""
+    if "too small to certify" in reason:
+        return "too small"
+    if "no candidate was certified" in reason:
+        return "none certified"
+    return reason.split(";")[0][:24]
+
+
+def stratum_rows(op) -> list[dict]:
+    """One record per stratum of a stratified point, unformatted: name, n, policy (``full`` on a
+    fallback), gated share (None without a gate), violations, bound, mean KV and short reason."""
+    return [
+        {
+            "name": name,
+            "n": e.n,
+            "policy": "full" if e.fallback else e.policy,
+            "gated_share": e.gated_share if e.gate is not None and not e.fallback else None,
+            "violations": e.violations,
+            "bound": e.risk_upper_bound,
+            "mean_kv": e.mean_kv_retained,
+            "fallback": e.fallback,
+            "reason": short_reason(e),
+        }
+        for name, e in op.strata.entries.items()
+    ]
+
+
+def strata_header(op) -> str:
+    """What was stratified, and at which confidence each stratum was certified."""
+    s = op.strata
+    reading = (f"jointly: each at confidence {s.confidence:.12g} = 1 − δ/{len(s.entries)}" if s.simultaneous
+               else f"each on its own at confidence {s.confidence:.12g}")
+    return f"{len(s.entries)} {s.by} strata, certified {reading}:"
+
+
+def comparison_rows(op, pooled) -> list[dict]:
+    """The stratified certificate (deployed) and the pooled comparison (strata removed, not
+    deployed), side by side: label, policy, mean KV retained, violations/n, deployed."""
+    def row(label, point, policy, deployed):
+        return {"label": label, "policy": policy, "mean_kv": point.mean_kv_retained,
+                "kn": f"{point.violations}/{point.n}", "deployed": deployed}
+
+    stratified = "full cache (fallback)" if op.fallback else f"per {op.strata.by} ({len(op.strata.entries)} strata)"
+    pooled_policy = "full cache (fallback)" if pooled.fallback else pooled.policy
+    return [row("stratified", op, stratified, "yes (the contract's)"),
+            row("pooled", pooled, pooled_policy, "no: comparison only")]
+
+
+def comparison_text(op, pooled) -> str:
+    """The comparison in words: which one is deployed, and what the pooled one is."""
+    return (
+        f"stratified: the contract's certificate (strata by {op.strata.by}), deployed; pooled: the same contract "
+        "and records certified with the strata removed (one certificate for the whole mix), a comparison only, "
+        "never deployed. mean KV: mean KV retained over the certification requests."
+    )
+
+
+def coverage_text(op) -> str | None:
+    """The coverage envelope in one sentence (None for a file written before it existed): what was
+    calibrated, so what the runtime serves; anything outside is answered from the full cache."""
+    cov = op.coverage
+    if cov is None:
+        return None
+    parts = []
+    if cov.strata:
+        need = " (a request must name one)" if cov.stratum_required else ""
+        parts.append(f"{cov.by} {', '.join(cov.strata)}{need}")
+    if cov.context_tokens is not None:
+        low, high = cov.context_tokens
+        margin = f" widened by {cov.context_margin:g}" if cov.context_margin else ""
+        parts.append(f"contexts of {low}-{high} tokens{margin}")
+    if cov.max_new_tokens is not None:
+        parts.append(f"decode {cov.max_new_tokens} tokens")
+    what = "; ".join(parts) or "nothing recorded"
+    return f"{what}. Requests outside it are answered from the full cache (reason uncovered)."
 
 
 def skipped_note(records) -> str | None:
@@ -336,12 +445,16 @@ def contract_delta(contract_summary) -> float:
 __all__ = [
     "METHOD_LABELS",
     "SCOPE_CAVEAT",
+    "STRATA_CAVEAT",
     "all_notes",
     "best_certified",
     "by_sequence",
     "candidate_status",
     "choice_summary",
+    "comparison_rows",
+    "comparison_text",
     "contract_delta",
+    "coverage_text",
     "failure_reason",
     "fmt_bound",
     "fmt_p",
@@ -351,13 +464,18 @@ __all__ = [
     "gated_figure_note",
     "guarantee_text",
     "hidden_count",
+    "is_stratum_point",
     "ladder_rows",
     "member_label",
     "policy_stem",
     "sequence_name",
     "sequence_rows",
     "sequence_summaries",
+    "short_reason",
     "shown_candidates",
     "skipped_note",
+    "strata_header",
+    "stratified_summary",
+    "stratum_rows",
     "validation_line",
 ]
