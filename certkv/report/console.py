@@ -235,7 +235,9 @@ def print_validation(result, console) -> None:
 
     A narrow table (method, share of splits above ε with its count and 95% interval, mean KV,
     fallback share) that fits 80 columns, then each method's most chosen policies on a line of
-    their own: policy names are long and would otherwise fold the table in a log.
+    their own: policy names are long and would otherwise fold the table in a log. A stratified
+    result (``result.strata``) shows its pooled table first, then each stratum's own table and
+    choices, printed the same way (each is an ordinary result).
 
     Parameters
     ----------
@@ -249,6 +251,34 @@ def print_validation(result, console) -> None:
         f"{result.n_splits} splits of {result.n_requests} requests: {result.n_calibration} calibrate, "
         f"{result.n_test} test (seed {result.seed}); ε = {eps:g}, δ = {delta:g}"
     )
+    if result.strata:
+        title = f"all {len(result.strata)} {result.by} strata together, {title}"
+    print_validation_table(result, console, title)
+    say(console, "test risk > ε: share (count) of splits whose test half exceeds ε; mean KV: mean KV retained "
+                 "of the chosen policy; fallback: share of splits that chose the full cache"
+                 + (" (strata together: share of test requests a fallback answered)." if result.strata else "."))
+    if result.strata:
+        for name, sub in result.strata.items():
+            console.print()
+            print_validation_table(sub, console, f"{result.by} {name}: {sub.n_requests} requests, "
+                                                 f"{sub.n_calibration} calibrate, {sub.n_test} test")
+            print_most_chosen(sub, console)
+    else:
+        print_most_chosen(result, console)
+    per = ""
+    if result.strata:
+        per = (f" for each {result.by} stratum (each certified at confidence "
+               f"{next(iter(result.strata.values())).contract.confidence:.12g})")
+    say(
+        console,
+        f"certkv promises that its choice's true risk exceeds ε = {eps:g} with probability at most δ = {delta:g}{per}; "
+        "empirical thresholding promises nothing. Test halves are finite and splits overlap, so these shares "
+        "are noisy and descriptive, not a test of the guarantee.",
+    )
+
+
+def print_validation_table(result, console, title: str) -> None:
+    """One result's methods, a row each: splits above ε (count), its 95% CI, mean KV, fallback."""
     table = narrow_table([("method", "left"), ("test risk > ε", "right"), ("95% CI", "right"),
                           ("mean KV", "right"), ("fallback", "right")])
     for name, m in result.methods.items():
@@ -261,18 +291,14 @@ def print_validation(result, console) -> None:
             text.fmt_share(m.fallback_share),
         )
     print_table(console, table, title=title)
-    say(console, "test risk > ε: share (count) of splits whose test half exceeds ε; mean KV: mean KV retained "
-                 "of the chosen policy; fallback: share of splits that chose the full cache.")
+
+
+def print_most_chosen(result, console) -> None:
+    """Each method's two most chosen policies, with the share of splits that chose them."""
     for name, m in result.methods.items():
         top = sorted(m.chosen.items(), key=lambda kv: -kv[1])[:2]
         chosen = ", ".join(f"{p} ({100 * c / result.n_splits:.0f}%)" for p, c in top) or "—"
         say(console, f"most chosen by {text.METHOD_LABELS.get(name, name)}: {chosen}")
-    say(
-        console,
-        f"certkv promises that its choice's true risk exceeds ε = {eps:g} with probability at most δ = {delta:g}; "
-        "empirical thresholding promises nothing. Test halves are finite and splits overlap, so these shares "
-        "are noisy and descriptive, not a test of the guarantee.",
-    )
 
 
 __all__ = [
@@ -281,11 +307,13 @@ __all__ = [
     "print_comparison",
     "print_coverage",
     "print_decision",
+    "print_most_chosen",
     "print_operating_point",
     "print_per_task",
     "print_sequences",
     "print_strata",
     "print_strata_table",
     "print_validation",
+    "print_validation_table",
     "sequence_cells",
 ]
