@@ -2,7 +2,8 @@
 
 The operating point is recomputed from the records (certification is deterministic and fast), so
 the page can never describe a different table than the one it plots; validation results are reused
-when a validation.json computed from the same records exists, and computed otherwise.
+when a validation.json computed from the same records exists, and computed otherwise. A stratified
+contract gets a panel per stratum and, in the summary, the pooled comparison `certkv certify` prints.
 """
 
 from __future__ import annotations
@@ -22,17 +23,19 @@ def report(
         False, "--allow-incomplete", help="use an unfinished store for a preview (no guarantee)"
     ),
 ) -> None:
-    """Write risk_vs_kv.png, per_task.png, validation.png and report.html."""
+    """Write risk_vs_kv.png, per_task.png (per stratum when stratified), validation.png and report.html."""
     from rich.console import Console
 
-    from certkv.calibration.records import certify_contract, default_output
+    from certkv.calibration.records import certify_contract_with_comparison, default_output
     from certkv.cli.validate import VALIDATION_FILE, read_validation, run_validation, write_validation
     from certkv.contract.loading import load_contract
     from certkv.report.html import write_report
 
     console = Console(stderr=True)
     contract = load_contract(contract_path)
-    evidence, op = certify_contract(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
+    evidence, op, pooled = certify_contract_with_comparison(
+        contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete
+    )
     out_dir = output or default_output(contract, "report")
     notes = _stored_point_note(default_output(contract, "operating_point.json"), op)
 
@@ -46,7 +49,7 @@ def report(
         validation = run_validation(contract, evidence, splits=splits, seed=seed)
         write_validation(validation, contract, evidence, out_dir / VALIDATION_FILE)
 
-    paths = write_report(contract, evidence, op, validation, out_dir, notes=notes)
+    paths = write_report(contract, evidence, op, validation, out_dir, notes=notes, pooled=pooled)
     print(f"wrote {paths['report.html']} and {len(paths) - 1} figures to {out_dir}")
 
 

@@ -35,8 +35,9 @@ def _pyplot():
     return plt
 
 
-def plot_risk_vs_kv(op, title: str | None = None):
+def plot_risk_vs_kv(op, title: str | None = None, subject: str = ""):
     """Empirical risk and Clopper–Pearson upper bound against kv_retained, one panel per sequence.
+    `subject` (e.g. ``task multi_key: ``) starts the default title: a stratum's figure says whose it is.
 
     Values far above ε would squash the interesting region near ε, so the y axis stops at a few ε
     and larger values are drawn on the top edge with their value written next to them.
@@ -113,7 +114,7 @@ def plot_risk_vs_kv(op, title: str | None = None):
     hidden = hidden_count(op)
     hidden_note = f"; {hidden} other gated candidates are in the table, not drawn" if hidden else ""
     fig.suptitle(
-        title or f"Violation risk vs KV retained: {what}\n"
+        title or f"{subject}Violation risk vs KV retained: {what}\n"
         f"n = {op.n}, ε = {eps:g}, confidence {op.contract.confidence:g}, {op.contract.procedure}{hidden_note}",
         fontsize=12,
     )
@@ -122,8 +123,9 @@ def plot_risk_vs_kv(op, title: str | None = None):
     return fig
 
 
-def plot_per_task(op, title: str | None = None):
-    """Heatmap of each task's own violation rate under each candidate; cells above ε are flagged.
+def plot_per_task(op, title: str | None = None, subject: str = ""):
+    """Heatmap of each task's own violation rate under each candidate; cells above ε are flagged
+    (`subject` starts the default title, as for :func:`plot_risk_vs_kv`).
 
     The certificate covers the task mix, so a task can sit above ε under a certified candidate;
     this figure shows which.
@@ -182,7 +184,8 @@ def plot_per_task(op, title: str | None = None):
     bar.set_ticks(ticks, labels=[f"ε = {100 * t:.3g}%" if t == eps else f"{100 * t:.3g}%" for t in ticks])
     hidden = hidden_count(op)
     hidden_note = f"\n({hidden} other gated candidates not shown)" if hidden else ""
-    fig.suptitle(title or f"Per-task violation rates (green ≤ ε < red; bold: task above ε){hidden_note}", fontsize=12)
+    fig.suptitle(title or f"{subject}Per-task violation rates (green ≤ ε < red; bold: task above ε){hidden_note}",
+                 fontsize=12)
     fig.tight_layout()
     return fig
 
@@ -243,18 +246,54 @@ def save_figure(fig, path: Path) -> Path:
 
 
 def draw_figures(op, validation, out_dir) -> dict[str, Path]:
-    """Draw the three figures of a report into `out_dir`; file name → path, in :data:`FIGURES` order.
+    """Draw a report's figures into `out_dir`; file name → path, in the order the page shows them.
 
-    Each figure is saved (and freed) before the next is drawn, so a report of a large gate grid
-    holds one figure in memory at a time.
+    A pooled point gets the three of :data:`FIGURES`. A stratified point gets each stratum's own
+    risk and per-task figures (:func:`stratum_figure_names`; none for a stratum too small to test
+    anything) and the validation of all strata together. Each figure is saved (and freed) before
+    the next is drawn, so a report of a large gate grid holds one figure in memory at a time.
     """
     out = Path(out_dir)
-    draw = {
-        "risk_vs_kv.png": lambda: plot_risk_vs_kv(op),
-        "per_task.png": lambda: plot_per_task(op),
-        "validation.png": lambda: plot_validation(validation),
-    }
-    return {name: save_figure(draw[name](), out / name) for name in FIGURES}
+    draw = {"validation.png": lambda: plot_validation(validation)}
+    if op.is_stratified:
+        names = stratum_figure_names(op)
+        for stratum, entry in op.strata.entries.items():
+            if stratum in names:
+                risk, tasks = names[stratum]
+                subject = f"{op.strata.by} {stratum}: "
+                draw[risk] = lambda e=entry, t=subject: plot_risk_vs_kv(e, subject=t)
+                draw[tasks] = lambda e=entry, t=subject: plot_per_task(e, subject=t)
+    else:
+        draw["risk_vs_kv.png"] = lambda: plot_risk_vs_kv(op)
+        draw["per_task.png"] = lambda: plot_per_task(op)
+    order = [name for name in draw if name != "validation.png"] + ["validation.png"]
+    return {name: save_figure(draw[name](), out / name) for name in order}
 
 
-__all__ = ["FIGURES", "draw_figures", "plot_per_task", "plot_risk_vs_kv", "plot_validation", "save_figure"]
+def stratum_figure_names(op) -> dict[str, tuple[str, str]]:
+    """Per stratum with candidates, its (risk, per-task) PNG names: ``risk_vs_kv_<stratum>.png``
+    with the name reduced to file-safe characters (and numbered when two reduce alike)."""
+    import re
+
+    names: dict[str, tuple[str, str]] = {}
+    used: set[str] = set()
+    for i, (stratum, entry) in enumerate(op.strata.entries.items()):
+        if not entry.candidates:
+            continue
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", stratum).strip("._") or "stratum"
+        if slug in used:
+            slug = f"{slug}-{i}"
+        used.add(slug)
+        names[stratum] = (f"risk_vs_kv_{slug}.png", f"per_task_{slug}.png")
+    return names
+
+
+__all__ = [
+    "FIGURES",
+    "draw_figures",
+    "plot_per_task",
+    "plot_risk_vs_kv",
+    "plot_validation",
+    "save_figure",
+    "stratum_figure_names",
+]

@@ -82,6 +82,7 @@ def _summary_rows(contract, records, op, validation) -> list[dict]:
     eps = op.contract.risk
     delta = text.contract_delta(op.contract)
     actual = "—" if op.kv_retained_actual is None else f"{op.kv_retained_actual:.3f}"
+    bound = "largest stratum bound" if op.is_stratified else "upper bound"
     rows = [
         ("contract", contract.name),
         ("evidence", f"{records.source}: n = {op.n} requests"),
@@ -91,7 +92,7 @@ def _summary_rows(contract, records, op, validation) -> list[dict]:
         ("choice", op.policy + (" (fallback)" if op.fallback else "")),
         ("kv_retained nominal / realised / mean memory", f"{op.kv_retained:g} / {actual} / {op.mean_kv_retained:.3f}"),
         ("KV saved", f"{100 * (1 - op.mean_kv_retained):.1f}%"),
-        ("violations / upper bound", f"{op.violations}/{op.n} / {text.fmt_bound(op.risk_upper_bound)}"),
+        (f"violations / {bound}", f"{op.violations}/{op.n} / {text.fmt_bound(op.risk_upper_bound)}"),
         *[(text.METHOD_LABELS.get(n, n) + " in validation", text.validation_line(validation, n).split(": ", 1)[1])
           for n in validation.methods],
     ]
@@ -110,8 +111,61 @@ def _validation_rows(validation) -> list[list[str]]:
     ]
 
 
-def page_context(contract, records, op, validation, figures: dict[str, Path], notes: list[str] | None = None) -> dict:
+def _validation_strata(validation) -> list[dict]:
+    """Each stratum's own validation rows (empty for a pooled result)."""
+    return [{"name": f"{validation.by} {name}", "n": sub.n_requests, "rows": _validation_rows(sub)}
+            for name, sub in (validation.strata or {}).items()]
+
+
+def _panel(op, images: dict[str, str], risk: str | None, tasks: str | None, title: str = "") -> dict:
+    """One ordinary operating point's evidence as the page shows it: the whole page's for a pooled
+    point, one stratum's for a stratified one (each entry is an ordinary point). `risk` and `tasks`
+    name its figures (None: it tested nothing, so there is nothing to draw)."""
+    return {
+        "title": title,
+        "choice": text.choice_summary(op),
+        "guarantee": text.guarantee_text(op),
+        "fallback": op.fallback,
+        "reason": op.reason or "",
+        "gated_figure_note": text.gated_figure_note(op),
+        "risk_image": images.get(risk) if risk else None,
+        "tasks_image": images.get(tasks) if tasks else None,
+        "stops": text.sequence_summaries(op),
+        "ladder": _ladder(op),
+        "per_task": _per_task(op),
+    }
+
+
+def _panels(op, images: dict[str, str]) -> list[dict]:
+    """The page's evidence panels: one for a pooled point, one per stratum for a stratified one."""
+    if not op.is_stratified:
+        return [_panel(op, images, "risk_vs_kv.png", "per_task.png")]
+    from certkv.report.figures import stratum_figure_names
+
+    names = stratum_figure_names(op)
+    return [_panel(entry, images, *names.get(stratum, (None, None)),
+                   title=f"{op.strata.by} {stratum}: {entry.n} certification requests")
+            for stratum, entry in op.strata.entries.items()]
+
+
+def _strata(op, pooled) -> dict | None:
+    """A stratified point's summary: its per-stratum rows and the pooled comparison beside it."""
+    if not op.is_stratified:
+        return None
+    rows = [{**r, "gated": "—" if r["gated_share"] is None else text.fmt_share(r["gated_share"]),
+             "bound": text.fmt_bound(r["bound"]), "mean_kv": f"{r['mean_kv']:.3f}"} for r in text.stratum_rows(op)]
+    comparison = None
+    if pooled is not None:
+        comparison = {"rows": [{**r, "mean_kv": f"{r['mean_kv']:.3f}"} for r in text.comparison_rows(op, pooled)],
+                      "text": text.comparison_text(op, pooled)}
+    return {"header": text.strata_header(op), "rows": rows, "comparison": comparison,
+            "pooled_kv": f"{op.mean_kv_retained:.3f}"}
+
+
+def page_context(contract, records, op, validation, figures: dict[str, Path], notes: list[str] | None = None,
+                 pooled=None) -> dict:
     """Everything the template shows, as plain strings, numbers and lists (no HTML in them)."""
+    images = {name: _data_uri(path) for name, path in figures.items()}
     return {
         "name": contract.name,
         "created": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
@@ -120,22 +174,24 @@ def page_context(contract, records, op, validation, figures: dict[str, Path], no
         "guarantee": text.guarantee_text(op),
         "fallback": op.fallback,
         "reason": op.reason or "",
+        "coverage": text.coverage_text(op) or "",
         "summary": _summary_rows(contract, records, op, validation),
-        "gated_figure_note": text.gated_figure_note(op),
-        "images": {name: _data_uri(path) for name, path in figures.items()},
-        "stops": text.sequence_summaries(op),
-        "ladder": _ladder(op),
-        "per_task": _per_task(op),
+        "strata": _strata(op, pooled),
+        "panels": _panels(op, images),
+        "validation_image": images["validation.png"],
         "eps": f"{op.contract.risk:g}",
         "delta": f"{text.contract_delta(op.contract):g}",
         "validation": validation,
         "validation_rows": _validation_rows(validation),
+        "validation_strata": _validation_strata(validation),
         "notes": text.all_notes(contract, records, op, notes),
     }
 
 
-def render_html(contract, records, op, validation, figures: dict[str, Path], notes: list[str] | None = None) -> str:
-    """One self-contained page: summary, guarantee with its scope, ladder, per-task, validation.
+def render_html(contract, records, op, validation, figures: dict[str, Path], notes: list[str] | None = None,
+                pooled=None) -> str:
+    """One self-contained page: summary, guarantee with its scope, ladder, per-task, validation;
+    for a stratified point a panel per stratum and the pooled comparison in the summary.
 
     Parameters
     ----------
@@ -143,25 +199,28 @@ def render_html(contract, records, op, validation, figures: dict[str, Path], not
         The contract, the records certified (:class:`~certkv.calibration.records.ContractRecords`),
         their operating point and a repeated-split validation of the same records.
     figures : dict of str to path
-        The PNGs of :data:`~certkv.report.figures.FIGURES`, embedded as data URIs.
+        The PNGs of :func:`~certkv.report.figures.draw_figures`, embedded as data URIs.
     notes : list of str, optional
         Extra notes (e.g. a stale operating point on disk), listed with the certifier's.
+    pooled : OperatingPoint, optional
+        A stratified point's pooled comparison (strata removed; never deployed).
 
     Returns
     -------
     str
         The page; it loads nothing from elsewhere, so it can be mailed or archived alone.
     """
-    context = page_context(contract, records, op, validation, figures, notes)
+    context = page_context(contract, records, op, validation, figures, notes, pooled)
     return _environment().get_template(TEMPLATE).render(**context)
 
 
-def write_report(contract, records, op, validation, out_dir, notes: list[str] | None = None) -> dict[str, Path]:
-    """Draw the three figures and the HTML page into `out_dir`.
+def write_report(contract, records, op, validation, out_dir, notes: list[str] | None = None,
+                 pooled=None) -> dict[str, Path]:
+    """Draw the figures and the HTML page into `out_dir`.
 
     Parameters
     ----------
-    contract, records, op, validation, notes
+    contract, records, op, validation, notes, pooled
         As for :func:`render_html`.
     out_dir : path
         Created when missing; existing files of the same names are replaced.
@@ -169,13 +228,14 @@ def write_report(contract, records, op, validation, out_dir, notes: list[str] | 
     Returns
     -------
     dict of str to Path
-        ``risk_vs_kv.png``, ``per_task.png``, ``validation.png`` and ``report.html``.
+        The figures (``risk_vs_kv.png``, ``per_task.png``, ``validation.png``; per stratum for a
+        stratified point) and ``report.html``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     figures = draw_figures(op, validation, out)
     page = out / "report.html"
-    write_text_atomic(page, render_html(contract, records, op, validation, figures, notes))
+    write_text_atomic(page, render_html(contract, records, op, validation, figures, notes, pooled))
     return {**figures, "report.html": page}
 
 
