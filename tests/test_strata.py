@@ -356,3 +356,11 @@ def test_export_then_certify_the_csv_keeps_the_strata(strata_store, tmp_path):
     for name, entry in da["strata"]["entries"].items():
         assert entry["policy"] == db["strata"]["entries"][name]["policy"]
         assert entry["candidates"] == db["strata"]["entries"][name]["candidates"]
+
+
+def test_a_stratum_whose_pilot_draws_nothing_falls_back():
+    rows = strata_rows(sizes={"easy": 500, "hard": 150})
+    spec = CertificationSpec.parse({**SPEC, "strata": {"by": "task"}, "pilot": {"share": 0.003, "min_certification": 1}})
+    op = certify(rows, spec)
+    assert op.strata.entries["hard"].fallback and "draws no pilot request" in op.strata.entries["hard"].reason
+    assert not op.strata.entries["easy"].fallback

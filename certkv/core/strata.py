@@ -122,13 +122,9 @@ def certify_stratified(table: LossTable, spec: CertificationSpec, certify_one, *
     for s, name in enumerate(names):
         columns = np.flatnonzero(codes == s)
         sub = table.take_requests(columns, source=f"{table.source} [{by} {name}]")
-        n_cert = columns.size
-        floor = need
-        if per_stratum.pilot is not None:
-            n_cert -= pilot_size(columns.size, per_stratum.pilot.share)
-            floor = max(need, per_stratum.pilot.min_certification)
-        if n_cert < floor:
-            entry = _too_small(sub, per_stratum, name, by, n_cert, floor, need, contract_sha256, records_sha256)
+        why = too_small_reason(columns.size, per_stratum, need)
+        if why is not None:
+            entry = _too_small(sub, per_stratum, name, by, why, contract_sha256, records_sha256)
         else:
             entry = certify_one(sub, per_stratum, contract_sha256=contract_sha256, records_sha256=records_sha256)
             entry.guarantee = stratum_guarantee(per_stratum, by, name, entry.fallback)
@@ -166,15 +162,30 @@ def strata_guarantee(spec: CertificationSpec, per_stratum: CertificationSpec, by
     )
 
 
-def _too_small(sub, spec, name, by, n_cert, floor, need, contract_sha256, records_sha256) -> OperatingPoint:
+def too_small_reason(n_requests: int, spec: CertificationSpec, need: int) -> str | None:
+    """Why a stratum of `n_requests` cannot certify anything under the per-stratum `spec`
+    (`need`: :func:`fewest_requests`), or None when it can: its pilot draws no request, leaves fewer
+    certification requests than a pilot must leave, or fewer than a zero-violation certificate needs."""
+    n_cert = n_requests
+    if spec.pilot is not None:
+        n_pilot = pilot_size(n_requests, spec.pilot.share)
+        if n_pilot < 1:
+            return f"a pilot share of {spec.pilot.share:g} draws no pilot request from its {n_requests}"
+        n_cert -= n_pilot
+        if n_cert < spec.pilot.min_certification:
+            return (f"the pilot leaves {n_cert} certification requests, fewer than the "
+                    f"{spec.pilot.min_certification} a pilot must leave")
+    if n_cert < need:
+        return (f"{n_cert} certification requests, fewer than the {need} that certifying anything at "
+                f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations")
+    return None
+
+
+def _too_small(sub, spec, name, by, why, contract_sha256, records_sha256) -> OperatingPoint:
     """A stratum too small to certify anything: the full cache, with why."""
     from certkv.core.coverage import coverage_of
 
-    if floor > need:
-        why = f"the pilot leaves {n_cert} certification requests, fewer than the {floor} a pilot must leave"
-    else:
-        why = (f"{n_cert} certification requests, fewer than the {need} that certifying anything at "
-               f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations")
+    n_cert = sub.n_requests - (pilot_size(sub.n_requests, spec.pilot.share) if spec.pilot is not None else 0)
     reason = f"{by} {name!r} is too small to certify: {why}; using the full cache"
     return OperatingPoint(
         policy=REFERENCE_POLICY, base_policy=REFERENCE_POLICY, press=REFERENCE_POLICY, kv_retained=1.0,
@@ -250,5 +261,5 @@ def _codes(labels, names) -> np.ndarray:
     return np.fromiter((index[label] for label in labels), dtype=np.int64, count=len(labels))
 
 
-__all__ = ["certify_stratified", "fewest_requests", "strata_guarantee", "stratum_guarantee", "stratum_labels",
+__all__ = ["certify_stratified", "fewest_requests", "too_small_reason", "strata_guarantee", "stratum_guarantee", "stratum_labels",
            "stratum_spec"]
