@@ -3,7 +3,8 @@
 The demo contract and its requests ship inside the package (:mod:`certkv.demo`). They are copied
 into ``--dir`` (default ``./certkv-demo``) and run from there, so the store and the report land in
 ``<dir>/runs/demo``, never inside the installation, and the copy is the contract to pass to
-``certkv certify`` or ``certkv report`` later.
+``certkv certify`` or ``certkv report`` later. Its last lines say which certificate is deployed
+(the contract's: stratified per task for the packaged demo) beside the pooled comparison.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def demo(
     from certkv.cli.report import report
     from certkv.cli.validate import validate
     from certkv.demo import copy_demo
+    from certkv.report.tables import say
+    from certkv.report.text import deployed_text
 
     if contract_path is not None:
         if not contract_path.is_file():
@@ -48,11 +51,12 @@ def demo(
     calibrate(path, limit=limit, new_store=False, quiet=quiet, device=None, dtype=None)
     console.rule("2/4 certify: exact binomial tests, fixed-sequence family-wise control")
     partial = limit is not None  # a quick look: a preview without guarantee
-    certify(path, records=None, output=None, allow_incomplete=partial, wide=False)
+    op, pooled = certify(path, records=None, output=None, allow_incomplete=partial, wide=False)
     console.rule("3/4 validate: 1000 random splits, certkv vs empirical thresholding")
     validate(path, splits=1000, calibration_fraction=0.5, seed=0, records=None, output=None, allow_incomplete=partial)
     console.rule("4/4 report")
     report(path, output=None, records=None, splits=1000, seed=0, allow_incomplete=partial)
+    say(console, deployed_text(op, pooled))
     console.print(
         f"the demo contract is {path}: pass it to `certkv certify {path}` or `certkv report {path}` later; "
         "rerunning `certkv demo` with the same --dir resumes its store",

@@ -357,6 +357,22 @@ def comparison_text(op, pooled) -> str:
     )
 
 
+def deployed_text(op, pooled=None) -> str:
+    """Which certificate is deployed (the contract's: stratified when it has strata) and its memory;
+    with the pooled comparison's policy and memory after it, marked as not deployed."""
+    if op.is_stratified:
+        every = ", every one fell back to the full cache" if op.fallback else ""
+        what = f"stratified per {op.strata.by} ({len(op.strata.entries)} strata{every})"
+    else:
+        what = "the full cache (fallback)" if op.fallback else op.policy
+    line = f"deployed: the contract's operating point, {what}, mean KV retained {op.mean_kv_retained:.3f}"
+    if pooled is not None:
+        policy = "full cache (fallback)" if pooled.fallback else pooled.policy
+        line += (f"; pooled comparison (strata removed, not deployed): {policy}, "
+                 f"mean KV retained {pooled.mean_kv_retained:.3f}")
+    return line
+
+
 def coverage_text(op) -> str | None:
     """The coverage envelope in one sentence (None for a file written before it existed): what was
     calibrated, so what the runtime serves; anything outside is answered from the full cache."""
@@ -455,6 +471,7 @@ __all__ = [
     "comparison_text",
     "contract_delta",
     "coverage_text",
+    "deployed_text",
     "failure_reason",
     "fmt_bound",
     "fmt_p",
