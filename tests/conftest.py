@@ -96,6 +96,7 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_docs.py",
     "test_strata.py",
     "test_monitor.py",
+    "test_strata_report.py",
 })
 _HEAVY = ("torch", "transformers", "kvpress")
 _LOADED_BEFORE_RUN = pytest.StashKey[set]()
