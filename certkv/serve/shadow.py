@@ -1,0 +1,223 @@
+"""Shadow jobs: score a served answer against the full cache's, for the live risk monitor.
+
+``certkv serve`` draws the monitor's coin for every evicted answer (:meth:`RiskMonitor.draw_shadow`);
+a shadowed request becomes a :class:`ShadowJob`, which the service's one worker runs when no live
+request waits. :meth:`ShadowRunner.run`:
+
+1. answers the request from the full cache, exactly as calibration decodes it
+   (:meth:`CertifiedRuntime.full_answer` at the calibrated decode length, on the prompt
+   :func:`certkv.model.generation.encode_request` builds); a served answer that already came
+   from the full cache is that answer (no second forward);
+2. scores ``loss = utility(full) − utility(served)`` with the contract's utility
+   (``op.contract.utility``, the stratum's for a stratified point) when the request carries
+   reference answers, else with ``agreement`` (the served answer against the full answer: what a
+   label-free deployment can check); the loss is the one calibration would record for that
+   request and policy;
+3. gives the monitor the verdict ``loss > τ`` under calibration's own rule
+   (:func:`certkv.core.binomial.violation_mask`, slack :data:`~certkv.core.binomial.VIOLATION_EPS`);
+4. writes the record pair to the :class:`~certkv.serve.shadow_store.ShadowStore` (its docstring
+   states the record rule).
+
+The monitor is told before the store is written: the verdict is what keeps the deployment safe,
+the store is the audit trail. Any failure before the verdict (a model error, an unscorable
+request) abandons the ticket (:meth:`RiskMonitor.abandon`, which counts it conservatively); a
+failure writing the store after the verdict leaves the verdict in place. Either way the error is
+logged and re-raised as a one-line :class:`~certkv.errors.CertkvError` (the original chained), so the
+worker that ran the job records it and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from certkv.core.binomial import VIOLATION_EPS, violation_mask
+from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.errors import CertkvError
+
+if TYPE_CHECKING:
+    from certkv.core.monitor import RiskMonitor
+    from certkv.runtime.certified_runtime import CertifiedRuntime, RuntimeAnswer
+    from certkv.serve.shadow_store import ShadowStore
+
+log = logging.getLogger("certkv.serve.shadow")
+
+#: The utility of a request without reference answers: the served answer against the full one.
+AGREEMENT = "agreement"
+#: Decision signals copied onto the deployed policy's row (calibration's signal columns).
+SIGNALS = ("agreement_drop", "certificate_max", "confidence_min", "logprob_mean", "lookahead_mass",
+           "lookahead_heads", "learned_score")
+
+__all__ = ["AGREEMENT", "SIGNALS", "VIOLATION_EPS", "ShadowJob", "ShadowRunner", "shadow_rows"]
+
+
+@dataclass
+class ShadowJob:
+    """One served request to shadow."""
+
+    request_id: str
+    stream: str
+    """The monitor stream the ticket belongs to (the stratum, or ``"all"``)."""
+    stratum: str | None
+    context: str
+    question: str
+    answers: list[str] | None
+    """Reference answers when the request carried them, else None (agreement utility)."""
+    served: RuntimeAnswer
+    """What the service answered: the (evicted) answer and its Decision."""
+    ticket: int
+    """The :class:`~certkv.core.monitor.RiskMonitor` ticket."""
+    submitted: float = field(default_factory=time.monotonic)
+    """When the job was queued (monotonic seconds), for the record's queueing delay."""
+
+
+class ShadowRunner:
+    """Run shadow jobs: full answer, loss, the monitor's verdict and the store's record pair."""
+
+    def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor, store: ShadowStore | None):
+        self.runtime = runtime
+        self.monitor = monitor
+        self.store = store
+
+    def run(self, job: ShadowJob) -> dict:
+        """Shadow `job`; returns the record (loss, verdict, both answers, the rows written).
+
+        Raises CertkvError (one line, the cause chained) after abandoning the ticket when the
+        verdict could not be reached, or after completing it when only the store write failed.
+        """
+        completed = False
+        try:
+            record = self._score(job)
+            self.monitor.complete(job.ticket, record["violated"])
+            completed = True
+            if self.store is not None:
+                self.store.write(record["rows"])
+            return record
+        except BaseException as exc:
+            if not completed:
+                try:
+                    self.monitor.abandon(job.ticket)
+                except Exception:  # an unknown ticket: nothing left to abandon
+                    log.exception("shadow %s: could not abandon ticket %s", job.request_id, job.ticket)
+            what = "store write" if completed else "abandoned"
+            log.error("shadow %s (%s): %s: %s", job.request_id, what, type(exc).__name__, exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the ticket is abandoned, the process stops
+            if completed:
+                raise CertkvError(f"shadow {job.request_id}: verdict recorded, store write failed: {exc}") from exc
+            raise CertkvError(f"shadow {job.request_id} abandoned: {exc}") from exc
+
+    # -- scoring ------------------------------------------------------------------------------
+
+    def _entry(self, stratum: str | None):
+        """The operating point and runtime that served `stratum`."""
+        op = self.runtime.operating_point
+        if not op.is_stratified:
+            return op, self.runtime
+        entry = op.entry_for(stratum)
+        if entry is None or stratum not in self.runtime.strata:
+            raise CertkvError(f"stratum {stratum!r} is not one the operating point certified; it was "
+                              "answered from the full cache, which is never shadowed")
+        return entry, self.runtime.strata[stratum]
+
+    def _score(self, job: ShadowJob) -> dict:
+        from certkv.calibration.utility import score
+        from certkv.model.generation import encode_request
+
+        top = self.runtime.operating_point
+        entry, runtime = self._entry(job.stratum)
+        if entry.fallback:
+            raise CertkvError(f"{entry.policy} falls back to the full cache: there is nothing to shadow")
+        served = job.served
+        decision = served.decision
+        t0 = time.perf_counter()
+        enc = encode_request(runtime.tokenizer, job.context, job.question)
+        context_tokens = len(enc.context_ids)
+        if decision.mode == "full":
+            full_answer, seconds = served.answer, {}
+        else:
+            seconds: dict[str, float] = {}
+            ids = runtime.full_answer(enc, runtime.max_new_tokens, seconds)
+            full_answer = runtime.tokenizer.decode(ids, skip_special_tokens=True)
+        answers = [str(a) for a in job.answers] if job.answers else None
+        utility_name = entry.contract.utility
+        if answers is None or utility_name is None:
+            utility_name = AGREEMENT
+        refs = answers or ()
+        utility_full = score(utility_name, full_answer, refs, full_answer)
+        utility = score(utility_name, served.answer, refs, full_answer)
+        loss = utility_full - utility
+        tau = entry.contract.tolerance
+        violated = bool(violation_mask([loss], tau)[0])
+        rows = shadow_rows(job, entry, full_answer=full_answer, utility_name=utility_name,
+                           utility_full=utility_full, utility=utility, context_tokens=context_tokens,
+                           seconds=seconds, strata_by=top.strata.by if top.is_stratified else None)
+        return {
+            "request_id": job.request_id, "stream": job.stream, "stratum": job.stratum,
+            "policy": decision.policy, "base_policy": entry.base_policy, "utility_name": utility_name,
+            "utility": utility, "utility_full": utility_full, "loss": loss, "tolerance": tau,
+            "violated": violated, "answer": served.answer, "full_answer": full_answer,
+            "mode": decision.mode, "reason": decision.reason, "ticket": job.ticket,
+            "queued_seconds": max(0.0, time.monotonic() - job.submitted),
+            "seconds": time.perf_counter() - t0, "rows": rows,
+        }
+
+
+def shadow_rows(job: ShadowJob, entry, *, full_answer: str, utility_name: str, utility_full: float,
+                utility: float, context_tokens: int, seconds: dict, strata_by: str | None = None
+                ) -> list[dict[str, Any]]:
+    """The record pair of one shadow (rule: :mod:`certkv.serve.shadow_store`): the ``full`` row
+    and the base policy's row carrying the served answer, its memory and the Decision's signals.
+    `entry` is the operating point that served it (its stratum's); `strata_by` the stratified
+    point's ``strata.by`` (a key other than ``task`` adds a ``stratum`` column)."""
+    d = job.served.decision
+    evicted = d.mode != "full"
+    common: dict[str, Any] = {
+        "request_id": job.request_id,
+        "task": job.stratum,
+        "utility_full": utility_full,
+        "agreement_drop": d.agreement_drop,  # one value per request, on every row (as calibration)
+        "utility_name": utility_name,
+        "stream": job.stream,
+    }
+    if strata_by not in (None, "task"):
+        common["stratum"] = job.stratum
+    full_row = {
+        **common,
+        "policy": REFERENCE_POLICY,
+        "press": REFERENCE_POLICY,
+        "kv_retained": 1.0,
+        "kv_retained_actual": 1.0,
+        "memory": 1.0,
+        "utility": utility_full,
+        "loss": 0.0,
+        "answer": full_answer,
+        "seconds": seconds.get("prefill", 0.0) + seconds.get("decode", 0.0) if seconds else None,
+        "context_tokens": context_tokens,
+    }
+    served_row = {
+        **common,
+        "policy": entry.base_policy,
+        "press": entry.press,
+        "kv_retained": entry.kv_retained,
+        "kv_retained_actual": d.kv_retained_actual if evicted else 1.0,
+        "memory": d.kv_retained if evicted else 1.0,
+        "utility": utility,
+        "loss": utility_full - utility,
+        "answer": job.served.answer,
+        "seconds": job.served.seconds.get("total"),
+        "deployed_policy": d.policy,
+        "mode": d.mode,
+        "reason": d.reason,
+        "gate_kind": d.gate_kind,
+        "escalated": d.escalated,
+    }
+    for name in SIGNALS:
+        if name == "agreement_drop":
+            continue
+        value = getattr(d, name)
+        if value is not None:
+            served_row[name] = value
+    return [full_row, served_row]

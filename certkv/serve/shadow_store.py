@@ -1,0 +1,281 @@
+"""The shadow store: live loss records of a deployed operating point, in the calibration format.
+
+``certkv serve`` answers a random share of its evicted requests a second time from the full cache
+(a *shadow*, :mod:`certkv.serve.shadow`). Each shadow is written here as one record pair, so that
+live traffic can be audited and re-certified with the tools that read calibration records::
+
+    certkv export SHADOW_STORE                      # -> SHADOW_STORE/records.csv
+    certkv certify CONTRACT --records SHADOW_STORE/records.csv
+
+Format. A shadow store IS a calibration store (:class:`certkv.calibration.store.CalibrationStore`:
+the same ``records`` table, :data:`~certkv.calibration.store.COLUMNS`, row encoding, checks and
+export), bound in its ``meta`` table to an operating point instead of a contract: ``kind`` is
+``shadow``, ``operating_point_sha256`` the hash of the deployed point's JSON, ``policy`` /
+``base_policy`` what it deploys. ``contract_sha256`` (which ``CalibrationStore.read`` requires) is
+``shadow:<operating point hash>``, so the store can never be mistaken for the calibration store
+of a contract (``certkv certify CONTRACT`` refuses it; ``--records`` of its export is the way in).
+Reopening the folder with the same operating point appends; with another one is an error (two
+deployments' records would mix).
+
+Durability is the calibration store's: WAL, ``synchronous=FULL``, one transaction per shadow
+holding both of its rows, so a SIGKILL leaves whole shadows or none.
+
+The record rule (one pair per shadowed request)
+-----------------------------------------------
+* a ``full`` row: the full-cache answer, ``utility = utility_full``, loss 0, memory 1.0, the
+  request's ``context_tokens`` and signals;
+* a row for the deployed point's **base policy** (``op.base_policy``: the ungated candidate, e.g.
+  ``snapkv@0.50`` for ``snapkv@0.50+drop0.1``), with its press and nominal ``kv_retained`` (the
+  candidate's, so the table is consistent), the served answer, ``utility``, ``utility_full``,
+  ``loss = utility_full − utility``, ``memory`` = the retention of the cache that answered (1.0
+  when the served answer came from the full cache), ``kv_retained_actual`` and every signal of
+  the served :class:`~certkv.runtime.certified_runtime.Decision` (``agreement_drop``,
+  ``certificate_max``, ``confidence_min``, ``logprob_mean``, ``lookahead_mass``,
+  ``lookahead_heads``, ``learned_score``) plus ``reason``, ``mode``, ``gate_kind``, the served
+  ``deployed_policy`` and the monitor's ``stream`` in ``extra``.
+
+Gated candidates are never read from a loss table: certkv derives them from their base
+candidate's rows and signals (:mod:`certkv.core.gated`). Recording under the base policy with the
+signals therefore lets a contract that lists the base policy certify it (ungated), and a
+contract with the deployed gate derive the gated candidate from the same rows. What the rows
+estimate: the service only shadows *evicted* answers (a full-cache answer cannot violate), each
+with an independent coin, so the rows are a random sample of the evicted requests, and their
+certificate bounds the violation rate among evicted requests, which is at least the deployed
+rate over all requests (a conservative reading of the deployment, never an optimistic one). A
+shadowed answer that came from the full cache (possible only when a caller shadows it on purpose)
+is recorded with loss 0 and memory 1.0, as the derived gated rows of calibration would be.
+
+Stratified operating points deploy a different policy per stratum, and a loss table must
+evaluate every policy on every request, so one table cannot hold them: the store then keeps one
+calibration-format store per stratum, ``<store>/<stratum>/records.sqlite`` (each bound to its
+stratum's operating point, certified by a contract listing that stratum's base policy), and
+``<store>/strata.json`` names them. Rows carry ``task`` = the stratum (and ``stratum`` too when the
+strata are not by task), as calibration rows do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sqlite3
+import threading
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from certkv.atomic_io import write_text_atomic
+from certkv.calibration.store import _SCHEMA, SCHEMA_VERSION, CalibrationStore, _read_meta, _tables, db_path
+from certkv.core.operating_point import OperatingPoint
+from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.errors import CertkvError
+
+KIND = "shadow"
+STRATA_INDEX = "strata.json"
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def operating_point_sha256(op: OperatingPoint) -> str:
+    """Hash of the operating point's canonical JSON (what the store is bound to)."""
+    text = json.dumps(op.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def stratum_folder(name: str) -> str:
+    """The sub-folder of a stratum: its name when it is a safe file name, else a hash of it."""
+    if _SAFE_NAME.fullmatch(name) and name not in (".", ".."):
+        return name
+    return "stratum-" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:12]
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """Open (or create) a database as the calibration store does (WAL, synchronous=FULL), usable
+    from any thread: the server's worker writes what its main thread opened (a lock serialises)."""
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise CertkvError(f"{path} is not a certkv shadow store ({exc})") from None
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> CalibrationStore:
+    """The calibration-format store of `op` at `folder`: created, or resumed when bound to `op`."""
+    from certkv import __version__
+
+    if folder.exists() and not folder.is_dir():
+        raise CertkvError(f"shadow store path {folder} is a file; a store is a folder, choose another path")
+    folder.mkdir(parents=True, exist_ok=True)
+    file = db_path(folder)
+    sha = operating_point_sha256(op)
+    conn = _connect(file)
+    if _tables(conn):
+        meta = _read_meta(conn, file)
+        if meta.get("kind") != KIND:
+            conn.close()
+            raise CertkvError(
+                f"{file} is not a certkv shadow store (a calibration store?); choose another --shadow-store path"
+            )
+        if meta.get("operating_point_sha256") != sha:
+            conn.close()
+            raise CertkvError(
+                f"shadow store {folder} belongs to another operating point (sha256 "
+                f"{str(meta.get('operating_point_sha256'))[:12]}, this one {sha[:12]}); two deployments' "
+                "records would mix: choose another --shadow-store path"
+            )
+        return CalibrationStore(conn, folder, None)
+    meta = {
+        "kind": KIND,
+        "contract_sha256": f"shadow:{sha}",
+        "operating_point_sha256": sha,
+        "calibration_contract_sha256": op.contract_sha256 or "",
+        "records_sha256": op.records_sha256 or "",
+        "policy": op.policy,
+        "base_policy": op.base_policy,
+        "stratum": "" if stratum is None else stratum,
+        "operating_point": op.to_json(),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "certkv_version": __version__,
+        "schema_version": SCHEMA_VERSION,
+    }
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in filter(str.strip, _SCHEMA.split(";")):
+            conn.execute(statement)
+        conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        conn.close()
+        raise
+    return CalibrationStore(conn, folder, None)
+
+
+class ShadowStore:
+    """Live record pairs of one deployed operating point (module docstring: format and rule).
+
+    Parameters
+    ----------
+    path : Path
+        The store folder (created). A pooled operating point writes ``<path>/records.sqlite``; a
+        stratified one ``<path>/<stratum>/records.sqlite`` per stratum that does not fall back.
+    operating_point : OperatingPoint
+        The deployed point the rows are bound to.
+
+    Thread-safe: one lock serialises writes (the server writes from its worker thread).
+    """
+
+    def __init__(self, path: Path, operating_point: OperatingPoint):
+        self.path = Path(path)
+        self.operating_point = operating_point
+        self._lock = threading.Lock()
+        self._stores: dict[str | None, CalibrationStore] = {}
+        self._by = operating_point.strata.by if operating_point.is_stratified else None
+        try:
+            if operating_point.is_stratified:
+                index = {}
+                for name, entry in operating_point.strata.entries.items():
+                    if entry.fallback:
+                        continue  # every answer is the full cache's: nothing is ever shadowed
+                    sub = stratum_folder(name)
+                    if sub in index.values():
+                        raise CertkvError(f"strata {name!r} and another share the folder name {sub!r}")
+                    index[name] = sub
+                    self._stores[name] = _open_bound(self.path / sub, entry, name)
+                self.path.mkdir(parents=True, exist_ok=True)
+                write_text_atomic(self.path / STRATA_INDEX, json.dumps(
+                    {"kind": KIND, "by": self._by, "operating_point_sha256": operating_point_sha256(operating_point),
+                     "strata": index}, indent=2, ensure_ascii=False) + "\n")
+            else:
+                if operating_point.fallback:
+                    raise CertkvError("the operating point falls back to the full cache: it has nothing to shadow")
+                self._stores[None] = _open_bound(self.path, operating_point, None)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- where rows go ----------------------------------------------------------------------
+
+    @property
+    def strata(self) -> list[str]:
+        """The strata with a store of their own (empty for a pooled point)."""
+        return [s for s in self._stores if s is not None]
+
+    def folder(self, stratum: str | None = None) -> Path:
+        """The calibration-format store folder that `stratum`'s rows go to (``certkv export`` it)."""
+        return self._store(stratum).path
+
+    def _store(self, stratum: str | None) -> CalibrationStore:
+        if not self._stores:
+            raise CertkvError(f"shadow store {self.path} is closed")
+        if not self.operating_point.is_stratified:
+            return self._stores[None]
+        if stratum not in self._stores:
+            known = ", ".join(self.strata) or "none"
+            raise CertkvError(
+                f"stratum {stratum!r} has no shadow store (the operating point's non-fallback strata: {known}); "
+                "full-cache answers are never shadowed"
+            )
+        return self._stores[stratum]
+
+    def _stratum_of(self, row: Mapping[str, Any]) -> str | None:
+        if self._by is None:
+            return None
+        key = "task" if self._by == "task" else "stratum"
+        return row.get(key, row.get("task"))
+
+    # -- writing / reading ------------------------------------------------------------------
+
+    def write(self, rows: list[dict]) -> None:
+        """Record the rows of ONE shadowed request (its ``full`` row and its base-policy row) in
+        one transaction: all or nothing. A request id already present is an error."""
+        if not rows:
+            raise CertkvError("a shadow record needs its rows (full and the deployed policy)")
+        ids = {str(r.get("request_id")) for r in rows}
+        if len(ids) != 1 or None in (r.get("request_id") for r in rows):
+            raise CertkvError(f"the rows of one shadow must share one request_id, got {sorted(ids)}")
+        strata = {self._stratum_of(r) for r in rows}
+        if len(strata) != 1:
+            raise CertkvError(f"the rows of one shadow must share one stratum, got {sorted(map(str, strata))}")
+        if not any(r.get("policy") == REFERENCE_POLICY for r in rows):
+            raise CertkvError(f"a shadow record needs its {REFERENCE_POLICY!r} row")
+        with self._lock:
+            self._store(strata.pop()).write_request(ids.pop(), rows)
+
+    def count(self) -> int:
+        """Shadowed requests recorded (each one full row plus one deployed-policy row)."""
+        with self._lock:
+            return sum(s.request_count() for s in self._stores.values())
+
+    def records(self, stratum: str | None = None) -> list[dict[str, Any]]:
+        """The rows of `stratum`'s store (a pooled point: all rows), in write order."""
+        with self._lock:
+            return self._store(stratum).records()
+
+    def export(self, path: str | Path, stratum: str | None = None, format: str | None = None) -> int:
+        """Write `stratum`'s rows (a pooled point: all) as CSV or JSONL; returns the row count."""
+        with self._lock:
+            return self._store(stratum).export(path, format)
+
+    def close(self) -> None:
+        """Close every database (idempotent); committed shadows are already on disk."""
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+            for store in stores:
+                try:
+                    store.close()
+                except sqlite3.Error:
+                    pass
+
+    def __enter__(self) -> ShadowStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["KIND", "STRATA_INDEX", "ShadowStore", "operating_point_sha256", "stratum_folder"]
