@@ -22,6 +22,7 @@ from certkv.cli import demo as _demo
 from certkv.cli import export as _export
 from certkv.cli import generate as _generate
 from certkv.cli import report as _report
+from certkv.cli import serve as _serve
 from certkv.cli import validate as _validate
 
 app = typer.Typer(
@@ -60,6 +61,7 @@ _command("certify", _certify.certify)
 _command("validate", _validate.validate)
 _command("report", _report.report)
 _command("export", _export.export)
+_command("serve", _serve.serve)
 
 
 def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:

@@ -1,0 +1,123 @@
+"""`certkv serve`: answer OpenAI-shaped requests with a certified operating point, monitored live."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from certkv.errors import CertkvError
+
+
+def serve(
+    operating_point: Path = typer.Argument(..., metavar="OPERATING_POINT", help="operating_point.json to deploy"),
+    model: str = typer.Option("embedded", "--model", help="embedded, a local model folder or a Hugging Face id "
+                              "(the model the operating point was calibrated on)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="interface to listen on (loopback by default)"),
+    port: int = typer.Option(8000, "--port", help="TCP port (1-65535)"),
+    shadow_rate: float = typer.Option(0.05, "--shadow-rate", help="share of evicted answers re-answered from the "
+                                      "full cache by the live monitor, in (0, 1]"),
+    api_key_env: str = typer.Option(None, "--api-key-env", help="environment variable holding the API key; "
+                                    "requests must then send Authorization: Bearer <key>"),
+    max_queue: int = typer.Option(64, "--max-queue", help="live requests that may wait; more get 503"),
+    timeout: float = typer.Option(60.0, "--timeout", help="seconds per request (queue wait included); then 504"),
+    shadow_store: Path = typer.Option(None, "--shadow-store", help="folder of the shadow store (records.sqlite, "
+                                      "readable by certkv export; default: shadow/ next to the operating point)"),
+    seed: int = typer.Option(0, "--seed", help="seed of the shadow coin"),
+    max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", help="largest request body; more get 413"),
+    drain_seconds: float = typer.Option(30.0, "--drain-seconds", help="on SIGTERM, seconds to finish pending "
+                                        "shadows before abandoning (and counting) the rest"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]"),
+) -> None:
+    """Serve OPERATING_POINT over HTTP (OpenAI-shaped /v1/completions and /v1/chat/completions)."""
+    import logging
+    import socket
+
+    from certkv.core.operating_point import load_operating_point
+
+    if not 1 <= port <= 65535:
+        raise CertkvError(f"--port must be in 1-65535, got {port}")
+    if max_queue < 1:
+        raise CertkvError(f"--max-queue must be at least 1, got {max_queue}")
+    if not timeout > 0:
+        raise CertkvError(f"--timeout must be positive seconds, got {timeout}")
+    if max_body_bytes < 1024:
+        raise CertkvError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
+    from certkv.core.monitor import check_shadow_rate
+
+    check_shadow_rate(shadow_rate)
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise CertkvError(f"--api-key-env {api_key_env}: that environment variable is not set or empty")
+    op = load_operating_point(operating_point)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CertkvError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host or --port") from None
+
+    from certkv.core.monitor import RiskMonitor
+    from certkv.model.loading import load_model
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+    from certkv.serve.app import create_app
+    from certkv.serve.metrics import Metrics
+    from certkv.serve.service import Service
+    from certkv.serve.shadow import ShadowRunner
+    from certkv.serve.shadow_store import ShadowStore
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    loaded, tokenizer = load_model(model, device=device)
+    runtime = CertifiedRuntime(loaded, tokenizer, op)
+    streams = None
+    if op.is_stratified:
+        streams = {name: 1.0 - op.strata.confidence for name in op.strata.entries}
+    monitor = RiskMonitor(op.contract.risk, 1.0 - op.contract.confidence, shadow_rate, seed=seed, streams=streams)
+    store_path = shadow_store or operating_point.parent / "shadow"
+    store = runner = None
+    if op.is_stratified or not op.fallback:  # a fallback point answers everything from the full cache
+        store = ShadowStore(store_path, op)
+        runner = ShadowRunner(runtime, monitor, store)
+    service = Service(runtime, monitor, runner, store, Metrics(), max_queue=max_queue)
+    app = create_app(service, model_id=model, operating_point_path=str(operating_point), timeout=timeout,
+                     api_key=api_key, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds,
+                     shadow_store_path=str(store_path))
+    import uvicorn
+
+    server_class = _graceful_server_class()
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(timeout + drain_seconds) + 5,
+                            lifespan="on")
+    typer.echo(f"certkv serve: {op.policy} on http://{host}:{port} (model {model}, shadow rate {shadow_rate:g}, "
+               f"store {store_path})", err=True)
+    server_class(config).run(sockets=[sock])
+
+
+def _graceful_server_class():
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, but SIGTERM/SIGINT end it with exit code 0 once it has shut down
+        gracefully (uvicorn re-raises the signal after its shutdown, which ends the process by
+        the signal: a clean, drained stop would look like a crash to a supervisor)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer

@@ -1,0 +1,264 @@
+"""The FastAPI app of `certkv serve`: endpoints, API key, body limit and OpenAI-shaped errors.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (OpenAI's shapes, certkv's extension
+fields in :mod:`certkv.serve.schemas`, a ``certkv`` object in every answer: ``decision`` (the
+runtime's Decision record), ``stream`` and ``monitor`` (its stream's monitor state), ``shadowed``,
+``request_id``, ``seconds``), GET /v1/models, /v1/operating-point, /health and /metrics. With an
+API key every route but /health needs ``Authorization: Bearer KEY`` (401). Errors are
+``{"error": {"message", "type", "param", "code"}}``: 401, 404, 413 (body over the limit), 422 (a
+schema error, one line naming the field, or a text that does not split), 400 (the runtime refused
+the request, e.g. an empty context), 503 + Retry-After (queue full, or shutting down), 504 (over
+the per-request timeout), 500 (that request failed; the server stays up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+
+from certkv.errors import CertkvError
+from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, SplitError
+
+log = logging.getLogger("certkv.serve")
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": " ".join(str(message).split()), "type": type_, "param": param, "code": code}}
+
+
+def _json(status: int, body: dict, headers: dict | None = None):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _Limits:
+    """Pure ASGI middleware: the body limit (413) and the bearer key (401), before any parsing."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics):
+        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key is not None and path != "/health":
+            given = headers.get("authorization", "")
+            token = given[7:] if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                self.metrics.errors.labels(path, "401").inc()
+                resp = _json(401, error_body("missing or wrong API key; send Authorization: Bearer <key>",
+                                             "invalid_request_error", None, "invalid_api_key"))
+                return await resp(scope, receive, send)
+        length = headers.get("content-length")
+        too_big = _json(413, error_body(f"request body over the limit of {self.max_body} bytes (--max-body-bytes)",
+                                        "invalid_request_error", None, "request_too_large"))
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            self.metrics.errors.labels(path, "413").inc()
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            return await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            self.metrics.errors.labels(path, "413").inc()
+            return await too_big(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _one_line_validation(exc) -> tuple[str, str | None]:
+    parts, first = [], None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        first = first or field
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling"
+        parts.append(f"{field}: {msg}")
+    return "; ".join(parts), first
+
+
+def create_app(service, *, model_id: str, operating_point_path: str | None = None, timeout: float = 60.0,
+               api_key: str | None = None, max_body_bytes: int = 4 << 20, drain_seconds: float = 30.0,
+               shadow_store_path: str | None = None):
+    """The app around a started-on-startup :class:`~certkv.serve.service.Service`."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from certkv.serve.service import QueueFull, Stopping
+
+    metrics = service.metrics
+    op = service.runtime.operating_point
+    started_at = time.time()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, service.shutdown, drain_seconds)
+
+    app = FastAPI(title="certkv serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, field = _one_line_validation(exc)
+        metrics.errors.labels(request.url.path, "422").inc()
+        return _json(422, error_body(message, "invalid_request_error", field, "invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        metrics.errors.labels(request.url.path, str(exc.status_code)).inc()
+        return _json(exc.status_code, error_body(str(exc.detail), "invalid_request_error", None, str(exc.status_code)))
+
+    def fail(route: str, status: int, message: str, type_: str, param=None, code=None, headers=None):
+        metrics.errors.labels(route, str(status)).inc()
+        return _json(status, error_body(message, type_, param, code), headers)
+
+    async def answer(route: str, req, chat: bool):
+        if req.model is not None and req.model != model_id:
+            return fail(route, 404, f"model {req.model!r} is not served here; this server serves {model_id!r}",
+                        "invalid_request_error", "model", "model_not_found")
+        try:
+            context, question = req.split()
+        except SplitError as exc:
+            return fail(route, 422, str(exc), "invalid_request_error", exc.param, "unsplittable_prompt")
+        max_new = service.runtime.max_new_tokens
+        if req.max_tokens is not None and req.max_tokens != max_new:
+            return fail(route, 422, f"max_tokens: the operating point is certified for answers of {max_new} tokens; "
+                        "omit max_tokens or pass that", "invalid_request_error", "max_tokens", "invalid_value")
+        try:
+            future = service.submit(context, question, req.stratum, req.reference_answers())
+        except QueueFull:
+            return fail(route, 503, f"the queue is full ({service.max_queue} requests waiting); retry later",
+                        "server_error", None, "queue_full", {"Retry-After": str(service.retry_after())})
+        except Stopping:
+            return fail(route, 503, "the server is shutting down", "server_error", None, "shutting_down",
+                        {"Retry-After": "5"})
+        try:
+            served = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        except TimeoutError:
+            future.cancel()  # still queued: never run; running: its answer is discarded
+            return fail(route, 504, f"the request took longer than the {timeout:g} s timeout (--timeout)",
+                        "server_error", None, "timeout")
+        except CertkvError as exc:
+            return fail(route, 400, str(exc), "invalid_request_error", None, "refused")
+        except Exception as exc:  # noqa: BLE001
+            log.exception("certkv serve: request failed")
+            return fail(route, 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None,
+                        "internal_error")
+        metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
+        return respond(served, chat, req.stream)
+
+    def certkv_object(served) -> dict:
+        return {"request_id": served.request_id, "decision": served.answer.decision.to_dict(),
+                "stream": served.stream, "monitor": served.monitor, "shadowed": served.shadowed,
+                "seconds": served.answer.seconds}
+
+    def respond(served, chat: bool, stream: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        text = served.answer.answer
+        n_out = len(served.answer.token_ids)
+        usage = {"prompt_tokens": served.prompt_tokens, "completion_tokens": n_out,
+                 "total_tokens": served.prompt_tokens + n_out}
+        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_id}
+        if not stream:
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                       "finish_reason": served.finish_reason} if chat else
+                      {"index": 0, "text": text, "logprobs": None, "finish_reason": served.finish_reason})
+            return _json(200, {**head, "choices": [choice], "usage": usage, "certkv": certkv_object(served)})
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        pieces = _pieces(service.runtime.tokenizer, served.answer.token_ids, text)
+
+        def chunk(piece, finish, first=False):
+            if chat:
+                delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece is not None else {})
+                return {"index": 0, "delta": delta, "finish_reason": finish}
+            return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+
+        def events():
+            for i, piece in enumerate(pieces or [""]):
+                yield f"data: {json.dumps({**head, 'choices': [chunk(piece, None, i == 0)]})}\n\n"
+            last = {**head, "choices": [chunk(None, served.finish_reason)], "usage": usage,
+                    "certkv": certkv_object(served)}
+            yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await answer("/v1/completions", req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return await answer("/v1/chat/completions", req, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(started_at),
+                                            "owned_by": "certkv", "certkv": {"policy": op.policy}}]}
+
+    @app.get("/v1/operating-point")
+    async def operating_point():
+        return op.to_dict()
+
+    @app.get("/health")
+    async def health():
+        snap = service.monitor.snapshot()
+        tripped = [s for s, v in snap.items() if v["tripped"]]
+        return {"status": "stopping" if service._stopping else ("tripped" if tripped else "ok"),
+                "model": model_id,
+                "operating_point": {"path": operating_point_path, "policy": op.policy, "press": op.press,
+                                    "kv_retained": op.kv_retained, "fallback": op.fallback,
+                                    "stratified": op.is_stratified, "risk": op.contract.risk,
+                                    "confidence": op.contract.confidence, "tolerance": op.contract.tolerance,
+                                    "utility": op.contract.utility},
+                "queue": {"depth": service.queue_depth(), "max": service.max_queue,
+                          "shadow_pending": service.shadow_depth()},
+                "shadow_rate": service.monitor.shadow_rate, "shadow_store": shadow_store_path,
+                "shadows": {"scored": service.shadows_done, "abandoned": service.abandoned},
+                "monitor": snap, "tripped": tripped, "uptime_s": round(time.time() - started_at, 3)}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render(service)
+        return Response(body, media_type=ctype)
+
+    return _Limits(app, api_key, max_body_bytes, metrics)
+
+
+def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
+    """The answer's text cut at token boundaries (each piece the new text its token adds)."""
+    out, prev = [], ""
+    for i in range(len(ids)):
+        cur = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+        if cur.startswith(prev) and cur != prev:
+            out.append(cur[len(prev):])
+            prev = cur
+    if prev != text:
+        return [text]
+    return out

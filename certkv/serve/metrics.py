@@ -1,0 +1,63 @@
+"""Prometheus metrics of `certkv serve`, on a registry of their own, every name prefixed ``certkv_``."""
+
+from __future__ import annotations
+
+GATE_REASONS = ("gate", "lookahead", "learned", "confidence", "certificate")
+
+
+class Metrics:
+    """The service's counters, gauges and histograms; monitor gauges are refreshed at each scrape."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("certkv_requests", "Answered requests by route and decision reason "
+                                "(evicted: the press answered)", ["route", "reason"], registry=r)
+        self.errors = Counter("certkv_errors", "Requests refused or failed, by route and HTTP status",
+                              ["route", "status"], registry=r)
+        self.gate_fallbacks = Counter("certkv_gate_fallbacks", "Requests a gate sent to the full cache, by kind",
+                                      ["kind"], registry=r)
+        self.kv_retained = Histogram("certkv_kv_retained", "Realised KV retention of the cache that answered",
+                                     buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0),
+                                     registry=r)
+        self.latency = Histogram("certkv_request_latency_seconds", "Request latency (queue wait + answer)",
+                                 ["route"], registry=r)
+        self.queue_wait = Histogram("certkv_queue_wait_seconds", "Time a live request waited for the worker",
+                                    registry=r)
+        self.queue_depth = Gauge("certkv_queue_depth", "Live requests waiting for the worker", registry=r)
+        self.shadow_pending = Gauge("certkv_shadow_pending", "Shadow jobs waiting for the worker", registry=r)
+        self.shadow_samples = Counter("certkv_shadow_samples", "Shadows run to completion", ["stream"], registry=r)
+        self.shadow_abandoned = Counter("certkv_shadow_abandoned", "Shadows that could not be scored (failed "
+                                        "or abandoned at shutdown)", ["stream"], registry=r)
+        labels = ["stream"]
+        self.m_requests = Gauge("certkv_monitor_requests", "Requests recorded by the monitor", labels, registry=r)
+        self.m_violations = Gauge("certkv_monitor_violations", "Observed shadow violations (loss > tau)", labels,
+                                  registry=r)
+        self.m_bound = Gauge("certkv_monitor_risk_upper_bound", "Anytime-valid upper bound of the deployed "
+                             "violation rate", labels, registry=r)
+        self.m_evalue = Gauge("certkv_monitor_e_value", "The monitor's test martingale", labels, registry=r)
+        self.m_tripped = Gauge("certkv_monitor_tripped", "1 once the stream's monitor tripped (full cache "
+                               "until restart)", labels, registry=r)
+
+    def observe_answer(self, route: str, decision, seconds: float, waited: float) -> None:
+        reason = decision.reason or "evicted"
+        self.requests.labels(route, reason).inc()
+        if reason in GATE_REASONS:
+            self.gate_fallbacks.labels(decision.gate_kind or reason).inc()
+        self.kv_retained.observe(decision.kv_retained_actual)
+        self.latency.labels(route).observe(seconds)
+        self.queue_wait.observe(waited)
+
+    def render(self, service) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        self.queue_depth.set(service.queue_depth())
+        self.shadow_pending.set(service.shadow_depth())
+        for stream, s in service.monitor.snapshot().items():
+            self.m_requests.labels(stream).set(s["requests"])
+            self.m_violations.labels(stream).set(s["violations"])
+            self.m_bound.labels(stream).set(s["upper_bound"])
+            self.m_evalue.labels(stream).set(s["e_value"])
+            self.m_tripped.labels(stream).set(1.0 if s["tripped"] else 0.0)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

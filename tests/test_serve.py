@@ -1,0 +1,299 @@
+"""`certkv serve` end to end: real server processes on loopback ports, talked to over HTTP.
+
+Three servers start together (one module fixture): A deploys snapkv@0.5 (API key, queue of 1,
+small body limit, every evicted answer shadowed), B snapkv@0.1 with a tiny ε (its answers drift
+from the full cache's: the monitor trips), C a timeout too short for any answer (504).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import REPO, run_cli
+
+from certkv.requests.request_set import generate_requests
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _operating_point(kv, risk, confidence=0.9):
+    from certkv.core.operating_point import ContractSummary, OperatingPoint
+
+    policy = f"snapkv@{kv:.2f}"
+    return OperatingPoint(
+        policy=policy, base_policy=policy, press="snapkv", kv_retained=kv, mean_kv_retained=kv, fallback=False,
+        contract=ContractSummary(tolerance=0.0, risk=risk, confidence=confidence, procedure="fixed_sequence",
+                                 utility="agreement"),
+        n=4, violations=0, empirical_risk=0.0, risk_upper_bound=risk, p_value=0.01, candidates=[], sequences=[],
+        guarantee="test", created="now", certkv_version="test", gate=None, max_new_tokens=8,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, folder, op, *args):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.op_path = op.write_json(folder / "operating_point.json")
+        self.store = folder / "shadow"
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(folder / "server.log", "w+")  # noqa: SIM115
+        env = dict(os.environ, HF_HUB_OFFLINE="1", CERTKV_TEST_KEY=KEY, PYTHONWARNINGS="ignore")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "certkv.cli.app", "serve", str(self.op_path), "--port", str(self.port),
+             "--shadow-store", str(self.store), *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, headers=None):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError("server did not start: " + self.output())
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return generate_requests("demo", n=8, seed=4243, context_length=(200, 320))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    a = _Server(root / "a", _operating_point(0.5, 0.5), "--shadow-rate", "1.0", "--api-key-env", "CERTKV_TEST_KEY",
+                "--max-queue", "1", "--max-body-bytes", "20000", "--timeout", "60")
+    b = _Server(root / "b", _operating_point(0.1, 0.01, 0.9), "--shadow-rate", "1.0", "--seed", "3")
+    c = _Server(root / "c", _operating_point(0.5, 0.5), "--timeout", "0.001")
+    try:
+        yield {"a": a.wait(), "b": b.wait(), "c": c.wait()}
+    finally:
+        for s in (a, b, c):
+            s.stop()
+
+
+def _body(r):
+    return {"context": r.context, "question": r.question}
+
+
+def test_completion_equals_the_runtime_in_process(servers, requests, embedded):
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    a = servers["a"]
+    runtime = CertifiedRuntime(*embedded, a.op_path)
+    for r in requests[:2]:
+        expect = runtime.generate(r.context, r.question)
+        out = httpx.post(a.url + "/v1/completions", json=_body(r), headers=AUTH, timeout=60).json()
+        assert out["object"] == "text_completion" and out["choices"][0]["text"] == expect.answer
+        ck = out["certkv"]
+        assert ck["decision"]["mode"] == expect.decision.mode == "evicted" and ck["stream"] == "all"
+        assert ck["shadowed"] is True and ck["monitor"]["requests"] >= 1
+        # a plain prompt splits at its single 'Question:' into the same request
+        plain = httpx.post(a.url + "/v1/completions", json={"prompt": r.context + r.question}, headers=AUTH,
+                           timeout=60).json()
+        assert plain["choices"][0]["text"] == expect.answer
+
+
+def test_chat_and_streamed_completions(servers, requests):
+    a, r = servers["a"], requests[2]
+    ref = httpx.post(a.url + "/v1/completions", json=_body(r), headers=AUTH, timeout=60).json()
+    text = ref["choices"][0]["text"]
+    msgs = [{"role": "system", "content": r.context}, {"role": "user", "content": r.question}]
+    chat = httpx.post(a.url + "/v1/chat/completions", json={"model": "embedded", "messages": msgs}, headers=AUTH,
+                      timeout=60).json()
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == text
+    assert chat["certkv"]["decision"]["policy"] == "snapkv@0.50"
+    for route, chat_mode in (("/v1/completions", False), ("/v1/chat/completions", True)):
+        body = {"messages": msgs, "stream": True} if chat_mode else {**_body(r), "stream": True}
+        with httpx.stream("POST", a.url + route, json=body, headers=AUTH, timeout=60) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            lines = [line for line in resp.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        if chat_mode:
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            got = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        else:
+            got = "".join(c["choices"][0]["text"] for c in chunks)
+        assert got == text and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert chunks[-1]["certkv"]["decision"]["mode"] == "evicted"
+
+
+def test_error_classes(servers, requests):
+    a, r = servers["a"], requests[0]
+    url = a.url + "/v1/completions"
+
+    def error(resp, status):
+        assert resp.status_code == status, resp.text
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and "\n" not in err["message"]
+        return err
+
+    error(httpx.post(url, json=_body(r)), 401)
+    error(httpx.post(url, json=_body(r), headers={"Authorization": "Bearer wrong"}), 401)
+    error(httpx.post(url, json={"context": "x" * 30000, "question": "q"}, headers=AUTH), 413)
+    err = error(httpx.post(url, json={**_body(r), "max_tokens": "many"}, headers=AUTH), 422)
+    assert err["message"].startswith("max_tokens:") and err["param"] == "max_tokens"
+    err = error(httpx.post(url, json={**_body(r), "bogus": 1}, headers=AUTH), 422)
+    assert err["message"].startswith("bogus:")
+    err = error(httpx.post(url, json={"prompt": "no marker here"}, headers=AUTH), 422)
+    assert "exactly once" in err["message"] and err["param"] == "prompt"
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    err = error(httpx.post(a.url + "/v1/chat/completions", json={"messages": msgs}, headers=AUTH), 422)
+    assert err["param"] == "messages.1.role"
+    error(httpx.post(url, json={**_body(r), "model": "gpt-9"}, headers=AUTH), 404)
+    error(httpx.post(url, json={**_body(r), "max_tokens": 99}, headers=AUTH), 422)
+    error(httpx.post(url, content=b"{not json", headers={**AUTH, "content-type": "application/json"}), 422)
+    # queue of one: one running, one waiting, the rest refused with Retry-After
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: httpx.post(url, json=_body(r), headers=AUTH, timeout=60), range(8)))
+    busy = [c for c in codes if c.status_code == 503]
+    assert busy and {c.status_code for c in codes} <= {200, 503}
+    assert int(busy[0].headers["Retry-After"]) >= 1 and busy[0].json()["error"]["code"] == "queue_full"
+    error(httpx.post(servers["c"].url + "/v1/completions", json=_body(r), timeout=60), 504)
+    assert httpx.get(servers["c"].url + "/health").json()["status"] == "ok"  # still up
+
+
+def test_models_health_operating_point_and_metrics(servers):
+    a = servers["a"]
+    assert httpx.get(a.url + "/v1/models").status_code == 401
+    models = httpx.get(a.url + "/v1/models", headers=AUTH).json()
+    assert models["data"][0]["id"] == "embedded"
+    assert httpx.get(a.url + "/v1/operating-point", headers=AUTH).json()["policy"] == "snapkv@0.50"
+    health = httpx.get(a.url + "/health").json()  # no key needed
+    assert health["status"] == "ok" and health["queue"]["max"] == 1 and "all" in health["monitor"]
+    text = httpx.get(a.url + "/metrics", headers=AUTH).text
+    for name in ("certkv_requests_total", "certkv_errors_total", "certkv_kv_retained_bucket",
+                 "certkv_request_latency_seconds_bucket", "certkv_shadow_samples_total", "certkv_monitor_e_value",
+                 "certkv_monitor_risk_upper_bound", "certkv_monitor_tripped", "certkv_queue_depth"):
+        assert name in text, name
+    assert 'certkv_requests_total{reason="evicted",route="/v1/completions"}' in text
+    assert 'certkv_errors_total{route="/v1/completions",status="401"}' in text
+
+
+def test_shadows_land_in_the_store(servers):
+    import sqlite3
+
+    a = servers["a"]
+    deadline = time.monotonic() + 30
+    while httpx.get(a.url + "/health").json()["monitor"]["all"]["pending"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    health = httpx.get(a.url + "/health").json()
+    assert health["shadows"]["scored"] >= 3 and health["monitor"]["all"]["pending"] == 0
+    with sqlite3.connect(a.store / "records.sqlite") as db:  # WAL: the live server's rows are readable
+        rows = db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+    assert rows >= health["shadows"]["scored"]
+
+
+def test_monitor_trips_on_a_drifting_stream_stays_tripped_and_sigterm_is_clean(servers, requests):
+    b = servers["b"]
+    reasons = []
+    for i in range(40):
+        r = requests[i % len(requests)]
+        out = httpx.post(b.url + "/v1/completions", json=_body(r), timeout=60).json()
+        reasons.append(out["certkv"]["decision"]["reason"])
+        if httpx.get(b.url + "/health").json()["status"] == "tripped":
+            break
+    health = httpx.get(b.url + "/health").json()
+    assert health["status"] == "tripped" and health["tripped"] == ["all"], reasons
+    for r in requests[:2]:  # tripped for good: the full cache answers, correctly
+        out = httpx.post(b.url + "/v1/completions", json=_body(r), timeout=60).json()
+        d = out["certkv"]["decision"]
+        assert (d["mode"], d["reason"], d["kv_retained"]) == ("full", "monitor", 1.0)
+        assert out["certkv"]["shadowed"] is False
+    assert "certkv_monitor_tripped{stream=\"all\"} 1.0" in httpx.get(b.url + "/metrics").text
+    assert 'reason="monitor"' in httpx.get(b.url + "/metrics").text
+    assert b.stop() == 0
+    log = b.output()
+    assert "TRIPPED" in log and "stopped" in log
+    assert (b.store / "records.sqlite").is_file()
+
+
+def test_a_failing_request_is_500_for_it_alone(embedded, tmp_path, requests):
+    import asyncio
+
+    from certkv.core.monitor import RiskMonitor
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+    from certkv.serve.app import create_app
+    from certkv.serve.metrics import Metrics
+    from certkv.serve.service import Service
+
+    runtime = CertifiedRuntime(*embedded, _operating_point(0.5, 0.5))
+    real = runtime.generate
+
+    def generate(context, question, stratum=None):
+        if question == "boom":
+            raise RuntimeError("kaboom")
+        return real(context, question, stratum)
+
+    runtime.generate = generate
+    service = Service(runtime, RiskMonitor(0.5, 0.1, 0.5), None, None, Metrics(), max_queue=4)
+    app = create_app(service, model_id="embedded")
+    service.start()
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            bad = await client.post("/v1/completions", json={"context": "some context", "question": "boom"})
+            good = await client.post("/v1/completions", json=_body(requests[0]))
+            return bad, good
+
+    bad, good = asyncio.run(go())
+    service.shutdown(1.0)
+    assert bad.status_code == 500 and "kaboom" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["certkv"]["shadowed"] is False
+
+
+def test_bad_cli_input_is_one_line_and_exit_2(tmp_path):
+    op = _operating_point(0.5, 0.5).write_json(tmp_path / "op.json")
+    for args, needle in (([str(tmp_path / "missing.json")], "not found"),
+                         ([str(op), "--port", "70000"], "--port"),
+                         ([str(op), "--shadow-rate", "0"], "shadow_rate"),
+                         ([str(op), "--api-key-env", "CERTKV_UNSET_VAR_X"], "CERTKV_UNSET_VAR_X"),
+                         ([str(op), "--model", "no-such/model-xyz", "--port", str(_free_port())], "")):
+        res = run_cli("serve", *args, timeout=120)
+        assert res.returncode == 2, (args, res.stderr)
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], (args, res.stderr)
+
+
+def test_sigterm_finishes_the_in_flight_request_and_exits_0(servers, requests):
+    a = servers["a"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, a.url + "/v1/completions", json=_body(requests[3]), headers=AUTH,
+                              timeout=60)
+        time.sleep(0.05)
+        assert a.stop() == 0
+        assert pending.result().status_code == 200
+    log = a.output()
+    assert "stopped (" in log and "Traceback" not in log
