@@ -3,6 +3,11 @@
 The loop is resumable by construction: each request's rows (the full cache and every candidate)
 are written in one store transaction, requests already in the store are skipped on restart, and a
 request that cannot run is recorded as skipped with its reason, so the run goes on.
+
+Two executors share this module's code: the local loop here and the Ray driver of
+:mod:`certkv.calibration.ray_executor` both open the store with :func:`open_run`, turn a request
+into its rows with :func:`calibrate_request` (on a model loaded once by :func:`load_engine`) and
+write them with :func:`record_request`; on Ray the workers compute and the driver alone writes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ class CalibrationSummary:
     calibrated: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    #: time spent writing the store (its transactions, fsync included), summed over the requests
+    write_seconds: float = 0.0
+    executor: str = "local"
+    #: Ray workers the run started (0 on the local executor), and how often Ray restarted one
+    workers: int = 0
+    worker_restarts: int = 0
 
 
 def build_candidates(contract):
@@ -146,55 +157,21 @@ def request_rows(request, result, contract) -> list[dict]:
 
 def calibrate(contract, *, new_store: bool = False, limit: int | None = None, quiet: bool = False,
               device: str | None = None, dtype: str | None = None, console=None) -> CalibrationSummary:
-    """Calibrate `contract` into its store; returns a summary. Safe to interrupt and rerun."""
-    from certkv.calibration.store import CalibrationStore
-    from certkv.model.loading import load_model, model_fingerprint, resolve_device
+    """Calibrate `contract` into its store in this process; returns a summary. Safe to interrupt and rerun.
 
-    if limit is not None and limit < 1:
-        raise CertkvError(f"--limit must be at least 1, got {limit}")
-    requests = contract.load_requests()
-    if contract.strata is not None:  # before the model and the store: a missing stratum fails fast
-        from certkv.requests.request_set import check_strata
-
-        check_strata(requests, contract.strata.by)
-    run_device = resolve_device(device or contract.protocol.device)
-    facts = {
-        # The population the certificate is about: its size lets certify refuse a partial store.
-        "planned_requests": len(requests),
-        "requests_sha256": requests_digest(requests),
-        "model_fingerprint": model_fingerprint(contract.model),
-        "device_type": run_device.split(":")[0],
-        "dtype": dtype or contract.protocol.dtype,
-    }
-    if limit is not None:
-        requests = requests[:limit]
-    store = CalibrationStore.open(contract.resolved_store_path(), contract, new=new_store)
-    summary = CalibrationSummary(store=str(store.path), total=len(requests))
+    (:func:`certkv.calibration.ray_executor.calibrate_on_ray` is the same on Ray actors.)
+    """
+    store, summary, todo, run_device = open_run(contract, new_store=new_store, limit=limit, device=device, dtype=dtype)
     try:
-        store.bind(facts)
-        done = store.done_request_ids()
-        todo = [r for r in requests if r.id not in done]
-        summary.already_done = len(requests) - len(todo)
         if not todo:
             return summary
-        candidates = build_candidates(contract)  # before the model: a press_kwargs typo fails fast
-        from certkv.engine.engine import Engine, needs_attention_weights
-
-        attn = "eager" if any(needs_attention_weights(c.press) for c in candidates) else "sdpa"
-        model, tokenizer = load_model(
-            contract.model, device=run_device, dtype=dtype or contract.protocol.dtype,
-            attn_implementation=attn,
-        )
-        engine = Engine(
-            model, tokenizer, candidates, max_new_tokens=contract.protocol.max_new_tokens,
-            agreement=agreement_settings(contract), lookahead_tokens=lookahead_tokens(contract),
-        )
-        max_positions = getattr(model.config, "max_position_embeddings", None)
+        engine, tokenizer, max_positions = load_engine(contract, run_device, dtype)
         t0 = time.perf_counter()
         with _progress(quiet, console) as progress:
             task = progress.add_task("calibrating", total=len(todo)) if progress else None
             for request in todo:
-                _calibrate_one(request, engine, tokenizer, contract, store, summary, max_positions)
+                rows, reason = calibrate_request(request, engine, tokenizer, contract, max_positions)
+                record_request(store, summary, request.id, rows, reason)
                 if progress:
                     progress.advance(task)
         summary.seconds = time.perf_counter() - t0
@@ -203,34 +180,105 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
     return summary
 
 
-def _calibrate_one(request, engine, tokenizer, contract, store, summary, max_positions) -> None:
+def open_run(contract, *, new_store: bool = False, limit: int | None = None, device: str | None = None,
+             dtype: str | None = None, executor: str = "local"):
+    """(store, summary, todo, device): the contract's store opened and bound to this run's facts,
+    the requests still missing from it, in order, and the resolved device; the caller closes the store.
+
+    On the local executor the device is resolved and the model fingerprinted here; on Ray (device
+    None returned) the workers that load the model report both, and the driver binds and checks them.
+    """
+    from certkv.calibration.store import CalibrationStore
+    from certkv.model.loading import model_fingerprint, resolve_device
+
+    if limit is not None and limit < 1:
+        raise CertkvError(f"--limit must be at least 1, got {limit}")
+    requests = contract.load_requests()
+    if contract.strata is not None:  # before the model and the store: a missing stratum fails fast
+        from certkv.requests.request_set import check_strata
+
+        check_strata(requests, contract.strata.by)
+    run_device = resolve_device(device or contract.protocol.device) if executor == "local" else None
+    facts = {
+        # The population the certificate is about: its size lets certify refuse a partial store.
+        "planned_requests": len(requests),
+        "requests_sha256": requests_digest(requests),
+    }
+    if run_device is not None:
+        facts.update(model_fingerprint=model_fingerprint(contract.model), device_type=run_device.split(":")[0])
+    facts["dtype"] = dtype or contract.protocol.dtype
+    if limit is not None:
+        requests = requests[:limit]
+    store = CalibrationStore.open(contract.resolved_store_path(), contract, new=new_store)
+    summary = CalibrationSummary(store=str(store.path), total=len(requests), executor=executor)
+    try:
+        store.bind(facts)
+        done = store.done_request_ids()
+    except BaseException:
+        store.close()
+        raise
+    todo = [r for r in requests if r.id not in done]
+    summary.already_done = len(requests) - len(todo)
+    return store, summary, todo, run_device
+
+
+def load_engine(contract, device: str, dtype: str | None = None):
+    """(engine, tokenizer, max_positions): the model loaded once on `device` (resolved) with every
+    contract candidate, as a local run and each Ray worker use it."""
+    from certkv.engine.engine import Engine, needs_attention_weights
+    from certkv.model.loading import load_model
+
+    candidates = build_candidates(contract)  # before the model: a press_kwargs typo fails fast
+    attn = "eager" if any(needs_attention_weights(c.press) for c in candidates) else "sdpa"
+    model, tokenizer = load_model(
+        contract.model, device=device, dtype=dtype or contract.protocol.dtype, attn_implementation=attn,
+    )
+    engine = Engine(
+        model, tokenizer, candidates, max_new_tokens=contract.protocol.max_new_tokens,
+        agreement=agreement_settings(contract), lookahead_tokens=lookahead_tokens(contract),
+    )
+    return engine, tokenizer, getattr(model.config, "max_position_embeddings", None)
+
+
+def calibrate_request(request, engine, tokenizer, contract, max_positions) -> tuple[list[dict] | None, str | None]:
+    """Request → rows: ``(rows, None)``, the store rows of :func:`request_rows`, or ``(None, reason)``
+    when the request cannot run. The one per-request step of every executor; raises
+    :class:`CertkvError` on a systematic press failure (a run must stop, not skip every request)."""
     from certkv.model.generation import encode_request
 
     enc = encode_request(tokenizer, request.context, request.question)
     reason = skip_reason(request, len(enc.context_ids), len(enc.question_ids), contract, max_positions)
-    if reason is None:
-        from certkv.engine.engine import RequestNotRunnable
-
-        try:
-            result = engine.run(request.context, request.question)
-        except RequestNotRunnable as exc:
-            reason = str(exc)
-        except AssertionError as exc:
-            # kvpress states its presses' requirements as asserts. One that is not a known property
-            # of the request (above) is systematic: recording it as a skip would silently skip
-            # every request, so stop instead; everything stored so far is kept.
-            message = " ".join(str(exc).split()) or "assertion failed"
-            raise CertkvError(
-                f"a press failed on request {request.id!r}: {message}; fix the contract's presses "
-                "(the requests stored so far are kept; rerun to resume)"
-            ) from None
-
     if reason is not None:
-        store.write_skipped(request.id, reason)
-        summary.skipped[request.id] = reason
-        return
-    store.write_request(request.id, request_rows(request, result, contract))
-    summary.calibrated += 1
+        return None, reason
+    from certkv.engine.engine import RequestNotRunnable
+
+    try:
+        result = engine.run(request.context, request.question)
+    except RequestNotRunnable as exc:
+        return None, str(exc)
+    except AssertionError as exc:
+        # kvpress states its presses' requirements as asserts. One that is not a known property
+        # of the request (above) is systematic: recording it as a skip would silently skip
+        # every request, so stop instead; everything stored so far is kept.
+        message = " ".join(str(exc).split()) or "assertion failed"
+        raise CertkvError(
+            f"a press failed on request {request.id!r}: {message}; fix the contract's presses "
+            "(the requests stored so far are kept; rerun to resume)"
+        ) from None
+    return request_rows(request, result, contract), None
+
+
+def record_request(store, summary: CalibrationSummary, request_id: str, rows: list[dict] | None,
+                   reason: str | None) -> None:
+    """Write one request's outcome in one transaction (its rows, or its skip reason) and count it."""
+    t0 = time.perf_counter()
+    if reason is not None:
+        store.write_skipped(request_id, reason)
+        summary.skipped[request_id] = reason
+    else:
+        store.write_request(request_id, rows)
+        summary.calibrated += 1
+    summary.write_seconds += time.perf_counter() - t0
 
 
 class _NoProgress:
@@ -241,7 +289,9 @@ class _NoProgress:
         return False
 
 
-def _progress(quiet: bool, console):
+def _progress(quiet: bool, console, workers: bool = False):
+    """The calibration progress bar (requests done, req/s, ETA); `workers` adds the task's
+    ``workers`` field (live workers of a Ray run)."""
     if quiet:
         return _NoProgress()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -253,7 +303,7 @@ def _progress(quiet: bool, console):
             speed = task.finished_speed or task.speed
             return Text(f"{speed:.2f} req/s" if speed else "… req/s")
 
-    return Progress(
+    columns = [
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -261,5 +311,7 @@ def _progress(quiet: bool, console):
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
-        console=console,
-    )
+    ]
+    if workers:
+        columns.append(TextColumn("workers {task.fields[workers]}"))
+    return Progress(*columns, console=console)

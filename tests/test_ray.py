@@ -1,0 +1,246 @@
+"""`certkv calibrate --executor ray` on a local Ray cluster started here (``ray.init(num_cpus=2)``).
+
+The records of a Ray run equal a local run's (timings aside), with two workers, with workers
+killed mid-run (Ray restarts them and their requests run again: none lost, none duplicated) and
+after the driver itself is killed and rerun. A worker whose model or device differs from the
+store's is refused. The tests that need Ray are marked ``ray`` and skipped without it; the
+missing-extra error and the option checks run everywhere (they need no Ray).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+N_REQUESTS = 24
+#: Timing columns differ between runs; everything a certificate reads must not.
+VOLATILE = {"seconds", "seconds_breakdown"}
+
+CONTRACT = {
+    "name": "raytest",
+    "model": "embedded",
+    "requests": {"source": "requests.jsonl"},
+    "protocol": {"max_new_tokens": 8, "device": "cpu"},
+    "utility": "exact_match",
+    "tolerance": 0.0,
+    "risk": 0.2,
+    "confidence": 0.9,
+    "policies": [
+        {"press": "snapkv", "kv_retained": [0.5, 0.3]},
+        {"press": "streaming_llm", "kv_retained": [0.4]},
+    ],
+    "gate": {"agreement_drop": [0.05]},  # the gate signal travels back from the workers too
+    "store": "store",
+}
+
+ray_test = pytest.mark.ray
+
+
+def _setup(folder: Path) -> Path:
+    from certkv.requests.request_set import generate_requests, write_jsonl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(generate_requests("demo", N_REQUESTS, seed=515, context_length="200-320"), folder / "requests.jsonl")
+    path = folder / "contract.yaml"
+    path.write_text(yaml.safe_dump(CONTRACT))
+    return path
+
+
+def _records(folder: Path) -> list[dict]:
+    from certkv.calibration.store import CalibrationStore
+
+    with CalibrationStore.read(folder / "store") as store:
+        rows = [{k: v for k, v in r.items() if k not in VOLATILE} for r in store.records()]
+    return sorted(rows, key=lambda r: (r["request_id"], r["policy"]))
+
+
+def _assert_same(got: list[dict], expected: list[dict]) -> None:
+    keys = [(r["request_id"], r["policy"]) for r in got]
+    assert len(keys) == len(set(keys)), "a request's rows were written twice"
+    assert len({r["request_id"] for r in got}) == N_REQUESTS, "requests are missing"
+    if got != expected:  # name the first difference: a long diff is unreadable
+        diff = next((g, e) for g, e in zip(got, expected) if g != e)
+        raise AssertionError(f"Ray records differ from the local run's: {diff}")
+
+
+def _threads(n: int):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_records(tmp_path_factory):
+    """The local executor's records, on one thread as every Ray worker (float rounding depends on it)."""
+    from certkv.calibration.run import calibrate
+    from certkv.contract.loading import load_contract
+
+    folder = tmp_path_factory.mktemp("local")
+    before = _threads(1)
+    try:
+        summary = calibrate(load_contract(_setup(folder)), quiet=True)
+    finally:
+        _threads(before)
+    assert summary.calibrated == N_REQUESTS
+    return _records(folder)
+
+
+def _ray_calibrate(contract_path: Path, **options):
+    from certkv.calibration.ray_executor import RayOptions, calibrate_on_ray
+    from certkv.contract.loading import load_contract
+
+    return calibrate_on_ray(load_contract(contract_path), quiet=True, options=RayOptions(**options))
+
+
+@ray_test
+def test_two_workers_write_the_local_runs_records(cluster, local_records, tmp_path):
+    summary = _ray_calibrate(_setup(tmp_path), workers=2)
+    assert summary.executor == "ray" and summary.workers == 2
+    assert summary.calibrated == N_REQUESTS and not summary.skipped
+    _assert_same(_records(tmp_path), local_records)
+    from certkv.calibration.store import CalibrationStore
+
+    with CalibrationStore.read(tmp_path / "store") as store:
+        meta = store.meta()
+    from certkv.model.loading import model_fingerprint
+
+    assert meta["model_fingerprint"] == model_fingerprint("embedded") and meta["device_type"] == "cpu"
+
+
+@ray_test
+def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_records, tmp_path, monkeypatch):
+    """Two kills while requests are in flight: one through Ray (ray.kill, restart allowed), one a
+    SIGKILL of the worker's process. Ray restarts each and runs its requests again."""
+    import certkv.calibration.run as run
+    from certkv.calibration.ray_executor import WORKER_NAME
+
+    ray = cluster
+    write = run.record_request
+    kills = {3: "ray.kill", 9: "SIGKILL"}  # after this many writes
+    done = []
+
+    def record_then_kill(store, summary, request_id, rows, reason):
+        write(store, summary, request_id, rows, reason)
+        how = kills.get(summary.calibrated + len(summary.skipped))
+        if how is None:
+            return
+        names = sorted(n for n in ray.util.list_named_actors() if n.startswith(WORKER_NAME))
+        actor = ray.get_actor(names[len(done) % len(names)])
+        if how == "ray.kill":
+            ray.kill(actor, no_restart=False)
+        else:
+            os.kill(ray.get(actor.ping.remote()), signal.SIGKILL)
+        done.append(how)
+
+    monkeypatch.setattr(run, "record_request", record_then_kill)
+    summary = _ray_calibrate(_setup(tmp_path), workers=2)
+    assert done == ["ray.kill", "SIGKILL"], "both kills must land mid-run"
+    assert summary.calibrated == N_REQUESTS
+    assert summary.worker_restarts >= 1, "a killed worker came back (a new pid answered)"
+    _assert_same(_records(tmp_path), local_records)
+
+
+@ray_test
+def test_killed_driver_resumes_to_the_local_runs_records(cluster, local_records, tmp_path):
+    from certkv.calibration.store import CalibrationStore, db_path
+
+    contract = _setup(tmp_path)
+
+    def stored() -> int:
+        if not db_path(tmp_path / "store").is_file():
+            return 0
+        try:
+            with CalibrationStore.read(tmp_path / "store") as store:
+                return store.request_count()
+        except Exception:  # noqa: BLE001 - the first open may still be creating the tables
+            return 0
+
+    # Its own driver process (and its own local Ray instance), killed once it has written requests.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "certkv.cli.app", "calibrate", str(contract), "--quiet", "--executor", "ray",
+         "--workers", "1"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while proc.poll() is None and stored() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray instance it started
+        _, err = proc.communicate()
+    partial = stored()
+    assert 0 < partial < N_REQUESTS, f"the kill must land mid-run ({partial} stored; {err.decode()[-500:]})"
+    summary = _ray_calibrate(contract, workers=2)
+    assert summary.already_done == partial and summary.calibrated == N_REQUESTS - partial
+    _assert_same(_records(tmp_path), local_records)
+
+
+@ray_test
+@pytest.mark.parametrize("fact, value", [("model_fingerprint", "embedded#0000000000000000"), ("device_type", "cuda")])
+def test_a_worker_whose_model_or_device_differs_from_the_store_is_refused(cluster, tmp_path, fact, value):
+    from certkv.calibration.store import CalibrationStore
+    from certkv.contract.loading import load_contract
+    from certkv.errors import CertkvError
+
+    contract = _setup(tmp_path)
+    with CalibrationStore.open(tmp_path / "store", load_contract(contract)) as store:
+        store.bind({fact: value})
+    with pytest.raises(CertkvError) as info:
+        _ray_calibrate(contract, workers=1)
+    message = str(info.value)
+    assert "\n" not in message and "refused" in message and fact in message and value in message
+    with CalibrationStore.read(tmp_path / "store") as store:
+        assert store.count() == 0 and not store.skipped(), "a refused worker's rows must not be written"
+
+
+def _cli_without_ray(*args: str) -> subprocess.CompletedProcess:
+    code = (
+        "import sys\n"
+        "sys.modules['ray'] = None  # as if the extra were not installed\n"
+        "from certkv.cli.app import main\n"
+        f"sys.argv = ['certkv', 'calibrate', *{list(args)!r}]\n"
+        "main()\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_without_the_extra_executor_ray_is_one_line_naming_it(tmp_path):
+    res = _cli_without_ray(str(_setup(tmp_path)), "--executor", "ray")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == ['certkv: error: --executor ray needs Ray, an optional extra: '
+                                               'pip install "certkv[ray]"']
+    assert not (tmp_path / "store").exists(), "nothing is created before the extra is found missing"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--workers", "2"], "--workers needs --executor ray"),
+    (["--address", "auto", "--gpus-per-worker", "1"], "--address, --gpus-per-worker need --executor ray"),
+    (["--executor", "dask"], "--executor must be local or ray"),
+])
+def test_ray_options_without_the_ray_executor_are_refused(tmp_path, args, fragment):
+    res = _cli_without_ray(str(_setup(tmp_path)), *args)
+    assert res.returncode == 2 and fragment in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "store").exists()
