@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_main
 
 from certkv.requests.request_set import generate_requests
 
@@ -37,6 +37,16 @@ def _operating_point(kv, risk, confidence=0.9):
         n=4, violations=0, empirical_risk=0.0, risk_upper_bound=risk, p_value=0.01, candidates=[], sequences=[],
         guarantee="test", created="now", certkv_version="test", gate=None, max_new_tokens=8,
     )
+
+
+def _stratified(kv, risk):
+    from certkv.core.operating_point import StrataResult
+
+    entries = {task: _operating_point(kv, risk) for task in ("multi_key", "single_needle")}
+    base = _operating_point(kv, risk)
+    return base.model_copy(update={"policy": "stratified", "base_policy": "stratified",
+                                   "strata": StrataResult(by="task", simultaneous=False, confidence=0.9,
+                                                          entries=entries)})
 
 
 def _free_port() -> int:
@@ -96,10 +106,11 @@ def servers(tmp_path_factory):
                 "--max-queue", "1", "--max-body-bytes", "20000", "--timeout", "60")
     b = _Server(root / "b", _operating_point(0.1, 0.01, 0.9), "--shadow-rate", "1.0", "--seed", "3")
     c = _Server(root / "c", _operating_point(0.5, 0.5), "--timeout", "0.001")
+    d = _Server(root / "d", _stratified(0.5, 0.5), "--shadow-rate", "1.0")
     try:
-        yield {"a": a.wait(), "b": b.wait(), "c": c.wait()}
+        yield {"a": a.wait(), "b": b.wait(), "c": c.wait(), "d": d.wait()}
     finally:
-        for s in (a, b, c):
+        for s in (a, b, c, d):
             s.stop()
 
 
@@ -216,7 +227,23 @@ def test_shadows_land_in_the_store(servers):
     assert rows >= health["shadows"]["scored"]
 
 
-def test_monitor_trips_on_a_drifting_stream_stays_tripped_and_sigterm_is_clean(servers, requests):
+def test_a_stratified_point_monitors_each_stratum(servers, requests):
+    d = servers["d"]
+    for r in requests[:4]:
+        out = httpx.post(d.url + "/v1/completions", json={**_body(r), "stratum": r.task, "answers": r.answers},
+                         timeout=60).json()
+        assert out["certkv"]["stream"] == r.task and out["certkv"]["decision"]["stratum"] == r.task
+    out = httpx.post(d.url + "/v1/completions", json=_body(requests[0]), timeout=60).json()
+    assert out["certkv"]["stream"] is None and out["certkv"]["decision"]["mode"] == "full"  # no stratum: full
+    monitor = httpx.get(d.url + "/health").json()["monitor"]
+    assert set(monitor) == {"multi_key", "single_needle"}
+    assert sum(m["requests"] for m in monitor.values()) == 4
+
+
+def test_monitor_trips_on_a_drifting_stream_stays_tripped_and_sigterm_is_clean(servers, requests, embedded):
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    full = CertifiedRuntime(*embedded, _operating_point(0.5, 0.5).model_copy(update={"fallback": True}))
     b = servers["b"]
     reasons = []
     for i in range(40):
@@ -232,6 +259,7 @@ def test_monitor_trips_on_a_drifting_stream_stays_tripped_and_sigterm_is_clean(s
         d = out["certkv"]["decision"]
         assert (d["mode"], d["reason"], d["kv_retained"]) == ("full", "monitor", 1.0)
         assert out["certkv"]["shadowed"] is False
+        assert out["choices"][0]["text"] == full.generate(r.context, r.question).answer
     assert "certkv_monitor_tripped{stream=\"all\"} 1.0" in httpx.get(b.url + "/metrics").text
     assert 'reason="monitor"' in httpx.get(b.url + "/metrics").text
     assert b.stop() == 0
@@ -274,17 +302,17 @@ def test_a_failing_request_is_500_for_it_alone(embedded, tmp_path, requests):
     assert good.status_code == 200 and good.json()["certkv"]["shadowed"] is False
 
 
-def test_bad_cli_input_is_one_line_and_exit_2(tmp_path):
+def test_bad_cli_input_is_one_line_and_exit_2(tmp_path, capsys):
     op = _operating_point(0.5, 0.5).write_json(tmp_path / "op.json")
     for args, needle in (([str(tmp_path / "missing.json")], "not found"),
                          ([str(op), "--port", "70000"], "--port"),
                          ([str(op), "--shadow-rate", "0"], "shadow_rate"),
                          ([str(op), "--api-key-env", "CERTKV_UNSET_VAR_X"], "CERTKV_UNSET_VAR_X"),
                          ([str(op), "--model", "no-such/model-xyz", "--port", str(_free_port())], "")):
-        res = run_cli("serve", *args, timeout=120)
-        assert res.returncode == 2, (args, res.stderr)
-        lines = [line for line in res.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and needle in lines[0], (args, res.stderr)
+        code = run_main("serve", *args)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
 
 
 def test_sigterm_finishes_the_in_flight_request_and_exits_0(servers, requests):

@@ -31,7 +31,6 @@ def serve(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]"),
 ) -> None:
     """Serve OPERATING_POINT over HTTP (OpenAI-shaped /v1/completions and /v1/chat/completions)."""
-    import logging
     import socket
 
     from certkv.core.operating_point import load_operating_point
@@ -60,6 +59,19 @@ def serve(
     except OSError as exc:
         sock.close()
         raise CertkvError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host or --port") from None
+
+    try:
+        _run(sock, op, operating_point, model=model, host=host, port=port, shadow_rate=shadow_rate, api_key=api_key,
+             max_queue=max_queue, timeout=timeout, shadow_store=shadow_store, seed=seed,
+             max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, device=device)
+    finally:
+        sock.close()
+
+
+def _run(sock, op, operating_point, *, model, host, port, shadow_rate, api_key, max_queue, timeout, shadow_store,
+         seed, max_body_bytes, drain_seconds, device) -> None:
+    """Load the model, build the service and serve on the bound socket until SIGTERM/SIGINT."""
+    import logging
 
     from certkv.core.monitor import RiskMonitor
     from certkv.model.loading import load_model
