@@ -364,3 +364,26 @@ def test_a_stratum_whose_pilot_draws_nothing_falls_back():
     op = certify(rows, spec)
     assert op.strata.entries["hard"].fallback and "draws no pilot request" in op.strata.entries["hard"].reason
     assert not op.strata.entries["easy"].fallback
+
+
+def test_by_task_reads_the_task_even_when_a_stratum_column_exists():
+    rows = strata_rows(sizes={"easy": 300, "hard": 300})
+    for r in rows:
+        r["stratum"] = "x"
+    op = certify(rows, spec_of())
+    assert sorted(op.strata.entries) == ["easy", "hard"]
+
+
+def test_simultaneous_levels_never_sum_above_delta():
+    from certkv.core.spec import delta_of
+
+    for delta in (0.05, 0.2, 0.1):
+        for s in range(2, 9):
+            spec = CertificationSpec.parse({**SPEC, "confidence": 1 - delta, "strata": {"by": "task", "simultaneous": True}})
+            assert s * delta_of(stratum_spec(spec, s).confidence) <= spec.delta
+
+
+def test_a_too_small_stratum_still_counts_its_tasks(table):
+    op = certify(table, spec_of())
+    assert op.strata.entries["tiny"].per_task["tiny"].n == SIZES["tiny"]
+    assert sum(t.n for t in op.per_task.values()) == op.n

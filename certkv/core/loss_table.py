@@ -21,9 +21,9 @@ least ``request_id, policy, kv_retained, loss``. Optional columns:
   head), layer-major (a JSON list; in a CSV cell, the list as JSON text);
 * ``context_tokens``: the request's context length in tokens (any row of the request, usually the
   ``full`` row; one value per request);
-* ``stratum``: the request's stratum (a contract with ``strata:`` certifies each stratum on its own;
-  one value per request, like ``task``). Without the column a ``strata: {by: task}`` contract
-  reads the ``task`` column.
+* ``stratum``: the request's value of a ``strata: {by: metadata.<key>}`` contract's field (each
+  stratum is certified on its own; one value per request, like ``task``); ``by: task`` reads the
+  ``task`` column.
 
 The signal columns are optional, NaN (None for ``lookahead_heads``) where a row lacks them; a gate
 that needs a missing one refuses the table (:mod:`certkv.core.gated`).

@@ -40,21 +40,21 @@ from certkv.core.operating_point import (
     certified_at,
     certkv_version,
 )
-from certkv.core.pilot import pilot_size
+from certkv.core.pilot import draw_pilot, pilot_size
 from certkv.core.policy_names import REFERENCE_POLICY, STRATIFIED_POLICY
 from certkv.core.procedures import candidate_levels
-from certkv.core.spec import CertificationSpec
+from certkv.core.spec import CertificationSpec, delta_of
 from certkv.errors import CertkvError
 
 
 def stratum_labels(table: LossTable, by: str) -> tuple[str, ...]:
-    """Each request's stratum: the table's ``stratum`` column, or its ``task`` column for
-    ``by: task``; a request without a value (or with an empty one) is an error."""
-    labels = table.strata
-    if labels is None and by == "task":
-        labels = table.tasks
+    """Each request's stratum: its ``task`` for ``by: task``, else the table's ``stratum`` column
+    (which holds the values of the ``metadata`` key the contract names: a store stratified by it
+    records them; the runtime routes on the same field, so the task is never read from another
+    column); a request without a value (or with an empty one) is an error."""
+    labels = table.tasks if by == "task" else table.strata
     if labels is None:
-        column = "a task or stratum column" if by == "task" else "a stratum column"
+        column = "a task column" if by == "task" else "a stratum column"
         raise CertkvError(
             f"{table.source}: strata.by {by!r} needs {column}, and these records have none; recalibrate "
             "under this contract (the store records each request's stratum) or add the column to the loss table"
@@ -73,6 +73,8 @@ def stratum_spec(spec: CertificationSpec, n_strata: int) -> CertificationSpec:
     confidence = spec.confidence
     if spec.strata.simultaneous and n_strata > 1:
         confidence = round(1.0 - spec.delta / n_strata, 12)
+        if n_strata * delta_of(confidence) > spec.delta:  # rounding must never make S · δ_s exceed δ
+            confidence = round(confidence + 1e-12, 12)
     return spec.model_copy(update={"strata": None, "confidence": confidence})
 
 
@@ -196,7 +198,7 @@ def _too_small(sub, spec, name, by, why, contract_sha256, records_sha256) -> Ope
         coverage=coverage_of(sub.context_tokens, None, None, context_margin=spec.context_margin,
                              max_new_tokens=spec.max_new_tokens),
         contract_sha256=contract_sha256, records_sha256=records_sha256, created=certified_at(),
-        certkv_version=certkv_version(), notes=[reason],
+        certkv_version=certkv_version(), notes=[reason], per_task=_task_counts(sub, spec),
     )
 
 
@@ -254,6 +256,21 @@ def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract
         created=certified_at(),
         certkv_version=certkv_version(),
     )
+
+
+def _task_counts(sub: LossTable, spec: CertificationSpec) -> dict[str, TaskBreakdown]:
+    """Per-task request counts of a stratum answered from the full cache (0 violations), so that
+    the summary's per-task table still counts every certification request."""
+    if sub.tasks is None:
+        return {}
+    tasks = sub.tasks
+    if spec.pilot is not None:  # the certification requests only, as every other entry counts them
+        n_pilot = pilot_size(sub.n_requests, spec.pilot.share)
+        if 1 <= n_pilot < sub.n_requests:
+            split = draw_pilot(sub.request_ids, spec.pilot.share, spec.pilot.seed, min_certification=1)
+            tasks = [tasks[int(i)] for i in split.certification_columns]
+    names = [t if t is not None else "(no task)" for t in tasks]
+    return {t: TaskBreakdown(n=names.count(t), violations=0, rate=0.0, exceeds_risk=False) for t in sorted(set(names))}
 
 
 def _codes(labels, names) -> np.ndarray:
