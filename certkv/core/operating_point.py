@@ -167,7 +167,8 @@ class OperatingPoint(BaseModel):
     """A stratified operating point (contract ``strata:``): one operating point per stratum, each
     deployed for its own requests. The top-level fields then summarise them: ``policy`` is
     ``"stratified"``, ``n``/``violations`` are sums over the strata, ``mean_kv_retained`` the pooled
-    mean over every certification request, ``risk_upper_bound`` the largest stratum bound, and
+    mean over every certification request, ``risk_upper_bound`` the largest stratum bound (a
+    bound on every stratum at once only under ``simultaneous``; else each holds on its own), and
     ``candidates``/``sequences`` are empty (each stratum has its own)."""
 
     @property

@@ -292,8 +292,15 @@ def stratified_summary(op) -> str:
         f"per {by}: {'; '.join(parts)}. Mean memory {op.mean_kv_retained:.3f} pooled over the {op.n} "
         f"certification requests, so {100 * (1 - op.mean_kv_retained):.1f}% of the KV cache saved; "
         f"{op.violations}/{op.n} violations, largest stratum bound {fmt_bound(op.risk_upper_bound)} "
-        f"≤ ε = {op.contract.risk:g}"
+        f"≤ ε = {op.contract.risk:g} ({joint_or_not(op)})"
     )
+
+
+def joint_or_not(op) -> str:
+    """Whether the strata's bounds hold together, which the largest of them needs to mean anything joint."""
+    if op.strata.simultaneous:
+        return "all strata's bounds hold together"
+    return "each stratum's bound at its own confidence, not jointly"
 
 
 def short_reason(op) -> str:
