@@ -174,6 +174,8 @@ def test_error_classes(servers, requests):
     error(httpx.post(url, json=_body(r)), 401)
     error(httpx.post(url, json=_body(r), headers={"Authorization": "Bearer wrong"}), 401)
     error(httpx.post(url, json={"context": "x" * 30000, "question": "q"}, headers=AUTH), 413)
+    chunked = (b"x" * 5000 for _ in range(6))  # no content-length: counted as it arrives
+    error(httpx.post(url, content=chunked, headers={**AUTH, "content-type": "application/json"}), 413)
     err = error(httpx.post(url, json={**_body(r), "max_tokens": "many"}, headers=AUTH), 422)
     assert err["message"].startswith("max_tokens:") and err["param"] == "max_tokens"
     err = error(httpx.post(url, json={**_body(r), "bogus": 1}, headers=AUTH), 422)

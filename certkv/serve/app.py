@@ -26,6 +26,14 @@ from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, Split
 log = logging.getLogger("certkv.serve")
 
 
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/operating-point", "/health", "/metrics")
+
+
+def _route(path: str) -> str:
+    """A metrics label: the route, or "other" (an unknown path must not grow the label set)."""
+    return path if path in ROUTES else "other"
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": " ".join(str(message).split()), "type": type_, "param": param, "code": code}}
 
@@ -45,7 +53,7 @@ class _Limits:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path = _route(scope.get("path", ""))
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_key is not None and path != "/health":
             given = headers.get("authorization", "")
@@ -61,26 +69,29 @@ class _Limits:
         if length is not None and length.isdigit() and int(length) > self.max_body:
             self.metrics.errors.labels(path, "413").inc()
             return await too_big(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        # Read the body here, bounded (a chunked upload has no content-length to check), then replay it.
+        body, more = bytearray(), True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise _BodyTooLarge()
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                self.metrics.errors.labels(path, "413").inc()
+                return await too_big(scope, receive, send)
+        replayed = False
 
-        try:
-            return await self.app(scope, limited, send)
-        except _BodyTooLarge:
-            self.metrics.errors.labels(path, "413").inc()
-            return await too_big(scope, receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
 
 
 def _one_line_validation(exc) -> tuple[str, str | None]:
@@ -124,13 +135,20 @@ def create_app(service, *, model_id: str, operating_point_path: str | None = Non
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, field = _one_line_validation(exc)
-        metrics.errors.labels(request.url.path, "422").inc()
+        metrics.errors.labels(_route(request.url.path), "422").inc()
         return _json(422, error_body(message, "invalid_request_error", field, "invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        metrics.errors.labels(request.url.path, str(exc.status_code)).inc()
+        metrics.errors.labels(_route(request.url.path), str(exc.status_code)).inc()
         return _json(exc.status_code, error_body(str(exc.detail), "invalid_request_error", None, str(exc.status_code)))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("certkv serve: %s failed", request.url.path)
+        metrics.errors.labels(_route(request.url.path), "500").inc()
+        return _json(500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", None,
+                                     "internal_error"))
 
     def fail(route: str, status: int, message: str, type_: str, param=None, code=None, headers=None):
         metrics.errors.labels(route, str(status)).inc()
