@@ -576,6 +576,34 @@ def monitor_quality(data: dict) -> str:
     ])
 
 
+def ray_scaling(data: dict) -> str:
+    names = {"local": "local", "ray_1": "Ray, 1 worker", "ray_2": "Ray, 2 workers"}
+    rows = [[names[k], num(p["requests_per_second"], 2), seconds(p["wall_seconds"]),
+             f"{p['write_ms_per_request']:.2f} ms",
+             f"{p['driver_cpu_ms_per_request']:.2f} ms" if "driver_cpu_ms_per_request" in p else "—"]
+            for k, p in data["phases"].items()]
+    f = data["faults"]
+    m = data["machine"]
+    return "\n\n".join([
+        "## Calibration on Ray",
+        command("python benchmarks/ray_scaling.py"),
+        f"{data['requests']} requests of the demo request file with the demo contract's {data['candidates']} "
+        f"candidates, model `{data['model']}` on {data['device']}, every worker and the local run on "
+        f"{data['threads_per_worker']} thread, on a {data['cpus']}-core machine (torch {data['torch']}, Ray "
+        f"{data['ray']}; a local Ray instance, `ray.init(num_cpus=2)`). Requests/s between the 10% and the 90% "
+        "write; wall time includes starting the workers. Other processes' load during the run: up to "
+        f"{m['others_cores_max']} cores ({'shared' if m['shared'] else 'not shared'}).",
+        table(["executor", "requests/s", "wall", "driver write per request", "driver CPU per request"], rows),
+        f"Scaling efficiency rate(2) / (2 · rate(1)) = **{num(data['scaling_efficiency'])}** (target ≥ 0.8); "
+        f"1 worker over local {times(data['ray_1_over_local'])}; records equal to the local run's: "
+        f"{', '.join(f'{k} {v}' for k, v in data['records_equal_to_local'].items())}. One driver sustains "
+        f"about {data['driver']['max_requests_per_second']} requests/s (1 / its CPU per request).",
+        f"Faults: a worker SIGKILLed after {', '.join(str(k['after_writes']) for k in f['kills'])} writes: "
+        f"{f['lost']} lost, {f['duplicated']} duplicated, records equal to the local run's: {f['equal_to_local']}, "
+        f"{f['worker_restarts']} restarts, wall {seconds(f['wall_seconds'])}. See [scaling](scaling.md).",
+    ])
+
+
 SECTIONS = {
     "embedded_accuracy": embedded_accuracy,
     "eviction_spread": eviction_spread,
@@ -588,6 +616,7 @@ SECTIONS = {
     "certificate_quality": certificate_quality,
     "strata_quality": strata_quality,
     "monitor_quality": monitor_quality,
+    "ray_scaling": ray_scaling,
 }
 
 
