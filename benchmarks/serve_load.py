@@ -1,0 +1,309 @@
+"""Load test of `certkv serve`: robustness under concurrency, latency, and the cost of HTTP.
+
+Starts ``certkv serve`` (a real server process, loopback, a free port) with an operating point for
+the embedded model (default: the demo's stratified point, read only), then:
+
+1. **load**: N requests (default 2,000) at concurrency 16 with an httpx AsyncClient, drawn from the
+   demo requests (``certkv/demo/demo.jsonl``) with their task as stratum, 5% of them malformed, one
+   fifth of those of each kind: bad JSON, a missing field (no question), a wrong type (question a
+   number), an oversized body (over ``--max-body-bytes``) and no context. Reported: the status
+   counts of valid and of malformed requests (valid must see no 5xx, malformed only 4xx), p50/p99
+   latency of the valid ones and the throughput;
+2. **concurrency 1**: the same M requests one at a time over HTTP, then in this process with
+   ``CertifiedRuntime.generate`` on the same model and point (the server is idle by then: its
+   pending shadows are waited for), side by side; the ratio is HTTP throughput / in-process
+   throughput (target ≥ 0.9).
+
+Writes ``benchmarks/results/serve_load.json`` and prints a table::
+
+    python benchmarks/serve_load.py                      # ~4-6 minutes on 2 CPU cores
+    python benchmarks/serve_load.py --requests 200 --sequential 30   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_REQUESTS = REPO / "certkv" / "demo" / "demo.jsonl"
+DEMO_POINT = Path("/tmp/work/demo2/runs/demo/operating_point.json")
+RESULT = REPO / "benchmarks" / "results" / "serve_load.json"
+MALFORMED_KINDS = ("bad_json", "missing_field", "wrong_type", "oversized", "no_context")
+MAX_BODY = 64 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_requests(n: int, seed: int) -> list[dict]:
+    rows = [json.loads(line) for line in DEMO_REQUESTS.read_text().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    return [rng.choice(rows) for _ in range(n)]
+
+
+def valid_body(req: dict) -> bytes:
+    return json.dumps({"model": "embedded", "context": req["context"], "question": req["question"],
+                       "stratum": req["task"], "answers": req["answers"]}).encode()
+
+
+def malformed_body(kind: str, req: dict) -> bytes:
+    if kind == "bad_json":
+        return b'{"context": "' + req["context"][:200].encode() + b'", "question": '
+    if kind == "missing_field":
+        return json.dumps({"context": req["context"], "stratum": req["task"]}).encode()
+    if kind == "wrong_type":
+        return json.dumps({"context": req["context"], "question": 42, "stratum": req["task"]}).encode()
+    if kind == "oversized":
+        return json.dumps({"context": req["context"] * (MAX_BODY // max(1, len(req["context"])) + 2),
+                           "question": req["question"], "stratum": req["task"]}).encode()
+    if kind == "no_context":
+        return json.dumps({"question": req["question"], "stratum": req["task"]}).encode()
+    raise ValueError(kind)
+
+
+def plan(n: int, malformed_share: float, seed: int) -> list[tuple[str, bytes, dict]]:
+    """(kind, body, request) per request: 'valid' or a malformed kind, shuffled."""
+    reqs = load_requests(n, seed)
+    n_bad = round(n * malformed_share)
+    kinds = [MALFORMED_KINDS[i % len(MALFORMED_KINDS)] for i in range(n_bad)] + ["valid"] * (n - n_bad)
+    random.Random(seed + 1).shuffle(kinds)
+    return [(k, valid_body(r) if k == "valid" else malformed_body(k, r), r) for k, r in zip(kinds, reqs)]
+
+
+def start_server(op: Path, port: int, store: Path, args) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "certkv.cli.app", "serve", str(op), "--port", str(port), "--device", "cpu",
+           "--shadow-rate", str(args.shadow_rate), "--shadow-store", str(store), "--max-queue", "64",
+           "--max-body-bytes", str(MAX_BODY), "--timeout", "120", "--seed", "0"]
+    log = open(store.parent / "server.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 180.0) -> dict:
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy")
+        try:
+            r = httpx.get(f"{base}/health", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("the server did not become healthy in time")
+
+
+def wait_shadows(base: str, timeout: float = 300.0) -> dict:
+    """Wait until the server has no pending shadow (so it is idle), return /health."""
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        h = httpx.get(f"{base}/health", timeout=5).json()
+        if h["queue"]["shadow_pending"] == 0 and h["queue"]["depth"] == 0 or time.monotonic() - t0 > timeout:
+            return h
+        time.sleep(0.2)
+
+
+async def fire(base: str, items, concurrency: int) -> tuple[list[dict], float]:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    out: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+
+        async def one(kind, body):
+            async with sem:
+                t = time.perf_counter()
+                try:
+                    r = await client.post("/v1/completions", content=body,
+                                          headers={"content-type": "application/json"})
+                    status, payload = r.status_code, None
+                    if status == 200:
+                        payload = r.json().get("certkv", {})
+                except httpx.HTTPError as exc:
+                    status, payload = f"error:{type(exc).__name__}", None
+                out.append({"kind": kind, "status": status, "seconds": time.perf_counter() - t,
+                            "certkv": payload})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(kind, body) for kind, body, _ in items))
+        return out, time.perf_counter() - t0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def status_counts(rows, kind=None) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in rows:
+        if kind is None or r["kind"] == kind:
+            counts[str(r["status"])] = counts.get(str(r["status"]), 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def in_process(op: Path, requests: list[dict]) -> tuple[list[float], float, list[str]]:
+    from certkv.model.loading import load_model
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    model, tok = load_model("embedded", device="cpu")
+    runtime = CertifiedRuntime(model, tok, op)
+    runtime.generate(requests[0]["context"], requests[0]["question"], requests[0]["task"])  # warm up
+    lat, answers = [], []
+    t0 = time.perf_counter()
+    for r in requests:
+        t = time.perf_counter()
+        answers.append(runtime.generate(r["context"], r["question"], r["task"]).answer)
+        lat.append(time.perf_counter() - t)
+    total = time.perf_counter() - t0
+    return lat, total, answers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--operating-point", type=Path, default=DEMO_POINT)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--malformed", type=float, default=0.05)
+    parser.add_argument("--sequential", type=int, default=150, help="requests of the concurrency-1 comparison")
+    parser.add_argument("--shadow-rate", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument("--output", type=Path, default=RESULT)
+    args = parser.parse_args()
+
+    import httpx
+
+    work = Path(tempfile.mkdtemp(prefix="serve_load_"))
+    op = work / "operating_point.json"
+    op.write_text(args.operating_point.read_text())  # a copy: the source stays read-only
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    t_start = time.perf_counter()
+    proc = start_server(op, port, work / "shadows", args)
+    try:
+        health = wait_healthy(base, proc)
+        items = plan(args.requests, args.malformed, args.seed)
+        # warm the server (first forwards allocate), not counted
+        asyncio.run(fire(base, [i for i in items if i[0] == "valid"][:4], 1))
+        rows, load_seconds = asyncio.run(fire(base, items, args.concurrency))
+        after_load = wait_shadows(base)
+        seq_reqs = [r for k, _, r in plan(args.sequential, 0.0, args.seed + 7)]
+        seq_items = [("valid", valid_body(r), r) for r in seq_reqs]
+        seq_rows, http_seconds = asyncio.run(fire(base, seq_items, 1))
+        after_seq = wait_shadows(base)
+        idle = []  # a route that runs no model: the HTTP stack's own round trip at concurrency 1
+        with httpx.Client(base_url=base, timeout=10) as client:
+            for _ in range(21):
+                t = time.perf_counter()
+                client.get("/v1/models")
+                idle.append(time.perf_counter() - t)
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    server_rc = proc.returncode
+    lat_in, inproc_seconds, answers_in = in_process(op, seq_reqs)
+
+    valid = [r for r in rows if r["kind"] == "valid"]
+    bad = [r for r in rows if r["kind"] != "valid"]
+    ok_lat = [r["seconds"] for r in valid if r["status"] == 200]
+    five = sum(1 for r in valid if not isinstance(r["status"], int) or r["status"] >= 500)
+    bad_not_4xx = sum(1 for r in bad if not (isinstance(r["status"], int) and 400 <= r["status"] < 500))
+    reasons: dict[str, int] = {}
+    for r in valid:
+        if r["certkv"]:
+            d = r["certkv"].get("decision", r["certkv"])
+            key = f"{d.get('mode')}:{d.get('reason')}"
+            reasons[key] = reasons.get(key, 0) + 1
+    http_lat = [r["seconds"] for r in seq_rows]
+    http_tp = len(seq_rows) / http_seconds
+    inproc_tp = len(seq_reqs) / inproc_seconds
+    shadows = after_seq.get("shadows", {})
+    result = {
+        "benchmark": "serve_load",
+        "command": "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]),
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "operating_point": {"source": str(args.operating_point), "policy": health["operating_point"]["policy"],
+                            "stratified": health["operating_point"]["stratified"]},
+        "shadow_rate": args.shadow_rate,
+        "load": {
+            "requests": len(rows), "concurrency": args.concurrency, "valid": len(valid), "malformed": len(bad),
+            "seconds": load_seconds, "throughput_rps": len(rows) / load_seconds,
+            "valid_throughput_rps": len(valid) / load_seconds,
+            "valid_status": status_counts(valid), "valid_5xx": five,
+            "malformed_status": {k: status_counts(bad, k) for k in MALFORMED_KINDS},
+            "malformed_not_4xx": bad_not_4xx,
+            "latency_p50_s": percentile(ok_lat, 0.5), "latency_p99_s": percentile(ok_lat, 0.99),
+            "latency_mean_s": statistics.fmean(ok_lat) if ok_lat else None,
+            "decisions": dict(sorted(reasons.items())),
+            "shadows_after_load": after_load.get("shadows"),
+        },
+        "sequential": {
+            "requests": len(seq_reqs),
+            "http": {"seconds": http_seconds, "throughput_rps": http_tp, "latency_p50_s": percentile(http_lat, 0.5),
+                     "status": status_counts(seq_rows)},
+            "in_process": {"seconds": inproc_seconds, "throughput_rps": inproc_tp,
+                           "latency_p50_s": percentile(lat_in, 0.5)},
+            "ratio_http_over_in_process": http_tp / inproc_tp,
+            "get_models_p50_s": percentile(idle[1:], 0.5),
+            "target": 0.9,
+            "note": "the server also runs its shadows (shadow_rate of evicted answers) on the same worker; "
+                    "in-process has none",
+        },
+        "shadows": shadows,
+        "monitor": after_seq.get("monitor"),
+        "server_exit_code": server_rc,
+        "metrics_lines": sum(1 for line in metrics.splitlines() if line.startswith("certkv_")),
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    load = result["load"]
+    seq = result["sequential"]
+    print(f"certkv serve load test ({result['operating_point']['policy']}, shadow rate {args.shadow_rate})")
+    print(f"{'requests':<34}{load['requests']} ({load['valid']} valid, {load['malformed']} malformed), "
+          f"concurrency {args.concurrency}")
+    print(f"{'valid: status':<34}{load['valid_status']}  5xx: {five}")
+    for kind in MALFORMED_KINDS:
+        print(f"{'malformed ' + kind:<34}{load['malformed_status'][kind]}")
+    print(f"{'malformed not 4xx':<34}{bad_not_4xx}")
+    print(f"{'latency p50 / p99 (valid, 200)':<34}{load['latency_p50_s'] * 1e3:.1f} ms / "
+          f"{load['latency_p99_s'] * 1e3:.1f} ms")
+    print(f"{'throughput (all / valid)':<34}{load['throughput_rps']:.1f} / {load['valid_throughput_rps']:.1f} req/s")
+    print(f"{'decisions':<34}{load['decisions']}")
+    print(f"{'shadows (scored, abandoned)':<34}{shadows}")
+    print(f"concurrency 1, {seq['requests']} requests:   HTTP {http_tp:.2f} req/s   in-process {inproc_tp:.2f} req/s"
+          f"   ratio {seq['ratio_http_over_in_process']:.3f} (target ≥ 0.9)")
+    print(f"{'GET /v1/models p50 (no model)':<34}{seq['get_models_p50_s'] * 1e3:.1f} ms: the HTTP round trip alone")
+    print(f"wrote {args.output} ({result['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
