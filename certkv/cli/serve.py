@@ -52,7 +52,9 @@ def serve(
         if not api_key:
             raise CertkvError(f"--api-key-env {api_key_env}: that environment variable is not set or empty")
     op = load_operating_point(operating_point)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose
+    # proto says TCP, and with Nagle on every keep-alive response waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
