@@ -39,7 +39,7 @@ import numpy as np
 from certkv.core.monitor import bernoulli_violations, simulate_streams
 
 RESULTS = Path(__file__).parent / "results"
-DEMO = Path("/tmp/work/demo2")
+DEMO = Path("certkv-demo")  # the folder `certkv demo` runs in
 RISK, DELTA = 0.05, 0.05
 SHADOW_RATES = (0.05, 0.2)
 N_STREAMS, N_REQUESTS, HORIZON, CHANGE_AT = 200, 5000, 40000, 2000

@@ -38,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_REQUESTS = REPO / "certkv" / "demo" / "demo.jsonl"
-DEMO_POINT = Path("/tmp/work/demo2/runs/demo/operating_point.json")
+DEMO_POINT = Path("certkv-demo/runs/demo/operating_point.json")  # what `certkv demo` writes
 RESULT = REPO / "benchmarks" / "results" / "serve_load.json"
 MALFORMED_KINDS = ("bad_json", "missing_field", "wrong_type", "oversized", "no_context")
 MAX_BODY = 64 * 1024

@@ -228,7 +228,7 @@ def demo(demo_dir: Path) -> dict | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draws", type=int, default=DRAWS)
-    p.add_argument("--demo-dir", type=Path, default=Path("/tmp/work/demo2"))
+    p.add_argument("--demo-dir", type=Path, default=Path("certkv-demo"))
     args = p.parse_args()
     results = {"seed": SEED, "risk": EPS, "delta": DELTA, "kv_retained": list(KV), "presses": list(PRESSES),
                "profiles": {k: {p: list(r) for p, r in v.items()} for k, v in PROFILES.items()}, "simulation": {}}

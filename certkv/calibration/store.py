@@ -88,11 +88,13 @@ def db_path(store: str | Path) -> Path:
     return Path(store) / DB_NAME
 
 
-def _connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+def _connect(path: Path, *, readonly: bool = False, check_same_thread: bool = True,
+             what: str = "certkv calibration store") -> sqlite3.Connection:
     """Open the database; `readonly` sets query_only (a URI ``mode=ro`` cannot open a WAL file
-    whose ``-shm`` is gone)."""
+    whose ``-shm`` is gone); ``check_same_thread=False`` for a store its owner guards with a lock
+    (the shadow store, written by the server's worker and read by its request threads)."""
     try:
-        conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+        conn = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=check_same_thread)
         if readonly:
             conn.execute("PRAGMA query_only=1")
         else:
@@ -100,9 +102,23 @@ def _connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
             conn.execute("PRAGMA synchronous=FULL")
         conn.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
     except sqlite3.DatabaseError as exc:
-        raise CertkvError(f"{path} is not a certkv calibration store ({exc})") from None
+        raise CertkvError(f"{path} is not a {what} ({exc})") from None
     conn.row_factory = sqlite3.Row
     return conn
+
+
+def _initialise(conn: sqlite3.Connection, meta: dict) -> None:
+    """Create the tables and write `meta` in one transaction (a crash leaves no half-made store)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in filter(str.strip, _SCHEMA.split(";")):
+            conn.execute(statement)
+        conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        conn.close()
+        raise
 
 
 def _tables(conn: sqlite3.Connection) -> set[str]:
@@ -190,16 +206,7 @@ class CalibrationStore:
             "certkv_version": __version__,
             "schema_version": SCHEMA_VERSION,
         }
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                conn.execute(statement)
-            conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            conn.close()
-            raise
+        _initialise(conn, meta)
         return cls(conn, folder, contract, moved)
 
     @classmethod

@@ -76,6 +76,7 @@ def _run(sock, op, operating_point, *, model, host, port, shadow_rate, api_key, 
     import logging
 
     from certkv.core.monitor import RiskMonitor
+    from certkv.core.spec import delta_of
     from certkv.model.loading import load_model
     from certkv.runtime.certified_runtime import CertifiedRuntime
     from certkv.serve.app import create_app
@@ -89,8 +90,8 @@ def _run(sock, op, operating_point, *, model, host, port, shadow_rate, api_key, 
     runtime = CertifiedRuntime(loaded, tokenizer, op)
     streams = None
     if op.is_stratified:
-        streams = {name: 1.0 - op.strata.confidence for name in op.strata.entries}
-    monitor = RiskMonitor(op.contract.risk, 1.0 - op.contract.confidence, shadow_rate, seed=seed, streams=streams)
+        streams = {name: delta_of(op.strata.confidence) for name in op.strata.entries}
+    monitor = RiskMonitor(op.contract.risk, delta_of(op.contract.confidence), shadow_rate, seed=seed, streams=streams)
     store_path = shadow_store or operating_point.parent / "shadow"
     store = runner = None
     if op.is_stratified or not op.fallback:  # a fallback point answers everything from the full cache

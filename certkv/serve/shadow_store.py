@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from certkv.atomic_io import write_text_atomic
-from certkv.calibration.store import _SCHEMA, SCHEMA_VERSION, CalibrationStore, _read_meta, _tables, db_path
+from certkv.calibration.store import SCHEMA_VERSION, CalibrationStore, _connect, _initialise, _read_meta, _tables, db_path
 from certkv.core.operating_point import OperatingPoint
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.errors import CertkvError
@@ -89,20 +89,6 @@ def stratum_folder(name: str) -> str:
     return "stratum-" + hashlib.sha256(name.encode("utf-8")).hexdigest()[:12]
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    """Open (or create) a database as the calibration store does (WAL, synchronous=FULL), usable
-    from any thread: the server's worker writes what its main thread opened (a lock serialises)."""
-    try:
-        conn = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
-    except sqlite3.DatabaseError as exc:
-        raise CertkvError(f"{path} is not a certkv shadow store ({exc})") from None
-    conn.row_factory = sqlite3.Row
-    return conn
-
-
 def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> CalibrationStore:
     """The calibration-format store of `op` at `folder`: created, or resumed when bound to `op`."""
     from certkv import __version__
@@ -112,7 +98,7 @@ def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> Calibr
     folder.mkdir(parents=True, exist_ok=True)
     file = db_path(folder)
     sha = operating_point_sha256(op)
-    conn = _connect(file)
+    conn = _connect(file, check_same_thread=False, what="certkv shadow store")
     if _tables(conn):
         meta = _read_meta(conn, file)
         if meta.get("kind") != KIND:
@@ -142,16 +128,7 @@ def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> Calibr
         "certkv_version": __version__,
         "schema_version": SCHEMA_VERSION,
     }
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        for statement in filter(str.strip, _SCHEMA.split(";")):
-            conn.execute(statement)
-        conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        conn.close()
-        raise
+    _initialise(conn, meta)
     return CalibrationStore(conn, folder, None)
 
 
