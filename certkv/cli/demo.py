@@ -48,7 +48,8 @@ def demo(
     console = Console()
     typer.echo(f"demo contract: {path}")
     console.rule("1/4 calibrate: full cache and every candidate on every request")
-    calibrate(path, limit=limit, new_store=False, quiet=quiet, device=None, dtype=None)
+    calibrate(path, limit=limit, new_store=False, quiet=quiet, device=None, dtype=None, executor="local",
+              address=None, workers=None, gpus_per_worker=None, threads_per_worker=None)
     console.rule("2/4 certify: exact binomial tests, fixed-sequence family-wise control")
     partial = limit is not None  # a quick look: a preview without guarantee
     op, pooled = certify(path, records=None, output=None, allow_incomplete=partial, wide=False)
