@@ -75,7 +75,7 @@ def test_request_sets_stay_what_they_were():
     import json
 
     reqs = generate_requests("all", 50, seed=7, context_length="64-2048")
-    digest = hashlib.sha256(json.dumps([r.model_dump() for r in reqs], sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps([r.as_record() for r in reqs], sort_keys=True).encode()).hexdigest()
     assert digest == "87627820dba0a14f654e867dcab23915e168a0f9b393aa2b70792fc3355cc52b"
 
 
