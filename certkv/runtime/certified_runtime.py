@@ -86,6 +86,10 @@ class RuntimeAnswer:
     """Seconds per phase: ``prefill``, ``probe`` (lookahead), ``decode`` (the first answer decoded),
     ``escalation`` (recomputing the full answer after the evicted path was taken; on the pipeline
     path any full answer, its prefill included) and ``total``; a phase that did not run is absent."""
+    context_tokens: int = 0
+    """Tokens of the encoded context (what the coverage envelope and ``context_tokens`` count)."""
+    question_tokens: int = 0
+    """Tokens of the encoded question fed after it."""
 
 
 class CertifiedRuntime:
@@ -259,6 +263,18 @@ class CertifiedRuntime:
             ``answer`` (text), ``token_ids``, ``decision`` (:class:`Decision`: ``mode`` "evicted"
             or "full", ``reason``, the gate signals, realised KV) and ``seconds`` per phase.
         """
+        return self._answer(context, question, stratum, max_new_tokens, None)
+
+    def answer_from_full_cache(self, context: str, question: str, stratum: str | None = None, *, reason: str,
+                               detail: str | None = None) -> RuntimeAnswer:
+        """Answer from the full cache whatever the operating point says, with `reason` (and
+        `detail`) in the decision: what a caller that overrides the certificate needs (``certkv
+        serve``'s monitor, its shadows), through :meth:`generate`'s checks, stratum routing and
+        decoding."""
+        return self._answer(context, question, stratum, None, (reason, detail))
+
+    def _answer(self, context, question, stratum, max_new_tokens, forced) -> RuntimeAnswer:
+        """:meth:`generate`, or with `forced` = (reason, detail) the full cache for that reason."""
         import time
 
         from certkv.engine.engine import press_precondition_failure
@@ -271,7 +287,7 @@ class CertifiedRuntime:
         if stratum is not None and not isinstance(stratum, str):
             raise CertkvError(f"stratum must be a string or None, got {type(stratum).__name__}")
         if stratum in self.strata:
-            return self.strata[stratum].generate(context, question, stratum, max_new_tokens=max_new)
+            return self.strata[stratum]._answer(context, question, stratum, max_new, forced)
         enc = encode_request(self.tokenizer, context, question)
         if not enc.context_ids:
             raise CertkvError("the context is empty; certkv answers questions about a context")
@@ -280,18 +296,20 @@ class CertifiedRuntime:
         t0 = time.perf_counter()
         coverage = self.operating_point.coverage
         outside = None if coverage is None else coverage.uncovered(stratum, len(enc.context_ids))
-        if outside is not None and not self.operating_point.fallback:
+        if forced is not None:
+            base.reason, base.detail = forced
+        elif outside is not None and not self.operating_point.fallback:
             base.reason, base.detail = "uncovered", outside
         elif self.press is None:
             base.reason = "fallback"
         if base.reason is not None:
             seconds: dict = {}
-            return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds)
+            return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds, enc)
         failure = press_precondition_failure(self.press, len(enc.context_ids))
         if failure:
             base.reason, base.detail = "precondition", failure
             seconds = {}
-            return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds)
+            return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds, enc)
         from certkv.presses.hajek_state import clear_states
         from certkv.runtime import pipeline, single_prefill
 
@@ -301,7 +319,7 @@ class CertifiedRuntime:
             ids, seconds = path.answer(self, enc, max_new, base, t0)
         finally:
             clear_states(self.model)
-        return self._finish(ids, base, t0, seconds)
+        return self._finish(ids, base, t0, seconds, enc)
 
     def full_answer(self, enc, max_new: int, seconds: dict | None = None) -> list[int]:
         """The full-cache answer with a prefill of its own, decoded as calibration decodes it
@@ -318,10 +336,11 @@ class CertifiedRuntime:
             seconds.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
         return ids
 
-    def _finish(self, ids: list[int], decision: Decision, t0: float, seconds: dict) -> RuntimeAnswer:
+    def _finish(self, ids: list[int], decision: Decision, t0: float, seconds: dict, enc) -> RuntimeAnswer:
         import time
 
         if decision.mode == "full":
             decision.kv_retained = decision.kv_retained_actual = 1.0
         seconds = dict(seconds, total=time.perf_counter() - t0)
-        return RuntimeAnswer(self.tokenizer.decode(ids, skip_special_tokens=True), ids, decision, seconds)
+        return RuntimeAnswer(self.tokenizer.decode(ids, skip_special_tokens=True), ids, decision, seconds,
+                             len(enc.context_ids), len(enc.question_ids))

@@ -59,24 +59,6 @@ class _Live:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-def full_cache_answer(runtime, context: str, question: str, stratum: str | None, detail: str):
-    """Answer from the full cache, through the runtime's own full-answer path (reason ``monitor``)."""
-    from certkv.model.generation import encode_request
-    from certkv.runtime.certified_runtime import Decision, RuntimeAnswer
-
-    rt = runtime.strata.get(stratum, runtime) if stratum is not None else runtime
-    enc = encode_request(rt.tokenizer, context, question)
-    if not enc.context_ids:
-        raise CertkvError("the context is empty; certkv answers questions about a context")
-    t0 = time.perf_counter()
-    seconds: dict = {}
-    ids = rt.full_answer(enc, rt.max_new_tokens, seconds)
-    decision = Decision(mode="full", reason="monitor", policy=rt.policy, stratum=stratum, gate_kind=rt.gate.kind,
-                        gate_threshold=rt.threshold, certificate_bound=rt.bound, detail=detail)
-    seconds["total"] = time.perf_counter() - t0
-    return RuntimeAnswer(rt.tokenizer.decode(ids, skip_special_tokens=True), ids, decision, seconds)
-
-
 class Service:
     """The queue, the worker and the monitor around a :class:`CertifiedRuntime`.
 
@@ -184,14 +166,13 @@ class Service:
             self._served += 1
 
     def _answer(self, job: _Live, started: float) -> Served:
-        from certkv.model.generation import encode_request
-
         stream = self.stream_of(job.stratum)
         if stream is not None and self.monitor.tripped(stream):
             s = self.monitor.snapshot()[stream]
-            answer = full_cache_answer(self.runtime, job.context, job.question, job.stratum,
-                                       f"the live monitor tripped on stream {stream!r} after {s['tripped_after']} "
-                                       "requests; answering from the full cache until restart")
+            answer = self.runtime.answer_from_full_cache(
+                job.context, job.question, job.stratum, reason="monitor",
+                detail=f"the live monitor tripped on stream {stream!r} after {s['tripped_after']} requests; "
+                       "answering from the full cache until restart")
         else:
             answer = self.runtime.generate(job.context, job.question, job.stratum)
         evicted = answer.decision.mode == "evicted"
@@ -206,14 +187,12 @@ class Service:
                     self._shadows.append(ShadowJob(request_id=job.request_id, stream=stream, stratum=job.stratum,
                                                    context=job.context, question=job.question, answers=job.answers,
                                                    served=answer, ticket=ticket))
-        rt = self.runtime.strata.get(job.stratum, self.runtime) if job.stratum is not None else self.runtime
-        enc = encode_request(rt.tokenizer, job.context, job.question)
-        stop = rt.stop_ids
+        rt = self.runtime  # every stratum's runtime shares its model (stop tokens) and decode length
         ids = answer.token_ids
-        finish = "length" if len(ids) >= rt.max_new_tokens and not (ids and ids[-1] in stop) else "stop"
+        finish = "length" if len(ids) >= rt.max_new_tokens and not (ids and ids[-1] in rt.stop_ids) else "stop"
         monitor = None if stream is None else self.monitor.snapshot()[stream]
         now = time.perf_counter()
-        return Served(job.request_id, answer, stream, shadowed, monitor, len(enc.context_ids) + len(enc.question_ids),
+        return Served(job.request_id, answer, stream, shadowed, monitor, answer.context_tokens + answer.question_tokens,
                       finish, started - job.submitted, now - job.submitted)
 
     def _run_shadow(self, job) -> None:

@@ -5,8 +5,8 @@ a shadowed request becomes a :class:`ShadowJob`, which the service's one worker 
 request waits. :meth:`ShadowRunner.run`:
 
 1. answers the request from the full cache, exactly as calibration decodes it
-   (:meth:`CertifiedRuntime.full_answer` at the calibrated decode length, on the prompt
-   :func:`certkv.model.generation.encode_request` builds); a served answer that already came
+   (:meth:`CertifiedRuntime.answer_from_full_cache`, reason ``shadow``: the runtime's own
+   encoding and full-cache decode at the calibrated length); a served answer that already came
    from the full cache is that answer (no second forward);
 2. scores ``loss = utility(full) − utility(served)`` with the contract's utility
    (``op.contract.utility``, the stratum's for a stratified point) when the request carries
@@ -124,7 +124,6 @@ class ShadowRunner:
 
     def _score(self, job: ShadowJob) -> dict:
         from certkv.calibration.utility import score
-        from certkv.model.generation import encode_request
 
         top = self.runtime.operating_point
         entry, runtime = self._entry(job.stratum)
@@ -133,14 +132,12 @@ class ShadowRunner:
         served = job.served
         decision = served.decision
         t0 = time.perf_counter()
-        enc = encode_request(runtime.tokenizer, job.context, job.question)
-        context_tokens = len(enc.context_ids)
+        context_tokens = served.context_tokens
         if decision.mode == "full":
             full_answer, seconds = served.answer, {}
         else:
-            seconds: dict[str, float] = {}
-            ids = runtime.full_answer(enc, runtime.max_new_tokens, seconds)
-            full_answer = runtime.tokenizer.decode(ids, skip_special_tokens=True)
+            full = runtime.answer_from_full_cache(job.context, job.question, job.stratum, reason="shadow")
+            full_answer, seconds = full.answer, full.seconds
         answers = [str(a) for a in job.answers] if job.answers else None
         utility_name = entry.contract.utility
         if answers is None or utility_name is None:
