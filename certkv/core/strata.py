@@ -168,18 +168,27 @@ def too_small_reason(n_requests: int, spec: CertificationSpec, need: int) -> str
     """Why a stratum of `n_requests` cannot certify anything under the per-stratum `spec`
     (`need`: :func:`fewest_requests`), or None when it can: its pilot draws no request, leaves fewer
     certification requests than a pilot must leave, or fewer than a zero-violation certificate needs."""
-    n_cert = n_requests
-    if spec.pilot is not None:
-        n_pilot = pilot_size(n_requests, spec.pilot.share)
-        if n_pilot < 1:
-            return f"a pilot share of {spec.pilot.share:g} draws no pilot request from its {n_requests}"
-        n_cert -= n_pilot
-        if n_cert < spec.pilot.min_certification:
-            return (f"the pilot leaves {n_cert} certification requests, fewer than the "
-                    f"{spec.pilot.min_certification} a pilot must leave")
+    why = pilot_shortfall(n_requests, spec)
+    if why is not None:
+        return why
+    n_cert = n_requests - (pilot_size(n_requests, spec.pilot.share) if spec.pilot is not None else 0)
     if n_cert < need:
         return (f"{n_cert} certification requests, fewer than the {need} that certifying anything at "
                 f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations")
+    return None
+
+
+def pilot_shortfall(n_requests: int, spec: CertificationSpec) -> str | None:
+    """Why `spec`'s pilot cannot be drawn from `n_requests` (it would draw none, or leave fewer
+    certification requests than a pilot must leave), or None when it can (or there is no pilot)."""
+    if spec.pilot is None:
+        return None
+    n_pilot = pilot_size(n_requests, spec.pilot.share)
+    if n_pilot < 1:
+        return f"a pilot share of {spec.pilot.share:g} draws no pilot request from its {n_requests}"
+    if n_requests - n_pilot < spec.pilot.min_certification:
+        return (f"the pilot leaves {n_requests - n_pilot} certification requests, fewer than the "
+                f"{spec.pilot.min_certification} a pilot must leave")
     return None
 
 
@@ -278,5 +287,13 @@ def _codes(labels, names) -> np.ndarray:
     return np.fromiter((index[label] for label in labels), dtype=np.int64, count=len(labels))
 
 
-__all__ = ["certify_stratified", "fewest_requests", "too_small_reason", "strata_guarantee", "stratum_guarantee", "stratum_labels",
-           "stratum_spec"]
+__all__ = [
+    "certify_stratified",
+    "fewest_requests",
+    "pilot_shortfall",
+    "too_small_reason",
+    "strata_guarantee",
+    "stratum_guarantee",
+    "stratum_labels",
+    "stratum_spec",
+]

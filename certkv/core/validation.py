@@ -277,11 +277,11 @@ def _stratum_run(sub: LossTable, spec: CertificationSpec, n_splits: int, calibra
 
 def _unsplittable(n_requests: int, n_cert: int, n_cal: int, n_test: int, spec: CertificationSpec) -> str:
     """Why a stratum's requests cannot be split (or its pilot drawn), or "" when they can."""
-    if spec.pilot is not None and n_requests - n_cert < 1:
-        return f"a pilot share of {spec.pilot.share:g} draws no pilot request from its {n_requests}"
-    if spec.pilot is not None and n_cert < spec.pilot.min_certification:
-        return (f"the pilot leaves {n_cert} certification requests, fewer than the "
-                f"{spec.pilot.min_certification} a pilot must leave")
+    from certkv.core.strata import pilot_shortfall
+
+    why = pilot_shortfall(n_requests, spec)
+    if why is not None:
+        return why
     if n_cal < 1 or n_test < 1:
         return f"its {n_cert} certification requests split into {n_cal} calibration and {n_test} test requests"
     return ""
