@@ -29,7 +29,8 @@ def certify(
 ):
     """Test every candidate of the contract and write the certified operating point."""
     # Returns (operating point, pooled comparison or None) for `certkv demo`, whose last lines name
-    # the deployed one; click ignores a command's return value. (Not in the docstring: that is --help.)
+    # the deployed one; on the command line main() sees the tuple as the command's result and exits
+    # 0, since only an int is an exit code. (Not in the docstring: that is --help.)
     from rich.console import Console
 
     from certkv.calibration.records import certify_contract_with_comparison, default_output
