@@ -97,10 +97,12 @@ def _stored_requests(store: Path) -> int:
         conn.close()
 
 
-def test_ctrl_c_during_calibration_exits_130_and_keeps_the_store(tmp_path):
-    """SIGINT mid-calibration: exit 130, one line saying the store is kept, no traceback, and the
-    requests stored before the signal are still there (under typer >= 0.26 a KeyboardInterrupt
-    became a silent exit code; certkv's own line must survive every typer)."""
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_during_calibration_exits_130_or_143_and_keeps_the_store(tmp_path, signum, code):
+    """SIGINT (SIGTERM) mid-calibration: exit 130 (143), one line saying the store is kept, no
+    traceback, and the requests stored before the signal are still there (under typer >= 0.26 a
+    KeyboardInterrupt became a silent exit code; certkv's own line must survive every typer).
+    tests/test_interrupts.py interrupts a run at many chosen instants; this is the real process."""
     contract = tmp_path / "c.yaml"
     contract.write_text(
         "name: c\nmodel: embedded\nrequests:\n  source: builtin:demo\n  context_length: 256-512\n  limit: 400\n"
@@ -117,13 +119,13 @@ def test_ctrl_c_during_calibration_exits_130_and_keeps_the_store(tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None, "calibration ended before it could be interrupted"
         assert _stored_requests(store) >= 2, "no request stored within 180 s"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 130, (proc.returncode, err)
+    assert proc.returncode == code, (proc.returncode, err)
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines and "interrupted; everything stored so far is kept" in lines[-1], err

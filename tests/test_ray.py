@@ -161,7 +161,11 @@ def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_
 
 
 @ray_test
-def test_killed_driver_resumes_to_the_local_runs_records(cluster, local_records, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["SIGKILL", "SIGINT", "SIGTERM"])
+def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records, tmp_path, signum):
+    """The driver stopped mid-run: killed (SIGKILL), or interrupted by Ctrl-C or SIGTERM, which it
+    must turn into exit 130 / 143 and certkv's one line (Ray's own SIGTERM handler would exit 15),
+    with its workers and its Ray instance stopped. Rerun, it resumes to the local run's records."""
     from certkv.calibration.store import CalibrationStore, db_path
 
     contract = _setup(tmp_path)
@@ -175,7 +179,7 @@ def test_killed_driver_resumes_to_the_local_runs_records(cluster, local_records,
         except Exception:  # noqa: BLE001 - the first open may still be creating the tables
             return 0
 
-    # Its own driver process (and its own local Ray instance), killed once it has written requests.
+    # Its own driver process (and its own local Ray instance), stopped once it has written requests.
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(
         [sys.executable, "-m", "certkv.cli.app", "calibrate", str(contract), "--quiet", "--executor", "ray",
@@ -186,12 +190,27 @@ def test_killed_driver_resumes_to_the_local_runs_records(cluster, local_records,
         deadline = time.monotonic() + 150
         while proc.poll() is None and stored() < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert proc.poll() is None, f"the driver ended before it could be stopped: {proc.stderr.read().decode()[-500:]}"
+        os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray instance it started
-        _, err = proc.communicate()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its Ray instance outlived it
+        except ProcessLookupError:
+            pass
+    err = err.decode()
+    if signum == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == 128 + signum, (proc.returncode, err[-2000:])
+        assert "Traceback" not in err, err[-2000:]
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert lines and lines[-1] == "certkv: interrupted; everything stored so far is kept (rerun to resume)", err
     partial = stored()
-    assert 0 < partial < N_REQUESTS, f"the kill must land mid-run ({partial} stored; {err.decode()[-500:]})"
+    assert 0 < partial < N_REQUESTS, f"the stop must land mid-run ({partial} stored; {err[-500:]})"
     summary = _ray_calibrate(contract, workers=2)
     assert summary.already_done == partial and summary.calibrated == N_REQUESTS - partial
     _assert_same(_records(tmp_path), local_records)

@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from certkv.errors import CertkvError
+from certkv.interrupts import reclaim
 
 EXTRA = 'pip install "certkv[ray]"'
 #: Store facts a worker reports and the store binds: what the worker's answers depend on.
@@ -201,6 +202,7 @@ def run_on_ray(contract, todo, store, summary, *, device: str | None, dtype: str
 
     ray = import_ray()
     started = _connect(ray, options)
+    reclaim()  # ray.init replaced the SIGTERM handler with sys.exit(15): SIGTERM stops the run as Ctrl-C does
     from ray.exceptions import GetTimeoutError, RayActorError
 
     try:

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from certkv.atomic_io import atomic_write
+from certkv.calibration.database import connect, table_names, transaction
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.errors import CertkvError
+from certkv.interrupts import critical
 
 if TYPE_CHECKING:
     from certkv.contract.schema import Contract
@@ -88,44 +90,21 @@ def db_path(store: str | Path) -> Path:
     return Path(store) / DB_NAME
 
 
-def _connect(path: Path, *, readonly: bool = False, check_same_thread: bool = True,
-             what: str = "certkv calibration store") -> sqlite3.Connection:
-    """Open the database; `readonly` sets query_only (a URI ``mode=ro`` cannot open a WAL file
-    whose ``-shm`` is gone); ``check_same_thread=False`` for a store its owner guards with a lock
-    (the shadow store, written by the server's worker and read by its request threads)."""
+def initialise(conn: sqlite3.Connection, meta: Mapping[str, str]) -> None:
+    """Create the record tables and write `meta` in one transaction (a crash leaves no half-made
+    store); the shadow store initialises its databases with it too."""
     try:
-        conn = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=check_same_thread)
-        if readonly:
-            conn.execute("PRAGMA query_only=1")
-        else:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
-    except sqlite3.DatabaseError as exc:
-        raise CertkvError(f"{path} is not a {what} ({exc})") from None
-    conn.row_factory = sqlite3.Row
-    return conn
-
-
-def _initialise(conn: sqlite3.Connection, meta: dict) -> None:
-    """Create the tables and write `meta` in one transaction (a crash leaves no half-made store)."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        for statement in filter(str.strip, _SCHEMA.split(";")):
-            conn.execute(statement)
-        conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
-        conn.execute("COMMIT")
+        with transaction(conn):
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                conn.execute(statement)
+            conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
     except BaseException:
-        conn.execute("ROLLBACK")
         conn.close()
         raise
 
 
-def _tables(conn: sqlite3.Connection) -> set[str]:
-    return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-
-
-def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
+def read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
+    """The store's ``meta`` table as a dict; a database without one is not a certkv store."""
     try:
         return {row["key"]: row["value"] for row in conn.execute("SELECT key, value FROM meta")}
     except sqlite3.DatabaseError as exc:
@@ -141,11 +120,12 @@ def _move_aside(path: Path) -> Path:
         conn.close()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
-    path.rename(target)
-    for suffix in ("-wal", "-shm"):
-        side = Path(str(path) + suffix)
-        if side.exists():
-            side.rename(Path(str(target) + suffix))
+    with critical():  # the database and its side files move together, or not at all
+        path.rename(target)
+        for suffix in ("-wal", "-shm"):
+            side = Path(str(path) + suffix)
+            if side.exists():
+                side.rename(Path(str(target) + suffix))
     return target
 
 
@@ -180,9 +160,9 @@ class CalibrationStore:
         sha = contract.sha256()
         moved = None
         if file.exists():
-            conn = _connect(file)
-            if _tables(conn):  # no tables: a kill interrupted the first open; initialise below
-                stored = _read_meta(conn, file).get("contract_sha256")
+            conn = connect(file)
+            if table_names(conn):  # no tables: a kill interrupted the first open; initialise below
+                stored = read_meta(conn, file).get("contract_sha256")
                 if stored is None:
                     conn.close()
                     raise CertkvError(f"{file} is not a certkv calibration store (no contract hash)")
@@ -197,7 +177,7 @@ class CalibrationStore:
                 moved = _move_aside(file)
             else:
                 conn.close()
-        conn = _connect(file)
+        conn = connect(file)
         meta = {
             "contract_sha256": sha,
             "contract": contract.canonical_json(),
@@ -206,7 +186,7 @@ class CalibrationStore:
             "certkv_version": __version__,
             "schema_version": SCHEMA_VERSION,
         }
-        _initialise(conn, meta)
+        initialise(conn, meta)
         return cls(conn, folder, contract, moved)
 
     @classmethod
@@ -216,8 +196,8 @@ class CalibrationStore:
         file = db_path(folder)
         if not file.is_file():
             raise CertkvError(f"no calibration store at {folder} (expected {file}); run `certkv calibrate` first")
-        conn = _connect(file, readonly=True)
-        meta = _read_meta(conn, file) if _tables(conn) else {}
+        conn = connect(file, readonly=True)
+        meta = read_meta(conn, file) if table_names(conn) else {}
         if "contract_sha256" not in meta:
             conn.close()
             raise CertkvError(f"{file} is not a certkv calibration store (no contract hash)")
@@ -236,7 +216,7 @@ class CalibrationStore:
 
     def meta(self) -> dict[str, str]:
         """contract_sha256, contract (canonical JSON), created, certkv_version, schema_version."""
-        return _read_meta(self._conn, db_path(self.path))
+        return read_meta(self._conn, db_path(self.path))
 
     def bind(self, facts: Mapping[str, str]) -> None:
         """Record what else determines the answers (model, request set, device), or check it on resume.
@@ -253,13 +233,8 @@ class CalibrationStore:
                 )
         new = {k: str(v) for k, v in facts.items() if k not in stored}
         if new:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
+            with transaction(self._conn):
                 self._conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", new.items())
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
 
     def done_request_ids(self) -> set[str]:
         """Requests already recorded or skipped: a resumed run starts after these."""
@@ -311,29 +286,19 @@ class CalibrationStore:
         self._check_request(request_id, values)
         placeholders = ", ".join("?" for _ in range(len(COLUMNS) + 1))
         sql = f"INSERT INTO records ({', '.join(COLUMNS)}, extra) VALUES ({placeholders})"
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(self._conn):
             if self._present(request_id):
                 raise CertkvError(f"request {request_id!r} is already in store {self.path}; it is never written twice")
             for v in values:
                 self._insert(sql, v)
-            self._conn.execute("COMMIT")
-        except BaseException:
-            self._conn.execute("ROLLBACK")
-            raise
 
     def write_skipped(self, request_id: str, reason: str) -> None:
         """Record that a request was skipped (e.g. too long), so resuming does not retry it."""
         request_id = str(request_id)
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(self._conn):
             if self._present(request_id):
                 raise CertkvError(f"request {request_id!r} is already in store {self.path}; it is never written twice")
             self._conn.execute("INSERT INTO skipped (request_id, reason) VALUES (?, ?)", (request_id, str(reason)))
-            self._conn.execute("COMMIT")
-        except BaseException:
-            self._conn.execute("ROLLBACK")
-            raise
 
     def _insert(self, sql: str, values: tuple) -> None:
         """Insert one row inside the open transaction (a seam the crash test slows down)."""

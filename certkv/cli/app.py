@@ -24,6 +24,7 @@ from certkv.cli import generate as _generate
 from certkv.cli import report as _report
 from certkv.cli import serve as _serve
 from certkv.cli import validate as _validate
+from certkv.interrupts import exit_code, interruptible
 
 app = typer.Typer(
     name="certkv",
@@ -35,20 +36,30 @@ app = typer.Typer(
 
 
 class _Interrupted(Exception):
-    """Ctrl-C inside a command. typer >= 0.26 turns a KeyboardInterrupt into a silent exit code
-    130 and older typer into an Abort; raised from the command itself, it reaches :func:`main`
-    the same way under every typer version, so the "everything stored is kept" line is printed."""
+    """Ctrl-C or SIGTERM inside a command. typer >= 0.26 turns a KeyboardInterrupt into a silent
+    exit code 130 and older typer into an Abort; raised from the command itself, it reaches
+    :func:`main` the same way under every typer version, so the "everything stored is kept" line
+    is printed and the exit code is the signal's (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
-def _command(name: str, function) -> None:
-    """Register `function` as command `name`, with Ctrl-C inside it raised as :class:`_Interrupted`."""
+def _command(name: str, function, *, own_signals: bool = False) -> None:
+    """Register `function` as command `name`: SIGINT and SIGTERM stop it between store
+    transactions (:func:`certkv.interrupts.interruptible`) and reach :func:`main` as
+    :class:`_Interrupted`. `own_signals`: the command handles them itself (the server drains)."""
 
     @functools.wraps(function)  # typer reads the signature and type hints through __wrapped__
     def command(*args, **kwargs):
         try:
-            return function(*args, **kwargs)
-        except KeyboardInterrupt:
-            raise _Interrupted() from None
+            if own_signals:
+                return function(*args, **kwargs)
+            with interruptible():
+                return function(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            raise _Interrupted(exit_code(exc)) from None
 
     app.command(name)(command)
 
@@ -61,7 +72,7 @@ _command("certify", _certify.certify)
 _command("validate", _validate.validate)
 _command("report", _report.report)
 _command("export", _export.export)
-_command("serve", _serve.serve)
+_command("serve", _serve.serve, own_signals=True)
 
 
 def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
@@ -97,9 +108,9 @@ def main() -> None:
     except sqlite3.OperationalError as exc:
         print(f"certkv: error: calibration store: {exc} (is another certkv process using this store?)", file=sys.stderr)
         raise SystemExit(2) from None
-    except (KeyboardInterrupt, _Interrupted):
+    except (KeyboardInterrupt, _Interrupted) as exc:
         print("certkv: interrupted; everything stored so far is kept (rerun to resume)", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(exc.code if isinstance(exc, _Interrupted) else exit_code(exc)) from None
     except Exception as exc:
         usage_errors, aborts = _click_exceptions()
         if isinstance(exc, usage_errors):  # click's short usage message: "Usage: …", "Error: …"

@@ -66,7 +66,8 @@ from pathlib import Path
 from typing import Any
 
 from certkv.atomic_io import write_text_atomic
-from certkv.calibration.store import SCHEMA_VERSION, CalibrationStore, _connect, _initialise, _read_meta, _tables, db_path
+from certkv.calibration.database import connect, table_names
+from certkv.calibration.store import SCHEMA_VERSION, CalibrationStore, db_path, initialise, read_meta
 from certkv.core.operating_point import OperatingPoint
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.errors import CertkvError
@@ -98,9 +99,9 @@ def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> Calibr
     folder.mkdir(parents=True, exist_ok=True)
     file = db_path(folder)
     sha = operating_point_sha256(op)
-    conn = _connect(file, check_same_thread=False, what="certkv shadow store")
-    if _tables(conn):
-        meta = _read_meta(conn, file)
+    conn = connect(file, check_same_thread=False, what="certkv shadow store")
+    if table_names(conn):
+        meta = read_meta(conn, file)
         if meta.get("kind") != KIND:
             conn.close()
             raise CertkvError(
@@ -128,7 +129,7 @@ def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> Calibr
         "certkv_version": __version__,
         "schema_version": SCHEMA_VERSION,
     }
-    _initialise(conn, meta)
+    initialise(conn, meta)
     return CalibrationStore(conn, folder, None)
 
 
