@@ -1,15 +1,17 @@
 """`certkv demo` from an installed wheel, run from a folder that is neither the checkout nor the venv.
 
 Slow (a wheel build, a venv, a 30-request demo: about a minute) but run by default; it belongs to
-the `model` selection (``pytest -m "not model"`` leaves it out). The venv borrows this machine's
-site-packages for the dependencies, so nothing is downloaded; the wheel is installed over them with
---force-reinstall so it shadows the editable install of the checkout.
+the `model` selection (``pytest -m "not model"`` leaves it out). The venv borrows the dependencies
+of the environment that runs pytest (a venv of its own, or the machine's Python), so nothing is
+downloaded: see :func:`_borrow_site_packages`. The wheel is installed into the venv itself, ahead of
+the borrowed folders on ``sys.path``, so it shadows the editable install of the checkout.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -54,11 +56,28 @@ def wheel_venv(tmp_path_factory):
          timeout=300)
     (wheel,) = (tmp / "dist").glob("certkv-*.whl")
     venv = tmp / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], timeout=300)
+    _run([sys.executable, "-m", "venv", str(venv)], timeout=300)
     python = venv / "bin" / "python"
+    _borrow_site_packages(python)
     _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", "-q", str(wheel)],
          timeout=300)
     return wheel, venv
+
+
+def _borrow_site_packages(python: Path) -> None:
+    """Make the running environment's packages importable in the venv of `python`, after its own.
+
+    ``--system-site-packages`` would not do: it borrows the *base* interpreter's packages, which in
+    a venv lack everything pip installed there (typer, torch, ...). A ``.pth`` file in the new
+    venv's site-packages calls :func:`site.addsitedir` on each site folder of this interpreter,
+    which appends them to ``sys.path`` and runs their own ``.pth`` files, as Python does for its
+    own site folders.
+    """
+    own = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
+    ours = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    borrowed = [p for p in dict.fromkeys(ours) if Path(p).is_dir()]
+    lines = [f"import site; site.addsitedir({p!r})" for p in borrowed]
+    (Path(own) / "zz_certkv_test_borrowed_site.pth").write_text("\n".join(lines) + "\n")
 
 
 def _env() -> dict[str, str]:
