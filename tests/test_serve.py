@@ -188,10 +188,15 @@ def test_error_classes(servers, requests):
     error(httpx.post(url, json={**_body(r), "model": "gpt-9"}, headers=AUTH), 404)
     error(httpx.post(url, json={**_body(r), "max_tokens": 99}, headers=AUTH), 422)
     error(httpx.post(url, content=b"{not json", headers={**AUTH, "content-type": "application/json"}), 422)
-    # queue of one: one running, one waiting, the rest refused with Retry-After
+    # queue of one: one running, one waiting, the rest refused with Retry-After. Bursts of 8 until
+    # one collides (a burst whose requests all arrive one after the other's answer refuses none)
+    busy = []
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        codes = list(pool.map(lambda _: httpx.post(url, json=_body(r), headers=AUTH, timeout=60), range(8)))
-    busy = [c for c in codes if c.status_code == 503]
+        for _ in range(20):
+            codes = list(pool.map(lambda _: httpx.post(url, json=_body(r), headers=AUTH, timeout=60), range(8)))
+            busy = [c for c in codes if c.status_code == 503]
+            if busy:
+                break
     assert busy and {c.status_code for c in codes} <= {200, 503}
     assert int(busy[0].headers["Retry-After"]) >= 1 and busy[0].json()["error"]["code"] == "queue_full"
     error(httpx.post(servers["c"].url + "/v1/completions", json=_body(r), timeout=60), 504)
@@ -317,13 +322,112 @@ def test_bad_cli_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
 
 
-def test_sigterm_finishes_the_in_flight_request_and_exits_0(servers, requests):
+def test_the_official_openai_client(servers, requests):
+    """What a user's code sends: the `openai` package against `certkv serve` (server A, with its key)."""
+    import openai
+
+    a, r = servers["a"], requests[4]
+    client = openai.OpenAI(base_url=a.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    expect = httpx.post(a.url + "/v1/completions", json=_body(r), headers=AUTH, timeout=60).json()["choices"][0]["text"]
+    # completions.create requires prompt: the context as the prompt, the question beside it ...
+    out = client.completions.create(model="embedded", prompt=r.context,
+                                    extra_body={"question": r.question, "stratum": r.task})
+    assert out.choices[0].text == expect and out.model_extra["certkv"]["decision"]["mode"] == "evicted"
+    assert out.usage.completion_tokens >= 1
+    # ... or an empty prompt with context and question in extra_body: an empty prompt is an absent one
+    out = client.completions.create(model="embedded", prompt="", extra_body=_body(r))
+    assert out.choices[0].text == expect
+    chat = client.chat.completions.create(model="embedded", messages=[{"role": "system", "content": r.context},
+                                                                      {"role": "user", "content": r.question}])
+    assert chat.choices[0].message.content == expect and chat.choices[0].message.role == "assistant"
+    # chat with the context in extra_body: an empty system message is absent, the user message the question
+    chat = client.chat.completions.create(model="embedded", messages=[{"role": "system", "content": ""},
+                                                                      {"role": "user", "content": r.question}],
+                                          extra_body={"context": r.context})
+    assert chat.choices[0].message.content == expect
+    stream = client.chat.completions.create(model="embedded", stream=True,
+                                            messages=[{"role": "system", "content": r.context},
+                                                      {"role": "user", "content": r.question}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expect
+    stream = client.completions.create(model="embedded", prompt=r.context + r.question, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == expect
+    # errors arrive as the client's exception classes, with certkv's one-line message
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt=r.context + r.question)
+    assert "is not served here" in info.value.message
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.completions.create(model="embedded", prompt="no marker here")
+    assert "exactly once" in info.value.message
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model="embedded", prompt="not empty", extra_body=_body(r))
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=a.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in client.models.list()] == ["embedded"]
+
+
+def test_a_413_reaches_a_client_that_sends_its_whole_body_first(servers):
+    """Python's urllib writes the whole body before it reads: the server must read (and discard)
+    it after answering, or the client sees a connection reset instead of the 413 (and the 401)."""
+    import urllib.error
+    import urllib.request
+
     a = servers["a"]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(httpx.post, a.url + "/v1/completions", json=_body(requests[3]), headers=AUTH,
-                              timeout=60)
-        time.sleep(0.05)
-        assert a.stop() == 0
-        assert pending.result().status_code == 200
+    body = b"x" * (30 << 20)
+    for headers, status in (({**AUTH, "Content-Type": "application/json"}, 413), ({}, 401)):
+        req = urllib.request.Request(a.url + "/v1/completions", data=body, headers=headers, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=60)
+        assert info.value.code == status
+        error = json.loads(info.value.read())["error"]
+        assert error["code"] == ("request_too_large" if status == 413 else "invalid_api_key")
+    assert httpx.get(a.url + "/health").json()["status"] == "ok"
+
+
+def _wait_for(condition, what: str, seconds: float = 60.0) -> None:
+    """Poll `condition` until it holds (an event: a count in /health, a log line), or fail."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_sigterm_finishes_the_in_flight_request_and_exits_0(servers, requests):
+    """A request whose body is half sent is in flight (the server counts it in /health); SIGTERM
+    then (the server logs that it is shutting down) must not lose it: the rest of the body is sent,
+    the answer comes back 200, and the server exits 0. Runs last: it stops server A."""
+    a = servers["a"]
+    body = json.dumps(_body(requests[3])).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{a.port}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", a.port), timeout=60) as sock:
+        sock.sendall(head + body[:10])
+        _wait_for(lambda: httpx.get(a.url + "/health").json()["in_flight"] == 1, "the request to be in flight")
+        a.proc.send_signal(signal.SIGTERM)
+        _wait_for(lambda: "Shutting down" in a.output(), "the server to begin its shutdown")
+        sock.sendall(body[10:])
+        response = b"".join(iter(lambda: sock.recv(1 << 16), b""))  # until the server closes
+    status_line, _, rest = response.partition(b"\r\n")
+    assert status_line.split()[1] == b"200", response[:500]
+    answer = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert answer["object"] == "text_completion" and answer["certkv"]["decision"]["mode"] == "evicted"
+    assert a.proc.wait(60) == 0
     log = a.output()
     assert "stopped (" in log and "Traceback" not in log
+
+
+def test_empty_prompt_and_empty_messages_beside_context_are_absent():
+    from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, SplitError
+
+    assert CompletionRequest(prompt="", context="c", question="q").split() == ("c", "q")
+    with pytest.raises(SplitError, match="not both"):
+        CompletionRequest(prompt="p", context="c", question="q").split()
+    chat = ChatCompletionRequest.model_validate
+    assert chat({"context": "c", "messages": [{"role": "system", "content": ""},
+                                              {"role": "user", "content": "q"}]}).split() == ("c", "q")
+    assert chat({"context": "c", "question": "q", "messages": [{"role": "user", "content": ""}]}).split() == ("c", "q")
+    for bad in ({"context": "c", "question": "q", "messages": [{"role": "user", "content": "x"}]},
+                {"context": "c", "messages": [{"role": "user", "content": ""}]},
+                {"context": "c", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+                {"context": "c", "messages": [{"role": "system", "content": "q"}]}):
+        with pytest.raises(SplitError):
+            chat(bad).split()

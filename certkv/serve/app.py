@@ -8,7 +8,10 @@ API key every route but /health needs ``Authorization: Bearer KEY`` (401). Error
 ``{"error": {"message", "type", "param", "code"}}``: 401, 404, 413 (body over the limit), 422 (a
 schema error, one line naming the field, or a text that does not split), 400 (the runtime refused
 the request, e.g. an empty context), 503 + Retry-After (queue full, or shutting down), 504 (over
-the per-request timeout), 500 (that request failed; the server stays up).
+the per-request timeout), 500 (that request failed; the server stays up). A 401 or 413 is sent
+before the body is read; the server then reads and discards the rest of the body (bounded) before
+it ends the response, so that a client that writes its whole body first still reads the answer.
+``/health`` reports ``in_flight``, the HTTP requests received and not yet answered.
 """
 
 from __future__ import annotations
@@ -44,31 +47,50 @@ def _json(status: int, body: dict, headers: dict | None = None):
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class _Limits:
-    """Pure ASGI middleware: the body limit (413) and the bearer key (401), before any parsing."""
+#: After a 413, the rest of the body is read and discarded up to this much and this long, so that a
+#: client that writes its whole body before it reads (Python's urllib) still gets the answer
+#: instead of a connection reset (a "lingering close", as web servers do it).
+LINGER_BYTES = 64 << 20
+LINGER_SECONDS = 10.0
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics):
+
+class InFlight:
+    """HTTP requests the server has begun to receive and not yet answered (``/health`` aside)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class _Limits:
+    """Pure ASGI middleware: the body limit (413) and the bearer key (401), before any parsing;
+    it also counts the requests in flight."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics, in_flight: InFlight):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+        self.in_flight = in_flight
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") == "/health":
             return await self.app(scope, receive, send)
+        self.in_flight.count += 1
+        try:
+            return await self._checked(scope, receive, send)
+        finally:
+            self.in_flight.count -= 1
+
+    async def _checked(self, scope, receive, send):
         path = _route(scope.get("path", ""))
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key is not None and path != "/health":
+        if self.api_key is not None:
             given = headers.get("authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                self.metrics.errors.labels(path, "401").inc()
-                resp = _json(401, error_body("missing or wrong API key; send Authorization: Bearer <key>",
-                                             "invalid_request_error", None, "invalid_api_key"))
-                return await resp(scope, receive, send)
+                return await self._refuse(path, 401, error_body(
+                    "missing or wrong API key; send Authorization: Bearer <key>", "invalid_request_error", None,
+                    "invalid_api_key"), receive, send, more=True)
         length = headers.get("content-length")
-        too_big = _json(413, error_body(f"request body over the limit of {self.max_body} bytes (--max-body-bytes)",
-                                        "invalid_request_error", None, "request_too_large"))
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            self.metrics.errors.labels(path, "413").inc()
-            return await too_big(scope, receive, send)
+            return await self._refuse(path, 413, self._too_large_body(), receive, send, more=True)
         # Read the body here, bounded (a chunked upload has no content-length to check), then replay it.
         body, more = bytearray(), True
         while more:
@@ -78,8 +100,7 @@ class _Limits:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body:
-                self.metrics.errors.labels(path, "413").inc()
-                return await too_big(scope, receive, send)
+                return await self._refuse(path, 413, self._too_large_body(), receive, send, more=more)
         replayed = False
 
         async def replay():
@@ -91,7 +112,31 @@ class _Limits:
 
         return await self.app(scope, replay, send)
 
+    def _too_large_body(self) -> dict:
+        return error_body(f"request body over the limit of {self.max_body} bytes (--max-body-bytes)",
+                          "invalid_request_error", None, "request_too_large")
 
+    async def _refuse(self, path: str, status: int, body: dict, receive, send, *, more: bool) -> None:
+        """Answer `status` before the body is read, then read and discard what the client still
+        sends (bounded by :data:`LINGER_BYTES` and :data:`LINGER_SECONDS`) before the response ends:
+        closing the socket while the client is still writing would reset the connection, and a
+        client that reads only after it has sent everything would never see the answer."""
+        self.metrics.errors.labels(path, str(status)).inc()
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload, "more_body": True})
+        drained, deadline = 0, time.monotonic() + LINGER_SECONDS
+        while more and drained <= LINGER_BYTES:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+            if message["type"] != "http.request":
+                break  # the client went away
+            drained += len(message.get("body", b""))
+            more = message.get("more_body", False)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _one_line_validation(exc) -> tuple[str, str | None]:
@@ -123,6 +168,7 @@ def create_app(service, *, model_id: str, operating_point_path: str | None = Non
     metrics = service.metrics
     op = service.runtime.operating_point
     started_at = time.time()
+    in_flight = InFlight()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -248,7 +294,7 @@ def create_app(service, *, model_id: str, operating_point_path: str | None = Non
     async def health():
         snap = service.monitor.snapshot()
         tripped = [s for s, v in snap.items() if v["tripped"]]
-        return {"status": "stopping" if service._stopping else ("tripped" if tripped else "ok"),
+        return {"status": "stopping" if service.stopping else ("tripped" if tripped else "ok"),
                 "model": model_id,
                 "operating_point": {"path": operating_point_path, "policy": op.policy, "press": op.press,
                                     "kv_retained": op.kv_retained, "fallback": op.fallback,
@@ -257,6 +303,7 @@ def create_app(service, *, model_id: str, operating_point_path: str | None = Non
                                     "utility": op.contract.utility},
                 "queue": {"depth": service.queue_depth(), "max": service.max_queue,
                           "shadow_pending": service.shadow_depth()},
+                "in_flight": in_flight.count,
                 "shadow_rate": service.monitor.shadow_rate, "shadow_store": shadow_store_path,
                 "shadows": {"scored": service.shadows_done, "abandoned": service.abandoned},
                 "monitor": snap, "tripped": tripped, "uptime_s": round(time.time() - started_at, 3)}
@@ -266,7 +313,7 @@ def create_app(service, *, model_id: str, operating_point_path: str | None = Non
         body, ctype = metrics.render(service)
         return Response(body, media_type=ctype)
 
-    return _Limits(app, api_key, max_body_bytes, metrics)
+    return _Limits(app, api_key, max_body_bytes, metrics, in_flight)
 
 
 def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:

@@ -5,7 +5,10 @@ the question is fed after it, exactly as calibration did. A request therefore ha
 text is which. The rule, the same for both endpoints:
 
 1. ``context`` and ``question`` (extension fields) given: used as they are; ``prompt`` /
-   ``messages`` must then be absent.
+   ``messages`` must then be absent. An empty ``prompt`` (``""``) counts as absent, and so does a
+   message with empty content: OpenAI's clients require ``prompt`` and ``messages``, so
+   ``prompt=""`` with the fields in ``extra_body`` is how such a client sends rule 1. With
+   ``context`` and no ``question`` field, one non-empty user message left is the question.
 2. ``question`` given with a ``prompt`` (completions) or a single message (chat): that prompt or
    message is the context.
 3. A plain ``prompt`` (or a single user message) with no ``question``: it must contain the marker
@@ -77,6 +80,8 @@ class CompletionRequest(_Request):
     prompt: str | None = None
 
     def split(self) -> tuple[str, str]:
+        if self.context is not None and self.prompt == "":
+            return self.model_copy(update={"prompt": None}).split()  # an empty prompt is an absent prompt
         if self.context is not None or (self.question is not None and self.prompt is None):
             if self.prompt is not None:
                 raise SplitError("prompt: give either prompt or context, not both", "prompt")
@@ -96,6 +101,10 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
     name: str | None = None
 
+    def is_empty(self) -> bool:
+        """No text: content absent, ``""`` or an empty list of parts (counts as an absent message)."""
+        return self.content in (None, "", [])
+
     def text(self, param: str) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -113,11 +122,7 @@ class ChatCompletionRequest(_Request):
     def split(self) -> tuple[str, str]:
         msgs = self.messages or []
         if self.context is not None:
-            if msgs:
-                raise SplitError("messages: give either messages or context, not both", "messages")
-            if self.question is None:
-                raise SplitError("question: context and question must be given together", "question")
-            return self.context, self.question
+            return self.context, self._question_beside_context(msgs)
         for i, m in enumerate(msgs):
             if m.role not in ("system", "user"):
                 raise SplitError(f"messages.{i}.role: only system and user messages can be split into context and "
@@ -133,3 +138,18 @@ class ChatCompletionRequest(_Request):
             "messages: must be one user message (split at 'Question:', or the context when question is given) or "
             f"two messages: a system or user message with the context, then a user message with the question "
             f"(got {len(msgs)}{' plus question' if self.question is not None else ''})", "messages")
+
+    def _question_beside_context(self, msgs: list[ChatMessage]) -> str:
+        """The question of a request that gives ``context``: the ``question`` field, with every
+        message empty; or, without the field, the one non-empty message, a user message."""
+        given = [(i, m) for i, m in enumerate(msgs) if not m.is_empty()]
+        if self.question is not None:
+            if given:
+                raise SplitError("messages: give either messages or context and question, not both "
+                                 f"(messages.{given[0][0]} is not empty)", "messages")
+            return self.question
+        if len(given) == 1 and given[0][1].role == "user":
+            i, message = given[0]
+            return message.text(f"messages.{i}")
+        raise SplitError("question: with context, give the question field, or the question as the one non-empty "
+                         f"user message (got {len(given)} non-empty messages)", "question")

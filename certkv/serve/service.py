@@ -119,6 +119,11 @@ class Service:
             self._cv.notify()
         return job.future
 
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`shutdown` began: no new request is accepted."""
+        return self._stopping
+
     def retry_after(self) -> int:
         mean = self._service_time / self._served if self._served else 1.0
         return max(1, int(mean * (len(self._live) + 1) + 0.999))
