@@ -397,10 +397,12 @@ def test_the_shadow_store_survives_sigkill(tmp_path):
             proc.wait(timeout=30)
             pytest.fail(f"child failed: {proc.stderr.read()}")
         assert int(line.split()[1]) >= reported + 1
-        time.sleep(rng.uniform(0.15, 0.4))
+        seen = [proc.stdout.readline() for _ in range(2)]  # two more shadows committed (an event) ...
+        assert all(x.startswith("wrote") for x in seen), proc.stderr.read()
+        time.sleep(rng.uniform(0.0, 0.25))  # ... then a kill at a random instant
         os.kill(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=30)
-        written = [int(x.split()[1]) for x in out.splitlines() if x.startswith("wrote")]
+        written = [int(x.split()[1]) for x in [*seen, *out.splitlines()] if x.startswith("wrote")]
         reported = max([reported, *written])
     conn = sqlite3.connect(tmp_path / "s" / "records.sqlite")
     by_request: dict[str, list[str]] = {}

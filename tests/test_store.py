@@ -235,6 +235,7 @@ CHILD = textwrap.dedent(
             store.write_skipped(rid, "skipped %d" % i)
         else:
             store.write_request(rid, fake_rows(contract, i))
+        print("wrote", rid, flush=True)
     print("finished", flush=True)
     """
 ).replace("{fake_rows}", FAKE_ROWS)
@@ -282,6 +283,9 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted_run(tmp_path)
         if not line.startswith("ready"):
             proc.wait(timeout=60)
             pytest.fail(f"child failed: {proc.stderr.read()}")
+        # Each run commits one more request (an event, however slow the machine), then is killed
+        # a random instant later: inside a later transaction or between two, or not at all.
+        proc.stdout.readline()
         time.sleep(rng.uniform(0.0, 0.12))
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
