@@ -92,7 +92,7 @@ def test_an_interrupt_right_after_commit_stays_an_interrupt_and_the_row_stays(tm
     assert sqlite3.connect(tmp_path / "db.sqlite").execute("SELECT x FROM t").fetchall() == [(1,)]
 
 
-# -- 20 instants of a real calibration, and every bytecode of a transaction -----------------------------------------------------------
+# -- 20 instants of a real calibration, and every bytecode of a transaction ------------------------
 
 N_REQUESTS = 5
 CONTRACT = {
