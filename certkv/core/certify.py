@@ -13,6 +13,8 @@ computed and checked on machines without the model stack.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from certkv.core.binomial import binomial_p_value, clopper_pearson_upper, violation_mask
@@ -146,6 +148,33 @@ def certify(
         The choice (or the fallback, with the reason), every candidate's counts, bounds and
         levels, where each sequence stopped, per-task breakdowns and the guarantee in words.
     """
+    table, spec, contract_sha256, records_sha256 = _evidence(records, spec, contract_sha256, records_sha256)
+    if spec.strata is not None:
+        from certkv.core.strata import certify_stratified
+
+        return certify_stratified(table, spec, certify, contract_sha256=contract_sha256, records_sha256=records_sha256)
+    table, spec, resolution = prepare(table, spec)
+    counts = _count_and_decide(table, spec)
+    task_names, task_codes = _task_codes(table)
+    candidates = _candidate_results(table, spec, counts, task_names, task_codes)
+    sequences = _sequence_results(spec, counts.flags)
+    notes = _notes(table, spec, task_names)
+    if resolution is not None:
+        notes = [*resolution.notes, *notes]
+    common = _shared_fields(table, spec, resolution, candidates, sequences, contract_sha256, records_sha256)
+    index = int(counts.chosen)
+    if index < 0:
+        return _fallback(table, spec, candidates, task_names, task_codes, notes, common)
+    return _certified(spec, candidates[index], notes, common)
+
+
+# ----------------------------------------------------------------------------- certify, step by step
+
+
+def _evidence(records, spec, contract_sha256: str | None, records_sha256: str | None):
+    """(table, spec, contract hash, records hash): a contract gives its own spec and its hash; the
+    records hash covers the recorded evidence (pilot included), so it is taken before any gated
+    rows are derived."""
     if callable(getattr(spec, "certification_spec", None)):  # a Contract: its pre-registered choices
         contract_sha256 = contract_sha256 or spec.sha256()
         spec = spec.certification_spec()
@@ -153,11 +182,27 @@ def certify(
     table = as_loss_table(records)
     if records_sha256 is None:  # the recorded evidence (pilot included): derived gated rows are not part of it
         records_sha256 = _records_sha256(table)
-    if spec.strata is not None:
-        from certkv.core.strata import certify_stratified
+    return table, spec, contract_sha256, records_sha256
 
-        return certify_stratified(table, spec, certify, contract_sha256=contract_sha256, records_sha256=records_sha256)
-    table, spec, resolution = prepare(table, spec)
+
+@dataclass(frozen=True)
+class _Counts:
+    """Per candidate (contract order): table row, violation flags per request, violation count k,
+    mean KV retained, exact p-value, procedure level and certified flag; and the chosen index (-1:
+    fallback)."""
+
+    rows: np.ndarray
+    violations: np.ndarray
+    k: np.ndarray
+    mean_memory: np.ndarray
+    p: np.ndarray
+    levels: np.ndarray
+    flags: np.ndarray
+    chosen: np.ndarray
+
+
+def _count_and_decide(table: LossTable, spec: CertificationSpec) -> _Counts:
+    """Count violations as integers, take each exact binomial p-value and apply the procedure."""
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance)
     n = table.n_requests
@@ -166,15 +211,23 @@ def certify(
     p = np.array([binomial_p_value(int(kj), n, spec.risk) for kj in k])
     flags, chosen = decide(p, mean_memory, k, spec)
     levels = candidate_levels(p, spec.lengths, spec.delta, spec.procedure)
+    return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen)
 
-    task_names, task_codes = _task_codes(table)
-    candidates = [
-        _candidate_result(table, spec, rows[i], i, violations[i], p[i], levels[i], flags[i],
-                          mean_memory[i], task_names, task_codes)
-        for i in range(len(rows))
+
+def _candidate_results(table: LossTable, spec: CertificationSpec, counts: _Counts, task_names,
+                       task_codes) -> list[CandidateResult]:
+    """One result per candidate, in contract order: counts, bound at its level, per-task breakdown."""
+    c = counts
+    return [
+        _candidate_result(table, spec, c.rows[i], i, c.violations[i], c.p[i], c.levels[i], c.flags[i],
+                          c.mean_memory[i], task_names, task_codes)
+        for i in range(len(c.rows))
     ]
-    stops = sequence_stops(flags, spec.lengths, spec.delta, spec.procedure)
-    sequences = [
+
+
+def _sequence_results(spec: CertificationSpec, flags: np.ndarray) -> list[SequenceResult]:
+    """Where each sequence stopped, with the policy names of the spec."""
+    return [
         SequenceResult(
             index=stop.index,
             policies=list(spec.sequences[stop.index]),
@@ -185,12 +238,14 @@ def certify(
             stopped_policy=None if stop.stopped_at is None
             else spec.sequences[stop.index][stop.stopped_at],
         )
-        for stop in stops
+        for stop in sequence_stops(flags, spec.lengths, spec.delta, spec.procedure)
     ]
-    notes = _notes(table, spec, task_names)
-    if resolution is not None:
-        notes = [*resolution.notes, *notes]
-    common = dict(
+
+
+def _shared_fields(table: LossTable, spec: CertificationSpec, resolution, candidates, sequences,
+                   contract_sha256: str | None, records_sha256: str) -> dict:
+    """The operating point's fields that do not depend on the choice (certified or fallback)."""
+    return dict(
         pilot=None if resolution is None else resolution.info,
         coverage=coverage_of(table.context_tokens, table.tasks, "task", context_margin=spec.context_margin,
                              max_new_tokens=spec.max_new_tokens),
@@ -203,11 +258,11 @@ def certify(
         created=certified_at(),
         certkv_version=certkv_version(),
     )
-    index = int(chosen)
-    if index < 0:
-        return _fallback(table, spec, candidates, task_names, task_codes, notes, common)
-    best = candidates[index]
-    notes += _task_notes(best)
+
+
+def _certified(spec: CertificationSpec, best: CandidateResult, notes: list[str], common: dict) -> OperatingPoint:
+    """The operating point of the chosen candidate, with its deployment settings from the spec."""
+    notes = [*notes, *_task_notes(best)]
     info = spec.candidate_info.get(best.policy)
     return OperatingPoint(
         policy=best.policy,

@@ -39,6 +39,7 @@ from certkv.core.binomial import violation_mask
 from certkv.core.gate_features import expand_features, feature_matrix, learned_scores, needed_signals
 from certkv.core.gated import check_signal, expand_gated, spec_derivations
 from certkv.core.loss_table import LossTable
+from certkv.core.procedures import procedure_of
 from certkv.core.spec import CandidateInfo, CertificationSpec, LearnedGate
 from certkv.errors import CertkvError
 
@@ -218,7 +219,7 @@ def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
 
     violations: dict[str, int] = {}
     memory: dict[str, float] = {}
-    if spec.procedure == "pilot_ordered":
+    if procedure_of(spec.procedure).orders_by_pilot:
         expanded = _expand(pilot, resolved)
         names = resolved.candidates
         rows = [expanded.index_of(n) for n in names]
@@ -324,7 +325,7 @@ def apply_pilot(table: LossTable, spec: CertificationSpec) -> tuple[LossTable, C
     if spec.pilot is not None:
         res = resolve_pilot(table, spec)
         return res.table, res.spec, res
-    if spec.procedure == "pilot_ordered":
+    if procedure_of(spec.procedure).orders_by_pilot:
         raise CertkvError("procedure pilot_ordered needs a pilot split; set gate.pilot (spec.pilot)")
     pending = [n for n, i in spec.candidate_info.items() if is_unresolved(i)]
     if pending:

@@ -21,7 +21,14 @@ certifying ANY candidate whose true violation rate exceeds ε at most δ (family
 The order of the candidates comes from the contract (or, for ``pilot_ordered``, from the pilot)
 and never from the certification data; the functions below take it as given.
 
-Layout: the vectorised functions take p-values of shape ``(..., N)`` where the last axis holds the
+Each procedure is one small class (:class:`FixedSequence`, :class:`Bonferroni`, :class:`Holm`,
+:class:`PilotOrdered`) whose methods are the steps callers need: the certified mask, the level of
+each candidate and where each sequence stopped. :data:`REGISTRY` holds one of each by the names
+contracts use; the plain functions (:func:`certified_mask`, :func:`candidate_levels`,
+:func:`sequence_stops`, :func:`control_fwer`) look the name up and call the step, so a new
+procedure is one class here and a name in :data:`Procedure`.
+
+Layout: the vectorised steps take p-values of shape ``(..., N)`` where the last axis holds the
 candidates of all sequences concatenated in contract order, and ``lengths`` gives each sequence's
 length. The leading axes are free, so repeated-split validation runs the very same code on
 thousands of splits at once; :func:`control_fwer` is the friendly one-shot interface.
@@ -29,9 +36,11 @@ thousands of splits at once; :func:`control_fwer` is the friendly one-shot inter
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from types import MappingProxyType
+from typing import ClassVar, Literal, get_args
 
 import numpy as np
 
@@ -111,66 +120,225 @@ def _segments(lengths: Sequence[int]):
     return list(zip((stops - np.asarray(lengths)).tolist(), stops.tolist()))
 
 
-def fixed_sequence_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags under fixed-sequence testing with a δ/m split across m sequences.
-
-    Within a sequence, candidate j is certified only if it and every candidate before it have
-    p <= δ/m: a running product of the pass flags, which makes the certified set a prefix.
-    """
+def _inputs(p, lengths: Sequence[int], delta) -> tuple[tuple[int, ...], np.ndarray, float]:
+    """The checks every step runs, in this order: the sequences, the p-values, then δ."""
     lengths = check_lengths(lengths)
     p = _check_p_values(p, sum(lengths))
-    level = check_delta(delta) / len(lengths)
-    passed = p <= level
-    out = np.zeros(p.shape, dtype=bool)
-    for start, stop in _segments(lengths):
-        out[..., start:stop] = np.logical_and.accumulate(passed[..., start:stop], axis=-1)
-    return out
+    return lengths, p, check_delta(delta)
+
+
+# ----------------------------------------------------------------------------- the procedures
+
+
+class FwerProcedure(ABC):
+    """One family-wise procedure: the steps every caller needs, on validated inputs.
+
+    A procedure says which candidates it certifies (:meth:`mask`), the level each candidate's
+    p-value is compared with (:meth:`levels`) and where testing of each sequence ended
+    (:meth:`stops`). Subclasses fill in the steps; the public methods validate first, so that the
+    three answers always rest on the same checks. Instances hold no state: :data:`REGISTRY` keeps
+    one per name, as contracts spell them.
+    """
+
+    #: The name contracts and specs use.
+    name: ClassVar[str]
+    #: Tests an order and stops at the first failure (later candidates: not tested).
+    stops_at_first_failure: ClassVar[bool] = False
+    #: Its test order comes from a pilot split, which it therefore requires.
+    orders_by_pilot: ClassVar[bool] = False
+
+    def mask(self, p, lengths: Sequence[int], delta: float) -> np.ndarray:
+        """Certified flags, shape ``(..., N)`` in and out."""
+        lengths, p, delta = _inputs(p, lengths, delta)
+        return self._mask(p, lengths, delta)
+
+    def levels(self, p, lengths: Sequence[int], delta: float) -> np.ndarray:
+        """The level each candidate's p-value is compared with, shape ``(..., N)``."""
+        lengths, p, delta = _inputs(p, lengths, delta)
+        return self._levels(p, lengths, delta)
+
+    def stops(self, certified_flat, lengths: Sequence[int], delta: float) -> tuple[SequenceStop, ...]:
+        """Per sequence, how far testing went and how much was certified (one decision, 1-D flags)."""
+        lengths = check_lengths(lengths)
+        delta = check_delta(delta)
+        segments = _segments(lengths)
+        flags = [np.asarray(certified_flat[start:stop], dtype=bool) for start, stop in segments]
+        tested = self._tested(np.concatenate(flags), lengths)
+        level = self._level(lengths, delta)
+        stops = []
+        for index, ((start, stop), seq_flags) in enumerate(zip(segments, flags)):
+            failures = np.flatnonzero(~seq_flags)
+            stops.append(
+                SequenceStop(
+                    index=index,
+                    length=len(seq_flags),
+                    level=level,
+                    tested=int(np.count_nonzero(tested[start:stop])),
+                    certified=int(seq_flags.sum()),
+                    stopped_at=int(failures[0]) if failures.size else None,
+                )
+            )
+        return tuple(stops)
+
+    # The steps, on inputs already validated (lengths a tuple, p a float array in [0, 1], δ a float).
+
+    @abstractmethod
+    def _level(self, lengths: tuple[int, ...], delta: float) -> float | None:
+        """The one level shared by every candidate, or None when it depends on the candidate."""
+
+    @abstractmethod
+    def _mask(self, p: np.ndarray, lengths: tuple[int, ...], delta: float) -> np.ndarray:
+        """Certified flags; p already checked against `lengths`."""
+
+    def _levels(self, p: np.ndarray, lengths: tuple[int, ...], delta: float) -> np.ndarray:
+        return np.full(p.shape, self._level(lengths, delta))
+
+    def _tested(self, flat: np.ndarray, lengths: tuple[int, ...]) -> np.ndarray:
+        """Which positions of the concatenated layout were tested: all, unless an order stops early."""
+        return np.ones(flat.shape, dtype=bool)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class FixedSequence(FwerProcedure):
+    """Each sequence tested in contract order at δ/m, stopping at its first failure.
+
+    No level is lost within a sequence, so the only split is across the m sequences. Within a
+    chain of tests, candidate j is certified only if it and every candidate before it pass: a
+    running product of the pass flags, which makes the certified set of a chain a prefix.
+    """
+
+    name = "fixed_sequence"
+    stops_at_first_failure = True
+
+    def _chains(self, lengths: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(start, stop) column ranges tested as one order each: here, every sequence."""
+        return _segments(lengths)
+
+    def _level(self, lengths, delta):
+        return delta / len(lengths)
+
+    def _mask(self, p, lengths, delta):
+        passed = p <= self._level(lengths, delta)
+        out = np.zeros(p.shape, dtype=bool)
+        for start, stop in self._chains(lengths):
+            out[..., start:stop] = np.logical_and.accumulate(passed[..., start:stop], axis=-1)
+        return out
+
+    def _tested(self, flat, lengths):
+        tested = np.zeros(flat.shape, dtype=bool)
+        for start, stop in self._chains(lengths):  # up to and including the chain's first failure
+            failures = np.flatnonzero(~flat[start:stop])
+            cut = start + int(failures[0]) if failures.size else stop
+            tested[start : min(cut + 1, stop)] = True
+        return tested
+
+
+class PilotOrdered(FixedSequence):
+    """Split fixed-sequence testing: the sequences concatenated, tested as ONE order at the full δ.
+
+    The order was set on a pilot split that never certifies (:mod:`certkv.core.pilot`), so it is
+    pre-registered with respect to the certification requests and needs no split of δ.
+    """
+
+    name = "pilot_ordered"
+    orders_by_pilot = True
+
+    def _chains(self, lengths):
+        return [(0, sum(lengths))]
+
+    def _level(self, lengths, delta):
+        return delta
+
+
+class Bonferroni(FwerProcedure):
+    """Every candidate tested at δ / N, in any order: the simplest split, and never stops."""
+
+    name = "bonferroni"
+
+    def _level(self, lengths, delta):
+        return delta / sum(lengths)
+
+    def _mask(self, p, lengths, delta):
+        return p <= self._level(lengths, delta)
+
+
+class Holm(FwerProcedure):
+    """Holm's step-down over all N candidates; never certifies less than Bonferroni.
+
+    Sort the p-values ascending; the i-th smallest (0-based) is compared with δ / (N − i), and
+    testing stops at the first comparison that fails. Ties are broken by the stable sort, which
+    does not change the set certified (tied p-values pass or fail together in effect). The level
+    depends on the rank, so a sequence has none of its own.
+    """
+
+    name = "holm"
+
+    def _level(self, lengths, delta):
+        return None
+
+    def _mask(self, p, lengths, delta):
+        n_total = p.shape[-1]
+        order = np.argsort(p, axis=-1, kind="stable")
+        ranked = np.take_along_axis(p, order, axis=-1)
+        thresholds = delta / (n_total - np.arange(n_total))
+        passed_ranked = np.logical_and.accumulate(ranked <= thresholds, axis=-1)
+        out = np.empty(p.shape, dtype=bool)
+        np.put_along_axis(out, order, passed_ranked, axis=-1)
+        return out
+
+    def _levels(self, p, lengths, delta):
+        n_total = p.shape[-1]
+        order = np.argsort(p, axis=-1, kind="stable")
+        ranks = np.empty(p.shape, dtype=np.int64)
+        np.put_along_axis(ranks, order, np.broadcast_to(np.arange(n_total), p.shape), axis=-1)
+        return delta / (n_total - ranks)
+
+
+#: One instance per procedure, by the names contracts use, in the order of :data:`PROCEDURES`.
+REGISTRY: Mapping[str, FwerProcedure] = MappingProxyType(
+    {proc.name: proc for proc in (FixedSequence(), Bonferroni(), Holm(), PilotOrdered())}
+)
+if tuple(REGISTRY) != PROCEDURES:  # the Literal (what contracts validate) and the code must agree
+    raise ImportError(f"procedure registry {tuple(REGISTRY)} does not match Procedure {PROCEDURES}")
+
+#: Procedures that test one order and stop at the first failure (later candidates: not tested).
+FIXED_ORDER: tuple[str, ...] = tuple(name for name, proc in REGISTRY.items() if proc.stops_at_first_failure)
+
+
+def procedure_of(procedure: str) -> FwerProcedure:
+    """The procedure named `procedure`; unknown names get :func:`check_procedure`'s error."""
+    return REGISTRY[check_procedure(procedure)]
+
+
+# ----------------------------------------------------------------------------- functions
+
+
+def fixed_sequence_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
+    """Certified flags under fixed-sequence testing with a δ/m split across m sequences (a prefix each)."""
+    return REGISTRY["fixed_sequence"].mask(p, lengths, delta)
 
 
 def bonferroni_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
     """Certified flags when each of the N candidates is tested at δ / N, in any order."""
-    lengths = check_lengths(lengths)
-    p = _check_p_values(p, sum(lengths))
-    return p <= check_delta(delta) / p.shape[-1]
+    return REGISTRY["bonferroni"].mask(p, lengths, delta)
 
 
 def holm_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags under Holm's step-down procedure over all N candidates.
-
-    Sort the p-values ascending; the i-th smallest (0-based) is compared with δ / (N − i), and
-    testing stops at the first comparison that fails. Ties are broken by the stable sort, which
-    does not change the set certified (tied p-values pass or fail together in effect).
-    """
-    lengths = check_lengths(lengths)
-    p = _check_p_values(p, sum(lengths))
-    n_total = p.shape[-1]
-    order = np.argsort(p, axis=-1, kind="stable")
-    ranked = np.take_along_axis(p, order, axis=-1)
-    thresholds = check_delta(delta) / (n_total - np.arange(n_total))
-    passed_ranked = np.logical_and.accumulate(ranked <= thresholds, axis=-1)
-    out = np.empty(p.shape, dtype=bool)
-    np.put_along_axis(out, order, passed_ranked, axis=-1)
-    return out
+    """Certified flags under Holm's step-down procedure over all N candidates."""
+    return REGISTRY["holm"].mask(p, lengths, delta)
 
 
 def pilot_ordered_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
     """Certified flags of split fixed-sequence testing: the sequences concatenated (in the order
     the pilot set) and tested as one fixed sequence at the full δ."""
-    lengths = check_lengths(lengths)
-    return fixed_sequence_mask(p, [sum(lengths)], delta)
-
-
-_MASKS = {
-    "fixed_sequence": fixed_sequence_mask,
-    "bonferroni": bonferroni_mask,
-    "holm": holm_mask,
-    "pilot_ordered": pilot_ordered_mask,
-}
+    return REGISTRY["pilot_ordered"].mask(p, lengths, delta)
 
 
 def certified_mask(p, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
     """Dispatch to the procedure named in the contract; shape ``(..., N)`` in, booleans out."""
-    return _MASKS[check_procedure(procedure)](p, lengths, delta)
+    return procedure_of(procedure).mask(p, lengths, delta)
 
 
 def candidate_levels(p, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
@@ -181,57 +349,15 @@ def candidate_levels(p, lengths: Sequence[int], delta: float, procedure: str) ->
     Reporting it lets a reader check ``p <= level`` (and the matching Clopper–Pearson bound at
     confidence ``1 − level``) candidate by candidate.
     """
-    lengths = check_lengths(lengths)
-    p = _check_p_values(p, sum(lengths))
-    delta = check_delta(delta)
-    procedure = check_procedure(procedure)
-    n_total = p.shape[-1]
-    if procedure == "fixed_sequence":
-        return np.full(p.shape, delta / len(lengths))
-    if procedure == "pilot_ordered":
-        return np.full(p.shape, delta)
-    if procedure == "bonferroni":
-        return np.full(p.shape, delta / n_total)
-    order = np.argsort(p, axis=-1, kind="stable")
-    ranks = np.empty(p.shape, dtype=np.int64)
-    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(n_total), p.shape), axis=-1)
-    return delta / (n_total - ranks)
+    lengths, p, delta = _inputs(p, lengths, delta)  # the inputs are checked before the name
+    return procedure_of(procedure)._levels(p, lengths, delta)
 
 
 def sequence_stops(certified_flat: np.ndarray, lengths, delta: float, procedure: str):
     """Summarise, per sequence, how far testing went and how much was certified."""
     lengths = check_lengths(lengths)
     delta = check_delta(delta)
-    stops = []
-    if procedure == "pilot_ordered" and len(lengths) > 1:  # one sequence: stopped at the first failure
-        first_fail = np.flatnonzero(~np.asarray(certified_flat, dtype=bool))
-        cut = int(first_fail[0]) if first_fail.size else sum(lengths)
-    for index, (start, stop) in enumerate(_segments(lengths)):
-        flags = np.asarray(certified_flat[start:stop], dtype=bool)
-        failures = np.flatnonzero(~flags)
-        stopped_at = int(failures[0]) if failures.size else None
-        if procedure == "fixed_sequence":
-            level = delta / len(lengths)
-            tested = len(flags) if stopped_at is None else stopped_at + 1
-        elif procedure == "pilot_ordered":
-            level = delta
-            tested = len(flags) if stopped_at is None else stopped_at + 1
-            if len(lengths) > 1:
-                tested = min(max(cut + 1 - start, 0), len(flags))
-        else:
-            level = delta / sum(lengths) if procedure == "bonferroni" else None
-            tested = len(flags)
-        stops.append(
-            SequenceStop(
-                index=index,
-                length=len(flags),
-                level=level,
-                tested=tested,
-                certified=int(flags.sum()),
-                stopped_at=stopped_at,
-            )
-        )
-    return tuple(stops)
+    return procedure_of(procedure).stops(certified_flat, lengths, delta)
 
 
 def control_fwer(p_values: Sequence[Sequence[float]], delta: float, procedure: str) -> FwerResult:
@@ -247,15 +373,16 @@ def control_fwer(p_values: Sequence[Sequence[float]], delta: float, procedure: s
     flat = np.array([float(x) for seq in p_values for x in seq], dtype=float)
     if not np.all(np.isfinite(flat)):
         raise CertkvError("p-values must be finite numbers in [0, 1]")
-    flags = certified_mask(flat, lengths, delta, procedure)
-    levels = candidate_levels(flat, lengths, delta, procedure)
+    proc = REGISTRY[procedure]
+    flags = proc.mask(flat, lengths, delta)
+    levels = proc.levels(flat, lengths, delta)
     segments = _segments(lengths)
     return FwerResult(
         procedure=procedure,
         delta=delta,
         certified=tuple(tuple(bool(x) for x in flags[a:b]) for a, b in segments),
         levels=tuple(tuple(float(x) for x in levels[a:b]) for a, b in segments),
-        sequences=sequence_stops(flags, lengths, delta, procedure),
+        sequences=proc.stops(flags, lengths, delta),
     )
 
 
@@ -270,7 +397,14 @@ def is_prefix(flags: Sequence[bool]) -> bool:
 
 
 __all__ = [
+    "FIXED_ORDER",
     "PROCEDURES",
+    "REGISTRY",
+    "Bonferroni",
+    "FixedSequence",
+    "FwerProcedure",
+    "Holm",
+    "PilotOrdered",
     "Procedure",
     "FwerResult",
     "SequenceStop",
@@ -282,5 +416,6 @@ __all__ = [
     "holm_mask",
     "is_prefix",
     "pilot_ordered_mask",
+    "procedure_of",
     "sequence_stops",
 ]

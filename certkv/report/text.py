@@ -14,6 +14,7 @@ words must not need matplotlib. Nothing here imports matplotlib, rich or jinja2.
 from __future__ import annotations
 
 from certkv.core.policy_names import parse_policy_name
+from certkv.core.procedures import FIXED_ORDER, procedure_of  # FIXED_ORDER: stop at the first failure
 
 SCOPE_CAVEAT = (
     "The guarantee covers the calibration distribution (the declared task mix), not each task "
@@ -23,8 +24,6 @@ STRATA_CAVEAT = (
     "Each stratum's guarantee covers requests drawn like that stratum's calibration requests, not each "
     "request on its own."
 )
-#: Procedures that test one order and stop at the first failure (later candidates: not tested).
-FIXED_ORDER = ("fixed_sequence", "pilot_ordered")
 
 METHOD_LABELS = {"certkv": "certkv (certified)", "empirical_thresholding": "empirical thresholding"}
 
@@ -420,7 +419,7 @@ def gate_note(contract) -> str | None:
     n_gated = len(contract.gated_candidates())
     m = len(contract.sequences())
     split = "one interleaved order at the full δ" if contract.order is not None else f"δ split over {m} sequences"
-    if contract.procedure == "pilot_ordered":
+    if procedure_of(contract.procedure).orders_by_pilot:
         split = "one sequence ordered by pilot risk, at the full δ"
     grid = []
     if gate.agreement_drop:
