@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.signals import RECORDED, request_signals, signal
 from certkv.errors import CertkvError
 
 
@@ -92,14 +93,24 @@ def skip_reason(request, n_context: int, n_question: int, contract, max_position
     return None
 
 
-def request_rows(request, result, contract) -> list[dict]:
-    """Store rows for one request: the full cache first, then every candidate."""
+def request_rows(request, result, contract, computed: dict | None = None) -> list[dict]:
+    """Store rows for one request: the full cache first, then every candidate.
+
+    The gate signals come from the declarations of :mod:`certkv.core.signals`: a request signal
+    (the engine's ``result`` attribute, or one `computed` from the encoded request by
+    :func:`certkv.core.signals.request_signals`) goes on the full row, and on every row when it
+    has a store column of its own; a candidate signal goes on its answer's row (the full answer's
+    on the full row), a column always, an ``extra`` key when it was measured.
+    """
     from certkv.calibration.utility import score
 
     answers = request.answers
     full = result.full
     utility_full = score(contract.utility, full.answer, answers, full.answer)
     seconds = result.seconds
+    per_request = {s.name: getattr(result, s.name, None) for s in RECORDED if s.per == "request"}
+    per_request.update(computed or {})
+    on_every_row = {k: v for k, v in per_request.items() if signal(k).store == "column"}
     rows = [
         {
             "request_id": request.id,
@@ -114,11 +125,9 @@ def request_rows(request, result, contract) -> list[dict]:
             "answer": full.answer,
             "path": None,
             "seconds": seconds.get("prefill", 0.0) + seconds.get("full_decode", 0.0),
-            "context_tokens": result.context_length,
             "seconds_breakdown": seconds,
-            "agreement_drop": result.agreement_drop,
-            "confidence_min": full.confidence_min,
-            "logprob_mean": full.logprob_mean,
+            **per_request,
+            **_answer_signals(full, full_row=True),
         }
     ]
     n_fast = sum(1 for c in result.candidates if c.path == "fast") or 1
@@ -138,14 +147,10 @@ def request_rows(request, result, contract) -> list[dict]:
                 "answer": cand.answer,
                 "path": cand.path,
                 "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
-                "agreement_drop": result.agreement_drop,
-                "certificate_max": cand.certificate_max,
-                "confidence_min": cand.confidence_min,
-                "logprob_mean": cand.logprob_mean,
+                **on_every_row,
+                **_answer_signals(cand),
             }
         )
-        if cand.lookahead_heads is not None:  # only probed when the gate reads it (not on the pipeline path)
-            rows[-1].update(lookahead_heads=cand.lookahead_heads, lookahead_mass=cand.lookahead_mass)
     by = contract.strata.by if contract.strata is not None else "task"
     if by != "task":  # strata by a metadata key: the records carry its value (a `stratum` column)
         from certkv.requests.request_set import stratum_of
@@ -153,6 +158,22 @@ def request_rows(request, result, contract) -> list[dict]:
         for row in rows:
             row["stratum"] = stratum_of(request, by)
     return rows
+
+
+def _answer_signals(answer, *, full_row: bool = False) -> dict:
+    """The candidate signals an answer measured: a store column always (None: not measured),
+    an ``extra`` key only when measured; the full row leaves out the columns (they describe an
+    evicted answer)."""
+    out = {}
+    for s in RECORDED:
+        if s.per != "candidate":
+            continue
+        value = getattr(answer, s.name, None)
+        if s.store == "column" and not full_row:
+            out[s.name] = value
+        elif s.store == "extra" and value is not None:
+            out[s.name] = value
+    return out
 
 
 def calibrate(contract, *, new_store: bool = False, limit: int | None = None, quiet: bool = False,
@@ -265,7 +286,7 @@ def calibrate_request(request, engine, tokenizer, contract, max_positions) -> tu
             f"a press failed on request {request.id!r}: {message}; fix the contract's presses "
             "(the requests stored so far are kept; rerun to resume)"
         ) from None
-    return request_rows(request, result, contract), None
+    return request_rows(request, result, contract, request_signals(enc.context_ids, enc.question_ids)), None
 
 
 def record_request(store, summary: CalibrationSummary, request_id: str, rows: list[dict] | None,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from certkv.atomic_io import atomic_write
 from certkv.calibration.database import connect, table_names, transaction
 from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.signals import STORE_COLUMNS
 from certkv.errors import CertkvError
 from certkv.interrupts import critical
 
@@ -52,13 +53,12 @@ COLUMNS = (
     "utility_full",
     "loss",
     "answer",
-    "agreement_drop",
-    "certificate_max",
+    *STORE_COLUMNS,  # the gate signals with a column of their own (certkv.core.signals); the rest go to `extra`
     "path",
     "seconds",
 )
 _REQUIRED = ("policy", "utility", "utility_full", "loss", "answer")
-_REAL = ("kv_retained", "kv_retained_actual", "utility", "utility_full", "loss", "agreement_drop", "certificate_max", "seconds")
+_REAL = ("kv_retained", "kv_retained_actual", "utility", "utility_full", "loss", *STORE_COLUMNS, "seconds")
 LOSS_TOLERANCE = 1e-9
 
 _SCHEMA = """
@@ -74,15 +74,14 @@ CREATE TABLE IF NOT EXISTS records (
     utility_full REAL NOT NULL,
     loss REAL NOT NULL,
     answer TEXT NOT NULL,
-    agreement_drop REAL,
-    certificate_max REAL,
+    {signal_columns}
     path TEXT CHECK (path IS NULL OR path IN ('fast', 'pipeline')),
     seconds REAL,
     extra TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (request_id, policy)
 );
 CREATE TABLE IF NOT EXISTS skipped (request_id TEXT PRIMARY KEY, reason TEXT NOT NULL);
-"""
+""".replace("{signal_columns}", "\n    ".join(f"{name} REAL," for name in STORE_COLUMNS))
 
 
 def db_path(store: str | Path) -> Path:

@@ -39,7 +39,8 @@ from pydantic_core import PydanticCustomError
 
 from certkv.core.gate_features import DEFAULT_FEATURES
 from certkv.core.policy_names import gate_label, gated_policy_name, policy_name
-from certkv.core.procedures import Procedure
+from certkv.core.procedures import Procedure, procedure_of
+from certkv.core.signals import FEATURE_GROUPS, reads_signal
 from certkv.core.spec import (
     AGREEMENT_SPLIT,
     AGREEMENT_TOP_K,
@@ -265,13 +266,15 @@ class QuantileGate(_Strict):
         return _check_quantiles(values)
 
 
+#: A learned-gate feature group: one of those the signals declare (certkv.core.signals).
+FeatureGroup = Literal[FEATURE_GROUPS]  # type: ignore[valid-type]  # the declared names, as pydantic's choices
+
+
 class LearnedGateSpec(QuantileGate):
     """The learned gate: a logistic regression over `features`, fit per base candidate on the
     pilot, thresholded at the pre-registered quantiles of the pilot's scores."""
 
-    features: list[Literal["lookahead", "confidence", "agreement_drop", "context_length"]] = Field(
-        default_factory=lambda: list(DEFAULT_FEATURES), min_length=1
-    )
+    features: list[FeatureGroup] = Field(default_factory=lambda: list(DEFAULT_FEATURES), min_length=1)
 
     @field_validator("features")
     @classmethod
@@ -364,12 +367,12 @@ class Gate(_Strict):
     @property
     def needs_agreement(self) -> bool:
         """Calibration must record the agreement drop (a drop threshold, or a learned feature)."""
-        return bool(self.agreement_drop) or (self.learned is not None and "agreement_drop" in self.learned.features)
+        return bool(self.agreement_drop) or (self.learned is not None and reads_signal(self.learned.features, "agreement_drop"))
 
     @property
     def needs_lookahead(self) -> bool:
         """Calibration must run the lookahead probe (a lookahead gate, or a learned feature)."""
-        return self.lookahead is not None or (self.learned is not None and "lookahead" in self.learned.features)
+        return self.lookahead is not None or (self.learned is not None and reads_signal(self.learned.features, "lookahead_heads"))
 
     def pilot_settings(self) -> list[tuple[str, float]]:
         """(kind, quantile) of every pilot gate setting, in sequence order: confidence quantiles,
@@ -502,12 +505,13 @@ class Contract(_Strict):
     @model_validator(mode="after")
     def _check_pilot(self) -> Contract:
         gate = self.gate
-        if self.procedure == "pilot_ordered" and (gate is None or gate.pilot is None):
+        by_pilot = procedure_of(self.procedure).orders_by_pilot
+        if by_pilot and (gate is None or gate.pilot is None):
             raise _error(
                 "procedure pilot_ordered orders the candidates by their risk on a pilot split; add gate.pilot "
                 "(e.g. gate: {pilot: 0.25}) or use procedure fixed_sequence"
             )
-        if self.procedure == "pilot_ordered" and self.order is not None:
+        if by_pilot and self.order is not None:
             raise _error("order and procedure pilot_ordered both set the test order; remove one of them")
         if gate is not None and gate.is_empty:
             if gate.pilot is None:
@@ -515,7 +519,7 @@ class Contract(_Strict):
                     "gate lists no agreement_drop threshold and no certificate bound; remove `gate:` to certify "
                     "ungated candidates only"
                 )
-            if self.procedure != "pilot_ordered":
+            if not by_pilot:
                 raise _error(
                     "gate.pilot is used by nothing: list confidence, lookahead or learned quantiles, or set "
                     "procedure: pilot_ordered, or remove gate.pilot"

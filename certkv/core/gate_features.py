@@ -4,7 +4,8 @@ Certification computes the score of every (pilot or certification) request of a 
 from the loss table's signal arrays; the runtime computes it for one request from the signals it
 measured. Both go through :func:`feature_matrix`, so the two cannot drift apart.
 
-Feature groups (the contract's ``gate.learned.features``) expand into named features:
+Feature groups (the contract's ``gate.learned.features``) are declared with their signals in
+:mod:`certkv.core.signals` and expand into named features:
 
 * ``lookahead`` → ``lookahead[0]`` .. ``lookahead[F-1]``: the per-(layer, KV head) evicted
   attention mass m of the lookahead probe, layer-major (index = layer · H_kv + head), entered as
@@ -27,16 +28,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from certkv.core.signals import FEATURE_GROUPS, SIGNALS, feature_signal, group_signals
 from certkv.core.spec import GateSettings, LearnedGate
 from certkv.errors import CertkvError
 
-#: Feature groups a contract may list under ``gate.learned.features``, in expansion order.
-FEATURE_GROUPS = ("lookahead", "confidence", "agreement_drop", "context_length")
 #: The groups a learned gate reads unless the contract lists its own.
 DEFAULT_FEATURES = ("lookahead", "confidence", "context_length")
-#: Expanded features that exist only after the evicted decode.
-POST_DECODE_FEATURES = frozenset({"confidence_min", "logprob_mean"})
-_SCALAR = {"confidence_min", "logprob_mean", "agreement_drop"}
+#: Expanded features that exist only after the evicted decode (their signal's phase).
+POST_DECODE_FEATURES = frozenset(s.feature_name for s in SIGNALS
+                                 if s.feature_group is not None and s.kind == "scalar" and s.phase == "post_decode")
 
 
 def expand_features(groups: Sequence[str], n_heads: int | None = None) -> list[str]:
@@ -51,16 +51,10 @@ def expand_features(groups: Sequence[str], n_heads: int | None = None) -> list[s
     for group in FEATURE_GROUPS:
         if group not in groups:
             continue
-        if group == "lookahead":
-            if not n_heads:
-                raise CertkvError("the lookahead feature needs the per-head lookahead masses (lookahead_heads)")
-            names += [f"lookahead[{i}]" for i in range(int(n_heads))]
-        elif group == "confidence":
-            names += ["confidence_min", "logprob_mean"]
-        elif group == "agreement_drop":
-            names.append("agreement_drop")
-        else:
-            names.append("log_context_tokens")
+        for s in group_signals(group):
+            if s.kind == "heads" and not n_heads:
+                raise CertkvError(f"the {group} feature needs the per-head {group} masses ({s.name})")
+            names += s.feature_names(n_heads)
     return names
 
 
@@ -68,8 +62,10 @@ def needed_signals(features: Sequence[str]) -> list[str]:
     """The signal keys (lookahead_heads, confidence_min, ...) that expanded `features` read."""
     keys = []
     for name in features:
-        key = "lookahead_heads" if name.startswith("lookahead[") else (
-            "context_tokens" if name == "log_context_tokens" else name)
+        try:
+            key = feature_signal(name).name
+        except KeyError:
+            raise CertkvError(f"unknown learned-gate feature {name!r}") from None
         if key not in keys:
             keys.append(key)
     return keys
@@ -86,24 +82,26 @@ def feature_matrix(signals: Mapping, features: Sequence[str]) -> np.ndarray:
     columns = []
     n = None
     for name in features:
-        if name.startswith("lookahead["):
-            heads = _signal(signals, "lookahead_heads", 2)
-            index = int(name[len("lookahead["):-1])
+        try:
+            s = feature_signal(name)
+        except KeyError:
+            raise CertkvError(f"unknown learned-gate feature {name!r}") from None
+        if s.kind == "heads":
+            heads = _signal(signals, s.name, 2)
+            index = int(name[name.index("[") + 1:-1])
             if index >= heads.shape[1]:
                 raise CertkvError(
-                    f"the learned gate reads {name} but the signals hold {heads.shape[1]} lookahead heads; "
+                    f"the learned gate reads {name} but the signals hold {heads.shape[1]} {s.feature_group} heads; "
                     "the model was fit on another architecture"
                 )
             column = _log_odds(heads[:, index])
-        elif name == "log_context_tokens":
-            tokens = _signal(signals, "context_tokens", 1)
-            if (tokens < 1).any():
-                raise CertkvError(f"context_tokens must be ≥ 1, got {float(tokens.min())!r}")
-            column = np.log(tokens)
-        elif name in _SCALAR:
-            column = _signal(signals, name, 1)
+        elif s.transform == "log":
+            values = _signal(signals, s.name, 1)
+            if (values < 1).any():
+                raise CertkvError(f"{s.name} must be ≥ 1, got {float(values.min())!r}")
+            column = np.log(values)
         else:
-            raise CertkvError(f"unknown learned-gate feature {name!r}")
+            column = _signal(signals, s.name, 1)
         if n is not None and column.shape[0] != n:
             raise CertkvError(f"signal {name} has {column.shape[0]} values, the others {n}")
         n = column.shape[0]

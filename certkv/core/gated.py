@@ -31,6 +31,7 @@ import numpy as np
 
 from certkv.core.gate_features import feature_matrix, learned_scores, needed_signals
 from certkv.core.loss_table import GatedRow, LossTable
+from certkv.core.signals import signal
 from certkv.core.spec import LearnedGate
 from certkv.errors import CertkvError
 
@@ -138,8 +139,8 @@ def gated_mask(table: LossTable, base_row: int, agreement_drop: float | None,
         if threshold is None:
             continue
         column = GATE_PARTS[part][0]
-        # the drop is one value per request (every row shares it); the others are the base row's
-        values = table.agreement_drop if part == "agreement_drop" else _row(getattr(table, column), base_row)
+        # a request signal is one value per request (every row shares it); a candidate's, the base row's
+        values = table.signals_of(base_row).get(column)
         mask |= fires(part, check_signal(table, values, column, who), threshold)
     if learned is not None:
         if learned_threshold is None:
@@ -153,10 +154,6 @@ def _who(table: LossTable, base_row: int, policy: str) -> str:
     """How errors name a base candidate, and the gated candidate that needs it."""
     base = table.policies[base_row]
     return f"policy {base!r}" + (f" (needed by {policy!r})" if policy and policy != base else "")
-
-
-def _row(matrix, row: int):
-    return None if matrix is None else matrix[row]
 
 
 def _missing(column: str, who: str, missing: np.ndarray, table: LossTable, ids=None) -> None:
@@ -179,79 +176,83 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
     derives those rows, and a second source for the same candidate would be ambiguous. The input
     table is never modified.
     """
-    specs = []
-    for g in gated:
-        if g.policy in table:
-            done = table.gated.get(g.policy)
-            if done is None:
-                raise CertkvError(
-                    f"{table.source} has rows for {g.policy!r}, a gated candidate that certkv derives from "
-                    f"{g.base_policy!r} and the gate signals; remove those rows (or rename the policy)"
-                )
-            drop, cert, conf, look, _, learned_t = _settings(g)
-            if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead,
-                    done.learned_threshold) != (g.base_policy, drop, cert, conf, look, learned_t):
-                raise CertkvError(
-                    f"{g.policy!r} was derived with other gate settings; derive it from the records again"
-                )
-            continue
-        if g.base_policy not in table:
-            raise CertkvError(
-                f"gated candidate {g.policy!r} needs its base {g.base_policy!r}, which has no records in "
-                f"{table.source}; calibrate it or remove it from the contract"
-            )
-        if not _has_gate(g):
-            raise CertkvError(f"{g.policy!r} has no gate setting; it is not a gated candidate")
-        specs.append(g)
+    specs = [g for g in gated if _to_derive(table, g)]
     if not specs:
         return table
-
-    n_new = len(specs)
     base_rows = np.array([table.index_of(g.base_policy) for g in specs], dtype=np.int64)
     masks = np.stack([
         gated_mask(table, int(row), *_settings(g)[:2], g.policy, confidence=_settings(g)[2],
                    lookahead=_settings(g)[3], learned=_settings(g)[4], learned_threshold=_settings(g)[5])
         for row, g in zip(base_rows, specs)
     ])
-    loss = np.where(masks, 0.0, table.loss[base_rows])
-    memory = np.where(masks, 1.0, table.memory[base_rows])
     actual = None
     if table.kv_retained_actual is not None:
         actual = np.vstack([table.kv_retained_actual, np.where(masks, 1.0, table.kv_retained_actual[base_rows])])
-    cert = None
-    if table.certificate_max is not None:
-        cert = np.vstack([table.certificate_max, np.full((n_new, table.n_requests), np.nan)])
-    padded = {}
-    for name in ("confidence_min", "logprob_mean", "lookahead_mass"):
-        values = getattr(table, name)
-        if values is not None:
-            padded[name] = np.vstack([values, np.full((n_new, table.n_requests), np.nan)])
-    counts = masks.sum(axis=1)
     gated_rows = dict(table.gated)
-    for g, count in zip(specs, counts.tolist()):
-        drop, bound, conf, look, _, learned_t = _settings(g)
-        gated_rows[g.policy] = GatedRow(
-            base_policy=g.base_policy,
-            agreement_drop=None if drop is None else float(drop),
-            certificate=None if bound is None else float(bound),
-            gated_count=int(count),
-            gated_share=int(count) / table.n_requests,
-            confidence=None if conf is None else float(conf),
-            lookahead=None if look is None else float(look),
-            learned_threshold=None if learned_t is None else float(learned_t),
-        )
+    for g, count in zip(specs, masks.sum(axis=1).tolist()):
+        gated_rows[g.policy] = _gated_row(g, int(count), table.n_requests)
     return replace(
         table,
         policies=table.policies + tuple(g.policy for g in specs),
         press=table.press + tuple(table.press[int(r)] for r in base_rows),
         kv_retained=np.concatenate([table.kv_retained, table.kv_retained[base_rows]]),
-        loss=np.vstack([table.loss, loss]),
-        memory=np.vstack([table.memory, memory]),
+        loss=np.vstack([table.loss, np.where(masks, 0.0, table.loss[base_rows])]),
+        memory=np.vstack([table.memory, np.where(masks, 1.0, table.memory[base_rows])]),
         kv_retained_actual=actual,
-        certificate_max=cert,
         gated=gated_rows,
-        **padded,
+        signals=_padded_signals(table, len(specs)),
     )
+
+
+def _to_derive(table: LossTable, g: GateSpec) -> bool:
+    """Whether `g` is still to be derived (False: the table derived it already, identically);
+    a gated name with rows of its own, a missing base or no gate setting is an error."""
+    if g.policy in table:
+        done = table.gated.get(g.policy)
+        if done is None:
+            raise CertkvError(
+                f"{table.source} has rows for {g.policy!r}, a gated candidate that certkv derives from "
+                f"{g.base_policy!r} and the gate signals; remove those rows (or rename the policy)"
+            )
+        drop, cert, conf, look, _, learned_t = _settings(g)
+        if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead,
+                done.learned_threshold) != (g.base_policy, drop, cert, conf, look, learned_t):
+            raise CertkvError(f"{g.policy!r} was derived with other gate settings; derive it from the records again")
+        return False
+    if g.base_policy not in table:
+        raise CertkvError(
+            f"gated candidate {g.policy!r} needs its base {g.base_policy!r}, which has no records in "
+            f"{table.source}; calibrate it or remove it from the contract"
+        )
+    if not _has_gate(g):
+        raise CertkvError(f"{g.policy!r} has no gate setting; it is not a gated candidate")
+    return True
+
+
+def _gated_row(g: GateSpec, count: int, n_requests: int) -> GatedRow:
+    drop, bound, conf, look, _, learned_t = _settings(g)
+    return GatedRow(
+        base_policy=g.base_policy,
+        agreement_drop=None if drop is None else float(drop),
+        certificate=None if bound is None else float(bound),
+        gated_count=count,
+        gated_share=count / n_requests,
+        confidence=None if conf is None else float(conf),
+        lookahead=None if look is None else float(look),
+        learned_threshold=None if learned_t is None else float(learned_t),
+    )
+
+
+def _padded_signals(table: LossTable, n_new: int) -> dict[str, np.ndarray]:
+    """The table's signals with `n_new` derived rows: a derived row records no candidate signal of
+    its own (NaN); request signals are the request's; per-head masses cover recorded rows only."""
+    out = {}
+    for name, values in table.signals.items():
+        s = signal(name)
+        if s.per == "candidate" and s.kind == "scalar":
+            values = np.vstack([values, np.full((n_new, table.n_requests), np.nan)])
+        out[name] = values
+    return out
 
 
 def spec_derivations(spec) -> list[Derive]:

@@ -45,22 +45,24 @@ import csv
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from certkv.core.policy_names import REFERENCE_POLICY, parse_policy_name
+from certkv.core.signals import BY_NAME, RECORDED, Signal
 from certkv.errors import CertkvError
 
 REQUIRED_COLUMNS = ("request_id", "policy", "kv_retained", "loss")
-OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", "agreement_drop", "certificate_max",
-                    "confidence_min", "logprob_mean", "lookahead_mass", "lookahead_heads", "context_tokens", "stratum")
-#: Per-(policy, request) float signals that pilot gates read, (P, R) each.
-CANDIDATE_SIGNALS = ("confidence_min", "logprob_mean", "lookahead_mass")
+#: The optional columns: the table's own, then every recorded gate signal (:mod:`certkv.core.signals`).
+OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", *(s.name for s in RECORDED), "stratum")
+#: Per-(policy, request) float signals, (P, R) each.
+CANDIDATE_SIGNALS = tuple(s.name for s in RECORDED if s.per == "candidate" and s.kind == "scalar")
 
 
 @dataclass(frozen=True)
@@ -86,13 +88,13 @@ class LossTable:
     """Losses of P candidate policies on the same R requests.
 
     Matrices are indexed ``[policy, request]``. ``request_ids`` are sorted (canonical order);
-    ``policies`` keep the order in which they first appear in the input. Gate signals:
-    ``agreement_drop`` has shape (R,) and ``certificate_max`` shape (P, R), NaN where absent (None
-    when the table was built without them); so do ``confidence_min``, ``logprob_mean`` and
-    ``lookahead_mass`` (P, R) and ``context_tokens`` (R,), None when no row has them.
-    ``lookahead_heads`` is (P_recorded, R, F): it covers the policies read from the input, which
-    come first; derived gated rows appended after them have no per-head masses. ``gated`` maps each
-    derived gated policy to how it was derived; it is empty for a table read from records.
+    ``policies`` keep the order in which they first appear in the input. ``signals`` holds the
+    recorded gate signals (:data:`certkv.core.signals.RECORDED`) that any row has, NaN where a row
+    lacks one: a request signal has shape (R,), a candidate signal (P, R), a per-head one
+    (P_recorded, R, F), covering the policies read from the input, which come first (derived gated
+    rows appended after them have no per-head masses). Each is also an attribute
+    (``table.agreement_drop``), None when no row has it. ``gated`` maps each derived gated policy
+    to how it was derived; it is empty for a table read from records.
     """
 
     request_ids: tuple[str, ...]
@@ -104,15 +106,15 @@ class LossTable:
     kv_retained_actual: np.ndarray | None
     tasks: tuple[str | None, ...] | None
     source: str = "records"
-    agreement_drop: np.ndarray | None = None
-    certificate_max: np.ndarray | None = None
     gated: Mapping[str, GatedRow] = field(default_factory=dict)
-    confidence_min: np.ndarray | None = None
-    logprob_mean: np.ndarray | None = None
-    lookahead_mass: np.ndarray | None = None
-    lookahead_heads: np.ndarray | None = None
-    context_tokens: np.ndarray | None = None
     strata: tuple[str | None, ...] | None = None
+    signals: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        # A declared signal reads as an attribute (None when the table has none of it).
+        if name in BY_NAME:
+            return self.__dict__.get("signals", {}).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def n_requests(self) -> int:
@@ -158,13 +160,8 @@ class LossTable:
             loss=cut(self.loss),
             memory=cut(self.memory),
             kv_retained_actual=cut(self.kv_retained_actual),
-            agreement_drop=cut(self.agreement_drop, 0),
-            certificate_max=cut(self.certificate_max),
-            confidence_min=cut(self.confidence_min),
-            logprob_mean=cut(self.logprob_mean),
-            lookahead_mass=cut(self.lookahead_mass),
-            lookahead_heads=cut(self.lookahead_heads),
-            context_tokens=cut(self.context_tokens, 0),
+            signals={name: cut(values, 0 if BY_NAME[name].per == "request" else 1)
+                     for name, values in self.signals.items()},
             source=source or self.source,
         )
 
@@ -172,21 +169,13 @@ class LossTable:
         """The gate signals of policy row `row` (optionally at request `columns`), as arrays keyed
         like :func:`certkv.core.gate_features.feature_matrix` reads them (None where absent)."""
         sel = slice(None) if columns is None else np.asarray(columns, dtype=np.int64)
-
-        def of(matrix):
-            return None if matrix is None else matrix[row][sel]
-
-        heads = None
-        if self.lookahead_heads is not None and row < self.lookahead_heads.shape[0]:
-            heads = self.lookahead_heads[row][sel]
-        return {
-            "confidence_min": of(self.confidence_min),
-            "logprob_mean": of(self.logprob_mean),
-            "lookahead_mass": of(self.lookahead_mass),
-            "lookahead_heads": heads,
-            "agreement_drop": None if self.agreement_drop is None else self.agreement_drop[sel],
-            "context_tokens": None if self.context_tokens is None else self.context_tokens[sel],
-        }
+        out: dict[str, np.ndarray | None] = {s.name: None for s in RECORDED}
+        for name, values in self.signals.items():
+            if BY_NAME[name].per == "request":
+                out[name] = values[sel]
+            elif row < values.shape[0]:  # per-head masses cover the recorded policies only
+                out[name] = values[row][sel]
+        return out
 
     @classmethod
     def from_records(cls, records: Iterable[Mapping], *, source: str = "records") -> LossTable:
@@ -310,33 +299,37 @@ def records_sha256(table) -> str:
             continue
         block = np.ascontiguousarray(matrix[order].T + 0.0, dtype="<f8")
         digest.update(block.tobytes())
-    drop, cert = table.agreement_drop, table.certificate_max
-    if cert is not None:
-        cert = cert[order]
-    if _has_values(drop) or _has_values(cert):
-        for name, values in (("agreement_drop", drop), ("certificate_max", cert)):
-            digest.update(name.encode("ascii"))
+    # The two first signals, hashed together whenever either has a value.
+    legacy = [s for s in RECORDED if s.hash_group == "legacy"]
+    if any(_has_values(table.signals.get(s.name)) for s in legacy):
+        for s in legacy:
+            digest.update(s.name.encode("ascii"))
+            values = table.signals.get(s.name)
             if _has_values(values):
-                block = np.ascontiguousarray(np.atleast_2d(values).T + 0.0, dtype="<f8")
-                digest.update(block.tobytes())
+                digest.update(_hash_block(s, values, order, table.policies, digest))
     if table.strata is not None:  # added later: hashed only when present, so older tables keep their hash
         digest.update(json.dumps(["stratum", list(table.strata)]).encode("utf-8"))
     # Signals added later (pilot gates): hashed only when present, so older tables keep their hash.
-    for name in (*CANDIDATE_SIGNALS, "lookahead_heads", "context_tokens"):
-        values = getattr(table, name)
-        if not _has_values(values):
-            continue
-        digest.update(name.encode("ascii"))
-        if name == "context_tokens":
-            block = values
-        elif name == "lookahead_heads":
-            recorded = [i for i in order if i < values.shape[0]]
-            block = np.swapaxes(values[recorded], 0, 1)  # (R, P, F)
-            digest.update(json.dumps([table.policies[i] for i in recorded]).encode("utf-8"))
-        else:
-            block = values[order].T
-        digest.update(np.ascontiguousarray(block + 0.0, dtype="<f8").tobytes())
+    for s in RECORDED:
+        values = table.signals.get(s.name)
+        if s.hash_group == "late" and _has_values(values):
+            digest.update(s.name.encode("ascii"))
+            digest.update(_hash_block(s, values, order, table.policies, digest))
     return digest.hexdigest()
+
+
+def _hash_block(s: Signal, values: np.ndarray, order: list[int], policies, digest) -> bytes:
+    """A signal's values in (request, policy[, head]) order as little-endian float64 bytes
+    (-0.0 folded to 0.0); a per-head signal first names the policies it covers into `digest`."""
+    if s.per == "request":
+        block = np.atleast_2d(values).T if s.hash_group == "legacy" else values
+    elif s.kind == "heads":
+        recorded = [i for i in order if i < values.shape[0]]
+        block = np.swapaxes(values[recorded], 0, 1)  # (R, P, F)
+        digest.update(json.dumps([policies[i] for i in recorded]).encode("utf-8"))
+    else:
+        block = values[order].T
+    return np.ascontiguousarray(block + 0.0, dtype="<f8").tobytes()
 
 
 def _has_values(values) -> bool:
@@ -473,104 +466,58 @@ def _codes(values: Sequence[str], mapping: dict[str, int]) -> np.ndarray:
     return np.fromiter(map(mapping.__getitem__, values), dtype=np.int64, count=len(values))
 
 
+class _Rows(NamedTuple):
+    """Where a table's input rows go: request codes (into the sorted ``universe``) of every row,
+    and the candidate rows (policy other than ``full``) as indices into the input."""
+
+    universe: list[str]
+    request_codes: np.ndarray
+    rows: np.ndarray
+    pick: Callable[[list], list]
+    where: Callable[[int], str]
+
+
 def _build(columns: dict, source: str, where) -> LossTable:
     """Validate the columns and scatter them into dense (policy × request) matrices."""
     request_ids = _strings(columns["request_id"], "request_id", source, where)
     policy_names = _strings(columns["policy"], "policy", source, where)
-
-    universe = sorted(set(request_ids))
-    request_map = {r: i for i, r in enumerate(universe)}
-    request_codes = np.fromiter(
-        map(request_map.__getitem__, request_ids), dtype=np.int64, count=len(request_ids)
-    )
-    tasks = _request_tasks(columns["task"], request_codes, universe, source, where)
-    strata = _request_tasks(columns["stratum"], request_codes, universe, source, where, column="stratum")
-
-    keep = np.fromiter(map(REFERENCE_POLICY.__ne__, policy_names), dtype=bool,
-                       count=len(policy_names))
-    rows = np.flatnonzero(keep)
-    if rows.size == 0:
-        raise CertkvError(f"{source}: only reference rows (policy 'full'); add candidate rows")
-    row_list = rows.tolist()
-
-    def pick(values):
-        return [values[i] for i in row_list] if rows.size != len(keep) else values
-
-    cand_where = lambda i: where(int(rows[i]))  # noqa: E731 - errors name the original row
-    loss = _floats(pick(columns["loss"]), "loss", source, cand_where)
-    kv = _floats(pick(columns["kv_retained"]), "kv_retained", source, cand_where)
-    _check_range(kv, rows, "kv_retained", 0.0, 1.0, source, where, low_open=True)
-    memory = kv
-    if columns["memory"] is not None:
-        memory = _floats(pick(columns["memory"]), "memory", source, cand_where, optional=True)
-        _check_range(memory, rows, "memory", 0.0, 1.0, source, where, low_open=False)
-        memory = np.where(np.isnan(memory), kv, memory)
-    actual = None
-    if columns["kv_retained_actual"] is not None:
-        actual = _floats(pick(columns["kv_retained_actual"]), "kv_retained_actual", source,
-                         cand_where, optional=True)
-        _check_range(actual, rows, "kv_retained_actual", 0.0, 1.0, source, where, low_open=False)
-
-    certificate = None
-    if columns["certificate_max"] is not None:
-        certificate = _floats(pick(columns["certificate_max"]), "certificate_max", source, cand_where,
-                              optional=True)
-        negative = np.flatnonzero(certificate < 0)
-        if negative.size:
-            i = int(negative[0])
-            raise CertkvError(
-                f"{source}: {where(int(rows[i]))}: certificate_max {float(certificate[i])!r} is negative; "
-                "a certificate is a standard deviation (≥ 0)"
-            )
-    drop = _request_drops(columns["agreement_drop"], request_codes, universe, source, where)
-    context_tokens = None
-    if columns["context_tokens"] is not None:
-        context_tokens = _request_drops(columns["context_tokens"], request_codes, universe, source, where,
-                                        column="context_tokens")
-    signals = {}
-    for name in CANDIDATE_SIGNALS:
-        if columns[name] is not None:
-            values = _floats(pick(columns[name]), name, source, cand_where, optional=True)
-            signals[name] = values if (~np.isnan(values)).any() else None
-    heads = None
-    if columns["lookahead_heads"] is not None:
-        heads = _head_lists(pick(columns["lookahead_heads"]), source, cand_where)
+    at = _row_layout(request_ids, policy_names, source, where)
+    tasks = _request_tasks(columns["task"], at.request_codes, at.universe, source, where)
+    strata = _request_tasks(columns["stratum"], at.request_codes, at.universe, source, where, column="stratum")
+    loss, kv, memory, actual = _fractions(columns, at, source, where)
+    parsed = {s.name: _parse_signal(s, columns[s.name], at, source, where)
+              for s in RECORDED if columns[s.name] is not None}
 
     policy_map: dict[str, int] = {}
-    pol = _codes(pick(policy_names), policy_map)
-    req = request_codes[rows]
+    pol = _codes(at.pick(policy_names), policy_map)
+    req = at.request_codes[at.rows]
     policies = tuple(policy_map)
-    n_pol, n_req = len(policies), len(universe)
-    _check_unique_pairs(pol, req, n_req, rows, policies, universe, source, where)
-    _check_complete(pol, req, n_pol, n_req, policies, universe, source)
+    n_pol, n_req = len(policies), len(at.universe)
+    _check_unique_pairs(pol, req, n_req, at.rows, policies, at.universe, source, where)
+    _check_complete(pol, req, n_pol, n_req, policies, at.universe, source)
 
     def dense(values):
         out = np.empty((n_pol, n_req), dtype=float)
         out[pol, req] = values
         return out
 
-    cert_dense = np.full((n_pol, n_req), np.nan) if certificate is None else dense(certificate)
-    signal_dense = {name: None if values is None else dense(values) for name, values in signals.items()}
-    heads_dense = None
-    if heads is not None:
-        n_heads = len(next(h for h in heads if h is not None))
-        flat = np.full((len(heads), n_heads), np.nan)
-        has = np.fromiter((h is not None for h in heads), dtype=bool, count=len(heads))
-        if has.any():
-            try:
-                flat[has] = np.asarray([h for h in heads if h is not None], dtype=float)
-            except (TypeError, ValueError):
-                bad = next(i for i, h in enumerate(heads) if h is not None and not _all_numbers(h))
-                raise CertkvError(f"{source}: {cand_where(bad)}: lookahead_heads holds a value that is not a number") from None
-        if np.isinf(flat).any() or (flat < 0).any():
-            bad = int(np.flatnonzero(np.isinf(flat).any(axis=1) | (flat < 0).any(axis=1))[0])
-            raise CertkvError(
-                f"{source}: {cand_where(bad)}: lookahead_heads must hold attention masses in [0, 1]"
-            )
-        heads_dense = np.full((n_pol, n_req, n_heads), np.nan)
-        heads_dense[pol, req] = flat
+    signals = {}
+    for s in RECORDED:
+        values = parsed.get(s.name)
+        if values is None:
+            full = None
+        elif s.per == "request":
+            full = values
+        elif s.kind == "heads":
+            full = _dense_heads(values, pol, req, n_pol, n_req, source, at.where)
+        else:
+            full = dense(values)
+        if _has_values(full):
+            signals[s.name] = full
+        elif s.always_present:
+            signals[s.name] = np.full(n_req if s.per == "request" else (n_pol, n_req), np.nan)
 
-    press_names = _press_names(columns["press"], pick, policy_names, source, cand_where)
+    press_names = _press_names(columns["press"], at.pick, policy_names, source, at.where)
     press_map: dict[str, int] = {}
     press_dense = dense(_codes(press_names, press_map))
     kv_dense = dense(kv)
@@ -578,7 +525,7 @@ def _build(columns: dict, source: str, where) -> LossTable:
     _check_constant(press_dense, "press", policies, source)
     press_list = list(press_map)
     return LossTable(
-        request_ids=tuple(universe),
+        request_ids=tuple(at.universe),
         policies=policies,
         press=tuple(press_list[int(c)] for c in press_dense[:, 0]),
         kv_retained=kv_dense[:, 0].copy(),
@@ -587,15 +534,81 @@ def _build(columns: dict, source: str, where) -> LossTable:
         kv_retained_actual=None if actual is None else dense(actual),
         tasks=tasks,
         source=source,
-        agreement_drop=drop,
-        certificate_max=cert_dense,
-        confidence_min=signal_dense.get("confidence_min"),
-        logprob_mean=signal_dense.get("logprob_mean"),
-        lookahead_mass=signal_dense.get("lookahead_mass"),
-        lookahead_heads=heads_dense,
-        context_tokens=context_tokens,
         strata=strata,
+        signals=signals,
     )
+
+
+def _row_layout(request_ids: list[str], policy_names: list[str], source: str, where) -> _Rows:
+    """The sorted request universe, every row's request code, and the candidate rows."""
+    universe = sorted(set(request_ids))
+    request_map = {r: i for i, r in enumerate(universe)}
+    request_codes = np.fromiter(map(request_map.__getitem__, request_ids), dtype=np.int64, count=len(request_ids))
+    keep = np.fromiter(map(REFERENCE_POLICY.__ne__, policy_names), dtype=bool, count=len(policy_names))
+    rows = np.flatnonzero(keep)
+    if rows.size == 0:
+        raise CertkvError(f"{source}: only reference rows (policy 'full'); add candidate rows")
+    row_list = rows.tolist()
+
+    def pick(values):
+        return [values[i] for i in row_list] if rows.size != len(keep) else values
+
+    return _Rows(universe, request_codes, rows, pick, lambda i: where(int(rows[i])))  # errors name the input row
+
+
+def _fractions(columns: dict, at: _Rows, source: str, where):
+    """(loss, kv_retained, memory, kv_retained_actual or None) of the candidate rows, checked."""
+    loss = _floats(at.pick(columns["loss"]), "loss", source, at.where)
+    kv = _floats(at.pick(columns["kv_retained"]), "kv_retained", source, at.where)
+    _check_range(kv, at.rows, "kv_retained", 0.0, 1.0, source, where, low_open=True)
+    memory = kv
+    if columns["memory"] is not None:
+        memory = _floats(at.pick(columns["memory"]), "memory", source, at.where, optional=True)
+        _check_range(memory, at.rows, "memory", 0.0, 1.0, source, where, low_open=False)
+        memory = np.where(np.isnan(memory), kv, memory)
+    actual = None
+    if columns["kv_retained_actual"] is not None:
+        actual = _floats(at.pick(columns["kv_retained_actual"]), "kv_retained_actual", source, at.where, optional=True)
+        _check_range(actual, at.rows, "kv_retained_actual", 0.0, 1.0, source, where, low_open=False)
+    return loss, kv, memory, actual
+
+
+def _parse_signal(s: Signal, values: list, at: _Rows, source: str, where):
+    """One signal column checked: a request signal as its (R,) array (rows of one request must
+    agree), a candidate signal as the candidate rows' floats, a per-head one as their lists."""
+    if s.per == "request":
+        return _request_drops(values, at.request_codes, at.universe, source, where, column=s.name)
+    if s.kind == "heads":
+        return _head_lists(at.pick(values), source, at.where)
+    array = _floats(at.pick(values), s.name, source, at.where, optional=True)
+    if s.minimum is not None:
+        low = np.flatnonzero(array < s.minimum)
+        if low.size:
+            i = int(low[0])
+            what = "negative" if s.minimum == 0 else f"below {s.minimum:g}"
+            raise CertkvError(f"{source}: {at.where(i)}: {s.name} {float(array[i])!r} is {what}; {s.minimum_why}")
+    return array
+
+
+def _dense_heads(heads: list | None, pol, req, n_pol: int, n_req: int, source: str, where) -> np.ndarray | None:
+    """Per-head lists of the candidate rows as a (P, R, F) array, NaN where a row has none."""
+    if heads is None:
+        return None
+    n_heads = len(next(h for h in heads if h is not None))
+    flat = np.full((len(heads), n_heads), np.nan)
+    has = np.fromiter((h is not None for h in heads), dtype=bool, count=len(heads))
+    if has.any():
+        try:
+            flat[has] = np.asarray([h for h in heads if h is not None], dtype=float)
+        except (TypeError, ValueError):
+            bad = next(i for i, h in enumerate(heads) if h is not None and not _all_numbers(h))
+            raise CertkvError(f"{source}: {where(bad)}: lookahead_heads holds a value that is not a number") from None
+    if np.isinf(flat).any() or (flat < 0).any():
+        bad = int(np.flatnonzero(np.isinf(flat).any(axis=1) | (flat < 0).any(axis=1))[0])
+        raise CertkvError(f"{source}: {where(bad)}: lookahead_heads must hold attention masses in [0, 1]")
+    out = np.full((n_pol, n_req, n_heads), np.nan)
+    out[pol, req] = flat
+    return out
 
 
 def _all_numbers(values) -> bool:

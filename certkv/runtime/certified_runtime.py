@@ -28,51 +28,59 @@ escalation) and the total.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, make_dataclass
 
+from certkv.core.signals import SIGNALS, request_signals
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.errors import CertkvError
 
 
-@dataclass
-class Decision:
-    """How one request was answered, and the signals it was decided on (None: not computed)."""
-
-    mode: str
-    """``"evicted"`` (the press's cache answered) or ``"full"``."""
-    reason: str | None
-    """Why the full cache answered: ``fallback``, ``uncovered`` (outside the coverage envelope),
-    ``precondition``, ``gate`` (agreement drop), ``lookahead``, ``learned``, ``confidence`` or
-    ``certificate``; None when the press answered."""
-    policy: str
-    stratum: str | None = None
-    """The stratum the request named (None: none given)."""
-    gate_kind: str | None = None
-    """The operating point's gate (:func:`certkv.runtime.gates.gate_kind`); None when ungated."""
-    agreement_drop: float | None = None
-    gate_threshold: float | None = None
-    certificate_max: float | None = None
-    """Largest certificate over the evicted answer's decoding steps; None without one."""
-    certificate_bound: float | None = None
-    confidence_min: float | None = None
-    """Lowest probability of a token of the evicted greedy answer (stop token included)."""
-    logprob_mean: float | None = None
-    """Mean log-probability of the evicted answer's tokens."""
-    lookahead_mass: float | None = None
-    """Max over (layer, KV head) of :attr:`lookahead_heads`."""
-    lookahead_heads: list[float] | None = None
-    """Per (layer, KV head), layer-major: the probe's full-cache attention mass on evicted entries."""
-    learned_score: float | None = None
-    escalated: bool = False
-    """True when the evicted answer was decoded and then replaced by the full cache's."""
-    kv_retained: float = 1.0
-    """Nominal retention of the cache that answered (1.0 for the full cache)."""
-    kv_retained_actual: float = 1.0
-    """Realised retention of the cache that answered."""
-    detail: str | None = None
+def _decision_class() -> type:
+    """:class:`Decision`, its signal fields derived from :data:`certkv.core.signals.SIGNALS`."""
+    head = [
+        ("mode", str),
+        ("reason", str | None),
+        ("policy", str),
+        ("stratum", str | None, field(default=None)),
+        ("gate_kind", str | None, field(default=None)),
+        ("gate_threshold", float | None, field(default=None)),
+        ("certificate_bound", float | None, field(default=None)),
+    ]
+    signals = [(s.name, (list[float] if s.kind == "heads" else float) | None, field(default=None)) for s in SIGNALS]
+    tail = [
+        ("escalated", bool, field(default=False)),
+        ("kv_retained", float, field(default=1.0)),
+        ("kv_retained_actual", float, field(default=1.0)),
+        ("detail", str | None, field(default=None)),
+    ]
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def signal_values(self) -> dict:
+        """The gate signals measured so far (None: not computed): what the runtime's gate reads."""
+        return {s.name: getattr(self, s.name) for s in SIGNALS}
+
+    doc = "\n".join(f"    {s.name}: {s.doc}" for s in SIGNALS)
+    return make_dataclass("Decision", [*head, *signals, *tail], namespace={
+        "__module__": __name__,
+        "to_dict": to_dict, "signal_values": signal_values,
+        "__doc__": (
+            "How one request was answered, and the signals it was decided on (None: not computed).\n\n"
+            "mode: ``\"evicted\"`` (the press's cache answered) or ``\"full\"``. reason: why the full cache "
+            "answered: ``fallback``, ``uncovered`` (outside the coverage envelope), ``precondition``, ``gate`` "
+            "(agreement drop), ``lookahead``, ``learned``, ``confidence``, ``certificate``, or ``monitor`` "
+            "(certkv serve); None when the press answered. stratum: the stratum the request named. "
+            "gate_kind: the operating point's gate (:func:`certkv.runtime.gates.gate_kind`). escalated: the "
+            "evicted answer was decoded, then replaced by the full cache's. kv_retained / kv_retained_actual: "
+            "nominal and realised retention of the cache that answered (1.0 for the full cache).\n\n"
+            "The gate signals, one field each (certkv.core.signals):\n\n" + doc
+        ),
+    })
+
+
+#: How one request was answered (see its docstring); fields per gate signal come from the registry.
+Decision = _decision_class()
 
 
 @dataclass
@@ -292,7 +300,8 @@ class CertifiedRuntime:
         if not enc.context_ids:
             raise CertkvError("the context is empty; certkv answers questions about a context")
         base = Decision(mode="full", reason=None, policy=self.policy, stratum=stratum, gate_kind=self.gate.kind,
-                        gate_threshold=self.threshold, certificate_bound=self.bound)
+                        gate_threshold=self.threshold, certificate_bound=self.bound,
+                        **request_signals(enc.context_ids, enc.question_ids))
         t0 = time.perf_counter()
         coverage = self.operating_point.coverage
         outside = None if coverage is None else coverage.uncovered(stratum, len(enc.context_ids))

@@ -144,15 +144,22 @@ def learned_score(gate: RuntimeGate, signals: Mapping) -> float | None:
     return float(score(gate.learned, signals))
 
 
-def post_decode_reason(gate: RuntimeGate, decision, signals: dict, logprobs, certificate=None) -> str | None:
-    """Record the evicted answer's signals in `decision` and `signals` (its confidence from the
-    per-token log p, the certificate maximum, the learned score when the model reads them) and
-    return why a post-decode gate escalates, or None. The one step every runtime path shares."""
+def pre_decode_reason(gate: RuntimeGate, decision) -> str | None:
+    """Score the learned gate when it reads only pre-decode signals, then return why a
+    pre-decode gate sends the request to the full cache, or None; reads `decision`'s signals."""
+    if gate.learned is not None and not gate.learned_post_decode:
+        decision.learned_score = learned_score(gate, decision.signal_values())
+    return gate.before_decode(decision.signal_values())
+
+
+def post_decode_reason(gate: RuntimeGate, decision, logprobs, certificate=None) -> str | None:
+    """Record the evicted answer's signals in `decision` (its confidence from the per-token log p,
+    the certificate maximum, the learned score when the model reads them) and return why a
+    post-decode gate escalates, or None. The one step every runtime path shares."""
     from certkv.gate.confidence import answer_confidence
 
     decision.confidence_min, decision.logprob_mean = (None, None) if logprobs is None else answer_confidence(logprobs)
-    signals.update(confidence_min=decision.confidence_min, logprob_mean=decision.logprob_mean,
-                   certificate_max=certificate)
+    decision.certificate_max = certificate
     if gate.learned is not None and gate.learned_post_decode:
-        signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
-    return gate.after_decode(signals)
+        decision.learned_score = learned_score(gate, decision.signal_values())
+    return gate.after_decode(decision.signal_values())

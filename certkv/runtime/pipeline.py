@@ -31,7 +31,7 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
     from certkv.gate.agreement import AgreementRecorder
     from certkv.model.generation import greedy_decode
     from certkv.model.window_queries import capturing_window_queries
-    from certkv.runtime.gates import learned_score, post_decode_reason
+    from certkv.runtime.gates import post_decode_reason, pre_decode_reason
 
     model, gate, press = runtime.model, runtime.gate, runtime.press
     n_ctx = len(enc.context_ids)
@@ -47,13 +47,9 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
         ):
             model.model(input_ids=context_tensor(model, enc.context_ids), past_key_values=cache)
     seconds = {"prefill": time.perf_counter() - t0}
-    signals: dict = {"context_tokens": n_ctx, "agreement_drop": None, "lookahead_heads": None,
-                     "lookahead_mass": None, "confidence_min": None, "logprob_mean": None}
     if recorder:
-        signals["agreement_drop"] = decision.agreement_drop = recorder.drop()
-    if gate.learned is not None and not gate.learned_post_decode:
-        signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
-    reason = gate.before_decode(signals)
+        decision.agreement_drop = recorder.drop()
+    reason = pre_decode_reason(gate, decision)
     if reason is None:
         t = time.perf_counter()
         position = cache.get_seq_length() if continues_from_compressed_length(press) else n_ctx
@@ -61,7 +57,7 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
         logprobs: list = []
         ids = greedy_decode(model, cache, enc.question_ids, position, max_new, logprobs=logprobs)
         seconds["decode"] = time.perf_counter() - t
-        reason = post_decode_reason(gate, decision, signals, logprobs, None)
+        reason = post_decode_reason(gate, decision, logprobs, None)
         if reason is None:
             decision.mode = "evicted"
             decision.kv_retained = runtime.operating_point.kv_retained

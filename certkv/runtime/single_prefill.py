@@ -37,11 +37,10 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
     from certkv.engine.engine import is_probabilistic_press
     from certkv.engine.full_cache import decode_full, prefill_full
     from certkv.gate.agreement import AgreementRecorder
-    from certkv.runtime.gates import learned_score, post_decode_reason
+    from certkv.runtime.gates import post_decode_reason, pre_decode_reason
 
     model, gate, press = runtime.model, runtime.gate, runtime.press
     policy = runtime.policy
-    n_ctx = len(enc.context_ids)
     probabilistic = is_probabilistic_press(press)
     recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
     cache, fast_sel, sampled = prefill_full(
@@ -52,22 +51,15 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
     )
     selection = sampled[policy] if probabilistic else fast_sel[policy]
     seconds = {"prefill": time.perf_counter() - t0}
-    signals: dict = {"context_tokens": n_ctx, "agreement_drop": None, "lookahead_heads": None,
-                     "confidence_min": None, "logprob_mean": None}
     if recorder:
-        signals["agreement_drop"] = decision.agreement_drop = recorder.drop()
+        decision.agreement_drop = recorder.drop()
         recorder.reset()
     if gate.needs_lookahead:
         t = time.perf_counter()
         heads = lookahead_heads(model, cache, enc, selection, gate.lookahead_tokens, runtime.stop_ids)
-        signals["lookahead_heads"] = decision.lookahead_heads = heads
-        decision.lookahead_mass = max(heads)
+        decision.lookahead_heads, decision.lookahead_mass = heads, max(heads)
         seconds["probe"] = time.perf_counter() - t
-    signals["lookahead_mass"] = decision.lookahead_mass
-    if gate.learned is not None and not gate.learned_post_decode:
-        signals["learned_score"] = decision.learned_score = learned_score(gate, signals)
-
-    reason = gate.before_decode(signals)
+    reason = pre_decode_reason(gate, decision)
     t = time.perf_counter()
     if reason is not None:
         ids = decode_full(model, cache, enc, max_new, runtime.stop_ids)
@@ -78,8 +70,7 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
     ids, logprobs, kept, certificate = evicted_decode(model, cache, enc, selection, probabilistic, max_new,
                                                       runtime.stop_ids)
     seconds["decode"] = time.perf_counter() - t
-    decision.certificate_max = certificate
-    reason = post_decode_reason(gate, decision, signals, logprobs, certificate)
+    reason = post_decode_reason(gate, decision, logprobs, certificate)
     if reason is not None:
         t = time.perf_counter()
         ids = decode_full(model, cache, enc, max_new, runtime.stop_ids)

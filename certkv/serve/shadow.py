@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from certkv.core.binomial import VIOLATION_EPS, violation_mask
 from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.signals import SIGNALS as DECLARED
 from certkv.errors import CertkvError
 
 if TYPE_CHECKING:
@@ -46,9 +47,9 @@ log = logging.getLogger("certkv.serve.shadow")
 
 #: The utility of a request without reference answers: the served answer against the full one.
 AGREEMENT = "agreement"
-#: Decision signals copied onto the deployed policy's row (calibration's signal columns).
-SIGNALS = ("agreement_drop", "certificate_max", "confidence_min", "logprob_mean", "lookahead_mass",
-           "lookahead_heads", "learned_score")
+#: Decision signals copied onto the deployed policy's row: the candidate signals of
+#: :mod:`certkv.core.signals` (the request signals go on both rows, or the full row, as calibration).
+SIGNALS = tuple(s.name for s in DECLARED if s.per == "candidate")
 
 __all__ = ["AGREEMENT", "SIGNALS", "VIOLATION_EPS", "ShadowJob", "ShadowRunner", "shadow_rows"]
 
@@ -212,8 +213,6 @@ def shadow_rows(job: ShadowJob, entry, *, full_answer: str, utility_name: str, u
         "escalated": d.escalated,
     }
     for name in SIGNALS:
-        if name == "agreement_drop":
-            continue
         value = getattr(d, name)
         if value is not None:
             served_row[name] = value
