@@ -51,13 +51,18 @@ def test_sigterm_raises_terminated_and_exit_codes_follow_the_signal():
 
 
 def test_handlers_are_restored_and_nothing_is_installed_outside():
-    before = {sig: signal.getsignal(sig) for sig in interrupts.HANDLED}
-    with interrupts.interruptible():
-        assert all(signal.getsignal(sig) is not before[sig] for sig in interrupts.HANDLED)
-    assert {sig: signal.getsignal(sig) for sig in interrupts.HANDLED} == before
-    with interrupts.critical():  # outside interruptible: a no-op, Ctrl-C raises at once
-        with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGINT)
+    # Python's own Ctrl-C handler, whatever an earlier test in this process (Ray, a server) left
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = {sig: signal.getsignal(sig) for sig in interrupts.HANDLED}
+        with interrupts.interruptible():
+            assert all(signal.getsignal(sig) is not before[sig] for sig in interrupts.HANDLED)
+        assert {sig: signal.getsignal(sig) for sig in interrupts.HANDLED} == before
+        with interrupts.critical():  # outside interruptible: a no-op, Ctrl-C raises at once
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _InterruptAfterCommit:
