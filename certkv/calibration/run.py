@@ -111,46 +111,25 @@ def request_rows(request, result, contract, computed: dict | None = None) -> lis
     per_request = {s.name: getattr(result, s.name, None) for s in RECORDED if s.per == "request"}
     per_request.update(computed or {})
     on_every_row = {k: v for k, v in per_request.items() if signal(k).store == "column"}
-    rows = [
-        {
-            "request_id": request.id,
-            "task": request.task,
-            "policy": REFERENCE_POLICY,
-            "press": REFERENCE_POLICY,
-            "kv_retained": 1.0,
-            "kv_retained_actual": 1.0,
-            "utility": utility_full,
-            "utility_full": utility_full,
-            "loss": 0.0,
-            "answer": full.answer,
-            "path": None,
-            "seconds": seconds.get("prefill", 0.0) + seconds.get("full_decode", 0.0),
-            "seconds_breakdown": seconds,
-            **per_request,
-            **_answer_signals(full, full_row=True),
-        }
-    ]
+    rows = [{
+        **_row_head(request, REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, utility_full, utility_full, full.answer),
+        "path": None,
+        "seconds": seconds.get("prefill", 0.0) + seconds.get("full_decode", 0.0),
+        "seconds_breakdown": seconds,
+        **per_request,
+        **_answer_signals(full, full_row=True),
+    }]
     n_fast = sum(1 for c in result.candidates if c.path == "fast") or 1
     for cand in result.candidates:
         utility = score(contract.utility, cand.answer, answers, full.answer)
-        rows.append(
-            {
-                "request_id": request.id,
-                "task": request.task,
-                "policy": cand.policy,
-                "press": cand.press,
-                "kv_retained": cand.kv_retained,
-                "kv_retained_actual": cand.kv_retained_actual,
-                "utility": utility,
-                "utility_full": utility_full,
-                "loss": utility_full - utility,
-                "answer": cand.answer,
-                "path": cand.path,
-                "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
-                **on_every_row,
-                **_answer_signals(cand),
-            }
-        )
+        rows.append({
+            **_row_head(request, cand.policy, cand.press, cand.kv_retained, cand.kv_retained_actual, utility,
+                        utility_full, cand.answer),
+            "path": cand.path,
+            "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
+            **on_every_row,
+            **_answer_signals(cand),
+        })
     by = contract.strata.by if contract.strata is not None else "task"
     if by != "task":  # strata by a metadata key: the records carry its value (a `stratum` column)
         from certkv.requests.request_set import stratum_of
@@ -158,6 +137,14 @@ def request_rows(request, result, contract, computed: dict | None = None) -> lis
         for row in rows:
             row["stratum"] = stratum_of(request, by)
     return rows
+
+
+def _row_head(request, policy: str, press: str, kv: float, kv_actual: float, utility: float, utility_full: float,
+              answer: str) -> dict:
+    """The columns every store row starts with (loss = utility_full − utility)."""
+    return {"request_id": request.id, "task": request.task, "policy": policy, "press": press, "kv_retained": kv,
+            "kv_retained_actual": kv_actual, "utility": utility, "utility_full": utility_full,
+            "loss": utility_full - utility, "answer": answer}
 
 
 def _answer_signals(answer, *, full_row: bool = False) -> dict:
