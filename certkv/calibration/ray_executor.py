@@ -2,7 +2,8 @@
 
 Roles. Each worker is a Ray actor that loads the model once (:func:`certkv.calibration.run.load_engine`)
 and turns the requests it is handed into their store rows with the very function a local run uses
-(:func:`certkv.calibration.run.calibrate_request`); rows travel back as plain dicts. The driver (this
+(:func:`certkv.calibration.run.calibrate_request`); rows travel back as plain dicts in a
+:class:`RequestOutcome`. The driver (this
 process) hands out the requests still missing from the store, a bounded number in flight per
 worker, and writes each result as it arrives with :func:`certkv.calibration.run.record_request`:
 one transaction per request, and the driver is the store's only writer, so the store's guarantees
@@ -30,7 +31,7 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from certkv.errors import CertkvError
 from certkv.interrupts import reclaim
@@ -82,6 +83,32 @@ class RayOptions:
             raise CertkvError(f"in_flight must be at least 1, got {self.in_flight}")
 
 
+@dataclass
+class WorkerReport:
+    """What a worker reports once loaded (:meth:`CalibrationWorker.describe`): its facts
+    (``pid`` and, once known, :data:`WORKER_FACTS`) or the error its load failed with."""
+
+    facts: dict
+    error: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.facts.get("pid")
+
+
+@dataclass
+class RequestOutcome:
+    """One request's result from a worker (:meth:`CalibrationWorker.calibrate`): its store rows
+    and skip reason (as :func:`certkv.calibration.run.calibrate_request` returns them) with the
+    facts of the worker that computed them, or the error the request failed with."""
+
+    request_id: str
+    rows: list | None = None
+    skipped: str | None = None
+    facts: dict = field(default_factory=dict)
+    error: str | None = None
+
+
 class CalibrationWorker:
     """One model replica: the body of a Ray actor (wrapped by :func:`run_on_ray`).
 
@@ -108,24 +135,24 @@ class CalibrationWorker:
         except Exception as exc:  # noqa: BLE001 - reported to the driver as one line
             self.error = f"{type(exc).__name__}: {exc}"
 
-    def describe(self) -> dict:
+    def describe(self) -> WorkerReport:
         """The facts the driver checks (fingerprint, device type, pid) or the load error."""
-        return dict(self.facts, error=self.error)
+        return WorkerReport(dict(self.facts), self.error)
 
     def ping(self) -> int:
         return os.getpid()
 
-    def calibrate(self, request) -> dict:
-        """One request → ``{request_id, rows, skipped, facts}`` or ``{request_id, error}``."""
+    def calibrate(self, request) -> RequestOutcome:
+        """One request → its rows, skip reason and this worker's facts, or its error."""
         from certkv.calibration.run import calibrate_request
 
         if self.error is not None:
-            return {"request_id": request.id, "error": self.error}
+            return RequestOutcome(request.id, error=self.error)
         try:
             rows, reason = calibrate_request(request, self.engine, self.tokenizer, self.contract, self.max_positions)
         except CertkvError as exc:
-            return {"request_id": request.id, "error": str(exc)}
-        return {"request_id": request.id, "rows": rows, "skipped": reason, "facts": self.facts}
+            return RequestOutcome(request.id, error=str(exc))
+        return RequestOutcome(request.id, rows, reason, self.facts)
 
 
 def _connect(ray, options: RayOptions) -> bool:
@@ -195,120 +222,204 @@ def calibrate_on_ray(contract, *, new_store: bool = False, limit: int | None = N
     return summary
 
 
-def run_on_ray(contract, todo, store, summary, *, device: str | None, dtype: str | None, options: RayOptions,
-               quiet: bool = False, console=None) -> None:
-    """Calibrate `todo` on Ray actors into the open `store` (the driver: the only writer)."""
-    from certkv.calibration.run import _progress, record_request
-
-    ray = import_ray()
-    started = _connect(ray, options)
-    reclaim()  # ray.init replaced the SIGTERM handler with sys.exit(15): SIGTERM stops the run as Ctrl-C does
+def _lost_call_errors(ray) -> tuple:
+    """The exceptions of a call lost with its worker (Ray restarts the worker; the call is asked again)."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
     try:
         from ray.exceptions import ActorUnavailableError
     except ImportError:  # older Ray
         ActorUnavailableError = RayActorError  # noqa: N806
-    lost_call = (RayActorError, ActorUnavailableError, GetTimeoutError)
+    return (RayActorError, ActorUnavailableError, GetTimeoutError)
+
+
+def _start_actors(ray, contract, device: str | None, dtype: str | None, options: RayOptions, n_workers: int) -> list:
+    """`n_workers` named :class:`CalibrationWorker` actors, restarted by Ray (calls and all) when killed."""
+    actor_class = ray.remote(
+        num_cpus=options.threads_per_worker, num_gpus=options.gpus_per_worker or None,
+        max_restarts=-1, max_task_retries=-1,
+        # the ping answers from its own thread while a request runs (liveness for the progress bar)
+        concurrency_groups={"compute": 1},
+    )(CalibrationWorker)
+    token = os.urandom(4).hex()
+    return [
+        actor_class.options(name=f"{WORKER_NAME}-{i}-{token}").remote(contract, device, dtype, options.threads_per_worker)
+        for i in range(n_workers)
+    ]
+
+
+def _warn_if_gpus_unused(ray, contract, device: str | None, options: RayOptions) -> None:
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus and not options.gpus_per_worker and (device or contract.protocol.device) != "cpu":
+        print(f"certkv: the Ray cluster has {gpus:g} GPUs but --gpus-per-worker is 0: the workers run on CPU",
+              file=sys.stderr)
+
+
+@dataclass
+class _Worker:
+    """The driver's record of one actor: loaded or not, its calls in flight, when it last answered."""
+
+    index: int
+    actor: object
+    ready: bool = False  # loaded and its facts checked: it is handed requests
+    in_flight: int = 0  # its request calls not yet come back
+    pinging: bool = False  # a ping not yet answered
+    last_seen: float = 0.0  # time.monotonic() of its last answer
+    pid: int | None = None  # the process that last answered
+
+    def seen(self, pid: int | None) -> bool:
+        """An answer from process `pid` (None: not known); True when the pid is new: Ray restarted the worker."""
+        restarted = pid is not None and self.pid is not None and pid != self.pid
+        self.pid = pid if pid is not None else self.pid
+        self.last_seen = time.monotonic()
+        return restarted
+
+    def live(self, now: float) -> bool:
+        return self.ready and now - self.last_seen < LIVE_WINDOW
+
+    def who(self, pid: int | None) -> str:
+        return f"Ray worker {self.index} (pid {pid})"
+
+
+@dataclass
+class _Call:
+    """A remote call not yet come back: ``kind`` is "describe", "ping" or "request" (with its request)."""
+
+    kind: str
+    worker: _Worker
+    request: object = None
+
+
+class _Driver:
+    """The loop of :func:`run_on_ray`: hands the requests out, pings the workers, writes each result once."""
+
+    def __init__(self, ray, store, summary, options: RayOptions, actors: list, todo, lost_call: tuple, record_request):
+        self.ray, self.store, self.summary, self.options = ray, store, summary, options
+        self.lost_call = lost_call
+        self.record_request = record_request
+        self.workers = [_Worker(i, actor) for i, actor in enumerate(actors)]
+        self.bound = {k: v for k, v in store.meta().items() if k in WORKER_FACTS}
+        # Longest first: the run ends with short requests, so the last worker to finish waits the
+        # least for the others (request-length skew); the records do not depend on the order.
+        self.queue = deque(sorted(todo, key=lambda r: -len(r.context)))
+        self.calls: dict = {}  # ObjectRef -> _Call
+        self.written: set[str] = set()
+        self.t0: float | None = None  # when the first worker was ready
+        self.next_ping = 0.0
+        for worker in self.workers:
+            self._describe(worker)
+
+    def run(self, progress, task) -> None:
+        """Until every request is written: hand out, ping, handle what came back, show the live workers."""
+        while self.queue or any(w.in_flight for w in self.workers):
+            self.hand_out()
+            self.ping_due()
+            finished, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=0.5)
+            for ref in finished:
+                if self.finish(ref) and progress:
+                    progress.advance(task)
+            if progress:
+                now = time.monotonic()
+                progress.update(task, workers=sum(1 for w in self.workers if w.live(now)))
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0 if self.t0 else 0.0
+
+    def hand_out(self) -> None:
+        """A bounded number of requests in flight per ready worker."""
+        for worker in self.workers:
+            while worker.ready and self.queue and worker.in_flight < self.options.in_flight:
+                request = self.queue.popleft()
+                ref = worker.actor.calibrate.options(concurrency_group="compute").remote(request)
+                self.calls[ref] = _Call("request", worker, request)
+                worker.in_flight += 1
+
+    def ping_due(self) -> None:
+        """Every PING_EVERY seconds, ping each ready worker whose last ping has come back."""
+        now = time.monotonic()
+        if now < self.next_ping:
+            return
+        for worker in self.workers:
+            if worker.ready and not worker.pinging:
+                self.calls[worker.actor.ping.remote()] = _Call("ping", worker)
+                worker.pinging = True
+        self.next_ping = now + PING_EVERY
+
+    def finish(self, ref) -> bool:
+        """Handle one finished call; True when it wrote a request."""
+        call = self.calls.pop(ref)
+        try:
+            out = self.ray.get(ref)
+        except self.lost_call:
+            out = None
+        if call.kind == "ping":
+            call.worker.pinging = False
+            if out is not None:
+                self._seen(call.worker, out)
+            return False
+        if call.kind == "describe":
+            self._described(call.worker, out)
+            return False
+        return self._calibrated(call.worker, call.request, out)
+
+    def _describe(self, worker: _Worker) -> None:
+        self.calls[worker.actor.describe.remote()] = _Call("describe", worker)
+
+    def _seen(self, worker: _Worker, pid: int | None) -> None:
+        if worker.seen(pid):
+            self.summary.worker_restarts += 1
+
+    def _described(self, worker: _Worker, report: WorkerReport | None) -> None:
+        """A worker's report: refuse its load error or its facts, or make it ready."""
+        if report is None:  # a restart is underway: ask again
+            self._describe(worker)
+            return
+        if report.error:
+            raise CertkvError(f"Ray worker {worker.index} could not load the model: {report.error}")
+        _check_facts(self.store, self.bound, report.facts, worker.who(report.pid))
+        worker.ready = True
+        self._seen(worker, report.pid)
+        self.t0 = self.t0 or time.perf_counter()
+
+    def _calibrated(self, worker: _Worker, request, outcome: RequestOutcome | None) -> bool:
+        """A request's outcome: written once (True), or handed out again when its call was lost."""
+        worker.in_flight -= 1
+        if outcome is None:  # the call was lost with its worker: hand the request out again
+            self.queue.appendleft(request)
+            return False
+        if outcome.error:
+            raise CertkvError(outcome.error)
+        pid = outcome.facts.get("pid")
+        _check_facts(self.store, self.bound, outcome.facts, worker.who(pid))
+        self._seen(worker, pid)
+        if outcome.request_id in self.written:  # a retried call whose first run also came back
+            return False
+        self.record_request(self.store, self.summary, outcome.request_id, outcome.rows, outcome.skipped)
+        self.written.add(outcome.request_id)
+        return True
+
+
+def run_on_ray(contract, todo, store, summary, *, device: str | None, dtype: str | None, options: RayOptions,
+               quiet: bool = False, console=None) -> None:
+    """Calibrate `todo` on Ray actors into the open `store` (the driver: the only writer)."""
+    from certkv.calibration.progress import progress_bar
+    from certkv.calibration.run import record_request
+
+    ray = import_ray()
+    started = _connect(ray, options)
+    reclaim()  # ray.init replaced the SIGTERM handler with sys.exit(15): SIGTERM stops the run as Ctrl-C does
+    lost_call = _lost_call_errors(ray)
     actors = []
     try:
         n_workers = _worker_count(ray, options, len(todo))
         summary.workers = n_workers
-        actor_class = ray.remote(
-            num_cpus=options.threads_per_worker, num_gpus=options.gpus_per_worker or None,
-            max_restarts=-1, max_task_retries=-1,
-            # the ping answers from its own thread while a request runs (liveness for the progress bar)
-            concurrency_groups={"compute": 1},
-        )(CalibrationWorker)
-        token = os.urandom(4).hex()
-        actors = [
-            actor_class.options(name=f"{WORKER_NAME}-{i}-{token}").remote(contract, device, dtype, options.threads_per_worker)
-            for i in range(n_workers)
-        ]
-        gpus = ray.cluster_resources().get("GPU", 0)
-        if gpus and not options.gpus_per_worker and (device or contract.protocol.device) != "cpu":
-            print(f"certkv: the Ray cluster has {gpus:g} GPUs but --gpus-per-worker is 0: the workers run on CPU",
-                  file=sys.stderr)
-        bound = {k: v for k, v in store.meta().items() if k in WORKER_FACTS}
-        # Longest first: the run ends with short requests, so the last worker to finish waits the
-        # least for the others (request-length skew); the records do not depend on the order.
-        queue = deque(sorted(todo, key=lambda r: -len(r.context)))
-        calls: dict = {}  # ObjectRef -> (kind, worker index, request or None)
-        for i, actor in enumerate(actors):
-            calls[actor.describe.remote()] = ("describe", i, None)
-        ready = [False] * n_workers
-        in_flight = [0] * n_workers
-        pinging = [False] * n_workers
-        last_seen = [0.0] * n_workers
-        pids: list[int | None] = [None] * n_workers
-
-        def seen(i: int, pid: int | None) -> None:  # a new pid: Ray restarted the worker
-            if pid is not None and pids[i] is not None and pid != pids[i]:
-                summary.worker_restarts += 1
-            pids[i] = pid if pid is not None else pids[i]
-            last_seen[i] = time.monotonic()
-
-        written: set[str] = set()
-        t0 = None
-        next_ping = 0.0
-        with _progress(quiet, console, workers=True) as progress:
+        actors = _start_actors(ray, contract, device, dtype, options, n_workers)
+        _warn_if_gpus_unused(ray, contract, device, options)
+        driver = _Driver(ray, store, summary, options, actors, todo, lost_call, record_request)
+        with progress_bar(quiet, console, workers=True) as progress:
             task = progress.add_task("calibrating", total=len(todo), workers=0) if progress else None
-            while queue or any(in_flight):
-                for i, actor in enumerate(actors):  # hand out: a bounded number in flight per worker
-                    while ready[i] and queue and in_flight[i] < options.in_flight:
-                        request = queue.popleft()
-                        ref = actor.calibrate.options(concurrency_group="compute").remote(request)
-                        calls[ref] = ("request", i, request)
-                        in_flight[i] += 1
-                now = time.monotonic()
-                if now >= next_ping:
-                    for i, actor in enumerate(actors):
-                        if ready[i] and not pinging[i]:
-                            calls[actor.ping.remote()] = ("ping", i, None)
-                            pinging[i] = True
-                    next_ping = now + PING_EVERY
-                finished, _ = ray.wait(list(calls), num_returns=1, timeout=0.5)
-                for ref in finished:
-                    kind, i, request = calls.pop(ref)
-                    try:
-                        out = ray.get(ref)
-                    except lost_call:
-                        out = None
-                    if kind == "ping":
-                        pinging[i] = False
-                        if out is not None:
-                            seen(i, out)
-                        continue
-                    if kind == "describe":
-                        if out is None:  # a restart is underway: ask again
-                            calls[actors[i].describe.remote()] = ("describe", i, None)
-                            continue
-                        if out.get("error"):
-                            raise CertkvError(f"Ray worker {i} could not load the model: {out['error']}")
-                        _check_facts(store, bound, out, f"Ray worker {i} (pid {out.get('pid')})")
-                        ready[i] = True
-                        seen(i, out.get("pid"))
-                        t0 = t0 or time.perf_counter()
-                        continue
-                    in_flight[i] -= 1
-                    if out is None:  # the call was lost with its worker: hand the request out again
-                        queue.appendleft(request)
-                        continue
-                    if out.get("error"):
-                        raise CertkvError(out["error"])
-                    _check_facts(store, bound, out["facts"], f"Ray worker {i} (pid {out['facts'].get('pid')})")
-                    seen(i, out["facts"].get("pid"))
-                    if out["request_id"] in written:  # a retried call whose first run also came back
-                        continue
-                    record_request(store, summary, out["request_id"], out["rows"], out["skipped"])
-                    written.add(out["request_id"])
-                    if progress:
-                        progress.advance(task)
-                if progress:
-                    now = time.monotonic()
-                    live = sum(1 for i in range(n_workers) if ready[i] and now - last_seen[i] < LIVE_WINDOW)
-                    progress.update(task, workers=live)
-        summary.seconds = time.perf_counter() - t0 if t0 else 0.0
+            driver.run(progress, task)
+        summary.seconds = driver.seconds()
     finally:
         for actor in actors:
             try:

@@ -89,6 +89,29 @@ class RequestResult:
     agreement_drop: float | None = None
 
 
+@dataclass
+class _Prefilled:
+    """One request in :meth:`Engine.run` after its single full prefill: the full cache, what each
+    fast candidate keeps of it (`by_candidate`) and each probabilistic candidate's sample
+    (`sampled`); the lookahead probe (None: no probe) and the KV heads per layer; and the time the
+    candidates' evicted mass has taken so far (counted as lookahead)."""
+
+    enc: object
+    n_ctx: int
+    cache: object
+    by_candidate: dict
+    sampled: dict
+    probe: object = None
+    n_kv_heads: int = 0
+    mass_seconds: float = 0.0
+
+    def set_lookahead(self, answer: CandidateAnswer, kept) -> None:
+        """`answer`'s lookahead signal: the probe's mass on the entries `kept` evicts (timed into mass_seconds)."""
+        tm = time.perf_counter()
+        answer.set_lookahead(None if self.probe is None else evicted_mass(self.probe.weights, kept, self.n_kv_heads))
+        self.mass_seconds += time.perf_counter() - tm
+
+
 class Engine:
     """Evaluates a fixed list of candidates on requests, one full prefill per request."""
 
@@ -175,6 +198,38 @@ class Engine:
             raise RequestNotRunnable(reason)
         seconds: dict[str, float] = {}
         t0 = time.perf_counter()
+        prefilled, agreement_drop = self._prefill(enc)
+        t1 = time.perf_counter()
+        seconds["prefill"] = t1 - t0
+        self._probe(prefilled)
+        t1b = time.perf_counter()
+        seconds["lookahead"] = t1b - t1
+
+        # The full-KV answer, decoded speculatively (prompt lookup); it then drafts for every candidate.
+        full_logprobs: list = [None]
+        draft = decode_full(self.model, prefilled.cache, enc, self.max_new_tokens, self.stop_ids, logprobs=full_logprobs)
+        t2 = time.perf_counter()
+        seconds["full_decode"] = t2 - t1b
+        full = CandidateAnswer(REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, self._decode(draft), draft, "full")
+        full.set_confidence(full_logprobs[0])
+
+        answers: dict[str, CandidateAnswer] = {}
+        verify: dict[str, float] = {}
+        reserve = len(enc.question_ids) + 4 * self.max_new_tokens
+        self._fast_answers(prefilled, draft, reserve, answers, verify)
+        self._probabilistic_answers(prefilled, reserve, answers)
+        t3 = time.perf_counter()
+        seconds["candidates_fast"] = t3 - t2 - prefilled.mass_seconds
+        seconds["lookahead"] += prefilled.mass_seconds  # the probe and every candidate's evicted mass
+        seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
+        for c in self.slow:
+            answers[c.policy] = self._run_pipeline(c, enc, context_tensor(self.model, enc.context_ids))
+        seconds["candidates_pipeline"] = time.perf_counter() - t3
+        return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
+
+    def _prefill(self, enc) -> tuple[_Prefilled, float | None]:
+        """The request's one full prefill, recording every fast candidate's kept indices, every
+        probabilistic candidate's sample and (with a recorder) the agreement drop."""
         cache, by_candidate, sampled = prefill_full(
             self.model, enc.context_ids, {c.policy: c.press for c in self.fast},
             {c.policy: c.press for c in self.probabilistic}, self.recorder,
@@ -183,40 +238,28 @@ class Engine:
         if self.recorder:
             agreement_drop = self.recorder.drop()
             self.recorder.reset()
-        t1 = time.perf_counter()
-        seconds["prefill"] = t1 - t0
-        # Where the full-cache answer's first queries look, while the full cache exists (the probe
-        # leaves it cropped to the context); each candidate's evicted share follows below.
-        probe = None
+        return _Prefilled(enc, len(enc.context_ids), cache, by_candidate, sampled), agreement_drop
+
+    def _probe(self, prefilled: _Prefilled) -> None:
+        """Where the full-cache answer's first queries look, while the full cache exists (the probe
+        leaves it cropped to the context); each candidate's evicted share follows from it."""
         if self.lookahead_tokens is not None:
-            probe = lookahead_probe(self.model, cache, enc.question_ids, n_ctx, self.lookahead_tokens, self.stop_ids)
-        n_kv_heads = cache.layers[0].keys.shape[1]
+            prefilled.probe = lookahead_probe(
+                self.model, prefilled.cache, prefilled.enc.question_ids, prefilled.n_ctx, self.lookahead_tokens,
+                self.stop_ids,
+            )
+        prefilled.n_kv_heads = prefilled.cache.layers[0].keys.shape[1]
 
-        def lookahead(kept):
-            return None if probe is None else evicted_mass(probe.weights, kept, n_kv_heads)
-
-        t1b = time.perf_counter()
-        seconds["lookahead"] = t1b - t1
-
-        # The full-KV answer, decoded speculatively (prompt lookup); it then drafts for every candidate.
-        full_logprobs: list = [None]
-        draft = decode_full(self.model, cache, enc, self.max_new_tokens, self.stop_ids, logprobs=full_logprobs)
-        t2 = time.perf_counter()
-        seconds["full_decode"] = t2 - t1b
-        full = CandidateAnswer(REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, self._decode(draft), draft, "full")
-        full.set_confidence(full_logprobs[0])
-        mass_seconds = 0.0
-
-        answers: dict[str, CandidateAnswer] = {}
-        verify: dict[str, float] = {}
-        reserve = len(enc.question_ids) + 4 * self.max_new_tokens
+    def _fast_answers(self, prefilled: _Prefilled, draft: list[int], reserve: int, answers: dict, verify: dict) -> None:
+        """The fast candidates' answers into `answers`, decoded in padded batches from the full answer's draft."""
+        enc, n_ctx, by_candidate = prefilled.enc, prefilled.n_ctx, prefilled.by_candidate
         kept = {
             c.policy: n_ctx if by_candidate[c.policy][0] is None else by_candidate[c.policy][0].shape[2]
             for c in self.fast
         }
-        for chunk in self._chunks(cache, kept, reserve):
+        for chunk in self._chunks(prefilled.cache, kept, reserve):
             batch, mask, lengths = padded_cache(
-                cache, [by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve, pool=self._pool
+                prefilled.cache, [by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve, pool=self._pool
             )
             chunk_logprobs: list = [None] * len(chunk)
             token_lists = decode_candidates(
@@ -224,37 +267,28 @@ class Engine:
                 context_ids=enc.context_ids, timings=verify, logprobs=chunk_logprobs,
             )
             del batch
-            for c, kept, ids, lp in zip(chunk, lengths, token_lists, chunk_logprobs):
-                answers[c.policy] = CandidateAnswer(
-                    c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "fast"
+            for c, length, ids, lp in zip(chunk, lengths, token_lists, chunk_logprobs):
+                answer = answers[c.policy] = CandidateAnswer(
+                    c.policy, c.press_name, c.kv_retained, length / n_ctx, self._decode(ids), ids, "fast"
                 )
-                answers[c.policy].set_confidence(lp)
-                tm = time.perf_counter()
-                answers[c.policy].set_lookahead(lookahead(by_candidate[c.policy]))
-                mass_seconds += time.perf_counter() - tm
-        probabilistic = []
-        for chunk in self._probabilistic_chunks(cache, n_ctx + reserve):
-            probabilistic += decode_probabilistic(
-                self.model, cache, [sampled[c.policy] for c in chunk], enc.question_ids, n_ctx,
-                self.max_new_tokens, self.stop_ids,
+                answer.set_confidence(lp)
+                prefilled.set_lookahead(answer, by_candidate[c.policy])
+
+    def _probabilistic_answers(self, prefilled: _Prefilled, reserve: int, answers: dict) -> None:
+        """The probabilistic candidates' answers into `answers`, each decoded from its sample of the full cache."""
+        results = []
+        for chunk in self._probabilistic_chunks(prefilled.cache, prefilled.n_ctx + reserve):
+            results += decode_probabilistic(
+                self.model, prefilled.cache, [prefilled.sampled[c.policy] for c in chunk], prefilled.enc.question_ids,
+                prefilled.n_ctx, self.max_new_tokens, self.stop_ids,
             )
-        for c, result in zip(self.probabilistic, probabilistic):
-            answers[c.policy] = CandidateAnswer(
+        for c, result in zip(self.probabilistic, results):
+            answer = answers[c.policy] = CandidateAnswer(
                 c.policy, c.press_name, c.kv_retained, result.kept_fraction, self._decode(result.token_ids),
                 result.token_ids, "fast", certificate_max=result.certificate_max,
             )
-            answers[c.policy].set_confidence(result.logprobs)
-            tm = time.perf_counter()
-            answers[c.policy].set_lookahead(lookahead(sampled[c.policy]))
-            mass_seconds += time.perf_counter() - tm
-        t3 = time.perf_counter()
-        seconds["candidates_fast"] = t3 - t2 - mass_seconds
-        seconds["lookahead"] += mass_seconds  # the probe and every candidate's evicted mass
-        seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
-        for c in self.slow:
-            answers[c.policy] = self._run_pipeline(c, enc, context_tensor(self.model, enc.context_ids))
-        seconds["candidates_pipeline"] = time.perf_counter() - t3
-        return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
+            answer.set_confidence(result.logprobs)
+            prefilled.set_lookahead(answer, prefilled.sampled[c.policy])
 
     def _run_pipeline(self, c: PressCandidate, enc, context_ids) -> CandidateAnswer:
         """kvpress's own path: prefill under the press's context manager, then decode."""
