@@ -189,7 +189,7 @@ def demo_savings_by_risk(risks=(0.05, 0.10, 0.15, 0.20)) -> dict | None:
     ``kv_saved_by_gate`` = least certified mean KV without a gate − least with one, a family with
     nothing certified counting as 1.0 (what would be deployed: the full cache); negative when the
     gate costs KV."""
-    from certkv.calibration.records import load_records
+    from certkv.calibration.certification import load_records
     from certkv.contract.loading import load_contract
     from certkv.contract.spec import certification_spec
     from certkv.core.certify import certify
@@ -222,7 +222,7 @@ def demo_procedures() -> dict | None:
     """The demo store certified under fixed-sequence testing (δ split over the sequences, the
     demo contract's choice) and under pilot_ordered (one sequence ordered by the pilot's risk, at
     the full δ): which saves more KV. Both are pre-registrable; the demo ships the winner."""
-    from certkv.calibration.records import load_records
+    from certkv.calibration.certification import load_records
     from certkv.contract.loading import load_contract
     from certkv.contract.spec import certification_spec
     from certkv.core.certify import certify

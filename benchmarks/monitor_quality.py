@@ -93,7 +93,7 @@ def synthetic() -> dict:
 def demo_verdicts(contract_path: Path, op_path: Path) -> dict:
     """Per task: the certification requests' violations under the task's entry (what certification
     counted), and the multi-key requests' violations under the single-needle entry."""
-    from certkv.calibration.records import load_records
+    from certkv.calibration.certification import load_records
     from certkv.contract import load_contract
     from certkv.core.binomial import violation_mask
     from certkv.core.certify import prepare

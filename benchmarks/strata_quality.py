@@ -204,7 +204,7 @@ def demo_validation(table, spec_) -> dict:
 
 def demo(demo_dir: Path) -> dict | None:
     """The demo store's certificates and validations, gated (the contract) and ungated."""
-    from certkv.calibration.records import load_records
+    from certkv.calibration.certification import load_records
     from certkv.contract.loading import load_contract
     from certkv.contract.spec import certification_spec
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import certify_without_torch, run_main
 
-from certkv.calibration.records import load_records
+from certkv.calibration.certification import load_records
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract
 from certkv.contract.spec import certification_spec

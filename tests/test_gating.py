@@ -16,7 +16,7 @@ import yaml
 from conftest import run_main
 from scipy import stats
 
-from certkv.calibration.records import load_records
+from certkv.calibration.certification import load_records
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract, parse_contract
 from certkv.contract.spec import certification_spec

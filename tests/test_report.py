@@ -106,7 +106,7 @@ def test_the_page_is_rendered_from_an_autoescaping_template(tmp_path):
     """Names from a loss table (here a task) and notes reach the page escaped, by the template."""
     from test_certify_cli import write_contract
 
-    from certkv.calibration.records import certify_contract
+    from certkv.calibration.certification import certify_contract
     from certkv.contract.spec import certification_spec
     from certkv.core.validation import validate
     from certkv.report.html import render_html

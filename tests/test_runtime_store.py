@@ -82,7 +82,7 @@ def test_store_rows_carry_the_gate_signals(calibrated):
 
 
 def test_certified_runtime_reproduces_the_store(calibrated, embedded):
-    from certkv.calibration.records import load_records
+    from certkv.calibration.certification import load_records
     from certkv.contract.spec import certification_spec
     from certkv.core.certify import certify
     from certkv.requests.request_set import read_jsonl

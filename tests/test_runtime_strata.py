@@ -53,7 +53,7 @@ def calibrated(tmp_path_factory, embedded):
 
 @pytest.fixture(scope="module")
 def stratified(calibrated):
-    from certkv.calibration.records import load_records
+    from certkv.calibration.certification import load_records
     from certkv.core.certify import certify
 
     contract, _, _ = calibrated

@@ -22,7 +22,7 @@ from conftest import run_cli, run_main
 from test_console_output import assert_fits, joined
 from test_strata import CONTRACT, strata_rows
 
-from certkv.calibration.records import certify_contract_with_comparison, load_records, pooled_comparison
+from certkv.calibration.certification import certify_contract_with_comparison, load_records, pooled_comparison
 from certkv.contract.loading import load_contract
 from certkv.contract.spec import certification_spec
 from certkv.core.certify import certify

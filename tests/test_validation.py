@@ -11,8 +11,8 @@ import yaml
 from conftest import run_main
 from scipy.stats import binom
 
-from certkv.calibration.records import load_records
-from certkv.cli.validate import read_validation
+from certkv.calibration.certification import load_records
+from certkv.calibration.validation_file import read_validation
 from certkv.contract.loading import load_contract
 from certkv.core.binomial import binomial_p_value_table
 from certkv.core.certify import certify, decide, select_candidates

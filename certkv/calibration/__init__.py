@@ -2,6 +2,6 @@
 
 :mod:`~certkv.calibration.run` drives the engine over a contract's requests and writes
 :mod:`~certkv.calibration.store` (crash-safe SQLite); :mod:`~certkv.calibration.utility` scores an
-answer; :mod:`~certkv.calibration.records` loads a contract's evidence back for certification.
+answer; :mod:`~certkv.calibration.certification` loads a contract's evidence back for certification.
 Importing this package imports no torch; only the calibrate run does, inside its body.
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from certkv.calibration.progress import progress_bar
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.signals import RECORDED, request_signals, signal
 from certkv.errors import CertkvError
@@ -175,7 +176,7 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
             return summary
         engine, tokenizer, max_positions = load_engine(contract, run_device, dtype)
         t0 = time.perf_counter()
-        with _progress(quiet, console) as progress:
+        with progress_bar(quiet, console) as progress:
             task = progress.add_task("calibrating", total=len(todo)) if progress else None
             for request in todo:
                 rows, reason = calibrate_request(request, engine, tokenizer, contract, max_positions)
@@ -287,39 +288,3 @@ def record_request(store, summary: CalibrationSummary, request_id: str, rows: li
         store.write_request(request_id, rows)
         summary.calibrated += 1
     summary.write_seconds += time.perf_counter() - t0
-
-
-class _NoProgress:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _progress(quiet: bool, console, workers: bool = False):
-    """The calibration progress bar (requests done, req/s, ETA); `workers` adds the task's
-    ``workers`` field (live workers of a Ray run)."""
-    if quiet:
-        return _NoProgress()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    class RateColumn(TextColumn):
-        def render(self, task):  # requests per second, from rich's own speed estimate
-            from rich.text import Text
-
-            speed = task.finished_speed or task.speed
-            return Text(f"{speed:.2f} req/s" if speed else "… req/s")
-
-    columns = [
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        RateColumn(""),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    ]
-    if workers:
-        columns.append(TextColumn("workers {task.fields[workers]}"))
-    return Progress(*columns, console=console)

@@ -33,7 +33,7 @@ def certify(
     # 0, since only an int is an exit code. (Not in the docstring: that is --help.)
     from rich.console import Console
 
-    from certkv.calibration.records import certify_contract_with_comparison, default_output
+    from certkv.calibration.certification import certify_contract_with_comparison, default_output
     from certkv.contract.loading import load_contract
     from certkv.report.console import print_operating_point
 

@@ -26,8 +26,8 @@ def report(
     """Write risk_vs_kv.png, per_task.png (per stratum when stratified), validation.png and report.html."""
     from rich.console import Console
 
-    from certkv.calibration.records import certify_contract_with_comparison, default_output
-    from certkv.cli.validate import VALIDATION_FILE, read_validation, run_validation, write_validation
+    from certkv.calibration.certification import certify_contract_with_comparison, default_output
+    from certkv.calibration.validation_file import VALIDATION_FILE, read_validation, run_validation, write_validation
     from certkv.contract.loading import load_contract
     from certkv.report.html import write_report
 

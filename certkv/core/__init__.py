@@ -8,13 +8,20 @@ certificate can be computed and checked on a machine without the model stack (``
 Modules, in the order they build on each other:
 
 * :mod:`~certkv.core.binomial` — violation counts and exact binomial p-values / bounds;
-* :mod:`~certkv.core.procedures` — fixed-sequence, Bonferroni and Holm family-wise control;
+* :mod:`~certkv.core.procedures` — the family-wise procedures (fixed sequence, pilot-ordered,
+  Bonferroni, Holm), one class each;
 * :mod:`~certkv.core.policy_names` — the one naming rule for candidates;
+* :mod:`~certkv.core.signals` — the gate signals, one declaration each;
+* :mod:`~certkv.core.spec` — what the certifier needs (τ, ε, 1 − δ, sequences, gate settings);
 * :mod:`~certkv.core.loss_table` — one loss per (request, policy), read from any source;
+* :mod:`~certkv.core.gate_features` — the learned gate's features and score;
 * :mod:`~certkv.core.gated` — gated candidates derived from their base's records;
-* :mod:`~certkv.core.spec` — what the certifier needs (τ, ε, 1 − δ, sequences);
-* :mod:`~certkv.core.certify` — the decision: counts, p-values, the family-wise choice;
+* :mod:`~certkv.core.pilot` — the pilot split: thresholds and learned gates placed on it;
+* :mod:`~certkv.core.coverage` — the coverage envelope of a certificate (strata, context lengths);
 * :mod:`~certkv.core.operating_point` — the result, as written to ``operating_point.json``;
+* :mod:`~certkv.core.certify` — the decision: counts, p-values, the family-wise choice;
+* :mod:`~certkv.core.strata` — certificates per stratum, separately or simultaneously;
 * :mod:`~certkv.core.validation` — repeated-split validation;
-* :mod:`~certkv.core.conformal` — scale factors for the probabilistic press's certificate.
+* :mod:`~certkv.core.conformal` — scale factors for the probabilistic press's certificate;
+* :mod:`~certkv.core.monitor` — the live risk monitor's anytime-valid test and bound.
 """

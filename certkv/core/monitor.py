@@ -13,53 +13,10 @@ against it. :class:`RiskMonitor` turns those verdicts into two anytime-valid sta
   is looked at;
 * an **upper confidence bound** on p that holds at every time at once with probability ≥ 1 − δ.
 
-Weighted observations
----------------------
-Request i contributes ``Z_i = (shadowed_i / s) · V_i`` where ``V_i`` says whether its served answer
-violated (``V_i = 0`` for a full-cache answer, which is never shadowed). The shadow coin is drawn
-independently of the answer with probability s, so ``E[Z_i | past] = P(V_i = 1 | past) = p_i``:
-inverse-probability weighting makes the cheap, partial verdicts an unbiased reading of the rate
-over *all* requests. Z takes two values only, 0 and 1/s.
-
-The test: a betting martingale
-------------------------------
-``K_t = Π_i (1 + λ_i (Z_i − ε))`` with ``λ_i ∈ [0, 1/(2ε)]`` fixed *before* ``Z_i`` is known. Under H0
-every factor has conditional mean ≤ 1 and is ≥ 1/2 > 0, so K is a non-negative supermartingale
-with ``K_0 = 1`` and Ville's inequality gives ``P(sup_t K_t ≥ 1/δ) ≤ δ``: trip when ``K_t ≥ 1/δ``.
-See :func:`trip_bets` for the choice of λ (predictable plug-in Kelly) and why.
-
-The bound: a confidence sequence from a family of betting martingales
----------------------------------------------------------------------
-For each m on a fixed geometric grid (:data:`BOUND_GRID`), ``K^m_t = Π_i (1 − λ^m_i (Z_i − m))``
-bets *against* H0(m): p ≥ m; if p ≥ m it is a test supermartingale, so ``P(K^m ever ≥ 1/δ) ≤ δ``.
-A grid point is *rejected* for good once its ``K^m`` reaches 1/δ. The bound is the grid point just
-above the largest grid point not yet rejected. If the rate is p, let m_k be the largest grid point
-≤ p: with probability ≥ 1 − δ it is never rejected, so the bound stays ≥ m_{k+1} > p at all times
-(one fixed m is tested, so there is no multiplicity to pay for). Rejections are permanent, so the
-bound never increases; its resolution is the grid ratio (10^(1/50) ≈ 1.047: it overstates the
-best achievable bound by at most ~4.7 %). The same holds when the rate varies over time, for any
-m below every request's conditional rate.
-
-Out-of-order shadows
---------------------
-Shadows complete later, in any order. Each request's λ (and its λ^m) is fixed at :meth:`RiskMonitor.record`
-time from the observations completed *before* it — never from its own decision or shadow coin —
-and its factor is applied when its verdict arrives. Order the factors by record time: they form
-the supermartingale above, whatever the completion order (products commute). While a verdict is
-pending, the reported ``K`` counts its factor at its *smallest* possible value (1 − λε, "no
-violation"; for ``K^m``, 1 − λ^m(1/s − m), "violation"), so the reported value never exceeds the
-supermartingale's and Ville's bound still applies even if how fast a shadow completes depends on
-its verdict. The assumption left: the timing of completions carries no information about the
-requests not yet served.
-
-Abandoned shadows
------------------
-A shadow that could not be scored (an exception, a shutdown) counts as a **violation** in both
-statistics (``Z = 1/s``). That is the safe reading: the bound stays an upper bound on p (it bounds
-the rate of "violated or unverifiable", which is ≥ p), and a monitor whose shadows keep failing
-trips and falls back to the full cache rather than hiding violations behind failures. The test
-then controls false trips for the rate of "violated or unverifiable"; with no abandons that is p.
-``snapshot()`` reports abandons separately.
+Why both statistics hold at every time at once — the inverse-probability weighting of the
+shadows, the betting martingale and Ville's inequality, the grid of the confidence sequence,
+shadows that complete out of order and abandoned shadows (counted as violations) — is written out
+in docs/design.md, "Statistical rules: the live risk monitor".
 
 Everything here is numpy only and thread-safe (one lock per monitor).
 """

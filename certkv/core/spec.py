@@ -156,7 +156,7 @@ class PilotConfig(BaseModel):
     seed: int = 0
     min_certification: int = Field(default=100, ge=1)
     """Fewest certification requests the pilot may leave; a preview of an unfinished store, which
-    carries no guarantee, lowers it to 1 (:func:`certkv.calibration.records.preview_spec`)."""
+    carries no guarantee, lowers it to 1 (:func:`certkv.calibration.certification.preview_spec`)."""
 
 
 class StrataConfig(BaseModel):

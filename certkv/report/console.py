@@ -25,7 +25,7 @@ def print_operating_point(contract, evidence, op, console, target: Path | None =
     ----------
     contract : Contract
         The contract certified (its name and gate grid are shown).
-    evidence : certkv.calibration.records.ContractRecords
+    evidence : certkv.calibration.certification.ContractRecords
         The records certified: source, hash and skipped requests.
     op : OperatingPoint
         The result to show; a stratified one gets a row per stratum (:func:`print_strata`).
@@ -39,7 +39,7 @@ def print_operating_point(contract, evidence, op, console, target: Path | None =
         row per sequence: for wide terminals, pagers and files (per stratum when stratified).
     pooled : OperatingPoint, optional
         A stratified point's pooled comparison
-        (:func:`certkv.calibration.records.pooled_comparison`), shown beside it, labelled as
+        (:func:`certkv.calibration.certification.pooled_comparison`), shown beside it, labelled as
         never deployed.
     """
     say_path(console, "evidence:", evidence.source)

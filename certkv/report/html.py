@@ -196,7 +196,7 @@ def render_html(contract, records, op, validation, figures: dict[str, Path], not
     Parameters
     ----------
     contract, records, op, validation
-        The contract, the records certified (:class:`~certkv.calibration.records.ContractRecords`),
+        The contract, the records certified (:class:`~certkv.calibration.certification.ContractRecords`),
         their operating point and a repeated-split validation of the same records.
     figures : dict of str to path
         The PNGs of :func:`~certkv.report.figures.draw_figures`, embedded as data URIs.
