@@ -176,7 +176,8 @@ def shadow_rows(job: ShadowJob, entry, *, full_answer: str, utility_name: str, u
         "request_id": job.request_id,
         "task": job.stratum,
         "utility_full": utility_full,
-        "agreement_drop": d.agreement_drop,  # one value per request, on every row (as calibration)
+        # a request signal with a store column is on every row, as calibration writes it
+        **{s.name: getattr(d, s.name) for s in DECLARED if s.per == "request" and s.store == "column"},
         "utility_name": utility_name,
         "stream": job.stream,
     }
