@@ -82,11 +82,14 @@ def interruptible() -> Iterator[None]:
         reclaim()
         yield
     finally:
-        _state.active -= 1
-        if not _state.active:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            _state.pending = None
+        try:
+            if _state.active == 1:  # the outermost block: the previous handlers back before the count drops
+                for sig, handler in previous.items():
+                    if handler is not None:  # None: a handler not set from Python, nothing to restore
+                        signal.signal(sig, handler)
+                _state.pending = None
+        finally:
+            _state.active -= 1
 
 
 def reclaim() -> None:

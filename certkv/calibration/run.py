@@ -94,7 +94,7 @@ def skip_reason(request, n_context: int, n_question: int, contract, max_position
     return None
 
 
-def request_rows(request, result, contract, computed: dict | None = None) -> list[dict]:
+def request_rows(request, result, contract, computed: dict) -> list[dict]:
     """Store rows for one request: the full cache first, then every candidate.
 
     The gate signals come from the declarations of :mod:`certkv.core.signals`: a request signal
@@ -110,7 +110,7 @@ def request_rows(request, result, contract, computed: dict | None = None) -> lis
     utility_full = score(contract.utility, full.answer, answers, full.answer)
     seconds = result.seconds
     per_request = {s.name: getattr(result, s.name, None) for s in RECORDED if s.per == "request"}
-    per_request.update(computed or {})
+    per_request.update(computed)
     on_every_row = {k: v for k, v in per_request.items() if signal(k).store == "column"}
     rows = [{
         **_row_head(request, REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, utility_full, utility_full, full.answer),

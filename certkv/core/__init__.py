@@ -1,9 +1,10 @@
 """The torch-free core: exact binomial statistics, family-wise procedures and certification.
 
-Everything a certificate rests on lives here and imports numpy, scipy, pydantic and (for
-validation only, lazily) statsmodels, nothing else: no torch, transformers or kvpress, and nothing
-from the rest of certkv but :mod:`certkv.errors`, :mod:`certkv.atomic_io` and the version. So a
-certificate can be computed and checked on a machine without the model stack (``certkv certify``).
+Everything a certificate rests on lives here and imports numpy, scipy, pydantic and, lazily,
+statsmodels (validation) and scikit-learn (the pilot's learned gate), nothing else: no torch,
+transformers or kvpress, and nothing from the rest of certkv but :mod:`certkv.errors`,
+:mod:`certkv.atomic_io` and the version. So a certificate can be computed and checked on a
+machine without the model stack (``certkv certify``).
 
 Modules, in the order they build on each other:
 
