@@ -81,16 +81,18 @@ class _Limits:
     async def _checked(self, scope, receive, send):
         path = _route(scope.get("path", ""))
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        # a client that asked "Expect: 100-continue" sends no body after a refusal: nothing to drain
+        unsent = headers.get("expect", "").lower() != "100-continue"
         if self.api_key is not None:
             given = headers.get("authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
                 return await self._refuse(path, 401, error_body(
                     "missing or wrong API key; send Authorization: Bearer <key>", "invalid_request_error", None,
-                    "invalid_api_key"), receive, send, more=True)
+                    "invalid_api_key"), receive, send, more=unsent)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await self._refuse(path, 413, self._too_large_body(), receive, send, more=True)
+            return await self._refuse(path, 413, self._too_large_body(), receive, send, more=unsent)
         # Read the body here, bounded (a chunked upload has no content-length to check), then replay it.
         body, more = bytearray(), True
         while more:
