@@ -97,6 +97,7 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_strata.py",
     "test_monitor.py",
     "test_strata_report.py",
+    "test_types.py",
 })
 _HEAVY = ("torch", "transformers", "kvpress")
 _LOADED_BEFORE_RUN = pytest.StashKey[set]()

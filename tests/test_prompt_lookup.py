@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from certkv.engine.batched_decode import PromptLookup
+from certkv.engine.prompt_lookup import PromptLookup
 
 
 def reference(history: list[int], tokens: list[int], budget: int, max_ngram: int = 3) -> list[int]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -41,18 +43,18 @@ class _Interrupted(Exception):
     :func:`main` the same way under every typer version, so the "everything stored is kept" line
     is printed and the exit code is the signal's (130 for SIGINT, 143 for SIGTERM)."""
 
-    def __init__(self, code: int):
+    def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
 
 
-def _command(name: str, function, *, own_signals: bool = False) -> None:
+def _command(name: str, function: Callable[..., Any], *, own_signals: bool = False) -> None:
     """Register `function` as command `name`: SIGINT and SIGTERM stop it between store
     transactions (:func:`certkv.interrupts.interruptible`) and reach :func:`main` as
     :class:`_Interrupted`. `own_signals`: the command handles them itself (the server drains)."""
 
     @functools.wraps(function)  # typer reads the signature and type hints through __wrapped__
-    def command(*args, **kwargs):
+    def command(*args: Any, **kwargs: Any) -> Any:
         try:
             if own_signals:
                 return function(*args, **kwargs)
@@ -75,7 +77,7 @@ _command("export", _export.export)
 _command("serve", _serve.serve, own_signals=True)
 
 
-def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _click_exceptions() -> tuple[tuple[type[Any], ...], tuple[type[Any], ...]]:
     """(usage-error classes, abort classes) of the click that the running typer raises.
 
     typer >= 0.26 ships its own copy of click as ``typer._click`` and raises that copy's exceptions
@@ -84,8 +86,8 @@ def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
     ``typer.BadParameter`` is the running click's ``exceptions`` module, already imported by typer
     (nothing is imported here); the ``click`` package's classes are added when something loaded it.
     """
-    modules = [sys.modules.get(typer.BadParameter.__module__), sys.modules.get("click.exceptions")]
-    modules = [m for m in modules if m is not None]
+    found = [sys.modules.get(typer.BadParameter.__module__), sys.modules.get("click.exceptions")]
+    modules = [m for m in found if m is not None]
     usage = tuple(m.ClickException for m in modules if hasattr(m, "ClickException"))
     aborts = tuple({typer.Abort, *(m.Abort for m in modules if hasattr(m, "Abort"))})
     return usage, aborts

@@ -9,19 +9,21 @@ import typer
 
 def calibrate(
     contract_path: Path = typer.Argument(..., metavar="CONTRACT", help="the contract YAML"),
-    limit: int = typer.Option(None, "--limit", help="calibrate at most this many requests of the contract's set"),
+    limit: int | None = typer.Option(None, "--limit", help="calibrate at most this many requests of the contract's set"),
     new_store: bool = typer.Option(False, "--new-store", help="move an existing store of another contract aside and start anew"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary table"),
-    device: str = typer.Option(None, "--device", help="override the contract's device: auto, cpu, cuda[:N]"),
-    dtype: str = typer.Option(None, "--dtype", help="override the contract's dtype: auto, float32, bfloat16, float16"),
+    device: str | None = typer.Option(None, "--device", help="override the contract's device: auto, cpu, cuda[:N]"),
+    dtype: str | None = typer.Option(None, "--dtype", help="override the contract's dtype: auto, float32, bfloat16, float16"),
     executor: str = typer.Option("local", "--executor", metavar="local|ray",
                                  help="where requests run: this process, or Ray actors (needs certkv's ray extra)"),
-    address: str = typer.Option(None, "--address", metavar="auto|HOST:PORT",
+    address: str | None = typer.Option(None, "--address", metavar="auto|HOST:PORT",
                                 help="Ray: join this cluster (default: start a local Ray instance for the run)"),
-    workers: int = typer.Option(None, "--workers", help="Ray: model replicas to start (default: as many as the cluster fits)"),
-    gpus_per_worker: float = typer.Option(None, "--gpus-per-worker", help="Ray: GPUs per replica (1: one replica per GPU)"),
-    threads_per_worker: int = typer.Option(None, "--threads-per-worker",
-                                           help="Ray: CPUs and torch threads per replica (default 1)"),
+    workers: int | None = typer.Option(None, "--workers",
+                                       help="Ray: model replicas to start (default: as many as the cluster fits)"),
+    gpus_per_worker: float | None = typer.Option(None, "--gpus-per-worker",
+                                                 help="Ray: GPUs per replica (1: one replica per GPU)"),
+    threads_per_worker: int | None = typer.Option(None, "--threads-per-worker",
+                                                  help="Ray: CPUs and torch threads per replica (default 1)"),
 ) -> None:
     """Run the full cache and every candidate policy on the calibration requests; resumable.
 

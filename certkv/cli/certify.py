@@ -10,6 +10,7 @@ one row per sequence (:mod:`certkv.report.console`), readable in 80 columns and 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -26,11 +27,13 @@ def certify(
     wide: bool = typer.Option(
         False, "--wide", help="print every candidate (a wide table) instead of one row per sequence"
     ),
-):
+) -> tuple[Any, Any]:
     """Test every candidate of the contract and write the certified operating point."""
     # Returns (operating point, pooled comparison or None) for `certkv demo`, whose last lines name
     # the deployed one; on the command line main() sees the tuple as the command's result and exits
-    # 0, since only an int is an exit code. (Not in the docstring: that is --help.)
+    # 0, since only an int is an exit code. (Not in the docstring: that is --help.) The return type
+    # is (OperatingPoint, OperatingPoint | None), spelled Any because typer evaluates the hints when
+    # the command is registered and the core is imported only in here.
     from rich.console import Console
 
     from certkv.calibration.certification import certify_contract_with_comparison, default_output

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from certkv.errors import CertkvError
+
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Iterator
+
+    import uvicorn
+
+    from certkv.core.operating_point import OperatingPoint
 
 
 def serve(
@@ -18,11 +27,11 @@ def serve(
     port: int = typer.Option(8000, "--port", help="TCP port (1-65535)"),
     shadow_rate: float = typer.Option(0.05, "--shadow-rate", help="share of evicted answers re-answered from the "
                                       "full cache by the live monitor, in (0, 1]"),
-    api_key_env: str = typer.Option(None, "--api-key-env", help="environment variable holding the API key; "
+    api_key_env: str | None = typer.Option(None, "--api-key-env", help="environment variable holding the API key; "
                                     "requests must then send Authorization: Bearer <key>"),
     max_queue: int = typer.Option(64, "--max-queue", help="live requests that may wait; more get 503"),
     timeout: float = typer.Option(60.0, "--timeout", help="seconds per request (queue wait included); then 504"),
-    shadow_store: Path = typer.Option(None, "--shadow-store", help="folder of the shadow store (records.sqlite, "
+    shadow_store: Path | None = typer.Option(None, "--shadow-store", help="folder of the shadow store (records.sqlite, "
                                       "readable by certkv export; default: shadow/ next to the operating point)"),
     seed: int = typer.Option(0, "--seed", help="seed of the shadow coin"),
     max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", help="largest request body; more get 413"),
@@ -70,8 +79,9 @@ def serve(
         sock.close()
 
 
-def _run(sock, op, operating_point, *, model, host, port, shadow_rate, api_key, max_queue, timeout, shadow_store,
-         seed, max_body_bytes, drain_seconds, device) -> None:
+def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, model: str, host: str, port: int,
+         shadow_rate: float, api_key: str | None, max_queue: int, timeout: float, shadow_store: Path | None, seed: int,
+         max_body_bytes: int, drain_seconds: float, device: str) -> None:
     """Load the model, build the service and serve on the bound socket until SIGTERM/SIGINT."""
     import logging
 
@@ -89,7 +99,7 @@ def _run(sock, op, operating_point, *, model, host, port, shadow_rate, api_key, 
     loaded, tokenizer = load_model(model, device=device)
     runtime = CertifiedRuntime(loaded, tokenizer, op)
     streams = None
-    if op.is_stratified:
+    if op.strata is not None:  # a stratified point: one monitor stream per stratum
         streams = {name: delta_of(op.strata.confidence) for name in op.strata.entries}
     monitor = RiskMonitor(op.contract.risk, delta_of(op.contract.confidence), shadow_rate, seed=seed, streams=streams)
     store_path = shadow_store or operating_point.parent / "shadow"
@@ -111,7 +121,7 @@ def _run(sock, op, operating_point, *, model, host, port, shadow_rate, api_key, 
     server_class(config).run(sockets=[sock])
 
 
-def _graceful_server_class():
+def _graceful_server_class() -> type[uvicorn.Server]:
     import contextlib
     import signal
     import threading
@@ -124,7 +134,7 @@ def _graceful_server_class():
         the signal: a clean, drained stop would look like a crash to a supervisor)."""
 
         @contextlib.contextmanager
-        def capture_signals(self):
+        def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return

@@ -32,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -47,16 +47,23 @@ from certkv.core.spec import (
     AGREEMENT_WINDOW,
     DEFAULT_MAX_NEW_TOKENS,
     LOOKAHEAD_TOKENS,
+    CertificationSpec,
+    PilotConfig,
+    PilotGate,
+    PilotGateKind,
 )
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
+
+if TYPE_CHECKING:
+    from certkv.requests.request_set import Request
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 #: Gate kinds whose thresholds a pilot split places, in sequence order.
-PILOT_GATE_KINDS = ("confidence", "lookahead", "learned")
+PILOT_GATE_KINDS: tuple[PilotGateKind, ...] = ("confidence", "lookahead", "learned")
 
 
 #: Optional top-level keys added after the first schema; omitted from the hash while unset.
@@ -374,7 +381,7 @@ class Gate(_Strict):
         """Calibration must run the lookahead probe (a lookahead gate, or a learned feature)."""
         return self.lookahead is not None or (self.learned is not None and reads_signal(self.learned.features, "lookahead_heads"))
 
-    def pilot_settings(self) -> list[tuple[str, float]]:
+    def pilot_settings(self) -> list[tuple[PilotGateKind, float]]:
         """(kind, quantile) of every pilot gate setting, in sequence order: confidence quantiles,
         then lookahead, then learned."""
         return [(kind, q) for kind in PILOT_GATE_KINDS if (block := getattr(self, kind)) is not None
@@ -418,7 +425,7 @@ class GatedCandidateSpec:
     sequence: int = 0
     position: int = 0
     label: str | None = None
-    pilot_kind: str | None = None
+    pilot_kind: PilotGateKind | None = None
     quantile: float | None = None
 
 
@@ -429,7 +436,7 @@ class GateChoice:
 
     agreement_drop: float | None = None
     certificate: float | None = None
-    pilot_kind: str | None = None
+    pilot_kind: PilotGateKind | None = None
     quantile: float | None = None
 
     @property
@@ -586,12 +593,60 @@ class Contract(_Strict):
         """Hash of :meth:`canonical_json`: comments, key order and formatting do not change it."""
         return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
 
-    def certification_spec(self):
-        """This contract's pre-registered choices as the core's
-        :class:`~certkv.core.spec.CertificationSpec` (:func:`certkv.contract.spec.certification_spec`)."""
-        from certkv.contract.spec import certification_spec
+    def certification_spec(self) -> CertificationSpec:
+        """The contract's τ, ε, confidence, procedure and sequences as the core's
+        :class:`~certkv.core.spec.CertificationSpec` (also :func:`certkv.contract.spec.certification_spec`).
 
-        return certification_spec(self)
+        The sequences are the contract's policy entries in the order written, each followed by its
+        gated sequences (:meth:`sequences`); that order is the pre-registration and is never
+        re-derived from data. ``candidate_info`` carries what deploying each candidate needs (base
+        policy, press_kwargs, gate settings). A pilot gate (confidence, lookahead, learned) carries
+        its quantile and ``pilot_gate``; its threshold is placed on the pilot split (``gate.pilot``,
+        drawn by ``requests.seed``) when the records are certified.
+        """
+        info: dict[str, dict[str, Any]] = {
+            c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs)} for c in self.candidates()
+        }
+        gate = self.gate
+        for g in self.gated_candidates():
+            assert gate is not None  # gated candidates come from the gate grid (gate_choices)
+            settings: dict[str, Any] = {
+                "agreement_drop": g.agreement_drop,
+                "certificate": g.certificate,
+                "agreement_window": gate.agreement_window,
+                "agreement_top_k": gate.agreement_top_k,
+                "agreement_split": gate.agreement_split,
+            }
+            entry: dict[str, Any] = {"base_policy": g.base_policy, "press_kwargs": dict(g.press_kwargs), "gate": settings}
+            if g.pilot_kind is not None:
+                assert g.quantile is not None  # a pilot gate's candidate is one of its quantiles
+                settings["quantile"] = g.quantile
+                settings["lookahead_tokens"] = gate.lookahead_tokens
+                features: tuple[str, ...] = ()
+                if g.pilot_kind == "learned":
+                    assert gate.learned is not None  # a learned candidate comes from the learned block
+                    features = tuple(gate.learned.features)
+                entry["pilot_gate"] = PilotGate(kind=g.pilot_kind, quantile=g.quantile, features=features)
+            info[g.policy] = entry
+        pilot = None
+        if gate is not None and gate.pilot is not None:
+            pilot = PilotConfig(share=gate.pilot, seed=self.requests.seed)
+        return CertificationSpec.parse(
+            {
+                "tolerance": self.tolerance,
+                "risk": self.risk,
+                "confidence": self.confidence,
+                "procedure": self.procedure,
+                "sequences": self.sequences(),
+                "candidate_info": info,
+                "max_new_tokens": self.protocol.max_new_tokens,
+                "pilot": pilot,
+                "strata": None if self.strata is None else self.strata.model_dump(),
+                "utility": self.utility,
+                "context_margin": 0.0 if self.coverage is None else self.coverage.context_margin,
+            },
+            source=f"contract {self.name}",
+        )
 
     def candidates(self) -> list[CandidateSpec]:
         """Every candidate, sequence by sequence, each sequence in its test order."""
@@ -695,7 +750,7 @@ class Contract(_Strict):
                 f"contract's folder {self._base_dir}); create it or fix the path"
             )
 
-    def load_requests(self):
+    def load_requests(self) -> list[Request]:
         """Load the contract's requests (JSONL or builtin) after checking the source exists."""
         from certkv.requests.request_set import load_requests
 

@@ -17,69 +17,87 @@ index from the (padded) pruned length. Stopping follows kvpress's pipeline too: 
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
 
-def reserved_layer_class():
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from certkv.engine.prompt_lookup import PromptLookup
+from certkv.model.attention import NAME, attention_row_groups, register, use_attention
+from certkv.model.generation import chosen_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+#: Reusable buffers of :func:`padded_cache`, keyed by (layer, "k" or "v").
+BufferPool = dict[Hashable, torch.Tensor]
+
+
+class ReservedLayer(DynamicLayer):
     """A DynamicLayer that writes new tokens into reserved space instead of re-concatenating.
 
     The candidate batch is tens of caches wide; DynamicLayer's ``torch.cat`` per step would copy
-    all of them at every decoding step. Keys and values stay views of one preallocated buffer.
+    all of them at every decoding step. Keys and values stay views of one preallocated buffer:
+    `keys` and `values` (B, H_kv, length + reserve, d), of which the first `length` slots are filled.
     """
-    import torch
-    from transformers.cache_utils import DynamicLayer
 
-    class ReservedLayer(DynamicLayer):
-        def __init__(self, keys, values, length: int):
-            super().__init__()
-            self.dtype, self.device = keys.dtype, keys.device
-            self.is_initialized = True
-            self._keys, self._values, self._length = keys, values, length
-            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._keys, self._values, self._length = keys, values, length
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
-        def select_rows(self, rows: list[int]):
-            """Keep only the batch rows `rows` (ascending), moved in place to the front.
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only the batch rows `rows` (ascending), moved in place to the front.
 
-            A compaction once most rows are done. Copying the kept rows into fresh tensors costs
-            more in page faults than the forwards it saves (tens of MB per layer at 2048 tokens);
-            moving them down within the buffer they already occupy allocates nothing, and rows
-            already in place are not copied at all (the finished rows' memory is not given back
-            before the request ends).
-            """
-            if any(a >= b for a, b in zip(rows, rows[1:])):
-                raise ValueError(f"select_rows needs strictly ascending rows, got {rows}")
-            n = self._length
-            for to, row in enumerate(rows):
-                if row != to:  # to < row: the source has not been overwritten yet
-                    self._keys[to, :, :n].copy_(self._keys[row, :, :n])
-                    self._values[to, :, :n].copy_(self._values[row, :, :n])
-            self._keys, self._values = self._keys[: len(rows)], self._values[: len(rows)]
-            self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
+        A compaction once most rows are done. Copying the kept rows into fresh tensors costs
+        more in page faults than the forwards it saves (tens of MB per layer at 2048 tokens);
+        moving them down within the buffer they already occupy allocates nothing, and rows
+        already in place are not copied at all (the finished rows' memory is not given back
+        before the request ends).
+        """
+        if any(a >= b for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"select_rows needs strictly ascending rows, got {rows}")
+        n = self._length
+        for to, row in enumerate(rows):
+            if row != to:  # to < row: the source has not been overwritten yet
+                self._keys[to, :, :n].copy_(self._keys[row, :, :n])
+                self._values[to, :, :n].copy_(self._values[row, :, :n])
+        self._keys, self._values = self._keys[: len(rows)], self._values[: len(rows)]
+        self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
 
-        def update(self, key_states, value_states, cache_kwargs=None):
-            new = key_states.shape[-2]
-            end = self._length + new
-            if end > self._keys.shape[2]:  # out of reserved room: grow like DynamicLayer
-                self._keys = torch.cat([self._keys[:, :, : self._length], key_states], dim=-2)
-                self._values = torch.cat([self._values[:, :, : self._length], value_states], dim=-2)
-            else:
-                self._keys[:, :, self._length : end] = key_states
-                self._values[:, :, self._length : end] = value_states
-            self._length = end
-            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
-            return self.keys, self.values
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        end = self._length + new
+        if end > self._keys.shape[2]:  # out of reserved room: grow like DynamicLayer
+            self._keys = torch.cat([self._keys[:, :, : self._length], key_states], dim=-2)
+            self._values = torch.cat([self._values[:, :, : self._length], value_states], dim=-2)
+        else:
+            self._keys[:, :, self._length : end] = key_states
+            self._values[:, :, self._length : end] = value_states
+        self._length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
 
+
+def reserved_layer_class() -> type[ReservedLayer]:
+    """The cache layer class of :func:`padded_cache` (:class:`ReservedLayer`)."""
     return ReservedLayer
 
 
-def _pooled(pool: dict | None, key, shape, like):
+def _pooled(pool: BufferPool | None, key: Hashable, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """A tensor of `shape` backed by a buffer reused across requests (None: a fresh tensor).
 
     Fresh multi-GB buffers cost more in page faults than the copy into them; a calibration run
     allocates the same sizes request after request, so the engine keeps them.
     """
-    import math
-
-    import torch
-
     numel = math.prod(shape)
     if pool is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -89,7 +107,10 @@ def _pooled(pool: dict | None, key, shape, like):
     return buf[:numel].view(shape)
 
 
-def padded_cache(full_cache, selections: list[list], context_length: int, reserve: int = 0, pool: dict | None = None):
+def padded_cache(
+    full_cache: DynamicCache, selections: list[list[torch.Tensor | None]], context_length: int, reserve: int = 0,
+    pool: BufferPool | None = None,
+) -> tuple[DynamicCache, torch.Tensor, list[int]]:
     """Gather every candidate's kept entries into one padded batch cache.
 
     `selections[c][layer]` holds candidate c's kept indices (1, kv_heads, n_kept) in kvpress's
@@ -101,13 +122,10 @@ def padded_cache(full_cache, selections: list[list], context_length: int, reserv
     first, so the rows that keep at most n entries only need the keys from ``longest - n`` on —
     one slice of the batch, which is how attention skips the padding (:func:`row_groups`).
     """
-    import torch
-    from transformers import DynamicCache
-
     layer_class = reserved_layer_class()
     n = len(selections)
     n_layers = len(selections[0])
-    lengths = [context_length if sel[0] is None else sel[0].shape[2] for sel in selections]
+    lengths: list[int] = [context_length if sel[0] is None else sel[0].shape[2] for sel in selections]
     width = max(lengths)
     device = full_cache.layers[0].keys.device
     cache = DynamicCache()
@@ -139,7 +157,7 @@ def padded_cache(full_cache, selections: list[list], context_length: int, reserv
     return cache, valid, lengths
 
 
-def row_groups(mask) -> list[tuple[int, int, int]] | None:
+def row_groups(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
     """Consecutive batch rows that share their first real slot, as (first row, end row, slot).
 
     With right-aligned rows (:func:`padded_cache`) the slots before a row's first real one are
@@ -162,9 +180,9 @@ def row_groups(mask) -> list[tuple[int, int, int]] | None:
 
 
 def decode_candidates(
-    model,
-    cache,
-    mask,
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    mask: torch.Tensor,
     question_ids: list[int],
     draft: list[int],
     context_length: int,
@@ -172,7 +190,7 @@ def decode_candidates(
     stop_ids: set[int],
     context_ids: list[int] | None = None,
     timings: dict[str, float] | None = None,
-    logprobs: list | None = None,
+    logprobs: list[list[float]] | None = None,
 ) -> list[list[int]]:
     """Greedy answers (token ids) of every row of a padded batch cache, verified against the `draft`.
 
@@ -193,10 +211,6 @@ def decode_candidates(
     float64, from the logits the token was chosen from: the verifying forward's or a continuation
     round's). The answers themselves do not depend on it.
     """
-    import time
-
-    from certkv.model.attention import NAME, register, use_attention
-
     register()
     state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids,
                       with_logprobs=logprobs is not None)
@@ -214,41 +228,6 @@ def decode_candidates(
     return state.answers
 
 
-class PromptLookup:
-    """Prompt-lookup proposals: what followed the latest earlier occurrence of the last n tokens.
-
-    The history searched is the prompt (context and question) followed by the row's own answer
-    before its last token, so a degenerate repetition ("7 7 7") is proposed too, not only text
-    copied from the context. The prompt's n-grams are indexed once per request; only the short
-    answer part is scanned per call.
-    """
-
-    def __init__(self, prompt: list[int], max_ngram: int = 3):
-        self.prompt = prompt
-        self.max_ngram = max_ngram
-        self.latest: dict[tuple[int, ...], int] = {}
-        for n in range(1, max_ngram + 1):
-            for start in range(len(prompt) - n):  # the match must have a continuation in the prompt
-                self.latest[tuple(prompt[start : start + n])] = start
-
-    def propose(self, tokens: list[int], budget: int) -> list[int]:
-        if budget <= 0 or not tokens:
-            return []
-        history = self.prompt + tokens[:-1]
-        boundary = max(0, len(self.prompt) - self.max_ngram)
-        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
-            suffix = tokens[-n:]
-            # Occurrences reaching into the answer are the latest ones: scan that short tail first.
-            for start in range(len(history) - n - 1, boundary - 1, -1):
-                if history[start : start + n] == suffix:
-                    return history[start + n : start + n + budget]
-            # Else the prompt's latest occurrence (one at or past `boundary` was found by the scan).
-            start = self.latest.get(tuple(suffix))
-            if start is not None:
-                return history[start + n : start + n + budget]
-        return []
-
-
 class _Decoding:
     """The batch's decoding state: each row's answer so far and which cache slots it may see.
 
@@ -257,7 +236,8 @@ class _Decoding:
     caches still being decoded.
     """
 
-    def __init__(self, model, cache, mask, q_len, context_length, max_new_tokens, stop_ids, with_logprobs=False):
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, q_len: int, context_length: int,
+                 max_new_tokens: int, stop_ids: set[int], with_logprobs: bool = False) -> None:
         self.model, self.cache, self.mask = model, cache, mask
         self.n = mask.shape[0]
         self.rows = list(range(self.n))
@@ -274,14 +254,11 @@ class _Decoding:
         # kvpress's rule: at most max_new_tokens, stop after a stop token but never on the first.
         return len(tokens) >= self.max_new_tokens or (len(tokens) > 1 and tokens[-1] in self.stop_ids)
 
-    def _forward(self, inputs, positions, new_mask, keep: int = 0):
+    def _forward(
+        self, inputs: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor, keep: int = 0
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
         """Greedy token after each fed position (after the last `keep` ones when keep > 0), and
         their log p (batch, positions) as nested lists, or None when not asked for."""
-        import torch
-
-        from certkv.model.attention import attention_row_groups
-        from certkv.model.generation import chosen_logprobs
-
         self.mask = torch.cat([self.mask, new_mask], dim=1)
         with torch.no_grad(), attention_row_groups(self.groups):
             out = self.model(
@@ -294,8 +271,6 @@ class _Decoding:
 
     def verify_draft(self, question_ids: list[int], draft: list[int]) -> None:
         """One teacher-forced forward of question + draft for every row; keep each row's agreeing prefix."""
-        import torch
-
         device = self.model.device
         fed = list(question_ids) + list(draft[:-1])
         inputs = torch.as_tensor(fed, device=device).view(1, -1).expand(self.n, -1)
@@ -324,8 +299,6 @@ class _Decoding:
         """Drop finished rows from the batch when they are the majority."""
         if 2 * len(self.active) > len(self.rows):
             return
-        import torch
-
         keep = [self.rows.index(r) for r in self.active]  # ascending: active keeps the rows' order
         for layer in self.cache.layers:
             layer.select_rows(keep)
@@ -335,8 +308,6 @@ class _Decoding:
 
     def step(self, proposals: dict[int, list[int]]) -> None:
         """Feed each active row its pending token plus a proposal; accept what its greedy choice confirms."""
-        import torch
-
         self.compact()
         device = self.model.device
         size = len(self.rows)

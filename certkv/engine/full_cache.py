@@ -9,30 +9,44 @@ runtime's full answer and the press's kept entries equal the store's records. Bo
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from certkv.engine.batched_decode import decode_candidates
+from certkv.engine.probabilistic_decode import selection_hooks
+from certkv.engine.scoring import Selections, scoring_hooks
+from certkv.model.window_queries import capturing_window_queries
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvpress.presses.base_press import BasePress
+    from transformers import PreTrainedModel
+
+    from certkv.gate.agreement import AgreementRecorder
+    from certkv.model.generation import EncodedRequest
+    from certkv.presses.poisson_selection import Selection
+    from certkv.presses.probabilistic import ProbabilisticPress
 
 
-def context_tensor(model, ids):
+def context_tensor(model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
     """Token ids as a (1, n) long tensor on the model's device."""
-    import torch
-
     return torch.as_tensor(ids, device=model.device).view(1, -1)
 
 
-def prefill_full(model, context_ids, fast: dict | None = None, probabilistic: dict | None = None, recorder=None):
+def prefill_full(
+    model: PreTrainedModel, context_ids: Sequence[int], fast: dict[str, BasePress] | None = None,
+    probabilistic: dict[str, ProbabilisticPress] | None = None, recorder: AgreementRecorder | None = None,
+) -> tuple[DynamicCache, dict[str, list[torch.Tensor | None]], dict[str, list[Selection | None]]]:
     """The one full prefill of a request: returns (cache, fast selections, probabilistic selections).
 
     `fast` / `probabilistic` map a policy name to its press (the engine's scoring / selection
     hooks record their kept entries per layer); `recorder` is an AgreementRecorder or None.
     """
-    import torch
-    from transformers import DynamicCache
-
-    from certkv.engine.probabilistic_decode import selection_hooks
-    from certkv.engine.scoring import Selections, scoring_hooks
-    from certkv.model.window_queries import capturing_window_queries
-
     selections = Selections()
-    sampled: dict[str, list] = {}
+    sampled: dict[str, list[Selection | None]] = {}
     cache = DynamicCache()
     with (
         torch.no_grad(),
@@ -45,7 +59,8 @@ def prefill_full(model, context_ids, fast: dict | None = None, probabilistic: di
     return cache, selections.by_candidate, sampled
 
 
-def decode_full(model, cache, enc, max_new_tokens: int, stop_ids, logprobs: list | None = None) -> list[int]:
+def decode_full(model: PreTrainedModel, cache: DynamicCache, enc: EncodedRequest, max_new_tokens: int,
+                stop_ids: set[int], logprobs: list[list[float]] | None = None) -> list[int]:
     """The full-cache answer from a full prefill's `cache`.
 
     :func:`~certkv.engine.batched_decode.decode_candidates` over the full cache (one row, every
@@ -54,10 +69,6 @@ def decode_full(model, cache, enc, max_new_tokens: int, stop_ids, logprobs: list
     gathers every candidate's cache from it). `logprobs`, when given, is a one-element list that
     receives the answer's per-token log p.
     """
-    import torch
-
-    from certkv.engine.batched_decode import decode_candidates
-
     n_ctx = len(enc.context_ids)
     cache.crop(n_ctx)
     full_mask = torch.ones((1, n_ctx), dtype=torch.long, device=model.device)

@@ -22,8 +22,25 @@ the bound (checked every few steps and at the end), computes too: "escalated" �
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvpress.presses.base_press import is_prefilling
+from kvpress.utils import extract_keys_and_values
+from transformers import DynamicCache
+
+from certkv.model.generation import chosen_logprobs
+from certkv.model.window_attention import forget_window_attention
+from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
+from certkv.presses.hajek_state import HajekState, clear_states, set_state
+from certkv.presses.poisson_selection import Selection, pad_selection
+from certkv.presses.probabilistic import ProbabilisticPress, attention_modules
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -37,7 +54,9 @@ class ProbabilisticAnswer:
 
 
 @contextmanager
-def selection_hooks(model, presses: dict[str, object], selections: dict[str, list]):
+def selection_hooks(
+    model: PreTrainedModel, presses: dict[str, ProbabilisticPress], selections: dict[str, list[Selection | None]]
+) -> Iterator[dict[str, list[Selection | None]]]:
     """During the next full prefill, record every probabilistic press's selection per layer.
 
     `presses` maps policy → ProbabilisticPress; ``selections[policy]`` receives one
@@ -46,19 +65,14 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
     every press selects for all layers at once (:meth:`ProbabilisticPress.select_layers`: the same
     selections as layer by layer, a fraction of the kernel calls).
     """
-    from kvpress.presses.base_press import is_prefilling
-    from kvpress.utils import extract_keys_and_values
-
-    from certkv.presses.probabilistic import attention_modules
-
     for press in presses.values():
         press.post_init_from_model(model)
     for policy in presses:
         selections[policy] = []
     modules = attention_modules(model)
-    scores: dict[str, list] = {policy: [] for policy in presses}
+    scores: dict[str, list[torch.Tensor]] = {policy: [] for policy in presses}
 
-    def hook(module, args, kwargs, output):
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         hidden_states = kwargs["hidden_states"]
         if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             return output
@@ -75,7 +89,7 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
                 if press.compression_ratio == 0:
                     selections[policy] = [None] * len(layers)
                 else:
-                    selections[policy] = press.select_layers(layers, scores[policy])
+                    selections[policy] = list(press.select_layers(layers, scores[policy]))
                 scores[policy].clear()
         return output
 
@@ -83,19 +97,13 @@ def selection_hooks(model, presses: dict[str, object], selections: dict[str, lis
     try:
         yield selections
     finally:
-        from certkv.model.window_attention import forget_window_attention
-
         for handle in handles:
             handle.remove()
         forget_window_attention(modules)
 
 
-def _full_selection(n_heads: int, context_length: int, device):
+def _full_selection(n_heads: int, context_length: int, device: torch.device) -> Selection:
     """A selection that keeps every entry with π = 1 (a press at compression ratio 0)."""
-    import torch
-
-    from certkv.presses.poisson_selection import Selection
-
     return Selection(
         indices=torch.arange(context_length, device=device).expand(1, n_heads, context_length),
         log_pi=torch.zeros(1, n_heads, context_length, device=device),
@@ -105,18 +113,14 @@ def _full_selection(n_heads: int, context_length: int, device):
     )
 
 
-def gathered_cache(full_cache, selections: list[list], context_length: int):
+def gathered_cache(
+    full_cache: DynamicCache, selections: Sequence[Sequence[Selection | None]], context_length: int
+) -> tuple[DynamicCache, list[HajekState]]:
     """One batch cache (a row per candidate) and the Hájek state of every layer.
 
     `selections[c][layer]` is candidate c's Selection (batch 1) or None (keep everything). All rows
     and layers are padded to one width, because transformers builds one mask for every layer.
     """
-    import torch
-    from transformers import DynamicCache
-
-    from certkv.presses.hajek_state import HajekState
-    from certkv.presses.poisson_selection import pad_selection
-
     first = full_cache.layers[0].keys
     n_heads, device = first.shape[1], first.device
     filled = [
@@ -147,21 +151,15 @@ def gathered_cache(full_cache, selections: list[list], context_length: int):
     return cache, states
 
 
-def decode_probabilistic(model, full_cache, selections: list[list], question_ids, context_length: int,
-                         max_new_tokens: int, stop_ids: set[int], logprobs: list | None = None) -> list[ProbabilisticAnswer]:
+def decode_probabilistic(model: PreTrainedModel, full_cache: DynamicCache, selections: Sequence[Sequence[Selection | None]],
+                         question_ids: Sequence[int], context_length: int, max_new_tokens: int, stop_ids: set[int],
+                         logprobs: list[list[float]] | None = None) -> list[ProbabilisticAnswer]:
     """Greedy answers, certificate maxima and realised retention of every probabilistic candidate.
 
     Every answer carries its tokens' log p (``ProbabilisticAnswer.logprobs``: ``logit_tok −
     logsumexp(logits)`` in float64 from the logits each token was chosen from); `logprobs`, when
     given (one slot per candidate), receives them too, as ``decode_candidates`` fills it.
     """
-    import torch
-
-    from certkv.model.generation import chosen_logprobs
-    from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
-    from certkv.presses.hajek_state import clear_states, set_state
-    from certkv.presses.probabilistic import attention_modules
-
     if not selections:
         return []
     cache, states = gathered_cache(full_cache, selections, context_length)

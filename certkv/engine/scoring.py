@@ -10,8 +10,21 @@ compressed cache is then gathered from the full cache afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvpress import KnormPress, ObservedAttentionPress, RandomPress, ScorerPress, SnapKVPress, TOVAPress
+from kvpress.presses.base_press import BasePress, is_prefilling
+from kvpress.utils import compute_n_kept, extract_keys_and_values
+
+from certkv.engine.snapkv_scores import snapkv_scores
+from certkv.model.layers import decoder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def ratio_free_score_classes() -> tuple[type, ...]:
@@ -20,22 +33,18 @@ def ratio_free_score_classes() -> tuple[type, ...]:
     One score per layer then serves every ratio. Any other press, subclasses included, is scored
     once per candidate (StreamingLLM's score, for one, depends on the ratio).
     """
-    from kvpress import KnormPress, ObservedAttentionPress, RandomPress, SnapKVPress, TOVAPress
-
     return (SnapKVPress, KnormPress, TOVAPress, RandomPress, ObservedAttentionPress)
 
 
-def is_fast_path_press(press) -> bool:
+def is_fast_path_press(press: object) -> bool:
     """True when `press` is a plain ScorerPress whose compress() is kvpress's top-k gather."""
-    from kvpress import ScorerPress
-
     return isinstance(press, ScorerPress) and type(press).compress is ScorerPress.compress
 
 
-def score_key(press) -> tuple:
+def score_key(press: BasePress) -> tuple[Hashable, ...]:
     """Candidates with equal keys share one score tensor per layer."""
     name = type(press).__name__
-    params = {}
+    params: dict[str, str | int] = {}
     if is_dataclass(press):
         params = {f.name: repr(getattr(press, f.name)) for f in fields(press)}
     if type(press) in ratio_free_score_classes():
@@ -49,16 +58,13 @@ def score_key(press) -> tuple:
 class Selections:
     """Per candidate, per layer: the kept indices of shape (batch, kv_heads, n_kept), topk order."""
 
-    by_candidate: dict[str, list] = field(default_factory=dict)
+    by_candidate: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
 
 
-def _score(press, module, hidden_states, keys, values, attentions, kwargs):
+def _score(press: ScorerPress, module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+           values: torch.Tensor, attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor:
     """The press's scores; SnapKV's (exactly SnapKVPress itself, not a subclass) the cheaper way."""
-    from kvpress import SnapKVPress
-
     if type(press) is SnapKVPress and attentions is None:
-        from certkv.engine.snapkv_scores import snapkv_scores
-
         return snapkv_scores(
             module, hidden_states, keys, press.window_size, press.kernel_size, kwargs["position_embeddings"]
         )
@@ -66,26 +72,21 @@ def _score(press, module, hidden_states, keys, values, attentions, kwargs):
 
 
 @contextmanager
-def scoring_hooks(model, presses: dict[str, object], selections: Selections):
+def scoring_hooks(model: PreTrainedModel, presses: dict[str, BasePress], selections: Selections) -> Iterator[Selections]:
     """Register hooks that record each press's kept indices during the next full prefill.
 
     `presses` maps a candidate's policy name to its press object.
     """
-    from kvpress.presses.base_press import is_prefilling
-    from kvpress.utils import compute_n_kept, extract_keys_and_values
-
-    from certkv.model.layers import decoder
-
     language_model = decoder(model)
     for press in presses.values():
         press.post_init_from_model(model)
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple[Hashable, ...], list[str]] = {}
     for policy, press in presses.items():
         groups.setdefault(score_key(press), []).append(policy)
     for policy in presses:
         selections.by_candidate[policy] = []
 
-    def hook(module, args, kwargs, output):
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         hidden_states = kwargs["hidden_states"]
         q_len = hidden_states.shape[1]
         if not is_prefilling(kwargs["cache_position"], q_len):

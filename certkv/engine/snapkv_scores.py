@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import math
 
+import torch
+import torch.nn.functional as F
+from kvpress.utils import get_prerope_query_states
+from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
 
-def snapkv_scores(module, hidden_states, keys, window_size: int, kernel_size: int, position_embeddings):
+
+def snapkv_scores(module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
+                  kernel_size: int, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """What ``SnapKVPress(window_size, kernel_size).score(...)`` returns when no attention weights
-    are given."""
-    import torch
-    import torch.nn.functional as F
-    from kvpress.utils import get_prerope_query_states
-    from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
-
+    are given: (B, H_kv, K) scores from the layer's input (B, Q, hidden) and its keys (B, H_kv, K, d)."""
     bsz, kv_heads, k_len, _ = keys.shape
     if hidden_states.shape[1] <= window_size:
         # kvpress asserts this; the engine skips such requests before scoring (precondition)

@@ -17,23 +17,30 @@ Nothing here registers anything or touches a model at import time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvpress.presses.base_press import is_prefilling
+from kvpress.utils import extract_keys_and_values
 
 from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW
+from certkv.model.layers import attention_modules
 from certkv.model.window_attention import check_positive_int, forget_window_attention, window_attention_mean
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def layer_agreements(weights, top_k: int):
+
+def layer_agreements(weights: torch.Tensor, top_k: int) -> torch.Tensor:
     """Per batch element, the mean pairwise Jaccard of the query heads' top-k key sets.
 
     `weights` has shape (B, H, W, K); it is averaged over the W queries. When K < `top_k`, every
     head's set is all K keys' top min(top_k, K). A layer with one head agrees with itself (1.0).
     Returns a float32 tensor of shape (B,) on the weights' device (no host sync).
     """
-    import torch
-
     check_positive_int("top_k", top_k)
     if weights.dim() != 4:
         raise ValueError(f"weights must have shape (batch, heads, window, keys), got {tuple(weights.shape)}")
@@ -49,7 +56,7 @@ def layer_agreements(weights, top_k: int):
     return jaccard[:, rows, cols].mean(dim=-1)
 
 
-def layer_agreement(weights, top_k: int) -> float:
+def layer_agreement(weights: torch.Tensor, top_k: int) -> float:
     """The layer's agreement as a float, for one request (batch size 1)."""
     if weights.shape[0] != 1:
         raise ValueError(f"layer_agreement takes one request; got batch size {weights.shape[0]} (use layer_agreements)")
@@ -94,10 +101,10 @@ class AgreementRecorder:
     """k: the size of each head's key set."""
     split_divisor: int = AGREEMENT_SPLIT
     """Each end of the network is the first / last ⌊L / split_divisor⌋ layers (at least one)."""
-    scores: dict = field(default_factory=dict, repr=False)
+    scores: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     """layer_idx → window-averaged attention per batch element and query head (B, H, K)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_positive_int("window", self.window)
         check_positive_int("top_k", self.top_k)
         check_positive_int("split_divisor", self.split_divisor)
@@ -105,7 +112,8 @@ class AgreementRecorder:
     def reset(self) -> None:
         self.scores.clear()
 
-    def observe(self, module, hidden_states, keys, kwargs) -> None:
+    def observe(self, module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                kwargs: dict[str, Any]) -> None:
         """Record `module`'s layer window attention from its prefill input and cached keys.
 
         The Jaccard agreements of all layers are computed together when they are read (one
@@ -116,23 +124,18 @@ class AgreementRecorder:
         )
 
     @property
-    def agreements(self) -> dict:
+    def agreements(self) -> dict[int, torch.Tensor]:
         """layer_idx → agreement per batch element (tensor of shape (B,))."""
         if not self.scores:
             return {}
-        import torch
-
         layers = sorted(self.scores)
         stacked = torch.stack([self.scores[i] for i in layers])  # (L, B, H, K)
         n_layers, batch, heads, k_len = stacked.shape
         values = layer_agreements(stacked.view(n_layers * batch, heads, 1, k_len), self.top_k).view(n_layers, batch)
         return {layer: values[i] for i, layer in enumerate(layers)}
 
-    def forward_hook(self, module, args, kwargs, output):
+    def forward_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         """A ``register_forward_hook(..., with_kwargs=True)`` hook: observes the context prefill only."""
-        from kvpress.presses.base_press import is_prefilling
-        from kvpress.utils import extract_keys_and_values
-
         hidden_states = kwargs["hidden_states"]
         if is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
             keys, _ = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
@@ -140,10 +143,8 @@ class AgreementRecorder:
         return output
 
     @contextmanager
-    def attach(self, model):
+    def attach(self, model: PreTrainedModel) -> Iterator[AgreementRecorder]:
         """Register :meth:`forward_hook` on every attention layer of `model` inside the block."""
-        from certkv.model.layers import attention_modules
-
         modules = attention_modules(model)
         handles = [module.register_forward_hook(self.forward_hook, with_kwargs=True) for module in modules]
         try:
@@ -158,8 +159,6 @@ class AgreementRecorder:
         agreements = self.agreements
         if not agreements:
             raise ValueError("no layer was observed: run a prefill with the recorder's hooks first")
-        import torch
-
         stacked = torch.stack([agreements[i].float().cpu() for i in sorted(agreements)], dim=1)
         return stacked.tolist()
 

@@ -15,16 +15,28 @@ attending over the other's length.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NAME = "certkv_gqa_sdpa"
 
-_ROW_GROUPS: ContextVar = ContextVar("certkv_row_groups", default=None)
+#: (first row, end row, first key slot) of each group of batch rows attended together.
+RowGroups = Sequence[tuple[int, int, int]]
+
+_ROW_GROUPS: ContextVar[RowGroups | None] = ContextVar("certkv_row_groups", default=None)
 
 
 @contextmanager
-def attention_row_groups(groups):
+def attention_row_groups(groups: RowGroups | None) -> Iterator[None]:
     """Within the block, attention splits the batch into `groups` ((first row, end row, first
     key slot) triples covering every row in order); None: the whole batch at once."""
     token = _ROW_GROUPS.set(groups)
@@ -34,9 +46,13 @@ def attention_row_groups(groups):
         _ROW_GROUPS.reset(token)
 
 
-def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    import torch
-
+def gqa_sdpa_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    is_causal: bool | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function (query (B, H, Q, d), key and value (B, H_kv, K, d));
+    returns the output (B, Q, H, d) and no weights. See the module docstring."""
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len, k_len = query.shape[2], key.shape[2]
     gqa = key.shape[1] != query.shape[1]
@@ -75,21 +91,20 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return torch.cat(parts, dim=0).transpose(1, 2).contiguous(), None
 
 
-def _sdpa(query, key, value, attention_mask, dropout, scaling, is_causal, gqa):
-    import torch
-
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+          dropout: float, scaling: float | None, is_causal: bool, gqa: bool) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
         enable_gqa=gqa,
     )
 
 
-def _grouped_matmul_attention(query, key, value, attention_mask, dropout, scaling, is_causal, gqa):
+def _grouped_matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                              is_causal: bool, gqa: bool) -> torch.Tensor:
     """Attention as two matmuls, the query heads of a KV group stacked on their shared keys (no
     copy of the keys per head); softmax in float32. `attention_mask` additive or None (no mask:
     the caller turns causality into a mask); no dropout (the engine decodes in eval mode)."""
-    import torch
-
     batch, heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -106,15 +121,12 @@ def _grouped_matmul_attention(query, key, value, attention_mask, dropout, scalin
 
 def register() -> None:
     """Register the attention and its mask builder with transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     AttentionInterface.register(NAME, gqa_sdpa_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 @contextmanager
-def use_attention(model, name: str):
+def use_attention(model: PreTrainedModel, name: str) -> Iterator[None]:
     """Run the model with attention implementation `name`, restoring the previous one after."""
     previous = model.config._attn_implementation
     model.config._attn_implementation = name

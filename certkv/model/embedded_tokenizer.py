@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from certkv.requests.vocabulary import SPACE, SPECIAL_TOKENS, vocabulary
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 #: The embedded model's weights, config and tokenizer: package data of certkv itself.
 EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "embedded"
 
 
-def build_tokenizer():
+def build_tokenizer() -> Tokenizer:
     """Return a `tokenizers.Tokenizer` for the closed vocabulary."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 

@@ -9,9 +9,17 @@ pruned length) follow that pipeline. Tests compare the two token for token.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
 
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
+
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -22,7 +30,7 @@ class EncodedRequest:
     question_ids: list[int]
 
 
-def encode_request(tokenizer, context: str, question: str, answer_prefix: str = "") -> EncodedRequest:
+def encode_request(tokenizer: PreTrainedTokenizerBase, context: str, question: str, answer_prefix: str = "") -> EncodedRequest:
     """Encode as kvpress's pipeline does (its `preprocess`)."""
     if tokenizer.chat_template is None:
         context_text = (tokenizer.bos_token or "") + context
@@ -42,14 +50,15 @@ def encode_request(tokenizer, context: str, question: str, answer_prefix: str = 
     )
 
 
-def stop_token_ids(model) -> set[int]:
+def stop_token_ids(model: PreTrainedModel) -> set[int]:
+    """The model's stop tokens: its generation config's ``eos_token_id`` (one or several; none: empty)."""
     eos = model.generation_config.eos_token_id
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-def chosen_logprobs(logits, tokens):
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p of the chosen `tokens` under `logits`: ``logit_tok − logsumexp(logits)`` in float64.
 
     `logits` (..., vocab) in any float dtype, `tokens` (...) long (the greedy choices, taken by
@@ -57,8 +66,6 @@ def chosen_logprobs(logits, tokens):
     of `tokens`' shape. The float64 copy is made one leading row at a time, so a wide candidate
     batch over a large vocabulary never holds all its logits in float64 at once.
     """
-    import torch
-
     flat = logits.reshape(-1, logits.shape[-1])
     index = tokens.reshape(-1, 1)
     rows = max(1, (1 << 24) // max(1, flat.shape[-1]))  # at most ~128 MB of float64 per slice
@@ -69,8 +76,9 @@ def chosen_logprobs(logits, tokens):
     return torch.cat(out).view(tokens.shape)
 
 
-def greedy_decode(model, cache, question_ids, context_length: int, max_new_tokens: int, after_step=None,
-                  logprobs: list | None = None) -> list[int] | None:
+def greedy_decode(model: PreTrainedModel, cache: Cache, question_ids: Sequence[int], context_length: int,
+                  max_new_tokens: int, after_step: Callable[[], bool] | None = None,
+                  logprobs: list[float] | None = None) -> list[int] | None:
     """Feed the question after the (possibly pruned) cache and decode greedily.
 
     Returns the generated token ids, the stop token included when one was produced. `after_step`,
@@ -79,9 +87,8 @@ def greedy_decode(model, cache, question_ids, context_length: int, max_new_token
     given, is extended with each generated token's log p (python floats, float64; see
     :func:`chosen_logprobs`).
     """
-    import torch
 
-    def record(logits, token):
+    def record(logits: torch.Tensor, token: torch.Tensor) -> None:
         if logprobs is not None:
             logprobs.append(float(chosen_logprobs(logits.view(1, -1), token.view(1))[0]))
 
@@ -110,18 +117,18 @@ def greedy_decode(model, cache, question_ids, context_length: int, max_new_token
     return generated
 
 
-def full_kv_ids(model, enc: EncodedRequest, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> list[int]:
+def full_kv_ids(model: PreTrainedModel, enc: EncodedRequest, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> list[int]:
     """The full-cache answer's token ids: prefill the whole context, then decode greedily."""
-    import torch
-    from transformers import DynamicCache
-
     cache = DynamicCache()
     with torch.no_grad():
         model.model(input_ids=torch.as_tensor(enc.context_ids, device=model.device).view(1, -1), past_key_values=cache)
-    return greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
+    ids = greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
+    assert ids is not None  # only an `after_step` stops greedy_decode early
+    return ids
 
 
-def full_kv_answer(model, tokenizer, context: str, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> str:
+def full_kv_answer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, context: str, question: str,
+                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> str:
     """Answer one request with the full cache (no eviction)."""
     ids = full_kv_ids(model, encode_request(tokenizer, context, question), max_new_tokens)
     return tokenizer.decode(ids, skip_special_tokens=True)

@@ -8,19 +8,26 @@ caller gets one line saying so instead of a stack of HTTP errors.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from certkv.errors import CertkvError
 from certkv.model.embedded_tokenizer import EMBEDDED_DIR
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED = "embedded"
 
 
 def resolve_device(device: str = "auto") -> str:
     """`auto` means CUDA when present, else CPU; anything else is checked and passed through."""
-    import torch
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -30,10 +37,8 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
-def resolve_dtype(dtype: str, device: str):
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """`auto` means bfloat16 on CUDA and float32 on CPU (CPU half precision is slow and inexact)."""
-    import torch
-
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,8 +71,6 @@ def model_fingerprint(name_or_path: str = EMBEDDED) -> str:
     name and content (size and name only past 1 GB in total, to keep resuming cheap). Hub ids: the
     id and the cached snapshot's commit when one is cached.
     """
-    import hashlib
-
     source, local = _source(name_or_path)
     if not local:
         try:
@@ -88,7 +91,9 @@ def model_fingerprint(name_or_path: str = EMBEDDED) -> str:
     return f"{name_or_path}#{digest.hexdigest()[:16]}"
 
 
-def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"):
+def load_model(
+    name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, for calibration or serving.
 
     Parameters
@@ -114,16 +119,11 @@ def load_model(name_or_path: str = EMBEDDED, device: str = "auto", dtype: str = 
     CertkvError
         One line naming what is missing (weights, a folder, a device) and how to fix it.
     """
-    import torch  # noqa: F401  (imported for its side effect of being ready before transformers)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source, local = _source(name_or_path)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    kwargs = {"local_files_only": True} if (local or offline) else {}
-    from transformers.utils import logging as hf_logging
-
+    kwargs: dict[str, Any] = {"local_files_only": True} if (local or offline) else {}
     bar_was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weight-loading bar per call would drown certkv's own output
     try:

@@ -18,8 +18,22 @@ Sliding-window and soft-capped attention are not modelled (the models certkv run
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from certkv.model.attention import use_attention
+from certkv.model.layers import attention_modules
+
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedModel
 
 _ATTR = "_certkv_lookahead_weights"
 _PREFIX = "certkv_lookahead+"
@@ -36,18 +50,17 @@ class LookaheadProbe:
     tokens of the full-cache greedy answer.
     """
 
-    weights: object
+    weights: torch.Tensor
     token_ids: list[int]
 
 
-def _last_query_weights(module, query, key, scaling, context_length: int):
+def _last_query_weights(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None,
+                        context_length: int) -> torch.Tensor:
     """Softmax weights (q_heads, n_ctx) of the call's last query on the first `context_length` keys.
 
     `query` (1, q_heads, q_len, d) and `key` (1, kv_heads, k_len, d) are the attention call's own
     (post-RoPE) tensors; query head j reads KV head j // (q_heads / kv_heads), as repeat_kv does.
     """
-    import torch
-
     q = query[0, :, -1].float()  # (q_heads, d)
     k = key[0].float()  # (kv_heads, k_len, d)
     groups = q.shape[0] // k.shape[0]
@@ -57,13 +70,10 @@ def _last_query_weights(module, query, key, scaling, context_length: int):
     return torch.softmax(logits, dim=-1).reshape(q.shape[0], -1)[:, :context_length]
 
 
-def _wrap(implementation: str, context_length_of):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+def _wrap(implementation: str, context_length_of: Callable[[torch.nn.Module], int | None]) -> Callable[..., Any]:
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
         if implementation == "eager":
-            import sys
-
             inner = sys.modules[type(module).__module__].eager_attention_forward
         else:
             inner = ALL_ATTENTION_FUNCTIONS[implementation]
@@ -76,23 +86,16 @@ def _wrap(implementation: str, context_length_of):
     return attention
 
 
-def _context_length(module):
+def _context_length(module: torch.nn.Module) -> int | None:
     """The probe's context length when `module` is inside a probe (its weight list exists)."""
     return module.__dict__.get(_ATTR + "_n_ctx")
 
 
 @contextmanager
-def capturing_last_query(model, context_length: int):
+def capturing_last_query(model: PreTrainedModel, context_length: int) -> Iterator[None]:
     """Inside the block, every attention call of `model` appends its last query's weights on the
     first `context_length` keys to ``module._certkv_lookahead_weights`` (one (q_heads, n_ctx)
     tensor per call). Batch 1 only."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from certkv.model.attention import use_attention
-    from certkv.model.layers import attention_modules
-
     previous = model.config._attn_implementation
     if previous != "eager" and previous not in ALL_ATTENTION_FUNCTIONS:
         raise ValueError(f"the lookahead probe cannot wrap attention implementation {previous!r}")
@@ -113,7 +116,8 @@ def capturing_last_query(model, context_length: int):
             module.__dict__.pop(_ATTR + "_n_ctx", None)
 
 
-def lookahead_probe(model, cache, question_ids, context_length: int, tokens: int, stop_ids=None) -> LookaheadProbe:
+def lookahead_probe(model: PreTrainedModel, cache: Cache, question_ids: Sequence[int], context_length: int, tokens: int,
+                    stop_ids: Iterable[int] | None = None) -> LookaheadProbe:
     """Feed the question over the full `cache`, then the first `tokens` greedy answer tokens.
 
     `cache` holds the full prefill of the context (``context_length`` entries per layer; batch 1);
@@ -123,10 +127,6 @@ def lookahead_probe(model, cache, question_ids, context_length: int, tokens: int
     probe early, as it ends the answer). Returns the weights of the ``tokens + 1`` query positions
     (see :class:`LookaheadProbe`).
     """
-    import torch
-
-    from certkv.model.layers import attention_modules
-
     if tokens < 0:
         raise ValueError(f"lookahead tokens must be at least 0, got {tokens}")
     modules = attention_modules(model)
@@ -154,13 +154,11 @@ def lookahead_probe(model, cache, question_ids, context_length: int, tokens: int
     return LookaheadProbe(weights=weights, token_ids=chosen)
 
 
-def _kept_mask(kept, n_kv_heads: int, n_ctx: int, device):
+def _kept_mask(kept: Any, n_kv_heads: int, n_ctx: int, device: torch.device) -> torch.Tensor | None:
     """Boolean (n_kv_heads, n_ctx): which context entries a layer keeps per KV head, or None
     (keeps everything). `kept`: None; a long tensor (1, H_kv, n_kept) of kept indices; a pair
     (indices, valid) with a boolean validity mask of the indices' shape (padding slots are not
     kept); or an object with ``indices`` and ``valid`` (a probabilistic Selection)."""
-    import torch
-
     if kept is None:
         return None
     if hasattr(kept, "indices") and hasattr(kept, "valid"):
@@ -178,7 +176,7 @@ def _kept_mask(kept, n_kv_heads: int, n_ctx: int, device):
     return mask
 
 
-def evicted_mass(weights, kept: list, n_kv_heads: int) -> list[float]:
+def evicted_mass(weights: torch.Tensor, kept: Sequence[Any], n_kv_heads: int) -> list[float]:
     """Per (layer, KV head), layer-major, the probe's largest attention mass on evicted entries.
 
     `weights`: (layers, q_heads, P, n_ctx) from :func:`lookahead_probe`. `kept[layer]`: the

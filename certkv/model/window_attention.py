@@ -10,15 +10,25 @@ Nothing here registers anything or touches a model at import time.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
 from functools import lru_cache
 
+import torch
+from kvpress.utils import get_prerope_query_states
+from transformers.models.llama.modeling_llama import rotate_half
 
-def check_positive_int(name: str, value) -> None:
+from certkv.model.window_queries import captured_queries
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """Raise ValueError unless `value` is an int ≥ 1 (a bool is not)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def window_attention(module, hidden_states, keys, position_embeddings, window: int):
+def window_attention(module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                     position_embeddings: tuple[torch.Tensor, torch.Tensor], window: int) -> torch.Tensor:
     """Attention probabilities of the last `window` queries over every cached key.
 
     `module` is the attention layer (its ``q_proj`` and ``head_dim``; its ``scaling`` when it has
@@ -36,12 +46,6 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     the keys per query head). The gate and the probabilistic press's score read only its mean over
     the window queries: :func:`window_attention_mean`, which they share.
     """
-    import torch
-    from kvpress.utils import get_prerope_query_states
-    from transformers.models.llama.modeling_llama import rotate_half
-
-    from certkv.model.window_queries import captured_queries
-
     check_positive_int("window", window)
     q_len = hidden_states.shape[1]
     batch, kv_heads, k_len, head_dim = keys.shape
@@ -66,7 +70,8 @@ def window_attention(module, hidden_states, keys, position_embeddings, window: i
     return torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float32)
 
 
-def window_attention_mean(module, hidden_states, keys, position_embeddings, window: int):
+def window_attention_mean(module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                          position_embeddings: tuple[torch.Tensor, torch.Tensor], window: int) -> torch.Tensor:
     """:func:`window_attention` averaged over its window queries: float32 (B, H, K).
 
     This is all that the gate (each head's key ranking) and the probabilistic press's default score
@@ -76,8 +81,6 @@ def window_attention_mean(module, hidden_states, keys, position_embeddings, wind
     :func:`forget_window_attention` drops it when the hooks that may read it are removed (and the
     probabilistic press after the last layer).
     """
-    import weakref
-
     memo = module.__dict__.get(_MEMO_ATTR)
     if memo is not None and memo[0]() is hidden_states and memo[1]() is keys and memo[2] == window:
         return memo[3]
@@ -90,15 +93,13 @@ _MEMO_ATTR = "_certkv_window_attention_mean"
 
 
 @lru_cache(maxsize=8)
-def _future_mask(w: int, device):
+def _future_mask(w: int, device: torch.device) -> torch.Tensor:
     """(w, w) bool, True above the diagonal: the keys in each window query's future. Built once
     per size and device (read-only; every layer of every prefill uses the same one)."""
-    import torch
-
     return torch.ones(w, w, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
-def forget_window_attention(modules) -> None:
+def forget_window_attention(modules: Iterable[torch.nn.Module]) -> None:
     """Drop any remembered window attention mean (a (B, H, K) tensor per layer) from `modules`."""
     for module in modules:
         module.__dict__.pop(_MEMO_ATTR, None)

@@ -21,7 +21,20 @@ computed before. Nothing is registered at import.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from certkv.model.attention import use_attention
+from certkv.model.layers import attention_modules
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: How many of the last context queries a layer keeps (the default windows are 32).
 WIDTH = 64
@@ -30,19 +43,19 @@ _ATTR = "_certkv_window_queries"
 _PREFIX = "certkv_window_queries+"
 
 
-def captured_queries(module, q_len: int, window: int):
-    """The last `window` post-RoPE queries of `module`'s current prefill of `q_len` tokens, or None
-    when they were not captured (outside the context, a wider window, or another call shape)."""
+def captured_queries(module: torch.nn.Module, q_len: int, window: int) -> torch.Tensor | None:
+    """The last `window` post-RoPE queries (B, H, window, d) of `module`'s current prefill of `q_len`
+    tokens, or None when they were not captured (outside the context, a wider window, or another call
+    shape)."""
     captured = module.__dict__.get(_ATTR)
     if captured is None or captured[0] != q_len or window > captured[1].shape[2]:
         return None
     return captured[1][:, :, -window:]
 
 
-def _wrap(implementation: str):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+def _wrap(implementation: str) -> Callable[..., Any]:
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
         if query.shape[2] == key.shape[2]:  # a full prefill: keep this call's window
             module.__dict__[_ATTR] = (query.shape[2], query[:, :, -WIDTH:].clone())
         else:
@@ -53,19 +66,12 @@ def _wrap(implementation: str):
 
 
 @contextmanager
-def capturing_window_queries(model):
+def capturing_window_queries(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """Prefill `model` inside the block with its attention layers keeping their window queries.
 
     A no-op for an implementation transformers does not list (e.g. ``eager``, which the layers
     call directly): the window attention then recomputes the queries.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from certkv.model.attention import use_attention
-    from certkv.model.layers import attention_modules
-
     previous = model.config._attn_implementation
     if previous not in ALL_ATTENTION_FUNCTIONS or previous.startswith(_PREFIX):
         yield model

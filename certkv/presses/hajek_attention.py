@@ -40,11 +40,22 @@ Nothing is registered at import: call :func:`register` (idempotent) or use
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from certkv.presses.hajek_state import CERT_ATTR, STATE_ATTR, clear_state
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from certkv.model.attention import use_attention
+from certkv.presses.hajek_state import CERT_ATTR, STATE_ATTR, HajekState, clear_state
 from certkv.presses.probabilistic import attention_modules
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NAME = "certkv_hajek"
 #: At most this many decoded steps wait unreduced per layer ...
@@ -53,18 +64,20 @@ PENDING_STEPS = 64
 PENDING_BYTES = 8 * 2**20
 
 
-def _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, is_causal: bool | None,
+          kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )
 
 
-def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def hajek_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    is_causal: bool | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention-interface function; see the module docstring."""
-    import torch
-
     q_len, k_len = query.shape[2], key.shape[2]
     if q_len == k_len:  # a fresh prefill: any state belongs to an earlier request
         if getattr(module, STATE_ATTR, None) is not None:
@@ -103,7 +116,8 @@ def hajek_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return output, None
 
 
-def corrected_attention(query, key, value, attention_mask, scaling, state):
+def corrected_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        scaling: float | None, state: HajekState) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with the state's bias (−log π, −inf for padding) added to the logits of the
     cache's first N keys.
 
@@ -114,8 +128,6 @@ def corrected_attention(query, key, value, attention_mask, scaling, state):
     product and the bias are one ``baddbmm``: a decoding step is a handful of kernel calls, which
     is what it costs on a CPU at these sizes.
     """
-    import torch
-
     batch, heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -168,13 +180,13 @@ class CertificateTerms:
     pending, never copied.
     """
 
-    weights: object
+    weights: torch.Tensor
     """ŵ over the kept tail slots, (B·H_kv, G·Q, T) float32."""
-    output: object
+    output: torch.Tensor
     """ô, (B·H_kv, G·Q, d_v) float32."""
-    state: object
+    state: HajekState
     """The layer's :class:`~certkv.presses.hajek_state.HajekState`."""
-    shape: tuple
+    shape: tuple[int, ...]
     """(B, H_kv, G, Q): how the rows and positions split into batch, heads and query positions."""
 
     @property
@@ -184,15 +196,14 @@ class CertificateTerms:
         return base.numel() * base.element_size() + self.output.numel() * self.output.element_size()
 
 
-def certificate_terms(weights, output, value, state, shape: tuple) -> CertificateTerms:
+def certificate_terms(weights: torch.Tensor, output: torch.Tensor, value: torch.Tensor, state: HajekState,
+                      shape: tuple[int, ...]) -> CertificateTerms:
     """One step's pending certificate (see :class:`CertificateTerms`).
 
     `weights` (B·H_kv, G·Q, K) float32 and `output` (B·H_kv, G·Q, d_v) from
     :func:`corrected_attention`, `value` the layer's (B, H_kv, K, d_v) cache values, remembered
     on the state as its latest values.
     """
-    import torch
-
     state.__dict__["latest_values"] = value
     w = weights[..., state.n_head : state.n_head + state.n_tail]
     # kept until read; the attention hands the same storage to the model
@@ -200,11 +211,10 @@ def certificate_terms(weights, output, value, state, shape: tuple) -> Certificat
     return CertificateTerms(w, output, state, shape)
 
 
-def _run_sums(run: list, value=None):
+def _run_sums(run: Sequence[CertificateTerms],
+              value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Σ a v, [Σ a‖v‖², Σ a] and ô of a run of one layer's pending steps, (B·H_kv, S, G·Q, ·) each:
     two matmuls for the whole run. `value`: the layer's cache values (default: the latest seen)."""
-    import torch
-
     state = run[0].state
     if value is None:
         value = state.__dict__.get("latest_values")
@@ -225,23 +235,19 @@ def _run_sums(run: list, value=None):
             torch.stack([t.output for t in run], dim=1))
 
 
-def _reduce(weighted, moments, output):
+def _reduce(weighted: torch.Tensor, moments: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """sqrt(Σ a‖v‖² − 2 ô·(Σ a v − ½ ô Σ a)), clamped at 0 against rounding; any leading dims."""
-    import torch
-
     centred = torch.addcmul(weighted, output, moments[..., 1:], value=-0.5)
     variance = torch.add(moments[..., 0], torch.linalg.vecdot(output, centred), alpha=-2)
     return variance.clamp_min_(0).sqrt_()
 
 
-def certificate(weights, output, value, state):
+def certificate(weights: torch.Tensor, output: torch.Tensor, value: torch.Tensor, state: HajekState) -> torch.Tensor:
     """ĉ = sqrt(Σ_tail (1 − π_i) ŵ_i² ‖v_i − ô‖²) per query position and head, computed at once.
 
     Arguments as in :func:`certificate_terms`. Returns float32 (B·H_kv, G·Q); the attention takes
     the max over each KV head's group.
     """
-    import torch
-
     if state.n_tail == 0:
         return torch.zeros(weights.shape[:2], dtype=torch.float32, device=weights.device)
     # built here rather than by certificate_terms, which would remember `value` on the state
@@ -249,7 +255,7 @@ def certificate(weights, output, value, state):
     return _reduce(*_run_sums([terms], value))[:, 0]
 
 
-def settle_certificates(steps: list) -> list:
+def settle_certificates(steps: list[Any]) -> list[Any]:
     """Replace, in place, every :class:`CertificateTerms` of a layer's step list by its certificate
     tensor (B, H_kv, Q) (the max over each KV head's query heads); returns the list.
 
@@ -267,28 +273,26 @@ def settle_certificates(steps: list) -> list:
     return steps
 
 
-def _release(states) -> None:
+def _release(states: Iterable[HajekState]) -> None:
     """Forget the cache values remembered for pending steps once none is left: a state must not
     keep a layer's value tensor alive after its certificates are read."""
     for state in states:
         state.__dict__.pop("latest_values", None)
 
 
-def _pending_shape(step):
+def _pending_shape(step: object) -> tuple[int, ...] | None:
     return step.shape if isinstance(step, CertificateTerms) else None
 
 
-def _first_pending(steps: list):
+def _first_pending(steps: Sequence[object]) -> int | None:
     """Index of the first unreduced step, None when all are reduced (every reduction takes all
     pending steps, so the unreduced ones are the list's tail)."""
     return next((i for i, step in enumerate(steps) if isinstance(step, CertificateTerms)), None)
 
 
-def _reduce_runs(runs: list, shape: tuple) -> list:
+def _reduce_runs(runs: Sequence[Sequence[CertificateTerms]], shape: tuple[int, ...]) -> list[torch.Tensor]:
     """Certificates of several runs of same-shape pending steps (one per layer, equal lengths),
     reduced as one batch: one (S, B, H_kv, Q) tensor per run."""
-    import torch
-
     sums = [_run_sums(run) for run in runs]  # (B·H_kv, S, G·Q, ·) each
     stacked = [torch.cat([s[i] for s in sums]) if len(sums) > 1 else sums[0][i] for i in range(3)]
     batch, kv_heads, groups, q_len = shape
@@ -296,7 +300,7 @@ def _reduce_runs(runs: list, shape: tuple) -> list:
     return list(values.permute(0, 3, 1, 2, 4).unbind(0))
 
 
-def _same_shape_runs(items: list, shape_of):
+def _same_shape_runs(items: Sequence[Any], shape_of: Callable[[Any], Any]) -> Iterator[tuple[int, int, Any]]:
     """(start, end, shape) of each maximal run of consecutive items whose ``shape_of`` is equal;
     items whose shape_of is None form runs of one."""
     i = 0
@@ -309,42 +313,37 @@ def _same_shape_runs(items: list, shape_of):
         i = j
 
 
-def layer_certificates(module) -> list:
+def layer_certificates(module: torch.nn.Module) -> list[torch.Tensor]:
     """`module`'s per-step certificate tensors (B, H_kv, Q), oldest first (empty when none)."""
     return settle_certificates(getattr(module, CERT_ATTR, None) or [])
 
 
 def register() -> None:
     """Register the attention and its mask builder (transformers' sdpa one) with transformers; idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     AttentionInterface.register(NAME, hajek_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 @contextmanager
-def use_hajek_attention(model):
+def use_hajek_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """Run `model` with the Hájek attention inside the block, restoring its attention after.
 
     States and certificates stay on the modules after the block so that the caller can read them;
     :func:`certkv.presses.hajek_state.clear_states` forgets them.
     """
-    from certkv.model.attention import use_attention
-
     register()
     with use_attention(model, NAME):
         yield model
 
 
-def reset_certificates(model) -> None:
+def reset_certificates(model: PreTrainedModel) -> None:
     """Empty every layer's certificate list, keeping the states (e.g. before answering again)."""
     for module in attention_modules(model):
         if getattr(module, CERT_ATTR, None):
             setattr(module, CERT_ATTR, [])
 
 
-def certificate_steps(model, start: int = 0) -> list[list[float]]:
+def certificate_steps(model: PreTrainedModel, start: int = 0) -> list[list[float]]:
     """Per batch row, per step (attention call after compression) from step `start` on, the max
     certificate over layers, KV heads and the step's query positions. Empty when nothing was
     recorded; empty rows when nothing was recorded since `start` (a caller that checks as the
@@ -355,16 +354,14 @@ def certificate_steps(model, start: int = 0) -> list[list[float]]:
     model); anything else reduces layer by layer (:func:`layer_certificates`). The same numbers
     either way.
     """
-    import torch
-
     per_layer = [getattr(m, CERT_ATTR, None) or [] for m in attention_modules(model)]
     per_layer = [steps for steps in per_layer if steps]
     if not per_layer:
         return []
-    n_steps = {len(steps) for steps in per_layer}
-    if len(n_steps) != 1:
-        raise ValueError(f"layers recorded different numbers of steps {sorted(n_steps)}; was the model reused mid-answer?")
-    n_steps = n_steps.pop()
+    step_counts = {len(steps) for steps in per_layer}
+    if len(step_counts) != 1:
+        raise ValueError(f"layers recorded different numbers of steps {sorted(step_counts)}; was the model reused mid-answer?")
+    n_steps = step_counts.pop()
     if start >= n_steps:
         return [[] for _ in range(per_layer[0][0].shape[0])]  # a tensor's or pending terms' batch size
     firsts = {_first_pending(steps) for steps in per_layer}
@@ -372,28 +369,27 @@ def certificate_steps(model, start: int = 0) -> list[list[float]]:
     joint = None
     if first is not None:
         shapes = {_pending_shape(t) for steps in per_layer for t in steps[first:]}
-        if len(shapes) == 1:  # one run of same-shape pending steps, the same in every layer
-            joint = _reduce_runs([steps[first:] for steps in per_layer], shapes.pop())
+        shape = shapes.pop() if len(shapes) == 1 else None  # pending steps are a suffix: never None here
+        if shape is not None:  # one run of same-shape pending steps, the same in every layer
+            joint = _reduce_runs([steps[first:] for steps in per_layer], shape)
             _release({id(steps[first].state): steps[first].state for steps in per_layer}.values())
             for steps, values in zip(per_layer, joint):
                 steps[first:] = list(values.unbind(0))
-    if joint is not None and first <= start:
+    if joint is not None and first is not None and first <= start:
         maxima = torch.stack([values[start - first :].amax(dim=(2, 3)) for values in joint])  # (L, S, B)
     else:
         maxima = torch.stack([_step_maxima(settle_certificates(steps)[start:]) for steps in per_layer]).transpose(1, 2)
     return maxima.amax(dim=0).T.float().cpu().tolist()
 
 
-def _step_maxima(steps: list):
+def _step_maxima(steps: list[torch.Tensor]) -> torch.Tensor:
     """(B, S): each step's max over KV heads and query positions, one reduction per run of
     same-shape steps (the decoded tokens) rather than one per step."""
-    import torch
-
     parts = [torch.stack(steps[i:j]).amax(dim=(2, 3)) for i, j, _ in _same_shape_runs(steps, lambda c: c.shape)]
     return torch.cat(parts).T  # parts: (S_run, B) each
 
 
-def certificate_max(model) -> float:
+def certificate_max(model: PreTrainedModel) -> float:
     """The largest certificate of the last answer (0 when nothing was sampled or recorded)."""
     rows = certificate_steps(model)
     return max((max(row) for row in rows if row), default=0.0)

@@ -11,12 +11,18 @@ mask for all layers); :func:`kept_fraction` counts valid entries only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+from transformers import QuantizedCache
 
 from certkv.model.layers import attention_modules
 from certkv.presses.poisson_selection import Selection
+
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedModel
 
 #: Attribute of an attention module holding its layer's :class:`HajekState` (or None).
 STATE_ATTR = "certkv_hajek"
@@ -31,24 +37,24 @@ class HajekState:
     Built once per layer by the press, so that each decoding step only slices precomputed tensors.
     """
 
-    log_pi: object
+    log_pi: torch.Tensor
     """(B, H_kv, N) float32: log π per slot, 0 for π = 1 and for padding."""
-    valid: object
+    valid: torch.Tensor
     """(B, H_kv, N) bool: False for padding slots."""
-    counts: object
+    counts: torch.Tensor
     """(B, H_kv) long: entries kept per batch row and KV head."""
     n_head: int
     """Slots [:n_head] are the deterministic head (π = 1)."""
     context_length: int
     """K, the uncompressed context length of the prefill."""
-    bias: object = field(init=False, repr=False)
+    bias: torch.Tensor = field(init=False, repr=False)
     """(B, H_kv, N) float32 logit correction: −log π for kept entries, −inf for padding."""
-    tail_weight: object = field(init=False, repr=False)
+    tail_weight: torch.Tensor = field(init=False, repr=False)
     """(B, H_kv, N − n_head) float32: 1 − π for kept tail entries, 0 for padding."""
     trivial: bool = field(init=False)
     """Every slot is a real entry with π = 1: attention is plain attention over the kept cache."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         neg_inf = torch.full_like(self.log_pi, float("-inf"))
         self.bias = torch.where(self.valid, -self.log_pi, neg_inf)
         tail_log_pi = self.log_pi[..., self.n_head :]
@@ -66,14 +72,14 @@ class HajekState:
         return self.n_slots - self.n_head
 
     @property
-    def tail_weight_rows(self):
+    def tail_weight_rows(self) -> torch.Tensor:
         """`tail_weight` as (B·H_kv, 1, T), the layout of the attention's per-KV-head batches."""
         rows = self.__dict__.get("_tail_weight_rows")
         if rows is None:
             rows = self.__dict__["_tail_weight_rows"] = self.tail_weight.reshape(-1, 1, self.n_tail)
         return rows
 
-    def logit_bias(self, k_len: int):
+    def logit_bias(self, k_len: int) -> torch.Tensor:
         """(B·H_kv, 1, k_len) float32: `bias` for the first N keys, 0 for the tokens decoded after.
 
         A view of one buffer with room to spare, so a decoding step adds the correction inside its
@@ -89,7 +95,7 @@ class HajekState:
             self.__dict__["_logit_bias"] = buffer
         return buffer[..., :k_len]
 
-    def tail_moments(self, value):
+    def tail_moments(self, value: torch.Tensor) -> torch.Tensor:
         """(B·H_kv, T, 2) float32 [‖v_i‖², 1] of the kept tail slots, built at the first decoding step
         from the layer's values and kept: the kept entries never change while the answer is decoded."""
         moments = self.__dict__.get("_tail_moments")
@@ -115,35 +121,34 @@ class HajekState:
         )
 
 
-def set_state(module, state: HajekState | None) -> None:
+def set_state(module: torch.nn.Module, state: HajekState | None) -> None:
     """Attach `state` to an attention module and start a fresh certificate list."""
     setattr(module, STATE_ATTR, state)
     setattr(module, CERT_ATTR, [])
 
 
-def clear_state(module) -> None:
+def clear_state(module: torch.nn.Module) -> None:
+    """Detach `module`'s state and start a fresh certificate list."""
     set_state(module, None)
 
 
-def clear_states(model) -> None:
+def clear_states(model: PreTrainedModel) -> None:
     """Forget every layer's state and certificates (before running a request without this press)."""
     for module in attention_modules(model):
         clear_state(module)
 
 
-def equalise_widths(cache, modules) -> int:
+def equalise_widths(cache: Cache, modules: Iterable[torch.nn.Module]) -> int:
     """Pad every layer of `cache` (and its module's state) to the widest layer; returns the width.
 
     transformers builds one attention mask from layer 0's length, so all layers must have the same
     number of slots. Layers whose module has no state (not compressed) are left alone; they are
     then all the same length already (a press either compresses every layer or none).
     """
-    from transformers import QuantizedCache
-
     if isinstance(cache, QuantizedCache):
         raise ValueError("ProbabilisticPress does not support quantized caches")
-    pairs = [(m, getattr(m, STATE_ATTR, None)) for m in modules]
-    pairs = [(m, state) for m, state in pairs if state is not None]
+    attached = [(m, getattr(m, STATE_ATTR, None)) for m in modules]
+    pairs = [(m, state) for m, state in attached if state is not None]
     if not pairs:
         return 0
     width = max(state.n_slots for _, state in pairs)
@@ -162,7 +167,7 @@ def equalise_widths(cache, modules) -> int:
     return width
 
 
-def kept_fraction(model) -> float:
+def kept_fraction(model: PreTrainedModel) -> float:
     """Realised kv_retained of the last prefill: kept entries / context length, averaged over
     layers, batch rows and KV heads. Layers without a state (press off, ratio 0) count as 1."""
     fractions = []

@@ -13,12 +13,13 @@ returns a :class:`Selection`; :func:`pad_selection` pads it to a common width.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 
-def inclusion_probabilities(scores, budget):
+def inclusion_probabilities(scores: torch.Tensor, budget: float | torch.Tensor) -> torch.Tensor:
     """Poisson-sampling inclusion probabilities π ∝ score, capped at 1, summing to `budget`.
 
     `scores` is a nonnegative, finite tensor of shape (..., n); `budget` a number or a tensor
@@ -46,7 +47,7 @@ def inclusion_probabilities(scores, budget):
     return _capped_proportional(s, b).to(out_dtype)
 
 
-def _capped_proportional(s, b):
+def _capped_proportional(s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """:func:`inclusion_probabilities` without its checks, for float64 `s` (..., n) that is already
     known to be finite and nonnegative and `b` (...) in [0, n] (the selection's tail, made so).
 
@@ -80,7 +81,7 @@ def _capped_proportional(s, b):
     return torch.where(found, pi, torch.where(positive, 1.0, uniform)).clamp(0, 1)
 
 
-def head_priority(scores, n_sink: int, window: int):
+def head_priority(scores: torch.Tensor, n_sink: int, window: int) -> torch.Tensor:
     """Scores with the sinks (+inf) and the recent window (float max) ranked above everything.
 
     The deterministic head is ``head_priority(...).topk(n_head)``; :class:`DeterministicHeadPress`
@@ -113,20 +114,20 @@ class Selection:
     deterministic head, ``[n_head:]`` the sampled tail in ascending position, then padding.
     """
 
-    indices: object
+    indices: torch.Tensor
     """Positions in the full cache (padding slots point at unsampled tail entries)."""
-    log_pi: object
+    log_pi: torch.Tensor
     """log π of every slot (float32): 0 for the head, for tail entries with π = 1 and for padding."""
-    valid: object
+    valid: torch.Tensor
     """False for padding slots."""
-    counts: object
+    counts: torch.Tensor
     """Entries actually kept per (batch row, KV head)."""
     n_head: int
 
 
 def probabilistic_selection(
-    scores, n_kept: int, *, n_sink: int = 4, window: int = 16, head_share: float = 0.5,
-    score_floor: float = 0.01, generator=None,
+    scores: torch.Tensor, n_kept: int, *, n_sink: int = 4, window: int = 16, head_share: float = 0.5,
+    score_floor: float = 0.01, generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> Selection:
     """Deterministic head plus Poisson-sampled tail from scores of shape (B, H_kv, K).
 
@@ -203,7 +204,7 @@ def pad_selection(selection: Selection, width: int) -> Selection:
     if extra == 0:
         return selection
 
-    def widen(t, fill):
+    def widen(t: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, fill.expand(*t.shape[:-1], extra)], dim=-1)
 
     return Selection(

@@ -52,18 +52,24 @@ The press with a fixed seed is a deterministic policy, which is what certificati
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
-from kvpress.presses.base_press import BasePress
+from kvpress.presses.base_press import BasePress, is_prefilling
 from kvpress.presses.scorer_press import ScorerPress
 from kvpress.utils import compute_n_kept
 
 from certkv.model.layers import attention_modules
+from certkv.model.window_attention import forget_window_attention
 from certkv.presses._checks import check_base_press, check_count, check_ratio
 from certkv.presses.hajek_state import HajekState, clear_state, equalise_widths, set_state
 from certkv.presses.poisson_selection import Selection, probabilistic_selection
 from certkv.presses.value_norm import AttentionTimesValueNormPress
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -93,7 +99,7 @@ class ProbabilisticPress(BasePress):
     score_floor: float = 0.01
     """Added to tail scores as a multiple of their mean so that every tail entry has π > 0."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_ratio(self.compression_ratio)
         check_base_press(self.base_press)
         check_count("n_sink", self.n_sink)
@@ -105,15 +111,13 @@ class ProbabilisticPress(BasePress):
                 or not (math.isfinite(self.score_floor) and self.score_floor >= 0)):
             raise ValueError(f"score_floor must be a finite number ≥ 0, got {self.score_floor!r}")
 
-    def post_init_from_model(self, model):
+    def post_init_from_model(self, model: PreTrainedModel) -> None:
         self.base_press.post_init_from_model(model)
         # the layers whose widths the last hook equalises (not a dataclass field: not a setting)
         self._attention_modules = attention_modules(model)
 
-    def forward_hook(self, module, input, kwargs, output):
+    def forward_hook(self, module: torch.nn.Module, input: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         """kvpress's hook (prune this layer), then, after the last layer, equalise the widths."""
-        from kvpress.presses.base_press import is_prefilling
-
         output = super().forward_hook(module, input, kwargs, output)
         modules = getattr(self, "_attention_modules", None)
         if (
@@ -122,28 +126,27 @@ class ProbabilisticPress(BasePress):
         ):
             equalise_widths(kwargs["past_key_values"], modules)
             # the window-attention means the scores shared are not needed while decoding
-            from certkv.model.window_attention import forget_window_attention
-
             forget_window_attention(modules)
         return output
 
-    def generator(self, layer_idx: int):
+    def generator(self, layer_idx: int) -> torch.Generator:
         """The CPU generator of layer `layer_idx` (fresh and identically seeded on every call)."""
         return torch.Generator().manual_seed((self.seed * 1_000_003 + int(layer_idx)) % (2**63))
 
-    def select(self, module, hidden_states, keys, values, attentions, kwargs) -> Selection:
+    def select(self, module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> Selection:
         """The layer's selection, without pruning anything (the engine's one-prefill path can use it)."""
         scores = self.base_press.score(module, hidden_states, keys, values, attentions, kwargs)
         return self._selection(scores, self.generator(module.layer_idx))
 
-    def _selection(self, scores, generator) -> Selection:
+    def _selection(self, scores: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator]) -> Selection:
         """:func:`probabilistic_selection` of (B, H_kv, K) base scores with this press's settings."""
         return probabilistic_selection(
             scores, compute_n_kept(scores.shape[2], self.compression_ratio), n_sink=self.n_sink,
             window=self.window, head_share=self.head_share, score_floor=self.score_floor, generator=generator,
         )
 
-    def select_layers(self, layer_indices, scores) -> list[Selection]:
+    def select_layers(self, layer_indices: Sequence[int], scores: Sequence[torch.Tensor]) -> list[Selection]:
         """The selections of several layers of one prefill from their base scores, computed together.
 
         `scores` is one (B, H_kv, K) tensor per layer of `layer_indices` (the base press's, same
@@ -161,7 +164,8 @@ class ProbabilisticPress(BasePress):
             Selection(joint.indices[r], joint.log_pi[r], joint.valid[r], joint.counts[r], joint.n_head) for r in rows
         ]
 
-    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+    def compress(self, module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.compression_ratio == 0:
             clear_state(module)
             return keys, values

@@ -302,6 +302,7 @@ def is_score_based(spec: str | type | Any) -> bool:
     """
     from kvpress import ScorerPress
 
+    cls: type[Any]  # a press class: kvpress's compress() is looked up on it
     if isinstance(spec, str):
         cls = resolve_press_class(spec)
     elif isinstance(spec, type):

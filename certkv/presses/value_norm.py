@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from kvpress.presses.scorer_press import ScorerPress
 
 from certkv.core.spec import AGREEMENT_WINDOW
+from certkv.model.window_attention import window_attention_mean
 from certkv.presses._checks import check_count, check_ratio
 
 
@@ -27,13 +29,13 @@ class AttentionTimesValueNormPress(ScorerPress):
     window_size: int = AGREEMENT_WINDOW
     """The agreement gate's window by default, so the two read one window attention per layer."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_ratio(self.compression_ratio)
         check_count("window_size", self.window_size, 1)
 
-    def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        from certkv.model.window_attention import window_attention_mean
-
+    def score(self, module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor:
+        """(B, H_kv, K): the window attention's mean over the KV group's query heads, times ‖v‖."""
         batch, kv_heads, k_len, _ = keys.shape
         # Always from the window queries, even when the layer returned eager attention weights:
         # calibration may run eager attention and the runtime sdpa, and the sampled entries must

@@ -8,17 +8,25 @@ certifying, whether a candidate is hopeless or the store is incomplete.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from certkv.core.policy_names import REFERENCE_POLICY
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def candidate_summary(records, tolerance: float) -> list[dict]:
+    from certkv.calibration.run import CalibrationSummary
+    from certkv.contract.schema import Contract
+
+
+def candidate_summary(records: Iterable[Mapping[str, Any]], tolerance: float) -> list[dict[str, Any]]:
     """Per policy: n, mean utility, violation count and rate at `tolerance`, mean realised KV."""
     import numpy as np
 
     from certkv.core.binomial import violation_mask
 
-    by_policy: dict[str, list[dict]] = defaultdict(list)
+    by_policy: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for row in records:
         by_policy[row["policy"]].append(row)
     out = []
@@ -39,7 +47,7 @@ def candidate_summary(records, tolerance: float) -> list[dict]:
     return out
 
 
-def print_calibration_summary(contract, summary, console) -> None:
+def print_calibration_summary(contract: Contract, summary: CalibrationSummary, console: Console) -> None:
     """The store's candidates after `certkv calibrate`, then what this run did.
 
     Every column folds instead of being cut (:mod:`certkv.report.tables`): the summary is often

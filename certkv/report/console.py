@@ -12,13 +12,22 @@ cut to ``0.0…``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from certkv.report import text
-from certkv.report.tables import add_row, narrow_table, print_table, say, say_path
+from certkv.report.tables import Justify, add_row, narrow_table, print_table, say, say_path
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from certkv.calibration.certification import ContractRecords
+    from certkv.contract.schema import Contract
+    from certkv.core.operating_point import OperatingPoint
+    from certkv.core.validation import ValidationResult
 
 
-def print_operating_point(contract, evidence, op, console, target: Path | None = None, wide: bool = False,
-                          pooled=None) -> None:
+def print_operating_point(contract: Contract, evidence: ContractRecords, op: OperatingPoint, console: Console,
+                          target: Path | None = None, wide: bool = False, pooled: OperatingPoint | None = None) -> None:
     """Print a certificate for a reader of a terminal or a log.
 
     Parameters
@@ -67,7 +76,7 @@ def print_operating_point(contract, evidence, op, console, target: Path | None =
         say_path(console, "wrote", target)
 
 
-def print_decision(op, console, wide: bool = False) -> None:
+def print_decision(op: OperatingPoint, console: Console, wide: bool = False) -> None:
     """An ordinary operating point's evidence and choice: its sequences (or, `wide`, every candidate
     and a sentence per sequence), the choice or fallback, and the chosen policy's tasks. Shared by a
     pooled point and each stratum's entry, which is one."""
@@ -82,7 +91,7 @@ def print_decision(op, console, wide: bool = False) -> None:
     print_per_task(op, console)
 
 
-def print_choice(op, console, label: str = "") -> None:
+def print_choice(op: OperatingPoint, console: Console, label: str = "") -> None:
     """``Chosen: …`` or ``Fallback: …`` (with `label`, e.g. a stratum's name, before it)."""
     if op.fallback:
         say(console, text.choice_summary(op), label=f"{label}Fallback", style="bold red")
@@ -90,10 +99,11 @@ def print_choice(op, console, label: str = "") -> None:
         say(console, text.choice_summary(op), label=f"{label}Chosen", style="bold green")
 
 
-def print_strata(op, console, wide: bool = False, pooled=None) -> None:
+def print_strata(op: OperatingPoint, console: Console, wide: bool = False, pooled: OperatingPoint | None = None) -> None:
     """A stratified point: a row per stratum, each stratum's choice in words, the pooled memory and
     the pooled comparison; `wide` adds each stratum's own evidence, printed as the ordinary
     operating point it is (:func:`print_decision`)."""
+    assert op.strata is not None, "a stratified operating point"
     if wide:
         for name, entry in op.strata.entries.items():
             console.rule(f"{op.strata.by} {name}: {entry.n} certification requests", style="dim")
@@ -113,7 +123,7 @@ def print_strata(op, console, wide: bool = False, pooled=None) -> None:
     console.print()
 
 
-def print_strata_table(op, console) -> None:
+def print_strata_table(op: OperatingPoint, console: Console) -> None:
     """One row per stratum: n, policy, gated share, violations, bound, mean KV, why it fell back."""
     rows = text.stratum_rows(op)
     table = narrow_table([("stratum", "left"), ("n", "right"), ("policy", "left"), ("gated", "right"),
@@ -128,7 +138,7 @@ def print_strata_table(op, console) -> None:
                  "full cache; k: violations; bound: the stratum's risk upper bound.")
 
 
-def print_comparison(op, pooled, console) -> None:
+def print_comparison(op: OperatingPoint, pooled: OperatingPoint, console: Console) -> None:
     """The stratified certificate and the pooled comparison side by side, with each one's memory."""
     table = narrow_table([("certificate", "left"), ("policy", "left"), ("mean KV", "right"), ("k/n", "right"),
                           ("deployed", "left")])
@@ -139,14 +149,14 @@ def print_comparison(op, pooled, console) -> None:
     say(console, text.comparison_text(op, pooled))
 
 
-def print_coverage(op, console) -> None:
+def print_coverage(op: OperatingPoint, console: Console) -> None:
     """The coverage envelope in one line (nothing for a file written before it existed)."""
     line = text.coverage_text(op)
     if line:
         say(console, line, label="Coverage", style="bold")
 
 
-def sequence_cells(op, row: dict) -> list[str]:
+def sequence_cells(op: OperatingPoint, row: dict[str, Any]) -> list[str]:
     """One sequence's cells as :func:`print_sequences` shows them: number, name (the candidates'
     stem), certified/total, best certified, where testing stopped, its k/n and its bound."""
     stem = row["name"]
@@ -161,7 +171,7 @@ def sequence_cells(op, row: dict) -> list[str]:
     return [str(row["index"]), stem, f"{row['certified']}/{row['total']}", best, stop, kn, bound]
 
 
-def print_sequences(op, console) -> None:
+def print_sequences(op: OperatingPoint, console: Console) -> None:
     """One row per sequence, laid out for 80 columns, with a legend that says what the cells mean."""
     rows = text.sequence_rows(op)
     fixed = op.contract.procedure in text.FIXED_ORDER
@@ -193,12 +203,14 @@ def print_sequences(op, console) -> None:
     say(console, f"best: the sequence's certified candidate with the least memory (★ chosen). {stopped}")
 
 
-def print_candidates(op, console) -> None:
+def print_candidates(op: OperatingPoint, console: Console) -> None:
     """Every candidate, in contract order, at the table's natural width (``--wide``)."""
     rows = text.ladder_rows(op)
     gated = any(r["gated_share"] is not None for r in rows)  # gate columns only when the contract has a gate
-    columns = [("seq", "right"), ("policy", "left"), ("n", "right"), ("k", "right"), ("empirical risk", "right"),
-               ("upper bound", "right"), ("p-value", "right"), ("tested level", "right")]
+    columns: list[tuple[str, Justify]] = [
+        ("seq", "right"), ("policy", "left"), ("n", "right"), ("k", "right"), ("empirical risk", "right"),
+        ("upper bound", "right"), ("p-value", "right"), ("tested level", "right"),
+    ]
     columns += [("mean KV", "right"), ("gated", "right")] if gated else []
     table = narrow_table([*columns, ("status", "left")])
     style = {"certified": "green", "not certified": "red", "not tested": "dim"}
@@ -216,7 +228,7 @@ def print_candidates(op, console) -> None:
     print_table(console, table, natural=True)
 
 
-def print_per_task(op, console) -> None:
+def print_per_task(op: OperatingPoint, console: Console) -> None:
     """The chosen policy's own violation rate per task, flagged when above ε (the certificate
     covers the mix, not each task)."""
     if not op.per_task or op.fallback:
@@ -230,7 +242,7 @@ def print_per_task(op, console) -> None:
     print_table(console, table, title=f"per-task breakdown of {op.policy}:")
 
 
-def print_validation(result, console) -> None:
+def print_validation(result: ValidationResult, console: Console) -> None:
     """Both methods side by side, with δ: the certificate's promised bound on failures.
 
     A narrow table (method, share of splits above ε with its count and 95% interval, mean KV,
@@ -277,7 +289,7 @@ def print_validation(result, console) -> None:
     )
 
 
-def print_validation_table(result, console, title: str) -> None:
+def print_validation_table(result: ValidationResult, console: Console, title: str) -> None:
     """One result's methods, a row each: splits above ε (count), its 95% CI, mean KV, fallback."""
     table = narrow_table([("method", "left"), ("test risk > ε", "right"), ("95% CI", "right"),
                           ("mean KV", "right"), ("fallback", "right")])
@@ -293,7 +305,7 @@ def print_validation_table(result, console, title: str) -> None:
     print_table(console, table, title=title)
 
 
-def print_most_chosen(result, console) -> None:
+def print_most_chosen(result: ValidationResult, console: Console) -> None:
     """Each method's two most chosen policies, with the share of splits that chose them."""
     for name, m in result.methods.items():
         top = sorted(m.chosen.items(), key=lambda kv: -kv[1])[:2]

@@ -10,7 +10,11 @@ backend. Which candidates are drawn, and the status colours' meaning, come from
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from certkv.report.text import (
     METHOD_LABELS,
@@ -21,11 +25,17 @@ from certkv.report.text import (
     shown_candidates,
 )
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from certkv.core.operating_point import OperatingPoint
+    from certkv.core.validation import ValidationResult
+
 #: The PNG files a report draws, in the order the page shows them.
 FIGURES = ("risk_vs_kv.png", "per_task.png", "validation.png")
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     """matplotlib.pyplot on the Agg backend, selected here rather than at import time."""
     import matplotlib
 
@@ -35,7 +45,7 @@ def _pyplot():
     return plt
 
 
-def plot_risk_vs_kv(op, title: str | None = None, subject: str = ""):
+def plot_risk_vs_kv(op: OperatingPoint, title: str | None = None, subject: str = "") -> Figure:
     """Empirical risk and Clopper–Pearson upper bound against kv_retained, one panel per sequence.
     `subject` (e.g. ``task multi_key: ``) starts the default title: a stratum's figure says whose it is.
 
@@ -123,7 +133,7 @@ def plot_risk_vs_kv(op, title: str | None = None, subject: str = ""):
     return fig
 
 
-def plot_per_task(op, title: str | None = None, subject: str = ""):
+def plot_per_task(op: OperatingPoint, title: str | None = None, subject: str = "") -> Figure:
     """Heatmap of each task's own violation rate under each candidate; cells above ε are flagged
     (`subject` starts the default title, as for :func:`plot_risk_vs_kv`).
 
@@ -190,7 +200,7 @@ def plot_per_task(op, title: str | None = None, subject: str = ""):
     return fig
 
 
-def plot_validation(result, title: str | None = None):
+def plot_validation(result: ValidationResult, title: str | None = None) -> Figure:
     """Histograms of the chosen policy's test-half violation rate over splits, both methods."""
     plt = _pyplot()
     import numpy as np
@@ -232,7 +242,7 @@ def plot_validation(result, title: str | None = None):
     return fig
 
 
-def save_figure(fig, path: Path) -> Path:
+def save_figure(fig: Figure, path: Path) -> Path:
     """Save as PNG and free the figure (reports draw several; pyplot keeps them alive otherwise)."""
     plt = _pyplot()
     from certkv.atomic_io import atomic_write
@@ -245,7 +255,7 @@ def save_figure(fig, path: Path) -> Path:
 
 
 
-def draw_figures(op, validation, out_dir) -> dict[str, Path]:
+def draw_figures(op: OperatingPoint, validation: ValidationResult, out_dir: str | Path) -> dict[str, Path]:
     """Draw a report's figures into `out_dir`; file name → path, in the order the page shows them.
 
     A pooled point gets the three of :data:`FIGURES`. A stratified point gets each stratum's own
@@ -254,15 +264,15 @@ def draw_figures(op, validation, out_dir) -> dict[str, Path]:
     the next is drawn, so a report of a large gate grid holds one figure in memory at a time.
     """
     out = Path(out_dir)
-    draw = {"validation.png": lambda: plot_validation(validation)}
-    if op.is_stratified:
+    draw: dict[str, Callable[[], Figure]] = {"validation.png": lambda: plot_validation(validation)}
+    if op.strata is not None:  # stratified
         names = stratum_figure_names(op)
         for stratum, entry in op.strata.entries.items():
             if stratum in names:
                 risk, tasks = names[stratum]
                 subject = f"{op.strata.by} {stratum}: "
-                draw[risk] = lambda e=entry, t=subject: plot_risk_vs_kv(e, subject=t)
-                draw[tasks] = lambda e=entry, t=subject: plot_per_task(e, subject=t)
+                draw[risk] = partial(plot_risk_vs_kv, entry, subject=subject)
+                draw[tasks] = partial(plot_per_task, entry, subject=subject)
     else:
         draw["risk_vs_kv.png"] = lambda: plot_risk_vs_kv(op)
         draw["per_task.png"] = lambda: plot_per_task(op)
@@ -270,11 +280,12 @@ def draw_figures(op, validation, out_dir) -> dict[str, Path]:
     return {name: save_figure(draw[name](), out / name) for name in order}
 
 
-def stratum_figure_names(op) -> dict[str, tuple[str, str]]:
+def stratum_figure_names(op: OperatingPoint) -> dict[str, tuple[str, str]]:
     """Per stratum with candidates, its (risk, per-task) PNG names: ``risk_vs_kv_<stratum>.png``
     with the name reduced to file-safe characters (and numbered when two reduce alike)."""
     import re
 
+    assert op.strata is not None, "a stratified operating point"
     names: dict[str, tuple[str, str]] = {}
     used: set[str] = set()
     for i, (stratum, entry) in enumerate(op.strata.entries.items()):

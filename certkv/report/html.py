@@ -13,16 +13,25 @@ from __future__ import annotations
 import base64
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from certkv.atomic_io import write_text_atomic
 from certkv.report import text
 from certkv.report.figures import draw_figures
 
+if TYPE_CHECKING:
+    import jinja2
+
+    from certkv.calibration.certification import ContractRecords
+    from certkv.contract.schema import Contract
+    from certkv.core.operating_point import OperatingPoint
+    from certkv.core.validation import ValidationResult
+
 TEMPLATE = "report.html.j2"
 _STATUS_CLASS = {"certified": "certified", "not certified": "not", "not tested": "untested"}
 
 
-def _environment():
+def _environment() -> jinja2.Environment:
     """A Jinja2 environment over the package's templates; autoescape on whatever the file name,
     and undefined names an error (a typo in the template must fail, not print nothing)."""
     import jinja2
@@ -42,7 +51,7 @@ def _data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
 
 
-def _ladder(op) -> dict:
+def _ladder(op: OperatingPoint) -> dict[str, Any]:
     """The candidate table: header and rows of pre-formatted cells, gate columns only when gated."""
     rows = text.ladder_rows(op)
     gated = any(r["gated_share"] is not None for r in rows)
@@ -66,7 +75,7 @@ def _ladder(op) -> dict:
     return {"header": header, "rows": cells}
 
 
-def _per_task(op) -> dict:
+def _per_task(op: OperatingPoint) -> dict[str, Any]:
     """The chosen policy's tasks, or why there is no such table."""
     if op.fallback:
         return {"kind": "fallback"}
@@ -77,7 +86,8 @@ def _per_task(op) -> dict:
     return {"kind": "table", "policy": op.policy, "rows": rows}
 
 
-def _summary_rows(contract, records, op, validation) -> list[dict]:
+def _summary_rows(contract: Contract, records: ContractRecords, op: OperatingPoint,
+                  validation: ValidationResult) -> list[dict[str, Any]]:
     """The summary box's label/value rows; ``code`` marks hashes, shown in a fixed-width font."""
     eps = op.contract.risk
     delta = text.contract_delta(op.contract)
@@ -102,7 +112,7 @@ def _summary_rows(contract, records, op, validation) -> list[dict]:
     return out
 
 
-def _validation_rows(validation) -> list[list[str]]:
+def _validation_rows(validation: ValidationResult) -> list[list[str]]:
     return [
         [text.METHOD_LABELS.get(name, name), text.fmt_share(m.exceed_fraction),
          f"{100 * m.exceed_ci_low:.1f}–{100 * m.exceed_ci_high:.1f}%", f"{m.mean_kv_retained:.3f}",
@@ -111,13 +121,14 @@ def _validation_rows(validation) -> list[list[str]]:
     ]
 
 
-def _validation_strata(validation) -> list[dict]:
+def _validation_strata(validation: ValidationResult) -> list[dict[str, Any]]:
     """Each stratum's own validation rows (empty for a pooled result)."""
     return [{"name": f"{validation.by} {name}", "n": sub.n_requests, "rows": _validation_rows(sub)}
             for name, sub in (validation.strata or {}).items()]
 
 
-def _panel(op, images: dict[str, str], risk: str | None, tasks: str | None, title: str = "") -> dict:
+def _panel(op: OperatingPoint, images: dict[str, str], risk: str | None, tasks: str | None,
+           title: str = "") -> dict[str, Any]:
     """One ordinary operating point's evidence as the page shows it: the whole page's for a pooled
     point, one stratum's for a stratified one (each entry is an ordinary point). `risk` and `tasks`
     name its figures (None: it tested nothing, so there is nothing to draw)."""
@@ -136,19 +147,21 @@ def _panel(op, images: dict[str, str], risk: str | None, tasks: str | None, titl
     }
 
 
-def _panels(op, images: dict[str, str]) -> list[dict]:
+def _panels(op: OperatingPoint, images: dict[str, str]) -> list[dict[str, Any]]:
     """The page's evidence panels: one for a pooled point, one per stratum for a stratified one."""
-    if not op.is_stratified:
+    if op.strata is None:  # pooled
         return [_panel(op, images, "risk_vs_kv.png", "per_task.png")]
     from certkv.report.figures import stratum_figure_names
 
     names = stratum_figure_names(op)
-    return [_panel(entry, images, *names.get(stratum, (None, None)),
-                   title=f"{op.strata.by} {stratum}: {entry.n} certification requests")
-            for stratum, entry in op.strata.entries.items()]
+    panels = []
+    for stratum, entry in op.strata.entries.items():
+        risk, tasks = names[stratum] if stratum in names else (None, None)  # no figures: it tested nothing
+        panels.append(_panel(entry, images, risk, tasks, title=f"{op.strata.by} {stratum}: {entry.n} certification requests"))
+    return panels
 
 
-def _strata(op, pooled) -> dict | None:
+def _strata(op: OperatingPoint, pooled: OperatingPoint | None) -> dict[str, Any] | None:
     """A stratified point's summary: its per-stratum rows and the pooled comparison beside it."""
     if not op.is_stratified:
         return None
@@ -162,8 +175,9 @@ def _strata(op, pooled) -> dict | None:
             "pooled_kv": f"{op.mean_kv_retained:.3f}"}
 
 
-def page_context(contract, records, op, validation, figures: dict[str, Path], notes: list[str] | None = None,
-                 pooled=None) -> dict:
+def page_context(contract: Contract, records: ContractRecords, op: OperatingPoint, validation: ValidationResult,
+                 figures: dict[str, Path], notes: list[str] | None = None,
+                 pooled: OperatingPoint | None = None) -> dict[str, Any]:
     """Everything the template shows, as plain strings, numbers and lists (no HTML in them)."""
     images = {name: _data_uri(path) for name, path in figures.items()}
     return {
@@ -188,8 +202,8 @@ def page_context(contract, records, op, validation, figures: dict[str, Path], no
     }
 
 
-def render_html(contract, records, op, validation, figures: dict[str, Path], notes: list[str] | None = None,
-                pooled=None) -> str:
+def render_html(contract: Contract, records: ContractRecords, op: OperatingPoint, validation: ValidationResult,
+                figures: dict[str, Path], notes: list[str] | None = None, pooled: OperatingPoint | None = None) -> str:
     """One self-contained page: summary, guarantee with its scope, ladder, per-task, validation;
     for a stratified point a panel per stratum and the pooled comparison in the summary.
 
@@ -214,8 +228,8 @@ def render_html(contract, records, op, validation, figures: dict[str, Path], not
     return _environment().get_template(TEMPLATE).render(**context)
 
 
-def write_report(contract, records, op, validation, out_dir, notes: list[str] | None = None,
-                 pooled=None) -> dict[str, Path]:
+def write_report(contract: Contract, records: ContractRecords, op: OperatingPoint, validation: ValidationResult,
+                 out_dir: str | Path, notes: list[str] | None = None, pooled: OperatingPoint | None = None) -> dict[str, Path]:
     """Draw the figures and the HTML page into `out_dir`.
 
     Parameters

@@ -20,8 +20,19 @@ wraps at spaces only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-def narrow_table(columns):
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+#: How a column's cells are justified (rich's own names).
+Justify = Literal["default", "left", "center", "right", "full"]
+
+
+def narrow_table(columns: Iterable[tuple[str, Justify]]) -> Table:
     """A compact rich table: header underlined, one space between columns, every column folding.
 
     `columns` is a sequence of ``(header, justify)``. No rich title: a centred title wraps into
@@ -37,7 +48,7 @@ def narrow_table(columns):
     return table
 
 
-def add_row(table, *cells: str, style: str | None = None) -> None:
+def add_row(table: Table, *cells: str, style: str | None = None) -> None:
     """Add a row of plain-text cells: rich would read ``[x]`` in a name as markup and ``:x:`` as
     an emoji code, and a loss table from another system may name its policies anything."""
     from rich.text import Text
@@ -45,14 +56,14 @@ def add_row(table, *cells: str, style: str | None = None) -> None:
     table.add_row(*(Text(str(c)) for c in cells), style=style)
 
 
-def natural_width(console, table) -> int:
+def natural_width(console: Console, table: Table) -> int:
     """The width `table` takes when nothing in it wraps."""
     from rich.measure import Measurement
 
     return Measurement.get(console, console.options.update_width(1 << 15), table).maximum
 
 
-def print_table(console, table, title: str | None = None, natural: bool = False) -> None:
+def print_table(console: Console, table: Table, title: str | None = None, natural: bool = False) -> None:
     """Print `title` (a paragraph, see :func:`say`) and `table` on `console`.
 
     Parameters
@@ -80,7 +91,7 @@ def print_table(console, table, title: str | None = None, natural: bool = False)
         console.width = saved
 
 
-def say(console, text: str, label: str | None = None, style: str | None = None) -> None:
+def say(console: Console, text: str, label: str | None = None, style: str | None = None) -> None:
     """One paragraph, wrapped at spaces to the console's width; `label` (e.g. ``Chosen``) is shown
     in `style` before it. rich markup in `text` is printed literally: names come from contracts
     and loss tables."""
@@ -94,7 +105,7 @@ def say(console, text: str, label: str | None = None, style: str | None = None) 
     console.print(body, highlight=False, overflow="fold")
 
 
-def say_path(console, label: str, path) -> None:
+def say_path(console: Console, label: str, path: str | Path) -> None:
     """``label path`` with the path never broken across lines, so it can be copied from a log
     (a path longer than the console is the one thing printed past its width)."""
     from rich.text import Text

@@ -13,8 +13,18 @@ words must not need matplotlib. Nothing here imports matplotlib, rich or jinja2.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 from certkv.core.policy_names import parse_policy_name
 from certkv.core.procedures import FIXED_ORDER, procedure_of  # FIXED_ORDER: stop at the first failure
+
+if TYPE_CHECKING:
+    from certkv.calibration.certification import ContractRecords
+    from certkv.contract.schema import Contract
+    from certkv.core.operating_point import CandidateResult, ContractSummary, OperatingPoint
+    from certkv.core.spec import GateSettings
+    from certkv.core.validation import ValidationResult
 
 SCOPE_CAVEAT = (
     "The guarantee covers the calibration distribution (the declared task mix), not each task "
@@ -63,12 +73,12 @@ def member_label(policy: str, stem: str) -> str:
 # ----------------------------------------------------------------------------- candidates
 
 
-def is_stratum_point(op) -> bool:
+def is_stratum_point(op: OperatingPoint) -> bool:
     """Whether `op` is a stratified point or one stratum's entry: its coverage requires a stratum."""
     return op.coverage is not None and op.coverage.stratum_required
 
 
-def guarantee_text(op) -> str:
+def guarantee_text(op: OperatingPoint) -> str:
     """The operating point's guarantee, with its scope caveat always present: the declared task mix
     for a pooled certificate, each stratum's own requests for a stratified one (where "not each
     task" would be wrong: by task, each task is certified)."""
@@ -79,7 +89,7 @@ def guarantee_text(op) -> str:
     return text
 
 
-def candidate_status(op, candidate) -> str:
+def candidate_status(op: OperatingPoint, candidate: CandidateResult) -> str:
     """'certified', 'not certified' or 'not tested' (fixed-sequence testing stopped before it)."""
     if candidate.certified:
         return "certified"
@@ -93,7 +103,7 @@ def candidate_status(op, candidate) -> str:
     return "not certified"
 
 
-def failure_reason(op, c) -> str:
+def failure_reason(op: OperatingPoint, c: CandidateResult) -> str:
     """Why candidate `c` was not certified, in a few words: its bound exceeds ε, or (Holm) its
     bound is below ε but the step-down stopped at an earlier candidate."""
     if c.risk_upper_bound > op.contract.risk:
@@ -101,13 +111,13 @@ def failure_reason(op, c) -> str:
     return f"upper bound {fmt_bound(c.risk_upper_bound)} ≤ ε but Holm's step-down stopped before it"
 
 
-def _failure(op, c) -> str:
+def _failure(op: OperatingPoint, c: CandidateResult) -> str:
     return f"{c.violations}/{c.n} violations, {failure_reason(op, c)}"
 
 
-def by_sequence(op) -> list[list]:
+def by_sequence(op: OperatingPoint) -> list[list[CandidateResult]]:
     """The candidates of each sequence in test order, indexed like ``op.sequences``."""
-    seqs: list[list] = [[] for _ in op.sequences]
+    seqs: list[list[CandidateResult]] = [[] for _ in op.sequences]
     for c in op.candidates:
         seqs[c.sequence].append(c)
     return [sorted(s, key=lambda c: c.position) for s in seqs]
@@ -118,12 +128,12 @@ def policy_stem(policy: str) -> str:
     return parse_policy_name(policy).stem
 
 
-def sequence_name(cands) -> str:
+def sequence_name(cands: Sequence[CandidateResult]) -> str:
     """A sequence's name: its candidates' shared stem (``snapkv+drop0.1``), ``empty`` for none."""
     return policy_stem(cands[0].policy) if cands else "empty"
 
 
-def best_certified(cands):
+def best_certified(cands: Sequence[CandidateResult]) -> CandidateResult | None:
     """The candidate of a sequence that the certifier's own rule
     (:func:`certkv.core.certify.select_candidates`: least mean KV retained, then fewer violations,
     then test order) picks among the sequence's certified ones, or None.
@@ -138,7 +148,7 @@ def best_certified(cands):
     return cands[index] if index >= 0 else None
 
 
-def sequence_rows(op) -> list[dict]:
+def sequence_rows(op: OperatingPoint) -> list[dict[str, Any]]:
     """One record per sequence, for a narrow console table: name, how far testing got, where it
     stopped (or first failed) and why, and the best certified candidate.
 
@@ -174,7 +184,7 @@ def sequence_rows(op) -> list[dict]:
     return rows
 
 
-def sequence_summaries(op) -> list[str]:
+def sequence_summaries(op: OperatingPoint) -> list[str]:
     """One sentence per sequence: how far testing went and why it stopped."""
     out = []
     for stop, cands in zip(op.sequences, by_sequence(op)):
@@ -193,7 +203,7 @@ def sequence_summaries(op) -> list[str]:
     return out
 
 
-def ladder_rows(op) -> list[dict]:
+def ladder_rows(op: OperatingPoint) -> list[dict[str, Any]]:
     """The full candidate table shared by `certkv certify --wide` and the HTML page, in contract
     order; values unformatted so each medium formats them its own way."""
     return [
@@ -215,7 +225,7 @@ def ladder_rows(op) -> list[dict]:
     ]
 
 
-def shown_candidates(op) -> list[list]:
+def shown_candidates(op: OperatingPoint) -> list[list[CandidateResult]]:
     """The candidates the figures draw, by sequence: every ungated one, plus the chosen candidate's
     gated family (same press entry and gate setting). A gate grid multiplies the candidates, and
     drawing all of them makes the figures unreadable; the tables list every one."""
@@ -226,12 +236,12 @@ def shown_candidates(op) -> list[list]:
     return shown or [seq for seq in by_sequence(op) if seq]  # a spec of gated candidates only: all
 
 
-def hidden_count(op) -> int:
+def hidden_count(op: OperatingPoint) -> int:
     """How many candidates the figures leave out (see :func:`shown_candidates`)."""
     return len(op.candidates) - sum(len(s) for s in shown_candidates(op))
 
 
-def gated_figure_note(op) -> str:
+def gated_figure_note(op: OperatingPoint) -> str:
     """What the figures leave out when the contract has a gate grid (the table lists everything)."""
     hidden = hidden_count(op)
     if not hidden:
@@ -244,7 +254,7 @@ def gated_figure_note(op) -> str:
 # ----------------------------------------------------------------------------- the choice and notes
 
 
-def gate_text(gate) -> str:
+def gate_text(gate: GateSettings) -> str:
     """A gate setting in words, e.g. ``full cache when agreement drop < 0.1 or certificate > 0.5``."""
     parts = []
     if gate.agreement_drop is not None:
@@ -255,7 +265,7 @@ def gate_text(gate) -> str:
         parts.append(f"lowest token probability < {gate.confidence:.4g}")
     if getattr(gate, "lookahead", None) is not None:
         parts.append(f"lookahead evicted mass > {gate.lookahead:.4g}")
-    if getattr(gate, "learned", None) is not None and gate.learned_threshold is not None:
+    if gate.learned is not None and gate.learned_threshold is not None:
         parts.append(f"learned score > {gate.learned_threshold:.4g} ({len(gate.learned.features)} features)")
     placed = ""
     if getattr(gate, "quantile", None) is not None:
@@ -263,7 +273,7 @@ def gate_text(gate) -> str:
     return "full cache when " + " or ".join(parts) + placed
 
 
-def choice_summary(op) -> str:
+def choice_summary(op: OperatingPoint) -> str:
     """The chosen policy and its memory in one sentence (nominal and realised retention); for a
     stratified point, each stratum's policy and the pooled memory (:func:`stratified_summary`)."""
     if op.is_stratified and not op.fallback:
@@ -282,9 +292,10 @@ def choice_summary(op) -> str:
     )
 
 
-def stratified_summary(op) -> str:
+def stratified_summary(op: OperatingPoint) -> str:
     """A stratified point in one sentence: each stratum's policy, the memory pooled over the strata
     (each weighted by its certification requests) and the summed violations."""
+    assert op.strata is not None, "a stratified operating point"
     by = op.strata.by
     parts = [f"{name} {'full cache (fallback)' if e.fallback else e.policy}" for name, e in op.strata.entries.items()]
     return (
@@ -295,14 +306,15 @@ def stratified_summary(op) -> str:
     )
 
 
-def joint_or_not(op) -> str:
+def joint_or_not(op: OperatingPoint) -> str:
     """Whether the strata's bounds hold together, which the largest of them needs to mean anything joint."""
+    assert op.strata is not None, "a stratified operating point"
     if op.strata.simultaneous:
         return "all strata's bounds hold together"
     return "each stratum's bound at its own confidence, not jointly"
 
 
-def short_reason(op) -> str:
+def short_reason(op: OperatingPoint) -> str:
     """Why a stratum fell back, in a table cell's few words (the note gives the whole reason)."""
     if not op.fallback:
         return ""
@@ -314,9 +326,10 @@ def short_reason(op) -> str:
     return reason.split(";")[0][:24]
 
 
-def stratum_rows(op) -> list[dict]:
+def stratum_rows(op: OperatingPoint) -> list[dict[str, Any]]:
     """One record per stratum of a stratified point, unformatted: name, n, policy (``full`` on a
     fallback), gated share (None without a gate), violations, bound, mean KV and short reason."""
+    assert op.strata is not None, "a stratified operating point"
     return [
         {
             "name": name,
@@ -333,29 +346,32 @@ def stratum_rows(op) -> list[dict]:
     ]
 
 
-def strata_header(op) -> str:
+def strata_header(op: OperatingPoint) -> str:
     """What was stratified, and at which confidence each stratum was certified."""
     s = op.strata
+    assert s is not None, "a stratified operating point"
     reading = (f"jointly: each at confidence {s.confidence:.12g} = 1 − δ/{len(s.entries)}" if s.simultaneous
                else f"each on its own at confidence {s.confidence:.12g}")
     return f"{len(s.entries)} {s.by} strata, certified {reading}:"
 
 
-def comparison_rows(op, pooled) -> list[dict]:
+def comparison_rows(op: OperatingPoint, pooled: OperatingPoint) -> list[dict[str, Any]]:
     """The stratified certificate (deployed) and the pooled comparison (strata removed, not
     deployed), side by side: label, policy, mean KV retained, violations/n, deployed."""
-    def row(label, point, policy, deployed):
+    def row(label: str, point: OperatingPoint, policy: str, deployed: str) -> dict[str, Any]:
         return {"label": label, "policy": policy, "mean_kv": point.mean_kv_retained,
                 "kn": f"{point.violations}/{point.n}", "deployed": deployed}
 
+    assert op.strata is not None, "a stratified operating point"
     stratified = "full cache (fallback)" if op.fallback else f"per {op.strata.by} ({len(op.strata.entries)} strata)"
     pooled_policy = "full cache (fallback)" if pooled.fallback else pooled.policy
     return [row("stratified", op, stratified, "yes (the contract's)"),
             row("pooled", pooled, pooled_policy, "no: comparison only")]
 
 
-def comparison_text(op, pooled) -> str:
+def comparison_text(op: OperatingPoint, pooled: OperatingPoint) -> str:
     """The comparison in words: which one is deployed, and what the pooled one is."""
+    assert op.strata is not None, "a stratified operating point"
     return (
         f"stratified: the contract's certificate (strata by {op.strata.by}), deployed; pooled: the same contract "
         "and records certified with the strata removed (one certificate for the whole mix), a comparison only, "
@@ -363,10 +379,10 @@ def comparison_text(op, pooled) -> str:
     )
 
 
-def deployed_text(op, pooled=None) -> str:
+def deployed_text(op: OperatingPoint, pooled: OperatingPoint | None = None) -> str:
     """Which certificate is deployed (the contract's: stratified when it has strata) and its memory;
     with the pooled comparison's policy and memory after it, marked as not deployed."""
-    if op.is_stratified:
+    if op.strata is not None:  # stratified
         every = ", every one fell back to the full cache" if op.fallback else ""
         what = f"stratified per {op.strata.by} ({len(op.strata.entries)} strata{every})"
     else:
@@ -379,7 +395,7 @@ def deployed_text(op, pooled=None) -> str:
     return line
 
 
-def coverage_text(op) -> str | None:
+def coverage_text(op: OperatingPoint) -> str | None:
     """The coverage envelope in one sentence (None for a file written before it existed): what was
     calibrated, so what the runtime serves; anything outside is answered from the full cache."""
     cov = op.coverage
@@ -399,7 +415,7 @@ def coverage_text(op) -> str | None:
     return f"{what}. Requests outside it are answered from the full cache (reason uncovered)."
 
 
-def skipped_note(records) -> str | None:
+def skipped_note(records: ContractRecords) -> str | None:
     """Requests the calibration skipped are not in n; say so, with an example reason."""
     if not records.skipped:
         return None
@@ -410,7 +426,7 @@ def skipped_note(records) -> str | None:
     )
 
 
-def gate_note(contract) -> str | None:
+def gate_note(contract: Contract) -> str | None:
     """How the contract's gate grid entered the test: gated candidates, derived from the base
     candidates' records, each in its own sequence (or in the interleaved order)."""
     gate = getattr(contract, "gate", None)
@@ -438,7 +454,7 @@ def gate_note(contract) -> str | None:
     )
 
 
-def all_notes(contract, records, op, extra: list[str] | None = None) -> list[str]:
+def all_notes(contract: Contract, records: ContractRecords, op: OperatingPoint, extra: list[str] | None = None) -> list[str]:
     """Every note a reader of the certificate needs, in one order for the console and the page:
     skipped requests, the gate grid, the caller's notes, then the certifier's (per-task, incomplete)."""
     return [n for n in (skipped_note(records), gate_note(contract)) if n] + [*(extra or []), *op.notes]
@@ -447,7 +463,7 @@ def all_notes(contract, records, op, extra: list[str] | None = None) -> list[str
 # ----------------------------------------------------------------------------- validation
 
 
-def validation_line(result, method: str) -> str:
+def validation_line(result: ValidationResult, method: str) -> str:
     """How often a method's choice exceeded ε on the test half, with its 95% interval."""
     m = result.methods[method]
     return (
@@ -457,7 +473,7 @@ def validation_line(result, method: str) -> str:
     )
 
 
-def contract_delta(contract_summary) -> float:
+def contract_delta(contract_summary: ContractSummary) -> float:
     """δ = 1 − confidence without the subtraction's float noise."""
     from certkv.core.spec import delta_of
 

@@ -10,6 +10,7 @@ import json
 import random
 from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -60,10 +61,11 @@ def check_strata(requests: list[Request], by: str) -> list[str]:
             f"strata.by {by!r}: request {missing[0]!r} does not give it ({len(missing)} of {len(requests)} "
             "requests lack it); give every request a value or stratify by another field"
         )
-    empty = [r.id for r, v in zip(requests, values) if not v.strip()]
+    given = cast("list[str]", values)  # no value is None past the check above
+    empty = [r.id for r, v in zip(requests, given) if not v.strip()]
     if empty:
         raise CertkvError(f"strata.by {by!r}: request {empty[0]!r} has an empty value; every stratum needs a name")
-    return values
+    return given
 
 
 def parse_mix(spec: str) -> dict[str, float]:

@@ -22,9 +22,13 @@ import json
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from certkv.errors import CertkvError
 from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, SplitError
+
+if TYPE_CHECKING:
+    from certkv.serve.service import Service
 
 log = logging.getLogger("certkv.serve")
 
@@ -154,10 +158,11 @@ def _one_line_validation(exc) -> tuple[str, str | None]:
     return "; ".join(parts), first
 
 
-def create_app(service, *, model_id: str, operating_point_path: str | None = None, timeout: float = 60.0,
+def create_app(service: Service, *, model_id: str, operating_point_path: str | None = None, timeout: float = 60.0,
                api_key: str | None = None, max_body_bytes: int = 4 << 20, drain_seconds: float = 30.0,
-               shadow_store_path: str | None = None):
-    """The app around a started-on-startup :class:`~certkv.serve.service.Service`."""
+               shadow_store_path: str | None = None) -> _Limits:
+    """The app around a started-on-startup :class:`~certkv.serve.service.Service`: the FastAPI app
+    behind the body-limit and API-key middleware (an ASGI app)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from certkv.core.monitor import RiskMonitor
+
 GATE_REASONS = ("gate", "lookahead", "learned", "confidence", "certificate")
+
+
+class Scraped(Protocol):
+    """What a scrape reads of the service (:class:`certkv.serve.service.Service`)."""
+
+    monitor: RiskMonitor
+
+    def queue_depth(self) -> int: ...
+
+    def shadow_depth(self) -> int: ...
 
 
 class Metrics:
     """The service's counters, gauges and histograms; monitor gauges are refreshed at each scrape."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -40,7 +55,8 @@ class Metrics:
         self.m_tripped = Gauge("certkv_monitor_tripped", "1 once the stream's monitor tripped (full cache "
                                "until restart)", labels, registry=r)
 
-    def observe_answer(self, route: str, decision, seconds: float, waited: float) -> None:
+    def observe_answer(self, route: str, decision: Any, seconds: float, waited: float) -> None:
+        """Count one answered request; `decision` is its runtime Decision (reason, gate kind, retention)."""
         reason = decision.reason or "evicted"
         self.requests.labels(route, reason).inc()
         if reason in GATE_REASONS:
@@ -49,7 +65,8 @@ class Metrics:
         self.latency.labels(route).observe(seconds)
         self.queue_wait.observe(waited)
 
-    def render(self, service) -> tuple[bytes, str]:
+    def render(self, service: Scraped) -> tuple[bytes, str]:
+        """The Prometheus exposition of every metric, the queue and monitor gauges refreshed first."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         self.queue_depth.set(service.queue_depth())

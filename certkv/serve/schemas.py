@@ -35,7 +35,7 @@ SPLIT_MARKER = "Question:"
 class SplitError(ValueError):
     """A request whose text does not split into context and question; ``param`` names the field."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
 

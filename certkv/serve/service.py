@@ -19,8 +19,16 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from certkv.errors import CertkvError
+
+if TYPE_CHECKING:
+    from certkv.core.monitor import RiskMonitor
+    from certkv.runtime.certified_runtime import CertifiedRuntime, RuntimeAnswer
+    from certkv.serve.metrics import Metrics
+    from certkv.serve.shadow import ShadowJob, ShadowRunner
+    from certkv.serve.shadow_store import ShadowStore
 
 log = logging.getLogger("certkv.serve")
 
@@ -38,10 +46,10 @@ class Served:
     """What a live request returns: the runtime's answer and the monitor's view of it."""
 
     request_id: str
-    answer: object  # RuntimeAnswer
+    answer: RuntimeAnswer
     stream: str | None
     shadowed: bool
-    monitor: dict | None
+    monitor: dict[str, Any] | None
     prompt_tokens: int
     finish_reason: str
     waited: float
@@ -55,7 +63,7 @@ class _Live:
     question: str
     stratum: str | None
     answers: list[str] | None
-    future: Future
+    future: Future[Served]
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -73,7 +81,8 @@ class Service:
         Live requests that may wait for the worker; one more is refused (:class:`QueueFull`).
     """
 
-    def __init__(self, runtime, monitor, shadow_runner, store, metrics, *, max_queue: int = 64):
+    def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor, shadow_runner: ShadowRunner | None,
+                 store: ShadowStore | None, metrics: Metrics, *, max_queue: int = 64) -> None:
         self.runtime = runtime
         self.monitor = monitor
         self.shadow_runner = shadow_runner
@@ -83,7 +92,7 @@ class Service:
         op = runtime.operating_point
         self.stratified = op.is_stratified
         self._live: collections.deque[_Live] = collections.deque()
-        self._shadows: collections.deque = collections.deque()
+        self._shadows: collections.deque[ShadowJob] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
         self._drain_deadline: float | None = None
@@ -107,7 +116,7 @@ class Service:
             return self.monitor.streams[0]
         return stratum if stratum in self.monitor.streams else None
 
-    def submit(self, context: str, question: str, stratum: str | None, answers: list[str] | None) -> Future:
+    def submit(self, context: str, question: str, stratum: str | None, answers: list[str] | None) -> Future[Served]:
         rid = f"req-{next(self._ids)}"
         job = _Live(rid, context, question, stratum, answers, Future())
         with self._cv:
@@ -144,16 +153,17 @@ class Service:
             with self._cv:
                 while not self._live and not self._shadows and not self._stopping:
                     self._cv.wait()
+                item: _Live | ShadowJob
                 if self._live:
-                    item, live = self._live.popleft(), True
+                    item = self._live.popleft()
                 elif self._shadows:
                     if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
                         self._abandon_rest()
                         return
-                    item, live = self._shadows.popleft(), False
+                    item = self._shadows.popleft()
                 else:
                     return  # stopping, nothing left
-            if live:
+            if isinstance(item, _Live):
                 self._run_live(item)
             else:
                 self._run_shadow(item)
@@ -180,7 +190,8 @@ class Service:
                        "answering from the full cache until restart")
         else:
             answer = self.runtime.generate(job.context, job.question, job.stratum)
-        evicted = answer.decision.mode == "evicted"
+        decision: Any = answer.decision  # a Decision: built with make_dataclass, no fields a type checker sees
+        evicted = decision.mode == "evicted"
         shadowed = False
         if stream is not None:
             shadowed = evicted and self.shadow_runner is not None and self.monitor.draw_shadow()
@@ -200,8 +211,9 @@ class Service:
         return Served(job.request_id, answer, stream, shadowed, monitor, answer.context_tokens + answer.question_tokens,
                       finish, started - job.submitted, now - job.submitted)
 
-    def _run_shadow(self, job) -> None:
+    def _run_shadow(self, job: ShadowJob) -> None:
         try:
+            assert self.shadow_runner is not None  # only a service with a runner queues shadows
             self.shadow_runner.run(job)
             self.shadows_done += 1
             self.metrics.shadow_samples.labels(job.stream).inc()
@@ -211,7 +223,7 @@ class Service:
             self._abandon(job)
         self._check_trip(job.stream)
 
-    def _abandon(self, job) -> None:
+    def _abandon(self, job: ShadowJob) -> None:
         try:
             self.monitor.abandon(job.ticket)
         except CertkvError:

@@ -40,6 +40,7 @@ from certkv.errors import CertkvError
 
 if TYPE_CHECKING:
     from certkv.core.monitor import RiskMonitor
+    from certkv.core.operating_point import OperatingPoint
     from certkv.runtime.certified_runtime import CertifiedRuntime, RuntimeAnswer
     from certkv.serve.shadow_store import ShadowStore
 
@@ -77,12 +78,12 @@ class ShadowJob:
 class ShadowRunner:
     """Run shadow jobs: full answer, loss, the monitor's verdict and the store's record pair."""
 
-    def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor, store: ShadowStore | None):
+    def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor, store: ShadowStore | None) -> None:
         self.runtime = runtime
         self.monitor = monitor
         self.store = store
 
-    def run(self, job: ShadowJob) -> dict:
+    def run(self, job: ShadowJob) -> dict[str, Any]:
         """Shadow `job`; returns the record (loss, verdict, both answers, the rows written).
 
         Raises CertkvError (one line, the cause chained) after abandoning the ticket when the
@@ -112,7 +113,7 @@ class ShadowRunner:
 
     # -- scoring ------------------------------------------------------------------------------
 
-    def _entry(self, stratum: str | None):
+    def _entry(self, stratum: str | None) -> tuple[OperatingPoint, CertifiedRuntime]:
         """The operating point and runtime that served `stratum`."""
         op = self.runtime.operating_point
         if not op.is_stratified:
@@ -123,7 +124,7 @@ class ShadowRunner:
                               "answered from the full cache, which is never shadowed")
         return entry, self.runtime.strata[stratum]
 
-    def _score(self, job: ShadowJob) -> dict:
+    def _score(self, job: ShadowJob) -> dict[str, Any]:
         from certkv.calibration.utility import score
 
         top = self.runtime.operating_point
@@ -131,7 +132,9 @@ class ShadowRunner:
         if entry.fallback:
             raise CertkvError(f"{entry.policy} falls back to the full cache: there is nothing to shadow")
         served = job.served
-        decision = served.decision
+        # a Decision: its class is built from the declared signals (make_dataclass), so a type
+        # checker sees no fields on it
+        decision: Any = served.decision
         t0 = time.perf_counter()
         context_tokens = served.context_tokens
         if decision.mode == "full":
@@ -163,14 +166,14 @@ class ShadowRunner:
         }
 
 
-def shadow_rows(job: ShadowJob, entry, *, full_answer: str, utility_name: str, utility_full: float,
+def shadow_rows(job: ShadowJob, entry: OperatingPoint, *, full_answer: str, utility_name: str, utility_full: float,
                 utility: float, context_tokens: int, seconds: dict, strata_by: str | None = None
                 ) -> list[dict[str, Any]]:
     """The record pair of one shadow (rule: :mod:`certkv.serve.shadow_store`): the ``full`` row
     and the base policy's row carrying the served answer, its memory and the Decision's signals.
     `entry` is the operating point that served it (its stratum's); `strata_by` the stratified
     point's ``strata.by`` (a key other than ``task`` adds a ``stratum`` column)."""
-    d = job.served.decision
+    d: Any = job.served.decision  # a Decision (see ShadowRunner._score)
     evicted = d.mode != "full"
     common: dict[str, Any] = {
         "request_id": job.request_id,

@@ -147,16 +147,17 @@ class ShadowStore:
     Thread-safe: one lock serialises writes (the server writes from its worker thread).
     """
 
-    def __init__(self, path: Path, operating_point: OperatingPoint):
+    def __init__(self, path: Path, operating_point: OperatingPoint) -> None:
         self.path = Path(path)
         self.operating_point = operating_point
         self._lock = threading.Lock()
         self._stores: dict[str | None, CalibrationStore] = {}
-        self._by = operating_point.strata.by if operating_point.is_stratified else None
+        strata = operating_point.strata  # None: a pooled point
+        self._by = strata.by if strata is not None else None
         try:
-            if operating_point.is_stratified:
-                index = {}
-                for name, entry in operating_point.strata.entries.items():
+            if strata is not None:
+                index: dict[str, str] = {}
+                for name, entry in strata.entries.items():
                     if entry.fallback:
                         continue  # every answer is the full cache's: nothing is ever shadowed
                     sub = stratum_folder(name)
@@ -208,7 +209,7 @@ class ShadowStore:
 
     # -- writing / reading ------------------------------------------------------------------
 
-    def write(self, rows: list[dict]) -> None:
+    def write(self, rows: list[Mapping[str, Any]]) -> None:
         """Record the rows of ONE shadowed request (its ``full`` row and its base-policy row) in
         one transaction: all or nothing. A request id already present is an error."""
         if not rows:
@@ -252,7 +253,7 @@ class ShadowStore:
     def __enter__(self) -> ShadowStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -1,0 +1,47 @@
+"""Prompt-lookup proposals for speculative greedy decoding: plain python, no torch.
+
+:func:`certkv.engine.batched_decode.decode_candidates` feeds each row that leaves the draft a
+proposal from here; retrieval answers are mostly copied from the context, so a proposal is usually
+accepted whole. Kept apart from the decoding itself so that it can be tested without the model stack.
+"""
+
+from __future__ import annotations
+
+
+class PromptLookup:
+    """Prompt-lookup proposals: what followed the latest earlier occurrence of the last n tokens.
+
+    The history searched is the prompt (context and question) followed by the row's own answer
+    before its last token, so a degenerate repetition ("7 7 7") is proposed too, not only text
+    copied from the context. The prompt's n-grams are indexed once per request; only the short
+    answer part is scanned per call.
+    """
+
+    def __init__(self, prompt: list[int], max_ngram: int = 3) -> None:
+        self.prompt = prompt
+        self.max_ngram = max_ngram
+        self.latest: dict[tuple[int, ...], int] = {}
+        for n in range(1, max_ngram + 1):
+            for start in range(len(prompt) - n):  # the match must have a continuation in the prompt
+                self.latest[tuple(prompt[start : start + n])] = start
+
+    def propose(self, tokens: list[int], budget: int) -> list[int]:
+        """Up to `budget` tokens to try after `tokens` (the row's answer so far); [] for none."""
+        if budget <= 0 or not tokens:
+            return []
+        history = self.prompt + tokens[:-1]
+        boundary = max(0, len(self.prompt) - self.max_ngram)
+        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
+            suffix = tokens[-n:]
+            # Occurrences reaching into the answer are the latest ones: scan that short tail first.
+            for start in range(len(history) - n - 1, boundary - 1, -1):
+                if history[start : start + n] == suffix:
+                    return history[start + n : start + n + budget]
+            # Else the prompt's latest occurrence (one at or past `boundary` was found by the scan).
+            latest = self.latest.get(tuple(suffix))
+            if latest is not None:
+                return history[latest + n : latest + n + budget]
+        return []
+
+
+__all__ = ["PromptLookup"]
