@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 @contextmanager
@@ -33,7 +33,7 @@ def atomic_write(path: str | Path, mode: str = "w", *, encoding: str | None = "u
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, 0o666 & ~_umask())
-        text = {} if mode == "wb" else {"encoding": encoding, "newline": newline}
+        text: dict[str, Any] = {} if mode == "wb" else {"encoding": encoding, "newline": newline}
         with os.fdopen(fd, mode, **text) as fh:
             yield fh
             fh.flush()

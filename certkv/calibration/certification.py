@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from certkv.errors import CertkvError
+
+if TYPE_CHECKING:
+    from certkv.core.loss_table import LossTable
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class ContractRecords:
     guarantee covers the requests calibration could run, which reports must say.
     """
 
-    table: object  # certkv.core.loss_table.LossTable
+    table: LossTable
     source: str
     records_sha256: str
     store_path: Path

@@ -32,6 +32,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from certkv.errors import CertkvError
 from certkv.interrupts import reclaim
@@ -125,7 +126,7 @@ class CalibrationWorker:
         torch.set_num_threads(threads)
         self.contract = contract
         self.error = None
-        self.facts = {"pid": os.getpid()}
+        self.facts: dict[str, Any] = {"pid": os.getpid()}
         try:
             run_device = resolve_device(device or contract.protocol.device)
             self.facts.update(model_fingerprint=model_fingerprint(contract.model), device_type=run_device.split(":")[0])
@@ -260,7 +261,7 @@ class _Worker:
     """The driver's record of one actor: loaded or not, its calls in flight, when it last answered."""
 
     index: int
-    actor: object
+    actor: Any
     ready: bool = False  # loaded and its facts checked: it is handed requests
     in_flight: int = 0  # its request calls not yet come back
     pinging: bool = False  # a ping not yet answered
@@ -287,7 +288,7 @@ class _Call:
 
     kind: str
     worker: _Worker
-    request: object = None
+    request: Any = None
 
 
 class _Driver:

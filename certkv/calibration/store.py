@@ -217,7 +217,7 @@ class CalibrationStore:
         """contract_sha256, contract (canonical JSON), created, certkv_version, schema_version."""
         return read_meta(self._conn, db_path(self.path))
 
-    def bind(self, facts: Mapping[str, str]) -> None:
+    def bind(self, facts: Mapping[str, Any]) -> None:
         """Record what else determines the answers (model, request set, device), or check it on resume.
 
         The contract hash does not cover the model's weights or the request file's content; resuming

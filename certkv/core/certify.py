@@ -14,6 +14,7 @@ computed and checked on machines without the model stack.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,6 +35,9 @@ from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
 from certkv.core.procedures import candidate_levels, certified_mask, sequence_stops
 from certkv.core.spec import CertificationSpec
 from certkv.errors import CertkvError
+
+if TYPE_CHECKING:
+    from certkv.core.pilot import PilotResolution
 
 #: Re-exported helper; certify() takes a keyword of the same name, hence the private alias above.
 records_sha256 = _records_sha256
@@ -97,7 +101,7 @@ def expand_for_spec(table: LossTable, spec: CertificationSpec) -> LossTable:
     return expand_gated(table, wanted) if wanted else table
 
 
-def prepare(records, spec) -> tuple[LossTable, CertificationSpec, object]:
+def prepare(records, spec) -> tuple[LossTable, CertificationSpec, PilotResolution | None]:
     """The table and spec a decision is computed on, shared by :func:`certify` and validation:
     with a pilot (``spec.pilot``), the certification requests only and the pilot-resolved spec
     (:func:`certkv.core.pilot.resolve_pilot`); then every gated candidate derived. Returns

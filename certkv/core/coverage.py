@@ -61,7 +61,7 @@ class Coverage(BaseModel):
             return f"{self.by} {stratum!r} was not calibrated; calibrated: {_listed(self.strata)}"
         served = self.context_range()
         if served is not None and not served[0] <= context_tokens <= served[1]:
-            low, high = self.context_tokens
+            low, high = self.context_tokens or served
             margin = f" widened by {self.context_margin:g}" if self.context_margin else ""
             return (f"context of {context_tokens} tokens is outside the calibrated {low}-{high} tokens{margin}")
         return None

@@ -168,7 +168,7 @@ def _missing(column: str, who: str, missing: np.ndarray, table: LossTable, ids=N
     )
 
 
-def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
+def expand_gated(table: LossTable, gated: Iterable[GateSpec | Derive]) -> LossTable:
     """A new table: `table`'s rows plus one derived row per gated candidate (in the given order).
 
     Candidates the table already derived with the same settings are kept as they are, so
@@ -180,11 +180,7 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
     if not specs:
         return table
     base_rows = np.array([table.index_of(g.base_policy) for g in specs], dtype=np.int64)
-    masks = np.stack([
-        gated_mask(table, int(row), *_settings(g)[:2], g.policy, confidence=_settings(g)[2],
-                   lookahead=_settings(g)[3], learned=_settings(g)[4], learned_threshold=_settings(g)[5])
-        for row, g in zip(base_rows, specs)
-    ])
+    masks = np.stack([_mask_of(table, int(row), g) for row, g in zip(base_rows, specs)])
     actual = None
     if table.kv_retained_actual is not None:
         actual = np.vstack([table.kv_retained_actual, np.where(masks, 1.0, table.kv_retained_actual[base_rows])])
@@ -204,7 +200,14 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec]) -> LossTable:
     )
 
 
-def _to_derive(table: LossTable, g: GateSpec) -> bool:
+def _mask_of(table: LossTable, row: int, g: GateSpec | Derive) -> np.ndarray:
+    """:func:`gated_mask` of `g`'s settings on base row `row`."""
+    drop, cert, conf, look, learned, learned_t = _settings(g)
+    return gated_mask(table, row, drop, cert, g.policy, confidence=conf, lookahead=look, learned=learned,
+                      learned_threshold=learned_t)
+
+
+def _to_derive(table: LossTable, g: GateSpec | Derive) -> bool:
     """Whether `g` is still to be derived (False: the table derived it already, identically);
     a gated name with rows of its own, a missing base or no gate setting is an error."""
     if g.policy in table:
@@ -229,7 +232,7 @@ def _to_derive(table: LossTable, g: GateSpec) -> bool:
     return True
 
 
-def _gated_row(g: GateSpec, count: int, n_requests: int) -> GatedRow:
+def _gated_row(g: GateSpec | Derive, count: int, n_requests: int) -> GatedRow:
     drop, bound, conf, look, _, learned_t = _settings(g)
     return GatedRow(
         base_policy=g.base_policy,

@@ -357,7 +357,7 @@ def _columns_from_mappings(rows, source: str, where, *, blank_is_missing: bool =
     """Pull each known column out of the rows as a list; required ones must be in every row."""
     if not rows:
         raise CertkvError(f"{source}: the loss table has no rows")
-    columns = {}
+    columns: dict[str, list | None] = {}
     for column in REQUIRED_COLUMNS:
         try:
             columns[column] = list(map(itemgetter(column), rows))
@@ -380,7 +380,7 @@ def _columns_from_mappings(rows, source: str, where, *, blank_is_missing: bool =
 
 def _head_lists(values, source: str, where) -> list | None:
     """``lookahead_heads`` cells as lists of floats (JSON text in a CSV cell); all one length."""
-    out = []
+    out: list = []
     length = None
     for i, value in enumerate(values):
         if value is None:
@@ -501,18 +501,15 @@ def _build(columns: dict, source: str, where) -> LossTable:
         out[pol, req] = values
         return out
 
-    signals = {}
+    signals: dict[str, np.ndarray] = {}
     for s in RECORDED:
         values = parsed.get(s.name)
-        if values is None:
-            full = None
-        elif s.per == "request":
-            full = values
-        elif s.kind == "heads":
+        full: np.ndarray | None = values  # a request signal is (R,) as parsed
+        if values is not None and s.per == "candidate" and s.kind == "heads":
             full = _dense_heads(values, pol, req, n_pol, n_req, source, at.where)
-        else:
+        elif values is not None and s.per == "candidate":
             full = dense(values)
-        if _has_values(full):
+        if full is not None and _has_values(full):
             signals[s.name] = full
         elif s.always_present:
             signals[s.name] = np.full(n_req if s.per == "request" else (n_pol, n_req), np.nan)

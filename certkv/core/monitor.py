@@ -407,8 +407,9 @@ def simulate_streams(violated, *, risk: float, delta: float, shadow_rate: float,
     z_total = np.zeros(n_streams)
     log_k = np.zeros(n_streams)
     tripped_after = np.zeros(n_streams, dtype=np.int64)
-    log_km = np.zeros((n_streams, BOUND_GRID.size)) if bound else None
-    rejected = np.zeros((n_streams, BOUND_GRID.size), dtype=bool) if bound else None
+    grid = BOUND_GRID.size if bound else 0  # the bound's statistics, empty when it is not asked for
+    log_km = np.zeros((n_streams, grid))
+    rejected = np.zeros((n_streams, grid), dtype=bool)
     for t in range(n):
         coin = shadowed[:, t] if shadowed is not None else rng.random(n_streams) < s
         z = np.where(violated[:, t] & coin, a, 0.0)

@@ -240,6 +240,7 @@ def _resolve_candidate(name: str, entry: CandidateInfo, pilot: LossTable, spec: 
                        models: dict, notes: list[str]) -> CandidateInfo:
     """`entry` with its pilot gate's threshold (and model) placed on `pilot`."""
     gate = entry.pilot_gate
+    assert gate is not None, name  # only pilot-gated candidates are resolved
     base = entry.base_policy
     row = pilot.index_of(base)
     who = f"policy {base!r} (needed by {name!r}) on the pilot"

@@ -26,6 +26,7 @@ and its requests are answered from the full cache. Torch-free.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -71,6 +72,7 @@ def stratum_labels(table: LossTable, by: str) -> tuple[str, ...]:
 def stratum_spec(spec: CertificationSpec, n_strata: int) -> CertificationSpec:
     """The spec each stratum is certified under: no strata, and δ/S when `simultaneous`."""
     confidence = spec.confidence
+    assert spec.strata is not None  # a stratified spec
     if spec.strata.simultaneous and n_strata > 1:
         confidence = round(1.0 - spec.delta / n_strata, 12)
         if n_strata * delta_of(confidence) > spec.delta:  # rounding must never make S · δ_s exceed δ
@@ -114,6 +116,7 @@ def certify_stratified(table: LossTable, spec: CertificationSpec, certify_one, *
         ``strata.entries`` holds each stratum's operating point; the top level is their summary
         (:class:`~certkv.core.operating_point.OperatingPoint`, field ``strata``).
     """
+    assert spec.strata is not None  # a stratified spec
     by = spec.strata.by
     labels = stratum_labels(table, by)
     names = sorted(set(labels))
@@ -130,6 +133,7 @@ def certify_stratified(table: LossTable, spec: CertificationSpec, certify_one, *
         else:
             entry = certify_one(sub, per_stratum, contract_sha256=contract_sha256, records_sha256=records_sha256)
             entry.guarantee = stratum_guarantee(per_stratum, by, name, entry.fallback)
+        assert entry.coverage is not None  # every certified entry has its coverage
         coverage = entry.coverage.model_copy(update={"by": by, "strata": [name], "stratum_required": True})
         entries[name] = entry.model_copy(update={"coverage": coverage})
     return _summary(entries, spec, per_stratum, by, contract_sha256, records_sha256)
@@ -148,7 +152,7 @@ def stratum_guarantee(spec: CertificationSpec, by: str, name: str, fallback: boo
 def strata_guarantee(spec: CertificationSpec, per_stratum: CertificationSpec, by: str, n_strata: int) -> str:
     """The stratified promise in words, with which reading of δ holds."""
     eps, tau = f"{spec.risk * 100:g}%", float(spec.tolerance)
-    if spec.strata.simultaneous:
+    if spec.strata is not None and spec.strata.simultaneous:
         return (
             f"With probability ≥ {spec.confidence:g} over the calibration draw, for every one of the {n_strata} "
             f"{by} strata at once, at most {eps} of that stratum's requests lose more than {tau} utility under "
@@ -256,7 +260,7 @@ def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract
         guarantee=strata_guarantee(spec, per_stratum, by, len(ops)),
         notes=[f"certified per {by}: {len(certified)} of {len(ops)} strata chose a compressed policy", *notes],
         max_new_tokens=spec.max_new_tokens,
-        coverage=merge_coverage({k: op.coverage for k, op in entries.items()}, by,
+        coverage=merge_coverage({k: op.coverage for k, op in entries.items() if op.coverage is not None}, by,
                                 context_margin=spec.context_margin, max_new_tokens=spec.max_new_tokens),
         strata=StrataResult(by=by, simultaneous=spec.strata.simultaneous, confidence=per_stratum.confidence,
                             entries=entries),
@@ -272,7 +276,7 @@ def _task_counts(sub: LossTable, spec: CertificationSpec) -> dict[str, TaskBreak
     the summary's per-task table still counts every certification request."""
     if sub.tasks is None:
         return {}
-    tasks = sub.tasks
+    tasks: Sequence[str | None] = sub.tasks
     if spec.pilot is not None:  # the certification requests only, as every other entry counts them
         n_pilot = pilot_size(sub.n_requests, spec.pilot.share)
         if 1 <= n_pilot < sub.n_requests:

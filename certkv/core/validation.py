@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -142,7 +143,7 @@ class SplitRun:
     n_cal: int
     n_test: int
     names: list[str]
-    resolution: object
+    resolution: Any
     outcomes: dict[str, SplitOutcomes]
 
 
@@ -209,7 +210,7 @@ def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibra
 
     rng = np.random.default_rng(seed)
     p_table = binomial_p_value_table(n_cal, spec.risk)
-    parts = {m: [] for m in METHODS}
+    parts: dict[str, list] = {m: [] for m in METHODS}
     for size in _blocks(n_splits):
         cal = calibration_masks(rng, size, n_requests, n_cal)
         k_cal, k_test, mem_cal, mem_test = _split_statistics(cal, violations, memory)
@@ -240,6 +241,7 @@ def _validate_stratified(table: LossTable, spec: CertificationSpec, n_splits: in
     """Each stratum validated under its per-stratum spec, then pooled split by split (:func:`_pool`)."""
     from certkv.core.strata import stratum_labels, stratum_spec
 
+    assert spec.strata is not None  # a stratified spec
     by = spec.strata.by
     labels = np.asarray(stratum_labels(table, by), dtype=object)
     names = sorted(set(labels))
@@ -319,6 +321,7 @@ def _pool(runs: dict[str, SplitRun], results: dict[str, ValidationResult], spec:
           per_stratum: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int) -> ValidationResult:
     """The top level of a stratified validation: the strata pooled split by split (the definitions are in
     :class:`ValidationResult`)."""
+    assert spec.strata is not None  # a stratified spec
     n_test = sum(run.n_test for run in runs.values())
     n_cal = sum(run.n_cal for run in runs.values())
     if n_cal < 1 or n_test < 1:

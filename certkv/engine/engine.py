@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
@@ -37,7 +38,7 @@ class PressCandidate:
     """
 
     policy: str
-    press: object
+    press: Any
     press_name: str
     kv_retained: float
 
@@ -96,12 +97,12 @@ class _Prefilled:
     (`sampled`); the lookahead probe (None: no probe) and the KV heads per layer; and the time the
     candidates' evicted mass has taken so far (counted as lookahead)."""
 
-    enc: object
+    enc: Any
     n_ctx: int
-    cache: object
+    cache: Any
     by_candidate: dict
     sampled: dict
-    probe: object = None
+    probe: Any = None
     n_kv_heads: int = 0
     mass_seconds: float = 0.0
 
@@ -307,6 +308,7 @@ class Engine:
             n_ctx = cache.get_seq_length()
         logprobs: list[float] = []
         ids = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens, logprobs=logprobs)
+        assert ids is not None  # greedy_decode returns None only when an after_step callback stops it
         answer = CandidateAnswer(
             c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "pipeline",
             time.perf_counter() - t0,

@@ -29,6 +29,7 @@ escalation) and the total.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, make_dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from certkv.core.signals import SIGNALS, request_signals
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
@@ -37,7 +38,7 @@ from certkv.errors import CertkvError
 
 def _decision_class() -> type:
     """:class:`Decision`, its signal fields derived from :data:`certkv.core.signals.SIGNALS`."""
-    head = [
+    head: list[Any] = [
         ("mode", str),
         ("reason", str | None),
         ("policy", str),
@@ -46,8 +47,9 @@ def _decision_class() -> type:
         ("gate_threshold", float | None, field(default=None)),
         ("certificate_bound", float | None, field(default=None)),
     ]
-    signals = [(s.name, (list[float] if s.kind == "heads" else float) | None, field(default=None)) for s in SIGNALS]
-    tail = [
+    signals: list[Any] = [(s.name, (list[float] if s.kind == "heads" else float) | None, field(default=None))
+                           for s in SIGNALS]
+    tail: list[Any] = [
         ("escalated", bool, field(default=False)),
         ("kv_retained", float, field(default=1.0)),
         ("kv_retained_actual", float, field(default=1.0)),
@@ -79,8 +81,12 @@ def _decision_class() -> type:
     })
 
 
-#: How one request was answered (see its docstring); fields per gate signal come from the registry.
-Decision = _decision_class()
+if TYPE_CHECKING:
+    # Built at run time from the signal registry, so a type checker cannot see its fields.
+    Decision: TypeAlias = Any
+else:
+    #: How one request was answered (see its docstring); fields per gate signal come from the registry.
+    Decision = _decision_class()
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from certkv.core.spec import LOOKAHEAD_TOKENS
+from certkv.core.spec import LOOKAHEAD_TOKENS, LearnedGate
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class RuntimeGate:
     certificate: float | None = None
     confidence: float | None = None
     lookahead: float | None = None
-    learned: object | None = None
+    learned: LearnedGate | None = None
     learned_threshold: float | None = None
     learned_post_decode: bool = False
     needs_agreement: bool = False
