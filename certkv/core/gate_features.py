@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from certkv.core.signals import FEATURE_GROUPS, SIGNALS, feature_signal, group_signals
+from certkv.core.signals import FEATURE_GROUPS, SIGNALS, Signal, feature_signal, group_signals
 from certkv.core.spec import GateSettings, LearnedGate
 from certkv.errors import CertkvError
 
@@ -62,10 +62,7 @@ def needed_signals(features: Sequence[str]) -> list[str]:
     """The signal keys (lookahead_heads, confidence_min, ...) that expanded `features` read."""
     keys = []
     for name in features:
-        try:
-            key = feature_signal(name).name
-        except KeyError:
-            raise CertkvError(f"unknown learned-gate feature {name!r}") from None
+        key = _signal_of(name).name
         if key not in keys:
             keys.append(key)
     return keys
@@ -82,10 +79,7 @@ def feature_matrix(signals: Mapping, features: Sequence[str]) -> np.ndarray:
     columns = []
     n = None
     for name in features:
-        try:
-            s = feature_signal(name)
-        except KeyError:
-            raise CertkvError(f"unknown learned-gate feature {name!r}") from None
+        s = _signal_of(name)
         if s.kind == "heads":
             heads = _signal(signals, s.name, 2)
             index = int(name[name.index("[") + 1:-1])
@@ -109,6 +103,14 @@ def feature_matrix(signals: Mapping, features: Sequence[str]) -> np.ndarray:
     if not columns:
         raise CertkvError("a learned gate needs at least one feature")
     return np.stack(columns, axis=1)
+
+
+def _signal_of(feature: str) -> Signal:
+    """The signal an expanded feature reads; an unknown feature is a one-line error."""
+    try:
+        return feature_signal(feature)
+    except KeyError:
+        raise CertkvError(f"unknown learned-gate feature {feature!r}") from None
 
 
 #: Masses are clipped to [MASS_CLIP, 1 − MASS_CLIP] before their log-odds are taken.

@@ -26,7 +26,7 @@ Torch-free.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -202,12 +202,6 @@ def context_length(context_ids: Sequence[int], question_ids: Sequence[int]) -> i
     return len(context_ids)
 
 
-def recorded_values(source: Mapping[str, Any] | Any, names: Sequence[str]) -> dict[str, Any]:
-    """The values of the signals `names` read from a mapping or an object's attributes."""
-    get = source.get if isinstance(source, Mapping) else (lambda n: getattr(source, n, None))
-    return {n: get(n) for n in names}
-
-
 __all__ = [
     "BY_NAME",
     "FEATURE_GROUPS",
@@ -220,7 +214,6 @@ __all__ = [
     "feature_signal",
     "group_signals",
     "reads_signal",
-    "recorded_values",
     "request_signals",
     "signal",
 ]
