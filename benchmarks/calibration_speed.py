@@ -12,9 +12,11 @@ like-for-like fastest-of-two would):
 
 Candidates: snapkv, streaming_llm and knorm at kv_retained 0.9 … 0.1 (27). Models: the embedded
 model at 512 tokens, and a randomly initialised larger Llama at 2048 tokens (its answers are
-meaningless, its cost is not).
+meaningless, its cost is not); and the embedded model at 512 tokens under the query-aware protocol
+(the question prefilled with the context; ``full`` then answers from the same split; no naive loop).
 
-    python benchmarks/calibration_speed.py            # both settings, writes benchmarks/results/
+    python benchmarks/calibration_speed.py            # every setting, writes benchmarks/results/
+    python benchmarks/calibration_speed.py --only embedded@512+query_aware   # one setting, merged in
     python benchmarks/calibration_speed.py --quick    # a smoke run
 """
 
@@ -49,21 +51,27 @@ def larger_llama(tokenizer, heads: int = 16, kv_heads: int = 4):
     return model
 
 
-def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dict:
+def full_answer(model, tokenizer, context: str, question: str, max_new_tokens: int, query_aware: bool) -> list[int]:
+    """The full-cache answer alone (one plain prefill and a greedy decode), under the protocol."""
+    from certkv.model.generation import encode_request, for_protocol, full_kv_ids
+
+    return full_kv_ids(model, for_protocol(encode_request(tokenizer, context, question), query_aware), max_new_tokens)
+
+
+def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool, query_aware: bool = False) -> dict:
     import kvpress  # noqa: F401  (registers the kvpress pipeline)
     from transformers import pipeline
 
     from certkv.engine.engine import Engine, PressCandidate
-    from certkv.model.generation import full_kv_answer
     from certkv.presses.registry import build_press
 
     candidates = [PressCandidate(policy_name(p, kv), build_press(p, kv), p, kv) for p in PRESSES for kv in KV]
-    engine = Engine(model, tokenizer, candidates, max_new_tokens=max_new_tokens)
+    engine = Engine(model, tokenizer, candidates, max_new_tokens=max_new_tokens, query_aware=query_aware)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device)
     # Warm up every path once.
     r0 = requests[0]
     engine.run(r0.context, r0.question)
-    full_kv_answer(model, tokenizer, r0.context, r0.question, max_new_tokens)
+    full_answer(model, tokenizer, r0.context, r0.question, max_new_tokens, query_aware)
     totals = {"full": 0.0, "certkv": 0.0, "naive": 0.0}
     verify = 0.0
     breakdown: dict[str, float] = {}
@@ -76,7 +84,7 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool) -> dic
             for name in (("full", "certkv") if (i + rep) % 2 == 0 else ("certkv", "full")):
                 t = time.perf_counter()
                 if name == "full":
-                    out = full_kv_answer(model, tokenizer, r.context, r.question, max_new_tokens)
+                    out = full_answer(model, tokenizer, r.context, r.question, max_new_tokens, query_aware)
                 else:
                     out = engine.run(r.context, r.question)
                 seconds = time.perf_counter() - t
@@ -126,25 +134,37 @@ def main() -> None:
     p.add_argument("--no-naive", action="store_true", help="skip the (slow) naive kvpress loop")
     p.add_argument("--n-512", type=int, default=40, help="measured requests at 512 tokens")
     p.add_argument("--n-2048", type=int, default=4, help="measured requests at 2048 tokens (naive: ~2 min each)")
+    p.add_argument("--only", help="comma-separated settings to run, merged into the existing results file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    target = RESULTS / "calibration_speed.json"
+    only = set(args.only.split(",")) if args.only else None
     results = {"threads": args.threads, "torch": torch.__version__, "settings": {}}
+    if only and target.exists():
+        results = json.loads(target.read_text())
+        if results["threads"] != args.threads:
+            raise SystemExit(f"{target} was measured with {results['threads']} threads; pass --threads {results['threads']}")
 
     model, tokenizer = load_model("embedded", device="cpu")
-    n = 6 if args.quick else args.n_512 + 1
-    reqs = generate_requests("demo", n, seed=2024, context_length=512)
-    results["settings"]["embedded@512"] = measure(model, tokenizer, reqs, 8, naive=not args.no_naive)
-    print("embedded@512", json.dumps(results["settings"]["embedded@512"], indent=1), flush=True)
-
-    big = larger_llama(tokenizer)
-    n = 3 if args.quick else args.n_2048 + 1
-    reqs = generate_requests("demo", n, seed=2025, context_length=2048)
-    results["settings"]["random-llama-8L-512h@2048"] = measure(big, tokenizer, reqs, 8, naive=not args.no_naive)
-    print("random-llama@2048", json.dumps(results["settings"]["random-llama-8L-512h@2048"], indent=1), flush=True)
+    n512 = 6 if args.quick else args.n_512 + 1
+    settings = {
+        "embedded@512": lambda: measure(model, tokenizer, generate_requests("demo", n512, seed=2024, context_length=512), 8,
+                                        naive=not args.no_naive),
+        "random-llama-8L-512h@2048": lambda: measure(
+            larger_llama(tokenizer), tokenizer,
+            generate_requests("demo", 3 if args.quick else args.n_2048 + 1, seed=2025, context_length=2048), 8,
+            naive=not args.no_naive),
+        "embedded@512+query_aware": lambda: measure(
+            model, tokenizer, generate_requests("demo", n512, seed=2024, context_length=512), 8, naive=False, query_aware=True),
+    }
+    for name, run in settings.items():
+        if only is None or name in only:
+            results["settings"][name] = run()
+            print(name, json.dumps(results["settings"][name], indent=1), flush=True)
 
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "calibration_speed.json").write_text(json.dumps(results, indent=2) + "\n")
+        target.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,17 +7,22 @@ The CLI prints that line and exits with code 2; it never shows a traceback for t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # every certkv module imports this one; pydantic only where something is validated
+    from pydantic import ValidationError
+
 
 class CertkvError(Exception):
     """An error caused by the user's input, with a one-line, actionable message."""
 
     exit_code = 2
 
-    def __init__(self, message: str):
+    def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))
 
 
-def format_validation_error(exc, source: str) -> str:
+def format_validation_error(exc: ValidationError, source: str) -> str:
     """Turn a pydantic ValidationError into one line: `source: field.path: problem`."""
     parts = []
     for err in exc.errors():

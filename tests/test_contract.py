@@ -414,7 +414,7 @@ def test_score_based_classification(kvpress):
     assert press_registry.is_score_based(kvpress.SnapKVPress(compression_ratio=0.5))
 
 
-def test_query_aware_is_refused_until_implemented(tmp_path):
+def test_query_aware_is_a_protocol_and_must_be_a_boolean(tmp_path):
     from certkv.contract.loading import parse_contract
 
     data = {
@@ -422,8 +422,11 @@ def test_query_aware_is_refused_until_implemented(tmp_path):
         "risk": 0.1, "confidence": 0.9, "policies": [{"press": "snapkv", "kv_retained": [0.5]}],
         "protocol": {"query_aware": True},
     }
-    with pytest.raises(CertkvError, match="query_aware: true is not supported yet"):
+    assert parse_contract(data).protocol.query_aware is True
+    data["protocol"] = {"query_aware": "sometimes"}
+    with pytest.raises(CertkvError, match="query_aware") as info:
         parse_contract(data)
+    assert "\n" not in str(info.value)
 
 
 def _order_contract(order):

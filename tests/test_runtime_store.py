@@ -15,7 +15,8 @@ import yaml
 N_REQUESTS = 12
 
 
-def _contract(folder: Path, drops: list[float] | None = None, bounds: list[float] | None = None) -> Path:
+def _contract(folder: Path, drops: list[float] | None = None, bounds: list[float] | None = None,
+              query_aware: bool = False) -> Path:
     from certkv.requests.request_set import generate_requests, write_jsonl
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -24,7 +25,7 @@ def _contract(folder: Path, drops: list[float] | None = None, bounds: list[float
         "name": "runtime",
         "model": "embedded",
         "requests": {"source": "requests.jsonl"},
-        "protocol": {"max_new_tokens": 8, "device": "cpu"},
+        "protocol": {"max_new_tokens": 8, "device": "cpu", "query_aware": query_aware},
         "utility": "exact_match",
         "tolerance": 0.0,
         "risk": 0.6,  # lenient: the point is deployment, not power
@@ -46,10 +47,11 @@ DROPS = [-1.0, 0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4]
 BOUNDS = [0.05, 0.1, 0.2, 0.4, 0.8, 1.6]
 
 
-@pytest.fixture(scope="module")
-def calibrated(tmp_path_factory, embedded):
+@pytest.fixture(scope="module", params=[False, True], ids=["question_agnostic", "query_aware"])
+def calibrated(request, tmp_path_factory, embedded):
     """Calibrate a contract whose gate grid is wide (gated candidates cost nothing to calibrate),
-    then test the grid values nearest the records' medians, so that the gate splits the requests."""
+    then test the grid values nearest the records' medians, so that the gate splits the requests;
+    under each protocol (the runtime follows the operating point's)."""
     import statistics
 
     from certkv.calibration.run import calibrate
@@ -57,7 +59,7 @@ def calibrated(tmp_path_factory, embedded):
     from certkv.contract.loading import load_contract
 
     folder = tmp_path_factory.mktemp("runtime")
-    contract = load_contract(_contract(folder, DROPS, BOUNDS))
+    contract = load_contract(_contract(folder, DROPS, BOUNDS, query_aware=request.param))
     summary = calibrate(contract, quiet=True)
     assert summary.calibrated == N_REQUESTS and not summary.skipped
     with CalibrationStore.read(folder / "store") as store:
@@ -97,6 +99,7 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
     tested = 0
     spec = certification_spec(contract)
     assert op_all.max_new_tokens == 8
+    assert op_all.query_aware is contract.protocol.query_aware
     names = ("snapkv@0.30", "snapkv@0.30+drop{t}", "probabilistic@0.40", "probabilistic@0.40+drop{t}+cert{b}",
              "probabilistic@0.40+cert{b}")
     for name in names:
@@ -109,6 +112,7 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
             "press_kwargs": info.press_kwargs,
         })
         runtime = CertifiedRuntime(model, tok, op)
+        assert runtime.query_aware is contract.protocol.query_aware
         gated_count = 0
         for request in requests:
             full = by_key[(request.id, "full")]

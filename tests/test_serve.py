@@ -107,10 +107,11 @@ def servers(tmp_path_factory):
     b = _Server(root / "b", _operating_point(0.1, 0.01, 0.9), "--shadow-rate", "1.0", "--seed", "3")
     c = _Server(root / "c", _operating_point(0.5, 0.5), "--timeout", "0.001")
     d = _Server(root / "d", _stratified(0.5, 0.5), "--shadow-rate", "1.0")
+    q = _Server(root / "q", _operating_point(0.2, 0.5).model_copy(update={"query_aware": True}))
     try:
-        yield {"a": a.wait(), "b": b.wait(), "c": c.wait(), "d": d.wait()}
+        yield {"a": a.wait(), "b": b.wait(), "c": c.wait(), "d": d.wait(), "q": q.wait()}
     finally:
-        for s in (a, b, c, d):
+        for s in (a, b, c, d, q):
             s.stop()
 
 
@@ -134,6 +135,25 @@ def test_completion_equals_the_runtime_in_process(servers, requests, embedded):
         plain = httpx.post(a.url + "/v1/completions", json={"prompt": r.context + r.question}, headers=AUTH,
                            timeout=60).json()
         assert plain["choices"][0]["text"] == expect.answer
+
+
+def test_a_query_aware_point_is_served_in_its_protocol(servers, requests, embedded):
+    """The server follows the operating point's protocol: its answers are the in-process runtime's
+    under query_aware, and /health says which protocol it serves."""
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    q = servers["q"]
+    runtime = CertifiedRuntime(*embedded, q.op_path)
+    agnostic = CertifiedRuntime(*embedded, _operating_point(0.2, 0.5))
+    assert runtime.query_aware is True
+    assert httpx.get(q.url + "/health", timeout=10).json()["operating_point"]["query_aware"] is True
+    differ = 0
+    for r in requests[:4]:
+        expect = runtime.generate(r.context, r.question)
+        out = httpx.post(q.url + "/v1/completions", json=_body(r), timeout=60).json()
+        assert out["choices"][0]["text"] == expect.answer and out["certkv"]["decision"]["mode"] == "evicted"
+        differ += expect.answer != agnostic.generate(r.context, r.question).answer
+    assert differ > 0, "the two protocols answered alike: the check cannot tell them apart"
 
 
 def test_chat_and_streamed_completions(servers, requests):

@@ -113,6 +113,7 @@ def eviction_spread(data: dict) -> str:
 CALIBRATION_LABELS = {
     "embedded@512": "embedded model, 512 tokens",
     "random-llama-8L-512h@2048": "random Llama 8L×512h (GQA 16/4), 2048 tokens",
+    "embedded@512+query_aware": "embedded model, 512 tokens, query-aware",
 }
 
 
@@ -122,9 +123,10 @@ def calibration_speed(data: dict) -> str:
         t = s["seconds_per_request"]
         rows.append([
             f"{CALIBRATION_LABELS.get(key, key)} ({s['requests']} requests)",
-            seconds(t["full"]), seconds(t["certkv"]), seconds(t["naive"]),
+            seconds(t["full"]), seconds(t["certkv"]), seconds(t["naive"]) if "naive" in t else "—",
             f"**{times(s['certkv_over_full'])}**", times(s["exact_floor_over_full"]),
-            times(s["naive_over_full"]), times(s["naive_over_certkv"]), s["answers_equal_to_kvpress"],
+            times(s["naive_over_full"]) if "naive_over_full" in s else "—",
+            times(s["naive_over_certkv"]) if "naive_over_certkv" in s else "—", s.get("answers_equal_to_kvpress", "—"),
         ])
         b = s["engine_breakdown_per_request"]
         parts.append([
@@ -147,6 +149,9 @@ def calibration_speed(data: dict) -> str:
     return "\n\n".join([
         "## Calibration cost",
         command("python benchmarks/calibration_speed.py --n-512 40 --n-2048 4"),
+        *(["The query-aware row prefills the question with the context (both the full cache and certkv), and "
+           "has no naive loop (`--only embedded@512+query_aware` measures it alone)."]
+          if "embedded@512+query_aware" in data["settings"] else []),
         f"27 candidates (snapkv, streaming_llm and knorm at kv_retained 0.9 … 0.1), {data['threads']} "
         f"thread, torch {data['torch']}. Per request, three ways of answering every candidate are timed "
         "side by side: the full cache alone; `certkv calibrate`'s engine (one prefill scoring every press, "
@@ -633,6 +638,60 @@ def serve_load(data: dict) -> str:
     ])
 
 
+PROTOCOL_LABELS = {"question_agnostic": "question-agnostic", "query_aware": "query-aware"}
+
+
+def league_rows(presses: dict, tasks: list[str]) -> list[list[str]]:
+    """One row per press, most KV saved first: certified retention per task and pooled, mean KV
+    ungated and with its gates (the chosen policy), cost per request over the full cache."""
+
+    def kv(x: float) -> str:
+        return "none" if x >= 1.0 else f"{x:.1f}"
+
+    def saving(label: str) -> tuple[float, float]:
+        return presses[label]["gated"]["mean_kv_retained"], presses[label]["certified"]["pooled"]["mean_kv_retained"]
+
+    order = sorted(presses, key=saving)
+    rows = []
+    for label in order:
+        p = presses[label]
+        cert = p["certified"]
+        cost = p.get("cost_vs_full")
+        rows.append([f"`{label}`"] + [kv(cert["per_task"][t]["kv_retained"]) for t in tasks] + [
+            kv(cert["pooled"]["kv_retained"]), num(cert["pooled"]["mean_kv_retained"]),
+            f"{num(p['gated']['mean_kv_retained'])} (`{p['gated']['policy']}`)",
+            "—" if cost is None else times(cost),
+        ])
+    return rows
+
+
+def press_league(data: dict) -> str:
+    cfg = data["config"]
+    parts = [
+        "## Certified press league",
+        command(f"python benchmarks/press_league.py --n {cfg['n']}"),
+        f"Every press calibrated on {cfg['n']} fresh demo-mix requests per protocol (seed {cfg['seed']}, "
+        f"{cfg['context_length']} tokens) at kv_retained {cfg['kv_retained'][0]} … {cfg['kv_retained'][-1]}, with the "
+        "demo's gates, then certified **on its own**, as a contract naming only that press would be "
+        f"(ε = {cfg['risk']}, δ = {cfg['delta']}, exact match). Per task and pooled: the most aggressive certified "
+        "retention of its ungated ladder (each task at δ on its own; `none`: nothing certified) and the pooled "
+        "point's mean KV retained; then its ungated and gated sequences together (fixed-sequence, δ split over "
+        "them, the pilot placing the gates and never certifying): the chosen policy's mean KV retained, the "
+        "full-cache share of gated requests included. Cost: the runtime at kv_retained 0.5 over the full cache, "
+        f"summed over {cfg['cost_requests']} other requests (fastest of {cfg['reps']}).",
+    ]
+    for protocol, result in data["protocols"].items():
+        tasks = sorted({t for p in result["presses"].values() for t in p["certified"]["per_task"]})
+        header = ["press"] + [f"certified kv, {t}" for t in tasks] + [
+            "certified kv, pooled", "mean KV, ungated", "mean KV, gated (policy)", "cost vs full"]
+        parts.append(f"### {PROTOCOL_LABELS.get(protocol, protocol)} ({result['n']} requests)")
+        parts.append(table(header, league_rows(result["presses"], tasks)))
+        if result.get("refused"):
+            parts.append("Refused at contract load: " + "; ".join(
+                f"`{label}` ({reason})" for label, reason in sorted(result["refused"].items())))
+    return "\n\n".join(parts)
+
+
 SECTIONS = {
     "embedded_accuracy": embedded_accuracy,
     "eviction_spread": eviction_spread,
@@ -647,6 +706,7 @@ SECTIONS = {
     "monitor_quality": monitor_quality,
     "ray_scaling": ray_scaling,
     "serve_load": serve_load,
+    "press_league": press_league,
 }
 
 

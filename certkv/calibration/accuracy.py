@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from certkv.calibration.utility import score
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
+from certkv.model.generation import full_kv_answer
+from certkv.requests.request_set import Request
 
 
 def full_kv_accuracy(
-    model, tokenizer, requests, utility: str = "exact_match", max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, progress=True
-):
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    requests: Sequence[Request],
+    utility: str = "exact_match",
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    progress: bool = True,
+) -> dict[str, tuple[int, float]]:
     """Return {task: (n, mean utility)} with an `all` row, answering each request on the full cache."""
-    from certkv.calibration.utility import score
-    from certkv.model.generation import full_kv_answer
-
     scores: dict[str, list[float]] = defaultdict(list)
-    iterator = requests
+    iterator: Iterable[Request] = requests
     if progress:
-        from rich.progress import track
-
         iterator = track(requests, description="answering", transient=True)
     for r in iterator:
         answer = full_kv_answer(model, tokenizer, r.context, r.question, max_new_tokens)
@@ -28,10 +37,8 @@ def full_kv_accuracy(
     return {task: (len(v), sum(v) / len(v)) for task, v in scores.items()}
 
 
-def print_accuracy_table(table, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+def print_accuracy_table(table: Mapping[str, tuple[int, float]], title: str) -> None:
+    """Print the table of :func:`full_kv_accuracy` (one row per task, `all` last) under `title`."""
     t = Table(title=title)
     t.add_column("task")
     t.add_column("n", justify="right")

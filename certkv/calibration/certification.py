@@ -13,14 +13,18 @@ Torch-free: numpy, scipy and pydantic only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from certkv.calibration.store import CalibrationStore, db_path
+from certkv.contract.schema import Contract
+from certkv.contract.spec import certification_spec
+from certkv.core.certify import certify
+from certkv.core.gated import expand_for_contract
+from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
+from certkv.core.operating_point import OperatingPoint
+from certkv.core.spec import CertificationSpec
 from certkv.errors import CertkvError
-
-if TYPE_CHECKING:
-    from certkv.core.loss_table import LossTable
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class ContractRecords:
     incomplete: str | None = None  # "k of n planned requests" when calibration has not finished
 
 
-def mark_incomplete(op, evidence: ContractRecords):
+def mark_incomplete(op: OperatingPoint, evidence: ContractRecords) -> OperatingPoint:
     """Strip the guarantee from an operating point computed on an unfinished calibration.
 
     Certifying, adding requests and certifying again until something passes is optional stopping,
@@ -58,8 +62,11 @@ def mark_incomplete(op, evidence: ContractRecords):
 
 
 def certify_contract(
-    contract, records_file: Path | str | None = None, contract_label: str | None = None, allow_incomplete: bool = False
-):
+    contract: Contract,
+    records_file: Path | str | None = None,
+    contract_label: str | None = None,
+    allow_incomplete: bool = False,
+) -> tuple[ContractRecords, OperatingPoint]:
     """Certify `contract` on its evidence: spec, records, certificate, incomplete-store label.
 
     `certkv certify` and `certkv report` must describe the very same decision, so the one path
@@ -97,8 +104,11 @@ def certify_contract(
 
 
 def certify_contract_with_comparison(
-    contract, records_file: Path | str | None = None, contract_label: str | None = None, allow_incomplete: bool = False
-):
+    contract: Contract,
+    records_file: Path | str | None = None,
+    contract_label: str | None = None,
+    allow_incomplete: bool = False,
+) -> tuple[ContractRecords, OperatingPoint, OperatingPoint | None]:
     """:func:`certify_contract` plus :func:`pooled_comparison` of the same evidence.
 
     `certkv certify`, `certkv report` and `certkv demo` show a stratified certificate next to what
@@ -110,7 +120,7 @@ def certify_contract_with_comparison(
     return evidence, op, pooled_comparison(contract, evidence)
 
 
-def pooled_comparison(contract, evidence: ContractRecords):
+def pooled_comparison(contract: Contract, evidence: ContractRecords) -> OperatingPoint | None:
     """The contract certified on `evidence` with its strata removed, or None when it has none.
 
     A COMPARISON ONLY, never deployed and never written as the operating point: it answers "what
@@ -127,25 +137,23 @@ def pooled_comparison(contract, evidence: ContractRecords):
 
 
 #: The first note of :func:`pooled_comparison`'s operating point.
-POOLED_COMPARISON_NOTE = ("pooled comparison: the contract certified with its {by} strata removed (one certificate "
-                          "for the whole mix); shown for comparison only, not deployed")
+POOLED_COMPARISON_NOTE = (
+    "pooled comparison: the contract certified with its {by} strata removed (one certificate "
+    "for the whole mix); shown for comparison only, not deployed"
+)
 
 
-def _contract_spec(contract, evidence: ContractRecords):
-    from certkv.contract.spec import certification_spec
-
+def _contract_spec(contract: Contract, evidence: ContractRecords) -> CertificationSpec:
     return preview_spec(certification_spec(contract), evidence)
 
 
-def _certify_evidence(contract, evidence: ContractRecords, spec):
+def _certify_evidence(contract: Contract, evidence: ContractRecords, spec: CertificationSpec) -> OperatingPoint:
     """Certify `evidence` under `spec`, bound to both hashes, labelled when the store is unfinished."""
-    from certkv.core.certify import certify
-
     op = certify(evidence.table, spec, contract_sha256=contract.sha256(), records_sha256=evidence.records_sha256)
     return mark_incomplete(op, evidence)
 
 
-def preview_spec(spec, evidence: ContractRecords):
+def preview_spec(spec: CertificationSpec, evidence: ContractRecords) -> CertificationSpec:
     """`spec` as certified on `evidence`: on an unfinished store (a preview without guarantee) a
     pilot may leave fewer than the 100 certification requests a guarantee needs, so that
     ``certkv demo --limit 30`` still shows its gates; a finished store keeps the rule."""
@@ -155,7 +163,10 @@ def preview_spec(spec, evidence: ContractRecords):
 
 
 def load_records(
-    contract, records_file: Path | str | None = None, contract_label: str | None = None, allow_incomplete: bool = False
+    contract: Contract,
+    records_file: Path | str | None = None,
+    contract_label: str | None = None,
+    allow_incomplete: bool = False,
 ) -> ContractRecords:
     """Load the evidence for `contract`: `records_file` when given, else the contract's store.
 
@@ -170,11 +181,6 @@ def load_records(
     order) and derive the gated rows on the certification requests only; the hash covers every
     recorded request, pilot included.
     """
-    from dataclasses import replace
-
-    from certkv.core.gated import expand_for_contract
-    from certkv.core.loss_table import read_loss_table, records_sha256
-
     store_path = contract.resolved_store_path()
     if records_file is not None:
         table = read_loss_table(records_file)
@@ -184,10 +190,7 @@ def load_records(
     return replace(evidence, table=expand_for_contract(evidence.table, contract))
 
 
-def _load_store(contract, store_path: Path, contract_label: str, allow_incomplete: bool = False) -> ContractRecords:
-    from certkv.calibration.store import CalibrationStore, db_path
-    from certkv.core.loss_table import LossTable, records_sha256
-
+def _load_store(contract: Contract, store_path: Path, contract_label: str, allow_incomplete: bool = False) -> ContractRecords:
     hint = f"run `certkv calibrate {contract_label}` first"
     if not db_path(store_path).is_file():
         raise CertkvError(f"no calibration store at {store_path} (contract {contract.name}); {hint}")
@@ -219,7 +222,7 @@ def _load_store(contract, store_path: Path, contract_label: str, allow_incomplet
     return ContractRecords(table, f"store {store_path}", records_sha256(table), store_path, True, skipped, incomplete)
 
 
-def default_output(contract, name: str) -> Path:
+def default_output(contract: Contract, name: str) -> Path:
     """Where a command writes its result when no -o is given: ``<store>/<name>``."""
     return contract.resolved_store_path() / name
 

@@ -17,8 +17,9 @@ from certkv.errors import CertkvError
 from certkv.interrupts import critical
 
 
-def connect(path: Path, *, readonly: bool = False, check_same_thread: bool = True,
-            what: str = "certkv calibration store") -> sqlite3.Connection:
+def connect(
+    path: Path, *, readonly: bool = False, check_same_thread: bool = True, what: str = "certkv calibration store"
+) -> sqlite3.Connection:
     """Open the database at `path` (rows as :class:`sqlite3.Row`).
 
     `readonly` sets ``query_only`` (a URI ``mode=ro`` cannot open a WAL file whose ``-shm`` is

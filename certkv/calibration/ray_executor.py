@@ -27,15 +27,29 @@ store records is refused: one line, nothing of it written.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
+import torch
+from rich.console import Console
+
+# run's functions are looked up on the module at each call, so a patched run.record_request is used (tests/test_ray.py).
+from certkv.calibration import run as local_run
+from certkv.calibration.progress import progress_bar
+from certkv.calibration.run import CalibrationSummary
+from certkv.calibration.store import CalibrationStore
+from certkv.contract.schema import Contract
 from certkv.errors import CertkvError
 from certkv.interrupts import reclaim
+from certkv.model.loading import model_fingerprint, resolve_device
+from certkv.requests.request_set import Request
 
 EXTRA = 'pip install "certkv[ray]"'
 #: Store facts a worker reports and the store binds: what the worker's answers depend on.
@@ -46,10 +60,10 @@ PING_EVERY = 1.0
 WORKER_NAME = "certkv-worker"
 
 
-def import_ray():
+def import_ray() -> ModuleType:
     """The ray module, or a one-line error naming the extra that provides it."""
     try:
-        import ray
+        import ray  # here only: Ray is an optional extra, imported when --executor ray asks for it
     except ImportError:
         raise CertkvError(f"--executor ray needs Ray, an optional extra: {EXTRA}") from None
     return ray
@@ -117,20 +131,15 @@ class CalibrationWorker:
     failure is kept and reported (an exception there would make Ray restart it forever).
     """
 
-    def __init__(self, contract, device: str | None, dtype: str | None, threads: int):
-        import torch
-
-        from certkv.calibration.run import load_engine
-        from certkv.model.loading import model_fingerprint, resolve_device
-
+    def __init__(self, contract: Contract, device: str | None, dtype: str | None, threads: int) -> None:
         torch.set_num_threads(threads)
         self.contract = contract
-        self.error = None
+        self.error: str | None = None
         self.facts: dict[str, Any] = {"pid": os.getpid()}
         try:
             run_device = resolve_device(device or contract.protocol.device)
             self.facts.update(model_fingerprint=model_fingerprint(contract.model), device_type=run_device.split(":")[0])
-            self.engine, self.tokenizer, self.max_positions = load_engine(contract, run_device, dtype)
+            self.engine, self.tokenizer, self.max_positions = local_run.load_engine(contract, run_device, dtype)
         except CertkvError as exc:
             self.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported to the driver as one line
@@ -143,14 +152,12 @@ class CalibrationWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def calibrate(self, request) -> RequestOutcome:
+    def calibrate(self, request: Request) -> RequestOutcome:
         """One request → its rows, skip reason and this worker's facts, or its error."""
-        from certkv.calibration.run import calibrate_request
-
         if self.error is not None:
             return RequestOutcome(request.id, error=self.error)
         try:
-            rows, reason = calibrate_request(request, self.engine, self.tokenizer, self.contract, self.max_positions)
+            rows, reason = local_run.calibrate_request(request, self.engine, self.tokenizer, self.contract, self.max_positions)
         except CertkvError as exc:
             return RequestOutcome(request.id, error=str(exc))
         return RequestOutcome(request.id, rows, reason, self.facts)
@@ -158,8 +165,6 @@ class CalibrationWorker:
 
 def _connect(ray, options: RayOptions) -> bool:
     """Initialise Ray for the driver; True when this call started it (and must shut it down)."""
-    import logging
-
     if ray.is_initialized():
         return False
     kwargs = {"logging_level": logging.ERROR, "log_to_driver": False}
@@ -202,22 +207,28 @@ def _check_facts(store, bound: dict, reported: dict, who: str) -> None:
         bound.update(new)
 
 
-def calibrate_on_ray(contract, *, new_store: bool = False, limit: int | None = None, quiet: bool = False,
-                     device: str | None = None, dtype: str | None = None, console=None,
-                     options: RayOptions | None = None):
+def calibrate_on_ray(
+    contract: Contract,
+    *,
+    new_store: bool = False,
+    limit: int | None = None,
+    quiet: bool = False,
+    device: str | None = None,
+    dtype: str | None = None,
+    console: Console | None = None,
+    options: RayOptions | None = None,
+) -> CalibrationSummary:
     """Calibrate `contract` into its store on Ray actors; returns the
     :class:`~certkv.calibration.run.CalibrationSummary`. Safe to interrupt and rerun, like a local run."""
-    from certkv.calibration.run import open_run
-
     options = options or RayOptions()
     import_ray()  # before anything else: without the extra, one line naming it and nothing created
     options.check()
-    store, summary, todo, _ = open_run(contract, new_store=new_store, limit=limit, device=device, dtype=dtype,
-                                       executor="ray")
+    store, summary, todo, _ = local_run.open_run(
+        contract, new_store=new_store, limit=limit, device=device, dtype=dtype, executor="ray"
+    )
     try:
         if todo:
-            run_on_ray(contract, todo, store, summary, device=device, dtype=dtype, options=options, quiet=quiet,
-                       console=console)
+            run_on_ray(contract, todo, store, summary, device=device, dtype=dtype, options=options, quiet=quiet, console=console)
     finally:
         store.close()
     return summary
@@ -225,6 +236,7 @@ def calibrate_on_ray(contract, *, new_store: bool = False, limit: int | None = N
 
 def _lost_call_errors(ray) -> tuple:
     """The exceptions of a call lost with its worker (Ray restarts the worker; the call is asked again)."""
+    # here only, as `import ray` in import_ray: Ray is an optional extra
     from ray.exceptions import GetTimeoutError, RayActorError
 
     try:
@@ -237,8 +249,10 @@ def _lost_call_errors(ray) -> tuple:
 def _start_actors(ray, contract, device: str | None, dtype: str | None, options: RayOptions, n_workers: int) -> list:
     """`n_workers` named :class:`CalibrationWorker` actors, restarted by Ray (calls and all) when killed."""
     actor_class = ray.remote(
-        num_cpus=options.threads_per_worker, num_gpus=options.gpus_per_worker or None,
-        max_restarts=-1, max_task_retries=-1,
+        num_cpus=options.threads_per_worker,
+        num_gpus=options.gpus_per_worker or None,
+        max_restarts=-1,
+        max_task_retries=-1,
         # the ping answers from its own thread while a request runs (liveness for the progress bar)
         concurrency_groups={"compute": 1},
     )(CalibrationWorker)
@@ -252,8 +266,7 @@ def _start_actors(ray, contract, device: str | None, dtype: str | None, options:
 def _warn_if_gpus_unused(ray, contract, device: str | None, options: RayOptions) -> None:
     gpus = ray.cluster_resources().get("GPU", 0)
     if gpus and not options.gpus_per_worker and (device or contract.protocol.device) != "cpu":
-        print(f"certkv: the Ray cluster has {gpus:g} GPUs but --gpus-per-worker is 0: the workers run on CPU",
-              file=sys.stderr)
+        print(f"certkv: the Ray cluster has {gpus:g} GPUs but --gpus-per-worker is 0: the workers run on CPU", file=sys.stderr)
 
 
 @dataclass
@@ -400,12 +413,19 @@ class _Driver:
         return True
 
 
-def run_on_ray(contract, todo, store, summary, *, device: str | None, dtype: str | None, options: RayOptions,
-               quiet: bool = False, console=None) -> None:
+def run_on_ray(
+    contract: Contract,
+    todo: Sequence[Request],
+    store: CalibrationStore,
+    summary: CalibrationSummary,
+    *,
+    device: str | None,
+    dtype: str | None,
+    options: RayOptions,
+    quiet: bool = False,
+    console: Console | None = None,
+) -> None:
     """Calibrate `todo` on Ray actors into the open `store` (the driver: the only writer)."""
-    from certkv.calibration.progress import progress_bar
-    from certkv.calibration.run import record_request
-
     ray = import_ray()
     started = _connect(ray, options)
     reclaim()  # ray.init replaced the SIGTERM handler with sys.exit(15): SIGTERM stops the run as Ctrl-C does
@@ -416,7 +436,7 @@ def run_on_ray(contract, todo, store, summary, *, device: str | None, dtype: str
         summary.workers = n_workers
         actors = _start_actors(ray, contract, device, dtype, options, n_workers)
         _warn_if_gpus_unused(ray, contract, device, options)
-        driver = _Driver(ray, store, summary, options, actors, todo, lost_call, record_request)
+        driver = _Driver(ray, store, summary, options, actors, todo, lost_call, local_run.record_request)
         with progress_bar(quiet, console, workers=True) as progress:
             task = progress.add_task("calibrating", total=len(todo), workers=0) if progress else None
             driver.run(progress, task)

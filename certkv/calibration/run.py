@@ -12,13 +12,35 @@ write them with :func:`record_request`; on Ray the workers compute and the drive
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from transformers import PreTrainedTokenizerBase
 
 from certkv.calibration.progress import progress_bar
+from certkv.calibration.store import CalibrationStore
+from certkv.calibration.utility import score
+from certkv.contract.schema import Contract
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.signals import RECORDED, request_signals, signal
+from certkv.engine.engine import (
+    CandidateAnswer,
+    Engine,
+    PressCandidate,
+    RequestNotRunnable,
+    RequestResult,
+    needs_attention_weights,
+)
 from certkv.errors import CertkvError
+from certkv.model.generation import encode_request
+from certkv.model.loading import load_model, model_fingerprint, resolve_device
+from certkv.presses.registry import build_press
+from certkv.requests.request_set import Request, check_strata, stratum_of
 
 
 @dataclass
@@ -39,11 +61,8 @@ class CalibrationSummary:
     worker_restarts: int = 0
 
 
-def build_candidates(contract):
+def build_candidates(contract: Contract) -> list[PressCandidate]:
     """Engine candidates (press objects) for every contract candidate, in contract order."""
-    from certkv.engine.engine import PressCandidate
-    from certkv.presses.registry import build_press
-
     out = []
     for c in contract.candidates():
         press = build_press(c.press, c.kv_retained, c.press_kwargs)
@@ -51,7 +70,7 @@ def build_candidates(contract):
     return out
 
 
-def agreement_settings(contract) -> dict | None:
+def agreement_settings(contract: Contract) -> dict | None:
     """The agreement-drop settings of a contract whose gate reads the drop (drop thresholds, or a
     learned gate with that feature; the defaults of :mod:`certkv.core.spec` unless it sets them),
     or None: when nothing reads the signal, calibration does not compute it."""
@@ -61,7 +80,7 @@ def agreement_settings(contract) -> dict | None:
     return {"window": gate.agreement_window, "top_k": gate.agreement_top_k, "split_divisor": gate.agreement_split}
 
 
-def lookahead_tokens(contract) -> int | None:
+def lookahead_tokens(contract: Contract) -> int | None:
     """The lookahead probe's answer tokens A when the contract's gate reads the lookahead mass
     (a lookahead gate, or a learned gate with that feature), else None: no probe is run."""
     gate = contract.gate
@@ -70,11 +89,8 @@ def lookahead_tokens(contract) -> int | None:
     return gate.lookahead_tokens
 
 
-def requests_digest(requests) -> str:
+def requests_digest(requests: Iterable[Request]) -> str:
     """sha256 of the request set's content, in order."""
-    import hashlib
-    import json
-
     digest = hashlib.sha256()
     for r in requests:
         digest.update(json.dumps(r.as_record(), sort_keys=True, ensure_ascii=False).encode())
@@ -82,19 +98,21 @@ def requests_digest(requests) -> str:
     return digest.hexdigest()
 
 
-def skip_reason(request, n_context: int, n_question: int, contract, max_positions: int | None) -> str | None:
+def skip_reason(request: Request, n_context: int, n_question: int, contract: Contract, max_positions: int | None) -> str | None:
     """Why a request cannot be calibrated, or None when it can."""
     if not request.context.strip():
         return "empty context"
     if contract.utility != "agreement" and not any(a.strip() for a in request.answers):
         return "answer missing (the contract's utility needs reference answers)"
+    if contract.protocol.query_aware and n_question == 0:
+        return "the question encodes to no tokens (the query-aware protocol prefills it with the context)"
     needed = n_context + n_question + contract.protocol.max_new_tokens
     if max_positions is not None and needed > max_positions:
         return f"needs {needed} positions, longer than the model's {max_positions}"
     return None
 
 
-def request_rows(request, result, contract, computed: dict) -> list[dict]:
+def request_rows(request: Request, result: RequestResult, contract: Contract, computed: dict) -> list[dict]:
     """Store rows for one request: the full cache first, then every candidate.
 
     The gate signals come from the declarations of :mod:`certkv.core.signals`: a request signal
@@ -103,8 +121,6 @@ def request_rows(request, result, contract, computed: dict) -> list[dict]:
     has a store column of its own; a candidate signal goes on its answer's row (the full answer's
     on the full row), a column always, an ``extra`` key when it was measured.
     """
-    from certkv.calibration.utility import score
-
     answers = request.answers
     full = result.full
     utility_full = score(contract.utility, full.answer, answers, full.answer)
@@ -112,47 +128,67 @@ def request_rows(request, result, contract, computed: dict) -> list[dict]:
     per_request = {s.name: getattr(result, s.name, None) for s in RECORDED if s.per == "request"}
     per_request.update(computed)
     on_every_row = {k: v for k, v in per_request.items() if signal(k).store == "column"}
-    rows = [{
-        **_row_head(request, REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, utility_full, utility_full, full.answer),
-        "path": None,
-        "seconds": seconds.get("prefill", 0.0) + seconds.get("full_decode", 0.0),
-        "seconds_breakdown": seconds,
-        **per_request,
-        **_answer_signals(full, full_row=True),
-    }]
+    rows = [
+        {
+            **_row_head(request, REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, utility_full, utility_full, full.answer),
+            "path": None,
+            "seconds": seconds.get("prefill", 0.0) + seconds.get("full_decode", 0.0),
+            "seconds_breakdown": seconds,
+            **per_request,
+            **_answer_signals(full, full_row=True),
+        }
+    ]
     n_fast = sum(1 for c in result.candidates if c.path == "fast") or 1
     for cand in result.candidates:
         utility = score(contract.utility, cand.answer, answers, full.answer)
-        rows.append({
-            **_row_head(request, cand.policy, cand.press, cand.kv_retained, cand.kv_retained_actual, utility,
-                        utility_full, cand.answer),
-            "path": cand.path,
-            "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
-            **on_every_row,
-            **_answer_signals(cand),
-        })
+        rows.append(
+            {
+                **_row_head(
+                    request,
+                    cand.policy,
+                    cand.press,
+                    cand.kv_retained,
+                    cand.kv_retained_actual,
+                    utility,
+                    utility_full,
+                    cand.answer,
+                ),
+                "path": cand.path,
+                "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
+                **on_every_row,
+                **_answer_signals(cand),
+            }
+        )
     by = contract.strata.by if contract.strata is not None else "task"
     if by != "task":  # strata by a metadata key: the records carry its value (a `stratum` column)
-        from certkv.requests.request_set import stratum_of
-
         for row in rows:
             row["stratum"] = stratum_of(request, by)
     return rows
 
 
-def _row_head(request, policy: str, press: str, kv: float, kv_actual: float, utility: float, utility_full: float,
-              answer: str) -> dict:
+def _row_head(
+    request: Request, policy: str, press: str, kv: float, kv_actual: float, utility: float, utility_full: float, answer: str
+) -> dict:
     """The columns every store row starts with (loss = utility_full − utility)."""
-    return {"request_id": request.id, "task": request.task, "policy": policy, "press": press, "kv_retained": kv,
-            "kv_retained_actual": kv_actual, "utility": utility, "utility_full": utility_full,
-            "loss": utility_full - utility, "answer": answer}
+    return {
+        "request_id": request.id,
+        "task": request.task,
+        "policy": policy,
+        "press": press,
+        "kv_retained": kv,
+        "kv_retained_actual": kv_actual,
+        "utility": utility,
+        "utility_full": utility_full,
+        "loss": utility_full - utility,
+        "answer": answer,
+    }
 
 
-def _answer_signals(answer, *, full_row: bool = False) -> dict:
+def _answer_signals(answer: CandidateAnswer, *, full_row: bool = False) -> dict:
     """The candidate signals an answer measured: a store column always (None: not measured),
     an ``extra`` key only when measured; the full row leaves out the columns (they describe an
     evicted answer)."""
-    out = {}
+    out: dict[str, Any] = {}
     for s in RECORDED:
         if s.per != "candidate":
             continue
@@ -164,8 +200,16 @@ def _answer_signals(answer, *, full_row: bool = False) -> dict:
     return out
 
 
-def calibrate(contract, *, new_store: bool = False, limit: int | None = None, quiet: bool = False,
-              device: str | None = None, dtype: str | None = None, console=None) -> CalibrationSummary:
+def calibrate(
+    contract: Contract,
+    *,
+    new_store: bool = False,
+    limit: int | None = None,
+    quiet: bool = False,
+    device: str | None = None,
+    dtype: str | None = None,
+    console: Console | None = None,
+) -> CalibrationSummary:
     """Calibrate `contract` into its store in this process; returns a summary. Safe to interrupt and rerun.
 
     (:func:`certkv.calibration.ray_executor.calibrate_on_ray` is the same on Ray actors.)
@@ -174,6 +218,7 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
     try:
         if not todo:
             return summary
+        assert run_device is not None  # open_run resolves the device on the local executor
         engine, tokenizer, max_positions = load_engine(contract, run_device, dtype)
         t0 = time.perf_counter()
         with progress_bar(quiet, console) as progress:
@@ -181,7 +226,7 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
             for request in todo:
                 rows, reason = calibrate_request(request, engine, tokenizer, contract, max_positions)
                 record_request(store, summary, request.id, rows, reason)
-                if progress:
+                if progress and task is not None:
                     progress.advance(task)
         summary.seconds = time.perf_counter() - t0
     finally:
@@ -189,26 +234,28 @@ def calibrate(contract, *, new_store: bool = False, limit: int | None = None, qu
     return summary
 
 
-def open_run(contract, *, new_store: bool = False, limit: int | None = None, device: str | None = None,
-             dtype: str | None = None, executor: str = "local"):
+def open_run(
+    contract: Contract,
+    *,
+    new_store: bool = False,
+    limit: int | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    executor: str = "local",
+) -> tuple[CalibrationStore, CalibrationSummary, list[Request], str | None]:
     """(store, summary, todo, device): the contract's store opened and bound to this run's facts,
     the requests still missing from it, in order, and the resolved device; the caller closes the store.
 
     On the local executor the device is resolved and the model fingerprinted here; on Ray (device
     None returned) the workers that load the model report both, and the driver binds and checks them.
     """
-    from certkv.calibration.store import CalibrationStore
-    from certkv.model.loading import model_fingerprint, resolve_device
-
     if limit is not None and limit < 1:
         raise CertkvError(f"--limit must be at least 1, got {limit}")
     requests = contract.load_requests()
     if contract.strata is not None:  # before the model and the store: a missing stratum fails fast
-        from certkv.requests.request_set import check_strata
-
         check_strata(requests, contract.strata.by)
     run_device = resolve_device(device or contract.protocol.device) if executor == "local" else None
-    facts = {
+    facts: dict[str, Any] = {
         # The population the certificate is about: its size lets certify refuse a partial store.
         "planned_requests": len(requests),
         "requests_sha256": requests_digest(requests),
@@ -231,36 +278,39 @@ def open_run(contract, *, new_store: bool = False, limit: int | None = None, dev
     return store, summary, todo, run_device
 
 
-def load_engine(contract, device: str, dtype: str | None = None):
+def load_engine(contract: Contract, device: str, dtype: str | None = None) -> tuple[Engine, PreTrainedTokenizerBase, int | None]:
     """(engine, tokenizer, max_positions): the model loaded once on `device` (resolved) with every
     contract candidate, as a local run and each Ray worker use it."""
-    from certkv.engine.engine import Engine, needs_attention_weights
-    from certkv.model.loading import load_model
-
     candidates = build_candidates(contract)  # before the model: a press_kwargs typo fails fast
     attn = "eager" if any(needs_attention_weights(c.press) for c in candidates) else "sdpa"
     model, tokenizer = load_model(
-        contract.model, device=device, dtype=dtype or contract.protocol.dtype, attn_implementation=attn,
+        contract.model,
+        device=device,
+        dtype=dtype or contract.protocol.dtype,
+        attn_implementation=attn,
     )
     engine = Engine(
-        model, tokenizer, candidates, max_new_tokens=contract.protocol.max_new_tokens,
-        agreement=agreement_settings(contract), lookahead_tokens=lookahead_tokens(contract),
+        model,
+        tokenizer,
+        candidates,
+        max_new_tokens=contract.protocol.max_new_tokens,
+        agreement=agreement_settings(contract),
+        lookahead_tokens=lookahead_tokens(contract),
+        query_aware=contract.protocol.query_aware,
     )
     return engine, tokenizer, getattr(model.config, "max_position_embeddings", None)
 
 
-def calibrate_request(request, engine, tokenizer, contract, max_positions) -> tuple[list[dict] | None, str | None]:
+def calibrate_request(
+    request: Request, engine: Engine, tokenizer: PreTrainedTokenizerBase, contract: Contract, max_positions: int | None
+) -> tuple[list[dict] | None, str | None]:
     """Request → rows: ``(rows, None)``, the store rows of :func:`request_rows`, or ``(None, reason)``
     when the request cannot run. The one per-request step of every executor; raises
     :class:`CertkvError` on a systematic press failure (a run must stop, not skip every request)."""
-    from certkv.model.generation import encode_request
-
     enc = encode_request(tokenizer, request.context, request.question)
     reason = skip_reason(request, len(enc.context_ids), len(enc.question_ids), contract, max_positions)
     if reason is not None:
         return None, reason
-    from certkv.engine.engine import RequestNotRunnable
-
     try:
         result = engine.run(request.context, request.question)
     except RequestNotRunnable as exc:
@@ -277,14 +327,16 @@ def calibrate_request(request, engine, tokenizer, contract, max_positions) -> tu
     return request_rows(request, result, contract, request_signals(enc.context_ids, enc.question_ids)), None
 
 
-def record_request(store, summary: CalibrationSummary, request_id: str, rows: list[dict] | None,
-                   reason: str | None) -> None:
+def record_request(
+    store: CalibrationStore, summary: CalibrationSummary, request_id: str, rows: list[dict] | None, reason: str | None
+) -> None:
     """Write one request's outcome in one transaction (its rows, or its skip reason) and count it."""
     t0 = time.perf_counter()
     if reason is not None:
         store.write_skipped(request_id, reason)
         summary.skipped[request_id] = reason
     else:
+        assert rows is not None  # calibrate_request returns rows or a skip reason
         store.write_request(request_id, rows)
         summary.calibrated += 1
     summary.write_seconds += time.perf_counter() - t0

@@ -23,11 +23,12 @@ import csv
 import json
 import math
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
+from certkv._version import __version__
 from certkv.atomic_io import atomic_write
 from certkv.calibration.database import connect, table_names, transaction
 from certkv.core.policy_names import REFERENCE_POLICY
@@ -149,8 +150,6 @@ class CalibrationStore:
 
         With `new`, an existing database is moved aside (timestamp suffix) and a fresh one created.
         """
-        from certkv import __version__
-
         folder = Path(path)
         if folder.exists() and not folder.is_dir():
             raise CertkvError(f"store path {folder} is a file; a store is a folder, choose another `store:` path")
@@ -208,7 +207,7 @@ class CalibrationStore:
     def __enter__(self) -> CalibrationStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- reading -------------------------------------------------------------------------------
@@ -265,15 +264,14 @@ class CalibrationStore:
     def full_cache_utility_by_task(self) -> list[tuple[str, int, float]]:
         """(task, requests, best full-cache utility) per labelled task, by task name."""
         rows = self._conn.execute(
-            "SELECT task, COUNT(*), MAX(utility) FROM records WHERE policy = ? AND task IS NOT NULL "
-            "GROUP BY task ORDER BY task",
+            "SELECT task, COUNT(*), MAX(utility) FROM records WHERE policy = ? AND task IS NOT NULL GROUP BY task ORDER BY task",
             (REFERENCE_POLICY,),
         )
         return [(r[0], r[1], r[2]) for r in rows]
 
     # -- writing -------------------------------------------------------------------------------
 
-    def write_request(self, request_id: str, rows: list[Mapping[str, Any]]) -> None:
+    def write_request(self, request_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
         """Record all candidate rows of one request in one transaction (all or nothing).
 
         Each row needs policy, utility, utility_full, loss and answer; column keys fill columns and
@@ -324,9 +322,7 @@ class CalibrationStore:
             if not 0.0 <= rec[c] <= 1.0:
                 raise CertkvError(f"request {request_id!r}, policy {rec['policy']!r}: {c} {rec[c]} is outside [0, 1]")
         if abs(rec["loss"] - (rec["utility_full"] - rec["utility"])) > LOSS_TOLERANCE:
-            raise CertkvError(
-                f"request {request_id!r}, policy {rec['policy']!r}: loss {rec['loss']} != utility_full − utility"
-            )
+            raise CertkvError(f"request {request_id!r}, policy {rec['policy']!r}: loss {rec['loss']} != utility_full − utility")
         if rec["path"] not in (None, "fast", "pipeline"):
             raise CertkvError(f"request {request_id!r}: path must be 'fast' or 'pipeline', got {rec['path']!r}")
         extra = {k: v for k, v in row.items() if k not in COLUMNS and k != "extra"}
@@ -383,7 +379,7 @@ class CalibrationStore:
         return len(rows)
 
 
-def write_rows(rows: list[dict[str, Any]], fh, fmt: str) -> None:
+def write_rows(rows: list[dict[str, Any]], fh: IO[str], fmt: str) -> None:
     """Write record dicts to an open text file as csv or jsonl."""
     if fmt == "jsonl":
         for r in rows:

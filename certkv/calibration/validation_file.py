@@ -11,43 +11,47 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from certkv.atomic_io import write_text_atomic
+from certkv.calibration.certification import ContractRecords, preview_spec
+from certkv.contract.schema import Contract
+from certkv.contract.spec import certification_spec
+from certkv.core.spec import delta_of
+from certkv.core.validation import ValidationResult, validate
+
 #: The validation file's name in the store folder.
 VALIDATION_FILE = "validation.json"
 
 
-def run_validation(contract, evidence, splits: int = 1000, calibration_fraction: float = 0.5, seed: int = 0):
+def run_validation(
+    contract: Contract, evidence: ContractRecords, splits: int = 1000, calibration_fraction: float = 0.5, seed: int = 0
+) -> ValidationResult:
     """certkv.core.validation.validate on the contract's spec and the loaded records."""
-    from certkv.calibration.certification import preview_spec
-    from certkv.contract.spec import certification_spec
-    from certkv.core.validation import validate as run
+    return validate(
+        evidence.table,
+        preview_spec(certification_spec(contract), evidence),
+        n_splits=splits,
+        calibration_fraction=calibration_fraction,
+        seed=seed,
+    )
 
-    return run(evidence.table, preview_spec(certification_spec(contract), evidence), n_splits=splits,
-               calibration_fraction=calibration_fraction, seed=seed)
 
-
-def write_validation(result, contract, evidence, path: Path) -> Path:
+def write_validation(result: ValidationResult, contract: Contract, evidence: ContractRecords, path: Path) -> Path:
     """The result plus the hashes it was computed from, so a report can tell a stale file."""
-    from certkv.core.spec import delta_of
-
     data = result.to_dict()
     data["delta"] = delta_of(result.contract.confidence)
     data["contract_sha256"] = contract.sha256()
     data["records_sha256"] = evidence.records_sha256
-    from certkv.atomic_io import write_text_atomic
-
     return write_text_atomic(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
 
 
-def read_validation(path: Path, contract, evidence):
+def read_validation(path: Path, contract: Contract, evidence: ContractRecords) -> ValidationResult | None:
     """A validation.json computed from these very records under this contract, else None.
 
     The hashes alone do not tell a file that an older certkv wrote for a stratified contract before
     it validated strata (no ``by``, no ``strata``): such a file is stale too, so a report recomputes it.
     """
-    from pydantic import ValidationError
-
-    from certkv.core.validation import ValidationResult
-
     path = Path(path)
     if not path.is_file():
         return None
@@ -68,9 +72,7 @@ def read_validation(path: Path, contract, evidence):
         return None
 
 
-def _strata_by(contract) -> str | None:
+def _strata_by(contract: Contract) -> str | None:
     """The field a contract's strata are drawn from, or None for a pooled contract."""
-    from certkv.contract.spec import certification_spec
-
     strata = certification_spec(contract).strata
     return None if strata is None else strata.by

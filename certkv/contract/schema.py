@@ -121,22 +121,18 @@ class RequestsSpec(_Strict):
 
 
 class Protocol(_Strict):
-    """How each request is run; part of the hash because it changes every answer."""
+    """How each request is run; part of the hash because it changes every answer.
+
+    ``query_aware: false``: the context is prefilled and compressed, then the question is fed
+    over the compressed cache (kvpress's pipeline). ``true``: the question is prefilled with the
+    context, so the press scores and evicts after seeing it (SnapKV's own setting); only the
+    prompt's last token is fed after compression (:func:`certkv.model.generation.for_protocol`).
+    """
 
     query_aware: bool = False
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1)
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-
-    @field_validator("query_aware")
-    @classmethod
-    def _check_query_aware(cls, value: bool) -> bool:
-        if value:
-            raise _error(
-                "query_aware: true is not supported yet (the question is fed after compression, as kvpress "
-                "does); remove it or set it to false"
-            )
-        return value
 
     @field_validator("device")
     @classmethod
@@ -509,6 +505,28 @@ class Contract(_Strict):
                 seen[name] = i
         return policies
 
+    @field_validator("policies")
+    @classmethod
+    def _check_refusals(cls, policies: list[CandidateSequence], info) -> list[CandidateSequence]:
+        """Presses that cannot run for this contract (its model, its protocol), each its own line
+        (:func:`press_registry.refusal_reason`); `model` and `protocol` are validated before."""
+        model = info.data.get("model")
+        protocol = info.data.get("protocol")
+        if model is None or protocol is None:  # reported as their own errors
+            return policies
+        specs = [(i, p.press, "", False) for i, p in enumerate(policies)]
+        for i, p in enumerate(policies):
+            inner = press_registry.nested_press_specs(p.press_kwargs)
+            specs += [(i, spec, f"press_kwargs.{path}: ", True) for path, spec, _ in inner]
+        eager = any(press_registry.needs_eager_attention(spec) for _, spec, _, _ in specs)
+        for i, spec, where, nested in specs:
+            reason = press_registry.refusal_reason(
+                spec, model=model, query_aware=protocol.query_aware, eager=eager, nested=nested
+            )
+            if reason is not None:
+                raise _error(f"entry {i}: {where}{reason}")
+        return policies
+
     @model_validator(mode="after")
     def _check_pilot(self) -> Contract:
         gate = self.gate
@@ -640,6 +658,7 @@ class Contract(_Strict):
                 "sequences": self.sequences(),
                 "candidate_info": info,
                 "max_new_tokens": self.protocol.max_new_tokens,
+                "query_aware": self.protocol.query_aware,
                 "pilot": pilot,
                 "strata": None if self.strata is None else self.strata.model_dump(),
                 "utility": self.utility,

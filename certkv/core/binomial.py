@@ -16,6 +16,7 @@ import math
 import numbers
 
 import numpy as np
+import numpy.typing as npt
 from scipy.stats import beta, binom
 
 from certkv.errors import CertkvError
@@ -28,7 +29,7 @@ from certkv.errors import CertkvError
 VIOLATION_EPS = 1e-9
 
 
-def as_count(value, name: str) -> int:
+def as_count(value: object, name: str) -> int:
     """Return ``value`` as a Python int, or raise if it is not an integer count.
 
     Python and numpy integers are accepted. Floats are rejected, even integral ones such as
@@ -47,7 +48,7 @@ def as_count(value, name: str) -> int:
     raise CertkvError(f"{name} must be an integer count, got {type(value).__name__} {value!r}")
 
 
-def check_counts(k, n) -> tuple[int, int]:
+def check_counts(k: object, n: object) -> tuple[int, int]:
     """Validate a (violations, requests) pair: ``n >= 1`` and ``0 <= k <= n``, both integers."""
     k = as_count(k, "k (violations)")
     n = as_count(n, "n (requests)")
@@ -58,7 +59,7 @@ def check_counts(k, n) -> tuple[int, int]:
     return k, n
 
 
-def check_probability(value, name: str) -> float:
+def check_probability(value: object, name: str) -> float:
     """Validate a probability strictly inside (0, 1), such as a risk target ε or a confidence."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise CertkvError(f"{name} must be a number in (0, 1), got {value!r}")
@@ -68,7 +69,7 @@ def check_probability(value, name: str) -> float:
     return value
 
 
-def binomial_p_value(k, n, risk) -> float:
+def binomial_p_value(k: int | np.integer, n: int | np.integer, risk: float) -> float:
     """Exact p-value of "true violation rate > ε" after seeing k violations in n requests.
 
     ``P(Binomial(n, ε) <= k)``: small when k is much smaller than ``n·ε`` would suggest, so a
@@ -80,7 +81,7 @@ def binomial_p_value(k, n, risk) -> float:
     return float(binom.cdf(k, n, risk))
 
 
-def clopper_pearson_upper(k, n, confidence) -> float:
+def clopper_pearson_upper(k: int | np.integer, n: int | np.integer, confidence: float) -> float:
     """One-sided Clopper–Pearson upper confidence bound on the violation rate.
 
     ``beta.ppf(confidence, k + 1, n − k)``, and exactly 1 when ``k == n`` (the Beta quantile is
@@ -94,8 +95,9 @@ def clopper_pearson_upper(k, n, confidence) -> float:
     return float(beta.ppf(confidence, k + 1, n - k))
 
 
-def binomial_p_value_table(n, risk) -> np.ndarray:
-    """P-values for every possible count 0..n at once, for vectorised lookups ``table[k]``.
+def binomial_p_value_table(n: int | np.integer, risk: float) -> np.ndarray:
+    """P-values for every possible count 0..n at once, for vectorised lookups ``table[k]``: an
+    (n + 1,) float array.
 
     Repeated-split validation evaluates thousands of counts with the same n; indexing this table
     gives exactly the numbers :func:`binomial_p_value` would, without calling scipy per count.
@@ -105,11 +107,13 @@ def binomial_p_value_table(n, risk) -> np.ndarray:
     return binom.cdf(np.arange(n + 1), n, risk)
 
 
-def violation_mask(losses, tolerance) -> np.ndarray:
+def violation_mask(losses: npt.ArrayLike, tolerance: float) -> np.ndarray:
     """Boolean array, True where ``loss > tolerance`` beyond floating-point noise.
 
     NaN losses are rejected rather than silently treated as "no violation", which would be
     anti-conservative.
+
+    losses : float array of any shape, e.g. (n_candidates, n_requests); the mask has its shape.
     """
     tolerance = _check_tolerance(tolerance)
     losses = np.asarray(losses, dtype=float)
@@ -118,8 +122,9 @@ def violation_mask(losses, tolerance) -> np.ndarray:
     return losses > tolerance + VIOLATION_EPS
 
 
-def count_violations(losses, tolerance) -> int:
-    """Number of requests whose loss exceeds the tolerance, as a Python int."""
+def count_violations(losses: npt.ArrayLike, tolerance: float) -> int:
+    """Number of requests whose loss exceeds the tolerance, as a Python int (`losses`: an
+    (n_requests,) float array, or any shape: every entry counts)."""
     return int(np.count_nonzero(violation_mask(losses, tolerance)))
 
 

@@ -13,14 +13,17 @@ computed and checked on machines without the model stack.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from certkv.core.binomial import binomial_p_value, clopper_pearson_upper, violation_mask
 from certkv.core.coverage import coverage_of
-from certkv.core.loss_table import LossTable, as_loss_table
+from certkv.core.gated import expand_gated, spec_derivations
+from certkv.core.loss_table import LossRecords, LossTable, as_loss_table
 from certkv.core.loss_table import records_sha256 as _records_sha256
 from certkv.core.operating_point import (
     CandidateResult,
@@ -31,13 +34,12 @@ from certkv.core.operating_point import (
     certified_at,
     certkv_version,
 )
+from certkv.core.pilot import PilotResolution, apply_pilot
 from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
 from certkv.core.procedures import candidate_levels, certified_mask, sequence_stops
 from certkv.core.spec import CertificationSpec
+from certkv.core.strata import certify_stratified
 from certkv.errors import CertkvError
-
-if TYPE_CHECKING:
-    from certkv.core.pilot import PilotResolution
 
 #: Re-exported helper; certify() takes a keyword of the same name, hence the private alias above.
 records_sha256 = _records_sha256
@@ -45,15 +47,27 @@ records_sha256 = _records_sha256
 NO_TASK = "(no task)"
 
 
+class ContractLike(Protocol):
+    """What :func:`certify` reads from a contract (:class:`certkv.contract.schema.Contract`, which the
+    core does not import): its certification spec and its hash."""
+
+    def certification_spec(self) -> CertificationSpec: ...
+
+    def sha256(self) -> str: ...
+
+
 # ----------------------------------------------------------------------------- decisions
 
 
-def select_candidates(eligible, mean_memory, violations) -> np.ndarray:
+def select_candidates(eligible: npt.ArrayLike, mean_memory: npt.ArrayLike, violations: npt.ArrayLike) -> np.ndarray:
     """Index of the chosen candidate along the last axis, or -1 when none is eligible.
 
     The rule: least mean KV retained; ties (to 1e-12, so that float noise in a mean does not
     decide) by fewer violations, i.e. lower empirical risk at equal n; remaining ties by contract
     order. Works on any leading batch shape, so validation applies the identical rule per split.
+
+    eligible, mean_memory : (..., n_candidates) bool and float arrays; violations : (..., n_candidates)
+    int counts (broadcast to `eligible`'s shape). Returns a (...) int array.
     """
     eligible = np.asarray(eligible, dtype=bool)
     memory = np.where(eligible, np.round(np.asarray(mean_memory, dtype=float), 12), np.inf)
@@ -64,11 +78,15 @@ def select_candidates(eligible, mean_memory, violations) -> np.ndarray:
     return np.where(found, first, -1)
 
 
-def decide(p_values, mean_memory, violations, spec: CertificationSpec):
+def decide(
+    p_values: npt.ArrayLike, mean_memory: npt.ArrayLike, violations: npt.ArrayLike, spec: CertificationSpec
+) -> tuple[np.ndarray, np.ndarray]:
     """Certified flags and the chosen index (-1: fallback) from per-candidate statistics.
 
     The shared decision step of :func:`certify` and repeated-split validation; arrays have the
-    candidates on the last axis in contract order.
+    candidates on the last axis in contract order: p_values, mean_memory and violations are
+    (..., n_candidates) float, float and int arrays. Returns the (..., n_candidates) bool flags
+    and the (...) int chosen index.
     """
     flags = certified_mask(p_values, spec.lengths, spec.delta, spec.procedure)
     return flags, select_candidates(flags, mean_memory, violations)
@@ -82,11 +100,12 @@ def candidate_rows(table: LossTable, spec: CertificationSpec) -> np.ndarray:
             if name not in table:
                 hint = "calibrate it or remove it from the contract"
                 if is_gated_policy(name):
-                    hint = ("a gated candidate is derived from its base's records: certify against the contract "
-                            "(certkv.certify(records, contract)) or a spec from certification_spec(contract)")
+                    hint = (
+                        "a gated candidate is derived from its base's records: certify against the contract "
+                        "(certkv.certify(records, contract)) or a spec from certification_spec(contract)"
+                    )
                 raise CertkvError(
-                    f"policy {name!r} (sequence {s}, position {j}) has no calibration records in "
-                    f"{table.source}; {hint}"
+                    f"policy {name!r} (sequence {s}, position {j}) has no calibration records in {table.source}; {hint}"
                 )
             rows.append(table.index_of(name))
     return np.asarray(rows, dtype=np.int64)
@@ -95,19 +114,17 @@ def candidate_rows(table: LossTable, spec: CertificationSpec) -> np.ndarray:
 def expand_for_spec(table: LossTable, spec: CertificationSpec) -> LossTable:
     """`table` plus the spec's gated candidates derived from their bases (see
     :mod:`certkv.core.gated`); candidates already derived are kept, the input is never modified."""
-    from certkv.core.gated import expand_gated, spec_derivations
-
     wanted = spec_derivations(spec)
     return expand_gated(table, wanted) if wanted else table
 
 
-def prepare(records, spec) -> tuple[LossTable, CertificationSpec, PilotResolution | None]:
+def prepare(
+    records: LossRecords, spec: CertificationSpec | Mapping[str, Any]
+) -> tuple[LossTable, CertificationSpec, PilotResolution | None]:
     """The table and spec a decision is computed on, shared by :func:`certify` and validation:
     with a pilot (``spec.pilot``), the certification requests only and the pilot-resolved spec
     (:func:`certkv.core.pilot.resolve_pilot`); then every gated candidate derived. Returns
     (table, spec, the pilot resolution or None)."""
-    from certkv.core.pilot import apply_pilot
-
     table, spec, resolution = apply_pilot(as_loss_table(records), CertificationSpec.parse(spec))
     return expand_for_spec(table, spec), spec, resolution
 
@@ -121,7 +138,11 @@ def violation_matrix(table: LossTable, spec: CertificationSpec) -> np.ndarray:
 
 
 def certify(
-    records, spec, *, contract_sha256: str | None = None, records_sha256: str | None = None
+    records: LossRecords,
+    spec: CertificationSpec | Mapping[str, Any] | ContractLike,
+    *,
+    contract_sha256: str | None = None,
+    records_sha256: str | None = None,
 ) -> OperatingPoint:
     """Certify the most aggressive candidate whose violation rate is ≤ ε with prob. ≥ 1 − δ.
 
@@ -154,8 +175,6 @@ def certify(
     """
     table, spec, contract_sha256, records_sha256 = _evidence(records, spec, contract_sha256, records_sha256)
     if spec.strata is not None:
-        from certkv.core.strata import certify_stratified
-
         return certify_stratified(table, spec, certify, contract_sha256=contract_sha256, records_sha256=records_sha256)
     table, spec, resolution = prepare(table, spec)
     counts = _count_and_decide(table, spec)
@@ -175,7 +194,9 @@ def certify(
 # ----------------------------------------------------------------------------- certify, step by step
 
 
-def _evidence(records, spec, contract_sha256: str | None, records_sha256: str | None):
+def _evidence(
+    records, spec, contract_sha256: str | None, records_sha256: str | None
+) -> tuple[LossTable, CertificationSpec, str | None, str]:
     """(table, spec, contract hash, records hash): a contract gives its own spec and its hash; the
     records hash covers the recorded evidence (pilot included), so it is taken before any gated
     rows are derived."""
@@ -218,13 +239,15 @@ def _count_and_decide(table: LossTable, spec: CertificationSpec) -> _Counts:
     return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen)
 
 
-def _candidate_results(table: LossTable, spec: CertificationSpec, counts: _Counts, task_names,
-                       task_codes) -> list[CandidateResult]:
+def _candidate_results(
+    table: LossTable, spec: CertificationSpec, counts: _Counts, task_names, task_codes
+) -> list[CandidateResult]:
     """One result per candidate, in contract order: counts, bound at its level, per-task breakdown."""
     c = counts
     return [
-        _candidate_result(table, spec, c.rows[i], i, c.violations[i], c.p[i], c.levels[i], c.flags[i],
-                          c.mean_memory[i], task_names, task_codes)
+        _candidate_result(
+            table, spec, c.rows[i], i, c.violations[i], c.p[i], c.levels[i], c.flags[i], c.mean_memory[i], task_names, task_codes
+        )
         for i in range(len(c.rows))
     ]
 
@@ -239,21 +262,23 @@ def _sequence_results(spec: CertificationSpec, flags: np.ndarray) -> list[Sequen
             tested=stop.tested,
             certified=stop.certified,
             stopped_at=stop.stopped_at,
-            stopped_policy=None if stop.stopped_at is None
-            else spec.sequences[stop.index][stop.stopped_at],
+            stopped_policy=None if stop.stopped_at is None else spec.sequences[stop.index][stop.stopped_at],
         )
         for stop in sequence_stops(flags, spec.lengths, spec.delta, spec.procedure)
     ]
 
 
-def _shared_fields(table: LossTable, spec: CertificationSpec, resolution, candidates, sequences,
-                   contract_sha256: str | None, records_sha256: str) -> dict:
+def _shared_fields(
+    table: LossTable, spec: CertificationSpec, resolution, candidates, sequences, contract_sha256: str | None, records_sha256: str
+) -> dict:
     """The operating point's fields that do not depend on the choice (certified or fallback)."""
     return dict(
         pilot=None if resolution is None else resolution.info,
-        coverage=coverage_of(table.context_tokens, table.tasks, "task", context_margin=spec.context_margin,
-                             max_new_tokens=spec.max_new_tokens),
+        coverage=coverage_of(
+            table.context_tokens, table.tasks, "task", context_margin=spec.context_margin, max_new_tokens=spec.max_new_tokens
+        ),
         max_new_tokens=spec.max_new_tokens,
+        query_aware=spec.query_aware,
         contract=ContractSummary.of(spec),
         candidates=candidates,
         sequences=sequences,
@@ -310,7 +335,8 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
         others = f" (and {failed - 1} other candidate{'s' if failed > 2 else ''} failed)"
     # Under Holm a candidate can pass its own level yet fail because the step-down stopped.
     verdict = (
-        f"> ε = {spec.risk:g}" if first.risk_upper_bound > spec.risk
+        f"> ε = {spec.risk:g}"
+        if first.risk_upper_bound > spec.risk
         else f"≤ ε = {spec.risk:g} but Holm's step-down stopped before it"
     )
     reason = (
@@ -323,8 +349,7 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
     if task_names:
         counts = np.bincount(task_codes, minlength=len(task_names))
         per_task = {
-            name: TaskBreakdown(n=int(c), violations=0, rate=0.0, exceeds_risk=False)
-            for name, c in zip(task_names, counts)
+            name: TaskBreakdown(n=int(c), violations=0, rate=0.0, exceeds_risk=False) for name, c in zip(task_names, counts)
         }
     return OperatingPoint(
         policy=REFERENCE_POLICY,
@@ -350,8 +375,7 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
     )
 
 
-def _candidate_result(table, spec, row, i, violated, p, level, certified, mean_memory,
-                      task_names, task_codes) -> CandidateResult:
+def _candidate_result(table, spec, row, i, violated, p, level, certified, mean_memory, task_names, task_codes) -> CandidateResult:
     n = table.n_requests
     k = int(np.count_nonzero(violated))
     actual = None
@@ -418,8 +442,7 @@ def _notes(table: LossTable, spec: CertificationSpec, task_names) -> list[str]:
     tested = set(spec.candidates)
     ignored = [p for p in table.policies if p not in tested]
     if ignored:
-        shown = ", ".join(ignored[:10]) + (f" and {len(ignored) - 10} more" if len(ignored) > 10
-                                           else "")
+        shown = ", ".join(ignored[:10]) + (f" and {len(ignored) - 10} more" if len(ignored) > 10 else "")
         notes.append(f"policies in the records but in no sequence were ignored: {shown}")
     if not task_names:
         notes.append("the records have no task column; no per-task breakdown")

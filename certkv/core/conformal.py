@@ -21,9 +21,10 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 
-def grouped_scale_factor(ratios_by_group: Sequence, alpha: float) -> float:
+def grouped_scale_factor(ratios_by_group: Sequence[npt.ArrayLike], alpha: float) -> float:
     """The smallest z with E[share of a new group's pairs with ratio > z] ≤ `alpha`.
 
     `ratios_by_group` holds one 1-d array per calibration group (request) of error/certificate
@@ -55,9 +56,12 @@ def grouped_scale_factor(ratios_by_group: Sequence, alpha: float) -> float:
     return float(ratios[ok[0]]) if ok.size else math.inf
 
 
-def pooled_scale_factor(ratios, level: float) -> float:
+def pooled_scale_factor(ratios: npt.ArrayLike, level: float) -> float:
     """The plain split-conformal quantile over pooled pairs: the ⌈(m+1)·level⌉-th smallest of m
-    ratios (``inf`` past the last). Valid only for exchangeable pairs; kept for comparison."""
+    ratios (``inf`` past the last). Valid only for exchangeable pairs; kept for comparison.
+
+    ratios : (m,) float array of error/certificate ratios (any shape: it is flattened).
+    """
     if not (isinstance(level, (int, float)) and not isinstance(level, bool) and 0 < level < 1):
         raise ValueError(f"level must be a number in (0, 1), got {level!r}")
     r = np.sort(np.asarray(ratios, dtype=np.float64).ravel())

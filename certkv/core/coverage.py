@@ -11,8 +11,10 @@ reason ``uncovered`` (:meth:`Coverage.uncovered`). Torch-free.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -55,20 +57,29 @@ class Coverage(BaseModel):
         """
         if stratum is None:
             if self.stratum_required:
-                return (f"the operating point is certified per {self.by} and the request names no stratum; "
-                        f"pass one of: {_listed(self.strata)}")
+                return (
+                    f"the operating point is certified per {self.by} and the request names no stratum; "
+                    f"pass one of: {_listed(self.strata)}"
+                )
         elif self.strata is not None and stratum not in self.strata:
             return f"{self.by} {stratum!r} was not calibrated; calibrated: {_listed(self.strata)}"
         served = self.context_range()
         if served is not None and not served[0] <= context_tokens <= served[1]:
             low, high = self.context_tokens or served
             margin = f" widened by {self.context_margin:g}" if self.context_margin else ""
-            return (f"context of {context_tokens} tokens is outside the calibrated {low}-{high} tokens{margin}")
+            return f"context of {context_tokens} tokens is outside the calibrated {low}-{high} tokens{margin}"
         return None
 
 
-def coverage_of(context_tokens, labels, by: str | None, *, stratum_required: bool = False,
-                context_margin: float = 0.0, max_new_tokens: int | None = None) -> Coverage:
+def coverage_of(
+    context_tokens: npt.ArrayLike | None,
+    labels: Sequence[str | None] | None,
+    by: str | None,
+    *,
+    stratum_required: bool = False,
+    context_margin: float = 0.0,
+    max_new_tokens: int | None = None,
+) -> Coverage:
     """The envelope of a set of certification requests.
 
     Parameters
@@ -90,17 +101,28 @@ def coverage_of(context_tokens, labels, by: str | None, *, stratum_required: boo
         known = known[~np.isnan(known)]
         if known.size:
             span = (int(math.floor(known.min())), int(math.ceil(known.max())))
-    return Coverage(by=by if strata is not None else None, strata=strata, stratum_required=stratum_required,
-                    context_tokens=span, context_margin=context_margin, max_new_tokens=max_new_tokens)
+    return Coverage(
+        by=by if strata is not None else None,
+        strata=strata,
+        stratum_required=stratum_required,
+        context_tokens=span,
+        context_margin=context_margin,
+        max_new_tokens=max_new_tokens,
+    )
 
 
-def merge_coverage(parts: dict[str, Coverage], by: str, *, context_margin: float,
-                   max_new_tokens: int | None) -> Coverage:
+def merge_coverage(parts: dict[str, Coverage], by: str, *, context_margin: float, max_new_tokens: int | None) -> Coverage:
     """The envelope of a stratified operating point: its strata, and the union of their ranges."""
     spans = [c.context_tokens for c in parts.values() if c.context_tokens is not None]
     span = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
-    return Coverage(by=by, strata=sorted(parts), stratum_required=True, context_tokens=span,
-                    context_margin=context_margin, max_new_tokens=max_new_tokens)
+    return Coverage(
+        by=by,
+        strata=sorted(parts),
+        stratum_required=True,
+        context_tokens=span,
+        context_margin=context_margin,
+        max_new_tokens=max_new_tokens,
+    )
 
 
 def _listed(values, limit: int = 8) -> str:

@@ -35,8 +35,9 @@ from certkv.errors import CertkvError
 #: The groups a learned gate reads unless the contract lists its own.
 DEFAULT_FEATURES = ("lookahead", "confidence", "context_length")
 #: Expanded features that exist only after the evicted decode (their signal's phase).
-POST_DECODE_FEATURES = frozenset(s.feature_name for s in SIGNALS
-                                 if s.feature_group is not None and s.kind == "scalar" and s.phase == "post_decode")
+POST_DECODE_FEATURES = frozenset(
+    s.feature_name for s in SIGNALS if s.feature_group is not None and s.kind == "scalar" and s.phase == "post_decode"
+)
 
 
 def expand_features(groups: Sequence[str], n_heads: int | None = None) -> list[str]:
@@ -82,7 +83,7 @@ def feature_matrix(signals: Mapping, features: Sequence[str]) -> np.ndarray:
         s = _signal_of(name)
         if s.kind == "heads":
             heads = _signal(signals, s.name, 2)
-            index = int(name[name.index("[") + 1:-1])
+            index = int(name[name.index("[") + 1 : -1])
             if index >= heads.shape[1]:
                 raise CertkvError(
                     f"the learned gate reads {name} but the signals hold {heads.shape[1]} {s.feature_group} heads; "

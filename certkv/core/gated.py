@@ -23,16 +23,17 @@ Torch-free: numpy only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, NoReturn, Protocol, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from certkv.core.gate_features import feature_matrix, learned_scores, needed_signals
 from certkv.core.loss_table import GatedRow, LossTable
 from certkv.core.signals import signal
-from certkv.core.spec import LearnedGate
+from certkv.core.spec import CertificationSpec, LearnedGate
 from certkv.errors import CertkvError
 
 RECALIBRATE = "recalibrate with a current certkv (`certkv calibrate CONTRACT --new-store`)"
@@ -49,9 +50,9 @@ GATE_PARTS = {
 }
 
 
-def fires(part: str, value, threshold: float):
+def fires(part: str, value: npt.ArrayLike, threshold: float) -> np.bool_ | np.ndarray:
     """Whether gate `part` (a key of :data:`GATE_PARTS`) sends `value` (a signal, or an (R,)
-    array of them) to the full cache at `threshold`: a bool, or a boolean array."""
+    array of them) to the full cache at `threshold`: a bool, or an (R,) boolean array."""
     return GATE_PARTS[part][1](value, float(threshold))
 
 
@@ -59,10 +60,32 @@ class GateSpec(Protocol):
     """What a gated candidate needs (a contract's :class:`~certkv.contract.schema.GatedCandidateSpec`
     fits for fixed thresholds; pilot gates come as :class:`Derive` with their resolved thresholds)."""
 
-    policy: str
-    base_policy: str
-    agreement_drop: float | None
-    certificate: float | None
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def base_policy(self) -> str: ...
+
+    @property
+    def agreement_drop(self) -> float | None: ...
+
+    @property
+    def certificate(self) -> float | None: ...
+
+
+class _PilotSetting(Protocol):
+    @property
+    def pilot(self) -> float | None: ...
+
+
+class GatedContract(Protocol):
+    """What :func:`expand_for_contract` reads from a contract (:class:`certkv.contract.schema.Contract`,
+    which the core does not import): its gate block (for the pilot share) and its gated candidates."""
+
+    @property
+    def gate(self) -> _PilotSetting | None: ...
+
+    def gated_candidates(self) -> Sequence[GateSpec]: ...
 
 
 class Derive(NamedTuple):
@@ -95,10 +118,14 @@ def _has_gate(g) -> bool:
     return any(x is not None for x in (drop, cert, conf, look, learned))
 
 
-def learned_table_scores(table: LossTable, base_row: int, model: LearnedGate, policy: str = "",
-                         columns=None) -> np.ndarray:
+def learned_table_scores(
+    table: LossTable, base_row: int, model: LearnedGate, policy: str = "", columns: Sequence[int] | np.ndarray | None = None
+) -> np.ndarray:
     """The learned score of each request (at `columns`, default all) of `base_row`: (R,) floats,
-    through :func:`certkv.core.gate_features.feature_matrix` (the runtime's definition)."""
+    through :func:`certkv.core.gate_features.feature_matrix` (the runtime's definition).
+
+    columns : (R,) int array (or sequence) of request indices; None: every request of the table.
+    """
     who = _who(table, base_row, policy)
     signals = table.signals_of(base_row, columns)
     for key in needed_signals(model.features):
@@ -106,8 +133,14 @@ def learned_table_scores(table: LossTable, base_row: int, model: LearnedGate, po
     return learned_scores(model, feature_matrix(signals, model.features))
 
 
-def check_signal(table: LossTable, values, column: str, who: str, columns=None) -> np.ndarray:
-    """`values` when fully recorded, else the one-line recalibrate error naming `column`."""
+def check_signal(
+    table: LossTable, values: npt.ArrayLike | None, column: str, who: str, columns: Sequence[int] | np.ndarray | None = None
+) -> np.ndarray:
+    """`values` when fully recorded, else the one-line recalibrate error naming `column`.
+
+    values : (R,) float array of a signal, or (R, F) for a per-head one; None: not recorded.
+    columns : the request indices `values` cover ((R,) ints); None: every request of the table.
+    """
     n = table.n_requests if columns is None else len(columns)
     if values is None:
         missing = np.ones(n, dtype=bool)
@@ -117,13 +150,21 @@ def check_signal(table: LossTable, values, column: str, who: str, columns=None) 
     if missing.any():
         ids = table.request_ids if columns is None else [table.request_ids[int(i)] for i in columns]
         _missing(column, who, missing, table, ids)
-    return values
+    return cast(np.ndarray, values)  # None only when there is no request to check (R = 0)
 
 
-def gated_mask(table: LossTable, base_row: int, agreement_drop: float | None,
-               certificate: float | None, policy: str = "", *, confidence: float | None = None,
-               lookahead: float | None = None, learned: LearnedGate | None = None,
-               learned_threshold: float | None = None) -> np.ndarray:
+def gated_mask(
+    table: LossTable,
+    base_row: int,
+    agreement_drop: float | None,
+    certificate: float | None,
+    policy: str = "",
+    *,
+    confidence: float | None = None,
+    lookahead: float | None = None,
+    learned: LearnedGate | None = None,
+    learned_threshold: float | None = None,
+) -> np.ndarray:
     """Boolean (R,) mask of the requests the gate sends to the full cache.
 
     Fires where agreement_drop < `agreement_drop`, certificate_max > `certificate`,
@@ -134,8 +175,12 @@ def gated_mask(table: LossTable, base_row: int, agreement_drop: float | None,
     """
     who = _who(table, base_row, policy)
     mask = np.zeros(table.n_requests, dtype=bool)
-    for part, threshold in (("confidence", confidence), ("lookahead", lookahead),
-                            ("agreement_drop", agreement_drop), ("certificate", certificate)):
+    for part, threshold in (
+        ("confidence", confidence),
+        ("lookahead", lookahead),
+        ("agreement_drop", agreement_drop),
+        ("certificate", certificate),
+    ):
         if threshold is None:
             continue
         column = GATE_PARTS[part][0]
@@ -144,8 +189,7 @@ def gated_mask(table: LossTable, base_row: int, agreement_drop: float | None,
         mask |= fires(part, check_signal(table, values, column, who), threshold)
     if learned is not None:
         if learned_threshold is None:
-            raise CertkvError(f"{policy or table.policies[base_row]!r}: a learned gate needs its threshold "
-                              "(learned_threshold)")
+            raise CertkvError(f"{policy or table.policies[base_row]!r}: a learned gate needs its threshold (learned_threshold)")
         mask |= fires("learned", learned_table_scores(table, base_row, learned, policy), learned_threshold)
     return mask
 
@@ -156,7 +200,7 @@ def _who(table: LossTable, base_row: int, policy: str) -> str:
     return f"policy {base!r}" + (f" (needed by {policy!r})" if policy and policy != base else "")
 
 
-def _missing(column: str, who: str, missing: np.ndarray, table: LossTable, ids=None) -> None:
+def _missing(column: str, who: str, missing: np.ndarray, table: LossTable, ids=None) -> NoReturn:
     ids = table.request_ids if ids is None else ids
     example = ids[int(np.flatnonzero(missing)[0])]
     why = ""
@@ -203,8 +247,9 @@ def expand_gated(table: LossTable, gated: Iterable[GateSpec | Derive]) -> LossTa
 def _mask_of(table: LossTable, row: int, g: GateSpec | Derive) -> np.ndarray:
     """:func:`gated_mask` of `g`'s settings on base row `row`."""
     drop, cert, conf, look, learned, learned_t = _settings(g)
-    return gated_mask(table, row, drop, cert, g.policy, confidence=conf, lookahead=look, learned=learned,
-                      learned_threshold=learned_t)
+    return gated_mask(
+        table, row, drop, cert, g.policy, confidence=conf, lookahead=look, learned=learned, learned_threshold=learned_t
+    )
 
 
 def _to_derive(table: LossTable, g: GateSpec | Derive) -> bool:
@@ -218,8 +263,14 @@ def _to_derive(table: LossTable, g: GateSpec | Derive) -> bool:
                 f"{g.base_policy!r} and the gate signals; remove those rows (or rename the policy)"
             )
         drop, cert, conf, look, _, learned_t = _settings(g)
-        if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead,
-                done.learned_threshold) != (g.base_policy, drop, cert, conf, look, learned_t):
+        if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead, done.learned_threshold) != (
+            g.base_policy,
+            drop,
+            cert,
+            conf,
+            look,
+            learned_t,
+        ):
             raise CertkvError(f"{g.policy!r} was derived with other gate settings; derive it from the records again")
         return False
     if g.base_policy not in table:
@@ -258,7 +309,7 @@ def _padded_signals(table: LossTable, n_new: int) -> dict[str, np.ndarray]:
     return out
 
 
-def spec_derivations(spec) -> list[Derive]:
+def spec_derivations(spec: CertificationSpec) -> list[Derive]:
     """The gated candidates a :class:`~certkv.core.spec.CertificationSpec` lists, with their gate
     settings; a pilot gate whose threshold is not placed yet is an error."""
     out = []
@@ -272,12 +323,15 @@ def spec_derivations(spec) -> list[Derive]:
                 f"{name!r} places its threshold on the pilot split; resolve the spec first "
                 "(certkv.core.pilot.resolve_pilot, which certify and validate run)"
             )
-        out.append(Derive(name, info.base_policy, g.agreement_drop, g.certificate, g.confidence, g.lookahead,
-                          g.learned, g.learned_threshold))
+        out.append(
+            Derive(
+                name, info.base_policy, g.agreement_drop, g.certificate, g.confidence, g.lookahead, g.learned, g.learned_threshold
+            )
+        )
     return out
 
 
-def expand_for_contract(table: LossTable, contract) -> LossTable:
+def expand_for_contract(table: LossTable, contract: GatedContract) -> LossTable:
     """`table` with every gated candidate of `contract` derived (the table itself when it has no
     gate). A contract with a pilot split is left as it is: its gates are resolved on the pilot and
     derived on the certification requests only, when it is certified (:mod:`certkv.core.pilot`)."""

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeAlias, TypeGuard
 
 import numpy as np
 
@@ -126,8 +126,7 @@ class LossTable:
             return self._index[policy]
         except KeyError:
             raise CertkvError(
-                f"{self.source}: no records for policy {policy!r}; policies present: "
-                f"{_preview(self.policies)}"
+                f"{self.source}: no records for policy {policy!r}; policies present: {_preview(self.policies)}"
             ) from None
 
     @property
@@ -141,10 +140,13 @@ class LossTable:
     def __contains__(self, policy: object) -> bool:
         return policy in self._index
 
-    def take_requests(self, columns, source: str | None = None) -> LossTable:
+    def take_requests(self, columns: Sequence[int] | np.ndarray, source: str | None = None) -> LossTable:
         """The table restricted to the requests at `columns` (indices into ``request_ids``, in
         increasing order, so the canonical sorted order is kept); ``gated`` shares are not
-        recounted, so take requests before deriving gated rows."""
+        recounted, so take requests before deriving gated rows.
+
+        columns : (n_kept,) int array (or sequence) of request indices.
+        """
         columns = np.asarray(columns, dtype=np.int64)
         if columns.size and (np.diff(columns) <= 0).any():
             raise ValueError("take_requests needs increasing request indices")
@@ -160,14 +162,17 @@ class LossTable:
             loss=cut(self.loss),
             memory=cut(self.memory),
             kv_retained_actual=cut(self.kv_retained_actual),
-            signals={name: cut(values, 0 if BY_NAME[name].per == "request" else 1)
-                     for name, values in self.signals.items()},
+            signals={name: cut(values, 0 if BY_NAME[name].per == "request" else 1) for name, values in self.signals.items()},
             source=source or self.source,
         )
 
-    def signals_of(self, row: int, columns=None) -> dict[str, np.ndarray | None]:
+    def signals_of(self, row: int, columns: Sequence[int] | np.ndarray | None = None) -> dict[str, np.ndarray | None]:
         """The gate signals of policy row `row` (optionally at request `columns`), as arrays keyed
-        like :func:`certkv.core.gate_features.feature_matrix` reads them (None where absent)."""
+        like :func:`certkv.core.gate_features.feature_matrix` reads them (None where absent).
+
+        columns : (n_kept,) int array (or sequence) of request indices; None: every request. Each
+        signal comes back as (n_kept,), or (n_kept, F) for a per-head one.
+        """
         sel = slice(None) if columns is None else np.asarray(columns, dtype=np.int64)
         out: dict[str, np.ndarray | None] = {s.name: None for s in RECORDED}
         for name, values in self.signals.items():
@@ -184,15 +189,19 @@ class LossTable:
         return _build(_columns_from_mappings(rows, source, _record_where), source, _record_where)
 
     @classmethod
-    def read(cls, path) -> LossTable:
+    def read(cls, path: str | os.PathLike[str]) -> LossTable:
         """Read a ``.csv`` or ``.jsonl`` loss table."""
         return read_loss_table(path)
+
+
+#: What the certifier accepts as evidence: a table, a CSV/JSONL loss-table path, or record dicts.
+LossRecords: TypeAlias = LossTable | str | os.PathLike[str] | Iterable[Mapping[str, Any]]
 
 
 # ----------------------------------------------------------------------------- readers
 
 
-def read_loss_table(path) -> LossTable:
+def read_loss_table(path: str | os.PathLike[str]) -> LossTable:
     """Read a CSV or JSONL loss table, choosing the format from the file suffix."""
     path = Path(path)
     if not path.is_file():
@@ -205,7 +214,7 @@ def read_loss_table(path) -> LossTable:
     raise CertkvError(f"{path}: unknown loss-table format {suffix!r}; use a .csv or .jsonl file")
 
 
-def read_csv(path) -> LossTable:
+def read_csv(path: str | os.PathLike[str]) -> LossTable:
     """Read a CSV loss table with a header row; empty optional cells count as absent."""
     path = Path(path)
     source = str(path)
@@ -230,7 +239,7 @@ def read_csv(path) -> LossTable:
     return _build(columns, source, where)
 
 
-def read_jsonl(path) -> LossTable:
+def read_jsonl(path: str | os.PathLike[str]) -> LossTable:
     """Read a JSONL loss table: one JSON object per line; blank lines are skipped."""
     path = Path(path)
     source = str(path)
@@ -253,7 +262,7 @@ def read_jsonl(path) -> LossTable:
     return _build(_columns_from_mappings(rows, source, where), source, where)
 
 
-def as_loss_table(records) -> LossTable:
+def as_loss_table(records: LossRecords) -> LossTable:
     """Accept a LossTable, a path to a CSV/JSONL file, or an iterable of record dicts."""
     if isinstance(records, LossTable):
         return records
@@ -261,16 +270,13 @@ def as_loss_table(records) -> LossTable:
         return read_loss_table(records)
     if isinstance(records, Iterable) and not isinstance(records, (bytes, Mapping)):
         return LossTable.from_records(records)
-    raise CertkvError(
-        f"records must be a LossTable, a CSV/JSONL path or a list of dicts, "
-        f"got {type(records).__name__}"
-    )
+    raise CertkvError(f"records must be a LossTable, a CSV/JSONL path or a list of dicts, got {type(records).__name__}")
 
 
 # ----------------------------------------------------------------------------- hashing
 
 
-def records_sha256(table) -> str:
+def records_sha256(table: LossRecords) -> str:
     """SHA-256 of a canonical serialisation of the table, sorted by (request_id, policy).
 
     Independent of the input's row order and file format, so the same calibration evidence always
@@ -281,8 +287,7 @@ def records_sha256(table) -> str:
     signals are part of it when the table has any (a table without them hashes as it always did).
     """
     table = as_loss_table(table)
-    order = sorted((i for i, p in enumerate(table.policies) if p not in table.gated),
-                   key=lambda i: table.policies[i])
+    order = sorted((i for i, p in enumerate(table.policies) if p not in table.gated), key=lambda i: table.policies[i])
     header = {
         "format": "certkv-loss-table-v1",
         "request_ids": list(table.request_ids),
@@ -332,7 +337,7 @@ def _hash_block(s: Signal, values: np.ndarray, order: list[int], policies, diges
     return np.ascontiguousarray(block + 0.0, dtype="<f8").tobytes()
 
 
-def _has_values(values) -> bool:
+def _has_values(values: np.ndarray | None) -> TypeGuard[np.ndarray]:
     return values is not None and bool((~np.isnan(values)).any())
 
 
@@ -364,8 +369,7 @@ def _columns_from_mappings(rows, source: str, where, *, blank_is_missing: bool =
         except KeyError:
             bad = next(i for i, row in enumerate(rows) if column not in row)
             raise CertkvError(
-                f"{source}: {where(bad)}: missing column {column!r}; a loss table needs "
-                f"{', '.join(REQUIRED_COLUMNS)}"
+                f"{source}: {where(bad)}: missing column {column!r}; a loss table needs {', '.join(REQUIRED_COLUMNS)}"
             ) from None
         except TypeError:
             bad = next(i for i, row in enumerate(rows) if not isinstance(row, Mapping))
@@ -390,9 +394,7 @@ def _head_lists(values, source: str, where) -> list | None:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError:
-                raise CertkvError(
-                    f"{source}: {where(i)}: lookahead_heads {value[:40]!r} is not a JSON list of numbers"
-                ) from None
+                raise CertkvError(f"{source}: {where(i)}: lookahead_heads {value[:40]!r} is not a JSON list of numbers") from None
         if not isinstance(value, (list, tuple)) or not value:
             raise CertkvError(f"{source}: {where(i)}: lookahead_heads must be a non-empty list of numbers")
         if length is None:
@@ -411,8 +413,7 @@ def _strings(values: list, column: str, source: str, where) -> list[str]:
     # Checked on the distinct values first: a fast path for the usual, valid table.
     out = list(map(str, values))
     if None in values or any(not text.strip() for text in set(out)):
-        bad = next(i for i, (raw, text) in enumerate(zip(values, out))
-                   if raw is None or not text.strip())
+        bad = next(i for i, (raw, text) in enumerate(zip(values, out)) if raw is None or not text.strip())
         raise CertkvError(f"{source}: {where(bad)}: {column} is empty; give every row a {column}")
     return out
 
@@ -430,17 +431,13 @@ def _floats(values: list, column: str, source: str, where, *, optional: bool = F
             try:
                 float(value)
             except (TypeError, ValueError):
-                raise CertkvError(
-                    f"{source}: {where(i)}: {column} {value!r} is not a number"
-                ) from None
+                raise CertkvError(f"{source}: {where(i)}: {column} {value!r} is not a number") from None
         array = np.array([np.nan if v is None else float(v) for v in values], dtype=float)
     if not optional:
         bad = np.flatnonzero(~np.isfinite(array))
         if bad.size:
             i = int(bad[0])
-            raise CertkvError(
-                f"{source}: {where(i)}: {column} {values[i]!r} is not a finite number"
-            )
+            raise CertkvError(f"{source}: {where(i)}: {column} {values[i]!r} is not a finite number")
     elif np.isinf(array).any():
         i = int(np.flatnonzero(np.isinf(array))[0])
         raise CertkvError(f"{source}: {where(i)}: {column} {values[i]!r} is not a finite number")
@@ -485,8 +482,7 @@ def _build(columns: dict, source: str, where) -> LossTable:
     tasks = _request_tasks(columns["task"], at.request_codes, at.universe, source, where)
     strata = _request_tasks(columns["stratum"], at.request_codes, at.universe, source, where, column="stratum")
     loss, kv, memory, actual = _fractions(columns, at, source, where)
-    parsed = {s.name: _parse_signal(s, columns[s.name], at, source, where)
-              for s in RECORDED if columns[s.name] is not None}
+    parsed = {s.name: _parse_signal(s, columns[s.name], at, source, where) for s in RECORDED if columns[s.name] is not None}
 
     policy_map: dict[str, int] = {}
     pol = _codes(at.pick(policy_names), policy_map)
@@ -661,8 +657,7 @@ def _request_tasks(values, request_codes, universe, source, where, column: str =
         return None
     present = [v for v in dict.fromkeys(values) if v is not None]
     task_map = {v: i for i, v in enumerate(present)}
-    codes = np.fromiter(map(task_map.get, values, repeat(-1)), dtype=np.int64,
-                        count=len(values))
+    codes = np.fromiter(map(task_map.get, values, repeat(-1)), dtype=np.int64, count=len(values))
     has = codes >= 0
     n_req = len(universe)
     low = np.full(n_req, np.iinfo(np.int64).max)

@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from certkv.core.binomial import check_probability
 from certkv.errors import CertkvError
@@ -58,7 +59,7 @@ DEFAULT_STREAM = "all"
 # -- the bets (pure, vectorised: the monitor and the simulator share them) ------------------------
 
 
-def trip_bets(p_hat, risk: float, shadow_rate: float) -> np.ndarray:
+def trip_bets(p_hat: npt.ArrayLike, risk: float, shadow_rate: float) -> np.ndarray:
     """Betting fraction λ of the test of H0: p ≤ ε, given a predictable estimate of p.
 
     Z takes two values (0 and a = 1/s), so the bet that maximises the growth rate
@@ -75,19 +76,21 @@ def trip_bets(p_hat, risk: float, shadow_rate: float) -> np.ndarray:
     four fixed Kelly bets (for p = 1.5, 2, 3, 5 ε) 2,770 / 740 and 8,240 / 5,030. So it is as fast
     as the mixture on drift from the start and much faster after a change point.
     Clipped to [0, MAX_SHARE / ε] so that every factor stays ≥ 1/2.
+
+    p_hat : float, or an (n_streams,) float array (one estimate per stream); the bets have its shape.
     """
     a = 1.0 / shadow_rate
     lam = (np.asarray(p_hat, dtype=float) - risk) / (risk * (a - risk))
     return np.clip(lam, 0.0, MAX_SHARE / risk)
 
 
-def bound_bets(p_hat, shadow_rate: float, grid: np.ndarray = BOUND_GRID) -> np.ndarray:
+def bound_bets(p_hat: npt.ArrayLike, shadow_rate: float, grid: np.ndarray = BOUND_GRID) -> np.ndarray:
     """Betting fractions λ^m against H0(m): p ≥ m, for every grid point m (last axis).
 
     Kelly's bet against m when the rate is p is λ*(m) = (m − p) / (m (a − m)) with a = 1/s, zero
     when p ≥ m; it is clipped to MAX_SHARE / (a − m), so a violation (Z = a) never costs more than
     half of K^m. ``p_hat`` may be an array (one estimate per stream): the result has shape
-    ``p_hat.shape + grid.shape``.
+    ``p_hat.shape + grid.shape`` (`grid`: the (G,) float grid of m values).
     """
     a = 1.0 / shadow_rate
     p = np.asarray(p_hat, dtype=float)[..., None]
@@ -98,7 +101,10 @@ def bound_bets(p_hat, shadow_rate: float, grid: np.ndarray = BOUND_GRID) -> np.n
 
 def bound_from_rejected(rejected: np.ndarray, grid: np.ndarray = BOUND_GRID) -> np.ndarray:
     """The upper bound given which grid points are rejected (last axis): the grid point just
-    above the largest one still kept; 1 when the top one is kept, the bottom one when none is."""
+    above the largest one still kept; 1 when the top one is kept, the bottom one when none is.
+
+    rejected : (..., G) bool array over the (G,) `grid`; the bounds have shape (...).
+    """
     rejected = np.asarray(rejected, dtype=bool)
     kept = ~rejected
     top = np.append(grid, 1.0)
@@ -179,16 +185,18 @@ class RiskMonitor:
     and out-of-order shadows. A tripped stream stays tripped for the monitor's lifetime.
     """
 
-    def __init__(self, risk: float, delta: float, shadow_rate: float, *, seed: int = 0,
-                 streams: dict[str, float] | None = None):
+    def __init__(
+        self, risk: float, delta: float, shadow_rate: float, *, seed: int = 0, streams: dict[str, float] | None = None
+    ) -> None:
         self.risk = check_probability(risk, "risk")
         self.shadow_rate = check_shadow_rate(shadow_rate)
         if streams is None:
             streams = {DEFAULT_STREAM: check_probability(delta, "delta")}
         if not isinstance(streams, dict) or not streams:
             raise CertkvError("streams must be a non-empty mapping of stream name to its delta")
-        self._streams = {str(name): _Stream(delta=check_probability(d, f"delta of stream {name!r}"))
-                         for name, d in streams.items()}
+        self._streams = {
+            str(name): _Stream(delta=check_probability(d, f"delta of stream {name!r}")) for name, d in streams.items()
+        }
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
@@ -331,7 +339,7 @@ class RiskMonitor:
         }
 
 
-def check_shadow_rate(value) -> float:
+def check_shadow_rate(value: object) -> float:
     """Validate a shadow rate s in (0, 1]: the share of evicted answers checked (1: all of them)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
         raise CertkvError(f"shadow_rate must be a number in (0, 1], got {value!r}")
@@ -361,16 +369,26 @@ class Simulation:
     upper_bound: np.ndarray | None
 
 
-def bernoulli_violations(rates, n_streams: int, seed: int = 0) -> np.ndarray:
+def bernoulli_violations(rates: npt.ArrayLike, n_streams: int, seed: int = 0) -> np.ndarray:
     """A (n_streams, len(rates)) boolean matrix: request t of each stream violates with
-    probability ``rates[t]`` (a constant rate, or one with a change point)."""
+    probability ``rates[t]`` (a constant rate, or one with a change point; `rates`: an
+    (n_requests,) float array)."""
     rates = np.asarray(rates, dtype=float)
     rng = np.random.default_rng(seed)
     return rng.random((n_streams, rates.size)) < rates[None, :]
 
 
-def simulate_streams(violated, *, risk: float, delta: float, shadow_rate: float, seed: int = 0,
-                     shadowed=None, bound: bool = False, stop_when_tripped: bool = False) -> Simulation:
+def simulate_streams(
+    violated: npt.ArrayLike,
+    *,
+    risk: float,
+    delta: float,
+    shadow_rate: float,
+    seed: int = 0,
+    shadowed: np.ndarray | None = None,
+    bound: bool = False,
+    stop_when_tripped: bool = False,
+) -> Simulation:
     """Run the monitor's statistics on many independent streams at once (vectorised over streams).
 
     Every request is evicted and its shadow, when drawn, completes before the next request: the
@@ -392,18 +410,12 @@ def simulate_streams(violated, *, risk: float, delta: float, shadow_rate: float,
     stop_when_tripped : bool
         Stop once every stream has tripped (for time-to-trip measurements; only without ``bound``).
     """
-    risk = check_probability(risk, "risk")
-    delta = check_probability(delta, "delta")
-    s = check_shadow_rate(shadow_rate)
-    violated = np.asarray(violated, dtype=bool)
-    if violated.ndim != 2:
-        raise CertkvError("violated must be a (streams, requests) boolean matrix")
+    violated, risk, delta, s = _simulation_inputs(violated, risk, delta, shadow_rate)
     n_streams, n = violated.shape
     rng = np.random.default_rng(seed)
     a, gamma, level = 1.0 / s, _discount(risk, s), math.log(1.0 / delta)
     prior_n, prior_p, bound_prior_n = _prior(risk, s)
-    z_sum = np.zeros(n_streams)
-    weight = 0.0
+    z_sum, weight = np.zeros(n_streams), 0.0  # the test's discounted estimate
     z_total = np.zeros(n_streams)
     log_k = np.zeros(n_streams)
     tripped_after = np.zeros(n_streams, dtype=np.int64)
@@ -425,5 +437,17 @@ def simulate_streams(violated, *, risk: float, delta: float, shadow_rate: float,
         tripped_after[(tripped_after == 0) & (log_k >= level)] = t + 1
         if stop_when_tripped and not bound and (tripped_after > 0).all():
             break
-    return Simulation(tripped_after, np.exp(np.minimum(log_k, 700.0)),
-                      bound_from_rejected(rejected) if bound else None)
+    return Simulation(tripped_after, np.exp(np.minimum(log_k, 700.0)), bound_from_rejected(rejected) if bound else None)
+
+
+def _simulation_inputs(
+    violated: npt.ArrayLike, risk: float, delta: float, shadow_rate: float
+) -> tuple[np.ndarray, float, float, float]:
+    """:func:`simulate_streams`'s inputs, checked: the (streams, requests) bool matrix, ε, δ and s."""
+    risk = check_probability(risk, "risk")
+    delta = check_probability(delta, "delta")
+    s = check_shadow_rate(shadow_rate)
+    matrix = np.asarray(violated, dtype=bool)
+    if matrix.ndim != 2:
+        raise CertkvError("violated must be a (streams, requests) boolean matrix")
+    return matrix, risk, delta, s

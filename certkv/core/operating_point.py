@@ -11,12 +11,14 @@ Torch-free.
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from certkv._version import __version__
 from certkv.atomic_io import write_text_atomic
 from certkv.core.coverage import Coverage
 from certkv.core.pilot import PilotInfo
@@ -32,8 +34,6 @@ def certified_at() -> str:
 
 def certkv_version() -> str:
     """The installed certkv version, recorded in every operating point."""
-    from certkv._version import __version__
-
     return __version__
 
 
@@ -51,8 +51,9 @@ class ContractSummary(BaseModel):
     @classmethod
     def of(cls, spec: CertificationSpec) -> ContractSummary:
         """The contract terms a result reports, taken from the spec it was computed under."""
-        return cls(tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure,
-                   utility=spec.utility)
+        return cls(
+            tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure, utility=spec.utility
+        )
 
 
 class TaskBreakdown(BaseModel):
@@ -138,6 +139,10 @@ class OperatingPoint(BaseModel):
     gated_share: float = 0.0
     max_new_tokens: int | None = None
     """Decode length the candidates were calibrated with; the runtime deploys exactly that."""
+    query_aware: bool = False
+    """The protocol: true when the question was prefilled with the context, so the press saw it
+    before evicting (contract ``protocol.query_aware``); a runtime deploys the same protocol.
+    Files written before it existed were all question-agnostic (false)."""
     mean_kv_retained: float
     kv_retained_actual: float | None = None
     fallback: bool
@@ -205,7 +210,7 @@ class OperatingPoint(BaseModel):
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
-    def write_json(self, path) -> Path:
+    def write_json(self, path: Path | str) -> Path:
         """Write atomically (temporary file in the same folder, then rename): a reader never
         sees a half-written operating point, even if the process is killed mid-write."""
         return write_text_atomic(path, self.to_json())
@@ -226,7 +231,7 @@ class StrataResult(BaseModel):
 OperatingPoint.model_rebuild()
 
 
-def load_operating_point(path) -> OperatingPoint:
+def load_operating_point(path: str | os.PathLike[str]) -> OperatingPoint:
     """Read and validate an operating point written by :meth:`OperatingPoint.write_json`."""
     path = Path(path)
     if not path.is_file():

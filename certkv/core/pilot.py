@@ -29,10 +29,12 @@ Quantiles are numpy's default (linear interpolation). Torch-free: numpy and scik
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.binomial import violation_mask
@@ -40,7 +42,7 @@ from certkv.core.gate_features import expand_features, feature_matrix, learned_s
 from certkv.core.gated import check_signal, expand_gated, spec_derivations
 from certkv.core.loss_table import LossTable
 from certkv.core.procedures import procedure_of
-from certkv.core.spec import CandidateInfo, CertificationSpec, LearnedGate
+from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings, LearnedGate
 from certkv.errors import CertkvError
 
 #: The fewest certification requests a pilot may leave.
@@ -72,8 +74,13 @@ class PilotSplit:
     certification_columns: np.ndarray
 
     def info(self) -> PilotInfo:
-        return PilotInfo(share=self.share, seed=self.seed, n_pilot=len(self.pilot_ids),
-                         n_certification=len(self.certification_ids), request_ids=list(self.pilot_ids))
+        return PilotInfo(
+            share=self.share,
+            seed=self.seed,
+            n_pilot=len(self.pilot_ids),
+            n_certification=len(self.certification_ids),
+            request_ids=list(self.pilot_ids),
+        )
 
 
 def pilot_size(n_requests: int, share: float) -> int:
@@ -81,8 +88,7 @@ def pilot_size(n_requests: int, share: float) -> int:
     return int(round(share * n_requests))
 
 
-def draw_pilot(request_ids: Sequence[str], share: float, seed: int = 0,
-               min_certification: int = MIN_CERTIFICATION) -> PilotSplit:
+def draw_pilot(request_ids: Sequence[str], share: float, seed: int = 0, min_certification: int = MIN_CERTIFICATION) -> PilotSplit:
     """Draw the pilot: rank `request_ids` by ``sha256(f"{seed}:{request_id}")`` (hex) and take the
     first ``round(share · R)``; the rest certify.
 
@@ -97,36 +103,38 @@ def draw_pilot(request_ids: Sequence[str], share: float, seed: int = 0,
     n_pilot = pilot_size(n, share)
     n_cert = n - n_pilot
     if n_cert < min_certification:
-        need = next(r for r in range(min_certification, 100 * min_certification + 1)
-                    if r - pilot_size(r, share) >= min_certification)
+        need = next(
+            r for r in range(min_certification, 100 * min_certification + 1) if r - pilot_size(r, share) >= min_certification
+        )
         raise CertkvError(
             f"gate.pilot: a pilot share of {share:g} leaves {n_cert} of {n} requests to certify, fewer than "
             f"{min_certification}; lower gate.pilot or calibrate at least {need} requests"
         )
     if n_pilot < 1:
-        raise CertkvError(
-            f"gate.pilot: a pilot share of {share:g} of {n} requests draws no pilot request; raise gate.pilot"
-        )
+        raise CertkvError(f"gate.pilot: a pilot share of {share:g} of {n} requests draws no pilot request; raise gate.pilot")
     keys = [hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest() for rid in ids]
     ranked = sorted(range(n), key=lambda i: (keys[i], ids[i]))
     pilot = np.sort(np.asarray(ranked[:n_pilot], dtype=np.int64))
     rest = np.sort(np.asarray(ranked[n_pilot:], dtype=np.int64))
-    return PilotSplit(share, int(seed), tuple(ids[int(i)] for i in pilot), tuple(ids[int(i)] for i in rest),
-                      pilot, rest)
+    return PilotSplit(share, int(seed), tuple(ids[int(i)] for i in pilot), tuple(ids[int(i)] for i in rest), pilot, rest)
 
 
 # ----------------------------------------------------------------------------- fitting
 
 
-def fit_learned_gate(signals, features: Sequence[str], labels) -> LearnedGate:
+def fit_learned_gate(
+    signals: Mapping[str, npt.ArrayLike | None] | Iterable[Mapping[str, Any]], features: Sequence[str], labels: npt.ArrayLike
+) -> LearnedGate:
     """Fit the learned gate: ``StandardScaler`` then ``LogisticRegression`` (lbfgs, C = 1) on the
     expanded `features` of N requests, `labels` (N,) True where the request violates.
 
-    `signals` is a mapping of arrays (:func:`certkv.core.gate_features.feature_matrix`) or a list
-    of per-request signal dicts (the runtime's form). Labels of one class only (a pilot without a
-    violation, or with nothing else) give the constant model (coef 0, intercept 0: score 0.5 on
-    every request), which gates nothing at a threshold placed on its own scores.
+    `signals` is a mapping of arrays (:func:`certkv.core.gate_features.feature_matrix`: (N,) each,
+    ``lookahead_heads`` (N, F)) or a list of N per-request signal dicts (the runtime's form).
+    Labels of one class only (a pilot without a violation, or with nothing else) give the
+    constant model (coef 0, intercept 0: score 0.5 on every request), which gates nothing at a
+    threshold placed on its own scores.
     """
+    # Lazy: scikit-learn is heavy, and this module is on `certkv certify`'s import path (operating_point).
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
@@ -137,11 +145,15 @@ def fit_learned_gate(signals, features: Sequence[str], labels) -> LearnedGate:
     scaler = StandardScaler().fit(x)
     mean, scale = scaler.mean_.tolist(), scaler.scale_.tolist()
     if y.all() or not y.any():
-        return LearnedGate(features=list(features), mean=mean, scale=scale, coef=[0.0] * len(features),
-                           intercept=0.0)
+        return LearnedGate(features=list(features), mean=mean, scale=scale, coef=[0.0] * len(features), intercept=0.0)
     model = LogisticRegression(C=1.0, max_iter=5000).fit(scaler.transform(x), y)
-    return LearnedGate(features=list(features), mean=mean, scale=scale,
-                       coef=[float(c) for c in model.coef_[0]], intercept=float(model.intercept_[0]))
+    return LearnedGate(
+        features=list(features),
+        mean=mean,
+        scale=scale,
+        coef=[float(c) for c in model.coef_[0]],
+        intercept=float(model.intercept_[0]),
+    )
 
 
 def _as_columns(signals, features) -> Mapping:
@@ -236,8 +248,9 @@ def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
     return PilotResolution(split, certification, resolved, violations, memory, tuple(_merge_one_class(notes)))
 
 
-def _resolve_candidate(name: str, entry: CandidateInfo, pilot: LossTable, spec: CertificationSpec,
-                       models: dict, notes: list[str]) -> CandidateInfo:
+def _resolve_candidate(
+    name: str, entry: CandidateInfo, pilot: LossTable, spec: CertificationSpec, models: dict, notes: list[str]
+) -> CandidateInfo:
     """`entry` with its pilot gate's threshold (and model) placed on `pilot`."""
     gate = entry.pilot_gate
     assert gate is not None, name  # only pilot-gated candidates are resolved
@@ -246,8 +259,6 @@ def _resolve_candidate(name: str, entry: CandidateInfo, pilot: LossTable, spec: 
     who = f"policy {base!r} (needed by {name!r}) on the pilot"
     settings = entry.gate.model_copy(update={"quantile": gate.quantile}) if entry.gate is not None else None
     if settings is None:
-        from certkv.core.spec import GateSettings
-
         settings = GateSettings(quantile=gate.quantile)
     if gate.kind == "confidence":
         values = check_signal(pilot, _row(pilot.confidence_min, row), "confidence_min", who)
@@ -260,8 +271,9 @@ def _resolve_candidate(name: str, entry: CandidateInfo, pilot: LossTable, spec: 
         if key not in models:
             models[key] = _fit_base(pilot, row, gate.features, spec, who, notes)
         model, scores = models[key]
-        settings = settings.model_copy(update={
-            "learned": model, "learned_threshold": signal_quantile(scores, 1.0 - gate.quantile)})
+        settings = settings.model_copy(
+            update={"learned": model, "learned_threshold": signal_quantile(scores, 1.0 - gate.quantile)}
+        )
     return entry.model_copy(update={"gate": settings})
 
 
@@ -294,7 +306,7 @@ def _merge_one_class(notes: list[str]) -> list[str]:
     out: list[str] = []
     for note in notes:
         if note.startswith(ONE_CLASS):
-            kind, _, policy = note[len(ONE_CLASS):].partition(": ")
+            kind, _, policy = note[len(ONE_CLASS) :].partition(": ")
             if kind not in merged:
                 merged[kind] = []
                 out.append(kind)  # placeholder, filled below in first-seen order
@@ -307,8 +319,7 @@ def _merge_one_class(notes: list[str]) -> list[str]:
 def is_unresolved(info: CandidateInfo) -> bool:
     """Whether `info` is a pilot gate whose threshold the pilot has not placed yet."""
     g = info.gate
-    return info.pilot_gate is not None and (g is None or (g.confidence is None and g.lookahead is None
-                                                          and g.learned is None))
+    return info.pilot_gate is not None and (g is None or (g.confidence is None and g.lookahead is None and g.learned is None))
 
 
 def _row(matrix, row: int):

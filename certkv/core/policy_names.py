@@ -41,8 +41,14 @@ def gate_label(value: float) -> str:
     return format(float(value) + 0.0, "g")
 
 
-def gated_policy_name(base: str, agreement_drop: float | None = None, certificate: float | None = None,
-                      *, pilot_kind: str | None = None, quantile: float | None = None) -> str:
+def gated_policy_name(
+    base: str,
+    agreement_drop: float | None = None,
+    certificate: float | None = None,
+    *,
+    pilot_kind: str | None = None,
+    quantile: float | None = None,
+) -> str:
     """``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``; `base` when ungated.
 
     With `pilot_kind` (confidence, lookahead or learned) and its `quantile`:
@@ -87,7 +93,7 @@ def parse_policy_name(name: str) -> PolicyName:
     kv = float(match.group()) if match is not None else None
     stem = _AT_RETENTION.sub("", name, count=1)
     cuts = [name.index(m) for m in _GATE_MARKERS if m in name]
-    gate = name[min(cuts):] if cuts else ""
+    gate = name[min(cuts) :] if cuts else ""
     return PolicyName(display, kv, gate, stem)
 
 

@@ -43,6 +43,7 @@ from types import MappingProxyType
 from typing import ClassVar, Literal, get_args
 
 import numpy as np
+import numpy.typing as npt
 
 from certkv.errors import CertkvError
 
@@ -97,7 +98,7 @@ def check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
     return lengths
 
 
-def check_delta(delta) -> float:
+def check_delta(delta: float) -> float:
     """δ = 1 − confidence must lie strictly between 0 and 1."""
     delta = float(delta)
     if not 0.0 < delta < 1.0:
@@ -147,18 +148,19 @@ class FwerProcedure(ABC):
     #: Its test order comes from a pilot split, which it therefore requires.
     orders_by_pilot: ClassVar[bool] = False
 
-    def mask(self, p, lengths: Sequence[int], delta: float) -> np.ndarray:
-        """Certified flags, shape ``(..., N)`` in and out."""
+    def mask(self, p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
+        """Certified flags, shape ``(..., N)`` in and out (`p`: the p-values, N = sum of `lengths`)."""
         lengths, p, delta = _inputs(p, lengths, delta)
         return self._mask(p, lengths, delta)
 
-    def levels(self, p, lengths: Sequence[int], delta: float) -> np.ndarray:
-        """The level each candidate's p-value is compared with, shape ``(..., N)``."""
+    def levels(self, p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
+        """The level each candidate's p-value is compared with, shape ``(..., N)`` in (`p`) and out."""
         lengths, p, delta = _inputs(p, lengths, delta)
         return self._levels(p, lengths, delta)
 
-    def stops(self, certified_flat, lengths: Sequence[int], delta: float) -> tuple[SequenceStop, ...]:
-        """Per sequence, how far testing went and how much was certified (one decision, 1-D flags)."""
+    def stops(self, certified_flat: np.ndarray, lengths: Sequence[int], delta: float) -> tuple[SequenceStop, ...]:
+        """Per sequence, how far testing went and how much was certified (one decision: `certified_flat`
+        is an (N,) bool array, the sequences concatenated)."""
         lengths = check_lengths(lengths)
         delta = check_delta(delta)
         segments = _segments(lengths)
@@ -315,46 +317,66 @@ def procedure_of(procedure: str) -> FwerProcedure:
 # ----------------------------------------------------------------------------- functions
 
 
-def fixed_sequence_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags under fixed-sequence testing with a δ/m split across m sequences (a prefix each)."""
+def fixed_sequence_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
+    """Certified flags under fixed-sequence testing with a δ/m split across m sequences (a prefix each).
+
+    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+    """
     return REGISTRY["fixed_sequence"].mask(p, lengths, delta)
 
 
-def bonferroni_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags when each of the N candidates is tested at δ / N, in any order."""
+def bonferroni_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
+    """Certified flags when each of the N candidates is tested at δ / N, in any order.
+
+    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+    """
     return REGISTRY["bonferroni"].mask(p, lengths, delta)
 
 
-def holm_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags under Holm's step-down procedure over all N candidates."""
+def holm_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
+    """Certified flags under Holm's step-down procedure over all N candidates.
+
+    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+    """
     return REGISTRY["holm"].mask(p, lengths, delta)
 
 
-def pilot_ordered_mask(p, lengths: Sequence[int], delta: float) -> np.ndarray:
+def pilot_ordered_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
     """Certified flags of split fixed-sequence testing: the sequences concatenated (in the order
-    the pilot set) and tested as one fixed sequence at the full δ."""
+    the pilot set) and tested as one fixed sequence at the full δ.
+
+    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+    """
     return REGISTRY["pilot_ordered"].mask(p, lengths, delta)
 
 
-def certified_mask(p, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
-    """Dispatch to the procedure named in the contract; shape ``(..., N)`` in, booleans out."""
+def certified_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
+    """Dispatch to the procedure named in the contract; shape ``(..., N)`` in, booleans out.
+
+    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+    """
     return procedure_of(procedure).mask(p, lengths, delta)
 
 
-def candidate_levels(p, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
-    """The significance level each candidate's p-value is compared with.
+def candidate_levels(p: npt.ArrayLike, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
+    """The significance level each candidate's p-value is compared with, an array of `p`'s shape.
 
     fixed_sequence: δ/m; bonferroni: δ/N; holm: δ/(N − rank), rank of the candidate's p-value;
     pilot_ordered: δ.
     Reporting it lets a reader check ``p <= level`` (and the matching Clopper–Pearson bound at
     confidence ``1 − level``) candidate by candidate.
+
+    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
     """
     lengths, p, delta = _inputs(p, lengths, delta)  # the inputs are checked before the name
     return procedure_of(procedure)._levels(p, lengths, delta)
 
 
-def sequence_stops(certified_flat: np.ndarray, lengths, delta: float, procedure: str):
-    """Summarise, per sequence, how far testing went and how much was certified."""
+def sequence_stops(certified_flat: np.ndarray, lengths: Sequence[int], delta: float, procedure: str) -> tuple[SequenceStop, ...]:
+    """Summarise, per sequence, how far testing went and how much was certified.
+
+    certified_flat : (N,) bool array of one decision's flags, the sequences concatenated.
+    """
     lengths = check_lengths(lengths)
     delta = check_delta(delta)
     return procedure_of(procedure).stops(certified_flat, lengths, delta)

@@ -109,6 +109,8 @@ class Signal:
         return f"log_{self.name}" if self.transform == "log" else self.name
 
 
+# One declaration per signal, kept in this compact layout (tests/test_signals.py inserts one in it).
+# fmt: off
 SIGNALS: tuple[Signal, ...] = (
     Signal("agreement_drop", per="request", kind="scalar", phase="pre_decode",
            recorder="the agreement recorder on the full prefill (certkv.gate.agreement)",
@@ -140,6 +142,7 @@ SIGNALS: tuple[Signal, ...] = (
            recorder="the learned gate's model over the other signals (certkv.core.gate_features)",
            doc="the learned gate's score (its phase is that of the features it reads)", store=None),
 )
+# fmt: on
 
 BY_NAME: dict[str, Signal] = {s.name: s for s in SIGNALS}
 #: Signals a loss table and the store carry, in declaration order.
@@ -150,8 +153,9 @@ STORE_COLUMNS: tuple[str, ...] = tuple(s.name for s in SIGNALS if s.store == "co
 #: order, with their signals. The order is the fitted models' coefficient order: it is fixed.
 FEATURE_GROUPS: tuple[str, ...] = ("lookahead", "confidence", "agreement_drop", "context_length")
 #: Groups declared by signals but missing from the fixed order go at its end, in declaration order.
-FEATURE_GROUPS = FEATURE_GROUPS + tuple(dict.fromkeys(
-    s.feature_group for s in SIGNALS if s.feature_group is not None and s.feature_group not in FEATURE_GROUPS))
+FEATURE_GROUPS = FEATURE_GROUPS + tuple(
+    dict.fromkeys(s.feature_group for s in SIGNALS if s.feature_group is not None and s.feature_group not in FEATURE_GROUPS)
+)
 
 
 def signal(name: str) -> Signal:

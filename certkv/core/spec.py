@@ -12,6 +12,7 @@ Torch-free.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -175,7 +176,7 @@ class StrataConfig(BaseModel):
     @field_validator("by")
     @classmethod
     def _check_by(cls, value: str) -> str:
-        if value != "task" and not (value.startswith("metadata.") and value[len("metadata."):].strip()):
+        if value != "task" and not (value.startswith("metadata.") and value[len("metadata.") :].strip()):
             raise ValueError(f"strata.by {value!r} must be 'task' or 'metadata.<key>' (a key of the requests' metadata)")
         return value
 
@@ -210,15 +211,17 @@ class CertificationSpec(BaseModel):
     sequences: list[list[str]] = Field(min_length=1)
     candidate_info: dict[str, CandidateInfo] = Field(default_factory=dict)
     max_new_tokens: int | None = Field(default=None, ge=1, description="the contract's decode length")
+    query_aware: bool = Field(default=False, description="the question was prefilled with the context (protocol.query_aware)")
     pilot: PilotConfig | None = Field(default=None, description="the pilot split (gate.pilot of a contract)")
     strata: StrataConfig | None = Field(default=None, description="certify each stratum on its own (strata:)")
     utility: str | None = Field(
         default=None, description="the contract's utility, recorded so that live answers are scored as calibration scored them"
     )
     context_margin: float = Field(
-        default=0.0, ge=0.0, allow_inf_nan=False,
-        description="relative widening of the calibrated context-length range the runtime serves "
-                    "(coverage.context_margin)",
+        default=0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="relative widening of the calibrated context-length range the runtime serves (coverage.context_margin)",
     )
 
     @field_validator("sequences")
@@ -232,13 +235,10 @@ class CertificationSpec(BaseModel):
                 if not name.strip():
                     raise ValueError(f"sequence {s} position {j}: empty policy name")
                 if name == REFERENCE_POLICY:
-                    raise ValueError(
-                        f"sequence {s} position {j}: 'full' is the reference, not a candidate"
-                    )
+                    raise ValueError(f"sequence {s} position {j}: 'full' is the reference, not a candidate")
                 if name in seen:
                     raise ValueError(
-                        f"policy {name!r} appears twice (sequence {seen[name][0]} and {s}); "
-                        "test each candidate once"
+                        f"policy {name!r} appears twice (sequence {seen[name][0]} and {s}); test each candidate once"
                     )
                 seen[name] = (s, j)
         return sequences
@@ -258,7 +258,7 @@ class CertificationSpec(BaseModel):
         return [len(sequence) for sequence in self.sequences]
 
     @classmethod
-    def parse(cls, data, source: str = "certification spec") -> CertificationSpec:
+    def parse(cls, data: CertificationSpec | Mapping[str, Any], source: str = "certification spec") -> CertificationSpec:
         """Validate a dict, turning pydantic's error into a one-line CertkvError."""
         if isinstance(data, cls):
             return data

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from certkv.core.binomial import binomial_p_value
-from certkv.core.coverage import merge_coverage
+from certkv.core.coverage import coverage_of, merge_coverage
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import (
     ContractSummary,
@@ -46,6 +47,14 @@ from certkv.core.policy_names import REFERENCE_POLICY, STRATIFIED_POLICY
 from certkv.core.procedures import candidate_levels
 from certkv.core.spec import CertificationSpec, delta_of
 from certkv.errors import CertkvError
+
+
+class CertifyOne(Protocol):
+    """How :func:`certify_stratified` certifies one stratum (:func:`certkv.core.certify.certify`)."""
+
+    def __call__(
+        self, records: LossTable, spec: CertificationSpec, *, contract_sha256: str | None, records_sha256: str | None
+    ) -> OperatingPoint: ...
 
 
 def stratum_labels(table: LossTable, by: str) -> tuple[str, ...]:
@@ -94,8 +103,9 @@ def fewest_requests(spec: CertificationSpec) -> int:
     return n
 
 
-def certify_stratified(table: LossTable, spec: CertificationSpec, certify_one, *, contract_sha256: str | None,
-                       records_sha256: str) -> OperatingPoint:
+def certify_stratified(
+    table: LossTable, spec: CertificationSpec, certify_one: CertifyOne, *, contract_sha256: str | None, records_sha256: str
+) -> OperatingPoint:
     """One operating point per stratum of `table`, and their pooled summary (the module docstring).
 
     Parameters
@@ -177,8 +187,10 @@ def too_small_reason(n_requests: int, spec: CertificationSpec, need: int) -> str
         return why
     n_cert = n_requests - (pilot_size(n_requests, spec.pilot.share) if spec.pilot is not None else 0)
     if n_cert < need:
-        return (f"{n_cert} certification requests, fewer than the {need} that certifying anything at "
-                f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations")
+        return (
+            f"{n_cert} certification requests, fewer than the {need} that certifying anything at "
+            f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations"
+        )
     return None
 
 
@@ -191,27 +203,46 @@ def pilot_shortfall(n_requests: int, spec: CertificationSpec) -> str | None:
     if n_pilot < 1:
         return f"a pilot share of {spec.pilot.share:g} draws no pilot request from its {n_requests}"
     if n_requests - n_pilot < spec.pilot.min_certification:
-        return (f"the pilot leaves {n_requests - n_pilot} certification requests, fewer than the "
-                f"{spec.pilot.min_certification} a pilot must leave")
+        return (
+            f"the pilot leaves {n_requests - n_pilot} certification requests, fewer than the "
+            f"{spec.pilot.min_certification} a pilot must leave"
+        )
     return None
 
 
 def _too_small(sub, spec, name, by, why, contract_sha256, records_sha256) -> OperatingPoint:
     """A stratum too small to certify anything: the full cache, with why."""
-    from certkv.core.coverage import coverage_of
-
     n_cert = sub.n_requests - (pilot_size(sub.n_requests, spec.pilot.share) if spec.pilot is not None else 0)
     reason = f"{by} {name!r} is too small to certify: {why}; using the full cache"
     return OperatingPoint(
-        policy=REFERENCE_POLICY, base_policy=REFERENCE_POLICY, press=REFERENCE_POLICY, kv_retained=1.0,
-        mean_kv_retained=1.0, kv_retained_actual=1.0, fallback=True, reason=reason, n=max(n_cert, 0),
-        violations=0, empirical_risk=0.0, risk_upper_bound=0.0, p_value=None, candidates=[], sequences=[],
-        guarantee=stratum_guarantee(spec, by, name, True), contract=ContractSummary.of(spec),
+        policy=REFERENCE_POLICY,
+        base_policy=REFERENCE_POLICY,
+        press=REFERENCE_POLICY,
+        kv_retained=1.0,
+        mean_kv_retained=1.0,
+        kv_retained_actual=1.0,
+        fallback=True,
+        reason=reason,
+        n=max(n_cert, 0),
+        violations=0,
+        empirical_risk=0.0,
+        risk_upper_bound=0.0,
+        p_value=None,
+        candidates=[],
+        sequences=[],
+        guarantee=stratum_guarantee(spec, by, name, True),
+        contract=ContractSummary.of(spec),
         max_new_tokens=spec.max_new_tokens,
-        coverage=coverage_of(sub.context_tokens, None, None, context_margin=spec.context_margin,
-                             max_new_tokens=spec.max_new_tokens),
-        contract_sha256=contract_sha256, records_sha256=records_sha256, created=certified_at(),
-        certkv_version=certkv_version(), notes=[reason], per_task=_task_counts(sub, spec),
+        query_aware=spec.query_aware,
+        coverage=coverage_of(
+            sub.context_tokens, None, None, context_margin=spec.context_margin, max_new_tokens=spec.max_new_tokens
+        ),
+        contract_sha256=contract_sha256,
+        records_sha256=records_sha256,
+        created=certified_at(),
+        certkv_version=certkv_version(),
+        notes=[reason],
+        per_task=_task_counts(sub, spec),
     )
 
 
@@ -233,8 +264,9 @@ def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract
             old = per_task.get(task)
             n_t = t.n + (old.n if old else 0)
             k_t = t.violations + (old.violations if old else 0)
-            per_task[task] = TaskBreakdown(n=n_t, violations=k_t, rate=k_t / n_t if n_t else 0.0,
-                                           exceeds_risk=n_t > 0 and k_t / n_t > spec.risk)
+            per_task[task] = TaskBreakdown(
+                n=n_t, violations=k_t, rate=k_t / n_t if n_t else 0.0, exceeds_risk=n_t > 0 and k_t / n_t > spec.risk
+            )
     fallback = all(op.fallback for op in ops)
     certified = [name for name, op in entries.items() if not op.fallback]
     notes = [f"{by} {name!r}: {op.reason}" for name, op in entries.items() if op.fallback and op.reason]
@@ -246,8 +278,7 @@ def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract
         mean_kv_retained=pooled([op.mean_kv_retained for op in ops]),
         kv_retained_actual=None if None in actual else pooled(actual),
         fallback=fallback,
-        reason=(f"no {by} stratum certified a candidate; using the full cache for every request" if fallback
-                else None),
+        reason=(f"no {by} stratum certified a candidate; using the full cache for every request" if fallback else None),
         contract=ContractSummary.of(spec),
         n=n,
         violations=violations,
@@ -260,10 +291,14 @@ def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract
         guarantee=strata_guarantee(spec, per_stratum, by, len(ops)),
         notes=[f"certified per {by}: {len(certified)} of {len(ops)} strata chose a compressed policy", *notes],
         max_new_tokens=spec.max_new_tokens,
-        coverage=merge_coverage({k: op.coverage for k, op in entries.items() if op.coverage is not None}, by,
-                                context_margin=spec.context_margin, max_new_tokens=spec.max_new_tokens),
-        strata=StrataResult(by=by, simultaneous=spec.strata.simultaneous, confidence=per_stratum.confidence,
-                            entries=entries),
+        query_aware=spec.query_aware,
+        coverage=merge_coverage(
+            {k: op.coverage for k, op in entries.items() if op.coverage is not None},
+            by,
+            context_margin=spec.context_margin,
+            max_new_tokens=spec.max_new_tokens,
+        ),
+        strata=StrataResult(by=by, simultaneous=spec.strata.simultaneous, confidence=per_stratum.confidence, entries=entries),
         contract_sha256=contract_sha256,
         records_sha256=records_sha256,
         created=certified_at(),

@@ -36,19 +36,22 @@ calibration half is too small to certify anything says so (certkv falls back on 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
 from certkv.core.certify import candidate_rows, decide, prepare, select_candidates
-from certkv.core.loss_table import LossTable, as_loss_table
+from certkv.core.loss_table import LossRecords, LossTable, as_loss_table
 from certkv.core.operating_point import ContractSummary
 from certkv.core.pilot import PilotInfo, pilot_size
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import CertificationSpec
+from certkv.core.strata import fewest_requests, pilot_shortfall, stratum_labels, stratum_spec
 from certkv.errors import CertkvError
 
 METHODS = ("certkv", "empirical_thresholding")
@@ -148,8 +151,8 @@ class SplitRun:
 
 
 def validate(
-    records,
-    spec,
+    records: LossRecords,
+    spec: CertificationSpec | Mapping[str, Any],
     n_splits: int = 1000,
     calibration_fraction: float = 0.5,
     seed: int = 0,
@@ -188,8 +191,7 @@ def validate(
     return _result(run, spec, n_splits, calibration_fraction, seed, POOLED_NOTE)
 
 
-def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float,
-               seed: int) -> SplitRun:
+def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int) -> SplitRun:
     """Both methods' choices and test outcomes on `n_splits` random splits of one unstratified table.
 
     Gated candidates are derived (memory 1.0 where gated); with a pilot, only the certification
@@ -217,9 +219,7 @@ def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibra
         _, pick = decide(p_table[k_cal], mem_cal, k_cal, spec)
         picks = {
             "certkv": pick,
-            "empirical_thresholding": select_candidates(
-                empirical_eligible(k_cal, n_cal, spec.risk), mem_cal, k_cal
-            ),
+            "empirical_thresholding": select_candidates(empirical_eligible(k_cal, n_cal, spec.risk), mem_cal, k_cal),
         }
         for method, index in picks.items():
             parts[method].append((index, *_score(index, k_test, mem_test)))
@@ -236,11 +236,10 @@ def stratum_seed(seed: int, stratum: str) -> int:
     return int(hashlib.sha256(f"{seed}:{stratum}".encode()).hexdigest()[:13], 16)
 
 
-def _validate_stratified(table: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float,
-                         seed: int) -> ValidationResult:
+def _validate_stratified(
+    table: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int
+) -> ValidationResult:
     """Each stratum validated under its per-stratum spec, then pooled split by split (:func:`_pool`)."""
-    from certkv.core.strata import stratum_labels, stratum_spec
-
     assert spec.strata is not None  # a stratified spec
     by = spec.strata.by
     labels = np.asarray(stratum_labels(table, by), dtype=object)
@@ -250,16 +249,14 @@ def _validate_stratified(table: LossTable, spec: CertificationSpec, n_splits: in
     for name in names:
         sub = table.take_requests(np.flatnonzero(labels == name), source=f"{table.source} [{by} {name}]")
         runs[name], note = _stratum_run(sub, per_stratum, n_splits, calibration_fraction, stratum_seed(seed, name))
-        results[name] = _result(runs[name], per_stratum, n_splits, calibration_fraction,
-                                stratum_seed(seed, name), note)
+        results[name] = _result(runs[name], per_stratum, n_splits, calibration_fraction, stratum_seed(seed, name), note)
     return _pool(runs, results, spec, per_stratum, n_splits, calibration_fraction, seed)
 
 
-def _stratum_run(sub: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float,
-                 seed: int) -> tuple[SplitRun, str]:
+def _stratum_run(
+    sub: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int
+) -> tuple[SplitRun, str]:
     """One stratum's splits and note; the full cache on every split when it is too small to run."""
-    from certkv.core.strata import fewest_requests
-
     n_cert = sub.n_requests
     if spec.pilot is not None:
         n_cert -= pilot_size(sub.n_requests, spec.pilot.share)
@@ -271,16 +268,16 @@ def _stratum_run(sub: LossTable, spec: CertificationSpec, n_splits: int, calibra
     run = run_splits(sub, spec, n_splits, calibration_fraction, seed)
     need = fewest_requests(spec)
     if run.n_cal < need:
-        return run, (f"{POOLED_NOTE} A calibration half has {run.n_cal} requests, fewer than the {need} that "
-                     f"certifying anything at ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with "
-                     "zero violations, so certkv chooses the full cache on every split here.")
+        return run, (
+            f"{POOLED_NOTE} A calibration half has {run.n_cal} requests, fewer than the {need} that "
+            f"certifying anything at ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with "
+            "zero violations, so certkv chooses the full cache on every split here."
+        )
     return run, POOLED_NOTE
 
 
 def _unsplittable(n_requests: int, n_cert: int, n_cal: int, n_test: int, spec: CertificationSpec) -> str:
     """Why a stratum's requests cannot be split (or its pilot drawn), or "" when they can."""
-    from certkv.core.strata import pilot_shortfall
-
     why = pilot_shortfall(n_requests, spec)
     if why is not None:
         return why
@@ -295,12 +292,12 @@ def _full_cache_run(n_requests: int, n_cal: int, n_test: int, n_splits: int) -> 
     return SplitRun(n_requests, n_cal, n_test, [], None, {m: full for m in METHODS})
 
 
-def _result(run: SplitRun, spec: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int,
-            note: str) -> ValidationResult:
+def _result(
+    run: SplitRun, spec: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int, note: str
+) -> ValidationResult:
     """The ValidationResult of one table's splits."""
     methods = {
-        m: _summarise(m, out.k_test, run.n_test, out.used_kv, out.index < 0, _chosen(out.index, run.names),
-                      spec.risk)
+        m: _summarise(m, out.k_test, run.n_test, out.used_kv, out.index < 0, _chosen(out.index, run.names), spec.risk)
         for m, out in run.outcomes.items()
     }
     return ValidationResult(
@@ -317,8 +314,15 @@ def _result(run: SplitRun, spec: CertificationSpec, n_splits: int, calibration_f
     )
 
 
-def _pool(runs: dict[str, SplitRun], results: dict[str, ValidationResult], spec: CertificationSpec,
-          per_stratum: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int) -> ValidationResult:
+def _pool(
+    runs: dict[str, SplitRun],
+    results: dict[str, ValidationResult],
+    spec: CertificationSpec,
+    per_stratum: CertificationSpec,
+    n_splits: int,
+    calibration_fraction: float,
+    seed: int,
+) -> ValidationResult:
     """The top level of a stratified validation: the strata pooled split by split (the definitions are in
     :class:`ValidationResult`)."""
     assert spec.strata is not None  # a stratified spec
@@ -330,10 +334,12 @@ def _pool(runs: dict[str, SplitRun], results: dict[str, ValidationResult], spec:
             f"over the {len(runs)} {spec.strata.by} strata; both halves need at least one request"
         )
     methods = {m: _pool_method(m, runs, n_test, spec.risk) for m in METHODS}
-    note = (f"pooled over the {len(runs)} {spec.strata.by} strata, each validated on its own splits under its "
-            f"per-stratum spec (confidence {per_stratum.confidence:.12g}): test_risks[i] = the strata's test "
-            "violations on split i over their test requests; mean KV and fallback share weighted by test "
-            "requests; chosen counts stratum:policy. " + POOLED_NOTE)
+    note = (
+        f"pooled over the {len(runs)} {spec.strata.by} strata, each validated on its own splits under its "
+        f"per-stratum spec (confidence {per_stratum.confidence:.12g}): test_risks[i] = the strata's test "
+        "violations on split i over their test requests; mean KV and fallback share weighted by test "
+        "requests; chosen counts stratum:policy. " + POOLED_NOTE
+    )
     return ValidationResult(
         contract=ContractSummary.of(spec),
         n_requests=sum(run.n_requests for run in runs.values()),
@@ -361,12 +367,15 @@ def _pool_method(method: str, runs: dict[str, SplitRun], n_test: int, risk: floa
     return _summarise(method, k_test, n_test, used_kv, fallback, chosen, risk)
 
 
-def empirical_eligible(k, n: int, risk: float) -> np.ndarray:
-    """Empirical thresholding's rule: calibration rate k/n ≤ ε (integer-safe comparison)."""
+def empirical_eligible(k: npt.ArrayLike, n: int, risk: float) -> np.ndarray:
+    """Empirical thresholding's rule: calibration rate k/n ≤ ε (integer-safe comparison).
+
+    k : (n_splits, n_candidates) int array of calibration violation counts (any shape); the flags have its shape.
+    """
     return np.asarray(k) <= risk * n + VIOLATION_EPS
 
 
-def calibration_masks(rng: np.random.Generator, n_splits: int, n_requests: int, n_cal: int):
+def calibration_masks(rng: np.random.Generator, n_splits: int, n_requests: int, n_cal: int) -> np.ndarray:
     """A (splits × requests) 0/1 float matrix; row s marks split s's calibration requests.
 
     Each row is a uniformly random subset of size ``n_cal`` (the first ``n_cal`` entries of an
@@ -383,9 +392,7 @@ def _check_settings(n_splits, calibration_fraction) -> tuple[int, float]:
         raise CertkvError(f"n_splits must be a positive integer, got {n_splits!r}")
     calibration_fraction = float(calibration_fraction)
     if not 0.0 < calibration_fraction < 1.0:
-        raise CertkvError(
-            f"calibration_fraction must be strictly between 0 and 1, got {calibration_fraction}"
-        )
+        raise CertkvError(f"calibration_fraction must be strictly between 0 and 1, got {calibration_fraction}")
     return int(n_splits), calibration_fraction
 
 
@@ -431,7 +438,7 @@ def _chosen(index, names) -> dict[str, int]:
 def _summarise(method, k_test, n_test, used_kv, fallback, chosen, risk) -> MethodResult:
     """A MethodResult from per-split integer test violations out of `n_test`, per-split mean memory and
     fallback share (0/1 for one table, a share of test requests when pooled over strata)."""
-    # Imported here: statsmodels pulls in pandas, which `import certkv.core.validation` should not pay.
+    # Lazy: statsmodels pulls in pandas, which `certkv report` (ValidationResult from validation.json) need not pay.
     from statsmodels.stats.proportion import proportion_confint
 
     exceed = k_test > risk * n_test + VIOLATION_EPS  # integer count vs ε·n: no float ratio

@@ -74,6 +74,8 @@ class ReservedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new `key_states` / `value_states`, (B, H_kv, new, d), after the filled slots;
+        return the layer's keys and values so far, (B, H_kv, length + new, d)."""
         new = key_states.shape[-2]
         end = self._length + new
         if end > self._keys.shape[2]:  # out of reserved room: grow like DynamicLayer
@@ -108,7 +110,10 @@ def _pooled(pool: BufferPool | None, key: Hashable, shape: tuple[int, ...], like
 
 
 def padded_cache(
-    full_cache: DynamicCache, selections: list[list[torch.Tensor | None]], context_length: int, reserve: int = 0,
+    full_cache: DynamicCache,
+    selections: list[list[torch.Tensor | None]],
+    context_length: int,
+    reserve: int = 0,
     pool: BufferPool | None = None,
 ) -> tuple[DynamicCache, torch.Tensor, list[int]]:
     """Gather every candidate's kept entries into one padded batch cache.
@@ -160,6 +165,8 @@ def padded_cache(
 def row_groups(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
     """Consecutive batch rows that share their first real slot, as (first row, end row, slot).
 
+    `mask` is the batch's (rows, slots) 0/1 mask of the cache slots each row sees.
+
     With right-aligned rows (:func:`padded_cache`) the slots before a row's first real one are
     padding for it; attention over each group's slice of the keys from that slot on computes the
     same outputs as attention over the whole padded width, without the padded part. None when
@@ -194,6 +201,9 @@ def decode_candidates(
 ) -> list[list[int]]:
     """Greedy answers (token ids) of every row of a padded batch cache, verified against the `draft`.
 
+    `cache` holds (rows, H_kv, slots, d) keys and values per layer; `mask` is its (rows, slots)
+    0/1 mask of the slots each row sees (:func:`padded_cache`).
+
     With an empty `draft` this is plain speculative greedy decoding with prompt-lookup proposals
     (the engine answers the full cache this way: one row, every slot visible).
 
@@ -212,8 +222,9 @@ def decode_candidates(
     round's). The answers themselves do not depend on it.
     """
     register()
-    state = _Decoding(model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids,
-                      with_logprobs=logprobs is not None)
+    state = _Decoding(
+        model, cache, mask, len(question_ids), context_length, max_new_tokens, stop_ids, with_logprobs=logprobs is not None
+    )
     with use_attention(model, NAME):
         t0 = time.perf_counter()
         state.verify_draft(question_ids, draft)
@@ -236,8 +247,17 @@ class _Decoding:
     caches still being decoded.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: DynamicCache, mask: torch.Tensor, q_len: int, context_length: int,
-                 max_new_tokens: int, stop_ids: set[int], with_logprobs: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        q_len: int,
+        context_length: int,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        with_logprobs: bool = False,
+    ) -> None:
         self.model, self.cache, self.mask = model, cache, mask
         self.n = mask.shape[0]
         self.rows = list(range(self.n))
@@ -262,7 +282,10 @@ class _Decoding:
         self.mask = torch.cat([self.mask, new_mask], dim=1)
         with torch.no_grad(), attention_row_groups(self.groups):
             out = self.model(
-                input_ids=inputs, past_key_values=self.cache, position_ids=positions, attention_mask=self.mask,
+                input_ids=inputs,
+                past_key_values=self.cache,
+                position_ids=positions,
+                attention_mask=self.mask,
                 logits_to_keep=keep,
             )
         tokens = out.logits.argmax(-1)

@@ -10,8 +10,13 @@ slower, and labelled ``path="pipeline"`` in the records.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvpress import FastKVzipPress, FinchPress, KeyRerotationPress, ObservedAttentionPress, RestoreKVPress
+from transformers import DynamicCache
 
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
@@ -19,10 +24,20 @@ from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
 from certkv.engine.scoring import is_fast_path_press
+from certkv.gate.agreement import AgreementRecorder
 from certkv.gate.confidence import answer_confidence
-from certkv.model.generation import encode_request, greedy_decode, stop_token_ids
+from certkv.model.generation import encode_request, for_protocol, greedy_decode, stop_token_ids
+from certkv.model.layers import attention_modules
 from certkv.model.lookahead import evicted_mass, lookahead_probe
 from certkv.model.window_queries import capturing_window_queries
+from certkv.presses.probabilistic import ProbabilisticPress
+from certkv.presses.response_aware import is_response_aware_press
+
+if TYPE_CHECKING:
+    from kvpress import BasePress
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from certkv.model.generation import EncodedRequest
 
 
 class RequestNotRunnable(Exception):
@@ -69,7 +84,7 @@ class CandidateAnswer:
     lookahead_heads: list[float] | None = None
     lookahead_mass: float | None = None
 
-    def set_confidence(self, logprobs) -> None:
+    def set_confidence(self, logprobs: Sequence[float] | None) -> None:
         """Record the answer's confidence signals from its per-token log p (None: not known)."""
         if logprobs is not None:
             self.confidence_min, self.logprob_mean = answer_confidence(logprobs)
@@ -118,15 +133,16 @@ class Engine:
 
     def __init__(
         self,
-        model,
-        tokenizer,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         candidates: list[PressCandidate],
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         max_batch_bytes: int = 4 << 30,
         max_padding_bytes: int = 1 << 30,
         agreement: dict | None = None,
         lookahead_tokens: int | None = None,
-    ):
+        query_aware: bool = False,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.candidates = list(candidates)
@@ -135,8 +151,6 @@ class Engine:
         self.max_padding_bytes = max_padding_bytes
         self._pool: dict = {}  # batch cache buffers reused from request to request
         self.stop_ids = stop_token_ids(model)
-        from certkv.gate.agreement import AgreementRecorder
-
         # The gate signal of every request, from the same prefill (settings: the contract's gate;
         # None: not recorded).
         self.recorder = None if agreement is None else AgreementRecorder(**agreement)
@@ -144,11 +158,15 @@ class Engine:
         if lookahead_tokens is not None and lookahead_tokens < 0:
             raise ValueError(f"lookahead_tokens must be at least 0, got {lookahead_tokens}")
         self.lookahead_tokens = lookahead_tokens
+        # The contract's protocol: whether the question is prefilled with the context (for_protocol).
+        self.query_aware = query_aware
         self.probabilistic = [c for c in self.candidates if is_probabilistic_press(c.press)]
         self.fast = [c for c in self.candidates if is_fast_path_press(c.press)]
-        self.slow = [
-            c for c in self.candidates if not is_fast_path_press(c.press) and not is_probabilistic_press(c.press)
-        ]
+        self.response_aware = [c for c in self.candidates if is_response_aware_press(c.press)]
+        # Decoded from kept entries gathered out of the full cache: kvpress's scorers, chosen in the
+        # prefill, and the response-aware presses, chosen right after it.
+        self.gathered = self.fast + self.response_aware
+        self.slow = [c for c in self.candidates if c not in self.gathered and not is_probabilistic_press(c.press)]
 
     def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[PressCandidate]]:
         """Fast candidates grouped into padded batches, longest kept caches first.
@@ -161,7 +179,7 @@ class Engine:
         per_token = _bytes_per_token(cache)
         chunks: list[list[PressCandidate]] = []
         current: list[PressCandidate] = []
-        for c in sorted(self.fast, key=lambda c: -kept[c.policy]):
+        for c in sorted(self.gathered, key=lambda c: -kept[c.policy]):
             longest = kept[current[0].policy] if current else kept[c.policy]
             size = (len(current) + 1) * (longest + reserve) * per_token
             padding = sum(longest - kept[x.policy] for x in current + [c]) * per_token
@@ -192,7 +210,10 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def run(self, context: str, question: str) -> RequestResult:
-        enc = encode_request(self.tokenizer, context, question)
+        """Every answer of one request under the engine's protocol; ``context_length`` in the
+        result is the prefill's length (the context, and in the query-aware protocol the question
+        but its last token), which the kept fractions are shares of."""
+        enc = for_protocol(encode_request(self.tokenizer, context, question), self.query_aware)
         n_ctx = len(enc.context_ids)
         reason = self.precondition_failure(n_ctx)
         if reason:
@@ -203,8 +224,11 @@ class Engine:
         t1 = time.perf_counter()
         seconds["prefill"] = t1 - t0
         self._probe(prefilled)
+        t1a = time.perf_counter()
+        seconds["lookahead"] = t1a - t1
+        self._select(prefilled)
         t1b = time.perf_counter()
-        seconds["lookahead"] = t1b - t1
+        seconds["response_select"] = t1b - t1a
 
         # The full-KV answer, decoded speculatively (prompt lookup); it then drafts for every candidate.
         full_logprobs: list = [None]
@@ -228,12 +252,16 @@ class Engine:
         seconds["candidates_pipeline"] = time.perf_counter() - t3
         return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
 
-    def _prefill(self, enc) -> tuple[_Prefilled, float | None]:
+    def _prefill(self, enc: EncodedRequest) -> tuple[_Prefilled, float | None]:
         """The request's one full prefill, recording every fast candidate's kept indices, every
         probabilistic candidate's sample and (with a recorder) the agreement drop."""
         cache, by_candidate, sampled = prefill_full(
-            self.model, enc.context_ids, {c.policy: c.press for c in self.fast},
-            {c.policy: c.press for c in self.probabilistic}, self.recorder,
+            self.model,
+            enc.context_ids,
+            {c.policy: c.press for c in self.fast},
+            {c.policy: c.press for c in self.probabilistic},
+            self.recorder,
+            self._observers(),
         )
         agreement_drop = None
         if self.recorder:
@@ -241,22 +269,46 @@ class Engine:
             self.recorder.reset()
         return _Prefilled(enc, len(enc.context_ids), cache, by_candidate, sampled), agreement_drop
 
+    def _observers(self) -> list:
+        """One response-aware press per ``score_key`` (the one :meth:`_select` scores with) watches the prefill."""
+        first: dict[tuple, Any] = {}
+        for c in self.response_aware:
+            if c.press.compression_ratio != 0:
+                first.setdefault(c.press.score_key(), c.press)
+        return list(first.values())
+
     def _probe(self, prefilled: _Prefilled) -> None:
         """Where the full-cache answer's first queries look, while the full cache exists (the probe
         leaves it cropped to the context); each candidate's evicted share follows from it."""
         if self.lookahead_tokens is not None:
             prefilled.probe = lookahead_probe(
-                self.model, prefilled.cache, prefilled.enc.question_ids, prefilled.n_ctx, self.lookahead_tokens,
+                self.model,
+                prefilled.cache,
+                prefilled.enc.question_ids,
+                prefilled.n_ctx,
+                self.lookahead_tokens,
                 self.stop_ids,
             )
         prefilled.n_kv_heads = prefilled.cache.layers[0].keys.shape[1]
+
+    def _select(self, prefilled: _Prefilled) -> None:
+        """Every response-aware candidate's kept entries, chosen over the full cache after the
+        prefill; candidates that differ only in retention share one scoring (``score_key``)."""
+        scored: dict[tuple, list[torch.Tensor]] = {}
+        for c in self.response_aware:
+            if c.press.compression_ratio == 0:
+                prefilled.by_candidate[c.policy] = [None] * len(prefilled.cache.layers)
+                continue
+            key = c.press.score_key()
+            if key not in scored:
+                scored[key] = c.press.checked_scores(self.model, prefilled.cache, prefilled.enc, self.stop_ids)
+            prefilled.by_candidate[c.policy] = c.press.top_k(scored[key])
 
     def _fast_answers(self, prefilled: _Prefilled, draft: list[int], reserve: int, answers: dict, verify: dict) -> None:
         """The fast candidates' answers into `answers`, decoded in padded batches from the full answer's draft."""
         enc, n_ctx, by_candidate = prefilled.enc, prefilled.n_ctx, prefilled.by_candidate
         kept = {
-            c.policy: n_ctx if by_candidate[c.policy][0] is None else by_candidate[c.policy][0].shape[2]
-            for c in self.fast
+            c.policy: n_ctx if by_candidate[c.policy][0] is None else by_candidate[c.policy][0].shape[2] for c in self.gathered
         }
         for chunk in self._chunks(prefilled.cache, kept, reserve):
             batch, mask, lengths = padded_cache(
@@ -264,8 +316,17 @@ class Engine:
             )
             chunk_logprobs: list = [None] * len(chunk)
             token_lists = decode_candidates(
-                self.model, batch, mask, enc.question_ids, draft, n_ctx, self.max_new_tokens, self.stop_ids,
-                context_ids=enc.context_ids, timings=verify, logprobs=chunk_logprobs,
+                self.model,
+                batch,
+                mask,
+                enc.question_ids,
+                draft,
+                n_ctx,
+                self.max_new_tokens,
+                self.stop_ids,
+                context_ids=enc.context_ids,
+                timings=verify,
+                logprobs=chunk_logprobs,
             )
             del batch
             for c, length, ids, lp in zip(chunk, lengths, token_lists, chunk_logprobs):
@@ -280,22 +341,32 @@ class Engine:
         results = []
         for chunk in self._probabilistic_chunks(prefilled.cache, prefilled.n_ctx + reserve):
             results += decode_probabilistic(
-                self.model, prefilled.cache, [prefilled.sampled[c.policy] for c in chunk], prefilled.enc.question_ids,
-                prefilled.n_ctx, self.max_new_tokens, self.stop_ids,
+                self.model,
+                prefilled.cache,
+                [prefilled.sampled[c.policy] for c in chunk],
+                prefilled.enc.question_ids,
+                prefilled.n_ctx,
+                self.max_new_tokens,
+                self.stop_ids,
             )
         for c, result in zip(self.probabilistic, results):
             answer = answers[c.policy] = CandidateAnswer(
-                c.policy, c.press_name, c.kv_retained, result.kept_fraction, self._decode(result.token_ids),
-                result.token_ids, "fast", certificate_max=result.certificate_max,
+                c.policy,
+                c.press_name,
+                c.kv_retained,
+                result.kept_fraction,
+                self._decode(result.token_ids),
+                result.token_ids,
+                "fast",
+                certificate_max=result.certificate_max,
             )
             answer.set_confidence(result.logprobs)
             prefilled.set_lookahead(answer, prefilled.sampled[c.policy])
 
-    def _run_pipeline(self, c: PressCandidate, enc, context_ids) -> CandidateAnswer:
-        """kvpress's own path: prefill under the press's context manager, then decode."""
-        import torch
-        from transformers import DynamicCache
+    def _run_pipeline(self, c: PressCandidate, enc: EncodedRequest, context_ids: torch.Tensor) -> CandidateAnswer:
+        """kvpress's own path: prefill under the press's context manager, then decode.
 
+        `context_ids` is the encoded context as a (1, n_ctx) long tensor on the model's device."""
         t0 = time.perf_counter()
         n_ctx = context_ids.shape[1]
         cache = DynamicCache()
@@ -310,7 +381,13 @@ class Engine:
         ids = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens, logprobs=logprobs)
         assert ids is not None  # greedy_decode returns None only when an after_step callback stops it
         answer = CandidateAnswer(
-            c.policy, c.press_name, c.kv_retained, kept / n_ctx, self._decode(ids), ids, "pipeline",
+            c.policy,
+            c.press_name,
+            c.kv_retained,
+            kept / n_ctx,
+            self._decode(ids),
+            ids,
+            "pipeline",
             time.perf_counter() - t0,
         )
         answer.set_confidence(logprobs)
@@ -323,42 +400,35 @@ def _bytes_per_token(cache) -> int:
     return len(cache.layers) * 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
 
 
-def press_precondition_failure(press, context_length: int) -> str | None:
+def press_precondition_failure(press: BasePress | None, context_length: int) -> str | None:
     """Why `press` cannot run on a context of `context_length` tokens, or None."""
     if getattr(press, "compression_ratio", None) == 0:
         return None  # kvpress leaves the cache untouched and never scores
     while press is not None:
-        window = getattr(press, "window_size", None)
+        # FastKVzip's window_size chunks the prefill of long contexts; a short one simply fits in it.
+        window = None if isinstance(press, FastKVzipPress) else getattr(press, "window_size", None)
         if isinstance(window, int) and context_length <= window:
             return f"context of {context_length} tokens does not exceed the press window {window}"
         n_sink = getattr(press, "n_sink", None)
         if isinstance(n_sink, int) and context_length <= n_sink:
             return f"context of {context_length} tokens does not exceed its {n_sink} sink tokens"
-        press = getattr(press, "press", None)
+        press = getattr(press, "press", None) or getattr(press, "prompt_press", None)  # wrapped or prompt-side press
     return None
 
 
-def is_probabilistic_press(press) -> bool:
+def is_probabilistic_press(press: object) -> bool:
     """certkv's Poisson-sampled press: decoded under the Hájek attention, with certificates."""
-    from certkv.presses.probabilistic import ProbabilisticPress
-
     return isinstance(press, ProbabilisticPress)
 
 
-def continues_from_compressed_length(press) -> bool:
+def continues_from_compressed_length(press: BasePress) -> bool:
     """Presses after which kvpress continues positions from the compressed cache's length (they
     re-rotate or restore keys), not from the context length."""
-    from kvpress import FinchPress, KeyRerotationPress, RestoreKVPress
-
-    return isinstance(press, (KeyRerotationPress, RestoreKVPress)) or (
-        isinstance(press, FinchPress) and press.rerotate_keys
-    )
+    return isinstance(press, (KeyRerotationPress, RestoreKVPress)) or (isinstance(press, FinchPress) and press.rerotate_keys)
 
 
-def needs_attention_weights(press) -> bool:
+def needs_attention_weights(press: BasePress | None) -> bool:
     """Presses that score from the attention weights themselves, which only eager attention returns."""
-    from kvpress import ObservedAttentionPress
-
     while press is not None:
         if isinstance(press, ObservedAttentionPress):
             return True
@@ -366,10 +436,12 @@ def needs_attention_weights(press) -> bool:
     return False
 
 
-def kept_entries(cache, model) -> float:
-    """Mean number of context entries kept per layer and KV head (head-wise masks counted out)."""
-    from certkv.model.layers import attention_modules
+def kept_entries(cache: DynamicCache, model: PreTrainedModel) -> float:
+    """Mean number of context entries kept per layer and KV head (head-wise masks counted out).
 
+    `cache` is the pruned cache, keys (1, H_kv, n_kept, d) per layer; an attention module's
+    head-wise mask (kvpress's ``masked_key_indices``, when its press set one) is the (batch, head,
+    position) index tensors of its masked entries."""
     total = 0.0
     modules = attention_modules(model)
     for layer_idx, module in enumerate(modules):

@@ -8,7 +8,7 @@ runtime's full answer and the press's kept entries equal the store's records. Bo
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from certkv.model.generation import EncodedRequest
     from certkv.presses.poisson_selection import Selection
     from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.presses.response_aware import ResponseAwarePress
 
 
 def context_tensor(model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
@@ -37,13 +38,19 @@ def context_tensor(model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
 
 
 def prefill_full(
-    model: PreTrainedModel, context_ids: Sequence[int], fast: dict[str, BasePress] | None = None,
-    probabilistic: dict[str, ProbabilisticPress] | None = None, recorder: AgreementRecorder | None = None,
+    model: PreTrainedModel,
+    context_ids: Sequence[int],
+    fast: dict[str, BasePress] | None = None,
+    probabilistic: dict[str, ProbabilisticPress] | None = None,
+    recorder: AgreementRecorder | None = None,
+    observers: Sequence[ResponseAwarePress] = (),
 ) -> tuple[DynamicCache, dict[str, list[torch.Tensor | None]], dict[str, list[Selection | None]]]:
     """The one full prefill of a request: returns (cache, fast selections, probabilistic selections).
 
     `fast` / `probabilistic` map a policy name to its press (the engine's scoring / selection
-    hooks record their kept entries per layer); `recorder` is an AgreementRecorder or None.
+    hooks record their kept entries per layer); `recorder` is an AgreementRecorder or None;
+    `observers` are response-aware presses whose ``observe()`` records prompt-side statistics
+    from this same forward (their ``select()`` follows, over the returned full cache).
     """
     selections = Selections()
     sampled: dict[str, list[Selection | None]] = {}
@@ -54,13 +61,22 @@ def prefill_full(
         selection_hooks(model, probabilistic, sampled) if probabilistic else nullcontext(),
         recorder.attach(model) if recorder else nullcontext(),
         capturing_window_queries(model),
+        ExitStack() as stack,
     ):
+        for press in observers:
+            stack.enter_context(press.observe(model))
         model.model(input_ids=context_tensor(model, context_ids), past_key_values=cache)
     return cache, selections.by_candidate, sampled
 
 
-def decode_full(model: PreTrainedModel, cache: DynamicCache, enc: EncodedRequest, max_new_tokens: int,
-                stop_ids: set[int], logprobs: list[list[float]] | None = None) -> list[int]:
+def decode_full(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    enc: EncodedRequest,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    logprobs: list[list[float]] | None = None,
+) -> list[int]:
     """The full-cache answer from a full prefill's `cache`.
 
     :func:`~certkv.engine.batched_decode.decode_candidates` over the full cache (one row, every
@@ -73,7 +89,15 @@ def decode_full(model: PreTrainedModel, cache: DynamicCache, enc: EncodedRequest
     cache.crop(n_ctx)
     full_mask = torch.ones((1, n_ctx), dtype=torch.long, device=model.device)
     (ids,) = decode_candidates(
-        model, cache, full_mask, enc.question_ids, [], n_ctx, max_new_tokens, stop_ids, context_ids=enc.context_ids,
+        model,
+        cache,
+        full_mask,
+        enc.question_ids,
+        [],
+        n_ctx,
+        max_new_tokens,
+        stop_ids,
+        context_ids=enc.context_ids,
         logprobs=logprobs,
     )
     cache.crop(n_ctx)

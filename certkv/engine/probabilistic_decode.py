@@ -124,8 +124,7 @@ def gathered_cache(
     first = full_cache.layers[0].keys
     n_heads, device = first.shape[1], first.device
     filled = [
-        [_full_selection(n_heads, context_length, device) if s is None else s for s in per_layer]
-        for per_layer in selections
+        [_full_selection(n_heads, context_length, device) if s is None else s for s in per_layer] for per_layer in selections
     ]
     width = max(s.indices.shape[-1] for per_layer in filled for s in per_layer)
     cache = DynamicCache()
@@ -151,9 +150,16 @@ def gathered_cache(
     return cache, states
 
 
-def decode_probabilistic(model: PreTrainedModel, full_cache: DynamicCache, selections: Sequence[Sequence[Selection | None]],
-                         question_ids: Sequence[int], context_length: int, max_new_tokens: int, stop_ids: set[int],
-                         logprobs: list[list[float]] | None = None) -> list[ProbabilisticAnswer]:
+def decode_probabilistic(
+    model: PreTrainedModel,
+    full_cache: DynamicCache,
+    selections: Sequence[Sequence[Selection | None]],
+    question_ids: Sequence[int],
+    context_length: int,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    logprobs: list[list[float]] | None = None,
+) -> list[ProbabilisticAnswer]:
     """Greedy answers, certificate maxima and realised retention of every probabilistic candidate.
 
     Every answer carries its tokens' log p (``ProbabilisticAnswer.logprobs``: ``logit_tok −

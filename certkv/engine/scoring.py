@@ -61,13 +61,18 @@ class Selections:
     by_candidate: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
 
 
-def _score(press: ScorerPress, module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-           values: torch.Tensor, attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor:
+def _score(
+    press: ScorerPress,
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attentions: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
     """The press's scores; SnapKV's (exactly SnapKVPress itself, not a subclass) the cheaper way."""
     if type(press) is SnapKVPress and attentions is None:
-        return snapkv_scores(
-            module, hidden_states, keys, press.window_size, press.kernel_size, kwargs["position_embeddings"]
-        )
+        return snapkv_scores(module, hidden_states, keys, press.window_size, press.kernel_size, kwargs["position_embeddings"])
     return press.score(module, hidden_states, keys, values, attentions, kwargs)
 
 

@@ -20,10 +20,18 @@ from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
 
 
-def snapkv_scores(module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
-                  kernel_size: int, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def snapkv_scores(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    window_size: int,
+    kernel_size: int,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
     """What ``SnapKVPress(window_size, kernel_size).score(...)`` returns when no attention weights
-    are given: (B, H_kv, K) scores from the layer's input (B, Q, hidden) and its keys (B, H_kv, K, d)."""
+    are given: (B, H_kv, K) scores from the layer's input (B, Q, hidden) and its keys (B, H_kv, K, d).
+
+    `position_embeddings` is the layer's rotary (cos, sin), each (B, Q, head_dim)."""
     bsz, kv_heads, k_len, _ = keys.shape
     if hidden_states.shape[1] <= window_size:
         # kvpress asserts this; the engine skips such requests before scoring (precondition)

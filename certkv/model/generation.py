@@ -50,6 +50,26 @@ def encode_request(tokenizer: PreTrainedTokenizerBase, context: str, question: s
     )
 
 
+def for_protocol(enc: EncodedRequest, query_aware: bool) -> EncodedRequest:
+    """What a protocol prefills (``context_ids``) and feeds after compression (``question_ids``).
+
+    Question-agnostic (False): `enc` itself, as kvpress's pipeline runs it. Query-aware (True):
+    the whole prompt but its last token is prefilled, so the press scores and evicts with the
+    question in its window (the question's own entries are evicted like the context's), and the
+    last token is fed after compression: the answer's first query reads the compressed cache, as
+    every later one does. The prompt's tokens, and so the full-cache answer, are the same in both
+    protocols; kvpress's "question in the context" mode differs only in re-tokenising the joined
+    text (which splits a word at the seam for some tokenizers) and needs a non-empty suffix.
+
+    Raises ValueError when a query-aware prompt has no question token to feed.
+    """
+    if not query_aware:
+        return enc
+    if not enc.question_ids:
+        raise ValueError("the question encodes to no tokens; the query-aware protocol feeds its last token after compression")
+    return EncodedRequest(context_ids=[*enc.context_ids, *enc.question_ids[:-1]], question_ids=list(enc.question_ids[-1:]))
+
+
 def stop_token_ids(model: PreTrainedModel) -> set[int]:
     """The model's stop tokens: its generation config's ``eos_token_id`` (one or several; none: empty)."""
     eos = model.generation_config.eos_token_id

@@ -52,6 +52,9 @@ class LookaheadProbe:
 
     weights: torch.Tensor
     token_ids: list[int]
+    outputs: torch.Tensor | None = None
+    """With ``outputs=True``: float32 (layers, q_heads, P, d), each query position's attention
+    output per query head (before ``o_proj``), over every key it saw; else None."""
 
 
 def _last_query_weights(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None,
@@ -81,7 +84,11 @@ def _wrap(implementation: str, context_length_of: Callable[[torch.nn.Module], in
         if n_ctx is not None:
             scaling = kwargs.get("scaling", getattr(module, "scaling", None))
             module.__dict__[_ATTR].append(_last_query_weights(module, query, key, scaling, n_ctx))
-        return inner(module, query, key, value, attention_mask, *args, **kwargs)
+        result = inner(module, query, key, value, attention_mask, *args, **kwargs)
+        outputs = module.__dict__.get(_ATTR + "_outputs")
+        if n_ctx is not None and outputs is not None:
+            outputs.append(result[0][0, -1].float())  # (q_heads, d): attention functions return (B, q, H, d)
+        return result
 
     return attention
 
@@ -92,10 +99,11 @@ def _context_length(module: torch.nn.Module) -> int | None:
 
 
 @contextmanager
-def capturing_last_query(model: PreTrainedModel, context_length: int) -> Iterator[None]:
+def capturing_last_query(model: PreTrainedModel, context_length: int, outputs: bool = False) -> Iterator[None]:
     """Inside the block, every attention call of `model` appends its last query's weights on the
     first `context_length` keys to ``module._certkv_lookahead_weights`` (one (q_heads, n_ctx)
-    tensor per call). Batch 1 only."""
+    tensor per call), and with `outputs` its attention output per head to
+    ``module._certkv_lookahead_weights_outputs`` (one (q_heads, d) tensor per call). Batch 1 only."""
     previous = model.config._attn_implementation
     if previous != "eager" and previous not in ALL_ATTENTION_FUNCTIONS:
         raise ValueError(f"the lookahead probe cannot wrap attention implementation {previous!r}")
@@ -108,16 +116,27 @@ def capturing_last_query(model: PreTrainedModel, context_length: int) -> Iterato
     for module in modules:
         module.__dict__[_ATTR] = []
         module.__dict__[_ATTR + "_n_ctx"] = context_length
+        if outputs:
+            module.__dict__[_ATTR + "_outputs"] = []
     try:
         with use_attention(model, name):
             yield
     finally:
         for module in modules:
-            module.__dict__.pop(_ATTR + "_n_ctx", None)
+            for suffix in ("", "_n_ctx", "_outputs"):
+                module.__dict__.pop(_ATTR + suffix, None)
+
+
+def captured_last_queries(modules: Sequence[torch.nn.Module]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Inside :func:`capturing_last_query`: per module, the weights (q_heads, n_ctx) and, when
+    captured, the outputs (q_heads, d) of every call so far (empty lists without outputs)."""
+    return ([list(m.__dict__[_ATTR]) for m in modules],
+            [list(m.__dict__.get(_ATTR + "_outputs", ())) for m in modules])
 
 
 def lookahead_probe(model: PreTrainedModel, cache: Cache, question_ids: Sequence[int], context_length: int, tokens: int,
-                    stop_ids: Iterable[int] | None = None) -> LookaheadProbe:
+                    stop_ids: Iterable[int] | None = None, *, outputs: bool = False,
+                    generator: torch.Generator | None = None, temperature: float = 1.0) -> LookaheadProbe:
     """Feed the question over the full `cache`, then the first `tokens` greedy answer tokens.
 
     `cache` holds the full prefill of the context (``context_length`` entries per layer; batch 1);
@@ -125,7 +144,11 @@ def lookahead_probe(model: PreTrainedModel, cache: Cache, question_ids: Sequence
     are those of :func:`certkv.model.generation.greedy_decode` (positions continue from the
     context length; the first token is never a stop, a later stop token in `stop_ids` ends the
     probe early, as it ends the answer). Returns the weights of the ``tokens + 1`` query positions
-    (see :class:`LookaheadProbe`).
+    (see :class:`LookaheadProbe`), with `outputs` their attention outputs too.
+
+    With a `generator`, each token is sampled from ``softmax(logits / temperature)`` (float32,
+    ``torch.multinomial`` on that generator) instead of taken greedily: a sampled continuation
+    of the full-cache model, as response-aware presses read several of.
     """
     if tokens < 0:
         raise ValueError(f"lookahead tokens must be at least 0, got {tokens}")
@@ -136,22 +159,30 @@ def lookahead_probe(model: PreTrainedModel, cache: Cache, question_ids: Sequence
     position = context_length
     chosen: list[int] = []
     try:
-        with torch.no_grad(), capturing_last_query(model, context_length):
+        with torch.no_grad(), capturing_last_query(model, context_length, outputs):
             for _ in range(tokens + 1):
                 positions = torch.arange(position, position + fed.shape[1], device=device).view(1, -1)
                 out = model(input_ids=fed, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-                token = out.logits[0, -1].argmax()
+                token = _next_token(out.logits[0, -1], generator, temperature)
                 chosen.append(int(token))
                 position += fed.shape[1]
                 if len(chosen) > 1 and chosen[-1] in stops:
                     break
                 fed = token.view(1, 1)
-            weights = torch.stack([torch.stack(m.__dict__[_ATTR], dim=1) for m in modules])
+            calls, call_outputs = captured_last_queries(modules)
+            weights = torch.stack([torch.stack(w, dim=1) for w in calls])
+            captured = torch.stack([torch.stack(o, dim=1) for o in call_outputs]) if outputs else None
     finally:
-        for module in modules:
-            module.__dict__.pop(_ATTR, None)
         cache.crop(context_length)
-    return LookaheadProbe(weights=weights, token_ids=chosen)
+    return LookaheadProbe(weights=weights, token_ids=chosen, outputs=captured)
+
+
+def _next_token(logits: torch.Tensor, generator: torch.Generator | None, temperature: float) -> torch.Tensor:
+    """The greedy token of `logits` (vocab,), or one sampled at `temperature` from `generator`."""
+    if generator is None:
+        return logits.argmax()
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.to(generator.device), 1, generator=generator)[0].to(logits.device)
 
 
 def _kept_mask(kept: Any, n_kv_heads: int, n_ctx: int, device: torch.device) -> torch.Tensor | None:

@@ -11,6 +11,12 @@ forward that attribute to their inner press. Presses whose eviction is configure
 (ThinK prunes key channels, DuoAttention compresses heads, DMS uses a threshold, ...) have no knob:
 a contract cannot certify them by kv_retained, and saying so at validation time is better than a
 calibration run whose nominal retention means nothing.
+
+Some presses with a knob still cannot run where a contract asks for them, and are refused at
+validation too, with one line saying why (:func:`refusal_reason`): presses that score with weights
+trained for particular base models (KVzap, fast KVzip, RestoreKV download them from the Hugging Face
+hub by the model's name; none exist for the embedded model), and PyramidKV, whose per-layer budgets
+leave caches of different lengths that transformers cannot attend over with one attention mask.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from certkv.errors import CertkvError
 
 #: press_kwargs keys whose values are presses themselves (a name, an import path, or a nested
 #: ``{press: ..., press_kwargs: {...}}`` mapping). ``presses`` holds a list of them (ComposedPress).
-PRESS_PARAMS = ("press", "base_press", "prefilling_press", "decoding_press")
+PRESS_PARAMS = ("press", "base_press", "prefilling_press", "decoding_press", "prompt_press")
 PRESS_LIST_PARAMS = ("presses",)
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -109,11 +115,63 @@ KVPRESS_NOT_PRESSES = frozenset({"BasePress", "ScorerPress", "KVPressTextGenerat
 _CERTKV: dict[str, tuple[str, str | None]] = {
     "probabilistic": ("certkv.presses.probabilistic:ProbabilisticPress", "compression_ratio"),
     "deterministic_head": ("certkv.presses.deterministic_head:DeterministicHeadPress", "compression_ratio"),
+    "value_diff": ("certkv.presses.value_diff:ValueDiffPress", "compression_ratio"),
+    # Response-aware: they choose after the prefill, from the response's queries (certkv's engine only).
+    "deferkv": ("certkv.presses.deferkv:DeferKVPress", "compression_ratio"),
+    "lorekv": ("certkv.presses.lorekv:LOREKVPress", "compression_ratio"),
+    "behavior_preserving": ("certkv.presses.behavior_preserving:BehaviorPreservingPress", "compression_ratio"),
 }
 
 #: Press targets whose candidates record a survey-variance certificate (``certificate_max``), so
 #: a contract's ``gate.certificate`` bounds apply to them (docs/design.md, "Gate signals").
 _CERTIFICATE_TARGETS = frozenset({"certkv.presses.probabilistic:ProbabilisticPress"})
+
+#: The contract's model name that means certkv's embedded model (certkv.model.loading.EMBEDDED,
+#: spelled out here so validation imports no torch).
+EMBEDDED_MODEL = "embedded"
+
+#: kvpress presses that score with weights trained for particular base models, fetched from the
+#: Hugging Face hub by the model's name when the press first runs (kvpress class -> why). No such
+#: weights exist for the embedded model, so a contract on it that names one is refused; for any
+#: other model kvpress looks them up by its name at calibration time.
+_TRAINED_PER_MODEL: dict[str, str] = {
+    "KVzapPress": (
+        "kvzap scores with a small model trained per base model (nvidia/KVzap-mlp-<model> or "
+        "nvidia/KVzap-linear-<model>, downloaded from the Hugging Face hub)"
+    ),
+    "FastKVzipPress": (
+        "fastkvzip scores with gates trained per base model (<model>/q<groups>_dim16_sink16.pt in "
+        "Jang-Hyun/Fast-KVzip, downloaded from the Hugging Face hub)"
+    ),
+    "RestoreKVPress": (
+        "restorekv encodes restore tokens with embeddings and a LoRA adapter trained per base model "
+        "(higokri/RestoreKV-<model>, downloaded from the Hugging Face hub; published for "
+        "Llama-3.1-8B-Instruct and Qwen3-8B)"
+    ),
+}
+
+#: kvpress presses that keep a different number of entries in each layer (kvpress class -> why).
+#: transformers builds one attention mask for every layer from layer 0's cache length, so a call over
+#: such a cache fails with sdpa and eager attention, kvpress's own pipeline included. sdpa needs no
+#: mask for a single token: under the query-aware protocol (one prompt token fed, then one token a
+#: step) the press runs, unless a candidate needs eager attention. Nested in a wrapper, only the
+#: press's scores are used, so nothing is refused there.
+_PER_LAYER_BUDGETS: dict[str, str] = {
+    "PyramidKVPress": (
+        "pyramidkv keeps a different number of entries in each layer, and transformers builds one "
+        "attention mask for all layers from layer 0's cache length"
+    ),
+}
+
+#: kvpress presses that score from the attention weights, so certkv loads the model with eager
+#: attention for the whole contract (certkv.engine.engine.needs_attention_weights).
+_NEEDS_EAGER = frozenset({"ObservedAttentionPress"})
+
+#: kvpress wrappers whose ``press`` must be a score-based press (kvpress asserts a ScorerPress).
+_WRAPS_SCORER = frozenset({
+    "AdaKVPress", "CriticalKVPress", "CriticalAdaKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress",
+    "BlockPress", "ChunkPress", "KeyRerotationPress", "PerLayerCompressionPress", "DMSPress",
+})
 
 _REGISTRY: dict[str, PressInfo] = {
     **{name: PressInfo(name, f"kvpress:{cls}", knob) for name, (cls, knob) in _KVPRESS.items()},
@@ -172,6 +230,70 @@ def produces_certificates(name: str) -> bool:
     info = _REGISTRY.get(name)
     target = info.target if info is not None else name
     return isinstance(target, str) and target in _CERTIFICATE_TARGETS
+
+
+def _kvpress_class(spec: str) -> str | None:
+    """The kvpress class `spec` names (a registry name or a kvpress import path), or None."""
+    info = _REGISTRY.get(spec)
+    target = info.target if info is not None else spec
+    if isinstance(target, type):
+        module, cls = target.__module__, target.__name__
+    elif isinstance(target, str) and is_import_path(target):
+        module, _, cls = target.partition(":")
+    else:
+        return None
+    return cls if module == "kvpress" or module.startswith("kvpress.") else None
+
+
+def needs_eager_attention(spec: str) -> bool:
+    """Whether a press makes certkv load the model with eager attention (it scores from the
+    attention weights: kvpress's ObservedAttention). Imports nothing."""
+    return _kvpress_class(spec) in _NEEDS_EAGER
+
+
+def refusal_reason(
+    spec: str, *, model: str = EMBEDDED_MODEL, query_aware: bool = False, eager: bool = False, nested: bool = False
+) -> str | None:
+    """Why press `spec` cannot run for a contract, as one line naming the press, or None.
+
+    `model` is the contract's model, `query_aware` its protocol, `eager` whether one of its
+    candidates makes certkv load the model with eager attention (:func:`needs_eager_attention`),
+    `nested` whether `spec` is a wrapper's inner press. Imports nothing: contract validation calls
+    it for every policy press and every nested one.
+    """
+    cls = _kvpress_class(spec)
+    if cls is None:
+        return None
+    if cls in _TRAINED_PER_MODEL and model == EMBEDDED_MODEL:
+        return (
+            f"press {spec!r} cannot run on the embedded model: {_TRAINED_PER_MODEL[cls]}; none exist for "
+            "the embedded model, so name it only with a model they were trained for"
+        )
+    if cls in _PER_LAYER_BUDGETS and not nested:
+        why = _PER_LAYER_BUDGETS[cls]
+        if not query_aware:
+            return (
+                f"press {spec!r} cannot run under the question-agnostic protocol: {why}, so feeding the "
+                "question over its cache fails wherever the budgets differ (kvpress's own pipeline too); "
+                "use protocol query_aware: true, which feeds one token at a time"
+            )
+        if eager:
+            return (
+                f"press {spec!r} cannot run beside a press that needs eager attention (observed_attention): "
+                f"{why}, and eager attention applies that mask even to one token; calibrate them in "
+                "separate contracts"
+            )
+    return None
+
+
+def _kwargs_hint(cls: type) -> str:
+    """What a kvpress wrapper needs in press_kwargs, appended to a failed build's error."""
+    if cls.__name__ in _WRAPS_SCORER and cls.__module__.startswith("kvpress"):
+        return (
+            "; it wraps a score-based press: set press_kwargs: {press: snapkv} (or another score-based "
+            "press such as knorm, tova, expected_attention)"
+        )
+    return ""
 
 
 def unknown_press_message(spec: str) -> str:
@@ -263,7 +385,10 @@ def instantiate(spec: str | type, press_kwargs: Mapping[str, Any] | None = None)
         return cls(**kwargs)
     except (TypeError, ValueError, AssertionError) as exc:
         name = spec if isinstance(spec, str) else cls.__name__
-        raise CertkvError(f"press {name!r} rejected press_kwargs {dict(press_kwargs or {})}: {exc}") from None
+        why = str(exc) or type(exc).__name__
+        raise CertkvError(
+            f"press {name!r} rejected press_kwargs {dict(press_kwargs or {})}: {why}{_kwargs_hint(cls)}"
+        ) from None
 
 
 def build_press(spec: str | type, kv_retained: float, press_kwargs: Mapping[str, Any] | None = None) -> Any:

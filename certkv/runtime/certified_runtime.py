@@ -28,65 +28,33 @@ escalation) and the total.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from certkv.core.signals import SIGNALS, request_signals
+from pydantic import ValidationError
+
+from certkv.core.operating_point import OperatingPoint, load_operating_point
+from certkv.core.signals import request_signals
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
-from certkv.errors import CertkvError
-
-
-def _decision_class() -> type:
-    """:class:`Decision`, its signal fields derived from :data:`certkv.core.signals.SIGNALS`."""
-    head: list[Any] = [
-        ("mode", str),
-        ("reason", str | None),
-        ("policy", str),
-        ("stratum", str | None, field(default=None)),
-        ("gate_kind", str | None, field(default=None)),
-        ("gate_threshold", float | None, field(default=None)),
-        ("certificate_bound", float | None, field(default=None)),
-    ]
-    signals: list[Any] = [(s.name, (list[float] if s.kind == "heads" else float) | None, field(default=None))
-                           for s in SIGNALS]
-    tail: list[Any] = [
-        ("escalated", bool, field(default=False)),
-        ("kv_retained", float, field(default=1.0)),
-        ("kv_retained_actual", float, field(default=1.0)),
-        ("detail", str | None, field(default=None)),
-    ]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def signal_values(self) -> dict:
-        """The gate signals measured so far (None: not computed): what the runtime's gate reads."""
-        return {s.name: getattr(self, s.name) for s in SIGNALS}
-
-    doc = "\n".join(f"    {s.name}: {s.doc}" for s in SIGNALS)
-    return make_dataclass("Decision", [*head, *signals, *tail], namespace={
-        "__module__": __name__,
-        "to_dict": to_dict, "signal_values": signal_values,
-        "__doc__": (
-            "How one request was answered, and the signals it was decided on (None: not computed).\n\n"
-            "mode: ``\"evicted\"`` (the press's cache answered) or ``\"full\"``. reason: why the full cache "
-            "answered: ``fallback``, ``uncovered`` (outside the coverage envelope), ``precondition``, ``gate`` "
-            "(agreement drop), ``lookahead``, ``learned``, ``confidence``, ``certificate``, or ``monitor`` "
-            "(certkv serve); None when the press answered. stratum: the stratum the request named. "
-            "gate_kind: the operating point's gate (:func:`certkv.runtime.gates.gate_kind`). escalated: the "
-            "evicted answer was decoded, then replaced by the full cache's. kv_retained / kv_retained_actual: "
-            "nominal and realised retention of the cache that answered (1.0 for the full cache).\n\n"
-            "The gate signals, one field each (certkv.core.signals):\n\n" + doc
-        ),
-    })
-
+from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
+from certkv.engine.full_cache import decode_full, prefill_full
+from certkv.engine.scoring import is_fast_path_press
+from certkv.errors import CertkvError, format_validation_error
+from certkv.model.generation import encode_request, for_protocol, stop_token_ids
+from certkv.presses.hajek_state import clear_states
+from certkv.presses.registry import build_press, compression_ratio_for, is_known_press, resolve_press_class
+from certkv.presses.response_aware import is_response_aware_press
+from certkv.runtime import pipeline, single_prefill
+from certkv.runtime.decision import Decision
+from certkv.runtime.gates import runtime_gate
 
 if TYPE_CHECKING:
-    # Built at run time from the signal registry, so a type checker cannot see its fields.
-    Decision: TypeAlias = Any
-else:
-    #: How one request was answered (see its docstring); fields per gate signal come from the registry.
-    Decision = _decision_class()
+    from kvpress import BasePress
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from certkv.model.generation import EncodedRequest
 
 
 @dataclass
@@ -139,13 +107,15 @@ class CertifiedRuntime:
         the calibrated one, or a gate this press cannot run (one line each).
     """
 
-    def __init__(self, model, tokenizer, operating_point, press=None, max_new_tokens: int | None = None):
-        from pydantic import ValidationError
-
-        from certkv.core.operating_point import OperatingPoint, load_operating_point
-        from certkv.errors import format_validation_error
-        from certkv.model.generation import stop_token_ids
-
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        operating_point: OperatingPoint | dict[str, Any] | str | Path,
+        press: BasePress | None = None,
+        max_new_tokens: int | None = None,
+        query_aware: bool | None = None,
+    ) -> None:
         if isinstance(operating_point, dict):
             try:
                 operating_point = OperatingPoint.model_validate(operating_point)
@@ -157,24 +127,22 @@ class CertifiedRuntime:
         self.tokenizer = tokenizer
         self.operating_point = operating_point
         self.max_new_tokens = self._decode_length(max_new_tokens)
+        self.query_aware = self._protocol(query_aware)
+        """The calibrated protocol: whether the question is prefilled with the context."""
         self.stop_ids = stop_token_ids(model)
         self.strata: dict[str, CertifiedRuntime] = {}
         """Per stratum, the runtime of its certified policy (empty unless stratified)."""
-        if operating_point.is_stratified:
+        if operating_point.strata is not None:  # is_stratified, in a form the type checker narrows
             if press is not None:
-                raise CertkvError(
-                    "a stratified operating point deploys each stratum's own press; pass no press object"
-                )
+                raise CertkvError("a stratified operating point deploys each stratum's own press; pass no press object")
             self.strata = {
-                name: CertifiedRuntime(model, tokenizer, entry, max_new_tokens=max_new_tokens)
+                name: CertifiedRuntime(model, tokenizer, entry, max_new_tokens=max_new_tokens, query_aware=query_aware)
                 for name, entry in operating_point.strata.entries.items()
             }
-        from certkv.runtime.gates import runtime_gate
-
         self.gate = runtime_gate(operating_point.gate)
         self.threshold = self.gate.agreement_drop
         self.bound = self.gate.certificate
-        self.press = None
+        self.press: BasePress | None = None
         self.single_prefill = False
         if not operating_point.fallback and not operating_point.is_stratified:
             self.press = self._build_press() if press is None else self._checked(press)
@@ -182,7 +150,7 @@ class CertifiedRuntime:
 
     # -- construction -------------------------------------------------------------------------
 
-    def _decode_length(self, requested) -> int:
+    def _decode_length(self, requested: object) -> int:
         """The calibrated decode length: what was certified is an answer of at most that many tokens."""
         calibrated = self.operating_point.max_new_tokens
         if requested is None:
@@ -196,19 +164,28 @@ class CertifiedRuntime:
             )
         return requested
 
-    def _build_press(self):
-        from certkv.presses.registry import build_press
+    def _protocol(self, requested: object) -> bool:
+        """The calibrated protocol (``query_aware``): answers under the other one were never certified."""
+        calibrated = self.operating_point.query_aware
+        if requested is None:
+            return calibrated
+        if not isinstance(requested, bool):
+            raise CertkvError(f"query_aware must be true or false, got {requested!r}")
+        if requested != calibrated:
+            raise CertkvError(
+                f"the operating point was calibrated with protocol query_aware: {str(calibrated).lower()}, not "
+                f"{str(requested).lower()}; its guarantee covers that protocol only (omit query_aware)"
+            )
+        return requested
 
+    def _build_press(self) -> BasePress:
         op = self.operating_point
         return build_press(op.press, op.kv_retained, op.press_kwargs or {})
 
-    def _checked(self, press):
+    def _checked(self, press: BasePress) -> BasePress:
         """A press object passed in: it must be callable as a kvpress press, of the certified
         press's type when that is known, at the certified retention, and produce certificates if
         the operating point escalates on them."""
-        from certkv.engine.engine import is_probabilistic_press
-        from certkv.presses.registry import compression_ratio_for, is_known_press, resolve_press_class
-
         if not callable(press) or not hasattr(press, "compression_ratio"):
             raise CertkvError(f"press must be a kvpress press object, got {type(press).__name__}")
         op = self.operating_point
@@ -234,13 +211,10 @@ class CertifiedRuntime:
             )
         return press
 
-    def _on_single_prefill(self, press) -> bool:
+    def _on_single_prefill(self, press: BasePress) -> bool:
         """Whether `press` runs on the engine's single-prefill path; a gate that needs the full
         cache after the prefill (the lookahead probe) is refused for any other press."""
-        from certkv.engine.engine import is_probabilistic_press
-        from certkv.engine.scoring import is_fast_path_press
-
-        single = is_fast_path_press(press) or is_probabilistic_press(press)
+        single = is_fast_path_press(press) or is_probabilistic_press(press) or is_response_aware_press(press)
         if not single and self.gate.needs_lookahead:
             raise CertkvError(
                 f"the operating point's {self.gate.kind} gate reads the lookahead probe, which needs the "
@@ -255,14 +229,17 @@ class CertifiedRuntime:
 
     # -- answering ----------------------------------------------------------------------------
 
-    def generate(self, context: str, question: str, stratum: str | None = None, *,
-                 max_new_tokens: int | None = None) -> RuntimeAnswer:
+    def generate(
+        self, context: str, question: str, stratum: str | None = None, *, max_new_tokens: int | None = None
+    ) -> RuntimeAnswer:
         """Answer one request greedily; the decision record says which cache answered and why.
 
         Parameters
         ----------
         context, question : str
-            Fed as kvpress does: the context is prefilled (and compressed), the question after it.
+            Run under the calibrated protocol: the context is prefilled (and compressed) and the
+            question fed after it, as kvpress does; or, query-aware, both are prefilled and only
+            the prompt's last token is fed after compression.
         stratum : str, optional
             The request's stratum (its task, or its value of the contract's ``strata.by``). A
             stratified operating point answers a request without one, or with one it does not
@@ -279,21 +256,19 @@ class CertifiedRuntime:
         """
         return self._answer(context, question, stratum, max_new_tokens, None)
 
-    def answer_from_full_cache(self, context: str, question: str, stratum: str | None = None, *, reason: str,
-                               detail: str | None = None) -> RuntimeAnswer:
+    def answer_from_full_cache(
+        self, context: str, question: str, stratum: str | None = None, *, reason: str, detail: str | None = None
+    ) -> RuntimeAnswer:
         """Answer from the full cache whatever the operating point says, with `reason` (and
         `detail`) in the decision: what a caller that overrides the certificate needs (``certkv
         serve``'s monitor, its shadows), through :meth:`generate`'s checks, stratum routing and
         decoding."""
         return self._answer(context, question, stratum, None, (reason, detail))
 
-    def _answer(self, context, question, stratum, max_new_tokens, forced) -> RuntimeAnswer:
+    def _answer(
+        self, context: str, question: str, stratum: str | None, max_new_tokens: int | None, forced: tuple[str, str | None] | None
+    ) -> RuntimeAnswer:
         """:meth:`generate`, or with `forced` = (reason, detail) the full cache for that reason."""
-        import time
-
-        from certkv.engine.engine import press_precondition_failure
-        from certkv.model.generation import encode_request
-
         max_new = self.max_new_tokens if max_new_tokens is None else self._decode_length(max_new_tokens)
         for name, value in (("context", context), ("question", question)):
             if not isinstance(value, str):
@@ -305,9 +280,18 @@ class CertifiedRuntime:
         enc = encode_request(self.tokenizer, context, question)
         if not enc.context_ids:
             raise CertkvError("the context is empty; certkv answers questions about a context")
-        base = Decision(mode="full", reason=None, policy=self.policy, stratum=stratum, gate_kind=self.gate.kind,
-                        gate_threshold=self.threshold, certificate_bound=self.bound,
-                        **request_signals(enc.context_ids, enc.question_ids))
+        if self.query_aware and not enc.question_ids:
+            raise CertkvError("the question is empty; the query-aware operating point prefills the question with the context")
+        base = Decision(
+            mode="full",
+            reason=None,
+            policy=self.policy,
+            stratum=stratum,
+            gate_kind=self.gate.kind,
+            gate_threshold=self.threshold,
+            certificate_bound=self.bound,
+            **request_signals(enc.context_ids, enc.question_ids),
+        )
         t0 = time.perf_counter()
         coverage = self.operating_point.coverage
         outside = None if coverage is None else coverage.uncovered(stratum, len(enc.context_ids))
@@ -317,32 +301,28 @@ class CertifiedRuntime:
             base.reason, base.detail = "uncovered", outside
         elif self.press is None:
             base.reason = "fallback"
+        # What the protocol prefills and feeds after compression; the signals and the coverage
+        # above read the request itself, as calibration records them.
+        run = for_protocol(enc, self.query_aware)
         if base.reason is not None:
-            seconds: dict = {}
-            return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds, enc)
-        failure = press_precondition_failure(self.press, len(enc.context_ids))
+            seconds: dict[str, float] = {}
+            return self._finish(self.full_answer(run, max_new, seconds), base, t0, seconds, enc)
+        failure = press_precondition_failure(self.press, len(run.context_ids))
         if failure:
             base.reason, base.detail = "precondition", failure
             seconds = {}
-            return self._finish(self.full_answer(enc, max_new, seconds), base, t0, seconds, enc)
-        from certkv.presses.hajek_state import clear_states
-        from certkv.runtime import pipeline, single_prefill
-
+            return self._finish(self.full_answer(run, max_new, seconds), base, t0, seconds, enc)
         clear_states(self.model)
         try:
-            path = single_prefill if self.single_prefill else pipeline
-            ids, seconds = path.answer(self, enc, max_new, base, t0)
+            answer = single_prefill.answer if self.single_prefill else pipeline.answer
+            ids, seconds = answer(self, run, max_new, base, t0)
         finally:
             clear_states(self.model)
         return self._finish(ids, base, t0, seconds, enc)
 
-    def full_answer(self, enc, max_new: int, seconds: dict | None = None) -> list[int]:
+    def full_answer(self, enc: EncodedRequest, max_new: int, seconds: dict[str, float] | None = None) -> list[int]:
         """The full-cache answer with a prefill of its own, decoded as calibration decodes it
         (its ``prefill`` and ``decode`` seconds go into `seconds` when given)."""
-        import time
-
-        from certkv.engine.full_cache import decode_full, prefill_full
-
         t0 = time.perf_counter()
         cache, _, _ = prefill_full(self.model, enc.context_ids)
         t1 = time.perf_counter()
@@ -351,11 +331,17 @@ class CertifiedRuntime:
             seconds.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
         return ids
 
-    def _finish(self, ids: list[int], decision: Decision, t0: float, seconds: dict, enc) -> RuntimeAnswer:
-        import time
-
+    def _finish(
+        self, ids: list[int], decision: Decision, t0: float, seconds: dict[str, float], enc: EncodedRequest
+    ) -> RuntimeAnswer:
         if decision.mode == "full":
             decision.kv_retained = decision.kv_retained_actual = 1.0
         seconds = dict(seconds, total=time.perf_counter() - t0)
-        return RuntimeAnswer(self.tokenizer.decode(ids, skip_special_tokens=True), ids, decision, seconds,
-                             len(enc.context_ids), len(enc.question_ids))
+        return RuntimeAnswer(
+            self.tokenizer.decode(ids, skip_special_tokens=True),
+            ids,
+            decision,
+            seconds,
+            len(enc.context_ids),
+            len(enc.question_ids),
+        )

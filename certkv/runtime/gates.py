@@ -21,10 +21,20 @@ pair ``agreement_drop+certificate``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from certkv.core.gate_features import is_post_decode, needed_signals
+from certkv.core.gate_features import learned_score as score
+from certkv.core.gated import GATE_PARTS, fires
 from certkv.core.spec import LOOKAHEAD_TOKENS, LearnedGate
+from certkv.errors import CertkvError
+from certkv.gate.confidence import answer_confidence
+
+if TYPE_CHECKING:
+    from certkv.core.spec import GateSettings
+    from certkv.runtime.decision import Decision
 
 
 @dataclass(frozen=True)
@@ -59,9 +69,14 @@ class RuntimeGate:
         `signals` holds ``agreement_drop``, ``lookahead_mass``, ``learned_score`` (those computed).
         """
         learned = self.learned_threshold if self.learned is not None and not self.learned_post_decode else None
-        return self._first_firing(signals, (("agreement_drop", self.agreement_drop, "gate"),
-                                            ("lookahead", self.lookahead, "lookahead"),
-                                            ("learned", learned, "learned")))
+        return self._first_firing(
+            signals,
+            (
+                ("agreement_drop", self.agreement_drop, "gate"),
+                ("lookahead", self.lookahead, "lookahead"),
+                ("learned", learned, "learned"),
+            ),
+        )
 
     def after_decode(self, signals: Mapping) -> str | None:
         """The reason to escalate an evicted answer to the full cache, or None.
@@ -69,19 +84,22 @@ class RuntimeGate:
         `signals` holds ``certificate_max``, ``confidence_min`` and ``learned_score`` (those computed).
         """
         learned = self.learned_threshold if self.learned is not None and self.learned_post_decode else None
-        return self._first_firing(signals, (("certificate", self.certificate, "certificate"),
-                                            ("confidence", self.confidence, "confidence"),
-                                            ("learned", learned, "learned")))
+        return self._first_firing(
+            signals,
+            (
+                ("certificate", self.certificate, "certificate"),
+                ("confidence", self.confidence, "confidence"),
+                ("learned", learned, "learned"),
+            ),
+        )
 
     @staticmethod
-    def _first_firing(signals: Mapping, parts) -> str | None:
+    def _first_firing(signals: Mapping, parts: Iterable[tuple[str, float | None, str]]) -> str | None:
         """The decision reason of the first (part, threshold, reason) whose part fires, through
         :func:`certkv.core.gated.fires` (certification's own comparison); None when none does.
 
         A signal the gate needs but could not read (None or NaN) fires: certification refuses
         records without it, so nothing certified such a request, and the full cache answers it."""
-        from certkv.core.gated import GATE_PARTS, fires
-
         for part, threshold, reason in parts:
             if threshold is None:
                 continue
@@ -91,18 +109,15 @@ class RuntimeGate:
         return None
 
 
-def gate_kind(settings) -> str | None:
+def gate_kind(settings: GateSettings | None) -> str | None:
     """The gate's kind (:attr:`~certkv.core.spec.GateSettings.kind`: ``agreement_drop``,
     ``certificate``, ``agreement_drop+certificate``, ``confidence``, ``lookahead``, ``learned``);
     None without a gate or while a pilot gate has no threshold yet."""
     return (settings.kind or None) if settings is not None else None
 
 
-def runtime_gate(settings) -> RuntimeGate:
+def runtime_gate(settings: GateSettings | None) -> RuntimeGate:
     """The :class:`RuntimeGate` of an operating point's GateSettings (None: an ungated point)."""
-    from certkv.core.gate_features import is_post_decode, needed_signals
-    from certkv.errors import CertkvError
-
     if settings is None:
         return RuntimeGate(kind=None)
     learned = settings.learned
@@ -139,12 +154,10 @@ def learned_score(gate: RuntimeGate, signals: Mapping) -> float | None:
     the definition certification uses), or None when the gate has no learned model."""
     if gate.learned is None:
         return None
-    from certkv.core.gate_features import learned_score as score
-
     return float(score(gate.learned, signals))
 
 
-def pre_decode_reason(gate: RuntimeGate, decision) -> str | None:
+def pre_decode_reason(gate: RuntimeGate, decision: Decision) -> str | None:
     """Score the learned gate when it reads only pre-decode signals, then return why a
     pre-decode gate sends the request to the full cache, or None; reads `decision`'s signals."""
     if gate.learned is not None and not gate.learned_post_decode:
@@ -152,12 +165,13 @@ def pre_decode_reason(gate: RuntimeGate, decision) -> str | None:
     return gate.before_decode(decision.signal_values())
 
 
-def post_decode_reason(gate: RuntimeGate, decision, logprobs, certificate=None) -> str | None:
+def post_decode_reason(
+    gate: RuntimeGate, decision: Decision, logprobs: Sequence[float] | None, certificate: float | None = None
+) -> str | None:
     """Record the evicted answer's signals in `decision` (its confidence from the per-token log p,
-    the certificate maximum, the learned score when the model reads them) and return why a
-    post-decode gate escalates, or None. The one step every runtime path shares."""
-    from certkv.gate.confidence import answer_confidence
-
+    `logprobs`, None when not known; the certificate maximum; the learned score when the model
+    reads them) and return why a post-decode gate escalates, or None. The one step every runtime
+    path shares."""
     decision.confidence_min, decision.logprob_mean = (None, None) if logprobs is None else answer_confidence(logprobs)
     decision.certificate_max = certificate
     if gate.learned is not None and gate.learned_post_decode:

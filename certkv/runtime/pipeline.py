@@ -19,23 +19,34 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from certkv.engine.engine import continues_from_compressed_length, kept_entries
+from certkv.engine.full_cache import context_tensor
+from certkv.gate.agreement import AgreementRecorder
+from certkv.model.generation import greedy_decode
+from certkv.model.window_queries import capturing_window_queries
+from certkv.runtime.gates import post_decode_reason, pre_decode_reason
+
+if TYPE_CHECKING:
+    from certkv.model.generation import EncodedRequest
+    from certkv.runtime.answering import AnsweringRuntime
+    from certkv.runtime.decision import Decision
 
 
-def answer(runtime, enc, max_new: int, decision, t0: float):
-    """Answer one request through the press's own hooks; fills `decision`, returns (ids, seconds)."""
-    import torch
-    from transformers import DynamicCache
+def answer(
+    runtime: AnsweringRuntime, enc: EncodedRequest, max_new: int, decision: Decision, t0: float
+) -> tuple[list[int], dict[str, float]]:
+    """Answer one request through the press's own hooks; fills `decision`, returns (ids, seconds).
 
-    from certkv.engine.engine import continues_from_compressed_length, kept_entries
-    from certkv.engine.full_cache import context_tensor
-    from certkv.gate.agreement import AgreementRecorder
-    from certkv.model.generation import greedy_decode
-    from certkv.model.window_queries import capturing_window_queries
-    from certkv.runtime.gates import post_decode_reason, pre_decode_reason
-
+    `t0` is the request's start (:func:`time.perf_counter`), from which its prefill is timed.
+    """
     model, gate, press = runtime.model, runtime.gate, runtime.press
     n_ctx = len(enc.context_ids)
-    recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
+    recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement and gate.agreement is not None else None
     cache = DynamicCache()
     with torch.no_grad():
         # The recorder's hooks are registered before the press's, so they run first on each layer
@@ -54,8 +65,9 @@ def answer(runtime, enc, max_new: int, decision, t0: float):
         t = time.perf_counter()
         position = cache.get_seq_length() if continues_from_compressed_length(press) else n_ctx
         kept = kept_entries(cache, model) / n_ctx
-        logprobs: list = []
+        logprobs: list[float] = []
         ids = greedy_decode(model, cache, enc.question_ids, position, max_new, logprobs=logprobs)
+        assert ids is not None  # greedy_decode returns None only when an after_step callback stops it
         seconds["decode"] = time.perf_counter() - t
         reason = post_decode_reason(gate, decision, logprobs, None)
         if reason is None:

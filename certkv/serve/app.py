@@ -309,7 +309,7 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
                                     "kv_retained": op.kv_retained, "fallback": op.fallback,
                                     "stratified": op.is_stratified, "risk": op.contract.risk,
                                     "confidence": op.contract.confidence, "tolerance": op.contract.tolerance,
-                                    "utility": op.contract.utility},
+                                    "utility": op.contract.utility, "query_aware": op.query_aware},
                 "queue": {"depth": service.queue_depth(), "max": service.max_queue,
                           "shadow_pending": service.shadow_depth()},
                 "in_flight": in_flight.count,

@@ -154,7 +154,7 @@ class ShadowRunner:
         violated = bool(violation_mask([loss], tau)[0])
         rows = shadow_rows(job, entry, full_answer=full_answer, utility_name=utility_name,
                            utility_full=utility_full, utility=utility, context_tokens=context_tokens,
-                           seconds=seconds, strata_by=top.strata.by if top.is_stratified else None)
+                           seconds=seconds, strata_by=top.strata.by if top.strata is not None else None)
         return {
             "request_id": job.request_id, "stream": job.stream, "stratum": job.stratum,
             "policy": decision.policy, "base_policy": entry.base_policy, "utility_name": utility_name,

@@ -1,0 +1,171 @@
+"""DeferKV: its kept entries equal a brute-force computation from an eager forward of the whole
+prompt, and calibration's engine and the runtime answer from them as a plain gathered cache does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from certkv.errors import CertkvError
+
+
+def _requests(n=4, seed=41):
+    from certkv.requests.request_set import generate_requests
+
+    return generate_requests("demo", n, seed=seed, context_length="200-320")
+
+
+def _eager(embedded):
+    from certkv.model.loading import load_model
+
+    return load_model("embedded", device="cpu", attn_implementation="eager")
+
+
+def _reference_scores(model, enc, weight):
+    """Per layer (H_kv, n_ctx) float64: (1 − w)·norm(−‖k‖) + w·norm(attention of the first decode query).
+
+    The first decode query is the prompt's last position (the question's last token fed over the
+    full cache), read from an eager forward of the whole prompt; ‖k‖ from the context's cached keys.
+    """
+    n_ctx = len(enc.context_ids)
+    prompt = torch.tensor([enc.context_ids + enc.question_ids])
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model.model(input_ids=prompt, past_key_values=cache, output_attentions=True)
+    scores = []
+    for layer, attention in enumerate(out.attentions):
+        keys = cache.layers[layer].keys[0, :, :n_ctx].double()  # (H_kv, n_ctx, d)
+        kv_heads = keys.shape[0]
+        last = attention[0, :, -1, :n_ctx].double()  # (H, n_ctx)
+        decode = last.view(kv_heads, -1, n_ctx).mean(dim=1)
+        prompt_side = -keys.norm(dim=-1)
+        prompt_side = prompt_side - prompt_side.min(dim=-1, keepdim=True).values
+        score = (1 - weight) * prompt_side / prompt_side.sum(-1, keepdim=True) + weight * decode / decode.sum(-1, keepdim=True)
+        scores.append(score)
+    return scores
+
+
+def _assert_top_k(kept, score, where, tol=1e-6):
+    """`kept` (H_kv, k) is a top-k of `score` (H_kv, n): no entry left out scores above a kept one
+    (ties, e.g. the equal key norms of a repeated token, may fall either way)."""
+    n = score.shape[-1]
+    for head, row in enumerate(kept):
+        inside = torch.zeros(n, dtype=torch.bool)
+        inside[row] = True
+        assert inside.sum() == row.numel(), (where, head, "duplicate indices")
+        assert score[head][inside].min() >= score[head][~inside].max() - tol, (where, head)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
+def test_kept_entries_equal_a_brute_force_computation(embedded, weight):
+    from kvpress import KnormPress
+
+    from certkv.engine.full_cache import prefill_full
+    from certkv.model.generation import encode_request, stop_token_ids
+    from certkv.presses.deferkv import DeferKVPress
+
+    model, tokenizer = _eager(embedded)
+    press = DeferKVPress(compression_ratio=0.7, prompt_press=KnormPress(), weight=weight)
+    for req in _requests():
+        enc = encode_request(tokenizer, req.context, req.question)
+        cache, _, _ = prefill_full(model, enc.context_ids, observers=[press])
+        got = press.select(model, cache, enc, stop_token_ids(model))
+        assert cache.get_seq_length() == len(enc.context_ids), "the decode step is cropped away again"
+        want = _reference_scores(model, enc, weight)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            assert g.shape[-1] == max(1, int(len(enc.context_ids) * 0.3))
+            _assert_top_k(g[0], w, (req.id, layer))
+
+
+def test_weight_zero_keeps_what_the_prompt_press_keeps(embedded):
+    from certkv.engine.engine import Engine, PressCandidate
+    from certkv.presses.deferkv import DeferKVPress
+    from certkv.presses.registry import build_press
+
+    model, tokenizer = embedded
+    snap, defer = build_press("snapkv", 0.3), DeferKVPress(compression_ratio=0.7, weight=0.0)
+    engine = Engine(model, tokenizer, [PressCandidate("snapkv@0.30", snap, "snapkv", 0.3),
+                                       PressCandidate("deferkv@0.30", defer, "deferkv", 0.3)], max_new_tokens=8)
+    assert engine.response_aware == engine.candidates[1:] and not engine.slow
+    for req in _requests():
+        a, b = engine.run(req.context, req.question).candidates
+        assert a.answer == b.answer and a.kv_retained_actual == b.kv_retained_actual
+
+
+def _gathered_answer(model, full_cache, kept, enc, max_new_tokens=8):
+    """Greedy answer from a cache holding only the `kept` indices of each layer (positions from n_ctx)."""
+    from certkv.model.generation import greedy_decode
+
+    cache = DynamicCache()
+    for layer, index in enumerate(kept):
+        keys, values = full_cache.layers[layer].keys, full_cache.layers[layer].values
+        idx = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        cache.update(keys.gather(2, idx), values.gather(2, idx), layer)
+    return greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
+
+
+def test_engine_and_runtime_answer_from_the_kept_entries(embedded):
+    from certkv.core.certify import certify
+    from certkv.core.spec import CertificationSpec
+    from certkv.engine.engine import Engine, PressCandidate
+    from certkv.engine.full_cache import prefill_full
+    from certkv.model.generation import encode_request, stop_token_ids
+    from certkv.presses.registry import build_press
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    model, tokenizer = embedded
+    press = build_press("deferkv", 0.25, {"weight": 0.7, "decode_queries": 2})
+    engine = Engine(model, tokenizer, [PressCandidate("deferkv@0.25", press, "deferkv", 0.25)], max_new_tokens=8)
+    rows = [{"request_id": f"r{i}", "policy": policy, "kv_retained": kv, "loss": 0.0}
+            for i in range(200) for policy, kv in (("full", 1.0), ("deferkv@0.25", 0.25))]
+    op = certify(rows, CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["deferkv@0.25"]], max_new_tokens=8))
+    op = op.model_copy(update={"press": "deferkv", "press_kwargs": {"weight": 0.7, "decode_queries": 2}})
+    runtime = CertifiedRuntime(model, tokenizer, op)
+    assert runtime.single_prefill
+    differ = 0
+    for req in _requests(6, seed=8):
+        got = engine.run(req.context, req.question)
+        (candidate,) = got.candidates
+        enc = encode_request(tokenizer, req.context, req.question)
+        cache, _, _ = prefill_full(model, enc.context_ids, observers=[press])
+        kept = press.select(model, cache, enc, stop_token_ids(model))
+        assert candidate.token_ids == _gathered_answer(model, cache, kept, enc), req.id
+        out = runtime.generate(req.context, req.question)
+        assert out.token_ids == candidate.token_ids and out.decision.mode == "evicted", req.id
+        assert out.decision.kv_retained_actual == pytest.approx(candidate.kv_retained_actual)
+        differ += candidate.answer != got.full.answer
+    assert differ > 0, "no answer changed under eviction at 0.25: the comparison proves little"
+
+
+def test_kvpress_pipeline_cannot_run_it_and_bad_settings_fail_at_construction(embedded):
+    from certkv.presses.deferkv import DeferKVPress
+
+    with pytest.raises(CertkvError, match="certkv's engine only"):
+        DeferKVPress(compression_ratio=0.5)(embedded[0])
+    with pytest.raises(ValueError, match="weight"):
+        DeferKVPress(weight=1.5)
+    with pytest.raises(ValueError, match="decode_queries"):
+        DeferKVPress(decode_queries=0)
+
+
+def test_retentions_of_one_press_share_one_scoring(embedded, monkeypatch):
+    """Calibration scores a press once per request for all its retentions; the answers are those
+    of each retention calibrated alone."""
+    from certkv.engine.engine import Engine, PressCandidate
+    from certkv.presses.deferkv import DeferKVPress
+    from certkv.presses.registry import build_press
+
+    model, tokenizer = embedded
+    candidates = [PressCandidate(f"deferkv@{kv:.2f}", build_press("deferkv", kv), "deferkv", kv) for kv in (0.5, 0.3, 0.2)]
+    calls = []
+    real = DeferKVPress.scores
+    monkeypatch.setattr(DeferKVPress, "scores", lambda self, *a: calls.append(1) or real(self, *a))
+    together = Engine(model, tokenizer, candidates, max_new_tokens=8)
+    for req in _requests(3, seed=12):
+        calls.clear()
+        joint = together.run(req.context, req.question).candidates
+        assert len(calls) == 1
+        for c, got in zip(candidates, joint):
+            (alone,) = Engine(model, tokenizer, [c], max_new_tokens=8).run(req.context, req.question).candidates
+            assert got.token_ids == alone.token_ids, (req.id, c.policy)
