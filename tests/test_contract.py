@@ -254,8 +254,10 @@ def test_demo_contract_validates():
     assert c.name == "demo" and c.model == "embedded" and c.utility == "exact_match"
     assert (c.tolerance, c.risk, c.confidence, c.procedure) == (0.0, 0.05, 0.95, "fixed_sequence")
     grid = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
-    presses = ("snapkv", "streaming_llm", "knorm", "probabilistic")
+    presses = ("criticalkv", "snapkv", "deferkv", "probabilistic")
     assert [(p.press, p.kv_retained) for p in c.policies] == [(n, grid) for n in presses]
+    assert c.policies[0].press_kwargs == {"press": "snapkv"}
+    assert c.protocol.query_aware  # the presses see the question (chosen on the certified press league)
     gate = c.gate
     assert gate is not None and gate.pilot == 0.25 and not gate.agreement_drop and not gate.certificate
     assert [g.quantiles for g in (gate.confidence, gate.lookahead, gate.learned)] == [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from response_aware_checks import engine_and_runtime_agree
 from transformers import DynamicCache
 
 from certkv.errors import CertkvError
@@ -93,49 +94,8 @@ def test_weight_zero_keeps_what_the_prompt_press_keeps(embedded):
         assert a.answer == b.answer and a.kv_retained_actual == b.kv_retained_actual
 
 
-def _gathered_answer(model, full_cache, kept, enc, max_new_tokens=8):
-    """Greedy answer from a cache holding only the `kept` indices of each layer (positions from n_ctx)."""
-    from certkv.model.generation import greedy_decode
-
-    cache = DynamicCache()
-    for layer, index in enumerate(kept):
-        keys, values = full_cache.layers[layer].keys, full_cache.layers[layer].values
-        idx = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        cache.update(keys.gather(2, idx), values.gather(2, idx), layer)
-    return greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
-
-
 def test_engine_and_runtime_answer_from_the_kept_entries(embedded):
-    from certkv.core.certify import certify
-    from certkv.core.spec import CertificationSpec
-    from certkv.engine.engine import Engine, PressCandidate
-    from certkv.engine.full_cache import prefill_full
-    from certkv.model.generation import encode_request, stop_token_ids
-    from certkv.presses.registry import build_press
-    from certkv.runtime.certified_runtime import CertifiedRuntime
-
-    model, tokenizer = embedded
-    press = build_press("deferkv", 0.25, {"weight": 0.7, "decode_queries": 2})
-    engine = Engine(model, tokenizer, [PressCandidate("deferkv@0.25", press, "deferkv", 0.25)], max_new_tokens=8)
-    rows = [{"request_id": f"r{i}", "policy": policy, "kv_retained": kv, "loss": 0.0}
-            for i in range(200) for policy, kv in (("full", 1.0), ("deferkv@0.25", 0.25))]
-    op = certify(rows, CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["deferkv@0.25"]], max_new_tokens=8))
-    op = op.model_copy(update={"press": "deferkv", "press_kwargs": {"weight": 0.7, "decode_queries": 2}})
-    runtime = CertifiedRuntime(model, tokenizer, op)
-    assert runtime.single_prefill
-    differ = 0
-    for req in _requests(6, seed=8):
-        got = engine.run(req.context, req.question)
-        (candidate,) = got.candidates
-        enc = encode_request(tokenizer, req.context, req.question)
-        cache, _, _ = prefill_full(model, enc.context_ids, observers=[press])
-        kept = press.select(model, cache, enc, stop_token_ids(model))
-        assert candidate.token_ids == _gathered_answer(model, cache, kept, enc), req.id
-        out = runtime.generate(req.context, req.question)
-        assert out.token_ids == candidate.token_ids and out.decision.mode == "evicted", req.id
-        assert out.decision.kv_retained_actual == pytest.approx(candidate.kv_retained_actual)
-        differ += candidate.answer != got.full.answer
-    assert differ > 0, "no answer changed under eviction at 0.25: the comparison proves little"
+    engine_and_runtime_agree(embedded, "deferkv", 0.25, {"weight": 0.7, "decode_queries": 2}, _requests(6, seed=8))
 
 
 def test_kvpress_pipeline_cannot_run_it_and_bad_settings_fail_at_construction(embedded):

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from response_aware_checks import engine_and_runtime_agree
 from transformers import DynamicCache
 
 from certkv.errors import CertkvError
@@ -130,52 +131,9 @@ def test_scores_equal_a_brute_force_deletion(embedded):
     assert near_exclusive, "no entry held almost all of a query's weight: the stable branch went untested"
 
 
-def _gathered_answer(model, full_cache, kept, enc, max_new_tokens=8):
-    """Greedy answer from a cache holding only the `kept` indices of each layer (positions from n_ctx)."""
-    from certkv.model.generation import greedy_decode
-
-    cache = DynamicCache()
-    for layer, index in enumerate(kept):
-        keys, values = full_cache.layers[layer].keys, full_cache.layers[layer].values
-        idx = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        cache.update(keys.gather(2, idx), values.gather(2, idx), layer)
-    return greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
-
-
 def test_engine_and_runtime_answer_from_the_kept_entries(embedded):
-    from certkv.core.certify import certify
-    from certkv.core.spec import CertificationSpec
-    from certkv.engine.engine import Engine, PressCandidate
-    from certkv.engine.full_cache import prefill_full
-    from certkv.model.generation import encode_request, stop_token_ids
-    from certkv.presses.registry import build_press
-    from certkv.runtime.certified_runtime import CertifiedRuntime
-
-    model, tokenizer = embedded
     kwargs = {"samples": 2, "tokens": 3, "temperature": 2.0, "seed": 3}
-    press = build_press("lorekv", 0.25, kwargs)
-    engine = Engine(model, tokenizer, [PressCandidate("lorekv@0.25", press, "lorekv", 0.25)], max_new_tokens=8)
-    assert engine.response_aware == engine.candidates and not engine.slow
-    rows = [r for i in range(200) for r in ({"request_id": f"r{i}", "policy": "full", "kv_retained": 1.0, "loss": 0.0},
-                                               {"request_id": f"r{i}", "policy": "lorekv@0.25", "kv_retained": 0.25,
-                                                "loss": 0.0})]
-    op = certify(rows, CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["lorekv@0.25"]], max_new_tokens=8))
-    op = op.model_copy(update={"press": "lorekv", "press_kwargs": kwargs})
-    runtime = CertifiedRuntime(model, tokenizer, op)
-    assert runtime.single_prefill
-    differ = 0
-    for req in _requests(6, seed=8):
-        got = engine.run(req.context, req.question)
-        (candidate,) = got.candidates
-        enc = encode_request(tokenizer, req.context, req.question)
-        cache, _, _ = prefill_full(model, enc.context_ids, observers=[press])
-        kept = press.select(model, cache, enc, stop_token_ids(model))
-        assert candidate.token_ids == _gathered_answer(model, cache, kept, enc), req.id
-        out = runtime.generate(req.context, req.question)
-        assert out.token_ids == candidate.token_ids and out.decision.mode == "evicted", req.id
-        assert out.decision.kv_retained_actual == pytest.approx(candidate.kv_retained_actual)
-        differ += candidate.answer != got.full.answer
-    assert differ > 0, "no answer changed under eviction at 0.25: the comparison proves little"
+    engine_and_runtime_agree(embedded, "lorekv", 0.25, kwargs, _requests(6, seed=8))
 
 
 def test_seed_fixes_the_selection_and_bad_settings_fail_at_construction(embedded):
