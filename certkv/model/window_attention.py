@@ -89,6 +89,15 @@ def window_attention_mean(module: torch.nn.Module, hidden_states: torch.Tensor, 
     return mean
 
 
+def kv_group_window_attention(module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                              position_embeddings: tuple[torch.Tensor, torch.Tensor], window: int) -> torch.Tensor:
+    """:func:`window_attention_mean` averaged over the query heads of each KV group: float32
+    (B, H_kv, K), one attention per cached key of each KV head, as the presses that score KV heads read it."""
+    batch, kv_heads, k_len, _ = keys.shape
+    mean = window_attention_mean(module, hidden_states, keys, position_embeddings, window)
+    return mean.view(batch, kv_heads, mean.shape[1] // kv_heads, k_len).mean(dim=2)
+
+
 _MEMO_ATTR = "_certkv_window_attention_mean"
 
 

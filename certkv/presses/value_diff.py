@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from kvpress.presses.scorer_press import ScorerPress
 
-from certkv.model.window_attention import window_attention_mean
+from certkv.model.window_attention import kv_group_window_attention
 from certkv.presses._checks import check_count, check_ratio
 
 
@@ -43,9 +43,8 @@ class ValueDiffPress(ScorerPress):
     def score(self, module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor:
         """(B, H_kv, K) scores from `keys`/`values` (B, H_kv, K, d) and `hidden_states` (B, Q, hidden)."""
-        batch, kv_heads, k_len, _ = keys.shape
-        attention = window_attention_mean(module, hidden_states, keys, kwargs["position_embeddings"], self.window_size)
-        attention = attention.view(batch, kv_heads, attention.shape[1] // kv_heads, k_len).mean(dim=2)
+        k_len = keys.shape[2]
+        attention = kv_group_window_attention(module, hidden_states, keys, kwargs["position_embeddings"], self.window_size)
         values32 = values.float()
         others = (values32.sum(dim=2, keepdim=True) - values32) / max(1, k_len - 1)
         scores = attention * torch.linalg.vector_norm(values32 - others, dim=-1)

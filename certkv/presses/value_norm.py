@@ -9,7 +9,7 @@ import torch
 from kvpress.presses.scorer_press import ScorerPress
 
 from certkv.core.spec import AGREEMENT_WINDOW
-from certkv.model.window_attention import window_attention_mean
+from certkv.model.window_attention import kv_group_window_attention
 from certkv.presses._checks import check_count, check_ratio
 
 
@@ -36,10 +36,8 @@ class AttentionTimesValueNormPress(ScorerPress):
     def score(self, module: torch.nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor:
         """(B, H_kv, K): the window attention's mean over the KV group's query heads, times ‖v‖."""
-        batch, kv_heads, k_len, _ = keys.shape
         # Always from the window queries, even when the layer returned eager attention weights:
         # calibration may run eager attention and the runtime sdpa, and the sampled entries must
         # not depend on which (rounding differs, and π drives the Poisson draw).
-        attention = window_attention_mean(module, hidden_states, keys, kwargs["position_embeddings"], self.window_size)
-        attention = attention.view(batch, kv_heads, attention.shape[1] // kv_heads, k_len).mean(dim=2)
+        attention = kv_group_window_attention(module, hidden_states, keys, kwargs["position_embeddings"], self.window_size)
         return attention * torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
