@@ -194,3 +194,34 @@ def test_kvpress_pipeline_cannot_run_it_and_bad_settings_fail_at_construction(em
         BehaviorPreservingPress(compression_ratio=1.0)
     with pytest.raises(CertkvError, match="no tokens"):
         BehaviorPreservingPress(compression_ratio=0.5).scores(embedded[0], DynamicCache(), EncodedRequest([1, 5, 6], []), [])
+
+
+def test_a_window_longer_than_the_fed_question_is_refused(embedded):
+    """Under the query-aware protocol only the question's last token is fed after the prefill, so a
+    window over several question positions cannot be read: refused at contract load with one line
+    (and by the press itself, for a question shorter than its window), never silently shortened."""
+    from certkv.contract.loading import parse_contract
+    from certkv.model.generation import encode_request, for_protocol
+    from certkv.presses.behavior_preserving import BehaviorPreservingPress
+    from certkv.requests.request_set import generate_requests
+
+    def contract(window, query_aware):
+        return {
+            "name": "bp", "model": "embedded", "requests": {"source": "builtin:demo"}, "utility": "exact_match",
+            "tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "protocol": {"query_aware": query_aware},
+            "policies": [{"press": "behavior_preserving", "press_kwargs": {"window": window}, "kv_retained": [0.5]}],
+        }
+
+    parse_contract(contract(2, query_aware=False))
+    parse_contract(contract(1, query_aware=True))
+    with pytest.raises(CertkvError, match="cannot use window 2 under the query-aware protocol") as info:
+        parse_contract(contract(2, query_aware=True))
+    assert "\n" not in str(info.value)
+    model, tokenizer = embedded
+    req = generate_requests("demo", 1, seed=3, context_length=200)[0]
+    enc = for_protocol(encode_request(tokenizer, req.context, req.question), query_aware=True)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([enc.context_ids]), past_key_values=cache)
+    with pytest.raises(CertkvError, match="window 2 reads 2 question positions but the question fed after the prefill has 1"):
+        BehaviorPreservingPress(compression_ratio=0.5, window=2).scores(model, cache, enc, [])

@@ -129,3 +129,34 @@ def test_retentions_of_one_press_share_one_scoring(embedded, monkeypatch):
         for c, got in zip(candidates, joint):
             (alone,) = Engine(model, tokenizer, [c], max_new_tokens=8).run(req.context, req.question).candidates
             assert got.token_ids == alone.token_ids, (req.id, c.policy)
+
+
+def test_one_observer_per_scoring_and_none_at_full_retention():
+    """The prefill is watched once per scoring (retentions of a press share it) and not at all by a
+    press that evicts nothing (kv_retained 1.0 scores nothing), in the engine and the runtime alike."""
+    from certkv.presses.registry import build_press
+    from certkv.presses.response_aware import prefill_observers
+
+    half, third = build_press("deferkv", 0.5), build_press("deferkv", 0.3)
+    other = build_press("deferkv", 0.5, {"weight": 0.2})
+    assert prefill_observers([half, third]) == [half]
+    assert prefill_observers([half, other]) == [half, other]
+    assert prefill_observers([build_press("deferkv", 1.0)]) == []
+
+
+def test_each_candidate_is_charged_its_share_of_the_scoring(embedded):
+    """The scoring after the prefill is part of a response-aware candidate's cost: the candidates
+    sharing it split its time (their seconds sum to at most the request's response_select), and a
+    press scored in the prefill is charged nothing for it."""
+    from certkv.engine.engine import Engine, PressCandidate
+    from certkv.presses.registry import build_press
+
+    model, tokenizer = embedded
+    candidates = [PressCandidate(f"deferkv@{kv:.2f}", build_press("deferkv", kv), "deferkv", kv) for kv in (0.5, 0.3)]
+    candidates.append(PressCandidate("snapkv@0.50", build_press("snapkv", 0.5), "snapkv", 0.5))
+    req = _requests(1, seed=12)[0]
+    result = Engine(model, tokenizer, candidates, max_new_tokens=8).run(req.context, req.question)
+    deferred = [c.seconds for c in result.candidates if c.press == "deferkv"]
+    assert len(deferred) == 2 and all(s > 0 for s in deferred)
+    assert deferred[0] == deferred[1] and sum(deferred) <= result.seconds["response_select"]
+    assert [c.seconds for c in result.candidates if c.press == "snapkv"] == [0.0]

@@ -220,3 +220,24 @@ def test_preconditions_read_scoring_windows_only():
     assert "press window 64" in press_precondition_failure(SnapKVPress(compression_ratio=0.5, window_size=64), 50)
     assert press_precondition_failure(SnapKVPress(compression_ratio=0.5, window_size=64), 300) is None
     assert press_precondition_failure(FastKVzipPress(compression_ratio=0.5), 300) is None
+
+
+def test_engine_checks_walk_every_inner_press():
+    """The eager-attention and window checks see a press however deep it sits: a wrapper's
+    ``press``, DeferKV's ``prompt_press``, ComposedPress's ``presses`` (one walk, press_tree)."""
+    from kvpress import ComposedPress, CriticalKVPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress
+
+    from certkv.engine.engine import needs_attention_weights, press_precondition_failure
+    from certkv.presses.deferkv import DeferKVPress
+
+    observed = ObservedAttentionPress()
+    assert needs_attention_weights(DeferKVPress(compression_ratio=0.5, prompt_press=observed))
+    assert needs_attention_weights(CriticalKVPress(press=observed))
+    assert needs_attention_weights(ComposedPress(presses=[StreamingLLMPress(compression_ratio=0.2), observed]))
+    assert not needs_attention_weights(DeferKVPress(compression_ratio=0.5))
+    assert not needs_attention_weights(None)
+    deferred = DeferKVPress(compression_ratio=0.5, prompt_press=SnapKVPress(window_size=64))
+    assert "press window 64" in press_precondition_failure(deferred, 50)
+    assert press_precondition_failure(deferred, 300) is None
+    composed = ComposedPress(presses=[StreamingLLMPress(compression_ratio=0.2, n_sink=8), SnapKVPress(window_size=64)])
+    assert "press window 64" in press_precondition_failure(composed, 50)

@@ -154,6 +154,18 @@ def test_operating_point_json_round_trip(table, tmp_path):
     assert data["strata"]["by"] == "task" and "coverage" in data["strata"]["entries"]["easy"]
 
 
+def test_a_stratum_under_another_protocol_does_not_load(table, tmp_path):
+    """Every stratum of a point deploys the top level's protocol; a file whose entry says otherwise
+    (edited by hand, or stitched from two certifications) is refused in one line naming it."""
+    data = certify(table, spec_of()).to_dict()
+    data["strata"]["entries"]["easy"]["query_aware"] = True
+    path = tmp_path / "op.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CertkvError, match="stratum 'easy' has query_aware true but the operating point has false") as info:
+        load_operating_point(path)
+    assert "\n" not in str(info.value)
+
+
 # ----------------------------------------------------------------------------- strata labels
 
 

@@ -679,6 +679,10 @@ def press_league(data: dict) -> str:
         "them, the pilot placing the gates and never certifying): the chosen policy's mean KV retained, the "
         "full-cache share of gated requests included. Cost: the runtime at kv_retained 0.5 over the full cache, "
         f"summed over {cfg['cost_requests']} other requests (fastest of {cfg['reps']}).",
+        "Each row is a certificate of its own, at δ for that press alone: the table has no family-wise "
+        "control **across** rows, so picking the best row and deploying it is picking the best that passed. "
+        "A row is a reason to pre-register a press in a contract, which then certifies it on fresh requests "
+        "(as the demo contract does with the query-aware winners, on requests the league never saw).",
     ]
     for protocol, result in data["protocols"].items():
         tasks = sorted({t for p in result["presses"].values() for t in p["certified"]["per_task"]})

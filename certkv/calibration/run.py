@@ -139,6 +139,7 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
         }
     ]
     n_fast = sum(1 for c in result.candidates if c.path == "fast") or 1
+    fast_share = seconds.get("candidates_fast", 0.0) / n_fast
     for cand in result.candidates:
         utility = score(contract.utility, cand.answer, answers, full.answer)
         rows.append(
@@ -154,7 +155,9 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
                     cand.answer,
                 ),
                 "path": cand.path,
-                "seconds": cand.seconds if cand.path == "pipeline" else seconds.get("candidates_fast", 0.0) / n_fast,
+                # A fast candidate: its share of the batched decodes, plus its own scoring when it is
+                # response-aware (chosen after the prefill; CandidateAnswer.seconds, 0 otherwise).
+                "seconds": cand.seconds if cand.path == "pipeline" else fast_share + cand.seconds,
                 **on_every_row,
                 **_answer_signals(cand),
             }

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -514,14 +515,16 @@ class Contract(_Strict):
         protocol = info.data.get("protocol")
         if model is None or protocol is None:  # reported as their own errors
             return policies
-        specs = [(i, p.press, "", False) for i, p in enumerate(policies)]
+        specs: list[tuple[int, str, str, bool, Mapping[str, Any]]] = [
+            (i, p.press, "", False, p.press_kwargs) for i, p in enumerate(policies)
+        ]
         for i, p in enumerate(policies):
             inner = press_registry.nested_press_specs(p.press_kwargs)
-            specs += [(i, spec, f"press_kwargs.{path}: ", True) for path, spec, _ in inner]
-        eager = any(press_registry.needs_eager_attention(spec) for _, spec, _, _ in specs)
-        for i, spec, where, nested in specs:
+            specs += [(i, spec, f"press_kwargs.{path}: ", True, kwargs) for path, spec, kwargs in inner]
+        eager = any(press_registry.needs_eager_attention(spec) for _, spec, _, _, _ in specs)
+        for i, spec, where, nested, kwargs in specs:
             reason = press_registry.refusal_reason(
-                spec, model=model, query_aware=protocol.query_aware, eager=eager, nested=nested
+                spec, model=model, query_aware=protocol.query_aware, eager=eager, nested=nested, press_kwargs=kwargs
             )
             if reason is not None:
                 raise _error(f"entry {i}: {where}{reason}")

@@ -195,6 +195,20 @@ class OperatingPoint(BaseModel):
             data = {**data, "base_policy": data["policy"]}
         return data
 
+    @model_validator(mode="after")
+    def _one_protocol(self) -> OperatingPoint:
+        """A stratified point deploys one protocol: every stratum's entry was certified under the
+        top level's (a runtime follows the top level, so an entry of the other would be served
+        under a protocol it was never calibrated with)."""
+        if self.strata is not None:
+            for name, entry in self.strata.entries.items():
+                if entry.query_aware != self.query_aware:
+                    raise ValueError(
+                        f"stratum {name!r} has query_aware {str(entry.query_aware).lower()} but the operating point "
+                        f"has {str(self.query_aware).lower()}; a point is certified under one protocol, re-run certkv certify"
+                    )
+        return self
+
     def to_dict(self) -> dict:
         """JSON-ready dict; ``reason`` appears only when there is one (a fallback)."""
         data = self.model_dump(mode="json")

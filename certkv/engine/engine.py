@@ -31,7 +31,8 @@ from certkv.model.layers import attention_modules
 from certkv.model.lookahead import evicted_mass, lookahead_probe
 from certkv.model.window_queries import capturing_window_queries
 from certkv.presses.probabilistic import ProbabilisticPress
-from certkv.presses.response_aware import is_response_aware_press
+from certkv.presses.registry import press_tree
+from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 
 if TYPE_CHECKING:
     from kvpress import BasePress
@@ -68,6 +69,9 @@ class CandidateAnswer:
     on the context entries this candidate evicts (:func:`certkv.model.lookahead.evicted_mass`),
     ``lookahead_mass`` its maximum; None when the engine runs no probe, for the full cache, and on
     the pipeline path (kvpress prunes there, the kept indices are not known).
+    ``seconds``: on the pipeline path the candidate's whole run; on the fast path its share of the
+    scoring a response-aware press does after the prefill (0 for the others, whose cost is their
+    share of the batched decodes, ``Result.seconds["candidates_fast"]``).
     """
 
     policy: str
@@ -109,8 +113,10 @@ class RequestResult:
 class _Prefilled:
     """One request in :meth:`Engine.run` after its single full prefill: the full cache, what each
     fast candidate keeps of it (`by_candidate`) and each probabilistic candidate's sample
-    (`sampled`); the lookahead probe (None: no probe) and the KV heads per layer; and the time the
-    candidates' evicted mass has taken so far (counted as lookahead)."""
+    (`sampled`); the lookahead probe (None: no probe) and the KV heads per layer; the time the
+    candidates' evicted mass has taken so far (counted as lookahead); and per response-aware
+    candidate its share of the scoring it shares with the retentions of its press
+    (`select_seconds`, policy -> seconds)."""
 
     enc: Any
     n_ctx: int
@@ -120,6 +126,7 @@ class _Prefilled:
     probe: Any = None
     n_kv_heads: int = 0
     mass_seconds: float = 0.0
+    select_seconds: dict = field(default_factory=dict)
 
     def set_lookahead(self, answer: CandidateAnswer, kept) -> None:
         """`answer`'s lookahead signal: the probe's mass on the entries `kept` evicts (timed into mass_seconds)."""
@@ -261,21 +268,13 @@ class Engine:
             {c.policy: c.press for c in self.fast},
             {c.policy: c.press for c in self.probabilistic},
             self.recorder,
-            self._observers(),
+            prefill_observers(c.press for c in self.response_aware),
         )
         agreement_drop = None
         if self.recorder:
             agreement_drop = self.recorder.drop()
             self.recorder.reset()
         return _Prefilled(enc, len(enc.context_ids), cache, by_candidate, sampled), agreement_drop
-
-    def _observers(self) -> list:
-        """One response-aware press per ``score_key`` (the one :meth:`_select` scores with) watches the prefill."""
-        first: dict[tuple, Any] = {}
-        for c in self.response_aware:
-            if c.press.compression_ratio != 0:
-                first.setdefault(c.press.score_key(), c.press)
-        return list(first.values())
 
     def _probe(self, prefilled: _Prefilled) -> None:
         """Where the full-cache answer's first queries look, while the full cache exists (the probe
@@ -293,16 +292,25 @@ class Engine:
 
     def _select(self, prefilled: _Prefilled) -> None:
         """Every response-aware candidate's kept entries, chosen over the full cache after the
-        prefill; candidates that differ only in retention share one scoring (``score_key``)."""
+        prefill; candidates that differ only in retention share one scoring (``score_key``), whose
+        time is split evenly among them."""
         scored: dict[tuple, list[torch.Tensor]] = {}
+        sharing: dict[tuple, list[str]] = {}
+        seconds: dict[tuple, float] = {}
         for c in self.response_aware:
             if c.press.compression_ratio == 0:
                 prefilled.by_candidate[c.policy] = [None] * len(prefilled.cache.layers)
                 continue
             key = c.press.score_key()
+            t = time.perf_counter()
             if key not in scored:
                 scored[key] = c.press.checked_scores(self.model, prefilled.cache, prefilled.enc, self.stop_ids)
             prefilled.by_candidate[c.policy] = c.press.top_k(scored[key])
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t
+            sharing.setdefault(key, []).append(c.policy)
+        for key, policies in sharing.items():
+            for policy in policies:
+                prefilled.select_seconds[policy] = seconds[key] / len(policies)
 
     def _fast_answers(self, prefilled: _Prefilled, draft: list[int], reserve: int, answers: dict, verify: dict) -> None:
         """The fast candidates' answers into `answers`, decoded in padded batches from the full answer's draft."""
@@ -331,7 +339,8 @@ class Engine:
             del batch
             for c, length, ids, lp in zip(chunk, lengths, token_lists, chunk_logprobs):
                 answer = answers[c.policy] = CandidateAnswer(
-                    c.policy, c.press_name, c.kv_retained, length / n_ctx, self._decode(ids), ids, "fast"
+                    c.policy, c.press_name, c.kv_retained, length / n_ctx, self._decode(ids), ids, "fast",
+                    seconds=prefilled.select_seconds.get(c.policy, 0.0),
                 )
                 answer.set_confidence(lp)
                 prefilled.set_lookahead(answer, by_candidate[c.policy])
@@ -401,18 +410,17 @@ def _bytes_per_token(cache) -> int:
 
 
 def press_precondition_failure(press: BasePress | None, context_length: int) -> str | None:
-    """Why `press` cannot run on a context of `context_length` tokens, or None."""
+    """Why `press` (or a press inside it) cannot run on a context of `context_length` tokens, or None."""
     if getattr(press, "compression_ratio", None) == 0:
         return None  # kvpress leaves the cache untouched and never scores
-    while press is not None:
+    for inner in press_tree(press):
         # FastKVzip's window_size chunks the prefill of long contexts; a short one simply fits in it.
-        window = None if isinstance(press, FastKVzipPress) else getattr(press, "window_size", None)
+        window = None if isinstance(inner, FastKVzipPress) else getattr(inner, "window_size", None)
         if isinstance(window, int) and context_length <= window:
             return f"context of {context_length} tokens does not exceed the press window {window}"
-        n_sink = getattr(press, "n_sink", None)
+        n_sink = getattr(inner, "n_sink", None)
         if isinstance(n_sink, int) and context_length <= n_sink:
             return f"context of {context_length} tokens does not exceed its {n_sink} sink tokens"
-        press = getattr(press, "press", None) or getattr(press, "prompt_press", None)  # wrapped or prompt-side press
     return None
 
 
@@ -428,12 +436,9 @@ def continues_from_compressed_length(press: BasePress) -> bool:
 
 
 def needs_attention_weights(press: BasePress | None) -> bool:
-    """Presses that score from the attention weights themselves, which only eager attention returns."""
-    while press is not None:
-        if isinstance(press, ObservedAttentionPress):
-            return True
-        press = getattr(press, "press", None)
-    return False
+    """Whether `press` or a press inside it scores from the attention weights themselves, which
+    only eager attention returns."""
+    return any(isinstance(inner, ObservedAttentionPress) for inner in press_tree(press))
 
 
 def kept_entries(cache: DynamicCache, model: PreTrainedModel) -> float:

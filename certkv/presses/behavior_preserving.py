@@ -57,8 +57,9 @@ class BehaviorPreservingPress(ResponseAwarePress):
     δo of the group (float32). Higher score: kept first.
 
     ``window``: how many of the prompt's last positions' distributions are averaged (1: the last
-    only), capped at the question's length (the context's own positions are prefill queries that
-    see only part of the context). The question is fed over the full cache in ``window`` forwards
+    only), at most the question's length, refused above 1 under the query-aware protocol, which
+    feeds only the question's last token after the prefill (the context's own positions are prefill
+    queries that see only part of the context). The question is fed over the full cache in ``window`` forwards
     (all but its last ``window − 1`` tokens, then each of those alone), so every position read is
     its call's last query, over every key before it. The norm and LM head are
     checked against the model's own logits at the first position read: a model whose logits are
@@ -115,7 +116,12 @@ def _probe(model: PreTrainedModel, cache: DynamicCache, question_ids: Sequence[i
     if not question_ids:
         raise CertkvError("BehaviorPreservingPress reads the distribution after the question, which encodes to no tokens")
     n_q = len(question_ids)
-    w = min(window, n_q)
+    if window > n_q:
+        raise CertkvError(
+            f"BehaviorPreservingPress window {window} reads {window} question positions but the question fed "
+            f"after the prefill has {n_q} token(s) (the query-aware protocol feeds one); use a window of at most {n_q}"
+        )
+    w = window
     chunks = [list(question_ids[: n_q - w + 1])] + [[t] for t in question_ids[n_q - w + 1:]]
     modules = attention_modules(model)
     hidden: list[torch.Tensor] = []

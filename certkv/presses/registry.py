@@ -24,7 +24,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,16 +251,43 @@ def needs_eager_attention(spec: str) -> bool:
     return _kvpress_class(spec) in _NEEDS_EAGER
 
 
+#: certkv presses whose settings read the question's positions, which the query-aware protocol
+#: moves into the prefill: (setting, why), refused above 1 under that protocol.
+_QUESTION_WINDOWS = {
+    "certkv.presses.behavior_preserving:BehaviorPreservingPress": (
+        "window",
+        "it averages the next-token distributions of the question's last positions fed over the full "
+        "cache, and the query-aware protocol prefills all of the question but its last token",
+    ),
+}
+
+
 def refusal_reason(
-    spec: str, *, model: str = EMBEDDED_MODEL, query_aware: bool = False, eager: bool = False, nested: bool = False
+    spec: str,
+    *,
+    model: str = EMBEDDED_MODEL,
+    query_aware: bool = False,
+    eager: bool = False,
+    nested: bool = False,
+    press_kwargs: Mapping[str, Any] | None = None,
 ) -> str | None:
     """Why press `spec` cannot run for a contract, as one line naming the press, or None.
 
     `model` is the contract's model, `query_aware` its protocol, `eager` whether one of its
     candidates makes certkv load the model with eager attention (:func:`needs_eager_attention`),
-    `nested` whether `spec` is a wrapper's inner press. Imports nothing: contract validation calls
-    it for every policy press and every nested one.
+    `nested` whether `spec` is a wrapper's inner press, `press_kwargs` its settings. Imports
+    nothing: contract validation calls it for every policy press and every nested one.
     """
+    info = _REGISTRY.get(spec)
+    target = info.target if info is not None else spec
+    if query_aware and isinstance(target, str) and target in _QUESTION_WINDOWS:
+        setting, why = _QUESTION_WINDOWS[target]
+        value = (press_kwargs or {}).get(setting, 1)
+        if isinstance(value, int) and value > 1:
+            return (
+                f"press {spec!r} cannot use {setting} {value} under the query-aware protocol: {why}; use "
+                f"{setting}: 1 or protocol query_aware: false"
+            )
     cls = _kvpress_class(spec)
     if cls is None:
         return None
@@ -351,6 +378,21 @@ def nested_press_specs(press_kwargs: Mapping[str, Any]) -> list[tuple[str, str, 
             out.append((path, spec, kwargs))
             out.extend((f"{path}.{p}", s, k) for p, s, k in nested_press_specs(kwargs))
     return out
+
+
+def press_tree(press: object) -> Iterator[object]:
+    """`press` and every press built inside it (the attributes named in :data:`PRESS_PARAMS` and
+    :data:`PRESS_LIST_PARAMS`), outermost first, depth first: the one walk over a constructed press
+    that the engine's checks share (a wrapper's ``press``, DeferKV's ``prompt_press``,
+    ComposedPress's ``presses``). Imports nothing."""
+    if press is None:
+        return
+    yield press
+    for name in PRESS_PARAMS:
+        yield from press_tree(getattr(press, name, None))
+    for name in PRESS_LIST_PARAMS:
+        for inner in getattr(press, name, None) or ():
+            yield from press_tree(inner)
 
 
 def _split_nested(path: str, item: Any) -> tuple[str, Mapping[str, Any]]:

@@ -107,6 +107,17 @@ def is_response_aware_press(press: object) -> bool:
     return isinstance(press, ResponseAwarePress)
 
 
+def prefill_observers(presses: Iterable[ResponseAwarePress]) -> list[ResponseAwarePress]:
+    """The presses whose :meth:`~ResponseAwarePress.observe` must watch a request's prefill: one
+    per ``score_key`` (presses differing only in retention share one scoring), none at retention
+    1.0 (nothing is evicted, so nothing is scored)."""
+    first: dict[tuple[Any, ...], ResponseAwarePress] = {}
+    for press in presses:
+        if press.compression_ratio != 0:
+            first.setdefault(press.score_key(), press)
+    return list(first.values())
+
+
 def head_mean(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Mean over the query heads of each KV group: (q_heads, ..., n) → (kv_heads, ..., n)."""
     return weights.view(kv_heads, weights.shape[0] // kv_heads, *weights.shape[1:]).mean(dim=1)

@@ -40,7 +40,7 @@ from certkv.engine.probabilistic_decode import decode_probabilistic
 from certkv.gate.agreement import AgreementRecorder
 from certkv.model.lookahead import evicted_mass, lookahead_probe
 from certkv.presses.poisson_selection import Selection
-from certkv.presses.response_aware import is_response_aware_press
+from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.gates import post_decode_reason, pre_decode_reason
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def answer(
         fast=None if probabilistic or response_aware else {policy: press},
         probabilistic={policy: press} if probabilistic else None,
         recorder=recorder,
-        observers=[press] if response_aware else (),
+        observers=prefill_observers([press]) if response_aware else (),
     )
     if response_aware:  # chosen over the full cache right after the prefill, as the engine chooses
         selection = press.select(model, cache, enc, runtime.stop_ids)
