@@ -1,9 +1,11 @@
-"""Loading causal LMs: the embedded model, a local folder, or a Hugging Face id.
+"""Loading causal LMs: the embedded model, a named model or GGUF file, a local folder, or a Hugging Face id.
 
-All three load through the same `transformers` Auto classes. The embedded model ships inside the
-package (``certkv/embedded``), so ``load_model("embedded")`` never touches the network. A hub id is
-first looked up in the local Hugging Face cache; when it is not there and cannot be downloaded the
-caller gets one line saying so instead of a stack of HTTP errors.
+All of them load through the same `transformers` Auto classes. The embedded model ships inside the
+package (``certkv/embedded``), so ``load_model("embedded")`` never touches the network. A named
+model (``smollm2-135m``) or a ``.gguf`` path is converted once into a local folder in certkv's
+cache (:mod:`certkv.model.named_models`) and loaded from there, offline. A hub id is first looked
+up in the local Hugging Face cache; when it is not there and cannot be downloaded the caller gets
+one line saying so instead of a stack of HTTP errors.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from certkv.errors import CertkvError
 from certkv.model.embedded_tokenizer import EMBEDDED_DIR
+from certkv.model.named_models import converted_folder, gguf_fingerprint, is_gguf_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -56,6 +59,8 @@ def _source(name_or_path: str) -> tuple[str, bool]:
                 "or, from a certkv checkout, train them with `python tools/train_embedded.py`"
             )
         return str(EMBEDDED_DIR), True
+    if is_gguf_source(name_or_path):  # a named model or a .gguf file: its converted folder
+        return str(converted_folder(name_or_path)), True
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -68,9 +73,13 @@ def model_fingerprint(name_or_path: str = EMBEDDED) -> str:
     """A short identity of a model's weights, without loading them.
 
     Local folders (the embedded model included): sha256 over config.json and every weight file's
-    name and content (size and name only past 1 GB in total, to keep resuming cheap). Hub ids: the
-    id and the cached snapshot's commit when one is cached.
+    name and content (size and name only past 1 GB in total, to keep resuming cheap). Named models
+    and ``.gguf`` paths: the GGUF file's sha256 (remembered while its size and mtime hold, so
+    repeated calls cost a ``stat``), without converting it. Hub ids: the id and the cached
+    snapshot's commit when one is cached.
     """
+    if is_gguf_source(name_or_path):
+        return gguf_fingerprint(name_or_path)
     source, local = _source(name_or_path)
     if not local:
         try:
@@ -99,8 +108,9 @@ def load_model(
     Parameters
     ----------
     name_or_path : str, default "embedded"
-        ``"embedded"`` (the tiny Llama shipped in the package: offline, CPU), a local folder, or a
-        Hugging Face id (downloaded unless ``HF_HUB_OFFLINE`` is set and it is cached).
+        ``"embedded"`` (the tiny Llama shipped in the package: offline, CPU), a named model such as
+        ``"smollm2-135m"`` or a ``.gguf`` path (converted once into certkv's cache, then offline), a
+        local folder, or a Hugging Face id (downloaded unless ``HF_HUB_OFFLINE`` is set and it is cached).
     device : str, default "auto"
         ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
     dtype : str, default "auto"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from certkv.errors import CertkvError
+from certkv.model.named_models import is_gguf_source
 
 #: press_kwargs keys whose values are presses themselves (a name, an import path, or a nested
 #: ``{press: ..., press_kwargs: {...}}`` mapping). ``presses`` holds a list of them (ComposedPress).
@@ -132,8 +133,9 @@ EMBEDDED_MODEL = "embedded"
 
 #: kvpress presses that score with weights trained for particular base models, fetched from the
 #: Hugging Face hub by the model's name when the press first runs (kvpress class -> why). No such
-#: weights exist for the embedded model, so a contract on it that names one is refused; for any
-#: other model kvpress looks them up by its name at calibration time.
+#: weights exist for the embedded model, nor under a GGUF-converted model's name (certkv's named
+#: models), so a contract on either that names one is refused; for any other model kvpress looks
+#: them up by its name at calibration time.
 _TRAINED_PER_MODEL: dict[str, str] = {
     "KVzapPress": (
         "kvzap scores with a small model trained per base model (nvidia/KVzap-mlp-<model> or "
@@ -295,6 +297,11 @@ def refusal_reason(
         return (
             f"press {spec!r} cannot run on the embedded model: {_TRAINED_PER_MODEL[cls]}; none exist for "
             "the embedded model, so name it only with a model they were trained for"
+        )
+    if cls in _TRAINED_PER_MODEL and is_gguf_source(model):  # loaded from certkv's cache: no hub name to look up
+        return (
+            f"press {spec!r} cannot run on model {model!r}, converted from a GGUF file: {_TRAINED_PER_MODEL[cls]}; "
+            "kvpress looks them up by the model's hub name, which a converted GGUF does not have"
         )
     if cls in _PER_LAYER_BUDGETS and not nested:
         why = _PER_LAYER_BUDGETS[cls]
