@@ -1,7 +1,7 @@
 """Calibration on Ray: 1 and 2 workers against the local executor, the driver's write cost, kills.
 
 One run, side by side on the same requests (the first N of the demo request file, the demo
-contract's 36 candidates, the embedded model on CPU, every worker and the local run on one torch
+contract's candidates, the embedded model on CPU, every worker and the local run on one torch
 thread, so that all records are bit-for-bit comparable):
 
 - ``local``: ``certkv calibrate`` with the local executor (the reference records);
@@ -246,7 +246,8 @@ def main() -> None:
     others = max(ph["others_cores"] for ph in [*phases.values(), faults])
     results = {
         "requests": n,
-        "contract": "demo (certkv/demo/demo.yaml): its 36 candidates, the first requests of demo.jsonl",
+        "contract": f"demo (certkv/demo/demo.yaml): its {len(contract.candidates())} candidates, the first requests of "
+        "demo.jsonl",
         "candidates": len(contract.candidates()),
         "model": contract.model,
         "device": "cpu",

@@ -253,9 +253,9 @@ def test_demo_contract_validates():
     c = load_contract(DEMO_CONTRACT)
     assert c.name == "demo" and c.model == "embedded" and c.utility == "exact_match"
     assert (c.tolerance, c.risk, c.confidence, c.procedure) == (0.0, 0.05, 0.95, "fixed_sequence")
-    grid = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
-    presses = ("criticalkv", "snapkv", "deferkv", "probabilistic")
-    assert [(p.press, p.kv_retained) for p in c.policies] == [(n, grid) for n in presses]
+    fine = [round(0.9 - 0.05 * i, 2) for i in range(17)]  # 0.9, 0.85, ..., 0.1
+    grid = fine[::2]
+    assert [(p.press, p.kv_retained) for p in c.policies] == [("criticalkv", fine), ("probabilistic", grid)]
     assert c.policies[0].press_kwargs == {"press": "snapkv"}
     assert c.protocol.query_aware  # the presses see the question (chosen on the certified press league)
     gate = c.gate
@@ -263,7 +263,7 @@ def test_demo_contract_validates():
     assert [g.quantiles for g in (gate.confidence, gate.lookahead, gate.learned)] == [
         [0.1, 0.2, 0.3], [0.3, 0.4, 0.5], [0.3, 0.4, 0.5]]
     assert gate.needs_lookahead and not gate.needs_agreement  # calibration records the probe, not the drop
-    assert len(c.sequences()) == 4 * (1 + 3 + 3 + 3)  # per entry: ungated, then one per pilot-gate quantile
+    assert len(c.sequences()) == 2 * (1 + 3 + 3 + 3)  # per entry: ungated, then one per pilot-gate quantile
     # relative to the contract's folder: `certkv demo` copies both files and the store follows the copy
     assert c.resolved_store_path() == DEMO_DIR / "runs" / "demo"
     assert c.resolved_requests_path() == DEMO_REQUESTS

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from conftest import REPO
 
-from certkv.demo import DEMO_REQUESTS
+from certkv.demo import DEMO_CONTRACT, DEMO_REQUESTS
 from certkv.errors import CertkvError
 from certkv.requests.builtin_tasks import TASKS
 from certkv.requests.request_set import generate_requests, parse_context_length, parse_mix, read_jsonl, write_jsonl
@@ -146,6 +147,9 @@ def test_demo_mix_holds_exactly_the_tasks_the_shipped_model_answers():
 def test_packaged_demo_requests_regenerate_byte_for_byte(tmp_path):
     """The demo contract's comment says how its request file was made; that command must still make
     it, byte for byte (generation is deterministic)."""
+    comment = re.search(r"certkv generate builtin:demo --n 1200 --seed (\d+) --context-length 256-512 -o demo.jsonl",
+                        DEMO_CONTRACT.read_text())
+    assert comment, "demo.yaml no longer says how demo.jsonl was made"
     out = tmp_path / "demo.jsonl"
-    write_jsonl(generate_requests("demo", 1200, 0, "256-512"), out)
+    write_jsonl(generate_requests("demo", 1200, int(comment.group(1)), "256-512"), out)
     assert out.read_bytes() == DEMO_REQUESTS.read_bytes()

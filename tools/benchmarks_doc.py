@@ -246,9 +246,9 @@ def gate_quality(data: dict) -> str:
     if procedures:
         parts += [
             "### Fixed-sequence against pilot-ordered testing on the demo store",
-            "The same records and pilot, certified with the contract's fixed-sequence procedure (δ split over its "
-            "40 sequences) and with `pilot_ordered` (one sequence ordered by pilot risk, at the full δ). The demo "
-            "ships the one that saves more KV.",
+            "The same records and pilot, certified with the contract's fixed-sequence procedure (δ split over the "
+            "sequences of the contract measured then) and with `pilot_ordered` (one sequence ordered by pilot risk, "
+            "at the full δ). The demo ships the one that saves more KV.",
             table(
                 ["procedure", "chosen", "mean KV", "violations / n", "bound", "certified"],
                 [[f"`{k}`", v["chosen"], num(v["mean_kv"]), f"{v['violations']}/{v['n']}", num(v["risk_upper_bound"], 4),
