@@ -45,14 +45,14 @@ def _sample_futures(model, prompt, samples, tokens, temperature, seed, stops):
     return futures
 
 
-def _reference_scores(model, enc, futures):
+def _reference_scores(model, enc, futures, aggregate="mean"):
     """Per layer, (H_kv, n_ctx) float64 scores and each entry's largest share of a response query's
     weight (over the futures, queries and query heads of the group). The scores, literally: for
     each future, an eager forward of the prompt and the future's fed tokens (all but its last);
     for each of its response queries (the prompt's last position, then each fed token), each query
     head h and each context entry j, the softmax is recomputed without j, the output with it, and
     ‖W_o^h (o − o_{−j})‖ taken; summed over the query heads of a KV head, averaged over a future's
-    queries, then over the futures."""
+    queries, then averaged over the futures (`aggregate` "mean") or their largest taken ("max")."""
     n_ctx = len(enc.context_ids)
     prompt = enc.context_ids + enc.question_ids
     layers = model.model.layers
@@ -80,14 +80,16 @@ def _reference_scores(model, enc, futures):
                 o_without = torch.softmax(without, dim=-1) @ v
                 projected = torch.einsum("hed,hpd->hpe", w_heads, o - o_without)  # (H, P, hidden)
                 cost[..., j] = projected.norm(dim=-1)
-            score = cost.view(kv_heads, -1, cost.shape[1], n_ctx).sum(dim=1).mean(dim=1) / len(futures)
+            score = cost.view(kv_heads, -1, cost.shape[1], n_ctx).sum(dim=1).mean(dim=1)  # this future's
             largest = a[..., :n_ctx].view(kv_heads, -1, n_ctx).amax(dim=1)
             if len(total) <= layer:
                 total.append(score)
                 share.append(largest)
             else:
-                total[layer] += score
+                total[layer] = torch.maximum(total[layer], score) if aggregate == "max" else total[layer] + score
                 share[layer] = torch.maximum(share[layer], largest)
+    if aggregate == "mean":
+        total = [score / len(futures) for score in total]
     return total, share
 
 
@@ -97,15 +99,31 @@ def test_scores_equal_a_brute_force_deletion(embedded):
     the values, so j's cost carries a relative error of about 1e-7 / (1 − a_j): the tolerance grows
     so. Below 1 − a_j = 1e-6 (this model's second layer has them: a head retrieving one key) that
     error passes 50% and the score is only asserted large: the entry is kept."""
+    distinct, near_exclusive = _compare_with_brute_force(_requests(), "mean")
+    assert distinct, "every request drew one future m times: the mean over futures went untested"
+    assert near_exclusive, "no entry held almost all of a query's weight: the stable branch went untested"
+
+
+def test_max_equals_a_brute_force_worst_future(embedded):
+    """``aggregate: max`` scores each entry by its costliest future: the brute-force per-future
+    costs (each a mean over that future's queries), their largest taken, to the same tolerance."""
+    distinct, _ = _compare_with_brute_force(_requests(1), "max")
+    assert distinct, "the request drew one future m times: the max over futures went untested"
+
+
+def _compare_with_brute_force(requests, aggregate):
+    """Assert the press's scores equal :func:`_reference_scores` on `requests` (3 futures of 3
+    tokens at T = 2, seed 5); returns how many requests drew distinct futures and how many
+    entries held almost all of a response query's weight."""
     from certkv.engine.full_cache import prefill_full
     from certkv.model.generation import encode_request, stop_token_ids
     from certkv.presses.lorekv import LOREKVPress
 
     model, tokenizer = _eager()
     stops = stop_token_ids(model)
-    press = LOREKVPress(compression_ratio=0.7, samples=3, tokens=3, temperature=2.0, seed=5)
+    press = LOREKVPress(compression_ratio=0.7, samples=3, tokens=3, temperature=2.0, seed=5, aggregate=aggregate)
     distinct = near_exclusive = 0
-    for req in _requests():
+    for req in requests:
         enc = encode_request(tokenizer, req.context, req.question)
         cache, _, _ = prefill_full(model, enc.context_ids, observers=[press])
         got = press.scores(model, cache, enc, stops)
@@ -114,7 +132,7 @@ def test_scores_equal_a_brute_force_deletion(embedded):
         assert press.futures == futures, req.id
         distinct += len({tuple(f) for f in futures}) > 1
         with torch.no_grad():
-            want, share = _reference_scores(model, enc, futures)
+            want, share = _reference_scores(model, enc, futures, aggregate)
         kept = [s.topk(max(1, int(len(enc.context_ids) * 0.3)), dim=-1).indices[0] for s in got]
         assert len(got) == len(want)
         for layer, (g, w, largest) in enumerate(zip(got, want, share)):
@@ -127,8 +145,7 @@ def test_scores_equal_a_brute_force_deletion(embedded):
             assert ((g - w).abs() <= tolerance)[~exclusive].all(), (req.id, layer)
             for head, j in exclusive.nonzero().tolist():
                 assert j in kept[layer][head] and g[head, j] > w[head, j] / 2, (req.id, layer, head, j)
-    assert distinct, "every request drew one future m times: the mean over futures went untested"
-    assert near_exclusive, "no entry held almost all of a query's weight: the stable branch went untested"
+    return distinct, near_exclusive
 
 
 def test_engine_and_runtime_answer_from_the_kept_entries(embedded):
@@ -160,6 +177,7 @@ def test_seed_fixes_the_selection_and_bad_settings_fail_at_construction(embedded
     for bad, match in [({"samples": 0}, "samples"), ({"samples": True}, "samples"), ({"tokens": 0}, "tokens"),
                        ({"tokens": 2.0}, "tokens"), ({"seed": -1}, "seed"), ({"temperature": 0}, "temperature"),
                        ({"temperature": math.nan}, "temperature"), ({"temperature": "1"}, "temperature"),
-                       ({"compression_ratio": 1.0}, "compression_ratio")]:
+                       ({"compression_ratio": 1.0}, "compression_ratio"), ({"aggregate": "median"}, "'mean', 'max'"),
+                       ({"aggregate": None}, "aggregate must be one of")]:
         with pytest.raises(ValueError, match=match):
             LOREKVPress(**bad)

@@ -696,6 +696,62 @@ def press_league(data: dict) -> str:
     return "\n\n".join(parts)
 
 
+def press_alternatives(data: dict) -> str:
+    cfg = data["config"]
+    variants = data["variants"]
+    tasks = sorted({t for v in variants.values() for t in v["certified"]["per_task"]})
+    shown = ("0.5", "0.3")
+    league = cfg.get("league_n")
+    compared = "" if league is None else (
+        f"; {'fewer' if cfg['n'] < league else 'more'} than the league's {league}, so the certified retentions are not "
+        "comparable with the league's")
+
+    def kv(x: float) -> str:
+        return "none" if x >= 1.0 else f"{x:.1f}"
+
+    def differ(v: dict) -> str:
+        shares = v.get("answers_differ_by_kv")
+        if not shares:
+            return "—"
+        return " / ".join(pct(shares.get(k)) for k in shown) + f" (vs `{v['versus']}`)"
+
+    rows = []
+    for v in variants.values():
+        cert = v["certified"]
+        rows.append([f"`{v['press']}`", f"`{v['setting']}` ({v['role']})", PROTOCOL_LABELS.get(v["protocol"], v["protocol"])]
+                    + [kv(cert["per_task"][t]["kv_retained"]) for t in tasks]
+                    + [kv(cert["pooled"]["kv_retained"])]
+                    + [pct(v["violation_rate_by_kv"].get(k)) for k in shown]
+                    + [differ(v), times(v["cost_vs_full"])])
+    header = (["press", "setting", "protocol"] + [f"certified kv, {t}" for t in tasks] + ["certified kv, pooled"]
+              + [f"violations at kv {k}" for k in shown] + [f"answers differ at kv {' / '.join(shown)}", "cost vs full"])
+    return "\n\n".join([
+        "## Press alternatives",
+        command(f"python benchmarks/press_alternatives.py --n {cfg['n']}"),
+        "Where a response-aware press's method leaves a choice open, the press's docstring names the choice it made; "
+        "here each is measured once against an alternative, through the press's own setting. Every (press, setting) "
+        f"is a press entry calibrated on {cfg['n']} fresh demo-mix requests (seed {cfg['seed']}, "
+        f"{cfg['context_length']} tokens{compared}) at kv_retained {cfg['kv_retained'][0]} … {cfg['kv_retained'][-1]}, "
+        "in the protocol given (BP-KV question-agnostic only: the query-aware protocol refuses a window above 1), "
+        "and certified on its own as in the league above "
+        f"(ε = {cfg['risk']}, δ = {cfg['delta']}, exact match; per task at δ each, and pooled; `none`: nothing "
+        "certified). Violations: the share of all requests answered wrongly at that retention (context, not a "
+        "certificate). Answers differ: the share of requests one setting answers rightly and the other wrongly, "
+        "against the setting named. LORE-KV's mean and max of the futures' costs coincide on a request whose "
+        "futures are all the same, which the default temperature makes the rule on the embedded model (its "
+        "answers are near-certain), so the pair is measured again at temperature 2.0, where the futures differ. "
+        "DeferKV's `weight: 1.0` takes no part of its score from SnapKV, whose window (in the query-aware "
+        "protocol, the question) that score favours: the decode queries' attention alone decides, and the question's "
+        "own entries can be evicted. Cost: the "
+        f"runtime at kv_retained 0.5 over the full cache, summed over {cfg['cost_requests']} other requests "
+        f"(fastest of {cfg['reps']}).",
+        "Each row is its own certificate: choosing between a press's rows after seeing them is picking the best "
+        "that passed; a setting that looks better here is a reason to change a default and certify it on fresh "
+        "requests.",
+        table(header, rows),
+    ])
+
+
 SECTIONS = {
     "embedded_accuracy": embedded_accuracy,
     "eviction_spread": eviction_spread,
@@ -711,6 +767,7 @@ SECTIONS = {
     "ray_scaling": ray_scaling,
     "serve_load": serve_load,
     "press_league": press_league,
+    "press_alternatives": press_alternatives,
 }
 
 

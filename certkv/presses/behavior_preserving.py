@@ -59,11 +59,13 @@ class BehaviorPreservingPress(ResponseAwarePress):
     ``window``: how many of the prompt's last positions' distributions are averaged (1: the last
     only), at most the question's length, refused above 1 under the query-aware protocol, which
     feeds only the question's last token after the prefill (the context's own positions are prefill
-    queries that see only part of the context). The question is fed over the full cache in ``window`` forwards
-    (all but its last ``window − 1`` tokens, then each of those alone), so every position read is
-    its call's last query, over every key before it. The norm and LM head are
-    checked against the model's own logits at the first position read: a model whose logits are
-    not ``W_U · g ⊙ x / rms(x)`` (soft-capping, a scaled head, a (1 + g) norm) fails loudly.
+    queries that see only part of the context). The default of 1 is measured against ``window: 4``
+    (question-agnostic) in docs/benchmarks.md, "Press alternatives". The question is fed over the
+    full cache in ``window`` forwards (all but its last ``window − 1`` tokens, then each of those
+    alone), so every position read is its call's last query, over every key before it. The norm
+    and LM head are checked against the model's own logits at the first position read: a model
+    whose logits are not ``W_U · g ⊙ x / rms(x)`` (soft-capping, a scaled head, a (1 + g) norm)
+    fails loudly.
     """
 
     window: int = 1

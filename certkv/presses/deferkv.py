@@ -48,7 +48,10 @@ class DeferKVPress(ResponseAwarePress):
     greedy ones (the same calls as the lookahead probe); the normalisation is by the sum; and the
     answer is then decoded from the compressed cache from its first token on, so it depends on the
     compressed cache alone like every other press's (a deployment that keeps the tokens it decoded
-    over the full cache before deciding differs only in those ``decode_queries`` − 1 tokens).
+    over the full cache before deciding differs only in those ``decode_queries`` − 1 tokens). The
+    defaults, one decode query with half of the decision (``decode_queries: 1``, ``weight: 0.5``),
+    are measured against ``decode_queries: 4`` and against the decode queries alone
+    (``weight: 1.0``) in docs/benchmarks.md, "Press alternatives".
     """
 
     prompt_press: ScorerPress = field(default_factory=_default_prompt_press)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 #: Floor of 1 − a_j: a query may put (almost) all its weight on one entry.
 _MIN_REST = 1e-6
+#: How the futures' costs are aggregated: their mean (the expected cost) or their max (the worst future's).
+AGGREGATES = ("mean", "max")
 
 
 @dataclass
@@ -42,8 +44,10 @@ class LOREKVPress(ResponseAwarePress):
     Choices the method leaves open, made here: a future's response queries are the k that draw
     its k tokens (the question feed's last query, then the first k − 1 drawn tokens'; a drawn stop
     token ends a future early); per KV head the cost is *summed* over its group's query heads
-    (evicting an entry removes it for all of them), averaged over a future's queries, then over
-    the futures (the mean: the expected cost, not the worst future's).
+    (evicting an entry removes it for all of them), averaged over a future's queries, then
+    aggregated over the futures by ``aggregate``: ``"mean"`` (the default: the expected cost) or
+    ``"max"`` (the worst future's). The max is measured against the mean in docs/benchmarks.md,
+    "Press alternatives".
 
     Numerics (float32, vectorised per layer): ``‖W_o^h x‖ = ‖R_h x‖`` with R_h (d, d) from the QR
     of W_o^h (hidden, d). The middle form serves every entry with a_j ≤ 1/2 (1 − a_j floored at
@@ -58,6 +62,7 @@ class LOREKVPress(ResponseAwarePress):
     tokens: int = 4
     temperature: float = 1.0
     seed: int = 0
+    aggregate: str = "mean"
     futures: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
     """The token ids drawn by the last :meth:`scores` call, one list per future (for inspection)."""
 
@@ -69,39 +74,48 @@ class LOREKVPress(ResponseAwarePress):
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        if not isinstance(self.aggregate, str) or self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {', '.join(map(repr, AGGREGATES))}, got {self.aggregate!r}")
 
     def scores(self, model: PreTrainedModel, cache: DynamicCache, enc: EncodedRequest,
                stop_ids: Iterable[int]) -> list[torch.Tensor]:
-        """Per layer (1, H_kv, n_ctx) float32: the mean projected deletion cost of each context entry."""
+        """Per layer (1, H_kv, n_ctx) float32: each context entry's projected deletion cost, averaged
+        over a future's queries, then the mean or the max over the futures (``aggregate``)."""
         n_ctx = len(enc.context_ids)
         stops = list(stop_ids)
         generator = torch.Generator().manual_seed(self.seed)
-        weights, outputs, share = [], [], []
+        worst = self.aggregate == "max"
+        weights, outputs, share, future_of = [], [], [], []
         self.futures = []
-        for _ in range(self.samples):
+        for f in range(self.samples):
             probe = lookahead_probe(model, cache, enc.question_ids, n_ctx, self.tokens - 1, stops, outputs=True,
                                     generator=generator, temperature=float(self.temperature))
             assert probe.outputs is not None
             positions = probe.weights.shape[2]
             weights.append(probe.weights)  # (L, H, P_f, n_ctx)
             outputs.append(probe.outputs)  # (L, H, P_f, d)
-            share.append(torch.full((positions,), 1.0 / (positions * self.samples)))
+            share.append(torch.full((positions,), 1.0 / (positions * (1 if worst else self.samples))))
+            future_of.append(torch.full((positions,), f))
             self.futures.append(probe.token_ids)
         a_all = torch.cat(weights, dim=2)  # (L, H, Q, n_ctx), Q = Σ_f P_f
         o_all = torch.cat(outputs, dim=2)  # (L, H, Q, d)
-        per_query = torch.cat(share).to(a_all.device)  # (Q,): 1 / (m · P_f), the mean per future then over futures
-        return [_deletion_cost(a_all[layer], o_all[layer], cache.layers[layer].values[0], module.o_proj.weight, per_query)
-                for layer, module in enumerate(attention_modules(model))]
+        # (Q,): 1 / (m · P_f), the mean per future then over futures; for the max 1 / P_f, per future
+        per_query = torch.cat(share).to(a_all.device)
+        future_index = torch.cat(future_of).to(a_all.device) if worst else None  # (Q,): each query's future
+        return [_deletion_cost(a_all[layer], o_all[layer], cache.layers[layer].values[0], module.o_proj.weight, per_query,
+                               future_index) for layer, module in enumerate(attention_modules(model))]
 
 
 def _deletion_cost(a: torch.Tensor, o: torch.Tensor, values: torch.Tensor, o_proj: torch.Tensor,
-                   per_query: torch.Tensor) -> torch.Tensor:
+                   per_query: torch.Tensor, future_of: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's score (1, H_kv, n_ctx).
 
     `a` (H, Q, n_ctx): the queries' weights on the context keys (normalised over all keys seen);
     `o` (H, Q, d): their attention outputs per head; `values` (H_kv, n_ctx, d): the context's
     cached values; `o_proj` (hidden, H · d): the output projection; `per_query` (Q,): each query's
-    share of the mean. Returns Σ_q per_query[q] · Σ_{h ∈ group} ‖R_h (o − o_{−j})‖ per KV head.
+    share of the mean. Returns Σ_q per_query[q] · Σ_{h ∈ group} ‖R_h (o − o_{−j})‖ per KV head;
+    with `future_of` (Q,), each query's future (0 … m − 1), that sum is taken per future and the
+    largest returned (`per_query` then holds each query's share of its future's mean).
 
     Every entry but a row's largest has a_j ≤ 1/2 and takes a_j / (1 − a_j) · ‖R_h (v_j − o)‖, well
     conditioned there. The largest, when above 1/2, takes a_j · ‖R_h (v_j − o_{−j})‖ with
@@ -131,4 +145,8 @@ def _deletion_cost(a: torch.Tensor, o: torch.Tensor, values: torch.Tensor, o_pro
     cost.scatter_(-1, top, torch.where(a_top > 0.5, stable, cost.gather(-1, top)))
 
     cost = cost.view(kv_heads, groups, -1, n_ctx).sum(dim=1)  # (H_kv, Q, n_ctx)
-    return torch.einsum("hqn,q->hn", cost, per_query.to(cost)).unsqueeze(0)
+    if future_of is None:
+        return torch.einsum("hqn,q->hn", cost, per_query.to(cost)).unsqueeze(0)
+    weighted = cost * per_query.to(cost).view(1, -1, 1)
+    per_future = weighted.new_zeros((kv_heads, int(future_of.max()) + 1, n_ctx)).index_add_(1, future_of, weighted)
+    return per_future.amax(dim=1).unsqueeze(0)  # (1, H_kv, n_ctx): the worst future's cost
