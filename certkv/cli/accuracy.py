@@ -9,10 +9,10 @@ from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 
 def accuracy(
     source: str = typer.Argument(..., help="a JSONL request file or builtin:<mix>"),
-    model: str = typer.Option("embedded", "--model", help="embedded, a local folder or a Hugging Face id"),
+    model: str = typer.Option("embedded", "--model", help="embedded, smollm2-135m, a .gguf file, a folder or a hub id"),
     n: int = typer.Option(0, "--n", help="use at most this many requests (0: all; builtin default 1200)"),
     seed: int = typer.Option(0, "--seed", help="seed for builtin sources"),
-    context_length: str = typer.Option("256-512", "--context-length", help="for builtin sources"),
+    context_length: str = typer.Option("256-512", "--context-length", help="for builtin sources (ruler tasks: 512-8192)"),
     utility: str = typer.Option("exact_match", "--utility", help="exact_match, contains, f1 or rouge_l"),
     max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens"),
     device: str = typer.Option("auto", "--device"),

@@ -18,7 +18,9 @@ SOURCE_HELP = (
     "builtin:<mix> or builtin:<task>=<weight>,... (e.g. builtin:multi_key=2,single_needle=1). "
     f"Mixes: demo = {', '.join(_ANSWERED)}, the tasks the embedded model answers with the full cache; "
     f"all = every task, adding {', '.join(_UNANSWERED)}, which the embedded model fails even with the "
-    "full cache, so on it they measure nothing for eviction (they are for larger models)"
+    "full cache, so on it they measure nothing for eviction (they are for larger models); "
+    "ruler = the RULER families and reading comprehension in natural English, for real models "
+    "(512-8192 model tokens)"
 )
 
 
@@ -26,7 +28,9 @@ def generate(
     source: str = typer.Argument(..., metavar="SOURCE", help=SOURCE_HELP),
     n: int = typer.Option(1200, "--n", help="number of requests"),
     seed: int = typer.Option(0, "--seed", help="seed; request i depends only on (seed, i)"),
-    context_length: str = typer.Option("256-512", "--context-length", help="tokens, e.g. 512 or 256-512 (64-2048)"),
+    context_length: str = typer.Option(
+        "256-512", "--context-length", help="tokens, e.g. 512 or 256-512 (64-2048; ruler tasks 512-8192)"
+    ),
     output: Path = typer.Option(..., "-o", "--output", help="JSONL file to write"),
 ) -> None:
     """Generate a deterministic request set from the built-in long-context tasks."""

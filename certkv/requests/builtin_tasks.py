@@ -14,6 +14,11 @@ Tasks:
 - ``multi_value``: like multi_key, but the asked key has two records; answer both values in order.
 - ``variable_tracking``: chains of assignments ``VAR b = a.``; ask the value at the end of a chain.
 - ``dilution``: the asked code is split in two parts stored in separate records.
+
+:mod:`certkv.requests.natural_tasks` adds the RULER families in natural English for real models
+(``ruler_*`` and ``reading_comprehension``, 512-8192 model tokens). ``TASKS`` keeps only the tasks
+above, the embedded model's (its training, its accuracy table and the ``all`` and ``demo`` mixes
+are about them); ``ALL_TASKS`` holds both, and ``CONTEXT_RANGES`` says which lengths each allows.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from certkv.requests import natural_tasks
+from certkv.requests.natural_tasks import NATURAL_TASKS, NaturalSample
 from certkv.requests.vocabulary import KEY_WORDS, count_tokens
 
 FILLER = [
@@ -177,10 +184,23 @@ TASKS: dict[str, Callable[[random.Random, int], Sample]] = {
     "dilution": dilution,
 }
 
+#: Every built-in task, embedded and natural; request generation looks tasks up here.
+ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {**TASKS, **NATURAL_TASKS}
+
+#: The inclusive context lengths each task allows: the embedded tasks count embedded-tokenizer
+#: tokens up to the embedded model's 2048 positions; the natural ones count model tokens
+#: (:func:`certkv.requests.natural_tasks.count_model_tokens`) and need room for a few paragraphs.
+CONTEXT_RANGES: dict[str, tuple[int, int]] = {
+    **{name: (MIN_CONTEXT, MAX_CONTEXT) for name in TASKS},
+    **{name: (natural_tasks.MIN_CONTEXT, natural_tasks.MAX_CONTEXT) for name in NATURAL_TASKS},
+}
+
 # Named mixtures. `demo` holds only the tasks the embedded model answers with full-KV exact match
 # >= 0.90 (see the README's accuracy table), so that degradation comes from eviction, not from the
 # model: single-needle and multi-key (multi-value, variable tracking and dilution are not learned).
 MIXES: dict[str, dict[str, float]] = {
     "all": {name: 1.0 for name in TASKS},
     "demo": {"single_needle": 1.0, "multi_key": 1.0},
+    # The natural-English tasks, for real models (512-8192 tokens): every RULER family and reading comprehension.
+    "ruler": {name: 1.0 for name in NATURAL_TASKS},
 }

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from certkv.atomic_io import atomic_write
 from certkv.errors import CertkvError, format_validation_error
-from certkv.requests.builtin_tasks import MAX_CONTEXT, MIN_CONTEXT, MIXES, TASKS
+from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, MIXES, TASKS
 
 
 class Request(BaseModel):
@@ -77,8 +77,8 @@ def parse_mix(spec: str) -> dict[str, float]:
     for part in spec.split(","):
         name, _, weight = part.strip().partition("=")
         name = name.strip()
-        if name not in TASKS:
-            known = ", ".join([*MIXES, *TASKS])
+        if name not in ALL_TASKS:
+            known = ", ".join([*MIXES, *ALL_TASKS])
             raise CertkvError(f"unknown task or mix {name!r} in {spec!r}; use one of: {known}")
         try:
             w = float(weight) if weight else 1.0
@@ -90,8 +90,35 @@ def parse_mix(spec: str) -> dict[str, float]:
     return weights
 
 
-def parse_context_length(spec: str | int) -> tuple[int, int]:
-    """Parse `512` or `256-512` into an inclusive (low, high) range within the supported span."""
+def _ranges_text() -> str:
+    """The allowed spans, one per family of tasks, as an error message names them."""
+    spans: dict[tuple[int, int], list[str]] = {}
+    for name, span in CONTEXT_RANGES.items():
+        spans.setdefault(span, []).append(name)
+    return " or ".join(
+        f"{low}-{high} tokens ({'embedded tasks' if set(names) <= set(TASKS) else 'natural-English ruler tasks'})"
+        for (low, high), names in spans.items()
+    )
+
+
+def _mix_range(tasks: Iterable[str]) -> tuple[int, int, str]:
+    """(low, high, which tasks) of the lengths every task of a mix allows; an empty span is an error."""
+    names = sorted(tasks)
+    low = max(CONTEXT_RANGES[t][0] for t in names)
+    high = min(CONTEXT_RANGES[t][1] for t in names)
+    spans = sorted({CONTEXT_RANGES[t] for t in names})
+    what = f"task {names[0]}" if len(names) == 1 else ("this mix" if len(spans) == 1 else "every task of this mix")
+    if low > high:
+        detail = "; ".join(f"{', '.join(t for t in names if CONTEXT_RANGES[t] == span)}: {span[0]}-{span[1]}" for span in spans)
+        raise CertkvError(f"the tasks of this mix allow no common context length ({detail}); generate them separately")
+    return low, high, what
+
+
+def parse_context_length(spec: str | int, tasks: Iterable[str] | None = None) -> tuple[int, int]:
+    """Parse `512` or `256-512` into an inclusive (low, high) range within the supported span.
+
+    With `tasks` (a mix's task names) the span is the one every task allows; without, any span of
+    one family of tasks is accepted (a contract's lengths are checked before its mix is expanded)."""
     text = str(spec).strip()
     low_text, sep, high_text = text.partition("-")
     try:
@@ -99,10 +126,12 @@ def parse_context_length(spec: str | int) -> tuple[int, int]:
         high = int(high_text) if sep else low
     except ValueError:
         raise CertkvError(f"context length {text!r} must be an integer or a range like 256-512") from None
-    if not (MIN_CONTEXT <= low <= high <= MAX_CONTEXT):
-        raise CertkvError(
-            f"context length {text!r} must lie within {MIN_CONTEXT}-{MAX_CONTEXT} tokens, low <= high"
-        )
+    if tasks is not None:
+        lo, hi, what = _mix_range(tasks)
+        if not (lo <= low <= high <= hi):
+            raise CertkvError(f"context length {text!r} must lie within {lo}-{hi} tokens for {what}, low <= high")
+    elif not any(lo <= low <= high <= hi for lo, hi in set(CONTEXT_RANGES.values())):
+        raise CertkvError(f"context length {text!r} must lie within {_ranges_text()}, low <= high")
     return low, high
 
 
@@ -112,10 +141,14 @@ def generate_requests(
     """Generate `n` requests deterministically from `seed`.
 
     The task of request i is drawn from the mix's weights, its context length uniformly from the
-    range; request i depends only on (seed, i), so a larger `n` extends a smaller set.
+    range; request i depends only on (seed, i), so a larger `n` extends a smaller set. The range
+    must be one every task of the mix allows (embedded tasks 64-2048, natural ones 512-8192).
     """
     weights = parse_mix(mix) if isinstance(mix, str) else dict(mix)
-    low, high = context_length if isinstance(context_length, tuple) else parse_context_length(context_length)
+    if isinstance(context_length, tuple):
+        low, high = parse_context_length(f"{context_length[0]}-{context_length[1]}", weights)
+    else:
+        low, high = parse_context_length(context_length, weights)
     if n < 1:
         raise CertkvError(f"--n must be at least 1, got {n}")
     names = sorted(weights)
@@ -124,11 +157,9 @@ def generate_requests(
         rng = random.Random(f"certkv/{seed}/{i}")
         task = rng.choices(names, weights=[weights[t] for t in names])[0]
         length = rng.randint(low, high)
-        sample = TASKS[task](rng, length)
+        sample = ALL_TASKS[task](rng, length)
         question, answer = rng.choice(sample.qa)
-        out.append(
-            Request(id=f"{task}-s{seed}-{i:06d}", task=task, context=sample.context, question=question, answers=[answer])
-        )
+        out.append(Request(id=f"{task}-s{seed}-{i:06d}", task=task, context=sample.context, question=question, answers=[answer]))
     return out
 
 
