@@ -55,11 +55,12 @@ def larger_llama(tokenizer, heads: int = 16, kv_heads: int = 4):
     return model
 
 
-def full_answer(model, tokenizer, context: str, question: str, max_new_tokens: int, query_aware: bool) -> list[int]:
+def full_answer(model, tokenizer, request, max_new_tokens: int, query_aware: bool) -> list[int]:
     """The full-cache answer alone (one plain prefill and a greedy decode), under the protocol."""
     from certkv.model.generation import encode_request, for_protocol, full_kv_ids
 
-    return full_kv_ids(model, for_protocol(encode_request(tokenizer, context, question), query_aware), max_new_tokens)
+    enc = encode_request(tokenizer, request.context, request.question, request.answer_prefix)
+    return full_kv_ids(model, for_protocol(enc, query_aware), max_new_tokens)
 
 
 def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool, query_aware: bool = False) -> dict:
@@ -74,8 +75,8 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool, query_
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device)
     # Warm up every path once.
     r0 = requests[0]
-    engine.run(r0.context, r0.question)
-    full_answer(model, tokenizer, r0.context, r0.question, max_new_tokens, query_aware)
+    engine.run(r0.context, r0.question, r0.answer_prefix)
+    full_answer(model, tokenizer, r0, max_new_tokens, query_aware)
     totals = {"full": 0.0, "certkv": 0.0, "naive": 0.0}
     verify = 0.0
     breakdown: dict[str, float] = {}
@@ -88,9 +89,9 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool, query_
             for name in (("full", "certkv") if (i + rep) % 2 == 0 else ("certkv", "full")):
                 t = time.perf_counter()
                 if name == "full":
-                    out = full_answer(model, tokenizer, r.context, r.question, max_new_tokens, query_aware)
+                    out = full_answer(model, tokenizer, r, max_new_tokens, query_aware)
                 else:
-                    out = engine.run(r.context, r.question)
+                    out = engine.run(r.context, r.question, r.answer_prefix)
                 seconds = time.perf_counter() - t
                 if name not in best or seconds < best[name][0]:
                     best[name] = (seconds, out)
@@ -102,8 +103,9 @@ def measure(model, tokenizer, requests, max_new_tokens: int, naive: bool, query_
             breakdown[k] = breakdown.get(k, 0.0) + v
         if naive:
             t = time.perf_counter()
-            pipe(r.context, question=r.question, max_new_tokens=max_new_tokens)
-            answers = [pipe(r.context, question=r.question, press=c.press, max_new_tokens=max_new_tokens)["answer"]
+            pipe(r.context, question=r.question, answer_prefix=r.answer_prefix, max_new_tokens=max_new_tokens)
+            answers = [pipe(r.context, question=r.question, answer_prefix=r.answer_prefix, press=c.press,
+                            max_new_tokens=max_new_tokens)["answer"]
                        for c in candidates]
             totals["naive"] += time.perf_counter() - t
             agree += sum(a == got.answer for a, got in zip(answers, result.candidates))

@@ -51,7 +51,7 @@ def main() -> None:
     engine = Engine(model, tok, candidates, agreement={})
     drops, certs = [], {c.policy: [] for c in candidates}
     for r in generate_requests("demo", args.n, seed=PILOT_SEED, context_length=(256, 512)):
-        result = engine.run(r.context, r.question)
+        result = engine.run(r.context, r.question, r.answer_prefix)
         drops.append(result.agreement_drop)
         for c in result.candidates:
             certs[c.policy].append(c.certificate_max)

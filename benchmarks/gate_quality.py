@@ -64,7 +64,7 @@ def run_signals(requests, candidates) -> list[dict]:
     engine = Engine(model, tok, candidates, agreement={}, lookahead_tokens=LOOKAHEAD_TOKENS)
     rows = []
     for r in requests:
-        result = engine.run(r.context, r.question)
+        result = engine.run(r.context, r.question, r.answer_prefix)
         for c in result.candidates:
             rows.append({
                 "request_id": r.id, "task": r.task, "policy": c.policy,

@@ -81,7 +81,7 @@ def pilot_records(model, tokenizer, requests) -> dict[str, list[dict]]:
     engine = Engine(model, tokenizer, candidates, max_new_tokens=8, agreement={}, lookahead_tokens=LOOKAHEAD_TOKENS)
     out: dict[str, list[dict]] = {c.policy: [] for c in candidates}
     for r in requests:
-        result = engine.run(r.context, r.question)
+        result = engine.run(r.context, r.question, r.answer_prefix)
         for c in result.candidates:
             out[c.policy].append({
                 "agreement_drop": result.agreement_drop, "certificate_max": c.certificate_max,

@@ -20,6 +20,16 @@ def test_generate_writes_requests(tmp_path):
     assert set(rows[0]) == {"id", "task", "context", "question", "answers"}
 
 
+def test_accuracy_reports_the_tasks_the_model_fails_at_full_kv():
+    """The embedded model answers single_needle and fails multi_value with the full cache; the table
+    says which, and a line names the failing task."""
+    res = run_cli("accuracy", "builtin:single_needle=1,multi_value=1", "--n", "8", "--seed", "2", "--context-length", "64-96")
+    assert res.returncode == 0, res.stderr
+    rows = {line.split()[1]: line for line in res.stdout.splitlines() if line.startswith("│ ") and "_" in line}
+    assert "answers" in rows["single_needle"] and "fails" in rows["multi_value"], res.stdout
+    assert "fails 1 task(s) with the full cache" in res.stdout and "multi_value;" in " ".join(res.stdout.split())
+
+
 def _assert_clean_error(res, *fragments):
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
     assert "Traceback" not in res.stderr

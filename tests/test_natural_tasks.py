@@ -162,6 +162,18 @@ def test_split_answer_prefix():
     assert split_answer_prefix("no prefix here") == ("no prefix here", "")
 
 
+def test_builtin_natural_requests_carry_the_answer_prefix_in_its_own_field():
+    """A ``builtin:ruler`` request's question ends with its ask; the prefix RULER puts at the start of
+    the model's turn is the request's ``answer_prefix``, written to JSONL (the embedded tasks have
+    none, and their records stay as before)."""
+    for r in generate_requests("ruler", 16, seed=3, context_length=512):
+        assert r.question.startswith("\n\nQuestion: ") and r.question.rstrip().endswith(("?", "."))
+        assert r.answer_prefix and "Answer:" not in r.question, r.id
+        assert r.as_record()["answer_prefix"] == r.answer_prefix
+    demo = generate_requests("demo", 4, seed=3, context_length=128)
+    assert all(r.answer_prefix == "" and "answer_prefix" not in r.as_record() for r in demo)
+
+
 def test_count_model_tokens_prices_pieces():
     assert count_model_tokens("") == 0
     assert count_model_tokens("the garden") == 2
@@ -225,7 +237,7 @@ def test_every_word_written_costs_at_most_its_price():
     tok = _smollm2_tokenizer()
     words = set()
     for r in generate_requests("ruler", 48, seed=12, context_length="512-2048"):
-        words |= set(re.findall(r"[A-Za-z]+", r.context + r.question))
+        words |= set(re.findall(r"[A-Za-z]+", f"{r.context} {r.question} {r.answer_prefix}"))
     over = {w: n for w in sorted(words) if (n := len(tok.encode(" " + w, add_special_tokens=False))) > nt._word_cost(w)}
     assert not over, over
 
@@ -241,9 +253,9 @@ def test_real_smollm2_token_counts_fit_the_requested_length():
 
     for length in (512, 2048, 8192):
         for r in generate_requests("ruler", 16 if length < 8192 else 8, seed=11, context_length=length):
-            real = len(tok.encode(r.context, add_special_tokens=False)) + len(tok.encode(r.question, add_special_tokens=False))
-            assert real <= count_model_tokens(r.context + r.question) <= length - RESERVED_TOKENS, r.id
+            real = sum(len(tok.encode(text, add_special_tokens=False)) for text in (r.context, r.question, r.answer_prefix))
+            assert real <= count_model_tokens(f"{r.context}{r.question} {r.answer_prefix}") <= length - RESERVED_TOKENS, r.id
             floor = 0.55 if r.task == "ruler_frequent_words" else 0.75 if length == 512 else 0.8
             assert real >= floor * length, (r.id, real)
-            enc = encode_request(tok, r.context, r.question)
+            enc = encode_request(tok, r.context, r.question, r.answer_prefix)
             assert len(enc.context_ids) + len(enc.question_ids) + 8 <= length, r.id

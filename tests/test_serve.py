@@ -137,6 +137,24 @@ def test_completion_equals_the_runtime_in_process(servers, requests, embedded):
         assert plain["choices"][0]["text"] == expect.answer
 
 
+def test_an_answer_prefix_opens_the_answer_as_in_process(servers, requests, embedded):
+    """``answer_prefix`` (an extension field, as a calibration request's) goes after the question
+    on the server as in the runtime; it changes what the model decodes, so the check can fail."""
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    a = servers["a"]
+    runtime = CertifiedRuntime(*embedded, a.op_path)
+    differ = 0
+    for r in requests[:3]:
+        prefix = r.answers[0].split()[0]
+        expect = runtime.generate(r.context, r.question, answer_prefix=prefix)
+        out = httpx.post(a.url + "/v1/completions", json={**_body(r), "answer_prefix": prefix}, headers=AUTH,
+                         timeout=60).json()
+        assert out["choices"][0]["text"] == expect.answer, r.id
+        differ += expect.answer != runtime.generate(r.context, r.question).answer
+    assert differ > 0, "the prefix changed no answer: the check cannot tell it was applied"
+
+
 def test_a_query_aware_point_is_served_in_its_protocol(servers, requests, embedded):
     """The server follows the operating point's protocol: its answers are the in-process runtime's
     under query_aware, and /health says which protocol it serves."""
@@ -307,10 +325,10 @@ def test_a_failing_request_is_500_for_it_alone(embedded, tmp_path, requests):
     runtime = CertifiedRuntime(*embedded, _operating_point(0.5, 0.5))
     real = runtime.generate
 
-    def generate(context, question, stratum=None):
+    def generate(context, question, stratum=None, **kwargs):
         if question == "boom":
             raise RuntimeError("kaboom")
-        return real(context, question, stratum)
+        return real(context, question, stratum, **kwargs)
 
     runtime.generate = generate
     service = Service(runtime, RiskMonitor(0.5, 0.1, 0.5), None, None, Metrics(), max_queue=4)

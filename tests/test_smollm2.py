@@ -5,7 +5,8 @@ What the embedded model's tests prove, checked again on a real model and its rea
 
 * the engine answers exactly as kvpress's own pipeline (its chat-template preprocessing, its
   prefill hooks, its decode), token for token, on 10 requests for SnapKV, StreamingLLM and K-norm,
-  question-agnostic, greedy;
+  question-agnostic, greedy, and on 2 natural-English requests whose answer prefix opens the
+  model's turn (kvpress's ``answer_prefix``);
 * calibrate → certify → CertifiedRuntime: for a gated operating point the runtime's answer and
   decision on every calibration request are the store's records (a certified agreement-drop gate,
   which decides before the decode, and a confidence gate, which escalates after it).
@@ -78,6 +79,16 @@ def test_engine_equals_kvpress_pipeline_token_for_token(smol):
             changed[cand.press_name] += got.answer != result.full.answer
     # eviction changed answers under every press, so equal answers are not equal by default
     assert all(changed.values()), changed
+    # A request with an answer prefix (RULER's, at the start of the model's turn) is encoded as
+    # kvpress's pipeline encodes its `answer_prefix`; the full cache continues it with the value.
+    for req in generate_requests("ruler_single_needle", 2, seed=7, context_length=512):
+        assert req.answer_prefix
+        result = engine.run(req.context, req.question, req.answer_prefix)
+        assert result.full.answer.strip().rstrip(".") == req.answers[0], (req.id, result.full.answer)
+        for cand, got in zip(candidates, result.candidates):
+            want = pipe(req.context, question=req.question, answer_prefix=req.answer_prefix, press=cand.press,
+                        max_new_tokens=MAX_NEW_TOKENS)["answer"]
+            assert got.answer == want, (req.id, cand.policy)
 
 
 # -- calibrate → certify → CertifiedRuntime ---------------------------------------------------------

@@ -310,12 +310,12 @@ def calibrate_request(
     """Request → rows: ``(rows, None)``, the store rows of :func:`request_rows`, or ``(None, reason)``
     when the request cannot run. The one per-request step of every executor; raises
     :class:`CertkvError` on a systematic press failure (a run must stop, not skip every request)."""
-    enc = encode_request(tokenizer, request.context, request.question)
+    enc = encode_request(tokenizer, request.context, request.question, request.answer_prefix)
     reason = skip_reason(request, len(enc.context_ids), len(enc.question_ids), contract, max_positions)
     if reason is not None:
         return None, reason
     try:
-        result = engine.run(request.context, request.question)
+        result = engine.run(request.context, request.question, request.answer_prefix)
     except RequestNotRunnable as exc:
         return None, str(exc)
     except AssertionError as exc:

@@ -216,11 +216,12 @@ class Engine:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def run(self, context: str, question: str) -> RequestResult:
-        """Every answer of one request under the engine's protocol; ``context_length`` in the
-        result is the prefill's length (the context, and in the query-aware protocol the question
-        but its last token), which the kept fractions are shares of."""
-        enc = for_protocol(encode_request(self.tokenizer, context, question), self.query_aware)
+    def run(self, context: str, question: str, answer_prefix: str = "") -> RequestResult:
+        """Every answer of one request under the engine's protocol (`answer_prefix` after the
+        question, see :func:`encode_request`); ``context_length`` in the result is the prefill's
+        length (the context, and in the query-aware protocol the question but its last token),
+        which the kept fractions are shares of."""
+        enc = for_protocol(encode_request(self.tokenizer, context, question, answer_prefix), self.query_aware)
         n_ctx = len(enc.context_ids)
         reason = self.precondition_failure(n_ctx)
         if reason:

@@ -31,7 +31,9 @@ class EncodedRequest:
 
 
 def encode_request(tokenizer: PreTrainedTokenizerBase, context: str, question: str, answer_prefix: str = "") -> EncodedRequest:
-    """Encode as kvpress's pipeline does (its `preprocess`)."""
+    """Encode as kvpress's pipeline does (its `preprocess`), with `answer_prefix` (the start of the
+    answer, empty by default) after the question's suffix: after the chat template's assistant
+    header, or after the line break of a model without a template."""
     if tokenizer.chat_template is None:
         context_text = (tokenizer.bos_token or "") + context
         suffix = "\n"
@@ -148,7 +150,7 @@ def full_kv_ids(model: PreTrainedModel, enc: EncodedRequest, max_new_tokens: int
 
 
 def full_kv_answer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, context: str, question: str,
-                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> str:
-    """Answer one request with the full cache (no eviction)."""
-    ids = full_kv_ids(model, encode_request(tokenizer, context, question), max_new_tokens)
+                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, answer_prefix: str = "") -> str:
+    """Answer one request with the full cache (no eviction); the text decoded after `answer_prefix`."""
+    ids = full_kv_ids(model, encode_request(tokenizer, context, question, answer_prefix), max_new_tokens)
     return tokenizer.decode(ids, skip_special_tokens=True)

@@ -33,9 +33,11 @@ Three choices shape everything below:
   question starts a paragraph of its own (``\n\nQuestion: ...``): certkv encodes context and
   question separately and joins them.
 
-  A chat model reads the answer prefix best at the start of its own turn, where RULER puts it; a
-  request here carries it at the end of the question (certkv's request has no field for it), and
-  :func:`split_answer_prefix` recovers it for an encoder that places it there.
+  A chat model reads the answer prefix best at the start of its own turn, where RULER puts it (in
+  the question, SmolLM2-135M restates it and exact match falls to 0 on every task): a sample's
+  questions carry it after an ``Answer:`` mark, and ``builtin:`` request sets split it off with
+  :func:`split_answer_prefix` into the request's ``answer_prefix``, which encoding places after the
+  chat template's assistant header.
 
 Tasks (the name each has in ``builtin:<mix>``):
 
@@ -544,9 +546,9 @@ def split_answer_prefix(question: str) -> tuple[str, str]:
     """(the question without its answer prefix, the answer prefix) of a question of these tasks.
 
     Why: RULER puts the answer prefix at the start of the model's own turn, after the chat
-    template's assistant header; certkv encodes a request's question whole inside the user turn,
-    where a chat model tends to restate the prefix instead of continuing it. This split is what an
-    encoder needs to put the prefix where RULER does (``encode_request(..., answer_prefix=)``)."""
+    template's assistant header; inside the user turn a chat model tends to restate the prefix
+    instead of continuing it. A request's ``answer_prefix`` takes the second part, which
+    ``encode_request(..., answer_prefix=)`` places where RULER does."""
     ask, mark, prefix = question.rpartition(ANSWER_MARK)
     if not mark:
         return question, ""

@@ -1,6 +1,7 @@
 """Calibration requests: the record type, the built-in generator and JSONL input/output.
 
-A request is ``{id, task, context, question, answers}``. Request sets are JSONL files (one request
+A request is ``{id, task, context, question, answers}``, with an optional ``answer_prefix`` and
+``metadata``. Request sets are JSONL files (one request
 per line) or ``builtin:<mix>`` specifications generated on the fly from a seed.
 """
 
@@ -17,11 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from certkv.atomic_io import atomic_write
 from certkv.errors import CertkvError, format_validation_error
 from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, MIXES, TASKS
+from certkv.requests.natural_tasks import NATURAL_TASKS, split_answer_prefix
 
 
 class Request(BaseModel):
-    """One calibration request; `answers` lists every acceptable answer. `metadata` holds any
-    other labels of the request (a contract may certify per value of one: ``strata.by``)."""
+    """One calibration request; `answers` lists every acceptable answer. `answer_prefix` is text
+    the answer starts with, placed after the question as the start of the model's own turn (after
+    a chat template's assistant header; RULER's "The special magic number ... is"): a chat model
+    continues a prefix there, where inside the question it tends to restate it. `metadata` holds
+    any other labels of the request (a contract may certify per value of one: ``strata.by``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -30,12 +35,15 @@ class Request(BaseModel):
     context: str
     question: str
     answers: list[str]
+    answer_prefix: str = ""
     metadata: dict[str, str | int | float | bool] = Field(default_factory=dict)
 
     def as_record(self) -> dict:
-        """The request as written to JSONL and hashed: ``metadata`` only when it holds something,
-        so request files and store digests made before it existed are unchanged."""
-        return self.model_dump(exclude=None if self.metadata else {"metadata"})
+        """The request as written to JSONL and hashed: ``answer_prefix`` and ``metadata`` only when
+        they hold something, so request files and store digests made before they existed are
+        unchanged."""
+        empty = {name for name in ("answer_prefix", "metadata") if not getattr(self, name)}
+        return self.model_dump(exclude=empty or None)
 
 
 def stratum_of(request: Request, by: str) -> str | None:
@@ -159,7 +167,11 @@ def generate_requests(
         length = rng.randint(low, high)
         sample = ALL_TASKS[task](rng, length)
         question, answer = rng.choice(sample.qa)
-        out.append(Request(id=f"{task}-s{seed}-{i:06d}", task=task, context=sample.context, question=question, answers=[answer]))
+        question, prefix = split_answer_prefix(question) if task in NATURAL_TASKS else (question, "")
+        out.append(
+            Request(id=f"{task}-s{seed}-{i:06d}", task=task, context=sample.context, question=question, answers=[answer],
+                    answer_prefix=prefix)
+        )
     return out
 
 

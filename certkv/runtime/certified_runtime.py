@@ -230,7 +230,13 @@ class CertifiedRuntime:
     # -- answering ----------------------------------------------------------------------------
 
     def generate(
-        self, context: str, question: str, stratum: str | None = None, *, max_new_tokens: int | None = None
+        self,
+        context: str,
+        question: str,
+        stratum: str | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        answer_prefix: str = "",
     ) -> RuntimeAnswer:
         """Answer one request greedily; the decision record says which cache answered and why.
 
@@ -247,6 +253,9 @@ class CertifiedRuntime:
             given stratum was calibrated.
         max_new_tokens : int, optional
             Must equal the calibrated decode length when given.
+        answer_prefix : str, optional
+            Text the answer starts with, after the question (after a chat template's assistant
+            header), as the calibration request's ``answer_prefix``; the answer is what follows it.
 
         Returns
         -------
@@ -254,30 +263,43 @@ class CertifiedRuntime:
             ``answer`` (text), ``token_ids``, ``decision`` (:class:`Decision`: ``mode`` "evicted"
             or "full", ``reason``, the gate signals, realised KV) and ``seconds`` per phase.
         """
-        return self._answer(context, question, stratum, max_new_tokens, None)
+        return self._answer(context, question, answer_prefix, stratum, max_new_tokens, None)
 
     def answer_from_full_cache(
-        self, context: str, question: str, stratum: str | None = None, *, reason: str, detail: str | None = None
+        self,
+        context: str,
+        question: str,
+        stratum: str | None = None,
+        *,
+        reason: str,
+        detail: str | None = None,
+        answer_prefix: str = "",
     ) -> RuntimeAnswer:
         """Answer from the full cache whatever the operating point says, with `reason` (and
         `detail`) in the decision: what a caller that overrides the certificate needs (``certkv
         serve``'s monitor, its shadows), through :meth:`generate`'s checks, stratum routing and
         decoding."""
-        return self._answer(context, question, stratum, None, (reason, detail))
+        return self._answer(context, question, answer_prefix, stratum, None, (reason, detail))
 
     def _answer(
-        self, context: str, question: str, stratum: str | None, max_new_tokens: int | None, forced: tuple[str, str | None] | None
+        self,
+        context: str,
+        question: str,
+        answer_prefix: str,
+        stratum: str | None,
+        max_new_tokens: int | None,
+        forced: tuple[str, str | None] | None,
     ) -> RuntimeAnswer:
         """:meth:`generate`, or with `forced` = (reason, detail) the full cache for that reason."""
         max_new = self.max_new_tokens if max_new_tokens is None else self._decode_length(max_new_tokens)
-        for name, value in (("context", context), ("question", question)):
+        for name, value in (("context", context), ("question", question), ("answer_prefix", answer_prefix)):
             if not isinstance(value, str):
                 raise CertkvError(f"{name} must be a string, got {type(value).__name__}")
         if stratum is not None and not isinstance(stratum, str):
             raise CertkvError(f"stratum must be a string or None, got {type(stratum).__name__}")
         if stratum in self.strata:
-            return self.strata[stratum]._answer(context, question, stratum, max_new, forced)
-        enc = encode_request(self.tokenizer, context, question)
+            return self.strata[stratum]._answer(context, question, answer_prefix, stratum, max_new, forced)
+        enc = encode_request(self.tokenizer, context, question, answer_prefix)
         if not enc.context_ids:
             raise CertkvError("the context is empty; certkv answers questions about a context")
         if self.query_aware and not enc.question_ids:

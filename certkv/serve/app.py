@@ -222,7 +222,7 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
             return fail(route, 422, f"max_tokens: the operating point is certified for answers of {max_new} tokens; "
                         "omit max_tokens or pass that", "invalid_request_error", "max_tokens", "invalid_value")
         try:
-            future = service.submit(context, question, req.stratum, req.reference_answers())
+            future = service.submit(context, question, req.stratum, req.reference_answers(), req.answer_prefix)
         except QueueFull:
             return fail(route, 503, f"the queue is full ({service.max_queue} requests waiting); retry later",
                         "server_error", None, "queue_full", {"Retry-After": str(service.retry_after())})

@@ -18,6 +18,10 @@ text is which. The rule, the same for both endpoints:
 4. Chat ``messages`` of exactly two: a ``system`` or ``user`` message holding the context, then a
    ``user`` message holding the question (no split marker needed).
 
+An ``answer_prefix`` (extension field) is text the answer starts with, placed after the question
+as a calibration request's is (after the chat template's assistant header); the answer returned is
+what follows it.
+
 Anything else (no text, the marker missing or repeated, assistant or tool turns, more than two
 messages, a prompt list) is refused with 422 and the reason. Decoding is greedy at the calibrated
 length (that is what the certificate covers): ``max_tokens`` may only equal it, ``n`` may only be
@@ -46,6 +50,8 @@ class _Request(BaseModel):
     context: str | None = None
     question: str | None = None
     stratum: str | None = None
+    answer_prefix: str = Field(
+        default="", description="text the answer starts with, after the question (as a calibration request's answer_prefix)")
     answers: list[str] | str | None = Field(
         default=None, description="reference answers, read only by the shadow's utility (else agreement)")
     stream: bool = False

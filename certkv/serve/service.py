@@ -64,6 +64,7 @@ class _Live:
     stratum: str | None
     answers: list[str] | None
     future: Future[Served]
+    answer_prefix: str = ""
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -116,9 +117,11 @@ class Service:
             return self.monitor.streams[0]
         return stratum if stratum in self.monitor.streams else None
 
-    def submit(self, context: str, question: str, stratum: str | None, answers: list[str] | None) -> Future[Served]:
+    def submit(
+        self, context: str, question: str, stratum: str | None, answers: list[str] | None, answer_prefix: str = ""
+    ) -> Future[Served]:
         rid = f"req-{next(self._ids)}"
-        job = _Live(rid, context, question, stratum, answers, Future())
+        job = _Live(rid, context, question, stratum, answers, Future(), answer_prefix=answer_prefix)
         with self._cv:
             if self._stopping:
                 raise Stopping()
@@ -187,9 +190,9 @@ class Service:
             answer = self.runtime.answer_from_full_cache(
                 job.context, job.question, job.stratum, reason="monitor",
                 detail=f"the live monitor tripped on stream {stream!r} after {s['tripped_after']} requests; "
-                       "answering from the full cache until restart")
+                       "answering from the full cache until restart", answer_prefix=job.answer_prefix)
         else:
-            answer = self.runtime.generate(job.context, job.question, job.stratum)
+            answer = self.runtime.generate(job.context, job.question, job.stratum, answer_prefix=job.answer_prefix)
         decision: Any = answer.decision  # a Decision: built with make_dataclass, no fields a type checker sees
         evicted = decision.mode == "evicted"
         shadowed = False
@@ -202,7 +205,7 @@ class Service:
                 with self._cv:
                     self._shadows.append(ShadowJob(request_id=job.request_id, stream=stream, stratum=job.stratum,
                                                    context=job.context, question=job.question, answers=job.answers,
-                                                   served=answer, ticket=ticket))
+                                                   served=answer, ticket=ticket, answer_prefix=job.answer_prefix))
         rt = self.runtime  # every stratum's runtime shares its model (stop tokens) and decode length
         ids = answer.token_ids
         finish = "length" if len(ids) >= rt.max_new_tokens and not (ids and ids[-1] in rt.stop_ids) else "stop"

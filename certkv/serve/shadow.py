@@ -73,6 +73,8 @@ class ShadowJob:
     """The :class:`~certkv.core.monitor.RiskMonitor` ticket."""
     submitted: float = field(default_factory=time.monotonic)
     """When the job was queued (monotonic seconds), for the record's queueing delay."""
+    answer_prefix: str = ""
+    """The request's answer prefix (the full answer starts after it too)."""
 
 
 class ShadowRunner:
@@ -140,7 +142,9 @@ class ShadowRunner:
         if decision.mode == "full":
             full_answer, seconds = served.answer, {}
         else:
-            full = runtime.answer_from_full_cache(job.context, job.question, job.stratum, reason="shadow")
+            full = runtime.answer_from_full_cache(
+                job.context, job.question, job.stratum, reason="shadow", answer_prefix=job.answer_prefix
+            )
             full_answer, seconds = full.answer, full.seconds
         answers = [str(a) for a in job.answers] if job.answers else None
         utility_name = entry.contract.utility
