@@ -1,10 +1,12 @@
-"""Full-KV exact match of the embedded model per task and context length.
+"""Full-KV exact match of a model per task and context length: the embedded model on its tasks,
+or a real model (``--model smollm2-135m``) on the natural-English RULER tasks.
 
 Fresh requests from a seed the training never used (training draws its own samples from
 ``random.Random("train/...")``; request sets use ``certkv/<seed>/<i>``).
 
     python benchmarks/embedded_accuracy.py                 # 500 per task at 256 and 512 tokens
     python benchmarks/embedded_accuracy.py --n 100 --lengths 128 256 512 1024 2048
+    python benchmarks/embedded_accuracy.py --model smollm2-135m --n 10 10 3 --lengths 512 2048 8192
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 from certkv.requests.builtin_tasks import TASKS
+from certkv.requests.natural_tasks import NATURAL_TASKS
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -27,32 +30,41 @@ def main() -> None:
     from certkv.requests.request_set import generate_requests
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=500, help="requests per task and length")
-    p.add_argument("--lengths", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--model", default="embedded", help="embedded (its tasks) or a real model (the ruler tasks)")
+    p.add_argument("--n", type=int, nargs="+", default=[500], help="requests per task at each length (one: at every length)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="default: 256 512 (embedded), 512 2048 8192")
     p.add_argument("--seed", type=int, default=90210)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS / "embedded_accuracy.json"))
+    p.add_argument("--out", default=None, help="default: results/embedded_accuracy.json, or <model>_accuracy.json")
     args = p.parse_args()
+    embedded = args.model == "embedded"
+    lengths = args.lengths or ([256, 512] if embedded else [512, 2048, 8192])
+    out_path = Path(args.out) if args.out else RESULTS / ("embedded_accuracy.json" if embedded else
+                                                         f"{args.model.replace('-', '_')}_accuracy.json")
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model("embedded", device="cpu")
+    model, tokenizer = load_model(args.model, device="cpu")
+    tasks = TASKS if embedded else NATURAL_TASKS
+    if len(args.n) not in (1, len(lengths)):
+        p.error(f"--n gives {len(args.n)} counts for {len(lengths)} lengths; give one, or one per length")
+    n_at = dict(zip(lengths, args.n * len(lengths) if len(args.n) == 1 else args.n))
     table: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
-    for length in args.lengths:
-        for task in TASKS:
-            reqs = generate_requests(task, args.n, seed=args.seed, context_length=length)
+    for length in lengths:
+        for task in tasks:
+            reqs = generate_requests(task, n_at[length], seed=args.seed, context_length=length)
             (n, acc), = [v for k, v in full_kv_accuracy(model, tokenizer, reqs, progress=False).items() if k == task]
             table.setdefault(task, {})[str(length)] = acc
             print(f"{task:18s} {length:5d} tokens: {acc:.3f} ({n} requests)", flush=True)
     out = {
-        "model": model_fingerprint("embedded"),  # tests check that the shipped demo mix follows this table
-        "n_per_cell": args.n, "seed": args.seed, "exact_match": table, "seconds": time.perf_counter() - t0,
+        "model": model_fingerprint(args.model),  # tests check that the shipped demo mix follows the embedded table
+        "n_per_cell": args.n[0] if len(args.n) == 1 else {str(L): n_at[L] for L in lengths}, "seed": args.seed, "exact_match": table, "seconds": time.perf_counter() - t0,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    header = "| task | " + " | ".join(f"{L} tokens" for L in args.lengths) + " |"
-    print("\n" + header + "\n|" + "---|" * (len(args.lengths) + 1))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=2) + "\n")
+    header = "| task | " + " | ".join(f"{L} tokens" for L in lengths) + " |"
+    print("\n" + header + "\n|" + "---|" * (len(lengths) + 1))
     for task, row in table.items():
-        print(f"| {task} | " + " | ".join(f"{row[str(L)]:.3f}" for L in args.lengths) + " |")
+        print(f"| {task} | " + " | ".join(f"{row[str(L)]:.3f}" for L in lengths) + " |")
 
 
 if __name__ == "__main__":

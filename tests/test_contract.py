@@ -154,6 +154,12 @@ def test_builtin_source_and_context_length(tmp_path):
     assert "unknown task or mix" in error_of(tmp_path, replace("source: requests.jsonl", "source: builtin:nope"))
     jsonl_with_length = replace("source: requests.jsonl", "source: requests.jsonl\n  context_length: 512")
     assert "context_length applies only to builtin" in error_of(tmp_path, jsonl_with_length)
+    # a mix's lengths must be ones its tasks allow, given or by default, at load (not at generation)
+    ruler_short = replace("source: requests.jsonl", "source: builtin:ruler\n  context_length: 256-512")
+    assert "must lie within 512-8192 tokens for this mix" in error_of(tmp_path, ruler_short)
+    ruler_default = replace("source: requests.jsonl", "source: builtin:ruler_single_needle")
+    assert "(the default; set requests.context_length)" in error_of(tmp_path, ruler_default)
+    load_contract(write(tmp_path, replace("source: requests.jsonl", "source: builtin:ruler\n  context_length: 512-1024")))
 
 
 # -- malformed contracts: one line each, naming the field ---------------------------------------
