@@ -57,7 +57,8 @@ def main() -> None:
             print(f"{task:18s} {length:5d} tokens: {acc:.3f} ({n} requests)", flush=True)
     out = {
         "model": model_fingerprint(args.model),  # tests check that the shipped demo mix follows the embedded table
-        "n_per_cell": args.n[0] if len(args.n) == 1 else {str(L): n_at[L] for L in lengths}, "seed": args.seed, "exact_match": table, "seconds": time.perf_counter() - t0,
+        "n_per_cell": args.n[0] if len(args.n) == 1 else {str(L): n_at[L] for L in lengths},
+        "seed": args.seed, "exact_match": table, "seconds": time.perf_counter() - t0,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=2) + "\n")

@@ -69,6 +69,7 @@ def certified(contract, evidence, op, pooled) -> dict:
         "records_sha256": evidence.records_sha256,
         "contract_sha256": contract.sha256(),
         "notes": op.notes,
+        "incomplete": evidence.incomplete,
     }
 
 
@@ -154,10 +155,13 @@ def main() -> None:
     p.add_argument("--splits", type=int, default=1000)
     p.add_argument("--calibration-fraction", type=float, default=0.9)
     p.add_argument("--out", default=str(RESULTS / "smollm2_ruler.json"))
+    p.add_argument("--allow-incomplete", action="store_true", help="a preview of an unfinished store (no guarantee)")
     args = p.parse_args()
     t0 = time.perf_counter()
     contract = load_contract(Path(args.contract))
-    evidence, op, pooled = certify_contract_with_comparison(contract, None, contract_label=args.contract)
+    evidence, op, pooled = certify_contract_with_comparison(
+        contract, None, contract_label=args.contract, allow_incomplete=args.allow_incomplete
+    )
     with CalibrationStore.read(contract.resolved_store_path()) as store:
         rows = list(store.records())
     accuracy, candidates = per_candidate(rows)

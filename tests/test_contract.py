@@ -154,12 +154,13 @@ def test_builtin_source_and_context_length(tmp_path):
     assert "unknown task or mix" in error_of(tmp_path, replace("source: requests.jsonl", "source: builtin:nope"))
     jsonl_with_length = replace("source: requests.jsonl", "source: requests.jsonl\n  context_length: 512")
     assert "context_length applies only to builtin" in error_of(tmp_path, jsonl_with_length)
-    # a mix's lengths must be ones its tasks allow, given or by default, at load (not at generation)
+    # a mix's lengths must be ones its tasks allow, at load (not at generation); without one, the
+    # ruler tasks take their own default span
     ruler_short = replace("source: requests.jsonl", "source: builtin:ruler\n  context_length: 256-512")
     assert "must lie within 512-8192 tokens for this mix" in error_of(tmp_path, ruler_short)
-    ruler_default = replace("source: requests.jsonl", "source: builtin:ruler_single_needle")
-    assert "(the default; set requests.context_length)" in error_of(tmp_path, ruler_default)
-    load_contract(write(tmp_path, replace("source: requests.jsonl", "source: builtin:ruler\n  context_length: 512-1024")))
+    ruler_default = load_contract(write(tmp_path, replace("source: requests.jsonl", "source: builtin:ruler\n  limit: 3")))
+    assert ruler_default.requests.context_length is None
+    assert [r.task.startswith(("ruler_", "reading_")) for r in ruler_default.load_requests()] == [True] * 3
 
 
 # -- malformed contracts: one line each, naming the field ---------------------------------------

@@ -162,6 +162,15 @@ def test_split_answer_prefix():
     assert split_answer_prefix("no prefix here") == ("no prefix here", "")
 
 
+def test_a_mix_without_lengths_takes_its_family_default():
+    from certkv.requests.request_set import default_context_length
+
+    assert default_context_length("ruler") == "512-1024" and default_context_length("ruler_multi_key") == "512-1024"
+    assert default_context_length("demo") == "256-512"
+    lengths = [count_model_tokens(r.context + r.question + " " + r.answer_prefix) for r in generate_requests("ruler", 8, seed=1)]
+    assert max(lengths) <= 1024 - RESERVED_TOKENS and min(lengths) > 0.5 * 512, lengths
+
+
 def test_builtin_natural_requests_carry_the_answer_prefix_in_its_own_field():
     """A ``builtin:ruler`` request's question ends with its ask; the prefix RULER puts at the start of
     the model's turn is the request's ``answer_prefix``, written to JSONL (the embedded tasks have

@@ -12,7 +12,9 @@ def accuracy(
     model: str = typer.Option("embedded", "--model", help="embedded, smollm2-135m, a .gguf file, a folder or a hub id"),
     n: int = typer.Option(0, "--n", help="use at most this many requests (0: all; builtin default 1200)"),
     seed: int = typer.Option(0, "--seed", help="seed for builtin sources"),
-    context_length: str = typer.Option("256-512", "--context-length", help="for builtin sources (ruler tasks: 512-8192)"),
+    context_length: str | None = typer.Option(
+        None, "--context-length", help="for builtin sources: 64-2048, default 256-512 (ruler tasks: 512-8192, default 512-1024)"
+    ),
     utility: str = typer.Option("exact_match", "--utility", help="exact_match, contains, f1 or rouge_l"),
     max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, "--max-new-tokens"),
     device: str = typer.Option("auto", "--device"),

@@ -28,8 +28,8 @@ def generate(
     source: str = typer.Argument(..., metavar="SOURCE", help=SOURCE_HELP),
     n: int = typer.Option(1200, "--n", help="number of requests"),
     seed: int = typer.Option(0, "--seed", help="seed; request i depends only on (seed, i)"),
-    context_length: str = typer.Option(
-        "256-512", "--context-length", help="tokens, e.g. 512 or 256-512 (64-2048; ruler tasks 512-8192)"
+    context_length: str | None = typer.Option(
+        None, "--context-length", help="tokens, e.g. 512 or 256-512: 64-2048, default 256-512 (ruler tasks: 512-8192, 512-1024)"
     ),
     output: Path = typer.Option(..., "-o", "--output", help="JSONL file to write"),
 ) -> None:

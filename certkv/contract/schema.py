@@ -82,17 +82,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-#: A builtin source's context lengths when the contract gives none (model tokens).
-DEFAULT_CONTEXT_LENGTH = "256-512"
-
-
 class RequestsSpec(_Strict):
     """Where calibration requests come from."""
 
     source: str = Field(min_length=1, description="JSONL path relative to the contract, or builtin:<mix>")
     limit: int | None = Field(default=None, ge=1, description="use at most this many requests")
     seed: int = 0
-    context_length: str | int | None = Field(default=None, description=f"builtin sources only; default {DEFAULT_CONTEXT_LENGTH}")
+    context_length: str | int | None = Field(
+        default=None, description="builtin sources only; default 256-512 (ruler tasks: 512-1024)"
+    )
 
     @field_validator("source")
     @classmethod
@@ -108,20 +106,18 @@ class RequestsSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_context_length(self) -> RequestsSpec:
-        """A builtin mix's lengths (given, or the default) must be ones every task of the mix allows
-        (the embedded tasks 64-2048, the ruler tasks 512-8192): refused at load, not at generation."""
-        if self.context_length is not None and not self.is_builtin:
-            raise _error("context_length applies only to builtin:<mix> sources; remove it for a JSONL file")
-        if not self.is_builtin:
+        """A builtin mix's lengths must be ones every task of the mix allows (the embedded tasks
+        64-2048, the ruler tasks 512-8192): refused at load, not at generation."""
+        if self.context_length is None:
             return self
+        if not self.is_builtin:
+            raise _error("context_length applies only to builtin:<mix> sources; remove it for a JSONL file")
         from certkv.requests.request_set import parse_context_length, parse_mix
 
-        length = DEFAULT_CONTEXT_LENGTH if self.context_length is None else self.context_length
         try:
-            parse_context_length(length, parse_mix(self.source.removeprefix("builtin:")))
+            parse_context_length(self.context_length, parse_mix(self.source.removeprefix("builtin:")))
         except CertkvError as exc:
-            given = "" if self.context_length is not None else " (the default; set requests.context_length)"
-            raise _error(f"{exc}{given}") from None
+            raise _error(str(exc)) from None
         return self
 
     @property
@@ -787,8 +783,8 @@ class Contract(_Strict):
         self.check_requests_source()
         path = self.resolved_requests_path()
         source = self.requests.source if path is None else str(path)
-        context_length = self.requests.context_length if self.requests.context_length is not None else DEFAULT_CONTEXT_LENGTH
-        return load_requests(source, self.requests.limit, self.requests.seed, str(context_length))
+        length = self.requests.context_length
+        return load_requests(source, self.requests.limit, self.requests.seed, None if length is None else str(length))
 
     def _resolve(self, path: str) -> Path:
         p = Path(path).expanduser()

@@ -143,16 +143,31 @@ def parse_context_length(spec: str | int, tasks: Iterable[str] | None = None) ->
     return low, high
 
 
+def default_context_length(mix: str | dict[str, float]) -> str:
+    """The context lengths of a builtin mix that gives none: 256-512 tokens for the embedded tasks,
+    512-1024 for the natural-English ruler tasks (the short end of their span, where a 135M model
+    answers and a calibration of every press fits in a CPU session)."""
+    weights = parse_mix(mix) if isinstance(mix, str) else mix
+    return NATURAL_DEFAULT_CONTEXT_LENGTH if weights and set(weights) <= set(NATURAL_TASKS) else EMBEDDED_DEFAULT_CONTEXT_LENGTH
+
+
+EMBEDDED_DEFAULT_CONTEXT_LENGTH = "256-512"
+NATURAL_DEFAULT_CONTEXT_LENGTH = "512-1024"
+
+
 def generate_requests(
-    mix: str | dict[str, float], n: int, seed: int, context_length: str | int | tuple[int, int]
+    mix: str | dict[str, float], n: int, seed: int, context_length: str | int | tuple[int, int] | None = None
 ) -> list[Request]:
     """Generate `n` requests deterministically from `seed`.
 
     The task of request i is drawn from the mix's weights, its context length uniformly from the
     range; request i depends only on (seed, i), so a larger `n` extends a smaller set. The range
-    must be one every task of the mix allows (embedded tasks 64-2048, natural ones 512-8192).
+    must be one every task of the mix allows (embedded tasks 64-2048, natural ones 512-8192);
+    None: :func:`default_context_length`.
     """
     weights = parse_mix(mix) if isinstance(mix, str) else dict(mix)
+    if context_length is None:
+        context_length = default_context_length(weights)
     if isinstance(context_length, tuple):
         low, high = parse_context_length(f"{context_length[0]}-{context_length[1]}", weights)
     else:
@@ -213,7 +228,7 @@ def read_jsonl(path: Path) -> list[Request]:
     return out
 
 
-def load_requests(source: str, limit: int | None = None, seed: int = 0, context_length: str = "256-512") -> list[Request]:
+def load_requests(source: str, limit: int | None = None, seed: int = 0, context_length: str | None = None) -> list[Request]:
     """Load requests from a JSONL path or generate them from `builtin:<mix>`.
 
     A `limit` below a file's size takes a seeded random subset (kept in file order), not the first
