@@ -91,6 +91,37 @@ def test_engine_equals_kvpress_pipeline_token_for_token(smol):
             assert got.answer == want, (req.id, cand.policy)
 
 
+def test_query_aware_snapkv_on_ruler_equals_kvpress_and_loses_the_value_s_last_digits(smol):
+    """The real-model contract's finding, checked against kvpress itself: with the question (and its
+    answer prefix) prefilled, the engine's SnapKV answers are kvpress's pipeline's on the same split,
+    token for token, and at kv_retained 0.9 SnapKV already breaks single-needle requests the full
+    cache answers, keeping the value's first digits (the question's queries attend to those)."""
+    import kvpress  # noqa: F401  (registers the pipeline)
+    import torch
+    from transformers import pipeline
+
+    from certkv.engine.engine import Engine, PressCandidate
+    from certkv.model.generation import encode_request, for_protocol
+    from certkv.presses.registry import build_press
+    from certkv.requests.request_set import generate_requests
+
+    model, tokenizer = smol
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    candidate = PressCandidate("snapkv@0.90", build_press("snapkv", 0.9), "snapkv", 0.9)
+    engine = Engine(model, tokenizer, [candidate], max_new_tokens=8, query_aware=True)
+    truncated = 0
+    for req in generate_requests("ruler_single_needle", 4, seed=99, context_length=512):
+        enc = for_protocol(encode_request(tokenizer, req.context, req.question, req.answer_prefix), True)
+        inputs = {"context_ids": torch.tensor([enc.context_ids]), "questions_ids": [torch.tensor([enc.question_ids])]}
+        result = engine.run(req.context, req.question, req.answer_prefix)
+        (got,) = result.candidates
+        assert got.answer == pipe._forward(inputs, max_new_tokens=8, press=candidate.press)[0], req.id
+        value = req.answers[0]
+        if result.full.answer.strip(" .") == value and got.answer.strip(" .") != value:
+            truncated += value.startswith(got.answer.strip(" .")[:2])
+    assert truncated >= 1, "SnapKV at 0.9 kept every value: the finding the contract is built on does not hold here"
+
+
 # -- calibrate → certify → CertifiedRuntime ---------------------------------------------------------
 
 
