@@ -118,7 +118,7 @@ def collect(model, tok, requests, kv: float, probe: Probe):
     model.config._attn_implementation = PROBE
     try:
         for r in requests:
-            enc = encode_request(tok, r.context, r.question)
+            enc = encode_request(tok, r.context, r.question, r.answer_prefix)
             probe.pairs, probe.layer_heads, probe.dropped = [], [], []
             cache = DynamicCache()
             with torch.no_grad():

@@ -25,7 +25,8 @@ RESULTS = Path(__file__).parent / "results"
 def main() -> None:
     import torch
 
-    from certkv.calibration.accuracy import full_kv_accuracy
+    from certkv.calibration.accuracy import FAILING_ACCURACY, full_kv_accuracy
+    from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
     from certkv.model.loading import load_model, model_fingerprint
     from certkv.requests.request_set import generate_requests
 
@@ -59,6 +60,7 @@ def main() -> None:
         "model": model_fingerprint(args.model),  # tests check that the shipped demo mix follows the embedded table
         "n_per_cell": args.n[0] if len(args.n) == 1 else {str(L): n_at[L] for L in lengths},
         "seed": args.seed, "exact_match": table, "seconds": time.perf_counter() - t0,
+        "threads": args.threads, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "failing_below": FAILING_ACCURACY,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=2) + "\n")

@@ -187,7 +187,7 @@ def measure(model, tokenizer, requests, reps: int = 3) -> dict:
     best: dict[str, list[float]] = {k: [] for k in names}
     inside: dict[str, list[float]] = {"gate": [], "gate+scoring": []}
     for i, r in enumerate(requests):
-        ids = torch.tensor([encode_request(tokenizer, r.context, r.question).context_ids])
+        ids = torch.tensor([encode_request(tokenizer, r.context, r.question, r.answer_prefix).context_ids])
         n = ids.shape[1]
         spent = [0.0]
         variants = prefill_variants(model, ids, spent)

@@ -61,8 +61,8 @@ def main() -> None:
     }
     n = 2 if args.quick else args.n
     requests = generate_requests("demo", n + 1, seed=4161, context_length=CONTEXT)
-    engines["plain"].run(requests[0].context, requests[0].question)  # warm-up, not measured
-    engines["probe"].run(requests[0].context, requests[0].question)
+    engines["plain"].run(requests[0].context, requests[0].question, requests[0].answer_prefix)  # warm-up, not measured
+    engines["probe"].run(requests[0].context, requests[0].question, requests[0].answer_prefix)
     rows = []
     for i, req in enumerate(requests[1:]):
         best: dict[str, tuple[float, dict]] = {}
@@ -70,7 +70,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in order:
                 t0 = time.perf_counter()
-                result = engines[name].run(req.context, req.question)
+                result = engines[name].run(req.context, req.question, req.answer_prefix)
                 total = time.perf_counter() - t0
                 if name not in best or total < best[name][0]:
                     best[name] = (total, result.seconds)

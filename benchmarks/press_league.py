@@ -222,7 +222,7 @@ def runtime_costs(presses, query_aware: bool, n: int, reps: int, log) -> dict[st
             for k in range(len(names)):
                 name = names[(i + rep + k) % len(names)]
                 t = time.perf_counter()
-                runtimes[name].generate(req.context, req.question)
+                runtimes[name].generate(req.context, req.question, answer_prefix=req.answer_prefix)
                 best[name] = min(best[name], time.perf_counter() - t)
         for name in names:
             totals[name] += best[name]

@@ -162,7 +162,7 @@ def measure(runs: dict, requests, reps: int) -> dict:
             shift = (i + rep) % len(names)
             for name in names[shift:] + names[:shift]:
                 t0 = time.perf_counter()
-                out = runs[name].generate(r.context, r.question)
+                out = runs[name].generate(r.context, r.question, answer_prefix=r.answer_prefix)
                 times[name].append(time.perf_counter() - t0)
                 if rep == 0:
                     decisions[name].append(out.decision)
@@ -207,7 +207,7 @@ def probe_share(model, tokenizer, requests, reps: int) -> dict:
         for rep in range(reps):
             for name, runtime in ((("gated", gated), ("plain", plain)) if rep % 2 == 0 else
                                   (("plain", plain), ("gated", gated))):
-                out = runtime.generate(r.context, r.question)
+                out = runtime.generate(r.context, r.question, answer_prefix=r.answer_prefix)
                 runs[name].append(out.seconds)
         if i == 0:
             continue  # warm-up

@@ -1,6 +1,7 @@
 """What certkv certifies on a real model: SmolLM2-135M-Instruct on the natural-English RULER tasks.
 
-Reads the store of ``contracts/smollm2_ruler.yaml`` (600 fresh requests, 36 candidates, query-aware)
+Reads the store of ``contracts/smollm2_ruler.yaml`` (600 fresh requests, 35 ungated candidates of 10
+presses, query-aware)
 and writes what a user choosing a press on this model asks for, torch-free:
 
 1. per task: full-KV exact match on the calibration requests, and per press and retention the
@@ -10,7 +11,9 @@ and writes what a user choosing a press on this model asks for, torch-free:
    the mean KV retained with fallbacks;
 3. validation: repeated splits of the certification requests, the share of splits whose choice
    breaks more than ε of the test requests, certkv against empirical thresholding;
-4. the gate signals' AUCs for a violation per candidate: the agreement drop of PAGE (read from 30
+4. the gate signals' AUCs for a violation per candidate, over every request the full cache answers
+   (pilot ones included: the AUC describes the signal, it certifies nothing) and per task (pooled,
+   an AUC partly measures which task a request is): the agreement drop of PAGE (read from 30
    layers here, where the embedded model has 2), the answer's least token probability, and the
    lookahead mass the question and first answer tokens put on evicted entries.
 
@@ -80,7 +83,8 @@ def validation(contract, evidence, splits: int, fraction: float) -> dict:
 
     def methods(block: dict) -> dict:
         return {
-            name: {k: m[k] for k in ("exceed_fraction", "exceed_ci_high", "mean_kv_retained", "fallback_share", "chosen")}
+            name: {**{k: m[k] for k in ("exceed_fraction", "exceed_ci_high", "mean_kv_retained", "fallback_share", "chosen")},
+                   "mean_test_risk": sum(m["test_risks"]) / len(m["test_risks"]) if m.get("test_risks") else None}
             for name, m in block["methods"].items()
         }
 
@@ -101,7 +105,15 @@ SIGNALS = {
 }
 
 
-def per_candidate(rows: list[dict]) -> tuple[dict, dict]:
+def _aucs(signals: dict[str, list], labels: list[bool]) -> dict[str, float | None]:
+    out = {}
+    for name, values in signals.items():
+        pairs = [(v, lab) for v, lab in zip(values, labels) if v is not None]
+        out[name] = auc([v for v, _ in pairs], [lab for _, lab in pairs]) if pairs else None
+    return out
+
+
+def per_candidate(rows: list[dict], tolerance: float) -> tuple[dict, dict]:
     """(full-KV exact match per task, per base candidate: breaks per task and signal AUCs).
 
     A candidate *breaks* a request the full cache answers exactly when its own answer is not exact
@@ -117,24 +129,26 @@ def per_candidate(rows: list[dict]) -> tuple[dict, dict]:
             continue
         c = candidates.setdefault(r["policy"], {"press": r["press"], "kv_retained": r["kv_retained"],
                                                 "answered": defaultdict(int), "broken": defaultdict(int),
-                                                "labels": [], "signals": defaultdict(list)})
-        broken = r["loss"] > 0
+                                                "labels": [], "signals": defaultdict(list), "task": []})
+        broken = r["loss"] > tolerance  # the contract's violation
         c["answered"][r["task"]] += 1
         c["broken"][r["task"]] += broken
         c["labels"].append(broken)
+        c["task"].append(r["task"])
         for name, read in SIGNALS.items():
             c["signals"][name].append(read(r))
     out = {}
     for policy, c in candidates.items():
-        aucs = {}
-        for name, values in c["signals"].items():
-            pairs = [(v, lab) for v, lab in zip(values, c["labels"]) if v is not None]
-            aucs[name] = auc([v for v, _ in pairs], [lab for _, lab in pairs]) if pairs else None
+        by_task = {}
+        for task in sorted(c["answered"]):
+            keep = [i for i, t in enumerate(c["task"]) if t == task]
+            by_task[task] = _aucs({k: [v[i] for i in keep] for k, v in c["signals"].items()}, [c["labels"][i] for i in keep])
         out[policy] = {
             "press": c["press"], "kv_retained": c["kv_retained"],
             "broken": {t: f"{c['broken'][t]}/{c['answered'][t]}" for t in sorted(c["answered"])},
             "broken_share": sum(c["labels"]) / len(c["labels"]),
-            "auc": aucs,
+            "auc": _aucs(c["signals"], c["labels"]),
+            "auc_per_task": by_task,
         }
     return {t: {"n": len(v), "exact_match": sum(v) / len(v)} for t, v in sorted(accuracy.items())}, out
 
@@ -164,7 +178,7 @@ def main() -> None:
     )
     with CalibrationStore.read(contract.resolved_store_path()) as store:
         rows = list(store.records())
-    accuracy, candidates = per_candidate(rows)
+    accuracy, candidates = per_candidate(rows, contract.tolerance)
     out = {
         "contract": "contracts/smollm2_ruler.yaml",
         "model": contract.model,
@@ -176,6 +190,10 @@ def main() -> None:
         "max_new_tokens": contract.protocol.max_new_tokens,
         "risk": contract.risk,
         "delta": round(1 - contract.confidence, 10),
+        "tolerance": contract.tolerance,
+        "pilot": contract.gate.pilot if contract.gate else None,
+        "presses": sorted({p.press for p in contract.policies}),
+        "ungated_candidates": sum(len(p.kv_retained) for p in contract.policies),
         "full_kv_accuracy": accuracy,
         "certified": certified(contract, evidence, op, pooled),
         "validation": validation(contract, evidence, args.splits, args.calibration_fraction),

@@ -160,7 +160,13 @@ def test_builtin_source_and_context_length(tmp_path):
     assert "must lie within 512-8192 tokens for this mix" in error_of(tmp_path, ruler_short)
     ruler_default = load_contract(write(tmp_path, replace("source: requests.jsonl", "source: builtin:ruler\n  limit: 3")))
     assert ruler_default.requests.context_length is None
-    assert [r.task.startswith(("ruler_", "reading_")) for r in ruler_default.load_requests()] == [True] * 3
+    from certkv.requests.natural_tasks import RESERVED_TOKENS, count_model_tokens
+
+    for r in ruler_default.load_requests():
+        assert r.task.startswith(("ruler_", "reading_")), r.id
+        assert 0.5 * 512 < count_model_tokens(f"{r.context}{r.question} {r.answer_prefix}") <= 1024 - RESERVED_TOKENS, r.id
+    mixed = replace("source: requests.jsonl", "source: builtin:single_needle=1,ruler_multi_key=1")
+    assert "(the default 256-512; set requests.context_length)" in error_of(tmp_path, mixed)
 
 
 # -- malformed contracts: one line each, naming the field ---------------------------------------

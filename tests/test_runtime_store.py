@@ -15,12 +15,22 @@ import yaml
 N_REQUESTS = 12
 
 
+def _with_answer_prefix(request):
+    """The request with the end of its question ("The magic number for cactus is") moved into its
+    answer prefix, after the line break that ends the question: calibration and the runtime must
+    encode it alike."""
+    ask, mark, prefix = request.question.rpartition(" Answer: ")
+    assert mark, request.question
+    return request.model_copy(update={"question": f"{ask} Answer:", "answer_prefix": prefix})
+
+
 def _contract(folder: Path, drops: list[float] | None = None, bounds: list[float] | None = None,
               query_aware: bool = False) -> Path:
     from certkv.requests.request_set import generate_requests, write_jsonl
 
     folder.mkdir(parents=True, exist_ok=True)
-    write_jsonl(generate_requests("demo", N_REQUESTS, seed=515, context_length="200-320"), folder / "requests.jsonl")
+    requests = generate_requests("demo", N_REQUESTS, seed=515, context_length="200-320")
+    write_jsonl([_with_answer_prefix(r) if i % 2 else r for i, r in enumerate(requests)], folder / "requests.jsonl")
     contract = {
         "name": "runtime",
         "model": "embedded",
@@ -117,7 +127,7 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
         for request in requests:
             full = by_key[(request.id, "full")]
             base = by_key[(request.id, op.base_policy)]
-            out = runtime.generate(request.context, request.question)
+            out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
             d = out.decision
             gate = candidate.gate
             gated = gate is not None and gate.agreement_drop is not None and base["agreement_drop"] < gate.agreement_drop
@@ -138,6 +148,7 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
             assert 0 < gated_count < len(requests), f"{name}: the grid value should split the requests"
         tested += 1
     assert tested == len(names)
+    assert sum(bool(r.answer_prefix) for r in requests) == N_REQUESTS // 2
 
 
 # -- the gates of issue 16: confidence, lookahead, learned ----------------------------------------
@@ -276,7 +287,7 @@ def test_runtime_equals_the_store_for_every_gate_kind(signals_store, embedded):
         fired = {}
         for request in requests:
             full, base = rows[(request.id, "full")], rows[(request.id, base_policy)]
-            out = runtime.generate(request.context, request.question)
+            out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
             d = out.decision
             signals = _record_signals(base, full)
             goes_full = (

@@ -117,8 +117,9 @@ def test_query_aware_snapkv_on_ruler_equals_kvpress_and_loses_the_value_s_last_d
         (got,) = result.candidates
         assert got.answer == pipe._forward(inputs, max_new_tokens=8, press=candidate.press)[0], req.id
         value = req.answers[0]
-        if result.full.answer.strip(" .") == value and got.answer.strip(" .") != value:
-            truncated += value.startswith(got.answer.strip(" .")[:2])
+        kept = got.answer.strip(" .")
+        if result.full.answer.strip(" .") == value and kept != value:
+            truncated += len(kept) >= 2 and kept.isdigit() and value.startswith(kept[:2])
     assert truncated >= 1, "SnapKV at 0.9 kept every value: the finding the contract is built on does not hold here"
 
 

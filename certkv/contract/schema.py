@@ -106,18 +106,21 @@ class RequestsSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_context_length(self) -> RequestsSpec:
-        """A builtin mix's lengths must be ones every task of the mix allows (the embedded tasks
-        64-2048, the ruler tasks 512-8192): refused at load, not at generation."""
-        if self.context_length is None:
-            return self
-        if not self.is_builtin:
+        """A builtin mix's lengths, given or its default, must be ones every task of the mix allows
+        (the embedded tasks 64-2048, the ruler tasks 512-8192): refused at load, not at generation."""
+        if self.context_length is not None and not self.is_builtin:
             raise _error("context_length applies only to builtin:<mix> sources; remove it for a JSONL file")
-        from certkv.requests.request_set import parse_context_length, parse_mix
+        if not self.is_builtin:
+            return self
+        from certkv.requests.request_set import default_context_length, parse_context_length, parse_mix
 
+        weights = parse_mix(self.source.removeprefix("builtin:"))
+        length = default_context_length(weights) if self.context_length is None else self.context_length
         try:
-            parse_context_length(self.context_length, parse_mix(self.source.removeprefix("builtin:")))
+            parse_context_length(length, weights)
         except CertkvError as exc:
-            raise _error(str(exc)) from None
+            default = "" if self.context_length is not None else f" (the default {length}; set requests.context_length)"
+            raise _error(f"{exc}{default}") from None
         return self
 
     @property

@@ -22,9 +22,9 @@ Three choices shape everything below:
   subjects (gardens, trains, bakeries, ...), each sentence a template filled from topic word pools;
   every draw comes from the `rng` passed in, so a request depends only on (seed, index, task,
   length) and the text varies from request to request instead of repeating one sentence.
-- **Short, unambiguous answers for exact match.** As in RULER, every question ends with an answer
-  prefix that restates what is asked (``Answer: The special magic number for the silver lantern
-  mentioned in the provided text is``), so the answer is only the value: a number, a name or a few
+- **Short, unambiguous answers for exact match.** As in RULER, every question comes with an answer
+  prefix that restates what is asked (``The special magic number for the silver lantern mentioned
+  in the provided text is``), so the answer is only the value: a number, a name or a few
   words. Answers with several parts (multi-value, multi-query, words extraction) join them with
   single spaces in the order the prefix names (order of appearance, order asked, most frequent
   first); certkv's exact match drops punctuation, so ``pumpkin, whale`` and a bulleted
@@ -538,7 +538,8 @@ ANSWER_MARK = " Answer: "
 
 
 def _qa_text(ask: str, prefix: str) -> str:
-    """The question as certkv encodes it: the ask, then RULER's answer prefix."""
+    """A sample's question: the ask, then RULER's answer prefix after an ``Answer:`` mark, which
+    :func:`split_answer_prefix` splits off into a request's ``answer_prefix``."""
     return f"{QUESTION_BREAK}Question: {ask}{ANSWER_MARK}{prefix}"
 
 
