@@ -239,7 +239,7 @@ def calibration_speed(data: dict) -> str:
             CALIBRATION_LABELS.get(key, key), seconds(b["prefill"]), seconds(b["full_decode"]),
             seconds(b["candidates_fast"]), seconds(b["candidates_verify"]),
         ])
-    met = [k for k, s in data["settings"].items() if s["certkv_over_full"] <= CALIBRATION_TARGET]
+    met = [CALIBRATION_LABELS.get(k, k) for k, s in data["settings"].items() if s["certkv_over_full"] <= CALIBRATION_TARGET]
     above = [CALIBRATION_LABELS.get(k, k) for k, s in data["settings"].items()
              if s["exact_floor_over_full"] > CALIBRATION_TARGET]
     floor_note = (
