@@ -51,7 +51,7 @@ def entry_summary(op) -> dict:
         "policy": op.policy,
         "press": op.press,
         "kv_retained": op.kv_retained,
-        "gate": op.gate,
+        "gate": op.gate.model_dump() if op.gate is not None else None,
         "gated_share": op.gated_share,
         "mean_kv_retained": op.mean_kv_retained,
         "n": op.n,
@@ -72,7 +72,7 @@ def certified(contract, evidence, op, pooled) -> dict:
         "records_sha256": evidence.records_sha256,
         "contract_sha256": contract.sha256(),
         "notes": op.notes,
-        "incomplete": evidence.incomplete,
+        "incomplete": bool(evidence.incomplete),
     }
 
 

@@ -144,6 +144,11 @@ def smollm2_ruler(data: dict) -> str:
               pct(s["empirical_thresholding"]["exceed_fraction"]), num(s["empirical_thresholding"]["mean_test_risk"]),
               num(s["empirical_thresholding"]["mean_kv_retained"])]
              for name, s in val["strata"].items()]
+    pv = val["pooled"]
+    vrows.append(["all tasks (pooled test halves)", "—", "—", pct(pv["certkv"]["exceed_fraction"]),
+                  pct(pv["certkv"]["fallback_share"]), num(pv["certkv"]["mean_test_risk"]), num(pv["certkv"]["mean_kv_retained"]),
+                  pct(pv["empirical_thresholding"]["exceed_fraction"]), num(pv["empirical_thresholding"]["mean_test_risk"]),
+                  num(pv["empirical_thresholding"]["mean_kv_retained"])])
     tasks = sorted(data["full_kv_accuracy"])
     crow = [[f"`{policy}`", *[c["broken"].get(t, "—") for t in tasks],
              *[num(c["auc"].get(sig), 2) for sig in ("agreement_drop", "confidence", "lookahead_mass")],
@@ -185,8 +190,8 @@ def smollm2_ruler(data: dict) -> str:
         "question's queries attend to the first of them (the SmolLM2 tests check that SnapKV's loss of the last "
         "digits is kvpress's own). Presses that broke more than ε of the answered requests already at their highest "
         f"retention: {', '.join(broke) or 'none'}; presses that broke at most ε at their lowest: "
-        f"{', '.join(kept) or 'none'}. DeferKV scores by the first decoded queries and LORE-KV by the queries of "
-        "continuations sampled from the full cache: the queries that copy the value. Breaks: requests the full cache "
+        f"{', '.join(kept) or 'none'}. LORE-KV scores by the queries of continuations sampled from the full cache, "
+        "the queries that copy the value; DeferKV by the first four decoded queries only. Breaks: requests the full cache "
         "answers exactly that the candidate does not, per task. AUC: how well each gate signal ranks a broken request "
         "above an intact one, over the answered requests of every task, pilot included (larger signal = more "
         "suspicious: −agreement drop, −least token probability, lookahead mass; 0.5 is chance, — where a candidate "
