@@ -251,7 +251,7 @@ def test_an_exception_abandons_the_ticket(calibrated, embedded, tmp_path, monkey
         def boom(*args, **kwargs):
             raise RuntimeError("CUDA error: device lost")
 
-        monkeypatch.setattr(runtime, "full_answer", boom)
+        monkeypatch.setattr(runtime, "answer_from_full_cache", boom)
         job = ShadowJob(request.id, "all", None, request.context, request.question, None, served, ticket=7)
         with pytest.raises(CertkvError, match="abandoned: CUDA error") as info:
             runner.run(job)

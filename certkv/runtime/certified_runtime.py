@@ -36,25 +36,30 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from certkv.core.operating_point import OperatingPoint, load_operating_point
-from certkv.core.signals import request_signals
+from certkv.core.signals import SIGNALS, request_signals
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
-from certkv.engine.full_cache import decode_full, prefill_full
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
 from certkv.model.generation import encode_request, for_protocol, stop_token_ids
 from certkv.presses.hajek_state import clear_states
 from certkv.presses.registry import build_press, compression_ratio_for, is_known_press, resolve_press_class
 from certkv.presses.response_aware import is_response_aware_press
-from certkv.runtime import pipeline, single_prefill
 from certkv.runtime.decision import Decision
+from certkv.runtime.full_path import full_answer_steps
 from certkv.runtime.gates import runtime_gate
+from certkv.runtime.pipeline import PipelinePath
+from certkv.runtime.single_prefill import SinglePrefillPath
+from certkv.runtime.steps import PathAnswer, run_alone
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from kvpress import BasePress
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from certkv.model.generation import EncodedRequest
+    from certkv.runtime.steps import Step
 
 
 @dataclass
@@ -144,9 +149,16 @@ class CertifiedRuntime:
         self.bound = self.gate.certificate
         self.press: BasePress | None = None
         self.single_prefill = False
+        self.path: SinglePrefillPath | PipelinePath | None = None
+        """The answering path of the certified press (None: fallback or stratified)."""
         if not operating_point.fallback and not operating_point.is_stratified:
             self.press = self._build_press() if press is None else self._checked(press)
             self.single_prefill = self._on_single_prefill(self.press)
+            self.path = (
+                SinglePrefillPath(model, self.press, self.gate, self.policy, self.stop_ids)
+                if self.single_prefill
+                else PipelinePath(model, self.press, self.gate, self.stop_ids)
+            )
 
     # -- construction -------------------------------------------------------------------------
 
@@ -263,7 +275,9 @@ class CertifiedRuntime:
             ``answer`` (text), ``token_ids``, ``decision`` (:class:`Decision`: ``mode`` "evicted"
             or "full", ``reason``, the gate signals, realised KV) and ``seconds`` per phase.
         """
-        return self._answer(context, question, answer_prefix, stratum, max_new_tokens, None)
+        if max_new_tokens is not None:
+            self._decode_length(max_new_tokens)
+        return run_alone(self.answer_steps(context, question, stratum, answer_prefix=answer_prefix))
 
     def answer_from_full_cache(
         self,
@@ -279,91 +293,90 @@ class CertifiedRuntime:
         `detail`) in the decision: what a caller that overrides the certificate needs (``certkv
         serve``'s monitor, its shadows), through :meth:`generate`'s checks, stratum routing and
         decoding."""
-        return self._answer(context, question, answer_prefix, stratum, None, (reason, detail))
+        return run_alone(self.answer_steps(context, question, stratum, answer_prefix=answer_prefix, forced=(reason, detail)))
 
-    def _answer(
+    def answer_steps(
         self,
         context: str,
         question: str,
-        answer_prefix: str,
-        stratum: str | None,
-        max_new_tokens: int | None,
-        forced: tuple[str, str | None] | None,
-    ) -> RuntimeAnswer:
-        """:meth:`generate`, or with `forced` = (reason, detail) the full cache for that reason."""
-        max_new = self.max_new_tokens if max_new_tokens is None else self._decode_length(max_new_tokens)
+        stratum: str | None = None,
+        *,
+        answer_prefix: str = "",
+        forced: tuple[str, str | None] | None = None,
+        lean: bool = False,
+    ) -> Generator[Step, None, RuntimeAnswer]:
+        """:meth:`generate` as steps (:mod:`certkv.runtime.steps`), what ``certkv serve``'s scheduler
+        runs; with `forced` = (reason, detail) the full cache answers for that reason
+        (:meth:`answer_from_full_cache`). `lean` frees each full cache as soon as the path no longer
+        needs it (the scheduler's budget), with the same answers and decisions.
+
+        The request is checked when the generator starts (CertkvError, one line)."""
+        max_new = self.max_new_tokens
         for name, value in (("context", context), ("question", question), ("answer_prefix", answer_prefix)):
             if not isinstance(value, str):
                 raise CertkvError(f"{name} must be a string, got {type(value).__name__}")
         if stratum is not None and not isinstance(stratum, str):
             raise CertkvError(f"stratum must be a string or None, got {type(stratum).__name__}")
         if stratum in self.strata:
-            return self.strata[stratum]._answer(context, question, answer_prefix, stratum, max_new, forced)
+            return (yield from self.strata[stratum].answer_steps(
+                context, question, stratum, answer_prefix=answer_prefix, forced=forced, lean=lean))
         enc = encode_request(self.tokenizer, context, question, answer_prefix)
         if not enc.context_ids:
             raise CertkvError("the context is empty; certkv answers questions about a context")
         if self.query_aware and not enc.question_ids:
             raise CertkvError("the question is empty; the query-aware operating point prefills the question with the context")
-        base = Decision(
-            mode="full",
-            reason=None,
+        t0 = time.perf_counter()
+        signals: dict[str, Any] = {s.name: None for s in SIGNALS}
+        signals.update(request_signals(enc.context_ids, enc.question_ids))
+        coverage = self.operating_point.coverage
+        outside = None if coverage is None else coverage.uncovered(stratum, len(enc.context_ids))
+        reason, detail = forced if forced is not None else (None, None)
+        if reason is None and outside is not None and not self.operating_point.fallback:
+            reason, detail = "uncovered", outside
+        elif reason is None and self.path is None:
+            reason = "fallback"
+        # What the protocol prefills and feeds after compression; the signals and the coverage
+        # above read the request itself, as calibration records them.
+        run = for_protocol(enc, self.query_aware)
+        if reason is None:
+            failure = press_precondition_failure(self.press, len(run.context_ids))
+            if failure:
+                reason, detail = "precondition", failure
+        if reason is not None or self.path is None:
+            seconds: dict[str, float] = {}
+            ids = yield from full_answer_steps(self.model, run, max_new, self.stop_ids, seconds)
+            answered = PathAnswer(ids, reason, signals, seconds)
+        else:
+            clear_states(self.model)
+            try:
+                answered = yield from self.path.steps(run, max_new, signals, lean=lean)
+            finally:
+                clear_states(self.model)
+        decision = Decision(
+            mode=answered.mode,
+            reason=answered.reason,
             policy=self.policy,
             stratum=stratum,
             gate_kind=self.gate.kind,
             gate_threshold=self.threshold,
             certificate_bound=self.bound,
-            **request_signals(enc.context_ids, enc.question_ids),
+            **answered.signals,
+            escalated=answered.escalated,
+            kv_retained=self.operating_point.kv_retained if answered.reason is None else 1.0,
+            kv_retained_actual=answered.kept if answered.reason is None and answered.kept is not None else 1.0,
+            detail=detail,
         )
-        t0 = time.perf_counter()
-        coverage = self.operating_point.coverage
-        outside = None if coverage is None else coverage.uncovered(stratum, len(enc.context_ids))
-        if forced is not None:
-            base.reason, base.detail = forced
-        elif outside is not None and not self.operating_point.fallback:
-            base.reason, base.detail = "uncovered", outside
-        elif self.press is None:
-            base.reason = "fallback"
-        # What the protocol prefills and feeds after compression; the signals and the coverage
-        # above read the request itself, as calibration records them.
-        run = for_protocol(enc, self.query_aware)
-        if base.reason is not None:
-            seconds: dict[str, float] = {}
-            return self._finish(self.full_answer(run, max_new, seconds), base, t0, seconds, enc)
-        failure = press_precondition_failure(self.press, len(run.context_ids))
-        if failure:
-            base.reason, base.detail = "precondition", failure
-            seconds = {}
-            return self._finish(self.full_answer(run, max_new, seconds), base, t0, seconds, enc)
-        clear_states(self.model)
-        try:
-            answer = single_prefill.answer if self.single_prefill else pipeline.answer
-            ids, seconds = answer(self, run, max_new, base, t0)
-        finally:
-            clear_states(self.model)
-        return self._finish(ids, base, t0, seconds, enc)
-
-    def full_answer(self, enc: EncodedRequest, max_new: int, seconds: dict[str, float] | None = None) -> list[int]:
-        """The full-cache answer with a prefill of its own, decoded as calibration decodes it
-        (its ``prefill`` and ``decode`` seconds go into `seconds` when given)."""
-        t0 = time.perf_counter()
-        cache, _, _ = prefill_full(self.model, enc.context_ids)
-        t1 = time.perf_counter()
-        ids = decode_full(self.model, cache, enc, max_new, self.stop_ids)
-        if seconds is not None:
-            seconds.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
-        return ids
-
-    def _finish(
-        self, ids: list[int], decision: Decision, t0: float, seconds: dict[str, float], enc: EncodedRequest
-    ) -> RuntimeAnswer:
-        if decision.mode == "full":
-            decision.kv_retained = decision.kv_retained_actual = 1.0
-        seconds = dict(seconds, total=time.perf_counter() - t0)
+        seconds = dict(answered.seconds, total=time.perf_counter() - t0)
         return RuntimeAnswer(
-            self.tokenizer.decode(ids, skip_special_tokens=True),
-            ids,
+            self.tokenizer.decode(answered.ids, skip_special_tokens=True),
+            answered.ids,
             decision,
             seconds,
             len(enc.context_ids),
             len(enc.question_ids),
         )
+
+    def full_answer(self, enc: EncodedRequest, max_new: int, seconds: dict[str, float] | None = None) -> list[int]:
+        """The full-cache answer with a prefill of its own, decoded as calibration decodes it
+        (its ``prefill`` and ``decode`` seconds go into `seconds` when given)."""
+        return run_alone(full_answer_steps(self.model, enc, max_new, self.stop_ids, seconds))

@@ -21,9 +21,9 @@ pair ``agreement_drop+certificate``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from certkv.core.gate_features import is_post_decode, needed_signals
 from certkv.core.gate_features import learned_score as score
@@ -34,7 +34,6 @@ from certkv.gate.confidence import answer_confidence
 
 if TYPE_CHECKING:
     from certkv.core.spec import GateSettings
-    from certkv.runtime.decision import Decision
 
 
 @dataclass(frozen=True)
@@ -157,23 +156,27 @@ def learned_score(gate: RuntimeGate, signals: Mapping) -> float | None:
     return float(score(gate.learned, signals))
 
 
-def pre_decode_reason(gate: RuntimeGate, decision: Decision) -> str | None:
-    """Score the learned gate when it reads only pre-decode signals, then return why a
-    pre-decode gate sends the request to the full cache, or None; reads `decision`'s signals."""
+def pre_decode_reason(gate: RuntimeGate, signals: MutableMapping[str, Any]) -> str | None:
+    """Score the learned gate when it reads only pre-decode signals (into ``signals["learned_score"]``),
+    then return why a pre-decode gate sends the request to the full cache, or None.
+
+    `signals` maps every signal name of :data:`certkv.core.signals.SIGNALS` to its value so far
+    (None: not measured); the path that answers the request fills it, and its Decision is built
+    from it once the answer is known."""
     if gate.learned is not None and not gate.learned_post_decode:
-        decision.learned_score = learned_score(gate, decision.signal_values())
-    return gate.before_decode(decision.signal_values())
+        signals["learned_score"] = learned_score(gate, signals)
+    return gate.before_decode(signals)
 
 
 def post_decode_reason(
-    gate: RuntimeGate, decision: Decision, logprobs: Sequence[float] | None, certificate: float | None = None
+    gate: RuntimeGate, signals: MutableMapping[str, Any], logprobs: Sequence[float] | None, certificate: float | None = None
 ) -> str | None:
-    """Record the evicted answer's signals in `decision` (its confidence from the per-token log p,
+    """Record the evicted answer's signals in `signals` (its confidence from the per-token log p,
     `logprobs`, None when not known; the certificate maximum; the learned score when the model
     reads them) and return why a post-decode gate escalates, or None. The one step every runtime
     path shares."""
-    decision.confidence_min, decision.logprob_mean = (None, None) if logprobs is None else answer_confidence(logprobs)
-    decision.certificate_max = certificate
+    signals["confidence_min"], signals["logprob_mean"] = (None, None) if logprobs is None else answer_confidence(logprobs)
+    signals["certificate_max"] = certificate
     if gate.learned is not None and gate.learned_post_decode:
-        decision.learned_score = learned_score(gate, decision.signal_values())
-    return gate.after_decode(decision.signal_values())
+        signals["learned_score"] = learned_score(gate, signals)
+    return gate.after_decode(signals)

@@ -1,25 +1,33 @@
 """One request under a press that is not on the engine's single-prefill path (kvpress's own hooks).
 
 Wrappers, threshold and decoding-time presses prune while they prefill (calibration runs them the
-same way, ``path="pipeline"``), so their kept entries are known only after the cache is pruned:
+same way, ``path="pipeline"``), so their kept entries are known only after the cache is pruned.
+:class:`PipelinePath`:
 
-1. The context is prefilled under the press, with the agreement recorder attached first when the
-   gate reads the drop (its hooks run before the press's and see each layer's full keys).
-2. A pre-decode gate (agreement drop; a learned score without confidence or lookahead features)
-   that says "full" answers from the full cache, which needs a prefill of its own.
-3. Otherwise the answer is decoded greedily from the pruned cache with its log-probabilities; a
-   post-decode gate (confidence, learned with confidence features) escalates, again with a full
-   prefill. Gates that need the lookahead probe cannot run here (the runtime refuses them when
-   it is built): the probe reads the full cache, which this path never holds.
+1. prefills the context under the press, with the agreement recorder attached first when the
+   gate reads the drop (its hooks run before the press's and see each layer's full keys);
+2. answers from the full cache when a pre-decode gate (agreement drop; a learned score without
+   confidence or lookahead features) says "full", which needs a prefill of its own;
+3. otherwise decodes greedily from the pruned cache with its log-probabilities; a post-decode gate
+   (confidence, learned with confidence features) escalates, again with a full prefill. Gates that
+   need the lookahead probe cannot run here (the runtime refuses them when it is built): the probe
+   reads the full cache, which this path never holds.
 
-Every full-cache answer of this path costs its prefill: ``seconds["escalation"]`` reports it.
+Every full-cache answer of this path costs its prefill: ``seconds["escalation"]`` reports it. The
+pruned cache is all a decoding request holds, in-process or in ``certkv serve``'s batch (*lean*:
+the scheduler takes the cache over and decodes it plainly greedy, as :func:`greedy_decode` does),
+except under a head-wise press (AdaKV, CriticalAdaKV, DuoAttention, KVzip, ...): those leave the
+evicted positions in the cache and have kvpress's attention wrapper mask them per head at every
+decoding step (``masked_key_indices`` on each attention module), which the batched attention does
+not read, so such a request decodes alone, right after its own prefill, as in-process.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
@@ -29,56 +37,81 @@ from certkv.engine.full_cache import context_tensor
 from certkv.gate.agreement import AgreementRecorder
 from certkv.model.generation import greedy_decode
 from certkv.model.window_queries import capturing_window_queries
+from certkv.runtime.full_path import full_answer_steps, prefill_slots
 from certkv.runtime.gates import post_decode_reason, pre_decode_reason
+from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
 
 if TYPE_CHECKING:
+    from kvpress import BasePress
+    from transformers import PreTrainedModel
+
     from certkv.model.generation import EncodedRequest
-    from certkv.runtime.answering import AnsweringRuntime
-    from certkv.runtime.decision import Decision
+    from certkv.runtime.gates import RuntimeGate
 
 
-def answer(
-    runtime: AnsweringRuntime, enc: EncodedRequest, max_new: int, decision: Decision, t0: float
-) -> tuple[list[int], dict[str, float]]:
-    """Answer one request through the press's own hooks; fills `decision`, returns (ids, seconds).
+@dataclass
+class PipelinePath:
+    """Answer requests with `press` through kvpress's hooks, behind `gate`."""
 
-    `t0` is the request's start (:func:`time.perf_counter`), from which its prefill is timed.
-    """
-    model, gate, press = runtime.model, runtime.gate, runtime.press
-    n_ctx = len(enc.context_ids)
-    recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement and gate.agreement is not None else None
-    cache = DynamicCache()
-    with torch.no_grad():
-        # The recorder's hooks are registered before the press's, so they run first on each layer
-        # and see its keys before the press prunes them.
-        with (
-            recorder.attach(model) if recorder else nullcontext(),
-            press(model),
-            capturing_window_queries(model),  # as calibration prefills
-        ):
-            model.model(input_ids=context_tensor(model, enc.context_ids), past_key_values=cache)
-    seconds = {"prefill": time.perf_counter() - t0}
-    if recorder:
-        decision.agreement_drop = recorder.drop()
-    reason = pre_decode_reason(gate, decision)
-    if reason is None:
-        t = time.perf_counter()
-        position = cache.get_seq_length() if continues_from_compressed_length(press) else n_ctx
-        kept = kept_entries(cache, model) / n_ctx
-        logprobs: list[float] = []
-        ids = greedy_decode(model, cache, enc.question_ids, position, max_new, logprobs=logprobs)
-        assert ids is not None  # greedy_decode returns None only when an after_step callback stops it
-        seconds["decode"] = time.perf_counter() - t
-        reason = post_decode_reason(gate, decision, logprobs, None)
+    model: PreTrainedModel
+    press: BasePress
+    gate: RuntimeGate
+    stop_ids: set[int]
+
+    def answer(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any]) -> PathAnswer:
+        """Answer `enc` in-process, as calibration did; `signals` is filled with what the gate read."""
+        return run_alone(self.steps(enc, max_new, signals))
+
+    def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
+        """The answer as steps (module docstring); `lean` lets the scheduler take the pruned cache over."""
+        model, gate, press, stop_ids = self.model, self.gate, self.press, self.stop_ids
+        n_ctx = len(enc.context_ids)
+        yield Reserve(prefill_slots(model, enc, max_new))
+        t0 = time.perf_counter()
+        recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement and gate.agreement is not None else None
+        cache = DynamicCache()
+        with torch.no_grad():
+            # The recorder's hooks are registered before the press's, so they run first on each layer
+            # and see its keys before the press prunes them.
+            with (
+                recorder.attach(model) if recorder else nullcontext(),
+                press(model),
+                capturing_window_queries(model),  # as calibration prefills
+            ):
+                model.model(input_ids=context_tensor(model, enc.context_ids), past_key_values=cache)
+        seconds = {"prefill": time.perf_counter() - t0}
+        if recorder:
+            signals["agreement_drop"] = recorder.drop()
+        reason = pre_decode_reason(gate, signals)
+        escalated = False
         if reason is None:
-            decision.mode = "evicted"
-            decision.kv_retained = runtime.operating_point.kv_retained
-            decision.kv_retained_actual = kept
-            return ids, seconds
-        decision.escalated = True
-    del cache
-    t = time.perf_counter()
-    ids = runtime.full_answer(enc, max_new)
-    seconds["escalation"] = time.perf_counter() - t
-    decision.reason = reason
-    return ids, seconds
+            t = time.perf_counter()
+            position = cache.get_seq_length() if continues_from_compressed_length(press) else n_ctx
+            kept = kept_entries(cache, model) / n_ctx
+
+            def solo() -> tuple[list[int], list[float] | None]:
+                logprobs: list[float] = []
+                ids = greedy_decode(model, cache, enc.question_ids, position, max_new, logprobs=logprobs)
+                assert ids is not None  # greedy_decode returns None only when an after_step callback stops it
+                return ids, logprobs
+
+            alone = not lean or _masks_heads(model)
+            job = Decode(cache, list(enc.question_ids), position, max_new, stop_ids, solo=solo if alone else None,
+                         want_logprobs=True, batchable=not alone)
+            yield job
+            assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
+            seconds["decode"] = time.perf_counter() - t
+            reason = post_decode_reason(gate, signals, job.logprobs, None)
+            if reason is None:
+                return PathAnswer(job.ids, None, signals, seconds, kept=kept)
+            escalated = True
+        cache.layers.clear()  # the pruned cache is done with; the full answer prefills its own
+        t = time.perf_counter()
+        ids = yield from full_answer_steps(model, enc, max_new, stop_ids)
+        seconds["escalation"] = time.perf_counter() - t
+        return PathAnswer(ids, reason, signals, seconds, escalated=escalated)
+
+
+def _masks_heads(model: PreTrainedModel) -> bool:
+    """Whether the last prefill left kvpress head-wise masks on the attention modules (module docstring)."""
+    return any(getattr(m, "masked_key_indices", None) is not None for m in model.modules())

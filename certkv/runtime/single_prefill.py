@@ -1,7 +1,8 @@
 """One request on the engine's single-prefill path: one full prefill, gates, then the kept entries.
 
-For a fast-path press (:func:`certkv.engine.scoring.is_fast_path_press`) or certkv's probabilistic
-press, the runtime does what calibration did for this candidate, with the same engine functions:
+For a fast-path press (:func:`certkv.engine.scoring.is_fast_path_press`), a response-aware press
+or certkv's probabilistic press, :class:`SinglePrefillPath` does what calibration did for this
+candidate, with the same engine functions:
 
 1. **One full prefill** of the context under the engine's hooks: :func:`~certkv.engine.scoring.scoring_hooks`
    (the press's top-k indices per layer) or :func:`~certkv.engine.probabilistic_decode.selection_hooks`
@@ -12,102 +13,149 @@ press, the runtime does what calibration did for this candidate, with the same e
    probe (:func:`certkv.model.lookahead.lookahead_probe`, its mass on the entries the press evicts)
    and a learned score without confidence features. When the gate says so, the answer is decoded
    from that same cache: no second prefill.
-3. **The evicted answer**: the kept entries are gathered into a one-row cache
-   (:func:`~certkv.engine.batched_decode.padded_cache` / the probabilistic decode's own gather) and
-   decoded with their log-probabilities (:func:`~certkv.engine.batched_decode.decode_candidates`,
+3. **The evicted answer**: the kept entries are gathered into a one-row cache and decoded with
+   their log-probabilities (:func:`~certkv.engine.batched_decode.decode_candidates`,
    :func:`~certkv.engine.probabilistic_decode.decode_probabilistic`).
 4. **Post-decode gates** (certificate, confidence, learned with confidence features): an escalated
-   request's full answer is decoded from the still-existing full cache (cropped back to the
-   context first); ``seconds["escalation"]`` is that recomputation.
+   request's full answer is decoded from the full cache; ``seconds["escalation"]`` is that
+   recomputation.
+
+The path is written as steps (:mod:`certkv.runtime.steps`). In-process (:meth:`SinglePrefillPath.answer`)
+the full cache is held to the end, as calibration holds it. Run *lean* (``certkv serve``'s
+scheduler) the full cache is freed as soon as the kept entries are gathered
+(:func:`~certkv.engine.ragged_decode.gather_row`, the same entries in the same order as
+``padded_cache``), so a decoding request holds only its retained KV; an escalation then prefills
+the context again (same kernels, same full answer). The probabilistic press always holds its full
+cache: its Hájek decode is its own, unbatched.
 
 The full-cache answer is always decoded as calibration decodes it
-(:func:`certkv.engine.full_cache.decode_full`: the engine's
-``decode_candidates`` over the full cache, one row, every slot visible), so that it equals the
-store's ``full`` record.
+(:func:`certkv.engine.full_cache.decode_full`), so that it equals the store's ``full`` record.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.engine import is_probabilistic_press
-from certkv.engine.full_cache import decode_full, prefill_full
+from certkv.engine.full_cache import prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
+from certkv.engine.ragged_decode import gather_row
 from certkv.gate.agreement import AgreementRecorder
 from certkv.model.lookahead import evicted_mass, lookahead_probe
 from certkv.presses.poisson_selection import Selection
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
+from certkv.runtime.full_path import decode_from_full, full_answer_steps, prefill_slots
 from certkv.runtime.gates import post_decode_reason, pre_decode_reason
+from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
 
 if TYPE_CHECKING:
+    from kvpress import BasePress
     from transformers import DynamicCache, PreTrainedModel
 
     from certkv.model.generation import EncodedRequest
-    from certkv.runtime.answering import AnsweringRuntime
-    from certkv.runtime.decision import Decision
+    from certkv.runtime.gates import RuntimeGate
 
 #: One candidate's kept entries of the full cache, per layer: a fast-path press's kept indices, a
 #: (1, H_kv, n_kept) long tensor (None: keeps everything), or the probabilistic press's Selection.
 KeptSelection = list[torch.Tensor | None] | list[Selection | None]
 
 
-def answer(
-    runtime: AnsweringRuntime, enc: EncodedRequest, max_new: int, decision: Decision, t0: float
-) -> tuple[list[int], dict[str, float]]:
-    """Answer one request on the single-prefill path; fills `decision` and returns
-    (token ids, seconds). `runtime` is the :class:`~certkv.runtime.certified_runtime.CertifiedRuntime`;
-    `t0` the request's start (:func:`time.perf_counter`), from which its prefill is timed."""
-    model, gate, press = runtime.model, runtime.gate, runtime.press
-    policy = runtime.policy
-    probabilistic = is_probabilistic_press(press)
-    response_aware = is_response_aware_press(press)
-    recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement and gate.agreement is not None else None
-    cache, fast_sel, sampled = prefill_full(
-        model,
-        enc.context_ids,
-        fast=None if probabilistic or response_aware else {policy: press},
-        probabilistic={policy: press} if probabilistic else None,
-        recorder=recorder,
-        observers=prefill_observers([press]) if response_aware else (),
-    )
-    if response_aware:  # chosen over the full cache right after the prefill, as the engine chooses
-        selection = press.select(model, cache, enc, runtime.stop_ids)
-    else:
-        selection = sampled[policy] if probabilistic else fast_sel[policy]
-    seconds = {"prefill": time.perf_counter() - t0}
-    if recorder:
-        decision.agreement_drop = recorder.drop()
-        recorder.reset()
-    if gate.needs_lookahead:
-        t = time.perf_counter()
-        heads = lookahead_heads(model, cache, enc, selection, gate.lookahead_tokens, runtime.stop_ids)
-        decision.lookahead_heads, decision.lookahead_mass = heads, max(heads)
-        seconds["probe"] = time.perf_counter() - t
-    reason = pre_decode_reason(gate, decision)
-    t = time.perf_counter()
-    if reason is not None:
-        ids = decode_full(model, cache, enc, max_new, runtime.stop_ids)
-        seconds["decode"] = time.perf_counter() - t
-        decision.reason = reason
-        return ids, seconds
+@dataclass
+class SinglePrefillPath:
+    """Answer requests with `press` on the engine's single-prefill path, behind `gate`.
 
-    ids, logprobs, kept, certificate = evicted_decode(model, cache, enc, selection, probabilistic, max_new, runtime.stop_ids)
-    seconds["decode"] = time.perf_counter() - t
-    reason = post_decode_reason(gate, decision, logprobs, certificate)
-    if reason is not None:
+    `policy` names the press's candidate (the key the engine's hooks record it under).
+    """
+
+    model: PreTrainedModel
+    press: BasePress
+    gate: RuntimeGate
+    policy: str
+    stop_ids: set[int]
+
+    def answer(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any]) -> PathAnswer:
+        """Answer `enc` in-process, as calibration did; `signals` (every signal name, None when not
+        measured) is filled with what the gate read."""
+        return run_alone(self.steps(enc, max_new, signals))
+
+    def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
+        """The answer as steps (module docstring); `lean` frees the full cache before the evicted decode."""
+        model, gate, press, stop_ids = self.model, self.gate, self.press, self.stop_ids
+        probabilistic = is_probabilistic_press(press)
+        response_aware = is_response_aware_press(press)
+        n_ctx, room = len(enc.context_ids), len(enc.question_ids) + max_new
+        probe = gate.lookahead_tokens if gate.needs_lookahead else 0
+        # The probabilistic decode gathers its kept entries next to the full cache it keeps.
+        yield Reserve(prefill_slots(model, enc, max_new, extra=probe + (n_ctx + room if probabilistic else 0)))
+        t0 = time.perf_counter()
+        recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement and gate.agreement is not None else None
+        cache, fast_sel, sampled = prefill_full(
+            model,
+            enc.context_ids,
+            fast=None if probabilistic or response_aware else {self.policy: press},
+            probabilistic={self.policy: press} if probabilistic else None,
+            recorder=recorder,
+            observers=prefill_observers([press]) if response_aware else (),
+        )
+        if response_aware:  # chosen over the full cache right after the prefill, as the engine chooses
+            selection = press.select(model, cache, enc, stop_ids)
+        else:
+            selection = sampled[self.policy] if probabilistic else fast_sel[self.policy]
+        seconds = {"prefill": time.perf_counter() - t0}
+        if recorder:
+            signals["agreement_drop"] = recorder.drop()
+            recorder.reset()
+        if gate.needs_lookahead:
+            t = time.perf_counter()
+            heads = lookahead_heads(model, cache, enc, selection, gate.lookahead_tokens, stop_ids)
+            signals["lookahead_heads"], signals["lookahead_mass"] = heads, max(heads)
+            seconds["probe"] = time.perf_counter() - t
+        reason = pre_decode_reason(gate, signals)
         t = time.perf_counter()
-        ids = decode_full(model, cache, enc, max_new, runtime.stop_ids)
+        if reason is not None:
+            ids = yield from decode_from_full(model, cache, enc, max_new, stop_ids)
+            seconds["decode"] = time.perf_counter() - t
+            return PathAnswer(ids, reason, signals, seconds)
+
+        kept: float
+        certificate: float | None = None
+        if probabilistic or not lean:
+            out: dict[str, Any] = {}
+
+            def solo() -> tuple[list[int], list[float] | None]:
+                out["ids"], out["logprobs"], out["kept"], out["certificate"] = evicted_decode(
+                    model, cache, enc, selection, probabilistic, max_new, stop_ids
+                )
+                return out["ids"], out["logprobs"]
+
+            job = Decode(None, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=solo, batchable=False)
+            yield job
+            ids, logprobs, kept, certificate = out["ids"], out["logprobs"], out["kept"], out["certificate"]
+        else:
+            first = selection[0]
+            kept = (n_ctx if first is None else first.shape[2]) / n_ctx
+            row = gather_row(cache, selection, n_ctx, room)  # empties `cache`: only the kept entries stay
+            job = Decode(row, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=None,
+                         lookup_ids=list(enc.context_ids), want_logprobs=True)
+            yield job
+            assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
+            ids, logprobs = job.ids, job.logprobs
+        seconds["decode"] = time.perf_counter() - t
+        reason = post_decode_reason(gate, signals, logprobs, certificate)
+        if reason is None:
+            return PathAnswer(ids, None, signals, seconds, kept=kept)
+        t = time.perf_counter()
+        if cache.layers:  # held to the end: the full answer from it
+            ids = yield from decode_from_full(model, cache, enc, max_new, stop_ids)
+        else:  # lean: freed before the decode, prefilled again
+            ids = yield from full_answer_steps(model, enc, max_new, stop_ids)
         seconds["escalation"] = time.perf_counter() - t
-        decision.reason, decision.escalated = reason, True
-        return ids, seconds
-    decision.mode = "evicted"
-    decision.kv_retained = runtime.operating_point.kv_retained
-    decision.kv_retained_actual = kept
-    return ids, seconds
+        return PathAnswer(ids, reason, signals, seconds, escalated=True)
 
 
 def evicted_decode(

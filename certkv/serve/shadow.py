@@ -39,9 +39,12 @@ from certkv.core.signals import SIGNALS as DECLARED
 from certkv.errors import CertkvError
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from certkv.core.monitor import RiskMonitor
     from certkv.core.operating_point import OperatingPoint
     from certkv.runtime.certified_runtime import CertifiedRuntime, RuntimeAnswer
+    from certkv.runtime.steps import Step
     from certkv.serve.shadow_store import ShadowStore
 
 log = logging.getLogger("certkv.serve.shadow")
@@ -85,15 +88,18 @@ class ShadowRunner:
         self.monitor = monitor
         self.store = store
 
-    def run(self, job: ShadowJob) -> dict[str, Any]:
+    def run(self, job: ShadowJob, full: RuntimeAnswer | None = None) -> dict[str, Any]:
         """Shadow `job`; returns the record (loss, verdict, both answers, the rows written).
+
+        `full` is the request's full-cache answer when the caller computed it already (``certkv
+        serve``'s scheduler, from :meth:`full_answer_steps`); by default it is computed here.
 
         Raises CertkvError (one line, the cause chained) after abandoning the ticket when the
         verdict could not be reached, or after completing it when only the store write failed.
         """
         completed = False
         try:
-            record = self._score(job)
+            record = self._score(job, full)
             self.monitor.complete(job.ticket, record["violated"])
             completed = True
             if self.store is not None:
@@ -126,7 +132,18 @@ class ShadowRunner:
                               "answered from the full cache, which is never shadowed")
         return entry, self.runtime.strata[stratum]
 
-    def _score(self, job: ShadowJob) -> dict[str, Any]:
+    def needs_full_answer(self, job: ShadowJob) -> bool:
+        """Whether scoring `job` needs a full-cache answer of its own (a served full answer is its own)."""
+        return job.served.decision.mode != "full"
+
+    def full_answer_steps(self, job: ShadowJob) -> Generator[Step, None, RuntimeAnswer]:
+        """The full-cache answer a shadow compares with, as steps (:mod:`certkv.runtime.steps`), run
+        lean by ``certkv serve``'s scheduler: the runtime's own encoding and decode, reason ``shadow``."""
+        _, runtime = self._entry(job.stratum)
+        return (yield from runtime.answer_steps(job.context, job.question, job.stratum, answer_prefix=job.answer_prefix,
+                                                forced=("shadow", None), lean=True))
+
+    def _score(self, job: ShadowJob, full: RuntimeAnswer | None = None) -> dict[str, Any]:
         from certkv.calibration.utility import score
 
         top = self.runtime.operating_point
@@ -142,9 +159,10 @@ class ShadowRunner:
         if decision.mode == "full":
             full_answer, seconds = served.answer, {}
         else:
-            full = runtime.answer_from_full_cache(
-                job.context, job.question, job.stratum, reason="shadow", answer_prefix=job.answer_prefix
-            )
+            if full is None:
+                full = runtime.answer_from_full_cache(
+                    job.context, job.question, job.stratum, reason="shadow", answer_prefix=job.answer_prefix
+                )
             full_answer, seconds = full.answer, full.seconds
         answers = [str(a) for a in job.answers] if job.answers else None
         utility_name = entry.contract.utility

@@ -1,0 +1,372 @@
+"""Greedy decoding of many requests at once, each over its own compressed cache, with no padding.
+
+``certkv serve`` decodes every in-flight request in one forward per step (continuous batching).
+Their caches differ in everything: length, which entries were kept, the position the question
+starts at. Padding them to one width would spend on padding the memory that eviction freed, so
+each request keeps its own cache (:class:`RowCache`: per layer one (1, H_kv, capacity, d) buffer,
+filled to its length) and only the projections and MLPs run batched. Attention runs once per row,
+over that row's keys alone (:func:`ragged_attention`, registered with transformers' attention
+interface under :data:`NAME`): the same shapes and the same kernel choice as the one-row decode of
+:func:`certkv.engine.batched_decode.decode_candidates`, so that each row's answer is that of the
+runtime decoding it alone.
+
+Decoding follows ``decode_candidates`` with an empty draft, row by row: a row's first forward feeds
+its question (positions from the row's ``position``), then each step feeds the row's pending token
+plus a prompt-lookup proposal (:class:`~certkv.engine.prompt_lookup.PromptLookup`; none for a row
+decoded plainly greedy, as kvpress's pipeline decodes); the tokens its greedy choice confirms stay
+in its cache, the rest are cropped away. A row stops after ``max_new_tokens`` tokens, or after a
+stop token but never on the first (kvpress's rule).
+
+KV held is counted in *token slots*: one slot is one token's keys and values in every layer and KV
+head, so a request of n tokens with the full cache holds n slots, and a cache that keeps a share r
+of every layer holds r·n. :attr:`RowCache.slots` counts the allocated capacity, what a KV budget
+must cover.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AttentionInterface
+
+from certkv.engine.prompt_lookup import PromptLookup
+from certkv.model.attention import _grouped_matmul_attention, _sdpa, use_attention
+from certkv.model.generation import chosen_logprobs
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
+
+NAME = "certkv_ragged"
+
+
+class RowLayer:
+    """One layer of one request's cache: `keys` / `values` buffers (1, H_kv, capacity, d), of which
+    the first `length` slots are filled."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        self._keys, self._values, self.length = keys, values, length
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> RowLayer:
+        """A layer holding `keys` / `values` (1, H_kv, n, d), with `room` more slots allocated."""
+        n = keys.shape[2]
+        k = keys.new_empty((1, keys.shape[1], n + room, keys.shape[3]))
+        v = values.new_empty((1, values.shape[1], n + room, values.shape[3]))
+        k[:, :, :n].copy_(keys)
+        v[:, :, :n].copy_(values)
+        return cls(k, v, n)
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[2]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[:, :, : self.length]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write (1, H_kv, n, d) new entries after the filled slots (growing when out of room)."""
+        end = self.length + keys.shape[2]
+        if end > self.capacity:
+            self._keys = torch.cat([self.keys, keys], dim=2)
+            self._values = torch.cat([self.values, values], dim=2)
+        else:
+            self._keys[:, :, self.length : end] = keys
+            self._values[:, :, self.length : end] = values
+        self.length = end
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class RowCache:
+    """One request's cache, one :class:`RowLayer` per model layer."""
+
+    def __init__(self, layers: list[RowLayer]) -> None:
+        self.layers = layers
+
+    @classmethod
+    def adopt(cls, cache: DynamicCache, room: int) -> RowCache:
+        """Take over a one-row transformers cache, leaving `cache` empty.
+
+        A layer that already has `room` free slots (the engine's reserved layers) is used as it
+        is; any other is copied into a buffer with that room, one layer at a time, and its tensors
+        are dropped from `cache` as soon as they are copied, so the copy never holds more than one
+        layer twice.
+        """
+        from certkv.engine.batched_decode import ReservedLayer
+
+        layers: list[RowLayer] = []
+        for layer in cache.layers:
+            if isinstance(layer, ReservedLayer) and layer._keys.shape[2] - layer._length >= room:
+                layers.append(RowLayer(layer._keys[:1], layer._values[:1], layer._length))
+            else:
+                layers.append(RowLayer.holding(layer.keys, layer.values, room))
+            layer.keys = layer.values = None
+            if isinstance(layer, ReservedLayer):
+                layer._keys = layer._values = None
+        cache.layers.clear()
+        return cls(layers)
+
+    @property
+    def length(self) -> int:
+        """Filled slots of the longest layer."""
+        return max(layer.length for layer in self.layers)
+
+    @property
+    def slots(self) -> float:
+        """Allocated capacity in token slots: the mean over layers (and KV heads) of each layer's
+        buffer length (see the module docstring)."""
+        return sum(layer.capacity for layer in self.layers) / len(self.layers)
+
+    def crop(self, lengths: list[int]) -> None:
+        for layer, length in zip(self.layers, lengths):
+            layer.crop(length)
+
+
+def cache_slots(cache: DynamicCache) -> float:
+    """The token slots a transformers cache holds: the mean over layers of their lengths."""
+    lengths = [layer.keys.shape[2] for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+@dataclass
+class Row:
+    """One request being decoded.
+
+    `question_ids` are fed first, at positions from `position` (kvpress's: the uncompressed
+    context length, or the pruned length for presses that continue from it); `lookup_ids` seed
+    the prompt-lookup proposals (None: plain greedy, one token per step). `answer` and
+    `logprobs` fill as the row decodes; `done` once it has stopped."""
+
+    cache: RowCache
+    question_ids: list[int]
+    position: int
+    max_new_tokens: int
+    stop_ids: set[int]
+    lookup_ids: list[int] | None = None
+    want_logprobs: bool = False
+    answer: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tag: Any = None
+    """The caller's handle on the row (the scheduler's request)."""
+    _lookup: PromptLookup | None = None
+
+    def __post_init__(self) -> None:
+        if not self.question_ids:
+            raise ValueError("a row needs at least one question token to feed")
+        if self.lookup_ids is not None:
+            self._lookup = PromptLookup(list(self.lookup_ids) + list(self.question_ids))
+
+    @property
+    def done(self) -> bool:
+        n = len(self.answer)
+        return n >= self.max_new_tokens or (n > 1 and self.answer[-1] in self.stop_ids)
+
+    def feed(self) -> tuple[list[int], int]:
+        """The tokens to feed next and the position of the first."""
+        if not self.answer:
+            return list(self.question_ids), self.position
+        proposal = self._lookup.propose(self.answer, self.max_new_tokens - len(self.answer)) if self._lookup else []
+        return [self.answer[-1], *proposal], self.position + len(self.question_ids) + len(self.answer) - 1
+
+
+#: The rows of the forward in progress and how many tokens each feeds (read by the attention).
+_FORWARD: ContextVar[tuple[Sequence[Row], Sequence[int]] | None] = ContextVar("certkv_ragged_forward", default=None)
+
+
+class _RowsCache:
+    """What the model sees as its cache during a ragged forward: ``update`` writes each row's real
+    new entries into its own :class:`RowCache` (the padding columns of shorter feeds are never
+    stored); the attention reads the rows back (:func:`ragged_attention`)."""
+
+    def __init__(self, rows: Sequence[Row], fed: Sequence[int]) -> None:
+        self.rows, self.fed = rows, fed
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`key_states` / `value_states` (B, H_kv, T, d): row b's first fed[b] columns are its own."""
+        for b, (row, n) in enumerate(zip(self.rows, self.fed)):
+            row.cache.layers[layer_idx].append(key_states[b : b + 1, :, :n], value_states[b : b + 1, :, :n])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def ragged_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function: each row's queries (query (B, H, T, d); row b's
+    first fed[b] positions are real) over that row's own keys and values, causal within its new
+    tokens. `key` / `value` (what the cache's ``update`` returned) are ignored. Returns (B, T, H, d)
+    with zeros at the padding positions, and no weights.
+
+    Per row this is :func:`certkv.model.attention.gqa_sdpa_attention` on a one-row batch: grouped
+    matmuls for at most 4 float32 queries on CPU, sdpa otherwise, with an additive mask."""
+    state = _FORWARD.get()
+    if state is None:
+        raise RuntimeError(f"the {NAME} attention runs only inside a ragged batch's forward")
+    rows, fed = state
+    layer_idx = module.layer_idx
+    out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+    on_cpu = query.device.type == "cpu"
+    for b, (row, n) in enumerate(zip(rows, fed)):
+        layer = row.cache.layers[layer_idx]
+        k, v = layer.keys, layer.values
+        q = query[b : b + 1, :, :n]
+        k_len = k.shape[2]
+        allowed = torch.ones(n, k_len, dtype=torch.bool, device=query.device).tril(k_len - n)
+        mask = torch.zeros((1, 1, n, k_len), dtype=query.dtype, device=query.device)
+        mask.masked_fill_(~allowed.view(1, 1, n, k_len), float("-inf"))
+        gqa = k.shape[1] != q.shape[1]
+        attend = _grouped_matmul_attention if on_cpu and q.dtype == torch.float32 and n <= 4 else _sdpa
+        out[b, :n] = attend(q, k, v, mask, dropout, scaling, False, gqa)[0].transpose(0, 1)
+    return out, None
+
+
+def register() -> None:
+    """Register :func:`ragged_attention` with transformers (idempotent). No mask function is
+    registered under its name, so the model builds no mask: the attention makes its own."""
+    AttentionInterface.register(NAME, ragged_attention)
+
+
+@contextmanager
+def _forward_rows(rows: Sequence[Row], fed: Sequence[int]) -> Iterator[None]:
+    token = _FORWARD.set((rows, fed))
+    try:
+        yield
+    finally:
+        _FORWARD.reset(token)
+
+
+class RaggedBatch:
+    """The requests being decoded together; :meth:`step` advances every one of them by one forward.
+
+    Rows join (:meth:`add`) whenever their cache is ready and leave when done (:meth:`step`
+    returns them); nothing else about the batch changes when they do.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.rows: list[Row] = []
+        register()
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+
+    def remove(self, row: Row) -> None:
+        self.rows.remove(row)
+
+    @property
+    def slots(self) -> float:
+        """Token slots allocated by the rows' caches."""
+        return sum(row.cache.slots for row in self.rows)
+
+    def step(self) -> list[Row]:
+        """One batched forward for every row; returns the rows that finished (removed from the batch)."""
+        if not self.rows:
+            return []
+        model, rows = self.model, list(self.rows)
+        device = model.device
+        feeds = [row.feed() for row in rows]
+        fed = [len(tokens) for tokens, _ in feeds]
+        width = max(fed)
+        inputs = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+        positions = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+        for b, (tokens, first) in enumerate(feeds):
+            inputs[b, : len(tokens)] = torch.as_tensor(tokens, device=device)
+            positions[b] = torch.arange(first, first + width, device=device)
+        lengths = [[layer.length for layer in row.cache.layers] for row in rows]
+        with torch.no_grad(), use_attention(model, NAME), _forward_rows(rows, fed):
+            hidden = model.model(
+                input_ids=inputs,
+                position_ids=positions,
+                past_key_values=_RowsCache(rows, fed),
+                cache_position=torch.arange(width, device=device),
+                use_cache=True,
+            ).last_hidden_state
+        # The logits a row needs: after its question's last token on its first forward, after
+        # every fed token afterwards (the pending token's, then each proposal token's).
+        picks = [(b, j) for b, row in enumerate(rows) for j in ([fed[b] - 1] if not row.answer else range(fed[b]))]
+        index_b = torch.as_tensor([b for b, _ in picks], device=device)
+        index_j = torch.as_tensor([j for _, j in picks], device=device)
+        with torch.no_grad():
+            logits = model.get_output_embeddings()(hidden[index_b, index_j])
+        tokens = logits.argmax(-1)
+        wanted = any(row.want_logprobs for row in rows)
+        logprobs = chosen_logprobs(logits, tokens).tolist() if wanted else None
+        chosen = tokens.tolist()
+        finished, at = [], 0
+        for b, row in enumerate(rows):
+            taken = 1 if not row.answer else fed[b]
+            _accept(row, chosen[at : at + taken], logprobs[at : at + taken] if logprobs is not None else None,
+                    feeds[b][0][1:], lengths[b])
+            at += taken
+            if row.done:
+                finished.append(row)
+        for row in finished:
+            self.rows.remove(row)
+        return finished
+
+
+def _accept(row: Row, choices: list[int], logprobs: list[float] | None, proposal: list[int], lengths: list[int]) -> None:
+    """Append to `row` the greedy `choices` its forward confirmed (with their `logprobs` when
+    wanted) and crop its cache back to its `lengths` per layer before the forward plus the fed
+    tokens that stay: on its first forward one token, afterwards the pending token's choice and
+    each proposal token the greedy choice agreed with (decode_candidates's acceptance)."""
+    if len(row.answer) == 0:
+        row.answer.append(choices[0])
+        if row.want_logprobs and logprobs is not None:
+            row.logprobs.append(logprobs[0])
+        return
+    accepted = 0
+    for i, token in enumerate(choices):
+        row.answer.append(token)
+        if row.want_logprobs and logprobs is not None:
+            row.logprobs.append(logprobs[i])
+        accepted = i + 1
+        if row.done or i >= len(proposal) or token != proposal[i]:
+            break
+    # The pending token and the confirmed proposal tokens stay; the rest are dropped.
+    row.cache.crop([n + accepted for n in lengths])
+
+
+def row_slots_needed(cache_slots_now: float, question_tokens: int, max_new_tokens: int) -> int:
+    """Token slots a row may hold before it finishes: its cache, its question, its answer."""
+    return math.ceil(cache_slots_now) + question_tokens + max_new_tokens
+
+
+def gather_row(full_cache: DynamicCache, selection: Sequence[torch.Tensor | None], context_length: int, room: int) -> RowCache:
+    """One candidate's kept entries of a full prefill as a :class:`RowCache` with `room` free slots.
+
+    `full_cache` holds (1, H_kv, n, d) per layer; `selection[layer]` the kept indices
+    (1, H_kv, n_kept) in kvpress's order, or None (the layer keeps its first `context_length`
+    entries). The entries and their order are :func:`~certkv.engine.batched_decode.padded_cache`'s
+    for one row. Each full layer is dropped from `full_cache` as soon as it is gathered, so the
+    gather never holds more than the full cache and one kept layer; `full_cache` is left empty.
+    """
+    layers = []
+    for layer_idx, kept in enumerate(selection):
+        full = full_cache.layers[layer_idx]
+        keys, values = full.keys[:, :, :context_length], full.values[:, :, :context_length]
+        if kept is not None:
+            heads, dim = keys.shape[1], keys.shape[3]
+            index = kept[0].unsqueeze(-1)
+            keys = keys.gather(2, index.unsqueeze(0).expand(1, heads, -1, dim))
+            values = values.gather(2, index.unsqueeze(0).expand(1, heads, -1, values.shape[3]))
+        layers.append(RowLayer.holding(keys, values, room))
+        full.keys = full.values = None
+    full_cache.layers.clear()
+    return RowCache(layers)

@@ -1,0 +1,111 @@
+"""The steps of one answer: what an answering path asks of whoever runs it.
+
+An answering path (:class:`~certkv.runtime.single_prefill.SinglePrefillPath`,
+:class:`~certkv.runtime.pipeline.PipelinePath`, :class:`~certkv.runtime.full_path.FullCachePath`)
+is written once, as a generator, and run two ways:
+
+* in-process, one request at a time (:func:`run_alone`, what :class:`CertifiedRuntime.generate`
+  does): every :class:`Reserve` is granted at once and every :class:`Decode` is decoded alone by
+  its ``solo`` function, exactly as calibration decoded it;
+* by ``certkv serve``'s scheduler (:mod:`certkv.serve.scheduler`): a :class:`Reserve` waits until
+  its KV fits in the budget, and a :class:`Decode` joins the batch that decodes every in-flight
+  request together (:mod:`certkv.engine.ragged_decode`).
+
+The decisions (which cache answers, the gate's signals and verdicts) are made by the same code in
+both; only who decodes, and when, differs. A path yields:
+
+* ``Reserve(slots)`` before it allocates KV (a prefill): the token slots it will hold until its
+  next step (see :mod:`certkv.engine.ragged_decode` for the unit);
+* ``Decode(...)`` with a cache that holds only what this answer needs (with room for its question
+  and answer), and resumes once ``ids`` (and ``logprobs``) are filled in;
+
+and returns a :class:`PathAnswer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from certkv.engine.ragged_decode import RowCache
+
+
+@dataclass
+class Reserve:
+    """The path is about to allocate KV: it will hold at most `slots` token slots until its next step."""
+
+    slots: int
+
+
+@dataclass
+class Decode:
+    """One greedy answer to decode over `cache`, which holds only this answer's entries.
+
+    `cache` is a one-row transformers cache or a :class:`~certkv.engine.ragged_decode.RowCache`;
+    `question_ids` are fed first at positions from `position`; `lookup_ids` seed prompt-lookup
+    proposals (None: plain greedy, as kvpress's pipeline decodes). `solo` decodes it alone,
+    as calibration did, returning (ids, per-token log p or None); a lean path (run by the
+    scheduler only) gives none. ``batchable=False`` (certkv's probabilistic press: its Hájek
+    attention correction is its own decode; an in-process decode over the full cache) makes the
+    scheduler call `solo`, unbatched, between batched steps; `cache` is then None or left to the path.
+    """
+
+    cache: DynamicCache | RowCache | None
+    question_ids: list[int]
+    position: int
+    max_new_tokens: int
+    stop_ids: set[int]
+    solo: Callable[[], tuple[list[int], list[float] | None]] | None
+    lookup_ids: list[int] | None = None
+    want_logprobs: bool = False
+    batchable: bool = True
+    ids: list[int] | None = None
+    logprobs: list[float] | None = None
+
+
+Step = Reserve | Decode
+
+
+@dataclass
+class PathAnswer:
+    """What an answering path returns: the answer's ids, which cache gave them and why.
+
+    `reason` is None when the press's cache answered (``mode`` "evicted"); `kept` the realised
+    kept share of that cache; `signals` the gate signals measured on the way (keys of
+    :data:`certkv.core.signals.SIGNALS`); `seconds` per phase (``prefill``, ``probe``, ``decode``,
+    ``escalation``)."""
+
+    ids: list[int]
+    reason: str | None
+    signals: dict[str, Any]
+    seconds: dict[str, float] = field(default_factory=dict)
+    kept: float | None = None
+    escalated: bool = False
+
+    @property
+    def mode(self) -> str:
+        return "evicted" if self.reason is None else "full"
+
+
+T = TypeVar("T")
+
+#: An answering path's generator: yields steps, returns its answer.
+Steps = Generator[Step, None, PathAnswer]
+
+
+def run_alone(steps: Generator[Step, None, T]) -> T:
+    """Run an answering path in-process: reservations granted at once, each decode alone."""
+    try:
+        step = next(steps)
+        while True:
+            if isinstance(step, Decode):
+                if step.solo is None:
+                    raise ValueError("a lean path's decode is batched by certkv serve's scheduler; run it there")
+                step.ids, step.logprobs = step.solo()
+            step = steps.send(None)
+    except StopIteration as stop:
+        return stop.value
