@@ -1,0 +1,341 @@
+"""Continuous batching under a KV budget: many answers in flight, one model, no HTTP.
+
+Every request is an answering path written as steps (:mod:`certkv.runtime.steps`): a generator
+that yields ``Reserve(slots)`` before it allocates KV and ``Decode(...)`` when it has a cache to
+decode. :class:`Scheduler` runs them all on one worker thread, so the model never runs two forwards
+at once, and interleaves them:
+
+* **Admission.** A job that yields ``Reserve(slots)`` waits until ``slots`` fit in what the jobs
+  in flight leave of the budget (token slots, :mod:`certkv.engine.ragged_decode`); then it runs on
+  (its prefill, its gates) up to its next step. At most one job is admitted per iteration, between
+  two batched decode steps, so a prefill delays the batch by one prefill at most. Waiting jobs are
+  admitted in order: a job already in flight that asks again (an escalation's second prefill),
+  then live requests first come first served, then shadows. A job whose reservation alone exceeds
+  the budget fails with :class:`BudgetExceeded` (it could never run).
+* **Batched decoding.** A ``Decode`` joins the :class:`~certkv.engine.ragged_decode.RaggedBatch`
+  (its cache taken over as a :class:`~certkv.engine.ragged_decode.RowCache` with room for its
+  question and answer) and from then on holds exactly that cache's slots; one forward per
+  iteration advances every row, and a finished row's job resumes (its post-decode gate). A
+  ``Decode`` that cannot batch (certkv's probabilistic press) is decoded alone at once.
+* **Shadows** (``shadow=True``) never hold KV a live request waits for: when the first waiting
+  live request does not fit, shadows in flight are preempted (their rows dropped, their KV freed)
+  and restarted from the beginning later, so a live request waits at most the decode step in
+  progress for their memory.
+
+KV in use (the reservations of jobs between steps, and every row's allocated cache) is sampled
+after every admission and every decode step; :attr:`Scheduler.peak_kv` is the largest sample,
+never more than the budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from certkv.engine.ragged_decode import RaggedBatch, Row, RowCache
+from certkv.errors import CertkvError
+from certkv.runtime.steps import Decode, Reserve
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from certkv.runtime.steps import Step
+
+log = logging.getLogger("certkv.serve")
+
+#: A job's steps: yields Reserve / Decode, returns its result.
+JobSteps = Generator["Step", None, Any]
+
+
+class BudgetExceeded(CertkvError):
+    """One request alone needs more KV than the whole budget."""
+
+
+class QueueFull(Exception):
+    """The live queue holds --max-queue requests already."""
+
+
+class Stopping(Exception):
+    """The scheduler is shutting down and accepts no new request."""
+
+
+@dataclass(eq=False)
+class _Job:
+    steps: JobSteps
+    shadow: bool
+    future: Future[Any]
+    restart: Callable[[], JobSteps] | None = None
+    on_abandon: Callable[[], None] | None = None
+    step: Step | None = None
+    held: float = 0.0
+    """Token slots the job holds now: its reservation, or its row's allocated cache."""
+    row: Row | None = None
+    resumed: bool = False
+    """Whether the job already ran a step (a second reservation is admitted first)."""
+    seq: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class Scheduler:
+    """Run answering steps for many requests under a KV budget (module docstring).
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        The model every job's steps run (the batch's forwards use it).
+    budget : int or None
+        KV budget in token slots; None: unlimited (jobs are admitted as they come).
+    """
+
+    def __init__(self, model: PreTrainedModel, budget: int | None = None) -> None:
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise CertkvError(f"the KV budget must be a positive number of token slots, got {budget!r}")
+        self.model = model
+        self.budget = budget
+        self.batch = RaggedBatch(model)
+        self._inbox: collections.deque[_Job] = collections.deque()
+        self._waiting: list[_Job] = []
+        self._holding: set[_Job] = set()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._deadline: float | None = None
+        self._seq = itertools.count()
+        self.peak_kv = 0.0
+        """Largest KV in use sampled so far (token slots)."""
+        self.kv_in_use = 0.0
+        self.steps = 0
+        """Batched decode steps run."""
+        self._thread = threading.Thread(target=self._loop, name="certkv-scheduler", daemon=True)
+
+    # -- the caller's side --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, steps: JobSteps, *, shadow: bool = False, restart: Callable[[], JobSteps] | None = None,
+               on_abandon: Callable[[], None] | None = None, max_waiting: int | None = None) -> Future[Any]:
+        """Queue a job; its future gets what its steps return (or raise).
+
+        `restart` gives fresh steps for a shadow that was preempted; `on_abandon` is called for a
+        shadow still unfinished at the shutdown deadline; `max_waiting` refuses a live job
+        (:class:`QueueFull`) when that many live jobs wait for admission already.
+        """
+        job = _Job(steps, shadow, Future(), restart, on_abandon, seq=next(self._seq))
+        with self._cv:
+            if self._stopping:
+                raise Stopping()
+            if max_waiting is not None and not shadow and self.waiting_live() >= max_waiting:
+                raise QueueFull()
+            self._inbox.append(job)
+            self._cv.notify()
+        return job.future
+
+    def waiting_live(self) -> int:
+        """Live jobs not yet admitted."""
+        return sum(1 for j in list(self._inbox) + self._waiting if not j.shadow)
+
+    def waiting(self) -> int:
+        """Jobs waiting for admission (live and shadow)."""
+        return len(self._inbox) + len(self._waiting)
+
+    def waiting_shadows(self) -> int:
+        return sum(1 for j in list(self._inbox) + self._waiting if j.shadow)
+
+    def in_flight(self) -> int:
+        """Jobs admitted and not finished (prefilling or decoding)."""
+        return len(self._holding)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def shutdown(self, drain_seconds: float = 30.0) -> None:
+        """Stop accepting; finish every live job, then shadows until `drain_seconds` have passed (the
+        rest abandoned: their ``on_abandon`` called); returns when the worker has stopped."""
+        with self._cv:
+            self._stopping = True
+            self._deadline = time.monotonic() + drain_seconds
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(drain_seconds + 600)
+
+    # -- the worker ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self._waiting and not self.batch.rows and not self._stopping:
+                    self._cv.wait()
+                fresh = list(self._inbox)
+                self._inbox.clear()
+                if self._stopping and self._drained():
+                    break
+            for job in fresh:
+                self._advance(job)
+            self._admit_one()
+            self._decode_step()
+        self._abandon_shadows()
+
+    def _drained(self) -> bool:
+        """Whether the worker may stop: no live job left, and no shadow or the deadline passed."""
+        jobs = self._waiting + list(self._holding)
+        if any(not j.shadow for j in jobs):
+            return False
+        return not jobs or (self._deadline is not None and time.monotonic() > self._deadline)
+
+    def _fits(self, slots: float) -> bool:
+        return self.budget is None or self._in_use() + slots <= self.budget
+
+    def _in_use(self) -> float:
+        return sum(j.held for j in self._holding)
+
+    def _sample(self) -> None:
+        self.kv_in_use = self._in_use()
+        self.peak_kv = max(self.peak_kv, self.kv_in_use)
+
+    def _order(self, job: _Job) -> tuple[int, int]:
+        return (0 if job.resumed and not job.shadow else 1 if not job.shadow else 2, job.seq)
+
+    def _admit_one(self) -> None:
+        """Admit the first waiting job whose reservation fits (after preempting shadows for a live
+        one that does not), and run it to its next step."""
+        if not self._waiting:
+            return
+        self._waiting.sort(key=self._order)
+        first = self._waiting[0]
+        assert isinstance(first.step, Reserve)
+        if not first.shadow and not self._fits(first.step.slots):
+            self._preempt_shadows(first.step.slots)
+        for job in list(self._waiting):
+            assert isinstance(job.step, Reserve)
+            if job.future.cancelled():  # its caller gave up while it waited
+                self._waiting.remove(job)
+                job.steps.close()
+                continue
+            if self._fits(job.step.slots):
+                if job.shadow and any(not j.shadow for j in self._waiting):
+                    return  # a live request waits: shadows never take its memory
+                self._waiting.remove(job)
+                job.held = job.step.slots
+                self._holding.add(job)
+                self._sample()
+                self._advance(job)
+                return
+            if not job.shadow:
+                return  # live requests are admitted in order
+
+    def _preempt_shadows(self, slots: float) -> None:
+        for job in sorted((j for j in self._holding if j.shadow), key=lambda j: -j.seq):
+            if self._fits(slots):
+                return
+            if job.row is not None:
+                self.batch.remove(job.row)
+            self._holding.discard(job)
+            job.steps.close()
+            job.row, job.held, job.resumed = None, 0.0, False
+            assert job.restart is not None  # shadows are submitted with their restart
+            job.steps, job.step = job.restart(), None
+            self._advance(job)
+
+    def _advance(self, job: _Job) -> None:
+        """Run `job` to its next step that waits: a reservation, a batched decode, or its end."""
+        while True:
+            try:
+                step = next(job.steps) if job.step is None else job.steps.send(None)
+            except StopIteration as stop:
+                self._finish(job)
+                _resolve(job.future, result=stop.value)
+                return
+            except Exception as exc:  # noqa: BLE001 - one job's failure is that job's only
+                self._finish(job)
+                _resolve(job.future, error=exc)
+                return
+            job.step = step
+            if isinstance(step, Reserve):
+                if self.budget is not None and step.slots > self.budget:
+                    job.steps.close()
+                    self._finish(job)
+                    _resolve(job.future, error=BudgetExceeded(
+                        f"the request needs {step.slots} KV token slots (its context, question and answer), more "
+                        f"than the whole --kv-budget of {self.budget}; shorten the context or raise the budget"))
+                    return
+                self._finish(job)  # the reservation replaces whatever the job held
+                self._waiting.append(job)
+                return
+            if isinstance(step, Decode):
+                job.resumed = True
+                if not step.batchable or step.cache is None:
+                    assert step.solo is not None  # an unbatchable decode carries its own decoder
+                    step.ids, step.logprobs = step.solo()
+                    continue
+                room = len(step.question_ids) + step.max_new_tokens
+                cache = step.cache if isinstance(step.cache, RowCache) else RowCache.adopt(step.cache, room)
+                row = Row(cache, step.question_ids, step.position, step.max_new_tokens, step.stop_ids,
+                          lookup_ids=step.lookup_ids, want_logprobs=step.want_logprobs, tag=job)
+                job.row, job.held = row, cache.slots
+                self._holding.add(job)
+                self.batch.add(row)
+                self._sample()
+                return
+            raise TypeError(f"an answering path yielded {type(step).__name__}, not Reserve or Decode")
+
+    def _finish(self, job: _Job) -> None:
+        self._holding.discard(job)
+        job.held, job.row = 0.0, None
+
+    def _decode_step(self) -> None:
+        if not self.batch.rows:
+            return
+        try:
+            finished = self.batch.step()
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails the rows in it, not the server
+            log.exception("certkv serve: a batched decode step failed; its %d request(s) fail", len(self.batch.rows))
+            for row in list(self.batch.rows):
+                self.batch.remove(row)
+                job = row.tag
+                self._finish(job)
+                job.steps.close()
+                _resolve(job.future, error=exc)
+            return
+        self.steps += 1
+        self._sample()
+        for row in finished:
+            job = row.tag
+            step = job.step
+            assert isinstance(step, Decode)
+            step.ids, step.logprobs = row.answer, (row.logprobs if row.want_logprobs else None)
+            self._holding.discard(job)
+            job.held, job.row = 0.0, None
+            self._advance(job)
+
+    def _abandon_shadows(self) -> None:
+        left = [j for j in self._waiting + list(self._holding) if j.shadow]
+        for job in left:
+            if job.row is not None:
+                self.batch.remove(job.row)
+            job.steps.close()
+            if job.on_abandon is not None:
+                job.on_abandon()
+            job.future.cancel()
+        self._waiting.clear()
+        self._holding.clear()
+        if left:
+            log.warning("certkv serve: shutdown deadline reached; %d pending shadow(s) abandoned", len(left))
+
+
+def _resolve(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    """Set `future`'s outcome unless its caller cancelled it (a request that timed out)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass  # cancelled by its caller meanwhile
