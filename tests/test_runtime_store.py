@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scheduler_checks import assert_scheduler_matches, budget_for
 
 N_REQUESTS = 12
 
@@ -124,10 +125,12 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
         runtime = CertifiedRuntime(model, tok, op)
         assert runtime.query_aware is contract.protocol.query_aware
         gated_count = 0
+        answers = []
         for request in requests:
             full = by_key[(request.id, "full")]
             base = by_key[(request.id, op.base_policy)]
             out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
+            answers.append(out)
             d = out.decision
             gate = candidate.gate
             gated = gate is not None and gate.agreement_drop is not None and base["agreement_drop"] < gate.agreement_drop
@@ -146,6 +149,10 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
         assert gated_count / len(requests) == pytest.approx(candidate.gated_share)
         if gate is not None:
             assert 0 < gated_count < len(requests), f"{name}: the grid value should split the requests"
+        # certkv serve's scheduler, a few requests' KV at a time, answers them all the same; the
+        # probabilistic press decodes alone, so only its gated requests' full answers are batched
+        assert_scheduler_matches(runtime, requests, budget=budget_for(runtime, requests), alone=answers,
+                                 batching=candidate.press != "probabilistic" or gate is not None)
         tested += 1
     assert tested == len(names)
     assert sum(bool(r.answer_prefix) for r in requests) == N_REQUESTS // 2
@@ -284,10 +291,11 @@ def test_runtime_equals_the_store_for_every_gate_kind(signals_store, embedded):
             sequences=[], guarantee="test", created="now", certkv_version="test",
         )
         runtime = CertifiedRuntime(model, tok, op)
-        fired = {}
+        fired, answers = {}, []
         for request in requests:
             full, base = rows[(request.id, "full")], rows[(request.id, base_policy)]
             out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
+            answers.append(out)
             d = out.decision
             signals = _record_signals(base, full)
             goes_full = (
@@ -326,3 +334,5 @@ def test_runtime_equals_the_store_for_every_gate_kind(signals_store, embedded):
                              lookahead=gate.get("lookahead"), learned=gate.get("learned"),
                              learned_threshold=gate.get("learned_threshold"))
         assert dict(zip(table.request_ids, derived.tolist())) == fired, name
+        assert_scheduler_matches(runtime, requests, budget=budget_for(runtime, requests), alone=answers,
+                                 batching=press != "probabilistic" or bool(gate))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scheduler_checks import assert_scheduler_matches, budget_for
 
 N_REQUESTS = 16
 
@@ -79,10 +80,12 @@ def test_runtime_answers_each_request_with_its_strata_policy(calibrated, stratif
     by_key = {(r["request_id"], r["policy"]): r for r in rows}
     runtime = CertifiedRuntime(*embedded, stratified)
     assert sorted(runtime.strata) == ["north", "south"]
+    answers = []
     for request in requests:
         group = request.metadata["group"]
         entry = stratified.strata.entries[group]
         out = runtime.generate(request.context, request.question, group)
+        answers.append(out)
         d = out.decision
         assert d.stratum == group and d.policy == entry.policy
         if entry.fallback:
@@ -91,6 +94,10 @@ def test_runtime_answers_each_request_with_its_strata_policy(calibrated, stratif
             assert d.mode == "evicted" and d.reason is None
             assert out.answer == by_key[(request.id, entry.base_policy)]["answer"]
             assert d.kv_retained == entry.kv_retained
+    # certkv serve's scheduler routes each request to its stratum's policy the same way, a fallback
+    # stratum's requests (full cache) batched with the evicted ones
+    assert_scheduler_matches(runtime, requests, budget=budget_for(runtime, requests), alone=answers,
+                             strata=[r.metadata["group"] for r in requests])
 
 
 def test_requests_outside_the_envelope_get_the_full_cache(calibrated, stratified, embedded):
