@@ -323,14 +323,14 @@ def test_a_failing_request_is_500_for_it_alone(embedded, tmp_path, requests):
     from certkv.serve.service import Service
 
     runtime = CertifiedRuntime(*embedded, _operating_point(0.5, 0.5))
-    real = runtime.generate
+    real = runtime.answer_steps
 
-    def generate(context, question, stratum=None, **kwargs):
+    def answer_steps(context, question, stratum=None, **kwargs):  # what the service's scheduler runs
         if question == "boom":
             raise RuntimeError("kaboom")
-        return real(context, question, stratum, **kwargs)
+        return (yield from real(context, question, stratum, **kwargs))
 
-    runtime.generate = generate
+    runtime.answer_steps = answer_steps
     service = Service(runtime, RiskMonitor(0.5, 0.1, 0.5), None, None, Metrics(), max_queue=4)
     app = create_app(service, model_id="embedded")
     service.start()

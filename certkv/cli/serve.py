@@ -38,6 +38,11 @@ def serve(
     drain_seconds: float = typer.Option(30.0, "--drain-seconds", help="on SIGTERM, seconds to finish pending "
                                         "shadows before abandoning (and counting) the rest"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]"),
+    kv_budget: int | None = typer.Option(None, "--kv-budget", metavar="TOKENS", help="KV memory the requests in "
+                                         "flight may hold, in token slots (one token's KV in every layer); a request "
+                                         "waits until its prefill fits; default: unlimited"),
+    kv_budget_mb: float | None = typer.Option(None, "--kv-budget-mb", metavar="MIB", help="the same budget in MiB, "
+                                              "converted with the model's layers, KV heads, head size and dtype"),
 ) -> None:
     """Serve OPERATING_POINT over HTTP (OpenAI-shaped /v1/completions and /v1/chat/completions)."""
     import socket
@@ -50,6 +55,9 @@ def serve(
         raise CertkvError(f"--max-queue must be at least 1, got {max_queue}")
     if not timeout > 0:
         raise CertkvError(f"--timeout must be positive seconds, got {timeout}")
+    from certkv.serve.kv_budget import check_flags
+
+    check_flags(kv_budget, kv_budget_mb)
     if max_body_bytes < 1024:
         raise CertkvError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
     from certkv.core.monitor import check_shadow_rate
@@ -74,14 +82,16 @@ def serve(
     try:
         _run(sock, op, operating_point, model=model, host=host, port=port, shadow_rate=shadow_rate, api_key=api_key,
              max_queue=max_queue, timeout=timeout, shadow_store=shadow_store, seed=seed,
-             max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, device=device)
+             max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, device=device, kv_budget=kv_budget,
+             kv_budget_mb=kv_budget_mb)
     finally:
         sock.close()
 
 
 def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, model: str, host: str, port: int,
          shadow_rate: float, api_key: str | None, max_queue: int, timeout: float, shadow_store: Path | None, seed: int,
-         max_body_bytes: int, drain_seconds: float, device: str) -> None:
+         max_body_bytes: int, drain_seconds: float, device: str, kv_budget: int | None = None,
+         kv_budget_mb: float | None = None) -> None:
     """Load the model, build the service and serve on the bound socket until SIGTERM/SIGINT."""
     import logging
 
@@ -90,6 +100,7 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
     from certkv.model.loading import load_model
     from certkv.runtime.certified_runtime import CertifiedRuntime
     from certkv.serve.app import create_app
+    from certkv.serve.kv_budget import budget_slots
     from certkv.serve.metrics import Metrics
     from certkv.serve.service import Service
     from certkv.serve.shadow import ShadowRunner
@@ -98,6 +109,7 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     loaded, tokenizer = load_model(model, device=device)
     runtime = CertifiedRuntime(loaded, tokenizer, op)
+    budget = budget_slots(loaded, kv_budget, kv_budget_mb)
     streams = None
     if op.strata is not None:  # a stratified point: one monitor stream per stratum
         streams = {name: delta_of(op.strata.confidence) for name in op.strata.entries}
@@ -107,7 +119,7 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
     if op.is_stratified or not op.fallback:  # a fallback point answers everything from the full cache
         store = ShadowStore(store_path, op)
         runner = ShadowRunner(runtime, monitor, store)
-    service = Service(runtime, monitor, runner, store, Metrics(), max_queue=max_queue)
+    service = Service(runtime, monitor, runner, store, Metrics(), max_queue=max_queue, kv_budget=budget)
     app = create_app(service, model_id=model, operating_point_path=str(operating_point), timeout=timeout,
                      api_key=api_key, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds,
                      shadow_store_path=str(store_path))
@@ -117,7 +129,7 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(timeout + drain_seconds) + 5,
                             lifespan="on")
     typer.echo(f"certkv serve: {op.policy} on http://{host}:{port} (model {model}, shadow rate {shadow_rate:g}, "
-               f"store {store_path})", err=True)
+               f"store {store_path}, KV budget {'unlimited' if budget is None else f'{budget} token slots'})", err=True)
     server_class(config).run(sockets=[sock])
 
 

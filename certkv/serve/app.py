@@ -172,7 +172,7 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
     from fastapi.responses import Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from certkv.serve.service import QueueFull, Stopping
+    from certkv.serve.service import BudgetExceeded, QueueFull, Stopping
 
     metrics = service.metrics
     op = service.runtime.operating_point
@@ -235,6 +235,8 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
             future.cancel()  # still queued: never run; running: its answer is discarded
             return fail(route, 504, f"the request took longer than the {timeout:g} s timeout (--timeout)",
                         "server_error", None, "timeout")
+        except BudgetExceeded as exc:
+            return fail(route, 413, str(exc), "invalid_request_error", None, "kv_budget_exceeded")
         except CertkvError as exc:
             return fail(route, 400, str(exc), "invalid_request_error", None, "refused")
         except Exception as exc:  # noqa: BLE001
@@ -313,6 +315,9 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
                 "queue": {"depth": service.queue_depth(), "max": service.max_queue,
                           "shadow_pending": service.shadow_depth()},
                 "in_flight": in_flight.count,
+                "kv": {"budget": service.kv_budget, "in_use": service.scheduler.kv_in_use,
+                       "peak": service.scheduler.peak_kv, "requests_in_flight": service.scheduler.in_flight(),
+                       "admissions_waiting": service.scheduler.waiting(), "decode_steps": service.scheduler.steps},
                 "shadow_rate": service.monitor.shadow_rate, "shadow_store": shadow_store_path,
                 "shadows": {"scored": service.shadows_done, "abandoned": service.abandoned},
                 "monitor": snap, "tripped": tripped, "uptime_s": round(time.time() - started_at, 3)}

@@ -19,6 +19,12 @@ class Scraped(Protocol):
 
     def shadow_depth(self) -> int: ...
 
+    @property
+    def kv_budget(self) -> int | None: ...
+
+    @property
+    def scheduler(self) -> Any: ...
+
 
 class Metrics:
     """The service's counters, gauges and histograms; monitor gauges are refreshed at each scrape."""
@@ -45,6 +51,17 @@ class Metrics:
         self.shadow_samples = Counter("certkv_shadow_samples", "Shadows run to completion", ["stream"], registry=r)
         self.shadow_abandoned = Counter("certkv_shadow_abandoned", "Shadows that could not be scored (failed "
                                         "or abandoned at shutdown)", ["stream"], registry=r)
+        self.kv_budget = Gauge("certkv_kv_budget_slots", "KV budget in token slots (--kv-budget; 0: unlimited)",
+                               registry=r)
+        self.kv_in_use = Gauge("certkv_kv_in_use_slots", "KV token slots held by requests in flight", registry=r)
+        self.kv_peak = Gauge("certkv_kv_peak_slots", "Largest KV in use sampled so far (after every admission and "
+                             "decode step)", registry=r)
+        self.in_flight = Gauge("certkv_requests_in_flight", "Requests admitted and not finished (live and shadow)",
+                               registry=r)
+        self.admissions_waiting = Gauge("certkv_admissions_waiting", "Requests waiting for KV to be admitted "
+                                        "(live and shadow)", registry=r)
+        self.decode_steps = Counter("certkv_decode_steps", "Batched decode steps run", registry=r)
+        self._steps_seen = 0
         labels = ["stream"]
         self.m_requests = Gauge("certkv_monitor_requests", "Requests recorded by the monitor", labels, registry=r)
         self.m_violations = Gauge("certkv_monitor_violations", "Observed shadow violations (loss > tau)", labels,
@@ -71,6 +88,15 @@ class Metrics:
 
         self.queue_depth.set(service.queue_depth())
         self.shadow_pending.set(service.shadow_depth())
+        scheduler = service.scheduler
+        self.kv_budget.set(service.kv_budget or 0)
+        self.kv_in_use.set(scheduler.kv_in_use)
+        self.kv_peak.set(scheduler.peak_kv)
+        self.in_flight.set(scheduler.in_flight())
+        self.admissions_waiting.set(scheduler.waiting())
+        steps = scheduler.steps
+        self.decode_steps.inc(steps - self._steps_seen)
+        self._steps_seen = steps
         for stream, s in service.monitor.snapshot().items():
             self.m_requests.labels(stream).set(s["requests"])
             self.m_violations.labels(stream).set(s["violations"])

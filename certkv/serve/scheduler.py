@@ -129,7 +129,7 @@ class Scheduler:
         """
         job = _Job(steps, shadow, Future(), restart, on_abandon, seq=next(self._seq))
         with self._cv:
-            if self._stopping:
+            if self._stopping and not shadow:  # a live request finishing during the drain may shadow
                 raise Stopping()
             if max_waiting is not None and not shadow and self.waiting_live() >= max_waiting:
                 raise QueueFull()

@@ -1,44 +1,43 @@
-"""One model replica behind a bounded queue, served by ONE worker thread.
+"""One model replica under a KV budget: the monitor and the shadows around the scheduler.
 
-The worker runs live requests first and shadow jobs (the live monitor's full-cache re-answers) when
-no live request waits, so the model never runs two forwards at once. A live request: its stream's
-monitor tripped → answered from the full cache (reason ``monitor``); else the runtime answers and,
-for an evicted answer only, the seeded shadow coin (:meth:`RiskMonitor.draw_shadow`) is drawn
-after the gate's decision; the request is recorded and, when shadowed, its shadow job queued
-behind live traffic. The caller gets its answer before its shadow runs. Shadow jobs are never
-dropped while the service runs; :meth:`Service.shutdown` finishes the queued live requests, then
-the shadows until a deadline (the rest are abandoned and counted), and closes the shadow store.
+Requests run on :class:`~certkv.serve.scheduler.Scheduler` (one worker thread, continuous batched
+decoding, admission under ``--kv-budget``), as the runtime's answering steps. A live request: its
+stream's monitor tripped when it starts → answered from the full cache (reason ``monitor``); else
+the runtime answers and, for an evicted answer only, the seeded shadow coin
+(:meth:`RiskMonitor.draw_shadow`) is drawn after the gate's decision; the request is recorded and,
+when shadowed, its shadow job submitted at shadow priority (it uses the budget like any request,
+and gives it back to a live request that needs it). The caller gets its answer before its shadow
+runs. Shadow jobs are never dropped while the service runs; :meth:`Service.shutdown` finishes the
+live requests, then the shadows until a deadline (the rest are abandoned and counted), and closes
+the shadow store.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import threading
+import math
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from certkv.errors import CertkvError
+from certkv.serve.scheduler import BudgetExceeded, QueueFull, Scheduler, Stopping
+
+__all__ = ["BudgetExceeded", "QueueFull", "Served", "Service", "Stopping"]
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+    from concurrent.futures import Future
+
     from certkv.core.monitor import RiskMonitor
     from certkv.runtime.certified_runtime import CertifiedRuntime, RuntimeAnswer
+    from certkv.runtime.steps import Step
     from certkv.serve.metrics import Metrics
     from certkv.serve.shadow import ShadowJob, ShadowRunner
     from certkv.serve.shadow_store import ShadowStore
 
 log = logging.getLogger("certkv.serve")
-
-
-class QueueFull(Exception):
-    """The live queue holds --max-queue requests already."""
-
-
-class Stopping(Exception):
-    """The service is shutting down and accepts no new request."""
 
 
 @dataclass
@@ -56,20 +55,8 @@ class Served:
     seconds: float
 
 
-@dataclass
-class _Live:
-    request_id: str
-    context: str
-    question: str
-    stratum: str | None
-    answers: list[str] | None
-    future: Future[Served]
-    answer_prefix: str = ""
-    submitted: float = field(default_factory=time.perf_counter)
-
-
 class Service:
-    """The queue, the worker and the monitor around a :class:`CertifiedRuntime`.
+    """The scheduler, the monitor and the shadows around a :class:`CertifiedRuntime`.
 
     Parameters
     ----------
@@ -79,36 +66,37 @@ class Service:
     store : ShadowStore or None (closed at shutdown)
     metrics : Metrics
     max_queue : int
-        Live requests that may wait for the worker; one more is refused (:class:`QueueFull`).
+        Live requests that may wait for admission; one more is refused (:class:`QueueFull`).
+    kv_budget : int or None
+        KV budget in token slots (``--kv-budget``); None: unlimited.
     """
 
     def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor, shadow_runner: ShadowRunner | None,
-                 store: ShadowStore | None, metrics: Metrics, *, max_queue: int = 64) -> None:
+                 store: ShadowStore | None, metrics: Metrics, *, max_queue: int = 64,
+                 kv_budget: int | None = None) -> None:
         self.runtime = runtime
         self.monitor = monitor
         self.shadow_runner = shadow_runner
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
-        op = runtime.operating_point
-        self.stratified = op.is_stratified
-        self._live: collections.deque[_Live] = collections.deque()
-        self._shadows: collections.deque[ShadowJob] = collections.deque()
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._drain_deadline: float | None = None
+        self.scheduler = Scheduler(runtime.model, kv_budget)
+        self.stratified = runtime.operating_point.is_stratified
         self._ids = itertools.count(1)
         self._tripped_logged: set[str] = set()
         self.abandoned = 0
         self.shadows_done = 0
-        self._service_time = 0.0
-        self._served = 0
-        self._worker = threading.Thread(target=self._loop, name="certkv-worker", daemon=True)
+        self._answered = 0
+        self._first_answer: float | None = None
 
     # -- the caller's side --------------------------------------------------------------------
 
     def start(self) -> None:
-        self._worker.start()
+        self.scheduler.start()
+
+    @property
+    def kv_budget(self) -> int | None:
+        return self.scheduler.budget
 
     def stream_of(self, stratum: str | None) -> str | None:
         """The monitor stream of a request: "all" for a pooled point, its stratum for a stratified one
@@ -120,79 +108,47 @@ class Service:
     def submit(
         self, context: str, question: str, stratum: str | None, answers: list[str] | None, answer_prefix: str = ""
     ) -> Future[Served]:
+        """Queue a live request; raises QueueFull (``max_queue`` wait already) or Stopping. The
+        future fails with BudgetExceeded when the request alone needs more than the budget."""
         rid = f"req-{next(self._ids)}"
-        job = _Live(rid, context, question, stratum, answers, Future(), answer_prefix=answer_prefix)
-        with self._cv:
-            if self._stopping:
-                raise Stopping()
-            if len(self._live) >= self.max_queue:
-                raise QueueFull()
-            self._live.append(job)
-            self._cv.notify()
-        return job.future
+        steps = self._live_steps(rid, context, question, stratum, answers, answer_prefix, time.perf_counter())
+        return self.scheduler.submit(steps, max_waiting=self.max_queue)
 
     @property
     def stopping(self) -> bool:
         """True once :meth:`shutdown` began: no new request is accepted."""
-        return self._stopping
+        return self.scheduler.stopping
 
     def retry_after(self) -> int:
-        mean = self._service_time / self._served if self._served else 1.0
-        return max(1, int(mean * (len(self._live) + 1) + 0.999))
+        """Seconds until the queue has likely moved by one request, from the throughput so far."""
+        if not self._answered or self._first_answer is None:
+            return 1
+        rate = self._answered / max(time.perf_counter() - self._first_answer, 1e-3)
+        return max(1, math.ceil((self.scheduler.waiting_live() + 1) / rate))
 
     def queue_depth(self) -> int:
-        return len(self._live)
+        return self.scheduler.waiting_live()
 
     def shadow_depth(self) -> int:
-        return len(self._shadows)
+        return self.scheduler.waiting_shadows()
 
     def tripped_streams(self) -> list[str]:
         return [s for s, v in self.monitor.snapshot().items() if v["tripped"]]
 
-    # -- the worker ---------------------------------------------------------------------------
+    # -- a live request, as steps -------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._live and not self._shadows and not self._stopping:
-                    self._cv.wait()
-                item: _Live | ShadowJob
-                if self._live:
-                    item = self._live.popleft()
-                elif self._shadows:
-                    if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
-                        self._abandon_rest()
-                        return
-                    item = self._shadows.popleft()
-                else:
-                    return  # stopping, nothing left
-            if isinstance(item, _Live):
-                self._run_live(item)
-            else:
-                self._run_shadow(item)
-
-    def _run_live(self, job: _Live) -> None:
-        if not job.future.set_running_or_notify_cancel():
-            return  # timed out while queued
-        started = time.perf_counter()
-        try:
-            job.future.set_result(self._answer(job, started))
-        except BaseException as exc:  # noqa: BLE001 - one request's failure is that request's only
-            job.future.set_exception(exc)
-        finally:
-            self._service_time += time.perf_counter() - started
-            self._served += 1
-
-    def _answer(self, job: _Live, started: float) -> Served:
-        stream = self.stream_of(job.stratum)
+    def _live_steps(self, rid: str, context: str, question: str, stratum: str | None, answers: list[str] | None,
+                    answer_prefix: str, submitted: float) -> Generator[Step, None, Served]:
+        stream = self.stream_of(stratum)
+        forced = None
         if stream is not None and self.monitor.tripped(stream):
             s = self.monitor.snapshot()[stream]
-            answer = self.runtime.answer_from_full_cache(
-                job.context, job.question, job.stratum, reason="monitor",
-                detail=f"the live monitor tripped on stream {stream!r} after {s['tripped_after']} requests; "
-                       "answering from the full cache until restart", answer_prefix=job.answer_prefix)
-        else:
-            answer = self.runtime.generate(job.context, job.question, job.stratum, answer_prefix=job.answer_prefix)
+            forced = ("monitor", f"the live monitor tripped on stream {stream!r} after {s['tripped_after']} requests; "
+                                 "answering from the full cache until restart")
+        steps = self.runtime.answer_steps(context, question, stratum, answer_prefix=answer_prefix, forced=forced,
+                                          lean=True)
+        admitted: list[float] = []
+        answer = yield from _noting_admission(steps, admitted)
         decision: Any = answer.decision  # a Decision: built with make_dataclass, no fields a type checker sees
         evicted = decision.mode == "evicted"
         shadowed = False
@@ -202,25 +158,36 @@ class Service:
             if shadowed:
                 from certkv.serve.shadow import ShadowJob
 
-                with self._cv:
-                    self._shadows.append(ShadowJob(request_id=job.request_id, stream=stream, stratum=job.stratum,
-                                                   context=job.context, question=job.question, answers=job.answers,
-                                                   served=answer, ticket=ticket, answer_prefix=job.answer_prefix))
+                self._submit_shadow(ShadowJob(request_id=rid, stream=stream, stratum=stratum, context=context,
+                                              question=question, answers=answers, served=answer, ticket=ticket,
+                                              answer_prefix=answer_prefix))
         rt = self.runtime  # every stratum's runtime shares its model (stop tokens) and decode length
         ids = answer.token_ids
         finish = "length" if len(ids) >= rt.max_new_tokens and not (ids and ids[-1] in rt.stop_ids) else "stop"
         monitor = None if stream is None else self.monitor.snapshot()[stream]
         now = time.perf_counter()
-        return Served(job.request_id, answer, stream, shadowed, monitor, answer.context_tokens + answer.question_tokens,
-                      finish, started - job.submitted, now - job.submitted)
+        self._answered += 1
+        if self._first_answer is None:
+            self._first_answer = submitted
+        started = admitted[0] if admitted else submitted
+        return Served(rid, answer, stream, shadowed, monitor, answer.context_tokens + answer.question_tokens,
+                      finish, started - submitted, now - submitted)
 
-    def _run_shadow(self, job: ShadowJob) -> None:
+    # -- shadows ------------------------------------------------------------------------------
+
+    def _submit_shadow(self, job: ShadowJob) -> None:
+        self.scheduler.submit(self._shadow_steps(job), shadow=True, restart=lambda: self._shadow_steps(job),
+                              on_abandon=lambda: self._abandon(job))
+
+    def _shadow_steps(self, job: ShadowJob) -> Generator[Step, None, None]:
+        runner = self.shadow_runner
+        assert runner is not None  # only a service with a runner shadows
         try:
-            assert self.shadow_runner is not None  # only a service with a runner queues shadows
-            self.shadow_runner.run(job)
+            full = (yield from runner.full_answer_steps(job)) if runner.needs_full_answer(job) else None
+            runner.run(job, full)
             self.shadows_done += 1
             self.metrics.shadow_samples.labels(job.stream).inc()
-        except Exception as exc:  # noqa: BLE001 - a failed shadow never kills the worker
+        except Exception as exc:  # noqa: BLE001 - a failed shadow never stops the others
             log.error("certkv serve: shadow of %s could not be scored (%s); counted as abandoned", job.request_id,
                       " ".join(str(exc).split()) or type(exc).__name__)
             self._abandon(job)
@@ -234,14 +201,6 @@ class Service:
         self.abandoned += 1
         self.metrics.shadow_abandoned.labels(job.stream).inc()
 
-    def _abandon_rest(self) -> None:
-        left = list(self._shadows)
-        self._shadows.clear()
-        for job in left:
-            self._abandon(job)
-        if left:
-            log.warning("certkv serve: shutdown deadline reached; %d pending shadow(s) abandoned", len(left))
-
     def _check_trip(self, stream: str) -> None:
         if stream in self._tripped_logged or not self.monitor.tripped(stream):
             return
@@ -254,17 +213,24 @@ class Service:
     # -- shutdown -----------------------------------------------------------------------------
 
     def shutdown(self, drain_seconds: float = 30.0) -> None:
-        """Stop accepting, finish queued live requests, then shadows until `drain_seconds` (the rest
+        """Stop accepting, finish the live requests, then shadows until `drain_seconds` (the rest
         abandoned and counted), then close the shadow store."""
-        with self._cv:
-            self._stopping = True
-            self._drain_deadline = time.monotonic() + drain_seconds
-            self._cv.notify_all()
-        if self._worker.is_alive():
-            self._worker.join(drain_seconds + 600)
-        with self._cv:
-            if self._shadows:
-                self._abandon_rest()
+        self.scheduler.shutdown(drain_seconds)
         if self.store is not None:
             self.store.close()
         log.info("certkv serve: stopped (%d shadows scored, %d abandoned)", self.shadows_done, self.abandoned)
+
+
+def _noting_admission(steps: Generator[Step, None, RuntimeAnswer], admitted: list[float]
+                      ) -> Generator[Step, None, RuntimeAnswer]:
+    """Run `steps` unchanged, appending to `admitted` the time its first step (the reservation of
+    its prefill) was granted: the end of the request's queueing."""
+    step = next(steps)
+    while True:
+        reply = yield step
+        if not admitted:
+            admitted.append(time.perf_counter())
+        try:
+            step = steps.send(reply)
+        except StopIteration as stop:
+            return stop.value
