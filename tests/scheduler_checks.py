@@ -57,4 +57,6 @@ def assert_scheduler_matches(runtime, requests, *, budget: int | None = None, st
     if budget is not None:
         assert 0 < scheduler.peak_kv <= budget
     assert (scheduler.steps > 0) == batching, scheduler.steps
+    if batching and len(requests) > 2:  # submitted together before the start: decoded together
+        assert scheduler.peak_rows >= 2
     return scheduler

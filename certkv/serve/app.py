@@ -317,7 +317,8 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
                 "in_flight": in_flight.count,
                 "kv": {"budget": service.kv_budget, "in_use": service.scheduler.kv_in_use,
                        "peak": service.scheduler.peak_kv, "requests_in_flight": service.scheduler.in_flight(),
-                       "admissions_waiting": service.scheduler.waiting(), "decode_steps": service.scheduler.steps},
+                       "admissions_waiting": service.scheduler.waiting(), "decode_steps": service.scheduler.steps,
+                       "max_batch": service.scheduler.peak_rows},
                 "shadow_rate": service.monitor.shadow_rate, "shadow_store": shadow_store_path,
                 "shadows": {"scored": service.shadows_done, "abandoned": service.abandoned},
                 "monitor": snap, "tripped": tripped, "uptime_s": round(time.time() - started_at, 3)}

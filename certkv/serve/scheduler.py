@@ -112,6 +112,8 @@ class Scheduler:
         self.kv_in_use = 0.0
         self.steps = 0
         """Batched decode steps run."""
+        self.peak_rows = 0
+        """Most requests one decode step advanced together."""
         self._thread = threading.Thread(target=self._loop, name="certkv-scheduler", daemon=True)
 
     # -- the caller's side --------------------------------------------------------------------
@@ -293,6 +295,7 @@ class Scheduler:
     def _decode_step(self) -> None:
         if not self.batch.rows:
             return
+        self.peak_rows = max(self.peak_rows, len(self.batch.rows))
         try:
             finished = self.batch.step()
         except Exception as exc:  # noqa: BLE001 - a failed forward fails the rows in it, not the server
