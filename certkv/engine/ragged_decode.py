@@ -25,7 +25,6 @@ must cover.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -119,11 +118,6 @@ class RowCache:
         return cls(layers)
 
     @property
-    def length(self) -> int:
-        """Filled slots of the longest layer."""
-        return max(layer.length for layer in self.layers)
-
-    @property
     def slots(self) -> float:
         """Allocated capacity in token slots: the mean over layers (and KV heads) of each layer's
         buffer length (see the module docstring)."""
@@ -132,12 +126,6 @@ class RowCache:
     def crop(self, lengths: list[int]) -> None:
         for layer, length in zip(self.layers, lengths):
             layer.crop(length)
-
-
-def cache_slots(cache: DynamicCache) -> float:
-    """The token slots a transformers cache holds: the mean over layers of their lengths."""
-    lengths = [layer.keys.shape[2] for layer in cache.layers if getattr(layer, "keys", None) is not None]
-    return sum(lengths) / len(lengths) if lengths else 0.0
 
 
 @dataclass
@@ -269,11 +257,6 @@ class RaggedBatch:
     def remove(self, row: Row) -> None:
         self.rows.remove(row)
 
-    @property
-    def slots(self) -> float:
-        """Token slots allocated by the rows' caches."""
-        return sum(row.cache.slots for row in self.rows)
-
     def step(self) -> list[Row]:
         """One batched forward for every row; returns the rows that finished (removed from the batch)."""
         if not self.rows:
@@ -341,11 +324,6 @@ def _accept(row: Row, choices: list[int], logprobs: list[float] | None, proposal
             break
     # The pending token and the confirmed proposal tokens stay; the rest are dropped.
     row.cache.crop([n + accepted for n in lengths])
-
-
-def row_slots_needed(cache_slots_now: float, question_tokens: int, max_new_tokens: int) -> int:
-    """Token slots a row may hold before it finishes: its cache, its question, its answer."""
-    return math.ceil(cache_slots_now) + question_tokens + max_new_tokens
 
 
 def gather_row(full_cache: DynamicCache, selection: Sequence[torch.Tensor | None], context_length: int, room: int) -> RowCache:

@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from kvpress import BasePress
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from certkv.model.generation import EncodedRequest
     from certkv.runtime.steps import Step
 
 
@@ -375,8 +374,3 @@ class CertifiedRuntime:
             len(enc.context_ids),
             len(enc.question_ids),
         )
-
-    def full_answer(self, enc: EncodedRequest, max_new: int, seconds: dict[str, float] | None = None) -> list[int]:
-        """The full-cache answer with a prefill of its own, decoded as calibration decodes it
-        (its ``prefill`` and ``decode`` seconds go into `seconds` when given)."""
-        return run_alone(full_answer_steps(self.model, enc, max_new, self.stop_ids, seconds))

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from certkv.engine.ragged_decode import RaggedBatch, Row, RowCache
@@ -80,7 +80,6 @@ class _Job:
     resumed: bool = False
     """Whether the job already ran a step (a second reservation is admitted first)."""
     seq: int = 0
-    submitted: float = field(default_factory=time.perf_counter)
 
 
 class Scheduler:
