@@ -1,9 +1,11 @@
 """`certkv serve`: an OpenAI-shaped HTTP service for a certified operating point.
 
-:mod:`certkv.serve.schemas` (request and response shapes, and the rule that splits a plain prompt
-into context and question), :mod:`certkv.serve.service` (one model replica behind a bounded queue,
-one worker thread running live requests and, at lower priority, the live monitor's shadows),
-:mod:`certkv.serve.metrics` (Prometheus metrics, prefixed ``certkv_``) and :mod:`certkv.serve.app`
-(the FastAPI app: endpoints, API key, body limit, OpenAI-shaped errors). Nothing here is imported
+:mod:`certkv.serve.schemas` (request shapes, and the rule that splits a plain prompt into context
+and question), :mod:`certkv.serve.responses` (typed response shapes), :mod:`certkv.serve.scheduler`
+(admission under the KV budget and batched decoding, no HTTP), :mod:`certkv.serve.service` (the
+scheduler, the live monitor and its shadows around one model), :mod:`certkv.serve.metrics`
+(Prometheus metrics, prefixed ``certkv_``), :mod:`certkv.serve.routes` (the endpoints),
+:mod:`certkv.serve.streaming` (server-sent events), :mod:`certkv.serve.middleware` (API key, body
+limit) and :mod:`certkv.serve.app` (the ASGI app that puts them together). Nothing here is imported
 by the rest of certkv except the ``serve`` command.
 """

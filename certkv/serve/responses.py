@@ -1,0 +1,186 @@
+"""Response shapes of `certkv serve`: OpenAI's, typed, plus the ``certkv`` object and certkv's own routes.
+
+Every body the server sends is one of these pydantic models, so a field cannot drift between a
+route and its documentation: completions and chat completions (whole and as stream chunks), the
+model list, errors (``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape) and
+``/health``. The ``certkv`` object in every answer carries the runtime's Decision record, the
+monitor stream it was counted in and that stream's state, whether it was shadowed, the request id
+and the runtime's seconds. Fields OpenAI's clients read as absent-or-null (``logprobs``, an
+error's ``param``) are always present, null when there is nothing to say.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body; the message is one line (whitespace collapsed)."""
+
+    error: ErrorDetail
+
+    @classmethod
+    def of(cls, message: str, type_: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
+        return cls(error=ErrorDetail(message=" ".join(str(message).split()), type=type_, param=param, code=code))
+
+
+class CertkvInfo(BaseModel):
+    """How certkv answered: ``decision`` is :class:`~certkv.runtime.certified_runtime.Decision`'s record,
+    ``seconds`` the runtime's time per stage (prefill, decode, ..., total)."""
+
+    request_id: str
+    decision: dict[str, Any]
+    stream: str | None
+    monitor: dict[str, Any] | None
+    shadowed: bool
+    seconds: dict[str, float]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    finish_reason: str
+
+
+class ChatDelta(BaseModel):
+    """A stream chunk's delta; unset fields are left out of the chunk (``exclude_unset``)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None
+
+
+class _Answer(BaseModel):
+    id: str
+    created: int
+    model: str
+
+
+class CompletionResponse(_Answer):
+    """POST /v1/completions, whole; as a stream, each chunk has this shape too (the last with usage and certkv)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    certkv: CertkvInfo | None = None
+
+
+class ChatCompletionResponse(_Answer):
+    """POST /v1/chat/completions, whole."""
+
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+    certkv: CertkvInfo
+
+
+class ChatCompletionChunk(_Answer):
+    """One event of a streamed chat completion (the last with usage and certkv)."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    certkv: CertkvInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "certkv"
+    certkv: dict[str, str]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PointSummary(BaseModel):
+    """The deployed operating point, as /health names it."""
+
+    path: str | None
+    policy: str
+    press: str
+    kv_retained: float
+    fallback: bool
+    stratified: bool
+    risk: float
+    confidence: float
+    tolerance: float
+    utility: str | None
+    query_aware: bool
+
+
+class QueueState(BaseModel):
+    depth: int
+    max: int
+    shadow_pending: int
+
+
+class KVState(BaseModel):
+    """The scheduler's KV in token slots (``budget`` null: unlimited); ``peak`` is sampled after every
+    admission and decode step; ``max_batch`` is the most requests one decode step advanced."""
+
+    budget: int | None
+    in_use: float
+    peak: float
+    requests_in_flight: int
+    admissions_waiting: int
+    decode_steps: int
+    max_batch: int
+
+
+class ShadowCounts(BaseModel):
+    scored: int
+    abandoned: int
+
+
+class HealthResponse(BaseModel):
+    """GET /health: ``status`` is ``ok``, ``tripped`` (a monitor stream tripped) or ``stopping``;
+    ``in_flight`` counts HTTP requests received and not yet answered."""
+
+    status: Literal["ok", "tripped", "stopping"]
+    model: str
+    operating_point: PointSummary
+    queue: QueueState
+    in_flight: int
+    kv: KVState
+    shadow_rate: float
+    shadow_store: str | None
+    shadows: ShadowCounts
+    monitor: dict[str, dict[str, Any]]
+    tripped: list[str]
+    uptime_s: float

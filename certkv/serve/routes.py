@@ -1,0 +1,178 @@
+"""The routes of `certkv serve`: OpenAI's completions and chat completions, the model list, the
+operating point, /health and /metrics.
+
+An answer route validates what the schemas cannot (the model name, the prompt split, ``max_tokens``
+against the certified length), submits the request to the :class:`~certkv.serve.service.Service`
+and waits for it without blocking the event loop. Its failures map to OpenAI-shaped errors
+(:class:`~certkv.serve.responses.ErrorResponse`): 404 (another model), 422 (a text that does not
+split, ``max_tokens``), 503 + Retry-After (queue full, shutting down), 504 (over ``--timeout``),
+413 ``kv_budget_exceeded`` (a request larger than the whole KV budget), 400 (the runtime refused
+the request, e.g. an empty context) and 500 (that request failed; the server stays up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from certkv.errors import CertkvError
+from certkv.serve.responses import (
+    CertkvInfo,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    KVState,
+    ModelCard,
+    ModelList,
+    PointSummary,
+    QueueState,
+    ShadowCounts,
+    Usage,
+)
+from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, SplitError
+from certkv.serve.streaming import sse_events, token_pieces
+
+if TYPE_CHECKING:
+    from fastapi import APIRouter
+
+    from certkv.serve.middleware import InFlight
+    from certkv.serve.service import Served, Service
+
+log = logging.getLogger("certkv.serve")
+
+
+def json_response(status: int, body: ErrorResponse | dict, headers: dict | None = None):
+    from fastapi.responses import JSONResponse
+
+    content = body.model_dump(mode="json") if isinstance(body, ErrorResponse) else body
+    return JSONResponse(content, status_code=status, headers=headers)
+
+
+def build_router(service: Service, *, model_id: str, operating_point_path: str | None, timeout: float,
+                 shadow_store_path: str | None, in_flight: InFlight) -> APIRouter:
+    """The routes around `service` (see the module docstring)."""
+    from fastapi import APIRouter
+    from fastapi.responses import Response, StreamingResponse
+
+    from certkv.serve.service import BudgetExceeded, QueueFull, Stopping
+
+    router = APIRouter()
+    metrics = service.metrics
+    op = service.runtime.operating_point
+    started_at = time.time()
+
+    def fail(route: str, status: int, message: str, type_: str, param=None, code=None, headers=None):
+        metrics.errors.labels(route, str(status)).inc()
+        return json_response(status, ErrorResponse.of(message, type_, param, code), headers)
+
+    async def answer(route: str, req: CompletionRequest | ChatCompletionRequest, chat: bool):
+        if req.model is not None and req.model != model_id:
+            return fail(route, 404, f"model {req.model!r} is not served here; this server serves {model_id!r}",
+                        "invalid_request_error", "model", "model_not_found")
+        try:
+            context, question = req.split()
+        except SplitError as exc:
+            return fail(route, 422, str(exc), "invalid_request_error", exc.param, "unsplittable_prompt")
+        max_new = service.runtime.max_new_tokens
+        if req.max_tokens is not None and req.max_tokens != max_new:
+            return fail(route, 422, f"max_tokens: the operating point is certified for answers of {max_new} tokens; "
+                        "omit max_tokens or pass that", "invalid_request_error", "max_tokens", "invalid_value")
+        try:
+            future = service.submit(context, question, req.stratum, req.reference_answers(), req.answer_prefix)
+        except QueueFull:
+            return fail(route, 503, f"the queue is full ({service.max_queue} requests waiting); retry later",
+                        "server_error", None, "queue_full", {"Retry-After": str(service.retry_after())})
+        except Stopping:
+            return fail(route, 503, "the server is shutting down", "server_error", None, "shutting_down",
+                        {"Retry-After": "5"})
+        try:
+            served = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        except TimeoutError:
+            future.cancel()  # still queued: never run; running: its answer is discarded
+            return fail(route, 504, f"the request took longer than the {timeout:g} s timeout (--timeout)",
+                        "server_error", None, "timeout")
+        except BudgetExceeded as exc:
+            return fail(route, 413, str(exc), "invalid_request_error", None, "kv_budget_exceeded")
+        except CertkvError as exc:
+            return fail(route, 400, str(exc), "invalid_request_error", None, "refused")
+        except Exception as exc:  # noqa: BLE001
+            log.exception("certkv serve: request failed")
+            return fail(route, 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None,
+                        "internal_error")
+        metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
+        return respond(served, chat, req.stream)
+
+    def respond(served: Served, chat: bool, stream: bool):
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+                "model": model_id}
+        text = served.answer.answer
+        n_out = len(served.answer.token_ids)
+        usage = Usage(prompt_tokens=served.prompt_tokens, completion_tokens=n_out,
+                      total_tokens=served.prompt_tokens + n_out)
+        info = CertkvInfo(request_id=served.request_id, decision=served.answer.decision.to_dict(),
+                          stream=served.stream, monitor=served.monitor, shadowed=served.shadowed,
+                          seconds=served.answer.seconds)
+        if stream:
+            pieces = token_pieces(service.runtime.tokenizer, served.answer.token_ids, text)
+            events = sse_events(head, pieces, chat=chat, finish_reason=served.finish_reason, usage=usage, certkv=info)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if chat:
+            body: ChatCompletionResponse | CompletionResponse = ChatCompletionResponse(
+                **head, choices=[ChatChoice(message=ChatMessage(content=text), finish_reason=served.finish_reason)],
+                usage=usage, certkv=info)
+        else:
+            body = CompletionResponse(**head, choices=[CompletionChoice(text=text, finish_reason=served.finish_reason)],
+                                      usage=usage, certkv=info)
+        return json_response(200, body.model_dump(mode="json"))
+
+    @router.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(req: CompletionRequest):
+        return await answer("/v1/completions", req, chat=False)
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(req: ChatCompletionRequest):
+        return await answer("/v1/chat/completions", req, chat=True)
+
+    @router.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_id, created=int(started_at), certkv={"policy": op.policy})])
+
+    @router.get("/v1/operating-point")
+    async def operating_point():
+        return op.to_dict()
+
+    @router.get("/health")
+    async def health() -> HealthResponse:
+        snap = service.monitor.snapshot()
+        tripped = [s for s, v in snap.items() if v["tripped"]]
+        scheduler = service.scheduler
+        return HealthResponse(
+            status="stopping" if service.stopping else ("tripped" if tripped else "ok"),
+            model=model_id,
+            operating_point=PointSummary(
+                path=operating_point_path, policy=op.policy, press=op.press, kv_retained=op.kv_retained,
+                fallback=op.fallback, stratified=op.is_stratified, risk=op.contract.risk,
+                confidence=op.contract.confidence, tolerance=op.contract.tolerance, utility=op.contract.utility,
+                query_aware=op.query_aware),
+            queue=QueueState(depth=service.queue_depth(), max=service.max_queue, shadow_pending=service.shadow_depth()),
+            in_flight=in_flight.count,
+            kv=KVState(budget=service.kv_budget, in_use=scheduler.kv_in_use, peak=scheduler.peak_kv,
+                       requests_in_flight=scheduler.in_flight(), admissions_waiting=scheduler.waiting(),
+                       decode_steps=scheduler.steps, max_batch=scheduler.peak_rows),
+            shadow_rate=service.monitor.shadow_rate, shadow_store=shadow_store_path,
+            shadows=ShadowCounts(scored=service.shadows_done, abandoned=service.abandoned),
+            monitor=snap, tripped=tripped, uptime_s=round(time.time() - started_at, 3))
+
+    @router.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render(service)
+        return Response(body, media_type=ctype)
+
+    return router

@@ -1,0 +1,65 @@
+"""Server-sent events for ``"stream": true``: the answer, cut at token boundaries, then ``[DONE]``.
+
+certkv decides and decodes a request before it answers (a post-decode gate may replace the evicted
+answer by the full cache's), so a stream carries a finished answer: one chunk per token's new text,
+then a last chunk with the finish reason, the usage and the ``certkv`` object, then
+``data: [DONE]``, as OpenAI's clients expect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from certkv.serve.responses import (
+    CertkvInfo,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def token_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int], text: str) -> list[str]:
+    """The answer's text cut at token boundaries (each piece the new text its token adds); the
+    whole text as one piece when decoding token by token does not rebuild it."""
+    out, prev = [], ""
+    for i in range(len(ids)):
+        cur = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+        if cur.startswith(prev) and cur != prev:
+            out.append(cur[len(prev):])
+            prev = cur
+    if prev != text:
+        return [text]
+    return out
+
+
+def sse_events(head: dict, pieces: list[str], *, chat: bool, finish_reason: str, usage: Usage,
+               certkv: CertkvInfo) -> Iterator[str]:
+    """The ``data:`` lines of a streamed answer; `head` holds the answer's ``id``, ``created`` and ``model``."""
+
+    def chunk(piece: str | None, finish: str | None, first: bool = False, last: bool = False) -> str:
+        tail = {"usage": usage, "certkv": certkv} if last else {}
+        if chat:
+            delta = ChatDelta(**({"role": "assistant"} if first else {}), **({"content": piece} if piece is not None else {}))
+            body = ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=delta, finish_reason=finish)], **tail)
+        else:
+            body = CompletionResponse(**head, choices=[CompletionChoice(text=piece or "", finish_reason=finish)], **tail)
+        data = body.model_dump(mode="json", exclude_none=False)
+        if chat:  # a delta names only what it carries
+            data["choices"][0]["delta"] = delta.model_dump(exclude_unset=True)
+        if not last:
+            data.pop("usage", None)
+            data.pop("certkv", None)
+        return f"data: {json.dumps(data)}\n\n"
+
+    for i, piece in enumerate(pieces or [""]):
+        yield chunk(piece, None, first=i == 0)
+    yield chunk(None, finish_reason, last=True)
+    yield "data: [DONE]\n\n"
