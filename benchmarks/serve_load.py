@@ -3,7 +3,7 @@
 Starts ``certkv serve`` (a real server process, loopback, a free port) with an operating point for
 the embedded model (default: the demo's stratified point, read only), then:
 
-1. **load**: N requests (default 2,000) at concurrency 16 with an httpx AsyncClient, drawn from the
+1. **load**: N requests (default 2,000) at concurrency 32 with an httpx AsyncClient, drawn from the
    demo requests (``certkv/demo/demo.jsonl``) with their task as stratum, 5% of them malformed, one
    fifth of those of each kind: bad JSON, a missing field (no question), a wrong type (question a
    number), an oversized body (over ``--max-body-bytes``) and no context. Reported: the status
@@ -14,9 +14,12 @@ the embedded model (default: the demo's stratified point, read only), then:
    pending shadows are waited for), side by side; the ratio is HTTP throughput / in-process
    throughput (target ≥ 0.9).
 
+With ``--kv-budget SLOTS`` the server runs under that KV budget (``certkv serve --kv-budget``) and
+the result reports the peak KV in use it sampled, which must stay within it.
+
 Writes ``benchmarks/results/serve_load.json`` and prints a table::
 
-    python benchmarks/serve_load.py                      # ~4-6 minutes on 2 CPU cores
+    python benchmarks/serve_load.py --kv-budget 2400     # ~2-3 minutes on 2 CPU cores
     python benchmarks/serve_load.py --requests 200 --sequential 30   # a quick look
 """
 
@@ -90,6 +93,8 @@ def start_server(op: Path, port: int, store: Path, args) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "certkv.cli.app", "serve", str(op), "--port", str(port), "--device", "cpu",
            "--shadow-rate", str(args.shadow_rate), "--shadow-store", str(store), "--max-queue", "64",
            "--max-body-bytes", str(MAX_BODY), "--timeout", "120", "--seed", "0"]
+    if args.kv_budget is not None:
+        cmd += ["--kv-budget", str(args.kv_budget)]
     log = open(store.parent / "server.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -187,7 +192,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--operating-point", type=Path, default=DEMO_POINT)
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--kv-budget", type=int, default=None, help="the server's --kv-budget (token slots)")
     parser.add_argument("--malformed", type=float, default=0.05)
     parser.add_argument("--sequential", type=int, default=150, help="requests of the concurrency-1 comparison")
     parser.add_argument("--shadow-rate", type=float, default=0.05)
@@ -278,6 +284,8 @@ def main() -> None:
                     "in-process has none",
         },
         "shadows": shadows,
+        "kv": {**after_seq["kv"], "within_budget": after_seq["kv"]["budget"] is None
+               or after_seq["kv"]["peak"] <= after_seq["kv"]["budget"]},
         "monitor": after_seq.get("monitor"),
         "server_exit_code": server_rc,
         "metrics_lines": sum(1 for line in metrics.splitlines() if line.startswith("certkv_")),
@@ -301,6 +309,8 @@ def main() -> None:
     print(f"{'shadows (scored, abandoned)':<34}{shadows}")
     print(f"concurrency 1, {seq['requests']} requests:   HTTP {http_tp:.2f} req/s   in-process {inproc_tp:.2f} req/s"
           f"   ratio {seq['ratio_http_over_in_process']:.3f} (target ≥ 0.9)")
+    print(f"{'KV budget / peak / max batch':<34}{result['kv']['budget']} / {result['kv']['peak']:.0f} / "
+          f"{result['kv']['max_batch']}")
     print(f"{'GET /v1/models p50 (no model)':<34}{seq['get_models_p50_s'] * 1e3:.1f} ms: the HTTP round trip alone")
     print(f"wrote {args.output} ({result['wall_seconds']:.0f} s)")
 

@@ -197,6 +197,17 @@ def test_chat_and_streamed_completions(servers, requests):
             got = "".join(c["choices"][0]["text"] for c in chunks)
         assert got == text and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
         assert chunks[-1]["certkv"]["decision"]["mode"] == "evicted"
+        # every chunk is the typed shape the server documents; only the last carries usage and certkv
+        from certkv.serve.responses import ChatCompletionChunk, CompletionResponse
+
+        shape = ChatCompletionChunk if chat_mode else CompletionResponse
+        assert all(shape.model_validate(c) for c in chunks)
+        assert ["certkv" in c for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    from certkv.serve.responses import ChatCompletionResponse, CompletionResponse, HealthResponse
+
+    assert ChatCompletionResponse.model_validate(chat).certkv.decision["mode"] == "evicted"
+    assert CompletionResponse.model_validate(ref).usage.completion_tokens >= 1
+    assert HealthResponse.model_validate(httpx.get(a.url + "/health", timeout=10).json()).status == "ok"
 
 
 def test_error_classes(servers, requests):

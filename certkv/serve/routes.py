@@ -110,8 +110,7 @@ def build_router(service: Service, *, model_id: str, operating_point_path: str |
         return respond(served, chat, req.stream)
 
     def respond(served: Served, chat: bool, stream: bool):
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-                "model": model_id}
+        answer_id, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
         text = served.answer.answer
         n_out = len(served.answer.token_ids)
         usage = Usage(prompt_tokens=served.prompt_tokens, completion_tokens=n_out,
@@ -121,15 +120,17 @@ def build_router(service: Service, *, model_id: str, operating_point_path: str |
                           seconds=served.answer.seconds)
         if stream:
             pieces = token_pieces(service.runtime.tokenizer, served.answer.token_ids, text)
-            events = sse_events(head, pieces, chat=chat, finish_reason=served.finish_reason, usage=usage, certkv=info)
+            events = sse_events(answer_id, created, model_id, pieces, chat=chat, finish_reason=served.finish_reason,
+                                usage=usage, certkv=info)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        body: ChatCompletionResponse | CompletionResponse
         if chat:
-            body: ChatCompletionResponse | CompletionResponse = ChatCompletionResponse(
-                **head, choices=[ChatChoice(message=ChatMessage(content=text), finish_reason=served.finish_reason)],
-                usage=usage, certkv=info)
+            body = ChatCompletionResponse(
+                id=answer_id, created=created, model=model_id, usage=usage, certkv=info,
+                choices=[ChatChoice(message=ChatMessage(content=text), finish_reason=served.finish_reason)])
         else:
-            body = CompletionResponse(**head, choices=[CompletionChoice(text=text, finish_reason=served.finish_reason)],
-                                      usage=usage, certkv=info)
+            body = CompletionResponse(id=answer_id, created=created, model=model_id, usage=usage, certkv=info,
+                                      choices=[CompletionChoice(text=text, finish_reason=served.finish_reason)])
         return json_response(200, body.model_dump(mode="json"))
 
     @router.post("/v1/completions", response_model=CompletionResponse)

@@ -40,20 +40,25 @@ def token_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int], text: str) 
     return out
 
 
-def sse_events(head: dict, pieces: list[str], *, chat: bool, finish_reason: str, usage: Usage,
-               certkv: CertkvInfo) -> Iterator[str]:
-    """The ``data:`` lines of a streamed answer; `head` holds the answer's ``id``, ``created`` and ``model``."""
+def sse_events(answer_id: str, created: int, model: str, pieces: list[str], *, chat: bool, finish_reason: str,
+               usage: Usage, certkv: CertkvInfo) -> Iterator[str]:
+    """The ``data:`` lines of a streamed answer: one chunk per piece, a last chunk with the finish
+    reason, usage and certkv, then ``[DONE]``."""
 
     def chunk(piece: str | None, finish: str | None, first: bool = False, last: bool = False) -> str:
-        tail = {"usage": usage, "certkv": certkv} if last else {}
+        body: ChatCompletionChunk | CompletionResponse
         if chat:
-            delta = ChatDelta(**({"role": "assistant"} if first else {}), **({"content": piece} if piece is not None else {}))
-            body = ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=delta, finish_reason=finish)], **tail)
+            delta = ChatDelta(role="assistant" if first else None, content=piece)
+            body = ChatCompletionChunk(id=answer_id, created=created, model=model,
+                                       choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+                                       usage=usage if last else None, certkv=certkv if last else None)
         else:
-            body = CompletionResponse(**head, choices=[CompletionChoice(text=piece or "", finish_reason=finish)], **tail)
-        data = body.model_dump(mode="json", exclude_none=False)
+            body = CompletionResponse(id=answer_id, created=created, model=model,
+                                      choices=[CompletionChoice(text=piece or "", finish_reason=finish)],
+                                      usage=usage if last else None, certkv=certkv if last else None)
+        data = body.model_dump(mode="json")
         if chat:  # a delta names only what it carries
-            data["choices"][0]["delta"] = delta.model_dump(exclude_unset=True)
+            data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
         if not last:
             data.pop("usage", None)
             data.pop("certkv", None)
