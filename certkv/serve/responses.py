@@ -88,13 +88,18 @@ class _Answer(BaseModel):
     model: str
 
 
-class CompletionResponse(_Answer):
-    """POST /v1/completions, whole; as a stream, each chunk has this shape too (the last with usage and certkv)."""
+class _Streamable(_Answer):
+    """A shape a stream's chunks share: only the last chunk carries usage and certkv."""
+
+    usage: Usage | None = None
+    certkv: CertkvInfo | None = None
+
+
+class CompletionResponse(_Streamable):
+    """POST /v1/completions, whole; as a stream, each chunk has this shape too."""
 
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    certkv: CertkvInfo | None = None
 
 
 class ChatCompletionResponse(_Answer):
@@ -106,13 +111,11 @@ class ChatCompletionResponse(_Answer):
     certkv: CertkvInfo
 
 
-class ChatCompletionChunk(_Answer):
-    """One event of a streamed chat completion (the last with usage and certkv)."""
+class ChatCompletionChunk(_Streamable):
+    """One event of a streamed chat completion."""
 
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    certkv: CertkvInfo | None = None
 
 
 class ModelCard(BaseModel):
