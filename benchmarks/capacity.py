@@ -8,9 +8,9 @@ real ``certkv serve`` process under the same tight ``--kv-budget``, once per ope
 * ``demo``: the demo's certified stratified point (``certkv demo`` writes it), gates and all.
 
 Traffic: fresh requests of the demo mix (``generate_requests("demo", seed=...)`` with a seed the
-demo's calibration file does not use), contexts of 256-512 tokens. The budget is ``--budget-share``
-(default 2) times the KV the largest of them reserves while it prefills, so the full-cache point
-fits about two requests at once and a half-cache point about twice as many while they decode.
+demo's calibration file does not use), contexts of 256-512 tokens. The budgets are ``--budget-shares`` (default 2 and 1)
+times the KV the largest of them reserves while it prefills: at 2 the full-cache point fits about
+two requests at once and a half-cache point about twice as many while they decode.
 Shadows run as deployed (``--shadow-rate 0.05``, the default: the monitor cannot be switched off):
 an evicted point re-answers 5% of its answers from the full cache at shadow priority, the full-cache
 point has nothing to shadow. Under a saturating load most shadows wait until the live load stops;
@@ -18,7 +18,7 @@ between passes the benchmark waits for every server to be idle, outside the time
 server's backlog runs beside another's pass), and reports how many jobs each pass left behind.
 Every configuration has its own server, up for the whole run; passes go round robin.
 
-Each point runs twice: under the budget, then with no budget at all (memory unlimited). The
+Each point also runs with no budget at all (memory unlimited). The
 unlimited run is the machine's own ceiling for that point: when the budgeted throughput is close to
 it, memory is not what binds, the processor is; the server's CPU seconds per wall second say how
 busy it was (2 cores here, one of them the client's).
@@ -69,19 +69,16 @@ def fixed_point(kv: float, *, query_aware: bool, max_new_tokens: int):
     )
 
 
-def budget_slots(op_path: Path, requests, share: float) -> tuple[int, int]:
-    """(budget, largest reservation): `share` times the KV slots the largest request reserves for its
-    prefill under the full cache (:func:`certkv.runtime.full_path.prefill_slots`)."""
+def largest_reservation(requests, max_new_tokens: int) -> int:
+    """The KV slots the largest of `requests` reserves for its prefill on the embedded model
+    (:func:`certkv.runtime.full_path.prefill_slots`): the unit the budgets are given in."""
     from certkv.model.generation import encode_request
     from certkv.model.loading import load_model
-    from certkv.runtime.certified_runtime import CertifiedRuntime
     from certkv.runtime.full_path import prefill_slots
 
     model, tok = load_model("embedded", device="cpu")
-    runtime = CertifiedRuntime(model, tok, op_path)
-    most = max(prefill_slots(model, encode_request(tok, r.context, r.question, r.answer_prefix), runtime.max_new_tokens)
+    return max(prefill_slots(model, encode_request(tok, r.context, r.question, r.answer_prefix), max_new_tokens)
                for r in requests)
-    return round(share * most), most
 
 
 def cpu_seconds(pid: int) -> float:
@@ -165,20 +162,21 @@ class Server:
             time.sleep(0.2)
         raise RuntimeError(f"{self.base} still busy after {timeout:g} s")
 
-    def stop(self) -> dict:
-        """/health's KV block, then SIGTERM; the exit code is recorded."""
+    def stop(self) -> dict | None:
+        """/health's KV block (None when the server no longer answers), then SIGTERM; the exit code is recorded."""
         import httpx
 
         try:
             kv = httpx.get(self.base + "/health", timeout=10).json()["kv"]
-        finally:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            self.log.close()
-        return {**kv, "exit_code": self.proc.returncode}
+        except httpx.HTTPError:
+            kv = None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        return None if kv is None else {**kv, "exit_code": self.proc.returncode}
 
     def summary(self, kv: dict) -> dict:
         """Throughput: the median repeat's (each listed); latency percentiles over every repeat's answers."""
@@ -234,13 +232,15 @@ def main() -> None:
     points = {"full": fixed_point(1.0, query_aware=demo.query_aware, max_new_tokens=decode),
               "half": fixed_point(0.5, query_aware=demo.query_aware, max_new_tokens=decode), "demo": demo}
     paths = {name: op.write_json(work / f"{name}.json") for name, op in points.items()}
-    largest = budget_slots(paths["full"], requests, 1.0)[1]
+    largest = largest_reservation(requests, decode)
     budgets: dict[str, int | None] = {f"{share:g}": round(share * largest) for share in args.budget_shares}
     t_start = time.perf_counter()
     budgets["unlimited"] = None
-    servers = {(name, key): Server(name, path, slots, args.concurrency, work)
-               for name, path in paths.items() for key, slots in budgets.items()}
-    try:
+    servers: dict[tuple[str, str], Server] = {}
+    try:  # every server started is stopped, whatever fails
+        for name, path in paths.items():
+            for key, slots in budgets.items():
+                servers[name, key] = Server(name, path, slots, args.concurrency, work)
         for server in servers.values():
             server.warm(requests)
         for _ in range(args.repeats):  # round robin, so that a slow spell of the machine hits every run alike
@@ -248,6 +248,9 @@ def main() -> None:
                 server.measure(requests, args.concurrency)
     finally:
         health = {config: server.stop() for config, server in servers.items()}
+    silent = [f"{name} at {key}" for (name, key), kv in health.items() if kv is None]
+    if silent:
+        sys.exit(f"no /health answer at the end from: {', '.join(silent)} (see its server.log under {work})")
     runs: dict[str, dict] = {}
     for name in paths:
         runs[name] = {"policy": points[name].policy, "certified_mean_kv_retained": points[name].mean_kv_retained,

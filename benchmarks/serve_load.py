@@ -19,7 +19,7 @@ the result reports the peak KV in use it sampled, which must stay within it.
 
 Writes ``benchmarks/results/serve_load.json`` and prints a table::
 
-    python benchmarks/serve_load.py --kv-budget 2400     # ~2-3 minutes on 2 CPU cores
+    python benchmarks/serve_load.py --kv-budget 1608     # ~1 minute on 2 CPU cores
     python benchmarks/serve_load.py --requests 200 --sequential 30   # a quick look
 """
 

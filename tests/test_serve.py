@@ -175,6 +175,8 @@ def test_a_query_aware_point_is_served_in_its_protocol(servers, requests, embedd
 
 
 def test_chat_and_streamed_completions(servers, requests):
+    from certkv.serve.responses import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, HealthResponse
+
     a, r = servers["a"], requests[2]
     ref = httpx.post(a.url + "/v1/completions", json=_body(r), headers=AUTH, timeout=60).json()
     text = ref["choices"][0]["text"]
@@ -198,13 +200,9 @@ def test_chat_and_streamed_completions(servers, requests):
         assert got == text and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
         assert chunks[-1]["certkv"]["decision"]["mode"] == "evicted"
         # every chunk is the typed shape the server documents; only the last carries usage and certkv
-        from certkv.serve.responses import ChatCompletionChunk, CompletionResponse
-
         shape = ChatCompletionChunk if chat_mode else CompletionResponse
         assert all(shape.model_validate(c) for c in chunks)
         assert ["certkv" in c for c in chunks] == [False] * (len(chunks) - 1) + [True]
-    from certkv.serve.responses import ChatCompletionResponse, CompletionResponse, HealthResponse
-
     assert ChatCompletionResponse.model_validate(chat).certkv.decision["mode"] == "evicted"
     assert CompletionResponse.model_validate(ref).usage.completion_tokens >= 1
     assert HealthResponse.model_validate(httpx.get(a.url + "/health", timeout=10).json()).status == "ok"

@@ -789,8 +789,10 @@ def capacity(data: dict) -> str:
                  "answer of a few tokens, decoded in a few batched steps (prompt lookup accepts several tokens a step: "
                  f"{num(full['unlimited']['tokens_per_decode_step'], 1)} tokens per step across the batch): the "
                  "prefills, one admitted per decode step, take the processor, and the batch already holds every "
-                 "request the prefills can feed it. The evicted points cost more per request than the full cache "
-                 "(their press and gate signals), which is why they serve less when nothing else binds.")
+                 "request the prefills can feed it.")
+        if all(r["over_full"]["unlimited"] < 1 for r in data["ratios"].values()):
+            binds += (" The evicted points cost more per request than the full cache (their press and gate "
+                      "signals), which is why they serve less when nothing else binds.")
     else:
         binds = (f"Memory binds here: the full cache serves {num(tight, 1)} req/s under the {at}× budget against "
                  f"{num(unlimited, 1)} req/s with no budget.")

@@ -41,6 +41,7 @@ from certkv.serve.streaming import sse_events, token_pieces
 
 if TYPE_CHECKING:
     from fastapi import APIRouter
+    from pydantic import BaseModel
 
     from certkv.serve.middleware import InFlight
     from certkv.serve.service import Served, Service
@@ -48,11 +49,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("certkv.serve")
 
 
-def json_response(status: int, body: ErrorResponse | dict, headers: dict | None = None):
+def json_response(status: int, body: BaseModel, headers: dict | None = None):
+    """`body` (a response model) as JSON with `status`."""
     from fastapi.responses import JSONResponse
 
-    content = body.model_dump(mode="json") if isinstance(body, ErrorResponse) else body
-    return JSONResponse(content, status_code=status, headers=headers)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
 
 def build_router(service: Service, *, model_id: str, operating_point_path: str | None, timeout: float,
@@ -131,7 +132,7 @@ def build_router(service: Service, *, model_id: str, operating_point_path: str |
         else:
             body = CompletionResponse(id=answer_id, created=created, model=model_id, usage=usage, certkv=info,
                                       choices=[CompletionChoice(text=text, finish_reason=served.finish_reason)])
-        return json_response(200, body.model_dump(mode="json"))
+        return json_response(200, body)
 
     @router.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest):

@@ -56,12 +56,9 @@ def sse_events(answer_id: str, created: int, model: str, pieces: list[str], *, c
             body = CompletionResponse(id=answer_id, created=created, model=model,
                                       choices=[CompletionChoice(text=piece or "", finish_reason=finish)],
                                       usage=usage if last else None, certkv=certkv if last else None)
-        data = body.model_dump(mode="json")
+        data = body.model_dump(mode="json", exclude=None if last else {"usage", "certkv"})
         if chat:  # a delta names only what it carries
             data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-        if not last:
-            data.pop("usage", None)
-            data.pop("certkv", None)
         return f"data: {json.dumps(data)}\n\n"
 
     for i, piece in enumerate(pieces or [""]):
