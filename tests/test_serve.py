@@ -1,8 +1,9 @@
 """`certkv serve` end to end: real server processes on loopback ports, talked to over HTTP.
 
-Three servers start together (one module fixture): A deploys snapkv@0.5 (API key, queue of 1,
+Five servers start together (one module fixture): A deploys snapkv@0.5 (API key, queue of 1,
 small body limit, every evicted answer shadowed), B snapkv@0.1 with a tiny ε (its answers drift
-from the full cache's: the monitor trips), C a timeout too short for any answer (504).
+from the full cache's: the monitor trips), C a timeout too short for any answer (504), D a
+stratified point, Q a query-aware point with its access log on.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def servers(tmp_path_factory):
     b = _Server(root / "b", _operating_point(0.1, 0.01, 0.9), "--shadow-rate", "1.0", "--seed", "3")
     c = _Server(root / "c", _operating_point(0.5, 0.5), "--timeout", "0.001")
     d = _Server(root / "d", _stratified(0.5, 0.5), "--shadow-rate", "1.0")
-    q = _Server(root / "q", _operating_point(0.2, 0.5).model_copy(update={"query_aware": True}))
+    q = _Server(root / "q", _operating_point(0.2, 0.5).model_copy(update={"query_aware": True}), "--access-log")
     try:
         yield {"a": a.wait(), "b": b.wait(), "c": c.wait(), "d": d.wait(), "q": q.wait()}
     finally:
@@ -172,6 +173,16 @@ def test_a_query_aware_point_is_served_in_its_protocol(servers, requests, embedd
         assert out["choices"][0]["text"] == expect.answer and out["certkv"]["decision"]["mode"] == "evicted"
         differ += expect.answer != agnostic.generate(r.context, r.question).answer
     assert differ > 0, "the two protocols answered alike: the check cannot tell them apart"
+
+
+def test_access_log_only_when_asked(servers, requests):
+    """One log line per request with --access-log (server Q), none by default (server D)."""
+    for name in ("q", "d"):
+        out = httpx.post(servers[name].url + "/v1/completions", json=_body(requests[0]), timeout=60)
+        assert out.status_code == 200
+    line = '"POST /v1/completions HTTP/1.1" 200'
+    _wait_for(lambda: line in servers["q"].output(), "server Q to log its request")
+    assert line not in servers["d"].output()
 
 
 def test_chat_and_streamed_completions(servers, requests):

@@ -7,10 +7,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, field, make_dataclass
+from dataclasses import field, make_dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from certkv.core.signals import SIGNALS
+
+
+def _copied(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
 
 
 def _decision_class() -> type:
@@ -32,8 +36,12 @@ def _decision_class() -> type:
         ("detail", str | None, field(default=None)),
     ]
 
+    names = tuple(f[0] for f in [*head, *signals, *tail])
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The record as a dict (lists copied): ``dataclasses.asdict`` without its deep copy, which
+        costs a live server more than the rest of its response."""
+        return {name: _copied(getattr(self, name)) for name in names}
 
     def signal_values(self) -> dict:
         """The gate signals measured so far (None: not computed): what the runtime's gate reads."""

@@ -40,6 +40,8 @@ from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, Split
 from certkv.serve.streaming import sse_events, token_pieces
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from fastapi import APIRouter
     from pydantic import BaseModel
 
@@ -50,10 +52,30 @@ log = logging.getLogger("certkv.serve")
 
 
 def json_response(status: int, body: BaseModel, headers: dict | None = None):
-    """`body` (a response model) as JSON with `status`."""
-    from fastapi.responses import JSONResponse
+    """`body` (a response model) as JSON with `status`, serialised by pydantic-core in one pass (a
+    NaN or an infinity becomes null: JSON has neither)."""
+    from fastapi.responses import Response
 
-    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
+    return Response(body.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
+
+
+async def _outcome(future: Future[Served]) -> Served:
+    """Wait on the event loop for the scheduler thread's `future`, without cancelling it when the
+    wait is cancelled (a timeout cancels it on purpose, a queued request then never runs). One
+    hand-over from the scheduler's thread to the loop, where ``asyncio.wrap_future`` inside
+    ``shield`` and ``wait_for`` takes three."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: Future[Served]) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        except RuntimeError:
+            pass  # the loop has closed: nobody waits any more
+
+    future.add_done_callback(wake)
+    await done
+    return future.result()
 
 
 def build_router(service: Service, *, model_id: str, operating_point_path: str | None, timeout: float,
@@ -94,7 +116,8 @@ def build_router(service: Service, *, model_id: str, operating_point_path: str |
             return fail(route, 503, "the server is shutting down", "server_error", None, "shutting_down",
                         {"Retry-After": "5"})
         try:
-            served = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+            async with asyncio.timeout(timeout):
+                served = await _outcome(future)
         except TimeoutError:
             future.cancel()  # still queued: never run; running: its answer is discarded
             return fail(route, 504, f"the request took longer than the {timeout:g} s timeout (--timeout)",
