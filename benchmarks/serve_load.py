@@ -11,7 +11,8 @@ the embedded model (default: the demo's stratified point, read only), then:
    latency of the valid ones and the throughput;
 2. **concurrency 1**: the same M requests one at a time over HTTP (one keep-alive connection of
    a sequential ``httpx.Client``: what a one-at-a-time caller uses) and in this process with
-   ``CertifiedRuntime.generate`` on the same model and point, in alternating passes
+   ``CertifiedRuntime.generate`` on the same model and point (in a process of its own, as the
+   server is: see :class:`InProcess`), in alternating passes
    (``--passes``, the server idle before each: its pending shadows are waited for), so that the
    machine's drift falls on both alike; the ratio is the median HTTP throughput over the median
    in-process throughput (target ≥ 0.9). One more pass through the official ``openai`` client
@@ -175,25 +176,47 @@ def status_counts(rows, kind=None) -> dict[str, int]:
 
 
 class InProcess:
-    """``CertifiedRuntime.generate`` on the embedded model and `op`, warmed up once."""
+    """``CertifiedRuntime.generate`` on the embedded model and `op`, in a child process of its own.
+
+    The runtime runs apart from the HTTP client, as the server does: a client process that also
+    runs torch forwards answers its own HTTP requests measurably slower (~0.5 ms a request here),
+    which would charge the in-process runtime's cost to the HTTP path."""
 
     def __init__(self, op: Path, warm: dict) -> None:
-        from certkv.model.loading import load_model
-        from certkv.runtime.certified_runtime import CertifiedRuntime
+        import multiprocessing
 
-        model, tok = load_model("embedded", device="cpu")
-        self.runtime = CertifiedRuntime(model, tok, op)
-        self.runtime.generate(warm["context"], warm["question"], warm["task"])
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_in_process_worker, args=(child, str(op), warm), daemon=True)
+        self._proc.start()
+        self._conn.recv()  # loaded and warmed up
 
     def run(self, requests: list[dict]) -> tuple[list[float], float, list[str]]:
         """Latencies, total seconds and answers of `requests` answered one at a time."""
+        self._conn.send(requests)
+        return self._conn.recv()
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._proc.join(60)
+
+
+def _in_process_worker(conn, op: str, warm: dict) -> None:
+    from certkv.model.loading import load_model
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    model, tok = load_model("embedded", device="cpu")
+    runtime = CertifiedRuntime(model, tok, op)
+    runtime.generate(warm["context"], warm["question"], warm["task"])
+    conn.send("ready")
+    while (requests := conn.recv()) is not None:
         lat, answers = [], []
         t0 = time.perf_counter()
         for r in requests:
             t = time.perf_counter()
-            answers.append(self.runtime.generate(r["context"], r["question"], r["task"]).answer)
+            answers.append(runtime.generate(r["context"], r["question"], r["task"]).answer)
             lat.append(time.perf_counter() - t)
-        return lat, time.perf_counter() - t0, answers
+        conn.send((lat, time.perf_counter() - t0, answers))
 
 
 def sequential_http(base: str, items) -> tuple[list[float], float, dict[str, int], list[str]]:
@@ -265,6 +288,7 @@ def main() -> None:
             http_passes.append(seconds)
             lat_in, seconds, answers_in = local.run(seq_reqs)
             inproc_passes.append(seconds)
+        local.close()
         wait_shadows(base)
         openai_seconds = sequential_openai(base, seq_reqs)
         after_seq = wait_shadows(base)

@@ -734,7 +734,10 @@ def serve_load(data: dict) -> str:
         ["latency p50 / p99 (valid)", f"{seconds(load['latency_p50_s'])} / {seconds(load['latency_p99_s'])}"],
         ["throughput (all / valid)", f"{num(load['throughput_rps'], 1)} / {num(load['valid_throughput_rps'], 1)} req/s"],
         ["concurrency 1: HTTP / in-process", f"{num(seq['http']['throughput_rps'], 1)} / "
-         f"{num(seq['in_process']['throughput_rps'], 1)} req/s, ratio {num(seq['ratio_http_over_in_process'])}"],
+         f"{num(seq['in_process']['throughput_rps'], 1)} req/s, ratio {num(seq['ratio_http_over_in_process'])} "
+         f"(medians of {seq['passes']} alternating passes; answers equal: {seq['answers_equal']})"],
+        ["concurrency 1: official openai client", f"{num(seq['openai_client']['throughput_rps'], 1)} req/s, ratio "
+         f"{num(seq['openai_client']['ratio_over_in_process'])}"],
         ["GET /v1/models p50 (no model)", seconds(seq["get_models_p50_s"])],
     ]
     kv = data.get("kv")
@@ -749,7 +752,8 @@ def serve_load(data: dict) -> str:
         f"{data['shadow_rate']:g}), {load['requests']:,} requests at concurrency {load['concurrency']} with "
         f"{load['malformed']} malformed ones (bad JSON, a missing field, a wrong type, an oversized body, no "
         f"context), client and server on the same {data['machine']['cpus']} cores; then {seq['requests']} "
-        "requests one at a time over HTTP and through `CertifiedRuntime` in-process, side by side.",
+        f"requests one at a time over HTTP ({seq['client']}) and through `CertifiedRuntime` in-process, in "
+        f"{seq['passes']} alternating passes, and once through the official `openai` client.",
         table(["measure", "value"], rows),
         f"At concurrency 1 an in-process request takes {seconds(1 / seq['in_process']['throughput_rps'])} and one over "
         f"HTTP {seconds(1 / seq['http']['throughput_rps'])}: the HTTP path adds "
@@ -758,7 +762,8 @@ def serve_load(data: dict) -> str:
         "the server runs between requests). The ratio is "
         f"{num(seq['ratio_http_over_in_process'])}, {'at or over' if seq['ratio_http_over_in_process'] >= 0.9 else 'under'} "
         "the 0.9 target; the overhead does not grow with the model, so a model whose request costs ten times more "
-        "shrinks its share tenfold.",
+        "shrinks its share tenfold. The official `openai` client parses every response into its own models on the "
+        f"same cores, hence its lower rate ({num(seq['openai_client']['ratio_over_in_process'])} of in-process).",
     ])
 
 
