@@ -67,9 +67,13 @@ async def _outcome(future: Future[Served]) -> Served:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
+    def settle() -> None:
+        if not done.done():
+            done.set_result(None)
+
     def wake(_: Future[Served]) -> None:
         try:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            loop.call_soon_threadsafe(settle)
         except RuntimeError:
             pass  # the loop has closed: nobody waits any more
 

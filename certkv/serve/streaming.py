@@ -56,7 +56,9 @@ def sse_events(answer_id: str, created: int, model: str, pieces: list[str], *, c
             body = CompletionResponse(id=answer_id, created=created, model=model,
                                       choices=[CompletionChoice(text=piece or "", finish_reason=finish)],
                                       usage=usage if last else None, certkv=certkv if last else None)
-        data = body.model_dump(mode="json", exclude=None if last else {"usage", "certkv"})
+        # through pydantic-core's JSON, which writes a NaN or an infinity (a signal not measured) as
+        # null; json.dumps of model_dump would write a bare NaN, which is not JSON
+        data = json.loads(body.model_dump_json(exclude=None if last else {"usage", "certkv"}))
         if chat:  # a delta names only what it carries
             data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
         return f"data: {json.dumps(data)}\n\n"
