@@ -762,8 +762,8 @@ def serve_load(data: dict) -> str:
         "the server runs between requests). The ratio is "
         f"{num(seq['ratio_http_over_in_process'])}, {'at or over' if seq['ratio_http_over_in_process'] >= 0.9 else 'under'} "
         "the 0.9 target; the overhead does not grow with the model, so a model whose request costs ten times more "
-        "shrinks its share tenfold. The official `openai` client parses every response into its own models on the "
-        f"same cores, hence its lower rate ({num(seq['openai_client']['ratio_over_in_process'])} of in-process).",
+        "shrinks its share tenfold. Through the official `openai` client, which parses every response into its own "
+        f"models on the same cores, the ratio is {num(seq['openai_client']['ratio_over_in_process'])}.",
     ])
 
 
