@@ -45,6 +45,11 @@ def _pyplot() -> ModuleType:
     return plt
 
 
+#: Marker colours of a candidate's status (:func:`certkv.report.text.candidate_status`).
+_STATUS_COLORS = {"certified": "#1a9850", "not certified": "#d73027", "not tested": "#9e9e9e"}
+_RISK_BLUE = "#4575b4"
+
+
 def plot_risk_vs_kv(op: OperatingPoint, title: str | None = None, subject: str = "") -> Figure:
     """Empirical risk and Clopper–Pearson upper bound against kv_retained, one panel per sequence.
     `subject` (e.g. ``task multi_key: ``) starts the default title: a stratum's figure says whose it is.
@@ -53,8 +58,6 @@ def plot_risk_vs_kv(op: OperatingPoint, title: str | None = None, subject: str =
     and larger values are drawn on the top edge with their value written next to them.
     """
     plt = _pyplot()
-    from matplotlib.lines import Line2D
-
     eps = op.contract.risk
     seqs = shown_candidates(op)
     shown = [c for seq in seqs for c in seq]
@@ -67,57 +70,12 @@ def plot_risk_vs_kv(op: OperatingPoint, title: str | None = None, subject: str =
     xlim = (min(1.02, max(all_x) + pad), max(0.0, min(all_x) - pad))  # most KV on the left: test order
     fig, axes = plt.subplots(1, n_panels, figsize=(max(8.5, 5.2 * n_panels), 5.0), sharey=True, squeeze=False)
     chosen = None if op.fallback else op.policy
-    colors = {"certified": "#1a9850", "not certified": "#d73027", "not tested": "#9e9e9e"}
     for ax, cands in zip(axes[0], seqs):
-        x = [c.kv_retained for c in cands]
-        emp = [min(c.empirical_risk, top) for c in cands]
-        ub = [min(c.risk_upper_bound, top) for c in cands]
-        ax.fill_between(x, emp, ub, color="#4575b4", alpha=0.10, linewidth=0)
-        ax.plot(x, emp, "-", color="#4575b4", lw=1.5, zorder=2)
-        ax.plot(x, ub, "--", color="#4575b4", lw=1.5, zorder=2)
-        for c in cands:
-            status = candidate_status(op, c)
-            col = colors[status]
-            ax.plot(c.kv_retained, min(c.empirical_risk, top), "o", ms=6, color="#4575b4", zorder=3)
-            ax.plot(c.kv_retained, min(c.risk_upper_bound, top), "v", ms=9, zorder=4,
-                    markerfacecolor=col if status == "certified" else "white", markeredgecolor=col, markeredgewidth=1.8)
-            if c.risk_upper_bound > top:  # drawn on the top edge: write the true bound just above it
-                ax.annotate(f"↑{c.risk_upper_bound:.2f}", (c.kv_retained, top), textcoords="offset points",
-                            xytext=(0, 6), ha="center", va="bottom", fontsize=8, color="#444444", annotation_clip=False)
-            if c.policy == chosen:
-                ax.plot(c.kv_retained, min(c.risk_upper_bound, top), "*", ms=30, color="#fdae61",
-                        markeredgecolor="black", zorder=3.5)
-                # Risk rises towards less KV (right), so the top-left corner is free for the label.
-                ax.annotate(f"chosen: {c.policy}", (c.kv_retained, min(c.risk_upper_bound, top)),
-                            xytext=(0.03, 0.93), textcoords="axes fraction", ha="left", va="top", fontsize=9,
-                            weight="bold", arrowprops=dict(arrowstyle="->", color="black", lw=1,
-                                                           shrinkB=12, connectionstyle="arc3,rad=0.15"))
-        ax.axhline(eps, color="black", lw=1.2, ls=":")
-        ax.text(0.99, eps, f" ε = {eps:g}", transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=9)
-        stop = op.sequences[cands[0].sequence] if cands else None
-        level = f"tested at level {stop.level:.3g}" if stop is not None and stop.level is not None else "Holm step-down"
-        ax.set_title(f"{sequence_name(cands)}  ({level})", fontsize=11, pad=20)
-        ax.set_xlabel("KV retained (nominal fraction kept)  →  more eviction")
+        _risk_panel(ax, op, cands, top, chosen)
         ax.set_xlim(*xlim)
-        ax.set_ylim(0, top)
-        ax.grid(alpha=0.3)
     clip_note = "" if max(values) <= top else f"\n(above {top:.2g}: drawn on the top edge, bound written)"
     axes[0][0].set_ylabel(f"violation rate (share of requests){clip_note}")
-    handles = [
-        Line2D([], [], color="#4575b4", marker="o", lw=1.5, label="empirical risk k/n"),
-        Line2D([], [], color="#4575b4", marker="v", ls="--", lw=1.5, markerfacecolor="white",
-               label="Clopper–Pearson upper bound"),
-        Line2D([], [], color=colors["certified"], marker="v", ls="", ms=9, label="certified (bound ≤ ε)"),
-        Line2D([], [], color=colors["not certified"], marker="v", ls="", ms=9, markerfacecolor="white",
-               markeredgewidth=1.8, label="not certified"),
-        Line2D([], [], color="black", ls=":", label="risk target ε"),
-    ]
-    if any(candidate_status(op, c) == "not tested" for c in shown):
-        handles.insert(4, Line2D([], [], color=colors["not tested"], marker="v", ls="", ms=9, markerfacecolor="white",
-                                 markeredgewidth=1.8, label="not tested (sequence stopped)"))
-    if chosen:
-        handles.append(Line2D([], [], color="#fdae61", marker="*", ls="", ms=14, markeredgecolor="black",
-                              label="chosen operating point"))
+    handles = _risk_legend(any(candidate_status(op, c) == "not tested" for c in shown), chosen is not None)
     ncol = min(len(handles), 3 if n_panels == 1 else 4)
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
     what = "fallback to the full cache" if op.fallback else f"chosen {op.policy}"
@@ -131,6 +89,65 @@ def plot_risk_vs_kv(op: OperatingPoint, title: str | None = None, subject: str =
     legend_rows = -(-len(handles) // ncol)
     fig.tight_layout(rect=(0, 0.045 * legend_rows + 0.02, 1, 0.97))
     return fig
+
+
+def _risk_panel(ax, op: OperatingPoint, cands: list, top: float, chosen: str | None) -> None:
+    """One sequence's panel of :func:`plot_risk_vs_kv`: risk and bound per candidate, values above
+    `top` drawn on the top edge with the true bound written, the chosen candidate starred."""
+    eps = op.contract.risk
+    x = [c.kv_retained for c in cands]
+    emp = [min(c.empirical_risk, top) for c in cands]
+    ub = [min(c.risk_upper_bound, top) for c in cands]
+    ax.fill_between(x, emp, ub, color=_RISK_BLUE, alpha=0.10, linewidth=0)
+    ax.plot(x, emp, "-", color=_RISK_BLUE, lw=1.5, zorder=2)
+    ax.plot(x, ub, "--", color=_RISK_BLUE, lw=1.5, zorder=2)
+    for c in cands:
+        status = candidate_status(op, c)
+        col = _STATUS_COLORS[status]
+        ax.plot(c.kv_retained, min(c.empirical_risk, top), "o", ms=6, color=_RISK_BLUE, zorder=3)
+        ax.plot(c.kv_retained, min(c.risk_upper_bound, top), "v", ms=9, zorder=4,
+                markerfacecolor=col if status == "certified" else "white", markeredgecolor=col, markeredgewidth=1.8)
+        if c.risk_upper_bound > top:  # drawn on the top edge: write the true bound just above it
+            ax.annotate(f"↑{c.risk_upper_bound:.2f}", (c.kv_retained, top), textcoords="offset points",
+                        xytext=(0, 6), ha="center", va="bottom", fontsize=8, color="#444444", annotation_clip=False)
+        if c.policy == chosen:
+            ax.plot(c.kv_retained, min(c.risk_upper_bound, top), "*", ms=30, color="#fdae61",
+                    markeredgecolor="black", zorder=3.5)
+            # Risk rises towards less KV (right), so the top-left corner is free for the label.
+            ax.annotate(f"chosen: {c.policy}", (c.kv_retained, min(c.risk_upper_bound, top)),
+                        xytext=(0.03, 0.93), textcoords="axes fraction", ha="left", va="top", fontsize=9,
+                        weight="bold", arrowprops=dict(arrowstyle="->", color="black", lw=1,
+                                                       shrinkB=12, connectionstyle="arc3,rad=0.15"))
+    ax.axhline(eps, color="black", lw=1.2, ls=":")
+    ax.text(0.99, eps, f" ε = {eps:g}", transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=9)
+    stop = op.sequences[cands[0].sequence] if cands else None
+    level = f"tested at level {stop.level:.3g}" if stop is not None and stop.level is not None else "Holm step-down"
+    ax.set_title(f"{sequence_name(cands)}  ({level})", fontsize=11, pad=20)
+    ax.set_xlabel("KV retained (nominal fraction kept)  →  more eviction")
+    ax.set_ylim(0, top)
+    ax.grid(alpha=0.3)
+
+
+def _risk_legend(any_untested: bool, any_chosen: bool) -> list:
+    """The legend entries of :func:`plot_risk_vs_kv`, in the order it shows them."""
+    from matplotlib.lines import Line2D
+
+    handles = [
+        Line2D([], [], color=_RISK_BLUE, marker="o", lw=1.5, label="empirical risk k/n"),
+        Line2D([], [], color=_RISK_BLUE, marker="v", ls="--", lw=1.5, markerfacecolor="white",
+               label="Clopper–Pearson upper bound"),
+        Line2D([], [], color=_STATUS_COLORS["certified"], marker="v", ls="", ms=9, label="certified (bound ≤ ε)"),
+        Line2D([], [], color=_STATUS_COLORS["not certified"], marker="v", ls="", ms=9, markerfacecolor="white",
+               markeredgewidth=1.8, label="not certified"),
+        Line2D([], [], color="black", ls=":", label="risk target ε"),
+    ]
+    if any_untested:
+        handles.insert(4, Line2D([], [], color=_STATUS_COLORS["not tested"], marker="v", ls="", ms=9,
+                                 markerfacecolor="white", markeredgewidth=1.8, label="not tested (sequence stopped)"))
+    if any_chosen:
+        handles.append(Line2D([], [], color="#fdae61", marker="*", ls="", ms=14, markeredgecolor="black",
+                              label="chosen operating point"))
+    return handles
 
 
 def plot_per_task(op: OperatingPoint, title: str | None = None, subject: str = "") -> Figure:
@@ -164,16 +181,7 @@ def plot_per_task(op: OperatingPoint, title: str | None = None, subject: str = "
     height = max(3.4, 0.36 * len(cands) + 2.4)
     fig, ax = plt.subplots(figsize=(width, height))
     im = ax.imshow(rates, cmap="RdYlGn_r", norm=norm, aspect="auto")
-    for i, c in enumerate(cands):
-        for j, t in enumerate(tasks):
-            cell = c.per_task.get(t)
-            if cell is None:
-                continue
-            over = cell.rate > eps
-            r, g, b, _ = im.cmap(norm(cell.rate))
-            ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.45 else "black"  # readable on dark cells
-            ax.text(j, i, f"{100 * cell.rate:.0f}%" if cell.rate >= 0.1 else f"{100 * cell.rate:.1f}%",
-                    ha="center", va="center", fontsize=8, weight="bold" if over else "normal", color=ink)
+    _write_rates(ax, im, norm, cands, tasks, eps)
     for i, c in enumerate(cands):
         if not op.fallback and c.policy == op.policy:
             ax.add_patch(Rectangle((-0.5, i - 0.5), len(tasks), 1, fill=False, lw=2.5, edgecolor="black"))
@@ -187,17 +195,36 @@ def plot_per_task(op: OperatingPoint, title: str | None = None, subject: str = "
                   ha="right" if len(tasks) > 6 else "center", fontsize=9)
     ax.set_ylabel("candidate (test order)")
     ax.set_xlabel("task      (✓ = certified; black box = chosen policy)")
-    bar = fig.colorbar(im, ax=ax, fraction=0.05, pad=0.02)
-    bar.set_label("task's own violation rate")
-    bar.ax.axhline(eps, color="black", lw=2)
-    ticks = sorted({0.0, eps / 2, eps, float(f"{(eps + vmax) / 2:.2g}"), vmax})
-    bar.set_ticks(ticks, labels=[f"ε = {100 * t:.3g}%" if t == eps else f"{100 * t:.3g}%" for t in ticks])
+    _rate_colorbar(fig, ax, im, eps, vmax)
     hidden = hidden_count(op)
     hidden_note = f"\n({hidden} other gated candidates not shown)" if hidden else ""
     fig.suptitle(title or f"{subject}Per-task violation rates (green ≤ ε < red; bold: task above ε){hidden_note}",
                  fontsize=12)
     fig.tight_layout()
     return fig
+
+
+def _write_rates(ax, im, norm, cands: list, tasks: list[str], eps: float) -> None:
+    """Each heatmap cell's rate as text, bold above ε, in an ink readable on the cell's colour."""
+    for i, c in enumerate(cands):
+        for j, t in enumerate(tasks):
+            cell = c.per_task.get(t)
+            if cell is None:
+                continue
+            over = cell.rate > eps
+            r, g, b, _ = im.cmap(norm(cell.rate))
+            ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.45 else "black"  # readable on dark cells
+            ax.text(j, i, f"{100 * cell.rate:.0f}%" if cell.rate >= 0.1 else f"{100 * cell.rate:.1f}%",
+                    ha="center", va="center", fontsize=8, weight="bold" if over else "normal", color=ink)
+
+
+def _rate_colorbar(fig, ax, im, eps: float, vmax: float) -> None:
+    """The heatmap's colour bar, ε marked by a line and a tick of its own."""
+    bar = fig.colorbar(im, ax=ax, fraction=0.05, pad=0.02)
+    bar.set_label("task's own violation rate")
+    bar.ax.axhline(eps, color="black", lw=2)
+    ticks = sorted({0.0, eps / 2, eps, float(f"{(eps + vmax) / 2:.2g}"), vmax})
+    bar.set_ticks(ticks, labels=[f"ε = {100 * t:.3g}%" if t == eps else f"{100 * t:.3g}%" for t in ticks])
 
 
 def plot_validation(result: ValidationResult, title: str | None = None) -> Figure:
