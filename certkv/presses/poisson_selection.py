@@ -158,25 +158,10 @@ def probabilistic_selection(
     # The tail in ascending position: every row has exactly n_tail non-members, listed row by row.
     in_tail = torch.ones(batch, heads, k_len, dtype=torch.bool, device=device).scatter_(-1, head_idx, False)
     tail_idx = in_tail.nonzero()[:, 2].view(batch, heads, n_tail)
-    tail = scores.gather(-1, tail_idx).to(torch.float64)
-    tail = tail - tail.amin(dim=-1, keepdim=True).clamp(max=0)
-    tail = tail + score_floor * tail.mean(dim=-1, keepdim=True)
-    # After the shift and the floor: non-finite base scores, or finite ones whose shift overflows,
-    # end up here as inf or NaN (the shifted tail is nonnegative otherwise).
-    if not bool(torch.isfinite(tail).all()):
-        raise ValueError("the base press returned non-finite scores outside the sinks and window (or scores too"
-                         " large to shift into sizes)")
+    tail = _tail_sizes(scores.gather(-1, tail_idx), score_floor)
     b = torch.full(tail.shape[:-1], float(budget), dtype=torch.float64, device=device)
     pi = _capped_proportional(tail, b)
-
-    if isinstance(generator, (list, tuple)):
-        if not generator or batch % len(generator):
-            raise ValueError(f"got {len(generator)} generators for {batch} batch rows (one per equal block of rows)")
-        block = (batch // len(generator), *pi.shape[1:])
-        u = torch.cat([torch.rand(block, generator=g, dtype=torch.float64) for g in generator]).to(device)
-    else:
-        u = torch.rand(pi.shape, generator=generator, dtype=torch.float64).to(device)
-    kept = u < pi
+    kept = _uniforms(pi, generator) < pi
     # each tail entry's slot: the kept ones first, then the unsampled ones that fill the padding,
     # each in ascending position (a counting sort by kept / not kept; no comparison sort needed)
     kept_before = kept.cumsum(-1)
@@ -194,6 +179,32 @@ def probabilistic_selection(
         counts=n_head + tail_counts,
         n_head=n_head,
     )
+
+
+def _tail_sizes(tail_scores: torch.Tensor, score_floor: float) -> torch.Tensor:
+    """The tail's scores (B, H_kv, n_tail) as sizes for π: shifted so the lowest is 0 when any is
+    negative, plus `score_floor` × their mean so every π > 0; float64, same shape."""
+    tail = tail_scores.to(torch.float64)
+    tail = tail - tail.amin(dim=-1, keepdim=True).clamp(max=0)
+    tail = tail + score_floor * tail.mean(dim=-1, keepdim=True)
+    # After the shift and the floor: non-finite base scores, or finite ones whose shift overflows,
+    # end up here as inf or NaN (the shifted tail is nonnegative otherwise).
+    if not bool(torch.isfinite(tail).all()):
+        raise ValueError("the base press returned non-finite scores outside the sinks and window (or scores too"
+                         " large to shift into sizes)")
+    return tail
+
+
+def _uniforms(pi: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
+    """One float64 uniform per entry of `pi` (B, H_kv, n_tail), drawn on the CPU: from one generator,
+    or block by block of consecutive rows from a sequence of them (see :func:`probabilistic_selection`)."""
+    batch = pi.shape[0]
+    if isinstance(generator, (list, tuple)):
+        if not generator or batch % len(generator):
+            raise ValueError(f"got {len(generator)} generators for {batch} batch rows (one per equal block of rows)")
+        block = (batch // len(generator), *pi.shape[1:])
+        return torch.cat([torch.rand(block, generator=g, dtype=torch.float64) for g in generator]).to(pi.device)
+    return torch.rand(pi.shape, generator=generator, dtype=torch.float64).to(pi.device)
 
 
 def pad_selection(selection: Selection, width: int) -> Selection:
