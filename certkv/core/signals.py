@@ -10,15 +10,17 @@ declared here, in :data:`SIGNALS`, and derived from it:
   (:mod:`certkv.core.loss_table`);
 * the calibration store's columns (signals with ``store="column"``; the others travel in the
   row's ``extra`` JSON);
-* the fields of the runtime's ``Decision`` record and the signal dict its gate reads
-  (:mod:`certkv.runtime.certified_runtime`);
+* the signal dict the runtime's gate reads (:mod:`certkv.runtime.certified_runtime`); the
+  ``Decision`` record (:mod:`certkv.runtime.decision`) writes one field per signal out by hand, and
+  tests/test_signals.py holds them to these declarations;
 * the learned gate's feature groups and features (:mod:`certkv.core.gate_features`);
 * request-level signals computed from the encoded request alone (``compute``), which calibration
   and the runtime evaluate with :func:`request_signals`.
 
-Adding a signal is one :class:`Signal` here plus its recorder, the code that measures it: for a
-signal of the encoded request, the ``compute`` function; for one that needs the model, the engine
-or runtime step that fills it (``recorder`` names it).
+Adding a signal is one :class:`Signal` here, its ``Decision`` field, and its recorder, the code
+that measures it: for a signal of the encoded request, the ``compute`` function; for one that
+needs the model, a module of :mod:`certkv.signals` or the engine or runtime step that fills it
+(``recorder`` names it).
 
 Torch-free.
 """
