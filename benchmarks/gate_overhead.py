@@ -57,9 +57,9 @@ def prefill_variants(model, context_ids, spent: list):
     from transformers import DynamicCache
 
     from certkv.engine.probabilistic_decode import selection_hooks
-    from certkv.gate.agreement import AgreementRecorder
     from certkv.model.window_queries import capturing_window_queries
     from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.signals.agreement import AgreementRecorder
 
     def timed(function):
         def wrapper(*args, **kwargs):

@@ -86,7 +86,7 @@ def test_signals_leave_every_answer_unchanged(runs):
 
 
 def test_logprobs_equal_a_plain_forward_on_every_path(embedded, runs):
-    from certkv.gate.confidence import answer_confidence
+    from certkv.signals.confidence import answer_confidence
 
     model, _ = embedded
     candidates = {c.policy: c for c in _candidates()}
@@ -137,7 +137,7 @@ def test_probabilistic_logprobs_equal_a_teacher_forced_hajek_forward(embedded):
 
 
 def test_answer_confidence():
-    from certkv.gate.confidence import answer_confidence
+    from certkv.signals.confidence import answer_confidence
 
     low, mean = answer_confidence([-0.1, -2.0, 0.0])
     assert low == pytest.approx(math.exp(-2.0)) and mean == pytest.approx(-0.7)
@@ -178,7 +178,7 @@ def eager_model():
 
 def test_probe_reads_the_full_answers_first_tokens_under_sdpa_and_eager(embedded, eager_model, runs):
     from certkv.model.generation import stop_token_ids
-    from certkv.model.lookahead import lookahead_probe
+    from certkv.signals.lookahead import lookahead_probe
 
     model, _ = embedded
     for _, enc, _, result in runs:
@@ -196,7 +196,7 @@ def test_probe_reads_the_full_answers_first_tokens_under_sdpa_and_eager(embedded
 def test_evicted_mass_equals_brute_force_eager_attention(embedded, eager_model, runs):
     from certkv.engine.probabilistic_decode import selection_hooks
     from certkv.engine.scoring import Selections, scoring_hooks
-    from certkv.model.lookahead import evicted_mass, lookahead_probe
+    from certkv.signals.lookahead import evicted_mass, lookahead_probe
 
     model, _ = embedded
     candidates = _candidates()
@@ -243,7 +243,7 @@ def test_evicted_mass_equals_brute_force_eager_attention(embedded, eager_model, 
 
 
 def test_keep_everything_has_no_evicted_mass_and_keep_nothing_has_all(embedded, runs):
-    from certkv.model.lookahead import evicted_mass, lookahead_probe
+    from certkv.signals.lookahead import evicted_mass, lookahead_probe
 
     model, _ = embedded
     n_kv = model.config.num_key_value_heads

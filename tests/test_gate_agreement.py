@@ -50,7 +50,7 @@ def _prefill_with_hooks(model, recorder, n_tokens=80):
 
 
 def test_window_attention_equals_eager_and_drop_equals_direct(tiny_llama):
-    from certkv.gate.agreement import AgreementRecorder, agreement_drop, layer_agreement
+    from certkv.signals.agreement import AgreementRecorder, agreement_drop, layer_agreement
 
     recorder = AgreementRecorder()
     assert (recorder.window, recorder.top_k, recorder.split_divisor) == (32, 32, 3)
@@ -68,7 +68,7 @@ def test_window_attention_equals_eager_and_drop_equals_direct(tiny_llama):
 def test_attach_observes_prefill_only(tiny_llama):
     from transformers import DynamicCache
 
-    from certkv.gate.agreement import AgreementRecorder
+    from certkv.signals.agreement import AgreementRecorder
 
     recorder = AgreementRecorder(window=8, top_k=4)
     before = [len(layer.self_attn._forward_hooks) for layer in tiny_llama.model.layers]
@@ -84,7 +84,7 @@ def test_attach_observes_prefill_only(tiny_llama):
 
 
 def test_jaccard_identical_and_disjoint_sets():
-    from certkv.gate.agreement import layer_agreement
+    from certkv.signals.agreement import layer_agreement
 
     k_len, k = 12, 4
     same = torch.zeros(1, 3, 2, k_len)
@@ -108,7 +108,7 @@ def test_jaccard_identical_and_disjoint_sets():
 
 
 def test_layer_split():
-    from certkv.gate.agreement import agreement_drop, layer_split
+    from certkv.signals.agreement import agreement_drop, layer_split
 
     assert layer_split(1) == (range(0, 1), range(0, 1))
     assert layer_split(2) == (range(0, 1), range(1, 2))
@@ -121,7 +121,7 @@ def test_layer_split():
 
 
 def test_bad_settings_raise_value_error():
-    from certkv.gate.agreement import AgreementRecorder, agreement_drop, layer_agreement
+    from certkv.signals.agreement import AgreementRecorder, agreement_drop, layer_agreement
 
     with pytest.raises(ValueError, match="window"):
         AgreementRecorder(window=0)
@@ -211,8 +211,8 @@ def test_gate_and_press_share_one_window_attention_per_layer_and_prefill(tiny_ll
 
     import certkv.model.window_attention as window_attention_module
     from certkv.engine.probabilistic_decode import selection_hooks
-    from certkv.gate.agreement import AgreementRecorder
     from certkv.presses.probabilistic import ProbabilisticPress
+    from certkv.signals.agreement import AgreementRecorder
 
     recorder = AgreementRecorder()
     presses = {"a": ProbabilisticPress(compression_ratio=0.5), "b": ProbabilisticPress(compression_ratio=0.3, seed=1)}

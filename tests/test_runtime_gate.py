@@ -45,8 +45,8 @@ def test_engine_agreement_drop_equals_eager_attention(embedded, requests, engine
     weights of a separate full forward (docs/design.md: W = 32, k = 32, first/last ⌊L/3⌋ layers)."""
     import torch
 
-    from certkv.gate.agreement import agreement_drop, layer_agreements
     from certkv.model.generation import encode_request
+    from certkv.signals.agreement import agreement_drop, layer_agreements
 
     model, tok = embedded
     previous = model.config._attn_implementation

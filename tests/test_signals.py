@@ -1,9 +1,10 @@
 """The gate signals' one home (certkv.core.signals): everything that names a signal derives from it.
 
-The first tests check the derivations on the package as it is; the last adds a dummy signal to a
-copy of the package — one declaration and its recorder, nothing else — and shows that it flows
-from calibration into the store, through the loss table and a learned gate's certification, to
-the runtime's Decision and gate.
+The first tests check the derivations on the package as it is, and that the runtime's Decision,
+written out field by field, has one field per declared signal; the last adds a dummy signal to a
+copy of the package — one declaration, its recorder and its Decision field, nothing else — and
+shows that it flows from calibration into the store, through the loss table and a learned gate's
+certification, to the runtime's Decision and gate.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,24 @@ def test_the_decision_has_one_field_per_signal_and_reads_them_back():
     assert d.to_dict()["agreement_drop"] == 0.25 and "signal_values" not in d.to_dict()
 
 
+def test_the_decision_declares_each_signal_as_a_field_of_its_kind_in_declaration_order():
+    """Decision is a plain dataclass: a signal declared without its field (or a field left after
+    its signal is gone, or one out of order) fails here, before the runtime's first answer."""
+    from certkv.runtime.decision import Decision
+
+    names = [f.name for f in dataclasses.fields(Decision)]
+    declared = [s.name for s in signals.SIGNALS]
+    head = ["mode", "reason", "policy", "stratum", "gate_kind", "gate_threshold", "certificate_bound"]
+    tail = ["escalated", "kv_retained", "kv_retained_actual", "detail"]
+    assert names == head + declared + tail  # the order of to_dict(), hence of the JSON served and stored
+    hints = typing.get_type_hints(Decision)
+    defaults = {f.name: f.default for f in dataclasses.fields(Decision)}
+    for s in signals.SIGNALS:
+        assert hints[s.name] == (list[float] if s.kind == "heads" else float) | None, s.name
+        assert defaults[s.name] is None, s.name  # None: not measured
+    assert list(Decision(mode="full", reason=None, policy="p").to_dict()) == names
+
+
 def test_a_loss_table_reads_each_signal_by_its_declaration():
     rows = []
     for i, rid in enumerate(("a", "b")):
@@ -69,6 +89,7 @@ DUMMY = '''    Signal("question_tokens", per="request", kind="scalar", phase="pr
            recorder="the encoded request", doc="tokens of the encoded question",
            feature_group="question_length", transform="log", compute="certkv.core.signals:question_length"),
 '''
+DECISION_FIELD = "    question_tokens: float | None = None\n"
 RECORDER = '''
 
 def question_length(context_ids, question_ids):
@@ -132,6 +153,11 @@ def test_a_dummy_signal_flows_from_store_to_certify_to_runtime(tmp_path):
     anchor = '    Signal("learned_score"'
     assert anchor in text
     decl.write_text(text.replace(anchor, DUMMY + anchor, 1) + RECORDER)  # one declaration, one recorder
+    decision = copy / "runtime" / "decision.py"
+    text = decision.read_text()
+    field_anchor = "    learned_score: float | None = None\n"
+    assert field_anchor in text
+    decision.write_text(text.replace(field_anchor, DECISION_FIELD + field_anchor, 1))  # and its Decision field
     contract = {
         "name": "dummy", "model": "embedded",
         "requests": {"source": "builtin:demo", "context_length": "120-160", "limit": 140, "seed": 5},

@@ -10,15 +10,17 @@ declared here, in :data:`SIGNALS`, and derived from it:
   (:mod:`certkv.core.loss_table`);
 * the calibration store's columns (signals with ``store="column"``; the others travel in the
   row's ``extra`` JSON);
-* the fields of the runtime's ``Decision`` record and the signal dict its gate reads
-  (:mod:`certkv.runtime.certified_runtime`);
+* the signal dict the runtime's gate reads (:mod:`certkv.runtime.certified_runtime`); the
+  ``Decision`` record (:mod:`certkv.runtime.decision`) writes one field per signal out by hand, and
+  tests/test_signals.py holds them to these declarations;
 * the learned gate's feature groups and features (:mod:`certkv.core.gate_features`);
 * request-level signals computed from the encoded request alone (``compute``), which calibration
   and the runtime evaluate with :func:`request_signals`.
 
-Adding a signal is one :class:`Signal` here plus its recorder, the code that measures it: for a
-signal of the encoded request, the ``compute`` function; for one that needs the model, the engine
-or runtime step that fills it (``recorder`` names it).
+Adding a signal is one :class:`Signal` here, its ``Decision`` field, and its recorder, the code
+that measures it: for a signal of the encoded request, the ``compute`` function; for one that
+needs the model, a module of :mod:`certkv.signals` or the engine or runtime step that fills it
+(``recorder`` names it).
 
 Torch-free.
 """
@@ -113,7 +115,7 @@ class Signal:
 # fmt: off
 SIGNALS: tuple[Signal, ...] = (
     Signal("agreement_drop", per="request", kind="scalar", phase="pre_decode",
-           recorder="the agreement recorder on the full prefill (certkv.gate.agreement)",
+           recorder="the agreement recorder on the full prefill (certkv.signals.agreement)",
            doc="PAGE's agreement drop between early and late layers' attention (low: suspect request)",
            store="column", feature_group="agreement_drop", hash_group="legacy"),
     Signal("certificate_max", per="candidate", kind="scalar", phase="post_decode",
@@ -122,17 +124,17 @@ SIGNALS: tuple[Signal, ...] = (
            store="column", minimum=0.0, minimum_why="a certificate is a standard deviation (≥ 0)",
            hash_group="legacy"),
     Signal("confidence_min", per="candidate", kind="scalar", phase="post_decode",
-           recorder="the answer's own token log-probabilities (certkv.gate.confidence)",
+           recorder="the answer's own token log-probabilities (certkv.signals.confidence)",
            doc="lowest probability of a token of the evicted greedy answer (stop token included)",
            feature_group="confidence"),
     Signal("logprob_mean", per="candidate", kind="scalar", phase="post_decode",
-           recorder="the answer's own token log-probabilities (certkv.gate.confidence)",
+           recorder="the answer's own token log-probabilities (certkv.signals.confidence)",
            doc="mean log-probability of the evicted answer's tokens", feature_group="confidence"),
     Signal("lookahead_mass", per="candidate", kind="scalar", phase="pre_decode",
-           recorder="the lookahead probe on the full cache (certkv.model.lookahead)",
+           recorder="the lookahead probe on the full cache (certkv.signals.lookahead)",
            doc="max over (layer, KV head) of lookahead_heads"),
     Signal("lookahead_heads", per="candidate", kind="heads", phase="pre_decode",
-           recorder="the lookahead probe on the full cache (certkv.model.lookahead)",
+           recorder="the lookahead probe on the full cache (certkv.signals.lookahead)",
            doc="per (layer, KV head), layer-major: the probe's full-cache attention mass on evicted entries",
            feature_group="lookahead", transform="log_odds"),
     Signal("context_tokens", per="request", kind="scalar", phase="pre_decode",

@@ -24,15 +24,15 @@ from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
 from certkv.engine.scoring import is_fast_path_press
-from certkv.gate.agreement import AgreementRecorder
-from certkv.gate.confidence import answer_confidence
 from certkv.model.generation import encode_request, for_protocol, greedy_decode, stop_token_ids
 from certkv.model.layers import attention_modules
-from certkv.model.lookahead import evicted_mass, lookahead_probe
 from certkv.model.window_queries import capturing_window_queries
 from certkv.presses.probabilistic import ProbabilisticPress
 from certkv.presses.registry import press_tree
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
+from certkv.signals.agreement import AgreementRecorder
+from certkv.signals.confidence import answer_confidence
+from certkv.signals.lookahead import evicted_mass, lookahead_probe
 
 if TYPE_CHECKING:
     from kvpress import BasePress
@@ -64,9 +64,9 @@ class CandidateAnswer:
     """One answer of a request and its recorded signals.
 
     ``confidence_min`` / ``logprob_mean``: the lowest token probability and the mean log p of the
-    answer's own greedy tokens (:func:`certkv.gate.confidence.answer_confidence`).
+    answer's own greedy tokens (:func:`certkv.signals.confidence.answer_confidence`).
     ``lookahead_heads``: per (layer, KV head), layer-major, the lookahead probe's attention mass
-    on the context entries this candidate evicts (:func:`certkv.model.lookahead.evicted_mass`),
+    on the context entries this candidate evicts (:func:`certkv.signals.lookahead.evicted_mass`),
     ``lookahead_mass`` its maximum; None when the engine runs no probe, for the full cache, and on
     the pipeline path (kvpress prunes there, the kept indices are not known).
     ``seconds``: on the pipeline path the candidate's whole run; on the fast path its share of the

@@ -25,11 +25,11 @@ if TYPE_CHECKING:
     from kvpress.presses.base_press import BasePress
     from transformers import PreTrainedModel
 
-    from certkv.gate.agreement import AgreementRecorder
     from certkv.model.generation import EncodedRequest
     from certkv.presses.poisson_selection import Selection
     from certkv.presses.probabilistic import ProbabilisticPress
     from certkv.presses.response_aware import ResponseAwarePress
+    from certkv.signals.agreement import AgreementRecorder
 
 
 def context_tensor(model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:

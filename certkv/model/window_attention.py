@@ -1,6 +1,6 @@
 """Window attention: what the last ``W`` context queries attend to, inside the single prefill.
 
-Both the agreement gate (:mod:`certkv.gate.agreement`) and the probabilistic press's default score
+Both the agreement gate (:mod:`certkv.signals.agreement`) and the probabilistic press's default score
 read it. It is computed from the post-RoPE window queries and the keys already in the cache, the
 way kvpress's ``SnapKVPress.compute_window_attention`` does, so it costs W queries per layer: no
 eager re-run of the context. Query heads are kept separate (no averaging over a GQA group).

@@ -10,9 +10,9 @@ import torch
 
 from certkv.errors import CertkvError
 from certkv.model.layers import attention_modules, decoder
-from certkv.model.lookahead import captured_last_queries, capturing_last_query
 from certkv.presses._checks import check_count
 from certkv.presses.response_aware import ResponseAwarePress
+from certkv.signals.lookahead import captured_last_queries, capturing_last_query
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel

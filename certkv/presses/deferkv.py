@@ -14,9 +14,9 @@ from kvpress.presses.scorer_press import ScorerPress
 from kvpress.utils import extract_keys_and_values
 
 from certkv.model.layers import attention_modules, decoder
-from certkv.model.lookahead import lookahead_probe
 from certkv.presses._checks import check_count
 from certkv.presses.response_aware import ResponseAwarePress, head_mean
+from certkv.signals.lookahead import lookahead_probe
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from certkv.model.layers import attention_modules
-from certkv.model.lookahead import lookahead_probe
 from certkv.presses._checks import check_count
 from certkv.presses.response_aware import ResponseAwarePress
+from certkv.signals.lookahead import lookahead_probe
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel

@@ -30,7 +30,7 @@ from certkv.core.gate_features import learned_score as score
 from certkv.core.gated import GATE_PARTS, fires
 from certkv.core.spec import LOOKAHEAD_TOKENS, LearnedGate
 from certkv.errors import CertkvError
-from certkv.gate.confidence import answer_confidence
+from certkv.signals.confidence import answer_confidence
 
 if TYPE_CHECKING:
     from certkv.core.spec import GateSettings

@@ -34,12 +34,12 @@ from transformers import DynamicCache
 
 from certkv.engine.engine import continues_from_compressed_length, kept_entries
 from certkv.engine.full_cache import context_tensor
-from certkv.gate.agreement import AgreementRecorder
 from certkv.model.generation import greedy_decode
 from certkv.model.window_queries import capturing_window_queries
 from certkv.runtime.full_path import full_answer_steps, prefill_slots
 from certkv.runtime.gates import post_decode_reason, pre_decode_reason
 from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
+from certkv.signals.agreement import AgreementRecorder
 
 if TYPE_CHECKING:
     from kvpress import BasePress

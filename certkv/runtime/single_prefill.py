@@ -6,11 +6,11 @@ candidate, with the same engine functions:
 
 1. **One full prefill** of the context under the engine's hooks: :func:`~certkv.engine.scoring.scoring_hooks`
    (the press's top-k indices per layer) or :func:`~certkv.engine.probabilistic_decode.selection_hooks`
-   (its Poisson selection per layer), the :class:`~certkv.gate.agreement.AgreementRecorder` when the gate
+   (its Poisson selection per layer), the :class:`~certkv.signals.agreement.AgreementRecorder` when the gate
    reads the drop, and :func:`~certkv.model.window_queries.capturing_window_queries`, as calibration
    prefills. Nothing is pruned: the full cache of shape (1, H_kv, n_ctx, d) per layer stays.
 2. **Pre-decode signals and gates** while the full cache exists: the agreement drop, the lookahead
-   probe (:func:`certkv.model.lookahead.lookahead_probe`, its mass on the entries the press evicts)
+   probe (:func:`certkv.signals.lookahead.lookahead_probe`, its mass on the entries the press evicts)
    and a learned score without confidence features. When the gate says so, the answer is decoded
    from that same cache: no second prefill.
 3. **The evicted answer**: the kept entries are gathered into a one-row cache and decoded with
@@ -45,13 +45,13 @@ from certkv.engine.engine import is_probabilistic_press
 from certkv.engine.full_cache import prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
 from certkv.engine.ragged_decode import gather_row
-from certkv.gate.agreement import AgreementRecorder
-from certkv.model.lookahead import evicted_mass, lookahead_probe
 from certkv.presses.poisson_selection import Selection
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.full_path import decode_from_full, full_answer_steps, prefill_slots
 from certkv.runtime.gates import post_decode_reason, pre_decode_reason
 from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
+from certkv.signals.agreement import AgreementRecorder
+from certkv.signals.lookahead import evicted_mass, lookahead_probe
 
 if TYPE_CHECKING:
     from kvpress import BasePress
@@ -204,7 +204,7 @@ def lookahead_heads(
 ) -> list[float]:
     """Per (layer, KV head), layer-major, the full-cache attention mass the probe's queries put on
     the context entries the candidate evicts, as the engine records it
-    (:func:`~certkv.model.lookahead.lookahead_probe`, then :func:`~certkv.model.lookahead.evicted_mass`
+    (:func:`~certkv.signals.lookahead.lookahead_probe`, then :func:`~certkv.signals.lookahead.evicted_mass`
     of the candidate's per-layer selection); the probe leaves the cache cropped to the context.
 
     `cache` holds the full prefill, (1, H_kv, n_ctx, d) keys and values per layer; `selection` the

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from certkv.core.monitor import RiskMonitor
+    from certkv.runtime.decision import Decision
 
 GATE_REASONS = ("gate", "lookahead", "learned", "confidence", "certificate")
 
@@ -72,7 +73,7 @@ class Metrics:
         self.m_tripped = Gauge("certkv_monitor_tripped", "1 once the stream's monitor tripped (full cache "
                                "until restart)", labels, registry=r)
 
-    def observe_answer(self, route: str, decision: Any, seconds: float, waited: float) -> None:
+    def observe_answer(self, route: str, decision: Decision, seconds: float, waited: float) -> None:
         """Count one answered request; `decision` is its runtime Decision (reason, gate kind, retention)."""
         reason = decision.reason or "evicted"
         self.requests.labels(route, reason).inc()

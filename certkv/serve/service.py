@@ -149,7 +149,7 @@ class Service:
                                           lean=True)
         admitted: list[float] = []
         answer = yield from _noting_admission(steps, admitted)
-        decision: Any = answer.decision  # a Decision: built with make_dataclass, no fields a type checker sees
+        decision = answer.decision
         evicted = decision.mode == "evicted"
         shadowed = False
         if stream is not None:

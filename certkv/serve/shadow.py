@@ -151,9 +151,7 @@ class ShadowRunner:
         if entry.fallback:
             raise CertkvError(f"{entry.policy} falls back to the full cache: there is nothing to shadow")
         served = job.served
-        # a Decision: its class is built from the declared signals (make_dataclass), so a type
-        # checker sees no fields on it
-        decision: Any = served.decision
+        decision = served.decision
         t0 = time.perf_counter()
         context_tokens = served.context_tokens
         if decision.mode == "full":
@@ -195,7 +193,7 @@ def shadow_rows(job: ShadowJob, entry: OperatingPoint, *, full_answer: str, util
     and the base policy's row carrying the served answer, its memory and the Decision's signals.
     `entry` is the operating point that served it (its stratum's); `strata_by` the stratified
     point's ``strata.by`` (a key other than ``task`` adds a ``stratum`` column)."""
-    d: Any = job.served.decision  # a Decision (see ShadowRunner._score)
+    d = job.served.decision
     evicted = d.mode != "full"
     common: dict[str, Any] = {
         "request_id": job.request_id,
