@@ -45,7 +45,7 @@ log = logging.getLogger("certkv.serve")
 #: environment variable holds the number of a file descriptor the server inherited (a pipe's read
 #: end), :meth:`Service.start` holds the scheduler's worker before its first job until the pipe's
 #: writer closes it. Requests submitted meanwhile wait in the queue, so a test fills the queue (503)
-#: and holds a request past ``--timeout`` (504) as events, not races (tests/test_serve.py).
+#: and holds a request past ``--timeout`` (504) as events, not races (tests/serve/test_serve.py).
 HOLD_FD_VARIABLE = "CERTKV_TEST_HOLD_FD"
 
 

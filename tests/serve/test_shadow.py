@@ -355,7 +355,7 @@ CHILD = textwrap.dedent(
     from certkv.calibration.store import CalibrationStore
     from certkv.core.operating_point import OperatingPoint
     from certkv.serve.shadow_store import ShadowStore
-    from tests.test_shadow import _pair
+    from tests.serve.test_shadow import _pair
 
     folder, op = Path(sys.argv[1]), OperatingPoint.model_validate_json(sys.argv[2])
     at, nth = sys.argv[3], int(sys.argv[4])  # SIGKILL after this run's nth "row" inserted or "write" committed

@@ -18,12 +18,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from certkv.calibration.store import COLUMNS, CalibrationStore, db_path
 from certkv.contract.loading import parse_contract
 from certkv.errors import CertkvError
-
-REPO = Path(__file__).resolve().parents[1]
 
 CONTRACT = {
     "name": "s",
