@@ -1,4 +1,12 @@
-"""Shared fixtures. Tests run offline: the embedded model ships inside the package."""
+"""Shared fixtures. Tests run offline: the embedded model ships inside the package.
+
+The tests mirror the package: tests/core for certkv/core, tests/serve for certkv/serve, and so on,
+tests/repo for the repository's own checks (docs, lint, types, import layers) and tests/e2e for
+whole runs in their own processes (killed, interrupted, on Ray, from a wheel). Test file names are
+unique across the folders (no ``__init__.py``: pytest imports each by its name), and every folder
+is on ``sys.path``, so a test file imports a helper from another (``from test_serve import _Server``)
+whichever folders a run selects.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+sys.path[:0] = [str(folder) for folder in sorted(TESTS.iterdir()) if folder.is_dir() and folder.name[0] not in "._"]
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -117,33 +127,14 @@ def smollm2(tmp_path_factory):
 
 # -- markers -------------------------------------------------------------------------------------
 #
-# `pytest -m "not model"` runs the torch-free tests alone, in seconds: the core's statistics,
-# certification and validation, gated candidates, the store, the report, the certify CLI, the
-# import graph and the docs. Every other test file is marked
-# `model` (it loads a model, runs the engine or a calibrating CLI); a new file is `model` until it
-# is added here, so the fast selection can only ever shrink by mistake, never slow down.
-TORCH_FREE_TEST_FILES = frozenset({
-    "test_certifier.py",
-    "test_conformal.py",
-    "test_stats.py",
-    "test_utility.py",
-    "test_validation.py",
-    "test_import_layers.py",
-    "test_lint.py",
-    "test_policy_names.py",
-    "test_atomic_io.py",
-    "test_gating.py",
-    "test_pilot_gates.py",
-    "test_store.py",
-    "test_report.py",
-    "test_certify_cli.py",
-    "test_prompt_lookup.py",
-    "test_docs.py",
-    "test_strata.py",
-    "test_monitor.py",
-    "test_strata_report.py",
-    "test_types.py",
-})
+# `pytest -m "not model"` runs the torch-free tests alone, in seconds: the folders below hold
+# the core's statistics, certification and validation, gated candidates and the certify CLI (core),
+# the calibration store and utilities (calibration), the report, and the import graph, lint, types
+# and docs (repo). Every test in another folder is marked `model` (it loads a model, runs the
+# engine or a calibrating CLI); a new folder is `model` until it is added here, so the fast
+# selection can only ever shrink by mistake, never slow down. A torch-free folder holds torch-free
+# test files only: the guard in pytest_sessionfinish fails a fast run that imported torch.
+TORCH_FREE_FOLDERS = frozenset({"core", "calibration", "report", "repo"})
 _HEAVY = ("torch", "transformers", "kvpress")
 _LOADED_BEFORE_RUN = pytest.StashKey[set]()
 
@@ -154,8 +145,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name not in TORCH_FREE_TEST_FILES:
+        if not _torch_free(item.path):
             item.add_marker(pytest.mark.model)
+
+
+def _torch_free(path: Path) -> bool:
+    """Whether the test file at `path` lies in one of the TORCH_FREE_FOLDERS of tests/."""
+    return TESTS in path.parents and path.relative_to(TESTS).parts[0] in TORCH_FREE_FOLDERS
 
 
 def pytest_collection_finish(session):
@@ -174,4 +170,4 @@ def pytest_sessionfinish(session, exitstatus):
     if heavy:
         session.exitstatus = 1
         print(f"\nERROR: the torch-free selection imported {', '.join(heavy)}; move the test that "
-              "needs it out of TORCH_FREE_TEST_FILES in tests/conftest.py", file=sys.stderr)
+              "needs it to a folder outside TORCH_FREE_FOLDERS (tests/conftest.py)", file=sys.stderr)

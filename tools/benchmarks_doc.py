@@ -1,7 +1,7 @@
 """Writes docs/benchmarks.md from the measured results in benchmarks/results/*.json.
 
 Every figure on that page comes from a results file, next to the command that produces it, so a
-figure cannot drift from its measurement: ``tests/test_docs.py`` regenerates the page and compares
+figure cannot drift from its measurement: ``tests/repo/test_docs.py`` regenerates the page and compares
 it with the committed one. Re-run a benchmark, then regenerate::
 
     python tools/benchmarks_doc.py            # rewrite docs/benchmarks.md

@@ -5,7 +5,7 @@ dependency: it only moves the failure to run time). Run from the repository root
 
     python tools/import_layers.py            # exit 1 and one line per problem when any
 
-The test suite runs the same checks (``tests/test_import_layers.py``), so a new cycle fails CI.
+The test suite runs the same checks (``tests/repo/test_import_layers.py``), so a new cycle fails CI.
 """
 
 from __future__ import annotations

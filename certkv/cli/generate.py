@@ -10,7 +10,7 @@ from certkv.errors import CertkvError
 from certkv.requests.builtin_tasks import MIXES, TASKS
 
 #: The tasks the embedded model answers at full KV: the `demo` mix holds exactly those, and the
-#: model fails the others even then (tests/test_tasks.py checks both against the measured table,
+#: model fails the others even then (tests/requests/test_tasks.py checks both against the measured table,
 #: benchmarks/results/embedded_accuracy.json).
 _ANSWERED = list(MIXES["demo"])
 _UNANSWERED = [task for task in TASKS if task not in MIXES["demo"]]

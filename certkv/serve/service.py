@@ -17,6 +17,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,13 @@ if TYPE_CHECKING:
     from certkv.serve.shadow_store import ShadowStore
 
 log = logging.getLogger("certkv.serve")
+
+#: A test hook, out of users' way: no option sets it and no user documentation names it. When this
+#: environment variable holds the number of a file descriptor the server inherited (a pipe's read
+#: end), :meth:`Service.start` holds the scheduler's worker before its first job until the pipe's
+#: writer closes it. Requests submitted meanwhile wait in the queue, so a test fills the queue (503)
+#: and holds a request past ``--timeout`` (504) as events, not races (tests/serve/test_serve.py).
+HOLD_FD_VARIABLE = "CERTKV_TEST_HOLD_FD"
 
 
 @dataclass
@@ -92,7 +101,18 @@ class Service:
     # -- the caller's side --------------------------------------------------------------------
 
     def start(self) -> None:
-        self.scheduler.start()
+        """Start the scheduler's worker: at once, or when a test releases it (:data:`HOLD_FD_VARIABLE`)."""
+        hold = os.environ.get(HOLD_FD_VARIABLE)
+        if hold is None:
+            self.scheduler.start()
+            return
+
+        def start_when_released() -> None:
+            with os.fdopen(int(hold), "rb") as pipe:
+                pipe.read()  # returns when the writer has closed its end
+            self.scheduler.start()
+
+        threading.Thread(target=start_when_released, name="certkv-test-hold", daemon=True).start()
 
     @property
     def kv_budget(self) -> int | None:

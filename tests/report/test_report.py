@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_main
+from conftest import REPO, run_main
 from test_certify_cli import build_store  # the synthetic store
 
 from certkv.contract.loading import load_contract
 
-REPO = Path(__file__).resolve().parents[1]
 FIGURES = ("risk_vs_kv.png", "per_task.png", "validation.png")
 
 

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import import_layers
+from conftest import REPO
 
-PACKAGE = Path(__file__).resolve().parents[1] / "certkv"
+PACKAGE = REPO / "certkv"
 
 
 def test_package_has_no_cycles_and_a_pure_core():

@@ -14,14 +14,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from certkv.contract.loading import load_contract, parse_contract
 from certkv.contract.schema import Contract
 from certkv.demo import DEMO_CONTRACT, DEMO_DIR, DEMO_REQUESTS
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
-
-REPO = Path(__file__).resolve().parents[1]
 
 VALID = """\
 name: t

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from certkv.core.certify import certify, select_candidates
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
@@ -17,7 +18,6 @@ from certkv.core.policy_names import policy_name
 from certkv.core.spec import CertificationSpec
 from certkv.errors import CertkvError
 
-REPO = Path(__file__).resolve().parents[1]
 N = 200
 
 

@@ -1,5 +1,5 @@
 """What every response-aware press's test checks the same way: calibration's engine, the runtime and
-a plain gathered cache give one answer (tests/test_deferkv.py, test_lorekv.py, test_behavior_preserving.py)."""
+a plain gathered cache give one answer (tests/presses/test_deferkv.py, test_lorekv.py, test_behavior_preserving.py)."""
 
 from __future__ import annotations
 

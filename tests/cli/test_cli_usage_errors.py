@@ -102,7 +102,7 @@ def test_ctrl_c_or_sigterm_during_calibration_exits_130_or_143_and_keeps_the_sto
     """SIGINT (SIGTERM) mid-calibration: exit 130 (143), one line saying the store is kept, no
     traceback, and the requests stored before the signal are still there (under typer >= 0.26 a
     KeyboardInterrupt became a silent exit code; certkv's own line must survive every typer).
-    tests/test_interrupts.py interrupts a run at many chosen instants; this is the real process."""
+    tests/e2e/test_interrupts.py interrupts a run at many chosen instants; this is the real process."""
     contract = tmp_path / "c.yaml"
     contract.write_text(
         "name: c\nmodel: embedded\nrequests:\n  source: builtin:demo\n  context_length: 256-512\n  limit: 400\n"

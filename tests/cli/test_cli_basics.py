@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-import time
 
 from conftest import run_cli
 
@@ -134,8 +134,13 @@ def test_copy_demo_copies_then_reuses_identical_files(tmp_path):
     assert contract == tmp_path / "d" / "demo.yaml"
     for source in DEMO_FILES:
         assert (tmp_path / "d" / source.name).read_bytes() == source.read_bytes()
-    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "d").iterdir()}
-    time.sleep(0.01)
+    # Stamp every copy with a time long past (2001): a rewrite, in place or by a rename, would give
+    # the file the time of now or a new inode, whatever the file system's timestamp resolution.
+    past = 1_000_000_000 * 10**9
+    for p in (tmp_path / "d").iterdir():
+        os.utime(p, ns=(past, past))
+    stamps = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (tmp_path / "d").iterdir()}
+    assert {mtime for _, mtime in stamps.values()} == {past}
     assert copy_demo(tmp_path / "d") == contract  # identical copies: reused, not rewritten
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "d").iterdir()} == stamps
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (tmp_path / "d").iterdir()} == stamps
     assert sorted(stamps) == sorted(s.name for s in DEMO_FILES)  # no temporary file left behind

@@ -2,7 +2,8 @@
 
 Five servers start together (one module fixture): A deploys snapkv@0.5 (API key, queue of 1,
 small body limit, every evicted answer shadowed), B snapkv@0.1 with a tiny ε (its answers drift
-from the full cache's: the monitor trips), C a timeout too short for any answer (504), D a
+from the full cache's: the monitor trips), C held at a test hook (its scheduler takes no job until
+the test releases it: a queue of one that fills, 503, and a request past its timeout, 504), D a
 stratified point, Q a query-aware point with its access log on.
 """
 
@@ -22,6 +23,7 @@ import pytest
 from conftest import REPO, run_main
 
 from certkv.requests.request_set import generate_requests
+from certkv.serve.service import HOLD_FD_VARIABLE
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -57,7 +59,10 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, folder, op, *args):
+    """`certkv serve` in its own process; `held`: its scheduler takes no job until :meth:`release`
+    (the server's test hook, certkv.serve.service.HOLD_FD_VARIABLE: a pipe the server reads to its end)."""
+
+    def __init__(self, folder, op, *args, held=False):
         folder.mkdir(parents=True, exist_ok=True)
         self.op_path = op.write_json(folder / "operating_point.json")
         self.store = folder / "shadow"
@@ -65,9 +70,21 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(folder / "server.log", "w+")  # noqa: SIM115
         env = dict(os.environ, HF_HUB_OFFLINE="1", CERTKV_TEST_KEY=KEY, PYTHONWARNINGS="ignore")
+        hold, self._hold = (os.pipe() if held else (None, None))
+        if held:
+            env[HOLD_FD_VARIABLE] = str(hold)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "certkv.cli.app", "serve", str(self.op_path), "--port", str(self.port),
-             "--shadow-store", str(self.store), *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+             "--shadow-store", str(self.store), *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            pass_fds=() if hold is None else (hold,))
+        if hold is not None:
+            os.close(hold)  # the server's copy alone is left: it reads until ours closes
+
+    def release(self):
+        """Let a held server's scheduler start (closing our end of its pipe); else nothing."""
+        if self._hold is not None:
+            os.close(self._hold)
+            self._hold = None
 
     def wait(self, headers=None):
         deadline = time.monotonic() + 120
@@ -86,6 +103,7 @@ class _Server:
         return self.log.read()
 
     def stop(self):
+        self.release()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -106,7 +124,7 @@ def servers(tmp_path_factory):
     a = _Server(root / "a", _operating_point(0.5, 0.5), "--shadow-rate", "1.0", "--api-key-env", "CERTKV_TEST_KEY",
                 "--max-queue", "1", "--max-body-bytes", "20000", "--timeout", "60")
     b = _Server(root / "b", _operating_point(0.1, 0.01, 0.9), "--shadow-rate", "1.0", "--seed", "3")
-    c = _Server(root / "c", _operating_point(0.5, 0.5), "--timeout", "0.001")
+    c = _Server(root / "c", _operating_point(0.5, 0.5), "--max-queue", "1", "--timeout", "1", held=True)
     d = _Server(root / "d", _stratified(0.5, 0.5), "--shadow-rate", "1.0")
     q = _Server(root / "q", _operating_point(0.2, 0.5).model_copy(update={"query_aware": True}), "--access-log")
     try:
@@ -246,19 +264,19 @@ def test_error_classes(servers, requests):
     error(httpx.post(url, json={**_body(r), "model": "gpt-9"}, headers=AUTH), 404)
     error(httpx.post(url, json={**_body(r), "max_tokens": 99}, headers=AUTH), 422)
     error(httpx.post(url, content=b"{not json", headers={**AUTH, "content-type": "application/json"}), 422)
-    # queue of one: one running, one waiting, the rest refused with Retry-After. Bursts of 8 until
-    # one collides (a burst whose requests all arrive one after the other's answer refuses none)
-    busy = []
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        for _ in range(20):
-            codes = list(pool.map(lambda _: httpx.post(url, json=_body(r), headers=AUTH, timeout=60), range(8)))
-            busy = [c for c in codes if c.status_code == 503]
-            if busy:
-                break
-    assert busy and {c.status_code for c in codes} <= {200, 503}
-    assert int(busy[0].headers["Retry-After"]) >= 1 and busy[0].json()["error"]["code"] == "queue_full"
-    error(httpx.post(servers["c"].url + "/v1/completions", json=_body(r), timeout=60), 504)
-    assert httpx.get(servers["c"].url + "/health").json()["status"] == "ok"  # still up
+    # C's scheduler is held (it takes no job until released) and its queue holds one request: the
+    # first request waits in the queue (an event /health reports), a second is refused with
+    # Retry-After (503), and the first, never run, ends at its --timeout of 1 s (504).
+    c = servers["c"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, c.url + "/v1/completions", json=_body(r), timeout=60)
+        _wait_for(lambda: httpx.get(c.url + "/health").json()["queue"]["depth"] == 1, "the first request to queue")
+        busy = httpx.post(c.url + "/v1/completions", json=_body(r), timeout=60)
+        assert error(busy, 503)["code"] == "queue_full" and int(busy.headers["Retry-After"]) >= 1
+        assert error(held.result(), 504)["code"] == "timeout"
+    c.release()
+    _wait_for(lambda: httpx.get(c.url + "/health").json()["queue"]["depth"] == 0, "the released scheduler to run")
+    assert httpx.get(c.url + "/health").json()["status"] == "ok"  # still up
 
 
 def test_models_health_operating_point_and_metrics(servers):
@@ -282,9 +300,7 @@ def test_shadows_land_in_the_store(servers):
     import sqlite3
 
     a = servers["a"]
-    deadline = time.monotonic() + 30
-    while httpx.get(a.url + "/health").json()["monitor"]["all"]["pending"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _wait_for(lambda: not httpx.get(a.url + "/health").json()["monitor"]["all"]["pending"], "every shadow to be scored")
     health = httpx.get(a.url + "/health").json()
     assert health["shadows"]["scored"] >= 3 and health["monitor"]["all"]["pending"] == 0
     with sqlite3.connect(a.store / "records.sqlite") as db:  # WAL: the live server's rows are readable

@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -351,58 +350,71 @@ def _pair(rid: str, task: str | None, policy: str, kv: float, loss: float = 0.0)
 
 CHILD = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, signal, sys
     from pathlib import Path
     from certkv.calibration.store import CalibrationStore
     from certkv.core.operating_point import OperatingPoint
     from certkv.serve.shadow_store import ShadowStore
-    from tests.test_shadow import _pair
+    from tests.serve.test_shadow import _pair
 
     folder, op = Path(sys.argv[1]), OperatingPoint.model_validate_json(sys.argv[2])
-    insert = CalibrationStore._insert
+    at, nth = sys.argv[3], int(sys.argv[4])  # SIGKILL after this run's nth "row" inserted or "write" committed
+    insert, rows = CalibrationStore._insert, [0]
 
-    def slow_insert(self, sql, values):  # widen the in-transaction window so kills land inside it
+    def insert_then_hook(self, sql, values):  # a shadow is two rows in one transaction
         insert(self, sql, values)
-        time.sleep(0.01)
+        rows[0] += 1
+        if at == "row" and rows[0] == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    CalibrationStore._insert = slow_insert
+    CalibrationStore._insert = insert_then_hook
     store = ShadowStore(folder, op)
     start = store.count()
     print("ready", start, flush=True)
     for i in range(start, 10_000):
         store.write(_pair("live-%05d" % i, "t", "snapkv@0.30", 0.3, loss=float(i % 3 == 0)))
+        if at == "write" and i - start + 1 == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
         print("wrote", i, flush=True)
     """
 )
+# (hook, nth) per run: a row inserted is inside a transaction (the 5th: a shadow's first row; the
+# 8th: its last, before COMMIT), a write returned is between two.
+KILLS = [("row", 5), ("write", 3), ("row", 8), ("write", 2)]
+
+
+def _stored_shadows(folder: Path) -> int:
+    if not (folder / "records.sqlite").is_file():
+        return 0
+    with sqlite3.connect(folder / "records.sqlite") as conn:
+        return conn.execute("SELECT COUNT(DISTINCT request_id) FROM records").fetchone()[0]
 
 
 def test_the_shadow_store_survives_sigkill(tmp_path):
-    """Kill a writer at random instants: reopened, the store holds whole shadows only, at least
-    every shadow the writer reported written, and it still exports and certifies."""
-    import random
-
+    """Kill a writer at hooks inside and between its transactions: reopened, the store holds whole
+    shadows only, at least every shadow the writer reported written, and it still exports and
+    certifies."""
     from certkv.serve.shadow_store import ShadowStore
 
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     op = _operating_point()
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    rng = random.Random(18)
     reported = -1
-    for _ in range(4):
-        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "s"), op.model_dump_json()],
+    for at, nth in KILLS:
+        before = _stored_shadows(tmp_path / "s")
+        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "s"), op.model_dump_json(), at, str(nth)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
         line = proc.stdout.readline()
         if not line.startswith("ready"):
             proc.wait(timeout=30)
             pytest.fail(f"child failed: {proc.stderr.read()}")
         assert int(line.split()[1]) >= reported + 1
-        seen = [proc.stdout.readline() for _ in range(2)]  # two more shadows committed (an event) ...
-        assert all(x.startswith("wrote") for x in seen), proc.stderr.read()
-        time.sleep(rng.uniform(0.0, 0.25))  # ... then a kill at a random instant
-        os.kill(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
-        written = [int(x.split()[1]) for x in [*seen, *out.splitlines()] if x.startswith("wrote")]
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, err
+        # killed at its nth row: the shadows before that row's are committed; after its nth write: n
+        assert _stored_shadows(tmp_path / "s") == before + ((nth - 1) // 2 if at == "row" else nth), (at, nth)
+        written = [int(x.split()[1]) for x in out.splitlines() if x.startswith("wrote")]
         reported = max([reported, *written])
     conn = sqlite3.connect(tmp_path / "s" / "records.sqlite")
     by_request: dict[str, list[str]] = {}

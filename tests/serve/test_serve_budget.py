@@ -3,7 +3,8 @@
 The budget holds about two requests' prefill, so concurrent requests queue for KV, decode in one
 batch, and share it with their shadows (every evicted answer is shadowed); the answers must be the
 in-process runtime's, the KV in use never above the budget, a full queue a 503 with Retry-After,
-and a request that could never fit a 413 naming the budget.
+and a request that could never fit a 413 naming the budget. The server starts held at its test hook
+(its scheduler takes no job until released), so the queue fills as the test says, not by a race.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import concurrent.futures
 import httpx
 import pytest
 from scheduler_checks import budget_for
-from test_serve import _operating_point, _Server
+from test_serve import _operating_point, _Server, _wait_for
 
 from certkv.requests.request_set import generate_requests
 
@@ -31,7 +32,7 @@ def budgeted(tmp_path_factory, requests, embedded):
     runtime = CertifiedRuntime(*embedded, op)
     budget = budget_for(runtime, requests, share=2.2)
     server = _Server(tmp_path_factory.mktemp("budget"), op, "--kv-budget", str(budget), "--max-queue", "3",
-                     "--shadow-rate", "1.0", "--timeout", "120")
+                     "--shadow-rate", "1.0", "--timeout", "120", held=True)
     try:
         yield server.wait(), runtime, budget
     finally:
@@ -54,21 +55,36 @@ def test_concurrent_openai_requests_under_a_budget(budgeted, requests):
             return r.id, None, exc
 
     answered, refused = {}, []
-    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-        for burst in range(20):  # bursts (each in another order) until all are answered and one overflowed
-            turn = 5 * burst % len(requests)
-            for rid, out, exc in pool.map(ask, requests[turn:] + requests[:turn]):
-                if exc is None:
-                    answered[rid] = out
-                else:
-                    refused.append(exc)
-            if refused and len(answered) == len(requests):
-                break
-    assert len(answered) == len(requests), "every request was answered in some burst"
+
+    def note(results):
+        for rid, out, exc in results:
+            if exc is None:
+                answered[rid] = out
+            else:
+                refused.append(exc)
+
+    def depth():
+        return httpx.get(server.url + "/health", timeout=10).json()["queue"]["depth"]
+
+    # Held, the scheduler admits nothing: three requests fill the queue of 3 one by one (each seen in
+    # /health) and a fourth is refused. Released, the three are admitted under the budget and decode
+    # together; the rest go in groups of three at once, which a queue of 3 always takes whole.
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        queued = []
+        for k, r in enumerate(requests[:3], 1):
+            queued.append(pool.submit(ask, r))
+            _wait_for(lambda k=k: depth() == k, f"{k} requests to wait in the held queue")
+        note([ask(requests[3])])
+        server.release()
+        note(f.result() for f in queued)
+        rest = requests[3:]
+        for i in range(0, len(rest), 3):
+            note(pool.map(ask, rest[i : i + 3]))
+    assert len(answered) == len(requests), "every request was answered"
     for rid, out in answered.items():
         assert out.choices[0].text == expected[rid], rid
         assert out.model_extra["certkv"]["decision"]["mode"] == "evicted"
-    assert refused, "a burst of 16 against a queue of 3 and a budget of ~2 requests overflows"
+    assert len(refused) == 1, "the request beyond the held queue of 3, alone, is refused"
     assert {e.status_code for e in refused} == {503}
     assert all(e.body["code"] == "queue_full" and int(e.response.headers["Retry-After"]) >= 1 for e in refused)
 
@@ -87,6 +103,7 @@ def test_a_request_larger_than_the_budget_is_413(budgeted, requests):
     import openai
 
     server, _, budget = budgeted
+    server.release()  # started held: the scheduler must run (the first test released it already)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     long_context = " ".join([requests[0].context] * 8)  # ~2000 tokens: more than the whole budget
     with pytest.raises(openai.APIStatusError) as info:

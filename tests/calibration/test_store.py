@@ -1,7 +1,7 @@
 """The calibration store: contract binding, atomic per-request writes, crash safety, export.
 
-The crash test SIGKILLs a writer repeatedly at random instants (with each transaction slowed down
-so kills land inside it) and checks that the resumed result equals an uninterrupted run exactly.
+The crash test SIGKILLs a writer repeatedly at hooks inside and between its transactions and
+checks that the resumed result equals an uninterrupted run exactly.
 Fake rows only: no model is loaded.
 """
 
@@ -10,22 +10,19 @@ from __future__ import annotations
 import csv
 import json
 import os
-import random
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from certkv.calibration.store import COLUMNS, CalibrationStore, db_path
 from certkv.contract.loading import parse_contract
 from certkv.errors import CertkvError
-
-REPO = Path(__file__).resolve().parents[1]
 
 CONTRACT = {
     "name": "s",
@@ -211,22 +208,27 @@ def test_export_csv_and_jsonl(tmp_path, contract):
 
 CHILD = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, signal, sys
     from pathlib import Path
     from certkv.contract.loading import parse_contract
     from certkv.calibration.store import CalibrationStore
     {fake_rows}
-    store_dir, n, slow = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    contract = parse_contract(json.loads(sys.argv[4]), "test", store_dir.parent)
+    store_dir, n, at, nth = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    contract = parse_contract(json.loads(sys.argv[5]), "test", store_dir.parent)
 
-    class SlowStore(CalibrationStore):
-        def _insert(self, sql, values):  # widen the in-transaction window so kills land inside it
+    class HookedStore(CalibrationStore):
+        rows = 0
+
+        def _insert(self, sql, values):  # SIGKILL at this run's nth row: inside its transaction
             super()._insert(sql, values)
-            time.sleep(slow)
+            HookedStore.rows += 1
+            if at == "row" and HookedStore.rows == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
 
-    store = SlowStore.open(store_dir, contract)
+    store = HookedStore.open(store_dir, contract)
     done = store.done_request_ids()
     print("ready", len(done), flush=True)
+    writes = 0
     for i in range(n):
         rid = "req-%04d" % i
         if rid in done:
@@ -235,16 +237,19 @@ CHILD = textwrap.dedent(
             store.write_skipped(rid, "skipped %d" % i)
         else:
             store.write_request(rid, fake_rows(contract, i))
+        writes += 1
+        if at == "write" and writes == nth:  # SIGKILL after this run's nth commit: between two
+            os.kill(os.getpid(), signal.SIGKILL)
         print("wrote", rid, flush=True)
     print("finished", flush=True)
     """
 ).replace("{fake_rows}", FAKE_ROWS)
 
 
-def _run_child(script: Path, store_dir: Path, n: int, slow: float) -> subprocess.Popen:
+def _run_child(script: Path, store_dir: Path, n: int, at: str = "never", nth: int = 0) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen(
-        [sys.executable, str(script), str(store_dir), str(n), str(slow), json.dumps(CONTRACT)],
+        [sys.executable, str(script), str(store_dir), str(n), at, str(nth), json.dumps(CONTRACT)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -264,40 +269,33 @@ def _check_complete(store_dir: Path, contract) -> None:
         assert sorted(policies) == expected, rid
 
 
-def test_sigkill_at_random_points_then_resume_equals_uninterrupted_run(tmp_path):
-    n, slow = 40, 0.004
+# (hook, nth) per killed run, each resuming the last: a request is 5 rows, so the 3rd row is inside
+# the first transaction and the 10th the second's last row before its COMMIT; "write" kills between.
+KILLS = [("row", 3), ("write", 2), ("row", 10), ("write", 5), ("row", 1)]
+
+
+def test_sigkill_at_hooks_then_resume_equals_uninterrupted_run(tmp_path):
+    n = 40
     contract = make_contract(tmp_path)
     script = tmp_path / "child.py"
     script.write_text(CHILD)
 
-    reference = _run_child(script, tmp_path / "reference", n, 0.0)
+    reference = _run_child(script, tmp_path / "reference", n)
     out, err = reference.communicate(timeout=120)
     assert reference.returncode == 0, err
     assert "finished" in out
 
-    rng = random.Random(1234)
-    kills, finished = 0, False
-    for _ in range(80):
-        proc = _run_child(script, tmp_path / "killed", n, slow)
-        line = proc.stdout.readline()  # "ready": the store is open, writes are starting
-        if not line.startswith("ready"):
-            proc.wait(timeout=60)
-            pytest.fail(f"child failed: {proc.stderr.read()}")
-        # Each run commits one more request (an event, however slow the machine), then is killed
-        # a random instant later: inside a later transaction or between two, or not at all.
-        proc.stdout.readline()
-        time.sleep(rng.uniform(0.0, 0.12))
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            kills += 1
-        proc.wait(timeout=60)
-        proc.stdout.close()
-        proc.stderr.close()
+    kills = 0
+    for at, nth in KILLS:
+        proc = _run_child(script, tmp_path / "killed", n, at, nth)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL and out.startswith("ready"), err
+        kills += 1
         _check_complete(tmp_path / "killed", contract)
-        if proc.returncode == 0:
-            finished = True
-            break
-    assert finished, "the writer never finished"
+    proc = _run_child(script, tmp_path / "killed", n)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "finished" in out, "the writer never finished: " + err
+    _check_complete(tmp_path / "killed", contract)
     assert kills >= 3, f"only {kills} kills landed; the test did not exercise crashes"
 
     with CalibrationStore.read(tmp_path / "reference") as ref, CalibrationStore.read(tmp_path / "killed") as got:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
+import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO, run_cli
 
-N_REQUESTS = 30  # enough that a kill soon after a commit lands mid-run on a fast machine
+N_REQUESTS = 30
 
 CONTRACT = {
     "name": "killtest",
@@ -57,21 +56,59 @@ def _records(folder: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (r["request_id"], r["policy"])), skipped
 
 
-def _stored_requests(folder: Path) -> int:
-    """Requests committed to the store so far (0 before it exists); read-only, safe while a run writes."""
+def _stored_requests(folder: Path) -> tuple[int, int]:
+    """(requests, skipped requests) committed to the store so far; (0, 0) before it exists."""
     from certkv.calibration.store import CalibrationStore, db_path
 
     if not db_path(folder / "store").is_file():
-        return 0
-    try:
-        with CalibrationStore.read(folder / "store") as store:
-            return store.request_count() + len(store.skipped())
-    except Exception:  # noqa: BLE001 - the very first open may still be creating the tables
-        return 0
+        return 0, 0
+    with CalibrationStore.read(folder / "store") as store:
+        return store.request_count(), len(store.skipped())
 
 
 def _env():
     return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+# `certkv calibrate CONTRACT --quiet`, as `python -m certkv.cli.app` runs it, but SIGKILLed (no
+# handler runs, no cleanup: a power cut) at a hook of the store's writing code, for the `nth`
+# request this run writes: "before" (the request computed, its transaction not begun), "inside"
+# (after the transaction's third row, uncommitted) or "after" (its COMMIT returned). The hooks wrap
+# the store's own methods, which run unchanged; the kill lands mid-run by construction.
+KILLED_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from certkv.calibration.store import CalibrationStore
+    from certkv.cli.app import main
+
+    when, nth, contract = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    write_request, insert = CalibrationStore.write_request, CalibrationStore._insert
+    count = {"writes": 0, "rows": 0}
+
+    def kill(at):
+        if count["writes"] == nth and when == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def hooked_write_request(self, request_id, rows):
+        count["writes"] += 1
+        count["rows"] = 0
+        kill("before")
+        write_request(self, request_id, rows)
+        kill("after")
+
+    def hooked_insert(self, sql, values):
+        insert(self, sql, values)
+        count["rows"] += 1
+        if count["rows"] == 3:
+            kill("inside")
+
+    CalibrationStore.write_request, CalibrationStore._insert = hooked_write_request, hooked_insert
+    sys.argv = ["certkv", "calibrate", contract, "--quiet"]
+    main()
+    """
+)
+# (hook, nth request of the run): a run resumes from what the runs before it left.
+KILLS = [("after", 2), ("inside", 2), ("before", 2), ("inside", 1)]
 
 
 def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
@@ -85,23 +122,19 @@ def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path, mon
     assert len({r["request_id"] for r in expected}) == N_REQUESTS and len(expected) == N_REQUESTS * 5
 
     killed = _setup(tmp_path / "killed")
+    script = tmp_path / "killed_child.py"
+    script.write_text(KILLED_CHILD)
     mid_run_kills = 0
-    for attempt in range(20):
-        if _stored_requests(tmp_path / "killed") >= N_REQUESTS or mid_run_kills >= 3:
-            break
-        before = _stored_requests(tmp_path / "killed")
-        proc = subprocess.Popen([sys.executable, "-m", "certkv.cli.app", "calibrate", str(killed), "--quiet"],
-                                cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        # Kill once this run has stored at least one more request, at a random instant after that.
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and _stored_requests(tmp_path / "killed") <= before and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(random.Random(attempt).uniform(0.0, 0.05))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            if 0 < _stored_requests(tmp_path / "killed") < N_REQUESTS:
-                mid_run_kills += 1
-        proc.wait()
+    for when, nth in KILLS:
+        before, _ = _stored_requests(tmp_path / "killed")
+        proc = subprocess.run([sys.executable, str(script), when, str(nth), str(killed)], cwd=REPO, env=_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+        assert proc.returncode == -signal.SIGKILL, (when, nth, proc.returncode, proc.stderr[-2000:])
+        stored, skipped = _stored_requests(tmp_path / "killed")
+        # the request killed before or inside its transaction is not stored; the one killed after is
+        assert stored == before + nth - (when != "after"), (when, nth, before, stored)
+        if 0 < stored + skipped < N_REQUESTS:
+            mid_run_kills += 1
     final = run_cli("calibrate", str(killed), "--quiet")
     assert final.returncode == 0, final.stderr
     got, got_skipped = _records(tmp_path / "killed")
