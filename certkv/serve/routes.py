@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from certkv.errors import CertkvError
@@ -82,62 +83,81 @@ async def _outcome(future: Future[Served]) -> Served:
     return future.result()
 
 
-def build_router(service: Service, *, model_id: str, operating_point_path: str | None, timeout: float,
-                 shadow_store_path: str | None, in_flight: InFlight) -> APIRouter:
-    """The routes around `service` (see the module docstring)."""
-    from fastapi import APIRouter
-    from fastapi.responses import Response, StreamingResponse
+@dataclass
+class _Routes:
+    """What the routes of one server share: the service, the names and paths they report, the per-request
+    `timeout` (``--timeout``) and the server's start time (for /v1/models and /health's uptime)."""
 
-    from certkv.serve.service import BudgetExceeded, QueueFull, Stopping
+    service: Service
+    model_id: str
+    operating_point_path: str | None
+    timeout: float
+    shadow_store_path: str | None
+    in_flight: InFlight
+    started_at: float
 
-    router = APIRouter()
-    metrics = service.metrics
-    op = service.runtime.operating_point
-    started_at = time.time()
-
-    def fail(route: str, status: int, message: str, type_: str, param=None, code=None, headers=None):
-        metrics.errors.labels(route, str(status)).inc()
+    def fail(self, route: str, status: int, message: str, type_: str, param=None, code=None, headers=None):
+        """An OpenAI-shaped error with `status`, counted in the error metric under `route`."""
+        self.service.metrics.errors.labels(route, str(status)).inc()
         return json_response(status, ErrorResponse.of(message, type_, param, code), headers)
 
-    async def answer(route: str, req: CompletionRequest | ChatCompletionRequest, chat: bool):
-        if req.model is not None and req.model != model_id:
-            return fail(route, 404, f"model {req.model!r} is not served here; this server serves {model_id!r}",
-                        "invalid_request_error", "model", "model_not_found")
+    def refusal(self, route: str, req: CompletionRequest | ChatCompletionRequest):
+        """The error for what the schemas cannot check (another model, a prompt that does not split,
+        ``max_tokens`` other than the certified length), or ``(context, question)`` when there is none."""
+        if req.model is not None and req.model != self.model_id:
+            return self.fail(route, 404, f"model {req.model!r} is not served here; this server serves "
+                             f"{self.model_id!r}", "invalid_request_error", "model", "model_not_found")
         try:
             context, question = req.split()
         except SplitError as exc:
-            return fail(route, 422, str(exc), "invalid_request_error", exc.param, "unsplittable_prompt")
-        max_new = service.runtime.max_new_tokens
+            return self.fail(route, 422, str(exc), "invalid_request_error", exc.param, "unsplittable_prompt")
+        max_new = self.service.runtime.max_new_tokens
         if req.max_tokens is not None and req.max_tokens != max_new:
-            return fail(route, 422, f"max_tokens: the operating point is certified for answers of {max_new} tokens; "
-                        "omit max_tokens or pass that", "invalid_request_error", "max_tokens", "invalid_value")
+            return self.fail(route, 422, f"max_tokens: the operating point is certified for answers of {max_new} "
+                             "tokens; omit max_tokens or pass that", "invalid_request_error", "max_tokens",
+                             "invalid_value")
+        return context, question
+
+    async def answer(self, route: str, req: CompletionRequest | ChatCompletionRequest, chat: bool):
+        """Validate `req`, queue it, wait for it (at most `timeout` seconds) and answer it, or the error."""
+        from certkv.serve.service import BudgetExceeded, QueueFull, Stopping
+
+        split = self.refusal(route, req)
+        if not isinstance(split, tuple):
+            return split
+        context, question = split
+        service = self.service
         try:
             future = service.submit(context, question, req.stratum, req.reference_answers(), req.answer_prefix)
         except QueueFull:
-            return fail(route, 503, f"the queue is full ({service.max_queue} requests waiting); retry later",
-                        "server_error", None, "queue_full", {"Retry-After": str(service.retry_after())})
+            return self.fail(route, 503, f"the queue is full ({service.max_queue} requests waiting); retry later",
+                             "server_error", None, "queue_full", {"Retry-After": str(service.retry_after())})
         except Stopping:
-            return fail(route, 503, "the server is shutting down", "server_error", None, "shutting_down",
-                        {"Retry-After": "5"})
+            return self.fail(route, 503, "the server is shutting down", "server_error", None, "shutting_down",
+                             {"Retry-After": "5"})
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(self.timeout):
                 served = await _outcome(future)
         except TimeoutError:
             future.cancel()  # still queued: never run; running: its answer is discarded
-            return fail(route, 504, f"the request took longer than the {timeout:g} s timeout (--timeout)",
-                        "server_error", None, "timeout")
+            return self.fail(route, 504, f"the request took longer than the {self.timeout:g} s timeout (--timeout)",
+                             "server_error", None, "timeout")
         except BudgetExceeded as exc:
-            return fail(route, 413, str(exc), "invalid_request_error", None, "kv_budget_exceeded")
+            return self.fail(route, 413, str(exc), "invalid_request_error", None, "kv_budget_exceeded")
         except CertkvError as exc:
-            return fail(route, 400, str(exc), "invalid_request_error", None, "refused")
+            return self.fail(route, 400, str(exc), "invalid_request_error", None, "refused")
         except Exception as exc:  # noqa: BLE001
             log.exception("certkv serve: request failed")
-            return fail(route, 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None,
-                        "internal_error")
-        metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
-        return respond(served, chat, req.stream)
+            return self.fail(route, 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None,
+                             "internal_error")
+        service.metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
+        return self.respond(served, chat, req.stream)
 
-    def respond(served: Served, chat: bool, stream: bool):
+    def respond(self, served: Served, chat: bool, stream: bool):
+        """`served` as a (chat) completion: one JSON body, or server-sent events when `stream`."""
+        from fastapi.responses import StreamingResponse
+
+        model_id = self.model_id
         answer_id, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
         text = served.answer.answer
         n_out = len(served.answer.token_ids)
@@ -147,7 +167,7 @@ def build_router(service: Service, *, model_id: str, operating_point_path: str |
                           stream=served.stream, monitor=served.monitor, shadowed=served.shadowed,
                           seconds=served.answer.seconds)
         if stream:
-            pieces = token_pieces(service.runtime.tokenizer, served.answer.token_ids, text)
+            pieces = token_pieces(self.service.runtime.tokenizer, served.answer.token_ids, text)
             events = sse_events(answer_id, created, model_id, pieces, chat=chat, finish_reason=served.finish_reason,
                                 usage=usage, certkv=info)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -161,17 +181,51 @@ def build_router(service: Service, *, model_id: str, operating_point_path: str |
                                       choices=[CompletionChoice(text=text, finish_reason=served.finish_reason)])
         return json_response(200, body)
 
+    def health(self) -> HealthResponse:
+        """The body of /health: status, operating point, queue, KV budget, shadows and the monitor."""
+        service, op = self.service, self.service.runtime.operating_point
+        snap = service.monitor.snapshot()
+        tripped = [s for s, v in snap.items() if v["tripped"]]
+        scheduler = service.scheduler
+        return HealthResponse(
+            status="stopping" if service.stopping else ("tripped" if tripped else "ok"),
+            model=self.model_id,
+            operating_point=PointSummary(
+                path=self.operating_point_path, policy=op.policy, press=op.press, kv_retained=op.kv_retained,
+                fallback=op.fallback, stratified=op.is_stratified, risk=op.contract.risk,
+                confidence=op.contract.confidence, tolerance=op.contract.tolerance, utility=op.contract.utility,
+                query_aware=op.query_aware),
+            queue=QueueState(depth=service.queue_depth(), max=service.max_queue, shadow_pending=service.shadow_depth()),
+            in_flight=self.in_flight.count,
+            kv=KVState(budget=service.kv_budget, in_use=scheduler.kv_in_use, peak=scheduler.peak_kv,
+                       requests_in_flight=scheduler.in_flight(), admissions_waiting=scheduler.waiting(),
+                       decode_steps=scheduler.steps, max_batch=scheduler.peak_rows),
+            shadow_rate=service.monitor.shadow_rate, shadow_store=self.shadow_store_path,
+            shadows=ShadowCounts(scored=service.shadows_done, abandoned=service.abandoned),
+            monitor=snap, tripped=tripped, uptime_s=round(time.time() - self.started_at, 3))
+
+
+def build_router(service: Service, *, model_id: str, operating_point_path: str | None, timeout: float,
+                 shadow_store_path: str | None, in_flight: InFlight) -> APIRouter:
+    """The routes around `service` (see the module docstring); what they share is one :class:`_Routes`."""
+    from fastapi import APIRouter
+    from fastapi.responses import Response
+
+    routes = _Routes(service, model_id, operating_point_path, timeout, shadow_store_path, in_flight, time.time())
+    router = APIRouter()
+    op = service.runtime.operating_point
+
     @router.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest):
-        return await answer("/v1/completions", req, chat=False)
+        return await routes.answer("/v1/completions", req, chat=False)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(req: ChatCompletionRequest):
-        return await answer("/v1/chat/completions", req, chat=True)
+        return await routes.answer("/v1/chat/completions", req, chat=True)
 
     @router.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_id, created=int(started_at), certkv={"policy": op.policy})])
+        return ModelList(data=[ModelCard(id=model_id, created=int(routes.started_at), certkv={"policy": op.policy})])
 
     @router.get("/v1/operating-point")
     async def operating_point():
@@ -179,29 +233,11 @@ def build_router(service: Service, *, model_id: str, operating_point_path: str |
 
     @router.get("/health")
     async def health() -> HealthResponse:
-        snap = service.monitor.snapshot()
-        tripped = [s for s, v in snap.items() if v["tripped"]]
-        scheduler = service.scheduler
-        return HealthResponse(
-            status="stopping" if service.stopping else ("tripped" if tripped else "ok"),
-            model=model_id,
-            operating_point=PointSummary(
-                path=operating_point_path, policy=op.policy, press=op.press, kv_retained=op.kv_retained,
-                fallback=op.fallback, stratified=op.is_stratified, risk=op.contract.risk,
-                confidence=op.contract.confidence, tolerance=op.contract.tolerance, utility=op.contract.utility,
-                query_aware=op.query_aware),
-            queue=QueueState(depth=service.queue_depth(), max=service.max_queue, shadow_pending=service.shadow_depth()),
-            in_flight=in_flight.count,
-            kv=KVState(budget=service.kv_budget, in_use=scheduler.kv_in_use, peak=scheduler.peak_kv,
-                       requests_in_flight=scheduler.in_flight(), admissions_waiting=scheduler.waiting(),
-                       decode_steps=scheduler.steps, max_batch=scheduler.peak_rows),
-            shadow_rate=service.monitor.shadow_rate, shadow_store=shadow_store_path,
-            shadows=ShadowCounts(scored=service.shadows_done, abandoned=service.abandoned),
-            monitor=snap, tripped=tripped, uptime_s=round(time.time() - started_at, 3))
+        return routes.health()
 
     @router.get("/metrics")
     async def prometheus():
-        body, ctype = metrics.render(service)
+        body, ctype = service.metrics.render(service)
         return Response(body, media_type=ctype)
 
     return router
