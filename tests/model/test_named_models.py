@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -189,19 +190,58 @@ def test_the_converted_folder_is_smollm2(smollm2):
     assert tokenizer("Hello world")["input_ids"] == [19556, 905]
 
 
+#: What the resolve under watch does to the file system, from Python's audit events: ``(event, path,
+#: writes)`` for each file opened (`writes`: opened to write, create or truncate) and each file or
+#: folder made, renamed, removed or chmod-ed; None while nothing is watched.
+_touched: list[tuple[str, str, bool]] | None = None
+_audit_added = False
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_CHANGES = frozenset({"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree", "os.chmod"})
+
+
+def _record(event: str, args: tuple) -> None:
+    if _touched is None:
+        return
+    if event == "open":  # (path or fd, mode or None, the os.open flags)
+        _touched.append((event, str(args[0]), bool(args[2] & _WRITE_FLAGS)))
+    elif event in _CHANGES:
+        _touched.append((event, str(args[0]), True))
+
+
+def _stamps(root: Path) -> dict[str, tuple[int, int, int]]:
+    """(inode, mtime_ns, size) of everything under `root`: a rewrite, an atomic one included, changes them."""
+    return {str(p.relative_to(root)): (s.st_ino, s.st_mtime_ns, s.st_size)
+            for p in sorted(root.rglob("*")) for s in [p.stat()]}
+
+
 @real
 def test_a_second_resolve_reuses_the_folder(smollm2, monkeypatch):
+    global _touched, _audit_added
     folder, _ = smollm2
-    monkeypatch.setenv("CERTKV_CACHE", str(folder.parents[1]))
-    marker = (folder / MARKER).stat().st_mtime_ns
+    cache = folder.parents[1]
+    monkeypatch.setenv("CERTKV_CACHE", str(cache))
+    gguf = named_models.gguf_file("smollm2-135m")
+    before = _stamps(cache)
 
     def refuse(path: Path, out: Path) -> None:
         raise AssertionError("converted again")
 
     monkeypatch.setattr(named_models, "_write_folder", refuse)
-    started = time.monotonic()
-    assert converted_folder("smollm2-135m") == folder
-    assert time.monotonic() - started < 1.0 and (folder / MARKER).stat().st_mtime_ns == marker
+    if not _audit_added:  # an audit hook stays for the whole process: add it once, it records only while watched
+        sys.addaudithook(_record)
+        _audit_added = True
+    _touched = []
+    try:
+        assert converted_folder("smollm2-135m") == folder
+        touched = list(_touched)
+    finally:
+        _touched = None
+    # not hashed again (the GGUF is never opened) and not converted again (nothing written, made, renamed
+    # or removed): it reads the remembered sha256 and the marker, and everything in the cache is as it was
+    opened = {path for event, path, _ in touched if event == "open"}
+    assert not [entry for entry in touched if entry[2]] and str(gguf) not in opened
+    assert str(folder / MARKER) in opened and any(path.startswith(str(cache / "gguf-index")) for path in opened)
+    assert _stamps(cache) == before
 
 
 @real
