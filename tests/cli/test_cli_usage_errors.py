@@ -3,7 +3,8 @@
 typer >= 0.26 raises the exceptions of its own copy of click (``typer._click``), older typer those
 of the ``click`` package; `certkv.cli.app.main` must catch whichever the running typer raises
 (issue 20: a mistyped option printed a 30-line traceback and exited 1). Everything here runs the
-console script a user runs, in a fresh process, against the typer that is installed.
+console script a user runs (the interrupted calibration runs what it runs, ``sys.exit(main())``,
+with a hook that signals it), in a fresh process, against the typer that is installed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -97,12 +98,41 @@ def _stored_requests(store: Path) -> int:
         conn.close()
 
 
+# `certkv calibrate CONTRACT --quiet` as the console script runs it (``sys.exit(main())``), but the
+# process signals itself (SIGINT as Ctrl-C sends it, or SIGTERM) at a hook of the store's writing
+# code: right after the `nth` request's transaction has committed. The hook wraps the store's own
+# method, which runs unchanged; the signal lands mid-run, after exactly `nth` stored requests.
+SIGNALLED_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    from certkv.calibration.store import CalibrationStore
+    from certkv.cli.app import main
+
+    signum, nth, contract = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    write_request = CalibrationStore.write_request
+    writes = 0
+
+    def hooked_write_request(self, request_id, rows):
+        global writes
+        write_request(self, request_id, rows)
+        writes += 1
+        if writes == nth:
+            os.kill(os.getpid(), signum)
+
+    CalibrationStore.write_request = hooked_write_request
+    sys.argv = ["certkv", "calibrate", contract, "--quiet"]
+    sys.exit(main())
+    """
+)
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_ctrl_c_or_sigterm_during_calibration_exits_130_or_143_and_keeps_the_store(tmp_path, signum, code):
     """SIGINT (SIGTERM) mid-calibration: exit 130 (143), one line saying the store is kept, no
     traceback, and the requests stored before the signal are still there (under typer >= 0.26 a
     KeyboardInterrupt became a silent exit code; certkv's own line must survive every typer).
-    tests/e2e/test_interrupts.py interrupts a run at many chosen instants; this is the real process."""
+    tests/e2e/test_interrupts.py interrupts a run at many chosen instants; this is the real process,
+    signalled once its second request is stored (SIGNALLED_CHILD)."""
     contract = tmp_path / "c.yaml"
     contract.write_text(
         "name: c\nmodel: embedded\nrequests:\n  source: builtin:demo\n  context_length: 256-512\n  limit: 400\n"
@@ -110,24 +140,15 @@ def test_ctrl_c_or_sigterm_during_calibration_exits_130_or_143_and_keeps_the_sto
         "policies:\n  - press: snapkv\n    kv_retained: [0.9, 0.7, 0.5, 0.3, 0.1]\n"
         "  - press: knorm\n    kv_retained: [0.9, 0.7, 0.5, 0.3, 0.1]\n"
     )
-    proc = subprocess.Popen([*CERTKV, "calibrate", str(contract), "--quiet"], cwd=tmp_path, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    script = tmp_path / "signalled_child.py"
+    script.write_text(SIGNALLED_CHILD)
     store = tmp_path / "runs" / "c"
-    try:
-        deadline = time.monotonic() + 180
-        while _stored_requests(store) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert proc.poll() is None, "calibration ended before it could be interrupted"
-        assert _stored_requests(store) >= 2, "no request stored within 180 s"
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == code, (proc.returncode, err)
+    res = subprocess.run([sys.executable, str(script), str(int(signum)), "2", str(contract)], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True, timeout=600)
+    err = res.stderr
+    assert res.returncode == code, (res.returncode, err)
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines and "interrupted; everything stored so far is kept" in lines[-1], err
     stored = _stored_requests(store)
-    assert 2 <= stored < 400, stored
+    assert stored == 2, stored  # the two committed before the signal (of 400), none after it
