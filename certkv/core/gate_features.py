@@ -17,19 +17,20 @@ Feature groups (the contract's ``gate.learned.features``) are declared with thei
 * ``context_length`` → ``log_context_tokens``: log of the request's context length in tokens.
 
 A gate that reads ``confidence_min`` or ``logprob_mean`` can only decide after the evicted
-decode (:func:`is_post_decode`); the others decide while the full cache still exists.
+decode (:attr:`certkv.core.gate.GateSettings.post_decode`); the others decide while the full cache still exists.
 
-Torch-free: numpy only.
+Torch-free: numpy and pydantic.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from certkv.core.signals import FEATURE_GROUPS, SIGNALS, Signal, feature_signal, group_signals
-from certkv.core.spec import GateSettings, LearnedGate
 from certkv.errors import CertkvError
 
 #: The groups a learned gate reads unless the contract lists its own.
@@ -38,6 +39,39 @@ DEFAULT_FEATURES = ("lookahead", "confidence", "context_length")
 POST_DECODE_FEATURES = frozenset(
     s.feature_name for s in SIGNALS if s.feature_group is not None and s.kind == "scalar" and s.phase == "post_decode"
 )
+
+
+class LearnedGate(BaseModel):
+    """A fitted logistic-regression gate (scikit-learn ``LogisticRegression`` on
+    ``StandardScaler``-ed features, fit on the pilot rows of one base candidate, label loss > τ).
+
+    ``features`` are expanded names (:func:`certkv.core.gate_features.expand_features`:
+    ``lookahead[0]`` .. ``lookahead[F-1]``, ``confidence_min``, ``logprob_mean``,
+    ``agreement_drop``, ``log_context_tokens``); ``mean``/``scale`` the scaler's, ``coef`` and
+    ``intercept`` the model's, so that the score is
+    ``1 / (1 + exp(-(intercept + Σ coef_i (x_i − mean_i) / scale_i)))``
+    (:func:`certkv.core.gate_features.learned_score`), on any machine, without scikit-learn.
+    A pilot with one class only gives the constant model (coef 0), which gates nothing.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    features: list[str] = Field(min_length=1)
+    mean: list[float]
+    scale: list[float]
+    coef: list[float]
+    intercept: float
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> LearnedGate:
+        n = len(self.features)
+        if not len(self.mean) == len(self.scale) == len(self.coef) == n:
+            raise ValueError(
+                f"learned gate: features, mean, scale and coef must have one value per feature ({n}), "
+                f"got {len(self.mean)}, {len(self.scale)}, {len(self.coef)}"
+            )
+        if any(not math.isfinite(x) or x <= 0 for x in self.scale):
+            raise ValueError("learned gate: every scale must be a positive finite number")
+        return self
 
 
 def expand_features(groups: Sequence[str], n_heads: int | None = None) -> list[str]:
@@ -162,32 +196,14 @@ def learned_score(model: LearnedGate, signals: Mapping) -> float:
     return float(learned_scores(model, feature_vector(signals, model.features)[None, :])[0])
 
 
-def is_post_decode(settings: GateSettings) -> bool:
-    """Whether the gate can only decide after the evicted decode: a confidence or certificate
-    bound, or a learned model that reads a confidence feature. Such a gate escalates: the full
-    answer is computed again from the full cache."""
-    if settings.confidence is not None or settings.certificate is not None:
-        return True
-    return settings.learned is not None and any(f in POST_DECODE_FEATURES for f in settings.learned.features)
-
-
-def is_pre_decode(settings: GateSettings) -> bool:
-    """Whether some part of the gate decides before the evicted decode (agreement drop,
-    lookahead, a learned model without confidence features)."""
-    if settings.agreement_drop is not None or settings.lookahead is not None:
-        return True
-    return settings.learned is not None and not is_post_decode(settings)
-
-
 __all__ = [
     "DEFAULT_FEATURES",
     "FEATURE_GROUPS",
+    "LearnedGate",
     "POST_DECODE_FEATURES",
     "expand_features",
     "feature_matrix",
     "feature_vector",
-    "is_post_decode",
-    "is_pre_decode",
     "learned_score",
     "learned_scores",
     "needed_signals",
