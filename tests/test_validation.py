@@ -193,6 +193,14 @@ def test_validate_input_errors(kwargs, match):
         validate(LossTable.from_records(rows), spec_for(rows), **kwargs)
 
 
+def test_validate_takes_a_table_and_a_spec_only():
+    rows = loss_rows(n=20)
+    with pytest.raises(CertkvError, match="records must be a LossTable"):
+        validate(rows, spec_for(rows))
+    with pytest.raises(CertkvError, match="spec must be a CertificationSpec"):
+        validate(LossTable.from_records(rows), spec_for(rows).model_dump())
+
+
 # ----------------------------------------------------------------------------- stratified validate()
 
 #: Known violation rates per stratum of four nested candidates (snapkv@0.80 … @0.20): "easy" supports

@@ -149,7 +149,7 @@ def certify(
 
     References
     ----------
-    .. [1] Angelopoulos et al., "Learn then Test: Calibrating Predictive Algorithms to Achieve Risk Control", 2021.
+    .. [1] Angelopoulos et al., "Learn then Test: Calibrating Predictive Algorithms to Achieve Risk Control", arXiv:2110.01052.
     .. [2] Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 6, 1979.
     .. [3] Wiens, "A fixed sequence Bonferroni procedure for testing multiple endpoints", Pharm. Stat. 2, 2003.
     .. [4] Clopper and Pearson, "The use of confidence or fiducial limits ...", Biometrika 26, 1934.
@@ -169,7 +169,7 @@ def certify(
     >>> [(s.tested, s.stopped_policy) for s in op.sequences]  # the sequence stopped at the failing one
     [(2, 'snapkv@0.30')]
     """
-    _check_inputs(table, spec)
+    check_inputs(table, spec)
     if records_sha256 is None:  # the recorded evidence (pilot included): derived gated rows are not part of it
         records_sha256 = _records_sha256(table)
     if spec.strata is not None:
@@ -177,8 +177,9 @@ def certify(
     return certify_pooled(table, spec, contract_sha256=contract_sha256, records_sha256=records_sha256)
 
 
-def _check_inputs(table: LossTable, spec: CertificationSpec) -> None:
-    """One-line errors for a table or spec of another type (a path, rows, a dict, a contract)."""
+def check_inputs(table: LossTable, spec: CertificationSpec) -> None:
+    """One-line errors for a table or spec of another type (a path, rows, a dict, a contract):
+    :func:`certify` and validation take exactly a LossTable and a CertificationSpec."""
     if not isinstance(table, LossTable):
         raise CertkvError(
             f"records must be a LossTable, got {type(table).__name__}; read a file with certkv.read_loss_table(path) "
@@ -591,6 +592,7 @@ __all__ = [
     "certify",
     "certify_pooled",
     "certify_stratified",
+    "check_inputs",
     "decide",
     "full_cache_point",
     "guarantee_sentence",

@@ -44,7 +44,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
-from certkv.core.certify import candidate_rows, decide, prepare, select_candidates
+from certkv.core.certify import candidate_rows, check_inputs, decide, prepare, select_candidates
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import ContractSummary
 from certkv.core.pilot import PilotInfo, pilot_size
@@ -201,6 +201,7 @@ def validate(
     >>> result.methods["certkv"].chosen
     {'p@0.50': 20}
     """
+    check_inputs(table, spec)
     n_splits, calibration_fraction = _check_settings(n_splits, calibration_fraction)
     if spec.strata is not None:
         return _validate_stratified(table, spec, n_splits, calibration_fraction, seed)
