@@ -15,9 +15,10 @@ import pytest
 MODULES = [
     "certkv.core.candidates",
     "certkv.core.certify",
-    "certkv.core.gate",
+    "certkv.core.gate_features",
     "certkv.core.gated",
     "certkv.core.pilot",
+    "certkv.core.spec",
     "certkv.core.strata",
     "certkv.core.validation",
     "certkv.contract.spec",

@@ -36,12 +36,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_core import PydanticCustomError
 
 from certkv.core.candidates import PILOT_GATE_KINDS, GateChoice, PolicyEntry, entry_sequences, gate_choices
-from certkv.core.gate import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, LOOKAHEAD_TOKENS
 from certkv.core.gate_features import DEFAULT_FEATURES
 from certkv.core.policy_names import gate_label, policy_name
 from certkv.core.procedures import Procedure, procedure_of
 from certkv.core.signals import FEATURE_GROUPS, reads_signal
-from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
+from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, DEFAULT_MAX_NEW_TOKENS, LOOKAHEAD_TOKENS
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
 

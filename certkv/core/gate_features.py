@@ -1,8 +1,10 @@
-"""The learned gate's features and score: the one definition certification and the runtime share.
+"""The gate's comparisons, features and learned score: the one definition certification and the runtime share.
 
-Certification computes the score of every (pilot or certification) request of a base candidate
-from the loss table's signal arrays; the runtime computes it for one request from the signals it
-measured. Both go through :func:`feature_matrix`, so the two cannot drift apart.
+Certification derives a gated candidate's rows with :func:`fires` (a signal against its
+threshold) and the runtime decides with the same function; certification computes the learned
+score of every (pilot or certification) request of a base candidate from the loss table's signal
+arrays, and the runtime for one request from the signals it measured. Both go through
+:func:`feature_matrix`, so the two cannot drift apart.
 
 Feature groups (the contract's ``gate.learned.features``) are declared with their signals in
 :mod:`certkv.core.signals` and expand into named features:
@@ -28,6 +30,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from certkv.core.signals import FEATURE_GROUPS, SIGNALS, Signal, feature_signal, group_signals
@@ -39,6 +42,46 @@ DEFAULT_FEATURES = ("lookahead", "confidence", "context_length")
 POST_DECODE_FEATURES = frozenset(
     s.feature_name for s in SIGNALS if s.feature_group is not None and s.kind == "scalar" and s.phase == "post_decode"
 )
+
+
+#: Each gate part: the signal it reads and the side of its threshold that sends a request to the
+#: full cache. Certification (:func:`certkv.core.gated.gated_mask`) and the runtime
+#: (:meth:`certkv.core.spec.GateSettings.pre_decode_reason`) both decide through :func:`fires`, so they cannot
+#: compare differently.
+GATE_PARTS = {
+    "agreement_drop": ("agreement_drop", np.less),
+    "certificate": ("certificate_max", np.greater),
+    "confidence": ("confidence_min", np.less),
+    "lookahead": ("lookahead_mass", np.greater),
+    "learned": ("learned_score", np.greater),
+}
+
+
+def fires(part: str, value: npt.ArrayLike, threshold: float) -> np.bool_ | np.ndarray:
+    """Whether gate `part` (a key of :data:`GATE_PARTS`) sends `value` (a signal, or an (R,)
+    array of them) to the full cache at `threshold`: a bool, or an (R,) boolean array.
+
+    Examples
+    --------
+    >>> bool(fires("agreement_drop", 0.05, 0.1)), bool(fires("certificate", 0.05, 0.1))
+    (True, False)
+    >>> fires("confidence", [0.9, 0.1], 0.2).tolist()
+    [False, True]
+    """
+    return GATE_PARTS[part][1](value, float(threshold))
+
+
+def answer_confidence(logprobs: Sequence[float]) -> tuple[float, float]:
+    """(confidence_min, logprob_mean) of one answer from its per-token log-probabilities.
+
+    ``confidence_min`` is ``exp(min log p)``, the lowest probability the model gave a token of its
+    own answer; ``logprob_mean`` the mean log p. The definition calibration records (the engine's
+    own copy lives with the signal recorders, outside the core).
+    """
+    values = [float(x) for x in logprobs]
+    if not values:
+        raise ValueError("an answer's confidence needs at least one token's log-probability")
+    return math.exp(min(values)), math.fsum(values) / len(values)
 
 
 class LearnedGate(BaseModel):
@@ -198,12 +241,15 @@ def learned_score(model: LearnedGate, signals: Mapping) -> float:
 
 __all__ = [
     "DEFAULT_FEATURES",
+    "GATE_PARTS",
     "FEATURE_GROUPS",
     "LearnedGate",
+    "answer_confidence",
     "POST_DECODE_FEATURES",
     "expand_features",
     "feature_matrix",
     "feature_vector",
+    "fires",
     "learned_score",
     "learned_scores",
     "needed_signals",

@@ -17,7 +17,7 @@ with the base's nominal kv_retained and press. The thresholds are pre-registered
 (each setting is a candidate of its own, tested like any other), or placed on a pilot split that
 never certifies (:mod:`certkv.core.pilot`), so nothing here is tuned on the certification data.
 The learned score is :func:`certkv.core.gate_features.learned_scores`, the runtime's definition,
-and every comparison is :func:`certkv.core.gate.fires`, the runtime's own. :func:`derive_gated` is
+and every comparison is :func:`certkv.core.gate_features.fires`, the runtime's own. :func:`derive_gated` is
 the one step that derives a spec's gated candidates; pilot resolution, pooled and stratified
 certification and validation all go through it.
 
@@ -32,11 +32,10 @@ from typing import NoReturn, cast
 import numpy as np
 import numpy.typing as npt
 
-from certkv.core.gate import GATE_PARTS, GateSettings, fires
-from certkv.core.gate_features import LearnedGate, feature_matrix, learned_scores, needed_signals
+from certkv.core.gate_features import GATE_PARTS, LearnedGate, feature_matrix, fires, learned_scores, needed_signals
 from certkv.core.loss_table import GatedRow, LossTable
 from certkv.core.signals import signal
-from certkv.core.spec import CertificationSpec
+from certkv.core.spec import CertificationSpec, GateSettings
 from certkv.errors import CertkvError
 
 RECALIBRATE = "recalibrate with a current certkv (`certkv calibrate CONTRACT --new-store`)"

@@ -38,12 +38,11 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.binomial import violation_mask
-from certkv.core.gate import GateSettings
 from certkv.core.gate_features import LearnedGate, expand_features, feature_matrix, learned_scores, needed_signals
 from certkv.core.gated import check_signal, derive_gated
 from certkv.core.loss_table import LossTable
 from certkv.core.procedures import procedure_of
-from certkv.core.spec import CandidateInfo, CertificationSpec
+from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
 from certkv.errors import CertkvError
 
 #: The fewest certification requests a pilot may leave.

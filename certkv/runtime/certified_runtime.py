@@ -20,7 +20,7 @@ what is deployed is exactly what was certified:
    that read the lookahead probe are refused for it when the runtime is built.
 
 The gate's comparisons are those certification derived the gated records with
-(:class:`certkv.core.gate.GateSettings`, applied through its methods); the learned score is
+(:class:`certkv.core.spec.GateSettings`, applied through its methods); the learned score is
 :func:`certkv.core.gate_features.learned_score`.
 Every answer comes with a :class:`Decision` record saying which cache answered, why, and the
 signals it was decided on; ``seconds`` gives the time of each phase (prefill, probe, decode,
@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from certkv.core.gate import GateSettings
 from certkv.core.operating_point import OperatingPoint, load_operating_point
 from certkv.core.signals import SIGNALS, request_signals
-from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
+from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS, GateSettings
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error

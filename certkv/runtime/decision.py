@@ -61,7 +61,7 @@ def _decision_class() -> type:
                 "answered: ``fallback``, ``uncovered`` (outside the coverage envelope), ``precondition``, ``gate`` "
                 "(agreement drop), ``lookahead``, ``learned``, ``confidence``, ``certificate``, or ``monitor`` "
                 "(certkv serve); None when the press answered. stratum: the stratum the request named. "
-                "gate_kind: the operating point's gate (:attr:`certkv.core.gate.GateSettings.kind`). escalated: the "
+                "gate_kind: the operating point's gate (:attr:`certkv.core.spec.GateSettings.kind`). escalated: the "
                 "evicted answer was decoded, then replaced by the full cache's. kv_retained / kv_retained_actual: "
                 "nominal and realised retention of the cache that answered (1.0 for the full cache).\n\n"
                 "The gate signals, one field each (certkv.core.signals):\n\n" + doc

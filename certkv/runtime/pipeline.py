@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from kvpress import BasePress
     from transformers import PreTrainedModel
 
-    from certkv.core.gate import GateSettings
+    from certkv.core.spec import GateSettings
     from certkv.model.generation import EncodedRequest
 
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from kvpress import BasePress
     from transformers import DynamicCache, PreTrainedModel
 
-    from certkv.core.gate import GateSettings
+    from certkv.core.spec import GateSettings
     from certkv.model.generation import EncodedRequest
 
 #: One candidate's kept entries of the full cache, per layer: a fast-path press's kept indices, a
