@@ -13,11 +13,11 @@ import importlib
 import pytest
 
 MODULES = [
-    "certkv.core.candidates",
     "certkv.core.certify",
     "certkv.core.gate_features",
     "certkv.core.gated",
     "certkv.core.pilot",
+    "certkv.core.policy_names",
     "certkv.core.spec",
     "certkv.core.strata",
     "certkv.core.validation",

@@ -14,7 +14,7 @@ a candidate of its own, derived from the base candidate's records (no extra cali
   certificate ĉ > b; only presses that produce certificates (:func:`press_registry.
   produces_certificates`: certkv's ``probabilistic``) get these candidates.
 
-Each setting names and orders its candidates as :mod:`certkv.core.candidates` says (this module
+Each setting names and orders its candidates as :mod:`certkv.core.policy_names` says (this module
 only validates; :meth:`Contract.policy_entries` hands the validated entries over): for each policy
 entry, the ungated sequence, then one sequence per threshold t, then (certificate presses only) one
 per bound b and one per pair (t, b), then one per pilot-gate quantile; fixed-sequence testing splits
@@ -35,9 +35,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from certkv.core.candidates import PILOT_GATE_KINDS, GateChoice, PolicyEntry, entry_sequences, gate_choices
 from certkv.core.gate_features import DEFAULT_FEATURES
-from certkv.core.policy_names import gate_label, policy_name
+from certkv.core.policy_names import (
+    PILOT_GATE_KINDS,
+    GateChoice,
+    PolicyEntry,
+    entry_sequences,
+    gate_choices,
+    gate_label,
+    policy_name,
+)
 from certkv.core.procedures import Procedure, procedure_of
 from certkv.core.signals import FEATURE_GROUPS, reads_signal
 from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, DEFAULT_MAX_NEW_TOKENS, LOOKAHEAD_TOKENS
@@ -554,7 +561,7 @@ class Contract(_Strict):
         return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
 
     def policy_entries(self) -> list[PolicyEntry]:
-        """The policy entries as the core names and orders them (:mod:`certkv.core.candidates`):
+        """The policy entries as the core names and orders them (:mod:`certkv.core.policy_names`):
         each with the gate settings it is tested under (ungated; each agreement_drop threshold;
         for a press that produces certificates each bound and each pair; then the pilot gates)."""
         gate = self.gate

@@ -5,7 +5,7 @@ one place a validated contract (:class:`certkv.contract.schema.Contract`) become
 reads: the candidates calibration runs (:func:`candidates`), the gated ones derived from them
 (:func:`gated_candidates`), the pre-registered sequences (:func:`sequences`) and the
 :class:`~certkv.core.spec.CertificationSpec` that :func:`certkv.core.certify.certify` takes
-(:func:`certification_spec`). Naming and ordering are :mod:`certkv.core.candidates`'. Torch-free.
+(:func:`certification_spec`). Naming and ordering are :mod:`certkv.core.policy_names`'. Torch-free.
 """
 
 from __future__ import annotations
@@ -13,26 +13,26 @@ from __future__ import annotations
 from typing import Any
 
 from certkv.contract.schema import Contract
-from certkv.core import candidates as core_candidates
-from certkv.core.candidates import Candidate, entry_sequences
+from certkv.core import policy_names
+from certkv.core.policy_names import Candidate, entry_sequences
 from certkv.core.spec import CertificationSpec, PilotConfig
 
 
 def candidates(contract: Contract) -> list[Candidate]:
     """Every ungated candidate (what calibration runs), entry by entry, each in its test order."""
-    return core_candidates.candidates(contract.policy_entries())
+    return policy_names.candidates(contract.policy_entries())
 
 
 def gated_candidates(contract: Contract) -> list[Candidate]:
     """Every gated candidate, sequence by sequence in the per-entry layout of :func:`sequences`
     (as without `order`); each is derived from its base's records, never calibrated."""
-    return core_candidates.gated_candidates(contract.policy_entries())
+    return policy_names.gated_candidates(contract.policy_entries())
 
 
 def sequences(contract: Contract) -> list[list[str]]:
     """Policy names per sequence, in test order: the interleaved `order` as one sequence when the
     contract gives one, else, for each policy entry, its ungated sequence followed by one sequence
-    per gate setting (:func:`certkv.core.candidates.gate_choices`). Under procedure pilot_ordered
+    per gate setting (:func:`certkv.core.policy_names.gate_choices`). Under procedure pilot_ordered
     these are the candidates; the pilot orders them into one sequence at certification time
     (:mod:`certkv.core.pilot`)."""
     if contract.order is not None:

@@ -7,7 +7,7 @@ thresholds and a fitted :class:`~certkv.core.gate_features.LearnedGate` placed o
 :class:`PilotConfig`).
 
 A gate is three things: what the contract says (its validated ``gate:`` block, and per candidate
-a :class:`~certkv.core.candidates.GateChoice`); what certification decides, every threshold placed
+a :class:`~certkv.core.policy_names.GateChoice`); what certification decides, every threshold placed
 (:class:`GateSettings`); and what the runtime applies: the same :class:`GateSettings`, through its
 methods (:meth:`GateSettings.pre_decode_reason`, :meth:`GateSettings.post_decode_reason`), which
 compare with :func:`~certkv.core.gate_features.fires`, the function certification derives the
@@ -22,7 +22,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from certkv.core.candidates import GateChoice
 from certkv.core.gate_features import (
     GATE_PARTS,
     POST_DECODE_FEATURES,
@@ -32,7 +31,7 @@ from certkv.core.gate_features import (
     learned_score,
     needed_signals,
 )
-from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.policy_names import REFERENCE_POLICY, GateChoice
 from certkv.core.procedures import Procedure
 from certkv.errors import CertkvError, format_validation_error
 
