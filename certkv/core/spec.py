@@ -176,11 +176,6 @@ class GateSettings(BaseModel):
         )
 
     @property
-    def needs_confidence(self) -> bool:
-        """The evicted answer's confidence is read (a confidence bound, or a post-decode learned model)."""
-        return self.confidence is not None or self.learned_post_decode
-
-    @property
     def agreement(self) -> dict[str, Any]:
         """The agreement recorder's settings (window, top_k, split_divisor) the drop was calibrated under."""
         return {"window": self.agreement_window, "top_k": self.agreement_top_k, "split_divisor": self.agreement_split}
