@@ -95,6 +95,7 @@ def demo_verdicts(contract_path: Path, op_path: Path) -> dict:
     counted), and the multi-key requests' violations under the single-needle entry."""
     from certkv.calibration.certification import load_records
     from certkv.contract import load_contract
+    from certkv.contract.spec import certification_spec
     from certkv.core.binomial import violation_mask
     from certkv.core.certify import prepare
     from certkv.core.operating_point import load_operating_point
@@ -103,7 +104,7 @@ def demo_verdicts(contract_path: Path, op_path: Path) -> dict:
     contract = load_contract(contract_path)
     op = load_operating_point(op_path)
     table = load_records(contract).table
-    spec = contract.certification_spec()
+    spec = certification_spec(contract)
     labels = np.asarray(stratum_labels(table, op.strata.by))
     per_stratum = stratum_spec(spec, len(op.strata.entries))
     served, subs = {}, {}

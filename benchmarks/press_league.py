@@ -164,7 +164,7 @@ def certify_press(evidence, spec, label: str, full_cache: bool) -> dict[str, Any
 
     def usable(seq: list[str]) -> bool:
         gate = spec.candidate_info[seq[0]].pilot_gate
-        return full_cache or gate is None or gate.kind == "confidence"
+        return full_cache or gate is None or gate.pilot_kind == "confidence"
 
     own = [seq for seq in spec.sequences if press_of(spec, seq[0]) == label and usable(seq)]
     ungated = [seq for seq in own if spec.candidate_info[seq[0]].gate is None and spec.candidate_info[seq[0]].pilot_gate is None]

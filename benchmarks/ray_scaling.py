@@ -217,6 +217,7 @@ def main() -> None:
     import torch
 
     from certkv.contract.loading import load_contract
+    from certkv.contract.spec import candidates
 
     torch.set_num_threads(1)  # the local run on one thread, as each worker
     contract = load_contract(DEMO)
@@ -246,9 +247,9 @@ def main() -> None:
     others = max(ph["others_cores"] for ph in [*phases.values(), faults])
     results = {
         "requests": n,
-        "contract": f"demo (certkv/demo/demo.yaml): its {len(contract.candidates())} candidates, the first requests of "
+        "contract": f"demo (certkv/demo/demo.yaml): its {len(candidates(contract))} candidates, the first requests of "
         "demo.jsonl",
-        "candidates": len(contract.candidates()),
+        "candidates": len(candidates(contract)),
         "model": contract.model,
         "device": "cpu",
         "threads_per_worker": 1,

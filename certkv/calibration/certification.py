@@ -13,14 +13,13 @@ Torch-free: numpy, scipy and pydantic only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from certkv.calibration.store import CalibrationStore, db_path
 from certkv.contract.schema import Contract
 from certkv.contract.spec import certification_spec
 from certkv.core.certify import certify
-from certkv.core.gated import expand_for_contract
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
 from certkv.core.operating_point import OperatingPoint
 from certkv.core.spec import CertificationSpec
@@ -173,21 +172,17 @@ def load_records(
     A store calibrated under another contract is refused: its hash is bound to the contract, and
     certifying records against a contract they were not produced under voids the guarantee.
     `contract_label` (the path the user typed) makes the "run calibrate first" hint copy-pastable.
-    The contract's gated candidates are derived here (:mod:`certkv.core.gated`), so that certify,
-    validate and report all see the same expanded table; the records hash covers the recorded
-    rows and gate signals, not the derived rows. A contract with a pilot split (``gate.pilot``)
-    gets its recorded table unexpanded: the certifier and validation resolve it through the one
-    :func:`certkv.core.pilot.resolve_pilot` (pilot draw, thresholds, learned fit, pilot_ordered
-    order) and derive the gated rows on the certification requests only; the hash covers every
-    recorded request, pilot included.
+    The table holds the recorded rows only: the certifier and validation derive the contract's
+    gated candidates from them in one step (:func:`certkv.core.certify.prepare`: the pilot
+    resolved first when there is one, then :func:`certkv.core.gated.derive_gated`), so certify,
+    validate and report all see the same candidates; the records hash covers every recorded
+    request (pilot included) and the gate signals, not the derived rows.
     """
     store_path = contract.resolved_store_path()
     if records_file is not None:
         table = read_loss_table(records_file)
-        evidence = ContractRecords(table, f"loss table {records_file}", records_sha256(table), store_path, False)
-    else:
-        evidence = _load_store(contract, store_path, contract_label or contract.name, allow_incomplete)
-    return replace(evidence, table=expand_for_contract(evidence.table, contract))
+        return ContractRecords(table, f"loss table {records_file}", records_sha256(table), store_path, False)
+    return _load_store(contract, store_path, contract_label or contract.name, allow_incomplete)
 
 
 def _load_store(contract: Contract, store_path: Path, contract_label: str, allow_incomplete: bool = False) -> ContractRecords:

@@ -26,6 +26,7 @@ from certkv.calibration.progress import progress_bar
 from certkv.calibration.store import CalibrationStore
 from certkv.calibration.utility import score
 from certkv.contract.schema import Contract
+from certkv.contract.spec import candidates
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.signals import RECORDED, request_signals, signal
 from certkv.engine.engine import (
@@ -64,7 +65,7 @@ class CalibrationSummary:
 def build_candidates(contract: Contract) -> list[PressCandidate]:
     """Engine candidates (press objects) for every contract candidate, in contract order."""
     out = []
-    for c in contract.candidates():
+    for c in candidates(contract):
         press = build_press(c.press, c.kv_retained, c.press_kwargs)
         out.append(PressCandidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained))
     return out

@@ -140,7 +140,9 @@ class CalibrationStore:
         self.moved_aside = moved_aside
         self._expected: dict[str, Any] | None = None
         if contract is not None:
-            self._expected = {c.policy: c for c in contract.candidates()}
+            from certkv.contract.spec import candidates
+
+            self._expected = {c.policy: c for c in candidates(contract)}
 
     # -- opening -------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The contract: a pre-registered deployment requirement, validated and hashed.
 
-:mod:`~certkv.contract.schema` holds the pydantic schema and the candidates it defines,
+:mod:`~certkv.contract.schema` holds the pydantic schema (validation, the hash, paths),
 :mod:`~certkv.contract.loading` reads YAML, :mod:`~certkv.contract.spec` turns a contract into the
-core's :class:`~certkv.core.spec.CertificationSpec`. Torch-free.
+core's inputs: its candidates, their sequences and the :class:`~certkv.core.spec.CertificationSpec`.
+Torch-free.
 """
 
 from __future__ import annotations

@@ -14,14 +14,12 @@ a candidate of its own, derived from the base candidate's records (no extra cali
   certificate ĉ > b; only presses that produce certificates (:func:`press_registry.
   produces_certificates`: certkv's ``probabilistic``) get these candidates.
 
-Names: ``<base>+drop<t>``, ``<base>+cert<b>`` and ``<base>+drop<t>+cert<b>``, with t and b
-written by ``format(x, "g")`` (``snapkv@0.50+drop0.1``, ``probabilistic@0.30+drop-0.05+cert0.02``).
-Sequences (:meth:`Contract.sequences`): for each policy entry, in the order written, the ungated
-sequence, then one sequence per threshold t, then (certificate presses only) one per bound b and
-one per pair (t, b) in the order (t1, b1), (t1, b2), ...; each runs over the entry's kv_retained
-in the written order. An entry therefore contributes (1 + T) sequences, or (1 + T)(1 + B) for a
-certificate press, and fixed-sequence testing splits δ over all of them — unless one interleaved
-``order:`` lists every candidate, gated ones included, as a single sequence at δ.
+Each setting names and orders its candidates as :mod:`certkv.core.policy_names` says (this module
+only validates; :meth:`Contract.policy_entries` hands the validated entries over): for each policy
+entry, the ungated sequence, then one sequence per threshold t, then (certificate presses only) one
+per bound b and one per pair (t, b), then one per pilot-gate quantile; fixed-sequence testing splits
+δ over all of them — unless one interleaved ``order:`` lists every candidate, gated ones included,
+as a single sequence at δ. :mod:`certkv.contract.spec` turns a contract into the core's inputs.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -39,20 +36,18 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_core import PydanticCustomError
 
 from certkv.core.gate_features import DEFAULT_FEATURES
-from certkv.core.policy_names import gate_label, gated_policy_name, policy_name
+from certkv.core.policy_names import (
+    PILOT_GATE_KINDS,
+    GateChoice,
+    PolicyEntry,
+    entry_sequences,
+    gate_choices,
+    gate_label,
+    policy_name,
+)
 from certkv.core.procedures import Procedure, procedure_of
 from certkv.core.signals import FEATURE_GROUPS, reads_signal
-from certkv.core.spec import (
-    AGREEMENT_SPLIT,
-    AGREEMENT_TOP_K,
-    AGREEMENT_WINDOW,
-    DEFAULT_MAX_NEW_TOKENS,
-    LOOKAHEAD_TOKENS,
-    CertificationSpec,
-    PilotConfig,
-    PilotGate,
-    PilotGateKind,
-)
+from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, DEFAULT_MAX_NEW_TOKENS, LOOKAHEAD_TOKENS
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
 
@@ -62,10 +57,6 @@ if TYPE_CHECKING:
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-#: Gate kinds whose thresholds a pilot split places, in sequence order.
-PILOT_GATE_KINDS: tuple[PilotGateKind, ...] = ("confidence", "lookahead", "learned")
-
 
 #: Optional top-level keys added after the first schema; omitted from the hash while unset.
 _LATER_KEYS = ("order", "strata", "coverage")
@@ -385,71 +376,19 @@ class Gate(_Strict):
         """Calibration must run the lookahead probe (a lookahead gate, or a learned feature)."""
         return self.lookahead is not None or (self.learned is not None and reads_signal(self.learned.features, "lookahead_heads"))
 
-    def pilot_settings(self) -> list[tuple[PilotGateKind, float]]:
-        """(kind, quantile) of every pilot gate setting, in sequence order: confidence quantiles,
-        then lookahead, then learned."""
-        return [(kind, q) for kind in PILOT_GATE_KINDS if (block := getattr(self, kind)) is not None
-                for q in block.quantiles]
+    def pilot_choices(self) -> list[GateChoice]:
+        """Every pilot gate setting, in sequence order: confidence quantiles, then lookahead, then
+        learned (with its feature groups)."""
+        return [
+            GateChoice(pilot_kind=kind, quantile=q, features=tuple(getattr(block, "features", ())))
+            for kind in PILOT_GATE_KINDS
+            if (block := getattr(self, kind)) is not None
+            for q in block.quantiles
+        ]
 
     def hashed_dump(self, data: dict) -> dict:
         """`data` (this gate's JSON dump) without the later keys left at their defaults."""
         return {k: v for k, v in data.items() if not (k in _LATER_GATE_KEYS and v == _LATER_GATE_KEYS[k])}
-
-
-@dataclass(frozen=True)
-class CandidateSpec:
-    """One (press, kv_retained) candidate in test order: `sequence` indexes policies, `position`
-    is its place within that sequence (0 = most conservative)."""
-
-    policy: str
-    press: str
-    kv_retained: float
-    press_kwargs: dict[str, Any] = field(default_factory=dict)
-    sequence: int = 0
-    position: int = 0
-    label: str | None = None
-
-
-@dataclass(frozen=True)
-class GatedCandidateSpec:
-    """A gated candidate: `base_policy` (a :class:`CandidateSpec`) with a runtime gate that sends a
-    request to the full cache when its agreement drop < `agreement_drop` or its certificate >
-    `certificate` (None: that part of the gate is off), or, for a pilot gate (`pilot_kind`
-    confidence, lookahead or learned), at the threshold the pilot places at `quantile`. Derived
-    from the base's records, never calibrated itself. `sequence`/`position` index
-    :meth:`Contract.sequences` without `order`."""
-
-    policy: str
-    base_policy: str
-    press: str
-    kv_retained: float
-    agreement_drop: float | None
-    certificate: float | None
-    press_kwargs: dict[str, Any] = field(default_factory=dict)
-    sequence: int = 0
-    position: int = 0
-    label: str | None = None
-    pilot_kind: PilotGateKind | None = None
-    quantile: float | None = None
-
-
-@dataclass(frozen=True)
-class GateChoice:
-    """One gate setting a policy entry is tested under: (t, b) fixed thresholds, or a pilot
-    gate `kind` at `quantile`; all None: ungated."""
-
-    agreement_drop: float | None = None
-    certificate: float | None = None
-    pilot_kind: PilotGateKind | None = None
-    quantile: float | None = None
-
-    @property
-    def is_gated(self) -> bool:
-        return self.agreement_drop is not None or self.certificate is not None or self.pilot_kind is not None
-
-    def name(self, base: str) -> str:
-        return gated_policy_name(base, self.agreement_drop, self.certificate,
-                                 pilot_kind=self.pilot_kind, quantile=self.quantile)
 
 
 class Contract(_Strict):
@@ -578,7 +517,7 @@ class Contract(_Strict):
     def _check_order(self) -> Contract:
         if self.order is None:
             return self
-        names = [name for sequence in self._entry_sequences() for name in sequence]
+        names = [name for sequence in entry_sequences(self.policy_entries()) for name in sequence]
         unknown = [n for n in self.order if n not in names]
         if unknown:
             raise _error(f"order names {unknown[0]!r}, which no policy entry defines; use names like {names[0]!r}")
@@ -621,144 +560,24 @@ class Contract(_Strict):
         """Hash of :meth:`canonical_json`: comments, key order and formatting do not change it."""
         return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
 
-    def certification_spec(self) -> CertificationSpec:
-        """The contract's τ, ε, confidence, procedure and sequences as the core's
-        :class:`~certkv.core.spec.CertificationSpec` (also :func:`certkv.contract.spec.certification_spec`).
-
-        The sequences are the contract's policy entries in the order written, each followed by its
-        gated sequences (:meth:`sequences`); that order is the pre-registration and is never
-        re-derived from data. ``candidate_info`` carries what deploying each candidate needs (base
-        policy, press_kwargs, gate settings). A pilot gate (confidence, lookahead, learned) carries
-        its quantile and ``pilot_gate``; its threshold is placed on the pilot split (``gate.pilot``,
-        drawn by ``requests.seed``) when the records are certified.
-        """
-        info: dict[str, dict[str, Any]] = {
-            c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs)} for c in self.candidates()
-        }
+    def policy_entries(self) -> list[PolicyEntry]:
+        """The policy entries as the core names and orders them (:mod:`certkv.core.policy_names`):
+        each with the gate settings it is tested under (ungated; each agreement_drop threshold;
+        for a press that produces certificates each bound and each pair; then the pilot gates)."""
         gate = self.gate
-        for g in self.gated_candidates():
-            assert gate is not None  # gated candidates come from the gate grid (gate_choices)
-            settings: dict[str, Any] = {
-                "agreement_drop": g.agreement_drop,
-                "certificate": g.certificate,
-                "agreement_window": gate.agreement_window,
-                "agreement_top_k": gate.agreement_top_k,
-                "agreement_split": gate.agreement_split,
-            }
-            entry: dict[str, Any] = {"base_policy": g.base_policy, "press_kwargs": dict(g.press_kwargs), "gate": settings}
-            if g.pilot_kind is not None:
-                assert g.quantile is not None  # a pilot gate's candidate is one of its quantiles
-                settings["quantile"] = g.quantile
-                settings["lookahead_tokens"] = gate.lookahead_tokens
-                features: tuple[str, ...] = ()
-                if g.pilot_kind == "learned":
-                    assert gate.learned is not None  # a learned candidate comes from the learned block
-                    features = tuple(gate.learned.features)
-                entry["pilot_gate"] = PilotGate(kind=g.pilot_kind, quantile=g.quantile, features=features)
-            info[g.policy] = entry
-        pilot = None
-        if gate is not None and gate.pilot is not None:
-            pilot = PilotConfig(share=gate.pilot, seed=self.requests.seed)
-        return CertificationSpec.parse(
-            {
-                "tolerance": self.tolerance,
-                "risk": self.risk,
-                "confidence": self.confidence,
-                "procedure": self.procedure,
-                "sequences": self.sequences(),
-                "candidate_info": info,
-                "max_new_tokens": self.protocol.max_new_tokens,
-                "query_aware": self.protocol.query_aware,
-                "pilot": pilot,
-                "strata": None if self.strata is None else self.strata.model_dump(),
-                "utility": self.utility,
-                "context_margin": 0.0 if self.coverage is None else self.coverage.context_margin,
-            },
-            source=f"contract {self.name}",
-        )
-
-    def candidates(self) -> list[CandidateSpec]:
-        """Every candidate, sequence by sequence, each sequence in its test order."""
+        drops = gate.agreement_drop if gate is not None else []
+        bounds = gate.certificate if gate is not None else []
+        pilot = gate.pilot_choices() if gate is not None else []
         return [
-            CandidateSpec(
-                policy=policy_name(p.display_name, kv),
+            PolicyEntry(
+                display=p.display_name,
                 press=p.press,
-                kv_retained=kv,
+                kv_retained=tuple(p.kv_retained),
                 press_kwargs=dict(p.press_kwargs),
-                sequence=s,
-                position=k,
                 label=p.label,
+                choices=gate_choices(drops, bounds, pilot, certificates=press_registry.produces_certificates(p.press)),
             )
-            for s, p in enumerate(self.policies)
-            for k, kv in enumerate(p.kv_retained)
-        ]
-
-    def gate_settings(self, press: str) -> list[tuple[float | None, float | None]]:
-        """The fixed-threshold gate settings a policy entry with `press` is tested under, in
-        sequence order: (None, None) (ungated), each threshold (t, None), then for a certificate
-        press each bound (None, b) and each pair (t, b), thresholds outer. Pilot gates follow
-        them (:meth:`gate_choices`)."""
-        settings: list[tuple[float | None, float | None]] = [(None, None)]
-        if self.gate is None:
-            return settings
-        settings += [(t, None) for t in self.gate.agreement_drop]
-        if press_registry.produces_certificates(press):
-            settings += [(None, b) for b in self.gate.certificate]
-            settings += [(t, b) for t in self.gate.agreement_drop for b in self.gate.certificate]
-        return settings
-
-    def gate_choices(self, press: str) -> list[GateChoice]:
-        """Every gate setting of a policy entry with `press`, in sequence order: the fixed ones of
-        :meth:`gate_settings`, then one per confidence quantile, per lookahead quantile and per
-        learned quantile (pilot gates, never combined with each other or with drop/cert)."""
-        choices = [GateChoice(t, b) for t, b in self.gate_settings(press)]
-        if self.gate is not None:
-            choices += [GateChoice(pilot_kind=kind, quantile=q) for kind, q in self.gate.pilot_settings()]
-        return choices
-
-    def gated_candidates(self) -> list[GatedCandidateSpec]:
-        """Every gated candidate (the base candidates are :meth:`candidates`), sequence by
-        sequence in the per-entry layout of :meth:`sequences` (as without `order`)."""
-        out = []
-        s = 0
-        for p in self.policies:
-            for choice in self.gate_choices(p.press):
-                if choice.is_gated:
-                    out += [
-                        GatedCandidateSpec(
-                            policy=choice.name(policy_name(p.display_name, kv)),
-                            base_policy=policy_name(p.display_name, kv),
-                            press=p.press,
-                            kv_retained=kv,
-                            agreement_drop=choice.agreement_drop,
-                            certificate=choice.certificate,
-                            press_kwargs=dict(p.press_kwargs),
-                            sequence=s,
-                            position=k,
-                            label=p.label,
-                            pilot_kind=choice.pilot_kind,
-                            quantile=choice.quantile,
-                        )
-                        for k, kv in enumerate(p.kv_retained)
-                    ]
-                s += 1
-        return out
-
-    def sequences(self) -> list[list[str]]:
-        """Policy names per sequence, in test order: the interleaved `order` as one sequence when
-        the contract gives one, else, for each policy entry, its ungated sequence followed by one
-        sequence per gate setting (see :meth:`gate_choices` and the module docstring). Under
-        procedure pilot_ordered these are the candidates; the pilot orders them into one sequence
-        at certification time (:mod:`certkv.core.pilot`)."""
-        if self.order is not None:
-            return [list(self.order)]
-        return self._entry_sequences()
-
-    def _entry_sequences(self) -> list[list[str]]:
-        return [
-            [choice.name(policy_name(p.display_name, kv)) for kv in p.kv_retained]
             for p in self.policies
-            for choice in self.gate_choices(p.press)
         ]
 
     def resolved_store_path(self) -> Path:

@@ -1,28 +1,109 @@
-"""From a contract to the core's :class:`~certkv.core.spec.CertificationSpec`.
+"""From a contract to the core's inputs: its candidates, their test order and the CertificationSpec.
 
-The core knows nothing about contracts, so that it can certify any loss table; a contract's
-pre-registered choices become a spec in :meth:`certkv.contract.schema.Contract.certification_spec`
-(the core's :func:`~certkv.core.certify.certify` calls it on a contract), which this function names
-for callers that hold a contract. Torch-free.
+The core knows nothing about contracts, so that it can certify any loss table; this module is the
+one place a validated contract (:class:`certkv.contract.schema.Contract`) becomes what the core
+reads: the candidates calibration runs (:func:`candidates`), the gated ones derived from them
+(:func:`gated_candidates`), the pre-registered sequences (:func:`sequences`) and the
+:class:`~certkv.core.spec.CertificationSpec` that :func:`certkv.core.certify.certify` takes
+(:func:`certification_spec`). Naming and ordering are :mod:`certkv.core.policy_names`'. Torch-free.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from certkv.contract.schema import Contract
-    from certkv.core.spec import CertificationSpec
+from certkv.contract.schema import Contract
+from certkv.core import policy_names
+from certkv.core.policy_names import Candidate, entry_sequences
+from certkv.core.spec import CertificationSpec, PilotConfig
+
+
+def candidates(contract: Contract) -> list[Candidate]:
+    """Every ungated candidate (what calibration runs), entry by entry, each in its test order."""
+    return policy_names.candidates(contract.policy_entries())
+
+
+def gated_candidates(contract: Contract) -> list[Candidate]:
+    """Every gated candidate, sequence by sequence in the per-entry layout of :func:`sequences`
+    (as without `order`); each is derived from its base's records, never calibrated."""
+    return policy_names.gated_candidates(contract.policy_entries())
+
+
+def sequences(contract: Contract) -> list[list[str]]:
+    """Policy names per sequence, in test order: the interleaved `order` as one sequence when the
+    contract gives one, else, for each policy entry, its ungated sequence followed by one sequence
+    per gate setting (:func:`certkv.core.policy_names.gate_choices`). Under procedure pilot_ordered
+    these are the candidates; the pilot orders them into one sequence at certification time
+    (:mod:`certkv.core.pilot`)."""
+    if contract.order is not None:
+        return [list(contract.order)]
+    return entry_sequences(contract.policy_entries())
 
 
 def certification_spec(contract: Contract) -> CertificationSpec:
     """The contract's τ, ε, confidence, procedure and sequences as a CertificationSpec.
 
     The sequences are the contract's policy entries in the order written, each followed by its
-    gated sequences (:meth:`certkv.contract.schema.Contract.sequences`); that order is the
-    pre-registration and is never re-derived from data. ``candidate_info`` carries what deploying
-    each candidate needs (base policy, press_kwargs, gate settings). A pilot gate (confidence,
-    lookahead, learned) carries its quantile and ``pilot_gate``; its threshold is placed on the
-    pilot split (``gate.pilot``, drawn by ``requests.seed``) when the records are certified.
+    gated sequences (:func:`sequences`); that order is the pre-registration and is never
+    re-derived from data. ``candidate_info`` carries what deploying each candidate needs (base
+    policy, press_kwargs, gate settings). A pilot gate (confidence, lookahead, learned) carries its
+    quantile and ``pilot_gate``; its threshold is placed on the pilot split (``gate.pilot``, drawn
+    by ``requests.seed``) when the records are certified.
+
+    Examples
+    --------
+    >>> from certkv.contract.loading import parse_contract
+    >>> contract = parse_contract({
+    ...     "name": "mini", "requests": {"source": "requests.jsonl"}, "utility": "exact_match",
+    ...     "tolerance": 0.0, "risk": 0.1, "confidence": 0.9,
+    ...     "policies": [{"press": "snapkv", "kv_retained": [0.8, 0.5]}],
+    ...     "gate": {"agreement_drop": [0.1]}})
+    >>> spec = certification_spec(contract)
+    >>> spec.sequences
+    [['snapkv@0.80', 'snapkv@0.50'], ['snapkv@0.80+drop0.1', 'snapkv@0.50+drop0.1']]
+    >>> spec.candidate_info["snapkv@0.50+drop0.1"].gate.agreement_drop
+    0.1
     """
-    return contract.certification_spec()
+    info: dict[str, dict[str, Any]] = {
+        c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs)} for c in candidates(contract)
+    }
+    gate = contract.gate
+    for g in gated_candidates(contract):
+        assert gate is not None and g.gate is not None  # gated candidates come from the gate grid
+        choice = g.gate
+        settings: dict[str, Any] = {
+            "agreement_drop": choice.agreement_drop,
+            "certificate": choice.certificate,
+            "agreement_window": gate.agreement_window,
+            "agreement_top_k": gate.agreement_top_k,
+            "agreement_split": gate.agreement_split,
+        }
+        entry: dict[str, Any] = {"base_policy": g.base_policy, "press_kwargs": dict(g.press_kwargs), "gate": settings}
+        if choice.pilot_kind is not None:
+            settings["quantile"] = choice.quantile
+            settings["lookahead_tokens"] = gate.lookahead_tokens
+            entry["pilot_gate"] = choice
+        info[g.policy] = entry
+    pilot = None
+    if gate is not None and gate.pilot is not None:
+        pilot = PilotConfig(share=gate.pilot, seed=contract.requests.seed)
+    return CertificationSpec.parse(
+        {
+            "tolerance": contract.tolerance,
+            "risk": contract.risk,
+            "confidence": contract.confidence,
+            "procedure": contract.procedure,
+            "sequences": sequences(contract),
+            "candidate_info": info,
+            "max_new_tokens": contract.protocol.max_new_tokens,
+            "query_aware": contract.protocol.query_aware,
+            "pilot": pilot,
+            "strata": None if contract.strata is None else contract.strata.model_dump(),
+            "utility": contract.utility,
+            "context_margin": 0.0 if contract.coverage is None else contract.coverage.context_margin,
+        },
+        source=f"contract {contract.name}",
+    )
+
+
+__all__ = ["candidates", "certification_spec", "gated_candidates", "sequences"]

@@ -1,11 +1,14 @@
-"""Turn a loss table and a contract into a certified operating point.
+"""Turn a loss table and a certification spec into a certified operating point.
 
-The certifier counts, for every candidate of the contract, the calibration requests whose loss
-exceeds the tolerance τ; computes the exact binomial p-value of "violation rate > ε"; applies the
-contract's family-wise procedure at δ = 1 − confidence; and, among the certified candidates,
-chooses the one that keeps the least KV cache (any certified candidate may be chosen because the
-guarantee is simultaneous). When nothing is certified it falls back to the full cache and says
-which candidate failed first and why.
+The certifier (:func:`certify`, which takes a :class:`~certkv.core.loss_table.LossTable` and a
+:class:`~certkv.core.spec.CertificationSpec`, nothing else) counts, for every candidate of the
+spec, the calibration requests whose loss exceeds the tolerance τ; computes the exact binomial
+p-value of "violation rate > ε"; applies the spec's family-wise procedure at δ = 1 − confidence;
+and, among the certified candidates, chooses the one that keeps the least KV cache (any certified
+candidate may be chosen because the guarantee is simultaneous). When nothing is certified it falls
+back to the full cache and says which candidate failed first and why. Gated candidates are derived
+first, in one step (:func:`prepare`), and a stratified spec is one pooled certificate per stratum
+(:func:`certify_stratified`).
 
 This module is torch-free: it imports numpy, scipy and pydantic only, so certificates can be
 computed and checked on machines without the model stack.
@@ -13,17 +16,15 @@ computed and checked on machines without the model stack.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from certkv.core.binomial import binomial_p_value, clopper_pearson_upper, violation_mask
-from certkv.core.coverage import coverage_of
-from certkv.core.gated import expand_gated, spec_derivations
-from certkv.core.loss_table import LossRecords, LossTable, as_loss_table
+from certkv.core.coverage import Coverage, coverage_of
+from certkv.core.gated import derive_gated
+from certkv.core.loss_table import LossTable
 from certkv.core.loss_table import records_sha256 as _records_sha256
 from certkv.core.operating_point import (
     CandidateResult,
@@ -34,26 +35,17 @@ from certkv.core.operating_point import (
     certified_at,
     certkv_version,
 )
-from certkv.core.pilot import PilotResolution, apply_pilot
+from certkv.core.pilot import PilotInfo, PilotResolution, apply_pilot
 from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
 from certkv.core.procedures import candidate_levels, certified_mask, sequence_stops
 from certkv.core.spec import CertificationSpec
-from certkv.core.strata import certify_stratified
+from certkv.core.strata import full_cache_counts, split_strata, stratified_point, stratum_guarantee, with_stratum_coverage
 from certkv.errors import CertkvError
 
 #: Re-exported helper; certify() takes a keyword of the same name, hence the private alias above.
 records_sha256 = _records_sha256
 
 NO_TASK = "(no task)"
-
-
-class ContractLike(Protocol):
-    """What :func:`certify` reads from a contract (:class:`certkv.contract.schema.Contract`, which the
-    core does not import): its certification spec and its hash."""
-
-    def certification_spec(self) -> CertificationSpec: ...
-
-    def sha256(self) -> str: ...
 
 
 # ----------------------------------------------------------------------------- decisions
@@ -101,8 +93,8 @@ def candidate_rows(table: LossTable, spec: CertificationSpec) -> np.ndarray:
                 hint = "calibrate it or remove it from the contract"
                 if is_gated_policy(name):
                     hint = (
-                        "a gated candidate is derived from its base's records: certify against the contract "
-                        "(certkv.certify(records, contract)) or a spec from certification_spec(contract)"
+                        "a gated candidate is derived from its base's records: give its gate in the spec's "
+                        "candidate_info, as certkv.certification_spec(contract) does"
                     )
                 raise CertkvError(
                     f"policy {name!r} (sequence {s}, position {j}) has no calibration records in {table.source}; {hint}"
@@ -111,71 +103,111 @@ def candidate_rows(table: LossTable, spec: CertificationSpec) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64)
 
 
-def expand_for_spec(table: LossTable, spec: CertificationSpec) -> LossTable:
-    """`table` plus the spec's gated candidates derived from their bases (see
-    :mod:`certkv.core.gated`); candidates already derived are kept, the input is never modified."""
-    wanted = spec_derivations(spec)
-    return expand_gated(table, wanted) if wanted else table
-
-
-def prepare(
-    records: LossRecords, spec: CertificationSpec | Mapping[str, Any]
-) -> tuple[LossTable, CertificationSpec, PilotResolution | None]:
-    """The table and spec a decision is computed on, shared by :func:`certify` and validation:
-    with a pilot (``spec.pilot``), the certification requests only and the pilot-resolved spec
-    (:func:`certkv.core.pilot.resolve_pilot`); then every gated candidate derived. Returns
-    (table, spec, the pilot resolution or None)."""
-    table, spec, resolution = apply_pilot(as_loss_table(records), CertificationSpec.parse(spec))
-    return expand_for_spec(table, spec), spec, resolution
-
-
-def violation_matrix(table: LossTable, spec: CertificationSpec) -> np.ndarray:
-    """Boolean (candidates × requests) matrix of violations, candidates in contract order."""
-    return violation_mask(table.loss[candidate_rows(table, spec)], spec.tolerance)
+def prepare(table: LossTable, spec: CertificationSpec) -> tuple[LossTable, CertificationSpec, PilotResolution | None]:
+    """The table and spec a pooled decision is computed on, shared by :func:`certify` and
+    validation: with a pilot (``spec.pilot``), the certification requests only and the
+    pilot-resolved spec (:func:`certkv.core.pilot.apply_pilot`); then every gated candidate
+    derived (:func:`certkv.core.gated.derive_gated`). Returns (table, spec, the pilot resolution
+    or None)."""
+    table, spec, resolution = apply_pilot(table, spec)
+    return derive_gated(table, spec), spec, resolution
 
 
 # ----------------------------------------------------------------------------- certify
 
 
 def certify(
-    records: LossRecords,
-    spec: CertificationSpec | Mapping[str, Any] | ContractLike,
+    table: LossTable,
+    spec: CertificationSpec,
     *,
     contract_sha256: str | None = None,
     records_sha256: str | None = None,
 ) -> OperatingPoint:
     """Certify the most aggressive candidate whose violation rate is ≤ ε with prob. ≥ 1 − δ.
 
-    Counts each candidate's violations (loss > τ) as integers, computes the exact binomial
-    p-value of "violation rate > ε", applies the spec's family-wise procedure at δ over the
-    pre-registered sequences, and picks, among the certified candidates, the one keeping the least
-    KV (any certified one may be picked: the guarantee is simultaneous). Nothing certified means
-    the full cache. With a pilot split (``spec.pilot``) the pilot requests place the gate
-    thresholds (and, under pilot_ordered, the test order) and never certify: n, the violations,
-    the per-task breakdown and the mean KV count the certification requests only.
+    Learn then Test [1]_ with exact binomial p-values of "violation rate > ε" (loss > τ) under the
+    spec's family-wise procedure (fixed-sequence [3]_, Bonferroni, Holm [2]_, pilot-ordered) at δ;
+    the certified candidate keeping the least KV is chosen, else the full cache (module docstring).
+    A pilot places gate thresholds and never certifies; strata: :func:`certify_stratified`.
 
     Parameters
     ----------
-    records : LossTable, str, Path or list of dict
-        One loss per (request, policy): a :class:`~certkv.core.loss_table.LossTable`, a CSV/JSONL
-        loss-table path, or record dicts (a calibration store's rows).
-    spec : CertificationSpec, dict or Contract
-        τ, ε, confidence, procedure and sequences; a contract
-        (:class:`certkv.contract.schema.Contract`) gives its own spec and its hash is recorded.
-    contract_sha256 : str, optional
-        Recorded in the operating point (taken from the contract when `spec` is one).
-    records_sha256 : str, optional
-        The hash of the evidence; computed from the table when not given.
+    table : LossTable
+        One loss per (request, policy): :func:`~certkv.core.loss_table.read_loss_table` of a file,
+        or :meth:`~certkv.core.loss_table.LossTable.from_records`. Gated rows are derived here.
+    spec : CertificationSpec
+        τ, ε, confidence, procedure, sequences and deployments (a contract's:
+        :func:`certkv.contract.spec.certification_spec`).
+    contract_sha256, records_sha256 : str, optional
+        Recorded: the contract's hash and the evidence's (default: the table's recorded rows').
 
     Returns
     -------
     OperatingPoint
-        The choice (or the fallback, with the reason), every candidate's counts, bounds and
-        levels, where each sequence stopped, per-task breakdowns and the guarantee in words.
+        The choice or the fallback with its reason; per candidate the counts, Clopper–Pearson [4]_
+        upper bound and level; where each sequence stopped; the guarantee in words.
+
+    References
+    ----------
+    .. [1] Angelopoulos et al., "Learn then Test: Calibrating Predictive Algorithms to Achieve Risk Control", arXiv:2110.01052.
+    .. [2] Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 6, 1979.
+    .. [3] Wiens, "A fixed sequence Bonferroni procedure for testing multiple endpoints", Pharm. Stat. 2, 2003.
+    .. [4] Clopper and Pearson, "The use of confidence or fiducial limits ...", Biometrika 26, 1934.
+
+    Examples
+    --------
+    200 requests; the milder retention never violates, the stronger one on 30 requests:
+
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"r{i}", "policy": p, "kv_retained": kv, "loss": float(p == "snapkv@0.30" and i < 30)}
+    ...         for i in range(200) for p, kv in (("snapkv@0.70", 0.7), ("snapkv@0.30", 0.3))]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["snapkv@0.70", "snapkv@0.30"]])
+    >>> op = certify(LossTable.from_records(rows), spec)
+    >>> op.policy, op.violations, op.n, round(op.risk_upper_bound, 4)
+    ('snapkv@0.70', 0, 200, 0.0149)
+    >>> [(s.tested, s.stopped_policy) for s in op.sequences]  # the sequence stopped at the failing one
+    [(2, 'snapkv@0.30')]
     """
-    table, spec, contract_sha256, records_sha256 = _evidence(records, spec, contract_sha256, records_sha256)
+    check_inputs(table, spec)
+    if records_sha256 is None:  # the recorded evidence (pilot included): derived gated rows are not part of it
+        records_sha256 = _records_sha256(table)
     if spec.strata is not None:
-        return certify_stratified(table, spec, certify, contract_sha256=contract_sha256, records_sha256=records_sha256)
+        return certify_stratified(table, spec, contract_sha256=contract_sha256, records_sha256=records_sha256)
+    return certify_pooled(table, spec, contract_sha256=contract_sha256, records_sha256=records_sha256)
+
+
+def check_inputs(table: LossTable, spec: CertificationSpec) -> None:
+    """One-line errors for a table or spec of another type (a path, rows, a dict, a contract):
+    :func:`certify` and validation take exactly a LossTable and a CertificationSpec."""
+    if not isinstance(table, LossTable):
+        raise CertkvError(
+            f"records must be a LossTable, got {type(table).__name__}; read a file with certkv.read_loss_table(path) "
+            "or rows with LossTable.from_records(rows)"
+        )
+    if not isinstance(spec, CertificationSpec):
+        raise CertkvError(
+            f"spec must be a CertificationSpec, got {type(spec).__name__}; build one with CertificationSpec.parse(data) "
+            "or from a contract with certkv.certification_spec(contract)"
+        )
+
+
+def certify_pooled(
+    table: LossTable, spec: CertificationSpec, *, contract_sha256: str | None, records_sha256: str
+) -> OperatingPoint:
+    """One certificate over every request of `table` (:func:`certify` without strata; `spec`'s
+    strata, if any, are ignored).
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 1.0} for i in range(100)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> op = certify_pooled(LossTable.from_records(rows), spec, contract_sha256=None, records_sha256="example")
+    >>> op.fallback, op.policy, op.reason.split(";")[0]
+    (True, 'full', 'no candidate was certified')
+    """
     table, spec, resolution = prepare(table, spec)
     counts = _count_and_decide(table, spec)
     task_names, task_codes = _task_codes(table)
@@ -191,23 +223,69 @@ def certify(
     return _certified(spec, candidates[index], notes, common)
 
 
+def certify_stratified(
+    table: LossTable, spec: CertificationSpec, *, contract_sha256: str | None, records_sha256: str
+) -> OperatingPoint:
+    """One pooled certificate per stratum of `table` (:func:`certify_pooled` of each stratum's
+    requests under the per-stratum spec, or the full cache for a stratum too small to certify
+    anything), composed into one operating point (:mod:`certkv.core.strata`).
+
+    Parameters
+    ----------
+    table : LossTable
+        Every calibration request (pilot included), with a stratum or task column.
+    spec : CertificationSpec
+        With ``strata`` set; each stratum is certified under
+        :func:`~certkv.core.strata.stratum_spec` (δ, or δ/S when ``simultaneous``).
+    contract_sha256, records_sha256 : str
+        Bound into every entry and the summary (the records hash is the whole table's).
+
+    Returns
+    -------
+    OperatingPoint
+        ``strata.entries`` holds each stratum's operating point; the top level is their summary.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"{task}{i}", "task": task, "policy": "p@0.50", "kv_retained": 0.5,
+    ...          "loss": float(task == "hard")} for task in ("easy", "hard") for i in range(100)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]],
+    ...                          strata={"by": "task"})
+    >>> op = certify_stratified(LossTable.from_records(rows), spec, contract_sha256=None, records_sha256="example")
+    >>> {name: entry.policy for name, entry in op.strata.entries.items()}
+    {'easy': 'p@0.50', 'hard': 'full'}
+    """
+    assert spec.strata is not None  # a stratified spec
+    by = spec.strata.by
+    per_stratum, strata = split_strata(table, spec)
+    entries = {}
+    for name, sub, too_small in strata:
+        if too_small is None:
+            entry = certify_pooled(sub, per_stratum, contract_sha256=contract_sha256, records_sha256=records_sha256)
+            entry.guarantee = stratum_guarantee(per_stratum, by, name, entry.fallback)
+        else:
+            entry = _too_small(sub, per_stratum, by, name, too_small, contract_sha256, records_sha256)
+        entries[name] = with_stratum_coverage(entry, by, name)
+    return stratified_point(entries, spec, per_stratum, contract_sha256, records_sha256)
+
+
+def _too_small(
+    sub: LossTable, spec: CertificationSpec, by: str, name: str, why: str, contract_sha256: str | None, records_sha256: str
+) -> OperatingPoint:
+    """The full cache for stratum `name` (of field `by`), too small to certify anything, with why."""
+    n_cert, per_task = full_cache_counts(sub, spec)
+    reason = f"{by} {name!r} is too small to certify: {why}; using the full cache"
+    coverage = coverage_of(sub.context_tokens, None, None, context_margin=spec.context_margin, max_new_tokens=spec.max_new_tokens)
+    return full_cache_point(
+        spec, n=n_cert, reason=reason, guarantee=stratum_guarantee(spec, by, name, True), notes=[reason],
+        per_task=per_task, coverage=coverage,
+        contract_sha256=contract_sha256, records_sha256=records_sha256,
+    )
+
+
 # ----------------------------------------------------------------------------- certify, step by step
-
-
-def _evidence(
-    records, spec, contract_sha256: str | None, records_sha256: str | None
-) -> tuple[LossTable, CertificationSpec, str | None, str]:
-    """(table, spec, contract hash, records hash): a contract gives its own spec and its hash; the
-    records hash covers the recorded evidence (pilot included), so it is taken before any gated
-    rows are derived."""
-    if callable(getattr(spec, "certification_spec", None)):  # a Contract: its pre-registered choices
-        contract_sha256 = contract_sha256 or spec.sha256()
-        spec = spec.certification_spec()
-    spec = CertificationSpec.parse(spec)
-    table = as_loss_table(records)
-    if records_sha256 is None:  # the recorded evidence (pilot included): derived gated rows are not part of it
-        records_sha256 = _records_sha256(table)
-    return table, spec, contract_sha256, records_sha256
 
 
 @dataclass(frozen=True)
@@ -351,6 +429,46 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
         per_task = {
             name: TaskBreakdown(n=int(c), violations=0, rate=0.0, exceeds_risk=False) for name, c in zip(task_names, counts)
         }
+    return full_cache_point(
+        spec,
+        n=table.n_requests,
+        reason=reason,
+        guarantee=(
+            f"Nothing was certified at confidence {spec.confidence:g}; the full cache is used, "
+            "which loses no utility by definition."
+        ),
+        notes=notes,
+        per_task=per_task,
+        coverage=common["coverage"],
+        contract_sha256=common["contract_sha256"],
+        records_sha256=common["records_sha256"],
+        candidates=common["candidates"],
+        sequences=common["sequences"],
+        pilot=common["pilot"],
+    )
+
+
+def full_cache_point(
+    spec: CertificationSpec,
+    *,
+    n: int,
+    reason: str,
+    guarantee: str,
+    notes: list[str],
+    per_task: dict[str, TaskBreakdown],
+    coverage: Coverage,
+    contract_sha256: str | None,
+    records_sha256: str,
+    candidates: list[CandidateResult] | None = None,
+    sequences: list[SequenceResult] | None = None,
+    pilot: PilotInfo | None = None,
+) -> OperatingPoint:
+    """The full-cache operating point (zero loss by definition), with `reason`: the one
+    constructor of a fallback, whether nothing was certified (:func:`certify_pooled`) or a
+    stratum was too small to certify anything (:func:`certify_stratified`).
+
+    n : the certification requests it was decided on; per_task : their per-task counts (0 violations).
+    """
     return OperatingPoint(
         policy=REFERENCE_POLICY,
         base_policy=REFERENCE_POLICY,
@@ -360,18 +478,25 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
         kv_retained_actual=1.0,
         fallback=True,
         reason=reason,
-        n=table.n_requests,
+        n=n,
         violations=0,
         empirical_risk=0.0,
         risk_upper_bound=0.0,
         p_value=None,
         per_task=per_task,
-        guarantee=(
-            f"Nothing was certified at confidence {spec.confidence:g}; the full cache is used, "
-            "which loses no utility by definition."
-        ),
+        guarantee=guarantee,
         notes=notes,
-        **common,
+        candidates=[] if candidates is None else candidates,
+        sequences=[] if sequences is None else sequences,
+        pilot=pilot,
+        coverage=coverage,
+        max_new_tokens=spec.max_new_tokens,
+        query_aware=spec.query_aware,
+        contract=ContractSummary.of(spec),
+        contract_sha256=contract_sha256,
+        records_sha256=records_sha256,
+        created=certified_at(),
+        certkv_version=certkv_version(),
     )
 
 
@@ -465,11 +590,13 @@ def _percent(risk: float) -> str:
 __all__ = [
     "candidate_rows",
     "certify",
+    "certify_pooled",
+    "certify_stratified",
+    "check_inputs",
     "decide",
-    "expand_for_spec",
-    "prepare",
+    "full_cache_point",
     "guarantee_sentence",
+    "prepare",
     "records_sha256",
     "select_candidates",
-    "violation_matrix",
 ]

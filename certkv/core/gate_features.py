@@ -1,8 +1,10 @@
-"""The learned gate's features and score: the one definition certification and the runtime share.
+"""The gate's comparisons, features and learned score: the one definition certification and the runtime share.
 
-Certification computes the score of every (pilot or certification) request of a base candidate
-from the loss table's signal arrays; the runtime computes it for one request from the signals it
-measured. Both go through :func:`feature_matrix`, so the two cannot drift apart.
+Certification derives a gated candidate's rows with :func:`fires` (a signal against its
+threshold) and the runtime decides with the same function; certification computes the learned
+score of every (pilot or certification) request of a base candidate from the loss table's signal
+arrays, and the runtime for one request from the signals it measured. Both go through
+:func:`feature_matrix`, so the two cannot drift apart.
 
 Feature groups (the contract's ``gate.learned.features``) are declared with their signals in
 :mod:`certkv.core.signals` and expand into named features:
@@ -17,19 +19,21 @@ Feature groups (the contract's ``gate.learned.features``) are declared with thei
 * ``context_length`` → ``log_context_tokens``: log of the request's context length in tokens.
 
 A gate that reads ``confidence_min`` or ``logprob_mean`` can only decide after the evicted
-decode (:func:`is_post_decode`); the others decide while the full cache still exists.
+decode (:attr:`certkv.core.gate.GateSettings.post_decode`); the others decide while the full cache still exists.
 
-Torch-free: numpy only.
+Torch-free: numpy and pydantic.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from certkv.core.signals import FEATURE_GROUPS, SIGNALS, Signal, feature_signal, group_signals
-from certkv.core.spec import GateSettings, LearnedGate
 from certkv.errors import CertkvError
 
 #: The groups a learned gate reads unless the contract lists its own.
@@ -38,6 +42,89 @@ DEFAULT_FEATURES = ("lookahead", "confidence", "context_length")
 POST_DECODE_FEATURES = frozenset(
     s.feature_name for s in SIGNALS if s.feature_group is not None and s.kind == "scalar" and s.phase == "post_decode"
 )
+
+
+#: Each gate part: the signal it reads and the side of its threshold that sends a request to the
+#: full cache. Certification (:func:`certkv.core.gated.gated_mask`) and the runtime
+#: (:meth:`certkv.core.spec.GateSettings.pre_decode_reason`) both decide through :func:`fires`, so they cannot
+#: compare differently.
+GATE_PARTS = {
+    "agreement_drop": ("agreement_drop", np.less),
+    "certificate": ("certificate_max", np.greater),
+    "confidence": ("confidence_min", np.less),
+    "lookahead": ("lookahead_mass", np.greater),
+    "learned": ("learned_score", np.greater),
+}
+
+
+def fires(part: str, value: npt.ArrayLike, threshold: float) -> np.bool_ | np.ndarray:
+    """Whether gate `part` (a key of :data:`GATE_PARTS`) sends `value` (a signal, or an (R,)
+    array of them) to the full cache at `threshold`: a bool, or an (R,) boolean array.
+
+    Examples
+    --------
+    >>> bool(fires("agreement_drop", 0.05, 0.1)), bool(fires("certificate", 0.05, 0.1))
+    (True, False)
+    >>> fires("confidence", [0.9, 0.1], 0.2).tolist()
+    [False, True]
+    """
+    return GATE_PARTS[part][1](value, float(threshold))
+
+
+def answer_confidence(logprobs: Sequence[float]) -> tuple[float, float]:
+    """(confidence_min, logprob_mean) of one answer from its per-token log-probabilities.
+
+    ``confidence_min`` is ``exp(min log p)``, the lowest probability the model gave a token of its
+    own answer; ``logprob_mean`` the mean log p. The lowest token probability predicts that an
+    evicted cache broke the request far better than cache-side signals do, and needs nothing but
+    the log p every decode path returns (``logit_tok − logsumexp(logits)`` in float64, the stop
+    token included). Plain python and in the core, so calibration (the engine records it),
+    certification and the runtime's gate read the one definition.
+
+    Examples
+    --------
+    >>> import math
+    >>> low, mean = answer_confidence([math.log(0.9), math.log(0.5)])
+    >>> round(low, 3), round(mean, 3)
+    (0.5, -0.399)
+    """
+    values = [float(x) for x in logprobs]
+    if not values:
+        raise ValueError("an answer's confidence needs at least one token's log-probability")
+    return math.exp(min(values)), math.fsum(values) / len(values)
+
+
+class LearnedGate(BaseModel):
+    """A fitted logistic-regression gate (scikit-learn ``LogisticRegression`` on
+    ``StandardScaler``-ed features, fit on the pilot rows of one base candidate, label loss > τ).
+
+    ``features`` are expanded names (:func:`certkv.core.gate_features.expand_features`:
+    ``lookahead[0]`` .. ``lookahead[F-1]``, ``confidence_min``, ``logprob_mean``,
+    ``agreement_drop``, ``log_context_tokens``); ``mean``/``scale`` the scaler's, ``coef`` and
+    ``intercept`` the model's, so that the score is
+    ``1 / (1 + exp(-(intercept + Σ coef_i (x_i − mean_i) / scale_i)))``
+    (:func:`certkv.core.gate_features.learned_score`), on any machine, without scikit-learn.
+    A pilot with one class only gives the constant model (coef 0), which gates nothing.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    features: list[str] = Field(min_length=1)
+    mean: list[float]
+    scale: list[float]
+    coef: list[float]
+    intercept: float
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> LearnedGate:
+        n = len(self.features)
+        if not len(self.mean) == len(self.scale) == len(self.coef) == n:
+            raise ValueError(
+                f"learned gate: features, mean, scale and coef must have one value per feature ({n}), "
+                f"got {len(self.mean)}, {len(self.scale)}, {len(self.coef)}"
+            )
+        if any(not math.isfinite(x) or x <= 0 for x in self.scale):
+            raise ValueError("learned gate: every scale must be a positive finite number")
+        return self
 
 
 def expand_features(groups: Sequence[str], n_heads: int | None = None) -> list[str]:
@@ -162,32 +249,17 @@ def learned_score(model: LearnedGate, signals: Mapping) -> float:
     return float(learned_scores(model, feature_vector(signals, model.features)[None, :])[0])
 
 
-def is_post_decode(settings: GateSettings) -> bool:
-    """Whether the gate can only decide after the evicted decode: a confidence or certificate
-    bound, or a learned model that reads a confidence feature. Such a gate escalates: the full
-    answer is computed again from the full cache."""
-    if settings.confidence is not None or settings.certificate is not None:
-        return True
-    return settings.learned is not None and any(f in POST_DECODE_FEATURES for f in settings.learned.features)
-
-
-def is_pre_decode(settings: GateSettings) -> bool:
-    """Whether some part of the gate decides before the evicted decode (agreement drop,
-    lookahead, a learned model without confidence features)."""
-    if settings.agreement_drop is not None or settings.lookahead is not None:
-        return True
-    return settings.learned is not None and not is_post_decode(settings)
-
-
 __all__ = [
     "DEFAULT_FEATURES",
+    "GATE_PARTS",
     "FEATURE_GROUPS",
+    "LearnedGate",
+    "answer_confidence",
     "POST_DECODE_FEATURES",
     "expand_features",
     "feature_matrix",
     "feature_vector",
-    "is_post_decode",
-    "is_pre_decode",
+    "fires",
     "learned_score",
     "learned_scores",
     "needed_signals",

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple, TypeAlias, TypeGuard
+from typing import NamedTuple, TypeGuard
 
 import numpy as np
 
@@ -67,7 +67,7 @@ CANDIDATE_SIGNALS = tuple(s.name for s in RECORDED if s.per == "candidate" and s
 
 @dataclass(frozen=True)
 class GatedRow:
-    """How a gated row of a table was derived (by :func:`certkv.core.gated.expand_gated`): from
+    """How a gated row of a table was derived (by :func:`certkv.core.gated.derive_gated`): from
     `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`) or
     (confidence_min < `confidence`) or (lookahead_mass > `lookahead`) or (learned score >
     `learned_threshold`);
@@ -188,15 +188,6 @@ class LossTable:
         rows = records if isinstance(records, list) else list(records)
         return _build(_columns_from_mappings(rows, source, _record_where), source, _record_where)
 
-    @classmethod
-    def read(cls, path: str | os.PathLike[str]) -> LossTable:
-        """Read a ``.csv`` or ``.jsonl`` loss table."""
-        return read_loss_table(path)
-
-
-#: What the certifier accepts as evidence: a table, a CSV/JSONL loss-table path, or record dicts.
-LossRecords: TypeAlias = LossTable | str | os.PathLike[str] | Iterable[Mapping[str, Any]]
-
 
 # ----------------------------------------------------------------------------- readers
 
@@ -262,31 +253,19 @@ def read_jsonl(path: str | os.PathLike[str]) -> LossTable:
     return _build(_columns_from_mappings(rows, source, where), source, where)
 
 
-def as_loss_table(records: LossRecords) -> LossTable:
-    """Accept a LossTable, a path to a CSV/JSONL file, or an iterable of record dicts."""
-    if isinstance(records, LossTable):
-        return records
-    if isinstance(records, (str, os.PathLike)):
-        return read_loss_table(records)
-    if isinstance(records, Iterable) and not isinstance(records, (bytes, Mapping)):
-        return LossTable.from_records(records)
-    raise CertkvError(f"records must be a LossTable, a CSV/JSONL path or a list of dicts, got {type(records).__name__}")
-
-
 # ----------------------------------------------------------------------------- hashing
 
 
-def records_sha256(table: LossRecords) -> str:
+def records_sha256(table: LossTable) -> str:
     """SHA-256 of a canonical serialisation of the table, sorted by (request_id, policy).
 
     Independent of the input's row order and file format, so the same calibration evidence always
     hashes the same; any change to a loss, a memory value, a task or the request set changes it.
     The reference rows (policy ``full``) carry no certification evidence and are not part of it.
     Gated rows are derived from the others (and the contract, hashed separately) and are left
-    out, so a table hashes the same before and after :func:`certkv.core.gated.expand_gated`; the gate
+    out, so a table hashes the same before and after :func:`certkv.core.gated.derive_gated`; the gate
     signals are part of it when the table has any (a table without them hashes as it always did).
     """
-    table = as_loss_table(table)
     order = sorted((i for i, p in enumerate(table.policies) if p not in table.gated), key=lambda i: table.policies[i])
     header = {
         "format": "certkv-loss-table-v1",
@@ -724,7 +703,6 @@ __all__ = [
     "LossTable",
     "OPTIONAL_COLUMNS",
     "REQUIRED_COLUMNS",
-    "as_loss_table",
     "read_csv",
     "read_jsonl",
     "read_loss_table",

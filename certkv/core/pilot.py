@@ -38,11 +38,11 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.binomial import violation_mask
-from certkv.core.gate_features import expand_features, feature_matrix, learned_scores, needed_signals
-from certkv.core.gated import check_signal, expand_gated, spec_derivations
+from certkv.core.gate_features import LearnedGate, expand_features, feature_matrix, learned_scores, needed_signals
+from certkv.core.gated import check_signal, derive_gated
 from certkv.core.loss_table import LossTable
 from certkv.core.procedures import procedure_of
-from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings, LearnedGate
+from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
 from certkv.errors import CertkvError
 
 #: The fewest certification requests a pilot may leave.
@@ -94,6 +94,15 @@ def draw_pilot(request_ids: Sequence[str], share: float, seed: int = 0, min_cert
 
     Deterministic and independent of any loss or signal. Raises a one-line error when the pilot
     would be empty or leave fewer than `min_certification` certification requests.
+
+    Examples
+    --------
+    >>> split = draw_pilot([f"r{i}" for i in range(400)], share=0.25, seed=0)
+    >>> len(split.pilot_ids), len(split.certification_ids)
+    (100, 300)
+    >>> reordered = draw_pilot([f"r{i}" for i in reversed(range(400))], 0.25, 0)
+    >>> set(split.pilot_ids) == set(reordered.pilot_ids)  # the ids decide, not their order
+    True
     """
     share = float(share)
     if not 0.0 < share < 1.0:
@@ -232,7 +241,7 @@ def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
     violations: dict[str, int] = {}
     memory: dict[str, float] = {}
     if procedure_of(spec.procedure).orders_by_pilot:
-        expanded = _expand(pilot, resolved)
+        expanded = derive_gated(pilot, resolved)
         names = resolved.candidates
         rows = [expanded.index_of(n) for n in names]
         k = violation_mask(expanded.loss[rows], spec.tolerance).sum(axis=1)
@@ -253,17 +262,17 @@ def _resolve_candidate(
 ) -> CandidateInfo:
     """`entry` with its pilot gate's threshold (and model) placed on `pilot`."""
     gate = entry.pilot_gate
-    assert gate is not None, name  # only pilot-gated candidates are resolved
+    assert gate is not None and gate.quantile is not None, name  # only pilot-gated candidates are resolved
     base = entry.base_policy
     row = pilot.index_of(base)
     who = f"policy {base!r} (needed by {name!r}) on the pilot"
     settings = entry.gate.model_copy(update={"quantile": gate.quantile}) if entry.gate is not None else None
     if settings is None:
         settings = GateSettings(quantile=gate.quantile)
-    if gate.kind == "confidence":
+    if gate.pilot_kind == "confidence":
         values = check_signal(pilot, _row(pilot.confidence_min, row), "confidence_min", who)
         settings = settings.model_copy(update={"confidence": signal_quantile(values, gate.quantile)})
-    elif gate.kind == "lookahead":
+    elif gate.pilot_kind == "lookahead":
         values = check_signal(pilot, _row(pilot.lookahead_mass, row), "lookahead_mass", who)
         settings = settings.model_copy(update={"lookahead": signal_quantile(values, 1.0 - gate.quantile)})
     else:
@@ -326,14 +335,22 @@ def _row(matrix, row: int):
     return None if matrix is None else matrix[row]
 
 
-def _expand(table: LossTable, spec: CertificationSpec) -> LossTable:
-    wanted = spec_derivations(spec)
-    return expand_gated(table, wanted) if wanted else table
-
-
 def apply_pilot(table: LossTable, spec: CertificationSpec) -> tuple[LossTable, CertificationSpec, PilotResolution | None]:
     """(certification table, resolved spec, resolution) when `spec` has a pilot, else the inputs
-    and None; a pilot gate or pilot_ordered without a pilot is an error."""
+    and None; a pilot gate or pilot_ordered without a pilot is an error.
+
+    The first step of :func:`certkv.core.certify.prepare`, before the gated candidates are derived.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(200)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]],
+    ...                          pilot={"share": 0.25})
+    >>> table, resolved, resolution = apply_pilot(LossTable.from_records(rows), spec)
+    >>> table.n_requests, resolution.info.n_pilot
+    (150, 50)
+    """
     if spec.pilot is not None:
         res = resolve_pilot(table, spec)
         return res.table, res.spec, res

@@ -1,5 +1,5 @@
-"""The one naming rule for candidates: written by :func:`policy_name` and friends, read by
-:func:`parse_policy_name`.
+"""Candidates and their names: the one naming rule, written by :func:`policy_name` and friends and
+read by :func:`parse_policy_name`, and how a contract's entries expand into named candidates.
 
 A candidate's name is ``<display>@<kv>`` with the retention at two decimals (``snapkv@0.50``);
 a gated candidate appends its gate, each value written by ``format(x, "g")``:
@@ -12,12 +12,23 @@ candidate is compared with; it is never a candidate.
 
 Loss tables written by other systems may use any names; the parser never fails on them, it
 reads the part before the first ``@`` as the display name and everything else as unknown.
+
+Expansion: a contract pre-registers policy entries (a press at decreasing retentions) and,
+optionally, a gate grid; each entry is tested under every gate setting of the grid
+(:class:`GateChoice`): first ungated, then each agreement-drop threshold t, then, for a press that
+produces certificates, each certificate bound b and each pair (t, b) (thresholds outer), then
+each pilot gate (confidence, lookahead and learned quantiles, never combined with each other or
+with t and b). Each (entry, setting) pair is one sequence, run over the entry's retentions in the
+order written (:func:`entry_sequences`). The contract (:mod:`certkv.contract`) validates the YAML
+and hands its entries here as plain :class:`PolicyEntry` values, so the core never imports it.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 #: The full cache: the reference policy of every request, never a candidate.
 REFERENCE_POLICY = "full"
@@ -100,3 +111,151 @@ def parse_policy_name(name: str) -> PolicyName:
 def is_gated_policy(name: str) -> bool:
     """Whether `name` is a gated candidate's (derived from its base's records, never calibrated)."""
     return parse_policy_name(name).is_gated
+
+
+#: Gate kinds whose thresholds are placed on a pilot split, at pre-registered quantiles.
+PilotGateKind = Literal["confidence", "lookahead", "learned"]
+#: The pilot gate kinds in sequence order.
+PILOT_GATE_KINDS: tuple[PilotGateKind, ...] = ("confidence", "lookahead", "learned")
+
+
+@dataclass(frozen=True)
+class GateChoice:
+    """One gate setting of the contract's grid, as the contract says it: fixed thresholds
+    (``agreement_drop`` t, ``certificate`` b; None: that part off), or a pilot gate ``pilot_kind``
+    at the pre-registered ``quantile`` whose threshold the pilot split places (``features``: the
+    learned gate's feature groups). All None: ungated.
+
+    Examples
+    --------
+    >>> GateChoice(agreement_drop=0.1).name("snapkv@0.50")
+    'snapkv@0.50+drop0.1'
+    >>> GateChoice(pilot_kind="confidence", quantile=0.2).name("snapkv@0.50")
+    'snapkv@0.50+confq0.2'
+    >>> GateChoice().is_gated
+    False
+    """
+
+    agreement_drop: float | None = None
+    certificate: float | None = None
+    pilot_kind: PilotGateKind | None = None
+    quantile: float | None = None
+    features: tuple[str, ...] = ()
+
+    @property
+    def is_gated(self) -> bool:
+        return self.agreement_drop is not None or self.certificate is not None or self.pilot_kind is not None
+
+    def name(self, base: str) -> str:
+        """The gated candidate's name over `base` (`base` itself when ungated)."""
+        return gated_policy_name(base, self.agreement_drop, self.certificate, pilot_kind=self.pilot_kind, quantile=self.quantile)
+
+
+@dataclass(frozen=True)
+class PolicyEntry:
+    """One policy entry of a contract, as candidates are built from it: its names' prefix
+    (``display``: the label or the press), the press, its retentions in test order, the press's
+    kwargs, the label, and the gate settings it is tested under (``choices``, ungated first:
+    :func:`gate_choices`)."""
+
+    display: str
+    press: str
+    kv_retained: tuple[float, ...]
+    press_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    label: str | None = None
+    choices: tuple[GateChoice, ...] = (GateChoice(),)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate: `policy` is its name, `base_policy` the ungated candidate it runs (itself
+    when ungated), `gate` its gate setting (None: ungated; a gated candidate is derived from its
+    base's records, never calibrated itself). `position` is its place within its sequence (0 =
+    most conservative); `sequence` is its policy entry's index for an ungated candidate (what
+    calibration runs) and its sequence's index among :func:`entry_sequences` for a gated one."""
+
+    policy: str
+    base_policy: str
+    press: str
+    kv_retained: float
+    press_kwargs: dict[str, Any] = field(default_factory=dict)
+    sequence: int = 0
+    position: int = 0
+    label: str | None = None
+    gate: GateChoice | None = None
+
+    @property
+    def is_gated(self) -> bool:
+        return self.gate is not None
+
+
+def gate_choices(
+    agreement_drop: Sequence[float] = (),
+    certificate: Sequence[float] = (),
+    pilot: Iterable[GateChoice] = (),
+    *,
+    certificates: bool = False,
+) -> tuple[GateChoice, ...]:
+    """Every gate setting an entry is tested under, in sequence order: ungated, each threshold t,
+    then (`certificates`: its press produces certificates) each bound b and each pair (t, b),
+    thresholds outer, then the `pilot` settings as given.
+
+    Examples
+    --------
+    >>> [c.name("p@0.50") for c in gate_choices([0.2], [0.02], certificates=True)]
+    ['p@0.50', 'p@0.50+drop0.2', 'p@0.50+cert0.02', 'p@0.50+drop0.2+cert0.02']
+    >>> len(gate_choices([0.2], [0.02], certificates=False))  # no certificate: no +cert settings
+    2
+    """
+    choices = [GateChoice()] + [GateChoice(agreement_drop=t) for t in agreement_drop]
+    if certificates:
+        choices += [GateChoice(certificate=b) for b in certificate]
+        choices += [GateChoice(agreement_drop=t, certificate=b) for t in agreement_drop for b in certificate]
+    return (*choices, *pilot)
+
+
+def candidates(entries: Iterable[PolicyEntry]) -> list[Candidate]:
+    """The ungated candidates (those calibration runs), entry by entry, in test order.
+
+    Examples
+    --------
+    >>> entry = PolicyEntry("snapkv", "snapkv", (0.8, 0.5), choices=gate_choices([0.1]))
+    >>> [c.policy for c in candidates([entry])]
+    ['snapkv@0.80', 'snapkv@0.50']
+    """
+    return [
+        Candidate(policy_name(e.display, kv), policy_name(e.display, kv), e.press, kv, dict(e.press_kwargs), s, k, e.label)
+        for s, e in enumerate(entries)
+        for k, kv in enumerate(e.kv_retained)
+    ]
+
+
+def gated_candidates(entries: Iterable[PolicyEntry]) -> list[Candidate]:
+    """The gated candidates (derived from their bases' records), sequence by sequence.
+
+    Examples
+    --------
+    >>> entry = PolicyEntry("snapkv", "snapkv", (0.8, 0.5), choices=gate_choices([0.1]))
+    >>> [(c.policy, c.base_policy) for c in gated_candidates([entry])]
+    [('snapkv@0.80+drop0.1', 'snapkv@0.80'), ('snapkv@0.50+drop0.1', 'snapkv@0.50')]
+    """
+    pairs = [(e, choice) for e in entries for choice in e.choices]  # one sequence per pair
+    return [
+        Candidate(choice.name(base), base, e.press, kv, dict(e.press_kwargs), s, k, e.label, choice)
+        for s, (e, choice) in enumerate(pairs)
+        if choice.is_gated
+        for k, kv in enumerate(e.kv_retained)
+        for base in (policy_name(e.display, kv),)
+    ]
+
+
+def entry_sequences(entries: Iterable[PolicyEntry]) -> list[list[str]]:
+    """Policy names per sequence, in test order: for each entry, one sequence per gate setting.
+
+    Examples
+    --------
+    >>> entry = PolicyEntry("snapkv", "snapkv", (0.8, 0.5), choices=gate_choices([0.1]))
+    >>> entry_sequences([entry])
+    [['snapkv@0.80', 'snapkv@0.50'], ['snapkv@0.80+drop0.1', 'snapkv@0.50+drop0.1']]
+    """
+    return [[choice.name(policy_name(e.display, kv)) for kv in e.kv_retained] for e in entries for choice in e.choices]

@@ -341,15 +341,6 @@ def holm_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndar
     return REGISTRY["holm"].mask(p, lengths, delta)
 
 
-def pilot_ordered_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags of split fixed-sequence testing: the sequences concatenated (in the order
-    the pilot set) and tested as one fixed sequence at the full δ.
-
-    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
-    """
-    return REGISTRY["pilot_ordered"].mask(p, lengths, delta)
-
-
 def certified_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
     """Dispatch to the procedure named in the contract; shape ``(..., N)`` in, booleans out.
 
@@ -437,7 +428,6 @@ __all__ = [
     "fixed_sequence_mask",
     "holm_mask",
     "is_prefix",
-    "pilot_ordered_mask",
     "procedure_of",
     "sequence_stops",
 ]

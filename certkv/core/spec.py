@@ -1,23 +1,37 @@
 """What the certifier needs from a contract, and what deploying a candidate needs.
 
 :class:`CertificationSpec` carries τ, ε, 1 − δ, the family-wise procedure and the candidate
-sequences in their pre-registered test order; :class:`CandidateInfo` and :class:`GateSettings`
-say how each candidate is deployed (base policy, press kwargs, gate: fixed thresholds, or
-thresholds and a fitted :class:`LearnedGate` placed on the pilot split, :class:`PilotConfig`). The
-agreement gate's signal settings and the lookahead probe's length default here, once, for the
-contract, the certificate and the runtime alike.
-Torch-free.
+sequences in their pre-registered test order; :class:`CandidateInfo` says how each candidate is
+deployed (base policy, press kwargs, gate: a :class:`GateSettings` with fixed thresholds, or with
+thresholds and a fitted :class:`~certkv.core.gate_features.LearnedGate` placed on the pilot split,
+:class:`PilotConfig`).
+
+A gate is three things: what the contract says (its validated ``gate:`` block, and per candidate
+a :class:`~certkv.core.policy_names.GateChoice`); what certification decides, every threshold placed
+(:class:`GateSettings`); and what the runtime applies: the same :class:`GateSettings`, through its
+methods (:meth:`GateSettings.pre_decode_reason`, :meth:`GateSettings.post_decode_reason`), which
+compare with :func:`~certkv.core.gate_features.fires`, the function certification derives the
+gated rows with. The agreement gate's signal settings and the lookahead probe's length default
+here, once, for the contract, the certificate and the runtime alike. Torch-free.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.gate_features import (
+    GATE_PARTS,
+    POST_DECODE_FEATURES,
+    LearnedGate,
+    answer_confidence,
+    fires,
+    learned_score,
+    needed_signals,
+)
+from certkv.core.policy_names import REFERENCE_POLICY, GateChoice
 from certkv.core.procedures import Procedure
 from certkv.errors import CertkvError, format_validation_error
 
@@ -34,10 +48,6 @@ AGREEMENT_SPLIT = 3
 #: Answer tokens the lookahead probe feeds back after the question (A): A + 1 probe queries.
 LOOKAHEAD_TOKENS = 2
 
-#: Gate kinds whose thresholds are placed on a pilot split, at pre-registered quantiles.
-PilotGateKind = Literal["confidence", "lookahead", "learned"]
-
-
 def delta_of(confidence: float) -> float:
     """δ = 1 − confidence, the allowed probability that the certificate is wrong.
 
@@ -47,41 +57,9 @@ def delta_of(confidence: float) -> float:
     return round(1.0 - confidence, 12)
 
 
-class LearnedGate(BaseModel):
-    """A fitted logistic-regression gate (scikit-learn ``LogisticRegression`` on
-    ``StandardScaler``-ed features, fit on the pilot rows of one base candidate, label loss > τ).
-
-    ``features`` are expanded names (:func:`certkv.core.gate_features.expand_features`:
-    ``lookahead[0]`` .. ``lookahead[F-1]``, ``confidence_min``, ``logprob_mean``,
-    ``agreement_drop``, ``log_context_tokens``); ``mean``/``scale`` the scaler's, ``coef`` and
-    ``intercept`` the model's, so that the score is
-    ``1 / (1 + exp(-(intercept + Σ coef_i (x_i − mean_i) / scale_i)))``
-    (:func:`certkv.core.gate_features.learned_score`), on any machine, without scikit-learn.
-    A pilot with one class only gives the constant model (coef 0), which gates nothing.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    features: list[str] = Field(min_length=1)
-    mean: list[float]
-    scale: list[float]
-    coef: list[float]
-    intercept: float
-
-    @model_validator(mode="after")
-    def _same_lengths(self) -> LearnedGate:
-        n = len(self.features)
-        if not len(self.mean) == len(self.scale) == len(self.coef) == n:
-            raise ValueError(
-                f"learned gate: features, mean, scale and coef must have one value per feature ({n}), "
-                f"got {len(self.mean)}, {len(self.scale)}, {len(self.coef)}"
-            )
-        if any(not math.isfinite(x) or x <= 0 for x in self.scale):
-            raise ValueError("learned gate: every scale must be a positive finite number")
-        return self
-
-
 class GateSettings(BaseModel):
-    """A gated candidate's runtime gate; a request goes to the full cache when any set part fires:
+    """A gated candidate's gate, thresholds placed; a request goes to the full cache when any set
+    part fires:
 
     * ``agreement_drop``: its agreement drop < t (before the evicted decode);
     * ``certificate``: its survey-variance certificate > b (after the decode: escalation);
@@ -89,12 +67,28 @@ class GateSettings(BaseModel):
     * ``lookahead``: the full-cache attention mass the probe queries put on evicted entries > t
       (before the decode);
     * ``learned`` with ``learned_threshold``: its logistic score > t (before the decode, or after
-      it when the model reads a confidence feature: :func:`certkv.core.gate_features.is_post_decode`).
+      it when the model reads a confidence feature: :attr:`post_decode`).
 
     null: that part is off. ``quantile`` is the pre-registered pilot quantile a confidence,
     lookahead or learned threshold was placed at (null for fixed thresholds; while it is set and
     the threshold is null, the gate is not resolved yet: :mod:`certkv.core.pilot`). The agreement
     signal's settings and the probe's ``lookahead_tokens`` are those it was calibrated under.
+
+    The same object is what the runtime applies: :meth:`pre_decode_reason` and
+    :meth:`post_decode_reason`. ``GateSettings()`` (every part off) is the gate of an ungated
+    point: it never fires.
+
+    Examples
+    --------
+    >>> gate = GateSettings(agreement_drop=0.1)
+    >>> gate.kind, gate.needs_agreement, gate.post_decode
+    ('agreement_drop', True, False)
+    >>> signals = {"agreement_drop": 0.02}
+    >>> gate.pre_decode_reason(signals)
+    'gate'
+    >>> escalate = GateSettings(confidence=0.2)
+    >>> escalate.post_decode_reason(signals, logprobs=[-0.1, -2.0]), round(signals["confidence_min"], 3)
+    ('confidence', 0.135)
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -126,26 +120,155 @@ class GateSettings(BaseModel):
             raise ValueError("a learned gate needs both its model (learned) and its threshold (learned_threshold)")
         return self
 
+    # -- what it is ------------------------------------------------------------------------------
+
     @property
     def kind(self) -> str:
         """``agreement_drop``, ``certificate``, ``agreement_drop+certificate``, ``confidence``,
-        ``lookahead`` or ``learned``: the parts that are set ("" while a pilot gate is unresolved)."""
+        ``lookahead`` or ``learned``: the parts that are set ("" while a pilot gate is unresolved,
+        and for the ungated ``GateSettings()``)."""
         parts = [k for k in ("agreement_drop", "certificate", "confidence", "lookahead") if getattr(self, k) is not None]
         if self.learned is not None:
             parts.append("learned")
         return "+".join(parts)
 
+    @property
+    def is_placed(self) -> bool:
+        """Whether a pilot gate's threshold is placed (always true for a fixed-threshold gate)."""
+        return self.quantile is None or bool(self.kind)
 
-class PilotGate(BaseModel):
-    """A gate whose threshold the pilot places: ``kind`` at the pre-registered ``quantile``
-    (the share of pilot requests with the most suspicious signal it sends to the full cache);
-    ``features`` are the learned gate's feature groups (contract names: lookahead, confidence,
-    agreement_drop, context_length)."""
+    @property
+    def post_decode(self) -> bool:
+        """Whether the gate can only decide after the evicted decode: a confidence or certificate
+        bound, or a learned model that reads a confidence feature. Such a gate escalates: the full
+        answer is computed again from the full cache."""
+        if self.confidence is not None or self.certificate is not None:
+            return True
+        return self.learned is not None and any(f in POST_DECODE_FEATURES for f in self.learned.features)
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: PilotGateKind
-    quantile: float = Field(gt=0.0, lt=1.0)
-    features: tuple[str, ...] = ()
+    @property
+    def pre_decode(self) -> bool:
+        """Whether some part of the gate decides before the evicted decode (agreement drop,
+        lookahead, a learned model without confidence features)."""
+        if self.agreement_drop is not None or self.lookahead is not None:
+            return True
+        return self.learned is not None and not self.post_decode
+
+    @property
+    def learned_post_decode(self) -> bool:
+        """Whether the learned model (if any) scores after the evicted decode."""
+        return self.learned is not None and self.post_decode
+
+    # -- what the runtime measures -----------------------------------------------------------------
+
+    @property
+    def needs_agreement(self) -> bool:
+        """The prefill must record the agreement drop (a drop threshold, or a learned feature)."""
+        return self.agreement_drop is not None or (
+            self.learned is not None and "agreement_drop" in needed_signals(self.learned.features)
+        )
+
+    @property
+    def needs_lookahead(self) -> bool:
+        """The lookahead probe must run (a lookahead threshold, or a learned feature)."""
+        return self.lookahead is not None or (
+            self.learned is not None and "lookahead_heads" in needed_signals(self.learned.features)
+        )
+
+    @property
+    def agreement(self) -> dict[str, Any]:
+        """The agreement recorder's settings (window, top_k, split_divisor) the drop was calibrated under."""
+        return {"window": self.agreement_window, "top_k": self.agreement_top_k, "split_divisor": self.agreement_split}
+
+    def deployable(self) -> GateSettings:
+        """These settings, after checking that the runtime can apply them: a pilot gate whose
+        threshold is not placed yet is a one-line error (a learned model always has its threshold:
+        the validator refuses one without)."""
+        if not self.is_placed:
+            raise CertkvError(
+                f"the operating point's gate (pilot quantile {self.quantile}) has no threshold yet; "
+                "deploy the operating point `certkv certify` writes, which places it on the pilot"
+            )
+        return self
+
+    # -- what the runtime applies ------------------------------------------------------------------
+
+    def learned_score(self, signals: Mapping) -> float | None:
+        """The learned model's score of one request (:func:`certkv.core.gate_features.learned_score`,
+        the definition certification uses), or None when the gate has no learned model."""
+        if self.learned is None:
+            return None
+        return float(learned_score(self.learned, signals))
+
+    def before_decode(self, signals: Mapping) -> str | None:
+        """The reason to answer from the full cache before any evicted decode, or None.
+
+        `signals` holds ``agreement_drop``, ``lookahead_mass``, ``learned_score`` (those computed).
+        """
+        learned = self.learned_threshold if self.learned is not None and not self.learned_post_decode else None
+        return _first_firing(
+            signals,
+            (
+                ("agreement_drop", self.agreement_drop, "gate"),
+                ("lookahead", self.lookahead, "lookahead"),
+                ("learned", learned, "learned"),
+            ),
+        )
+
+    def after_decode(self, signals: Mapping) -> str | None:
+        """The reason to escalate an evicted answer to the full cache, or None.
+
+        `signals` holds ``certificate_max``, ``confidence_min`` and ``learned_score`` (those computed).
+        """
+        learned = self.learned_threshold if self.learned is not None and self.learned_post_decode else None
+        return _first_firing(
+            signals,
+            (
+                ("certificate", self.certificate, "certificate"),
+                ("confidence", self.confidence, "confidence"),
+                ("learned", learned, "learned"),
+            ),
+        )
+
+    def pre_decode_reason(self, signals: MutableMapping[str, Any]) -> str | None:
+        """Score the learned model when it reads only pre-decode signals (into
+        ``signals["learned_score"]``), then return why a pre-decode part sends the request to the
+        full cache, or None.
+
+        `signals` maps every signal name of :data:`certkv.core.signals.SIGNALS` to its value so far
+        (None: not measured); the path that answers the request fills it, and its Decision is built
+        from it once the answer is known."""
+        if self.learned is not None and not self.learned_post_decode:
+            signals["learned_score"] = self.learned_score(signals)
+        return self.before_decode(signals)
+
+    def post_decode_reason(
+        self, signals: MutableMapping[str, Any], logprobs: Sequence[float] | None, certificate: float | None = None
+    ) -> str | None:
+        """Record the evicted answer's signals in `signals` (its confidence from the per-token log
+        p, `logprobs`, None when not known; the certificate maximum; the learned score when the
+        model reads them) and return why a post-decode part escalates, or None. The one step every
+        runtime path shares."""
+        signals["confidence_min"], signals["logprob_mean"] = (None, None) if logprobs is None else answer_confidence(logprobs)
+        signals["certificate_max"] = certificate
+        if self.learned is not None and self.learned_post_decode:
+            signals["learned_score"] = self.learned_score(signals)
+        return self.after_decode(signals)
+
+
+def _first_firing(signals: Mapping, parts: Iterable[tuple[str, float | None, str]]) -> str | None:
+    """The decision reason of the first (part, threshold, reason) whose part fires, through
+    :func:`fires` (certification's own comparison); None when none does.
+
+    A signal the gate needs but could not read (None or NaN) fires: certification refuses records
+    without it, so nothing certified such a request, and the full cache answers it."""
+    for part, threshold, reason in parts:
+        if threshold is None:
+            continue
+        value = signals.get(GATE_PARTS[part][0])
+        if value is None or value != value or fires(part, value, threshold):
+            return reason
+    return None
 
 
 class PilotConfig(BaseModel):
@@ -183,14 +306,16 @@ class StrataConfig(BaseModel):
 
 class CandidateInfo(BaseModel):
     """What deploying a candidate needs beyond its press and retention: the ungated base policy,
-    the press's kwargs and the gate (null for an ungated candidate). ``pilot_gate`` marks a gate
-    whose threshold the pilot places (:mod:`certkv.core.pilot` fills ``gate`` from it)."""
+    the press's kwargs and the gate (null for an ungated candidate). ``pilot_gate`` is the
+    contract's setting of a gate whose threshold the pilot places (a :class:`GateChoice` with its
+    ``pilot_kind``, ``quantile`` and learned ``features``; :mod:`certkv.core.pilot` fills ``gate``
+    from it)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     base_policy: str
     press_kwargs: dict[str, Any] = Field(default_factory=dict)
     gate: GateSettings | None = None
-    pilot_gate: PilotGate | None = None
+    pilot_gate: GateChoice | None = None
 
 
 class CertificationSpec(BaseModel):
@@ -276,11 +401,10 @@ __all__ = [
     "LOOKAHEAD_TOKENS",
     "CandidateInfo",
     "CertificationSpec",
+    "GateChoice",
     "GateSettings",
     "LearnedGate",
     "PilotConfig",
-    "PilotGate",
-    "PilotGateKind",
     "StrataConfig",
     "delta_of",
 ]

@@ -20,19 +20,20 @@ whatever the calibration requests carry), and each stratum's decision uses only 
 so the per-stratum certificates are exactly those of :func:`~certkv.core.certify.certify` on each
 stratum's table (with a pilot, each stratum draws its own pilot from its own ids). A stratum with
 fewer certification requests than a zero-violation certificate needs falls back with that reason
-and its requests are answered from the full cache. Torch-free.
+and its requests are answered from the full cache. This module splits the requests and composes
+the entries (:func:`split_strata`, :func:`stratified_point`); the certificates themselves are
+:func:`certkv.core.certify.certify_stratified`'s, one pooled certificate per stratum. Torch-free.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 
 from certkv.core.binomial import binomial_p_value
-from certkv.core.coverage import coverage_of, merge_coverage
+from certkv.core.coverage import merge_coverage
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import (
     ContractSummary,
@@ -43,18 +44,10 @@ from certkv.core.operating_point import (
     certkv_version,
 )
 from certkv.core.pilot import draw_pilot, pilot_size
-from certkv.core.policy_names import REFERENCE_POLICY, STRATIFIED_POLICY
+from certkv.core.policy_names import STRATIFIED_POLICY
 from certkv.core.procedures import candidate_levels
 from certkv.core.spec import CertificationSpec, delta_of
 from certkv.errors import CertkvError
-
-
-class CertifyOne(Protocol):
-    """How :func:`certify_stratified` certifies one stratum (:func:`certkv.core.certify.certify`)."""
-
-    def __call__(
-        self, records: LossTable, spec: CertificationSpec, *, contract_sha256: str | None, records_sha256: str | None
-    ) -> OperatingPoint: ...
 
 
 def stratum_labels(table: LossTable, by: str) -> tuple[str, ...]:
@@ -103,28 +96,20 @@ def fewest_requests(spec: CertificationSpec) -> int:
     return n
 
 
-def certify_stratified(
-    table: LossTable, spec: CertificationSpec, certify_one: CertifyOne, *, contract_sha256: str | None, records_sha256: str
-) -> OperatingPoint:
-    """One operating point per stratum of `table`, and their pooled summary (the module docstring).
+def split_strata(table: LossTable, spec: CertificationSpec) -> tuple[CertificationSpec, list[tuple[str, LossTable, str | None]]]:
+    """The per-stratum spec (:func:`stratum_spec`) and, per stratum in sorted order, its name,
+    its requests (pilot included) and why it is too small to certify anything (None when it is
+    not: :func:`too_small_reason`). :func:`certkv.core.certify.certify_stratified` certifies each.
 
-    Parameters
-    ----------
-    table : LossTable
-        Every calibration request (pilot included), with a stratum or task column.
-    spec : CertificationSpec
-        With ``strata`` set; each stratum is certified under :func:`stratum_spec`.
-    certify_one : callable
-        :func:`certkv.core.certify.certify` (passed in: it is what dispatches here), called as
-        ``certify_one(stratum_table, stratum_spec, contract_sha256=..., records_sha256=...)``.
-    contract_sha256, records_sha256 : str
-        Bound into every entry and the summary (the records hash is the whole table's).
-
-    Returns
-    -------
-    OperatingPoint
-        ``strata.entries`` holds each stratum's operating point; the top level is their summary
-        (:class:`~certkv.core.operating_point.OperatingPoint`, field ``strata``).
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"{task}{i}", "task": task, "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0}
+    ...         for task, n in (("a", 100), ("b", 5)) for i in range(n)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]], strata={"by": "task"})
+    >>> per_stratum, strata = split_strata(LossTable.from_records(rows), spec)
+    >>> [(name, sub.n_requests, why is None) for name, sub, why in strata]
+    [('a', 100, True), ('b', 5, False)]
     """
     assert spec.strata is not None  # a stratified spec
     by = spec.strata.by
@@ -133,20 +118,20 @@ def certify_stratified(
     per_stratum = stratum_spec(spec, len(names))
     need = fewest_requests(per_stratum)
     codes = _codes(labels, names)
-    entries = {}
+    out = []
     for s, name in enumerate(names):
         columns = np.flatnonzero(codes == s)
         sub = table.take_requests(columns, source=f"{table.source} [{by} {name}]")
-        why = too_small_reason(columns.size, per_stratum, need)
-        if why is not None:
-            entry = _too_small(sub, per_stratum, name, by, why, contract_sha256, records_sha256)
-        else:
-            entry = certify_one(sub, per_stratum, contract_sha256=contract_sha256, records_sha256=records_sha256)
-            entry.guarantee = stratum_guarantee(per_stratum, by, name, entry.fallback)
-        assert entry.coverage is not None  # every certified entry has its coverage
-        coverage = entry.coverage.model_copy(update={"by": by, "strata": [name], "stratum_required": True})
-        entries[name] = entry.model_copy(update={"coverage": coverage})
-    return _summary(entries, spec, per_stratum, by, contract_sha256, records_sha256)
+        out.append((name, sub, too_small_reason(columns.size, per_stratum, need)))
+    return per_stratum, out
+
+
+def with_stratum_coverage(entry: OperatingPoint, by: str, name: str) -> OperatingPoint:
+    """`entry` (one stratum's operating point) with its coverage marked as stratum `name`'s: the
+    runtime serves it only to requests of that stratum."""
+    assert entry.coverage is not None  # every certified entry has its coverage
+    coverage = entry.coverage.model_copy(update={"by": by, "strata": [name], "stratum_required": True})
+    return entry.model_copy(update={"coverage": coverage})
 
 
 def stratum_guarantee(spec: CertificationSpec, by: str, name: str, fallback: bool) -> str:
@@ -210,44 +195,24 @@ def pilot_shortfall(n_requests: int, spec: CertificationSpec) -> str | None:
     return None
 
 
-def _too_small(sub, spec, name, by, why, contract_sha256, records_sha256) -> OperatingPoint:
-    """A stratum too small to certify anything: the full cache, with why."""
+def full_cache_counts(sub: LossTable, spec: CertificationSpec) -> tuple[int, dict[str, TaskBreakdown]]:
+    """The certification requests of a stratum answered from the full cache: their number and
+    per-task counts (0 violations), so that the summary still counts every one of them."""
     n_cert = sub.n_requests - (pilot_size(sub.n_requests, spec.pilot.share) if spec.pilot is not None else 0)
-    reason = f"{by} {name!r} is too small to certify: {why}; using the full cache"
-    return OperatingPoint(
-        policy=REFERENCE_POLICY,
-        base_policy=REFERENCE_POLICY,
-        press=REFERENCE_POLICY,
-        kv_retained=1.0,
-        mean_kv_retained=1.0,
-        kv_retained_actual=1.0,
-        fallback=True,
-        reason=reason,
-        n=max(n_cert, 0),
-        violations=0,
-        empirical_risk=0.0,
-        risk_upper_bound=0.0,
-        p_value=None,
-        candidates=[],
-        sequences=[],
-        guarantee=stratum_guarantee(spec, by, name, True),
-        contract=ContractSummary.of(spec),
-        max_new_tokens=spec.max_new_tokens,
-        query_aware=spec.query_aware,
-        coverage=coverage_of(
-            sub.context_tokens, None, None, context_margin=spec.context_margin, max_new_tokens=spec.max_new_tokens
-        ),
-        contract_sha256=contract_sha256,
-        records_sha256=records_sha256,
-        created=certified_at(),
-        certkv_version=certkv_version(),
-        notes=[reason],
-        per_task=_task_counts(sub, spec),
-    )
+    return max(n_cert, 0), _task_counts(sub, spec)
 
 
-def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract_sha256, records_sha256) -> OperatingPoint:
-    """The top level of a stratified operating point: sums and pooled means over the strata."""
+def stratified_point(
+    entries: dict[str, OperatingPoint],
+    spec: CertificationSpec,
+    per_stratum: CertificationSpec,
+    contract_sha256: str | None,
+    records_sha256: str,
+) -> OperatingPoint:
+    """The stratified operating point: each stratum's own in ``strata.entries``, and at the top
+    level their sums and pooled means (weighted by each stratum's certification requests)."""
+    assert spec.strata is not None  # a stratified spec
+    by = spec.strata.by
     ops = list(entries.values())
     n = sum(op.n for op in ops)
     violations = sum(op.violations for op in ops)
@@ -258,15 +223,6 @@ def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract
         return float(np.dot(weights, values))
 
     actual = [op.kv_retained_actual for op in ops]
-    per_task: dict[str, TaskBreakdown] = {}
-    for op in ops:
-        for task, t in op.per_task.items():
-            old = per_task.get(task)
-            n_t = t.n + (old.n if old else 0)
-            k_t = t.violations + (old.violations if old else 0)
-            per_task[task] = TaskBreakdown(
-                n=n_t, violations=k_t, rate=k_t / n_t if n_t else 0.0, exceeds_risk=n_t > 0 and k_t / n_t > spec.risk
-            )
     fallback = all(op.fallback for op in ops)
     certified = [name for name, op in entries.items() if not op.fallback]
     notes = [f"{by} {name!r}: {op.reason}" for name, op in entries.items() if op.fallback and op.reason]
@@ -287,7 +243,7 @@ def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract
         p_value=None,
         candidates=[],
         sequences=[],
-        per_task=dict(sorted(per_task.items())),
+        per_task=_pooled_tasks(ops, spec.risk),
         guarantee=strata_guarantee(spec, per_stratum, by, len(ops)),
         notes=[f"certified per {by}: {len(certified)} of {len(ops)} strata chose a compressed policy", *notes],
         max_new_tokens=spec.max_new_tokens,
@@ -304,6 +260,20 @@ def _summary(entries: dict[str, OperatingPoint], spec, per_stratum, by, contract
         created=certified_at(),
         certkv_version=certkv_version(),
     )
+
+
+def _pooled_tasks(ops: list[OperatingPoint], risk: float) -> dict[str, TaskBreakdown]:
+    """The strata's per-task counts summed task by task (a task may span strata), sorted by task."""
+    per_task: dict[str, TaskBreakdown] = {}
+    for op in ops:
+        for task, t in op.per_task.items():
+            old = per_task.get(task)
+            n_t = t.n + (old.n if old else 0)
+            k_t = t.violations + (old.violations if old else 0)
+            per_task[task] = TaskBreakdown(
+                n=n_t, violations=k_t, rate=k_t / n_t if n_t else 0.0, exceeds_risk=n_t > 0 and k_t / n_t > risk
+            )
+    return dict(sorted(per_task.items()))
 
 
 def _task_counts(sub: LossTable, spec: CertificationSpec) -> dict[str, TaskBreakdown]:
@@ -327,12 +297,15 @@ def _codes(labels, names) -> np.ndarray:
 
 
 __all__ = [
-    "certify_stratified",
     "fewest_requests",
+    "full_cache_counts",
     "pilot_shortfall",
-    "too_small_reason",
+    "split_strata",
     "strata_guarantee",
+    "stratified_point",
     "stratum_guarantee",
     "stratum_labels",
     "stratum_spec",
+    "too_small_reason",
+    "with_stratum_coverage",
 ]

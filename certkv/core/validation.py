@@ -36,7 +36,6 @@ calibration half is too small to certify anything says so (certkv falls back on 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +44,8 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
-from certkv.core.certify import candidate_rows, decide, prepare, select_candidates
-from certkv.core.loss_table import LossRecords, LossTable, as_loss_table
+from certkv.core.certify import candidate_rows, check_inputs, decide, prepare, select_candidates
+from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import ContractSummary
 from certkv.core.pilot import PilotInfo, pilot_size
 from certkv.core.policy_names import REFERENCE_POLICY
@@ -151,8 +150,8 @@ class SplitRun:
 
 
 def validate(
-    records: LossRecords,
-    spec: CertificationSpec | Mapping[str, Any],
+    table: LossTable,
+    spec: CertificationSpec,
     n_splits: int = 1000,
     calibration_fraction: float = 0.5,
     seed: int = 0,
@@ -167,9 +166,9 @@ def validate(
 
     Parameters
     ----------
-    records : LossTable, str, Path or list of dict
+    table : LossTable
         As for :func:`~certkv.core.certify.certify`.
-    spec : CertificationSpec or dict
+    spec : CertificationSpec
         The pre-registered spec (:func:`certkv.certification_spec` of a contract).
     n_splits : int, default 1000
     calibration_fraction : float, default 0.5
@@ -181,10 +180,29 @@ def validate(
     ValidationResult
         Per method: the share of splits whose test risk exceeds ε, its interval, mean KV and
         fallback share, and the policies chosen; per stratum too when the spec has strata.
+
+    References
+    ----------
+    .. [1] Clopper and Pearson, "The use of confidence or fiducial limits illustrated in the case
+       of the binomial", Biometrika 26(4), 1934 (the interval of the exceed fraction).
+
+    Examples
+    --------
+    A candidate that violates on 1% of requests, at ε = 10%: certkv certifies it on most splits
+    and its test-half rate never comes near ε:
+
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": float(i % 100 == 0)}
+    ...         for i in range(400)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> result = validate(LossTable.from_records(rows), spec, n_splits=20, seed=1)
+    >>> result.n_calibration, result.n_test, result.methods["certkv"].exceed_count
+    (200, 200, 0)
+    >>> result.methods["certkv"].chosen
+    {'p@0.50': 20}
     """
-    spec = CertificationSpec.parse(spec)
+    check_inputs(table, spec)
     n_splits, calibration_fraction = _check_settings(n_splits, calibration_fraction)
-    table = as_loss_table(records)
     if spec.strata is not None:
         return _validate_stratified(table, spec, n_splits, calibration_fraction, seed)
     run = run_splits(table, spec, n_splits, calibration_fraction, seed)

@@ -18,6 +18,7 @@ import torch
 from kvpress import FastKVzipPress, FinchPress, KeyRerotationPress, ObservedAttentionPress, RestoreKVPress
 from transformers import DynamicCache
 
+from certkv.core.gate_features import answer_confidence
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, padded_cache
@@ -31,7 +32,6 @@ from certkv.presses.probabilistic import ProbabilisticPress
 from certkv.presses.registry import press_tree
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.signals.agreement import AgreementRecorder
-from certkv.signals.confidence import answer_confidence
 from certkv.signals.lookahead import evicted_mass, lookahead_probe
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class CandidateAnswer:
     """One answer of a request and its recorded signals.
 
     ``confidence_min`` / ``logprob_mean``: the lowest token probability and the mean log p of the
-    answer's own greedy tokens (:func:`certkv.signals.confidence.answer_confidence`).
+    answer's own greedy tokens (:func:`certkv.core.gate_features.answer_confidence`).
     ``lookahead_heads``: per (layer, KV head), layer-major, the lookahead probe's attention mass
     on the context entries this candidate evicts (:func:`certkv.signals.lookahead.evicted_mass`),
     ``lookahead_mass`` its maximum; None when the engine runs no probe, for the full cache, and on

@@ -63,12 +63,13 @@ def print_calibration_summary(contract: Contract, summary: CalibrationSummary, c
     console : rich.console.Console
     """
     from certkv.calibration.store import CalibrationStore
+    from certkv.contract.spec import candidates
     from certkv.report.tables import add_row, narrow_table, print_table, say, say_path
 
     with CalibrationStore.read(contract.resolved_store_path()) as store:
         records = store.records()
         skipped = store.skipped()
-    order = {REFERENCE_POLICY: -1, **{c.policy: i for i, c in enumerate(contract.candidates())}}
+    order = {REFERENCE_POLICY: -1, **{c.policy: i for i, c in enumerate(candidates(contract))}}
     rows = sorted(candidate_summary(records, contract.tolerance), key=lambda r: order.get(r["policy"], 1 << 30))
     table = narrow_table([("policy", "left"), ("n", "right"), ("utility", "right"), ("k", "right"),
                           ("rate", "right"), ("KV kept", "right"), ("path", "left")])

@@ -432,8 +432,10 @@ def gate_note(contract: Contract) -> str | None:
     gate = getattr(contract, "gate", None)
     if gate is None:
         return None
-    n_gated = len(contract.gated_candidates())
-    m = len(contract.sequences())
+    from certkv.contract.spec import gated_candidates, sequences
+
+    n_gated = len(gated_candidates(contract))
+    m = len(sequences(contract))
     split = "one interleaved order at the full δ" if contract.order is not None else f"δ split over {m} sequences"
     if procedure_of(contract.procedure).orders_by_pilot:
         split = "one sequence ordered by pilot risk, at the full δ"

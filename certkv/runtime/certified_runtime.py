@@ -20,7 +20,8 @@ what is deployed is exactly what was certified:
    that read the lookahead probe are refused for it when the runtime is built.
 
 The gate's comparisons are those certification derived the gated records with
-(:mod:`certkv.runtime.gates`); the learned score is :func:`certkv.core.gate_features.learned_score`.
+(:class:`certkv.core.spec.GateSettings`, applied through its methods); the learned score is
+:func:`certkv.core.gate_features.learned_score`.
 Every answer comes with a :class:`Decision` record saying which cache answered, why, and the
 signals it was decided on; ``seconds`` gives the time of each phase (prefill, probe, decode,
 escalation) and the total.
@@ -37,7 +38,7 @@ from pydantic import ValidationError
 
 from certkv.core.operating_point import OperatingPoint, load_operating_point
 from certkv.core.signals import SIGNALS, request_signals
-from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
+from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS, GateSettings
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
@@ -47,7 +48,6 @@ from certkv.presses.registry import build_press, compression_ratio_for, is_known
 from certkv.presses.response_aware import is_response_aware_press
 from certkv.runtime.decision import Decision
 from certkv.runtime.full_path import full_answer_steps
-from certkv.runtime.gates import runtime_gate
 from certkv.runtime.pipeline import PipelinePath
 from certkv.runtime.single_prefill import SinglePrefillPath
 from certkv.runtime.steps import PathAnswer, run_alone
@@ -143,7 +143,7 @@ class CertifiedRuntime:
                 name: CertifiedRuntime(model, tokenizer, entry, max_new_tokens=max_new_tokens, query_aware=query_aware)
                 for name, entry in operating_point.strata.entries.items()
             }
-        self.gate = runtime_gate(operating_point.gate)
+        self.gate = (operating_point.gate or GateSettings()).deployable()
         self.threshold = self.gate.agreement_drop
         self.bound = self.gate.certificate
         self.press: BasePress | None = None
@@ -356,7 +356,7 @@ class CertifiedRuntime:
             reason=answered.reason,
             policy=self.policy,
             stratum=stratum,
-            gate_kind=self.gate.kind,
+            gate_kind=self.gate.kind or None,
             gate_threshold=self.threshold,
             certificate_bound=self.bound,
             **answered.signals,

@@ -1,7 +1,7 @@
 """The runtime's decision record: how one request was answered, and the signals it was decided on.
 
-:class:`Decision` has a module of its own so that the answering paths (:mod:`certkv.runtime.gates`,
-:mod:`certkv.runtime.pipeline`, :mod:`certkv.runtime.single_prefill`) can name it: its public home,
+:class:`Decision` has a module of its own so that the answering paths
+(:mod:`certkv.runtime.pipeline`, :mod:`certkv.runtime.single_prefill`) can name it: its public home,
 :mod:`certkv.runtime.certified_runtime`, imports them and re-exports it.
 """
 
@@ -36,7 +36,7 @@ class Decision:
     stratum : str or None
         The stratum the request named.
     gate_kind : str or None
-        The operating point's gate (:func:`certkv.runtime.gates.gate_kind`).
+        The operating point's gate (:attr:`certkv.core.spec.GateSettings.kind`).
     gate_threshold, certificate_bound : float or None
         The gate's threshold and the certificate bound the runtime applied.
     agreement_drop ... learned_score : float, list of float, or None

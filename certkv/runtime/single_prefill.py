@@ -48,7 +48,6 @@ from certkv.engine.ragged_decode import gather_row
 from certkv.presses.poisson_selection import Selection
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.full_path import decode_from_full, full_answer_steps, prefill_slots
-from certkv.runtime.gates import post_decode_reason, pre_decode_reason
 from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
 from certkv.signals.agreement import AgreementRecorder
 from certkv.signals.lookahead import evicted_mass, lookahead_probe
@@ -57,8 +56,8 @@ if TYPE_CHECKING:
     from kvpress import BasePress
     from transformers import DynamicCache, PreTrainedModel
 
+    from certkv.core.spec import GateSettings
     from certkv.model.generation import EncodedRequest
-    from certkv.runtime.gates import RuntimeGate
 
 #: One candidate's kept entries of the full cache, per layer: a fast-path press's kept indices, a
 #: (1, H_kv, n_kept) long tensor (None: keeps everything), or the probabilistic press's Selection.
@@ -74,7 +73,7 @@ class SinglePrefillPath:
 
     model: PreTrainedModel
     press: BasePress
-    gate: RuntimeGate
+    gate: GateSettings
     policy: str
     stop_ids: set[int]
 
@@ -93,7 +92,7 @@ class SinglePrefillPath:
         # The probabilistic decode gathers its kept entries next to the full cache it keeps.
         yield Reserve(prefill_slots(model, enc, max_new, extra=probe + (n_ctx + room if probabilistic else 0)))
         t0 = time.perf_counter()
-        recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement and gate.agreement is not None else None
+        recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
         cache, fast_sel, sampled = prefill_full(
             model,
             enc.context_ids,
@@ -115,7 +114,7 @@ class SinglePrefillPath:
             heads = lookahead_heads(model, cache, enc, selection, gate.lookahead_tokens, stop_ids)
             signals["lookahead_heads"], signals["lookahead_mass"] = heads, max(heads)
             seconds["probe"] = time.perf_counter() - t
-        reason = pre_decode_reason(gate, signals)
+        reason = gate.pre_decode_reason(signals)
         t = time.perf_counter()
         if reason is not None:
             ids = yield from decode_from_full(model, cache, enc, max_new, stop_ids)
@@ -146,7 +145,7 @@ class SinglePrefillPath:
             assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
             ids, logprobs = job.ids, job.logprobs
         seconds["decode"] = time.perf_counter() - t
-        reason = post_decode_reason(gate, signals, logprobs, certificate)
+        reason = gate.post_decode_reason(signals, logprobs, certificate)
         if reason is None:
             return PathAnswer(ids, None, signals, seconds, kept=kept)
         t = time.perf_counter()

@@ -2,12 +2,13 @@
 :data:`certkv.core.signals.SIGNALS` (docs/design.md, "Gate signals").
 
 * :mod:`certkv.signals.agreement`: the agreement drop, recorded inside the engine's single prefill;
-* :mod:`certkv.signals.confidence`: ``confidence_min`` and ``logprob_mean``, from the answer's own
-  token log-probabilities;
 * :mod:`certkv.signals.lookahead`: the lookahead probe on the full cache and the mass it puts on
   the entries a candidate evicts (``lookahead_heads``, ``lookahead_mass``).
 
 The declarations stay in the torch-free :mod:`certkv.core.signals`; the recorders need the model.
+``confidence_min`` and ``logprob_mean`` need only the answer's token log-probabilities, so their
+one definition, :func:`certkv.core.gate_features.answer_confidence`, sits in the core, where the
+runtime's gate reads it too; it is named here for completeness.
 Importing this package is cheap and has no side effects: torch, transformers and kvpress are
 imported only when a name that needs them is used.
 """
@@ -22,7 +23,7 @@ _LAZY = {
     "layer_agreement": ("certkv.signals.agreement", "layer_agreement"),
     "layer_agreements": ("certkv.signals.agreement", "layer_agreements"),
     "layer_split": ("certkv.signals.agreement", "layer_split"),
-    "answer_confidence": ("certkv.signals.confidence", "answer_confidence"),
+    "answer_confidence": ("certkv.core.gate_features", "answer_confidence"),
     "LookaheadProbe": ("certkv.signals.lookahead", "LookaheadProbe"),
     "lookahead_probe": ("certkv.signals.lookahead", "lookahead_probe"),
     "evicted_mass": ("certkv.signals.lookahead", "evicted_mass"),

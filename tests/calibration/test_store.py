@@ -39,11 +39,14 @@ CONTRACT = {
 
 # Deterministic fake rows; the crash-test child builds the same rows from this source.
 FAKE_ROWS = '''
+from certkv.contract.spec import candidates
+
+
 def fake_rows(contract, i):
     full = (i % 3) / 2
     rows = [dict(policy="full", task="t%d" % (i % 2), press=None, kv_retained=1.0, kv_retained_actual=1.0,
                  utility=full, utility_full=full, loss=0.0, answer="a%d" % i, path="fast", seconds=0.5)]
-    for j, c in enumerate(contract.candidates()):
+    for j, c in enumerate(candidates(contract)):
         u = ((i + j) % 3) / 2
         rows.append(dict(policy=c.policy, task="t%d" % (i % 2), press=c.press, kv_retained=c.kv_retained,
                          kv_retained_actual=c.kv_retained - 0.01, utility=u, utility_full=full, loss=full - u,
@@ -259,7 +262,7 @@ def _run_child(script: Path, store_dir: Path, n: int, at: str = "never", nth: in
 
 def _check_complete(store_dir: Path, contract) -> None:
     """No partial request: every recorded request has exactly full + every candidate."""
-    expected = sorted(["full", *(c.policy for c in contract.candidates())])
+    expected = sorted(["full", *(c.policy for c in candidates(contract))])
     conn = sqlite3.connect(db_path(store_dir))
     by_request: dict[str, list[str]] = {}
     for rid, policy in conn.execute("SELECT request_id, policy FROM records"):

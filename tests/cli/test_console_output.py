@@ -20,6 +20,7 @@ from conftest import run_cli
 
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract
+from certkv.contract.spec import candidates
 
 WIDTH = 80
 RETENTIONS = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
@@ -51,7 +52,7 @@ def build_gated_store(folder: Path, n: int = 400, seed: int = 5) -> Path:
             task = ("needle", "counting", "multi_hop")[i % 3]
             rows = [dict(policy="full", task=task, press=None, kv_retained=1.0, kv_retained_actual=1.0, utility=1.0,
                          utility_full=1.0, loss=0.0, answer="a", agreement_drop=drop, certificate_max=None)]
-            for c in contract.candidates():
+            for c in candidates(contract):
                 rate = min(1.0, SLOPE[c.press] * (1.0 - c.kv_retained)) if drop < 0 else 0.0
                 bad = rng.random() < 2 * rate
                 cert = float(rng.uniform(1.5, 2.1)) if c.press == "probabilistic" else None
@@ -212,7 +213,7 @@ def test_certify_fallback_within_80_columns(gated_contract, tmp_path):
     with table.open("w", encoding="utf-8") as fh:
         fh.write("request_id,policy,kv_retained,loss,agreement_drop,certificate_max\n")
         for i in range(40):
-            for c in contract.candidates():
+            for c in candidates(contract):
                 cert = "2.0" if c.press == "probabilistic" else ""
                 fh.write(f"q{i},{c.policy},{c.kv_retained},{float(i % 2)},0.05,{cert}\n")
     target = tmp_path / "fallback.json"

@@ -18,6 +18,7 @@ from conftest import REPO
 
 from certkv.contract.loading import load_contract, parse_contract
 from certkv.contract.schema import Contract
+from certkv.contract.spec import candidates, sequences
 from certkv.demo import DEMO_CONTRACT, DEMO_DIR, DEMO_REQUESTS
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
@@ -67,8 +68,8 @@ def test_valid_contract_defaults_and_views(tmp_path):
     assert c.protocol.query_aware is False and c.protocol.max_new_tokens == 8
     assert c.protocol.device == "auto" and c.protocol.dtype == "auto"
     assert c.gate is None
-    assert c.sequences() == [["snapkv@0.90", "snapkv@0.50", "snapkv@0.10"], ["streaming_llm@0.80", "streaming_llm@0.40"]]
-    cands = c.candidates()
+    assert sequences(c) == [["snapkv@0.90", "snapkv@0.50", "snapkv@0.10"], ["streaming_llm@0.80", "streaming_llm@0.40"]]
+    cands = candidates(c)
     assert [(x.policy, x.press, x.kv_retained, x.sequence, x.position) for x in cands] == [
         ("snapkv@0.90", "snapkv", 0.9, 0, 0),
         ("snapkv@0.50", "snapkv", 0.5, 0, 1),
@@ -111,15 +112,15 @@ def test_store_path_relative_to_contract_folder(tmp_path):
 def test_labels_disambiguate_press_kwargs(tmp_path):
     text = VALID + "  - press: snapkv\n    label: snapkv_w16\n    kv_retained: [0.7]\n    press_kwargs: {window_size: 16}\n"
     c = load_contract(write(tmp_path, text))
-    assert c.sequences()[-1] == ["snapkv_w16@0.70"]
-    assert c.candidates()[-1].press_kwargs == {"window_size": 16}
+    assert sequences(c)[-1] == ["snapkv_w16@0.70"]
+    assert candidates(c)[-1].press_kwargs == {"window_size": 16}
     unlabelled = VALID + "  - press: snapkv\n    kv_retained: [0.7]\n    press_kwargs: {window_size: 16}\n"
     assert "give them distinct `label`s" in error_of(tmp_path, unlabelled)
 
 
 def test_same_press_twice_without_kwargs_is_fine_but_names_must_differ(tmp_path):
     ok = VALID + "  - press: snapkv\n    kv_retained: [0.7, 0.3]\n"
-    assert len(load_contract(write(tmp_path, ok)).sequences()) == 3
+    assert len(sequences(load_contract(write(tmp_path, ok)))) == 3
     clash = VALID + "  - press: snapkv\n    kv_retained: [0.5]\n"
     assert "policy 'snapkv@0.50' appears twice" in error_of(tmp_path, clash)
     rounding = replace("[0.9, 0.5, 0.1]", "[0.9, 0.501, 0.5]")
@@ -140,7 +141,7 @@ def test_gate_and_import_path_and_nested_press(tmp_path):
     )
     c = load_contract(write(tmp_path, text))
     assert c.gate is None
-    assert c.sequences()[2:] == [["ada@0.50"], ["mypkg.presses:MyPress@0.50"]]
+    assert sequences(c)[2:] == [["ada@0.50"], ["mypkg.presses:MyPress@0.50"]]
 
 
 def test_builtin_source_and_context_length(tmp_path):
@@ -275,7 +276,7 @@ def test_demo_contract_validates():
     assert [g.quantiles for g in (gate.confidence, gate.lookahead, gate.learned)] == [
         [0.1, 0.2, 0.3], [0.3, 0.4, 0.5], [0.3, 0.4, 0.5]]
     assert gate.needs_lookahead and not gate.needs_agreement  # calibration records the probe, not the drop
-    assert len(c.sequences()) == 2 * (1 + 3 + 3 + 3)  # per entry: ungated, then one per pilot-gate quantile
+    assert len(sequences(c)) == 2 * (1 + 3 + 3 + 3)  # per entry: ungated, then one per pilot-gate quantile
     # relative to the contract's folder: `certkv demo` copies both files and the store follows the copy
     assert c.resolved_store_path() == DEMO_DIR / "runs" / "demo"
     assert c.resolved_requests_path() == DEMO_REQUESTS
@@ -285,7 +286,7 @@ def test_demo_contract_validates():
 def test_llama3_contract_validates_without_its_data():
     c = load_contract(REPO / "contracts" / "llama3_longbench.yaml")
     assert c.model == "meta-llama/Llama-3.1-8B-Instruct"
-    assert "adakv_snapkv@0.50" in c.sequences()[-1]
+    assert "adakv_snapkv@0.50" in sequences(c)[-1]
     if not c.resolved_requests_path().exists():
         with pytest.raises(CertkvError, match="does not exist"):
             c.check_requests_source()
@@ -455,10 +456,10 @@ def test_interleaved_order_is_one_sequence_at_full_delta():
     from certkv.contract.spec import certification_spec
 
     contract = parse_contract(_order_contract(["snapkv@0.80", "knorm@0.70", "snapkv@0.50"]))
-    assert contract.sequences() == [["snapkv@0.80", "knorm@0.70", "snapkv@0.50"]]
+    assert sequences(contract) == [["snapkv@0.80", "knorm@0.70", "snapkv@0.50"]]
     assert certification_spec(contract).lengths == [3]
     plain = parse_contract(dict(_order_contract(None)))
-    assert plain.sequences() == [["snapkv@0.80", "snapkv@0.50"], ["knorm@0.70"]]
+    assert sequences(plain) == [["snapkv@0.80", "snapkv@0.50"], ["knorm@0.70"]]
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,7 @@ def test_picks_least_kv_among_certified_and_stops_the_sequence():
     # n = 200, ε = δ = 0.05: k ≤ 4 certifies (P(Bin(200, .05) ≤ 4) ≈ 0.026, ≤ 5 ≈ 0.062).
     rows = records({"snapkv@0.90": (0.9, 0), "snapkv@0.70": (0.7, 3), "snapkv@0.50": (0.5, 9),
                     "snapkv@0.30": (0.3, 2)})
-    op = certify(rows, make_spec(["snapkv@0.90", "snapkv@0.70", "snapkv@0.50", "snapkv@0.30"]))
+    op = certify(LossTable.from_records(rows), make_spec(["snapkv@0.90", "snapkv@0.70", "snapkv@0.50", "snapkv@0.30"]))
     assert (op.policy, op.press, op.kv_retained, op.fallback) == ("snapkv@0.70", "snapkv", 0.7,
                                                                   False)
     assert (op.n, op.violations) == (200, 3)
@@ -69,7 +69,7 @@ def test_picks_least_kv_among_certified_and_stops_the_sequence():
 
 def test_ties_in_kv_are_broken_by_lower_empirical_risk():
     rows = records({"a@0.50": (0.5, 4), "b@0.50": (0.5, 1), "c@0.90": (0.9, 0)})
-    op = certify(rows, make_spec(["c@0.90", "a@0.50"], ["b@0.50"], procedure="bonferroni",
+    op = certify(LossTable.from_records(rows), make_spec(["c@0.90", "a@0.50"], ["b@0.50"], procedure="bonferroni",
                                  confidence=0.9))
     assert op.policy == "b@0.50"
 
@@ -86,7 +86,7 @@ def test_memory_column_drives_selection_for_gated_candidates():
     gated = [1.0 if i % 2 else 0.3 for i in range(N)]
     rows = records({"snapkv@0.50": (0.5, 0), "snapkv@0.30+gate": (0.3, 0)},
                    memory={"snapkv@0.30+gate": gated})
-    op = certify(rows, make_spec(["snapkv@0.50"], ["snapkv@0.30+gate"]))
+    op = certify(LossTable.from_records(rows), make_spec(["snapkv@0.50"], ["snapkv@0.30+gate"]))
     gated_result = op.candidates[1]
     assert gated_result.kv_retained == 0.3
     assert gated_result.mean_kv_retained == pytest.approx(0.65)
@@ -95,7 +95,7 @@ def test_memory_column_drives_selection_for_gated_candidates():
 
 def test_fallback_names_the_first_failed_candidate():
     rows = records({"snapkv@0.90": (0.9, 30), "knorm@0.90": (0.9, 40)})
-    op = certify(rows, make_spec(["snapkv@0.90"], ["knorm@0.90"]))
+    op = certify(LossTable.from_records(rows), make_spec(["snapkv@0.90"], ["knorm@0.90"]))
     assert (op.policy, op.kv_retained, op.fallback) == ("full", 1.0, True)
     assert "snapkv@0.90" in op.reason and "30/200" in op.reason
     assert f"{op.candidates[0].risk_upper_bound:.4g}" in op.reason
@@ -105,19 +105,19 @@ def test_fallback_names_the_first_failed_candidate():
 
 
 def test_certified_candidates_have_reason_omitted_in_json():
-    op = certify(records({"x@0.5": (0.5, 0)}), make_spec(["x@0.5"]))
+    op = certify(LossTable.from_records(records({"x@0.5": (0.5, 0)})), make_spec(["x@0.5"]))
     assert "reason" not in op.to_dict()
 
 
 def test_policy_missing_from_records_is_an_error():
     rows = records({"snapkv@0.90": (0.9, 0)})
     with pytest.raises(CertkvError, match=r"'snapkv@0.50' \(sequence 0, position 1\)"):
-        certify(rows, make_spec(["snapkv@0.90", "snapkv@0.50"]))
+        certify(LossTable.from_records(rows), make_spec(["snapkv@0.90", "snapkv@0.50"]))
 
 
 def test_policies_outside_the_sequences_are_ignored_with_a_note():
     rows = records({"snapkv@0.90": (0.9, 0), "tova@0.10": (0.1, 0)})
-    op = certify(rows, make_spec(["snapkv@0.90"]))
+    op = certify(LossTable.from_records(rows), make_spec(["snapkv@0.90"]))
     assert op.policy == "snapkv@0.90" and [c.policy for c in op.candidates] == ["snapkv@0.90"]
     assert any("tova@0.10" in note and "ignored" in note for note in op.notes)
 
@@ -125,14 +125,14 @@ def test_policies_outside_the_sequences_are_ignored_with_a_note():
 def test_per_task_breakdown_flags_tasks_above_risk():
     # 8 violations on the first 8 of 400 requests; tasks alternate, so each gets 4 of its 200.
     rows = records({"p@0.50": (0.5, 8)}, n=400, tasks=["needle", "qa"])
-    op = certify(rows, make_spec(["p@0.50"]))
+    op = certify(LossTable.from_records(rows), make_spec(["p@0.50"]))
     assert op.per_task["needle"].n == 200 and op.per_task["needle"].violations == 4
     assert op.per_task["needle"].exceeds_risk is False
     skewed = records({"p@0.50": (0.5, 0)}, n=400, tasks=["needle", "qa"])
     for row in skewed:  # 12 of needle's 200 requests violate: 6% > ε for needle, 3% overall
         if row["policy"] == "p@0.50" and row["task"] == "needle" and int(row["request_id"][1:]) < 24:
             row["loss"] = 1.0
-    op = certify(skewed, make_spec(["p@0.50"]))
+    op = certify(LossTable.from_records(skewed), make_spec(["p@0.50"]))
     assert op.fallback is False
     assert op.per_task["needle"].rate == pytest.approx(0.06) and op.per_task["needle"].exceeds_risk
     assert not op.per_task["qa"].exceeds_risk
@@ -141,7 +141,7 @@ def test_per_task_breakdown_flags_tasks_above_risk():
 
 
 def test_guarantee_sentence_states_its_scope():
-    op = certify(records({"p@0.50": (0.5, 0)}), make_spec(["p@0.50"]))
+    op = certify(LossTable.from_records(records({"p@0.50": (0.5, 0)})), make_spec(["p@0.50"]))
     assert op.guarantee.startswith(
         "With probability ≥ 0.95 over the calibration draw, at most 5% of requests from the "
         "calibration distribution lose more than 0.0 utility."
@@ -154,20 +154,20 @@ def test_tolerance_absorbs_float_noise_in_losses():
     for row in rows:
         if row["policy"] == "p@0.50":
             row["loss"] = 0.8 - 0.7  # 0.10000000000000009: a naive comparison counts it
-    op = certify(rows, make_spec(["p@0.50"], tolerance=0.1))
+    op = certify(LossTable.from_records(rows), make_spec(["p@0.50"], tolerance=0.1))
     assert op.violations == 0
 
 
 def test_reference_rows_are_ignored():
-    with_full = certify(records({"p@0.50": (0.5, 2)}), make_spec(["p@0.50"]))
-    without = certify(records({"p@0.50": (0.5, 2)}, full_rows=False), make_spec(["p@0.50"]))
+    with_full = certify(LossTable.from_records(records({"p@0.50": (0.5, 2)})), make_spec(["p@0.50"]))
+    without = certify(LossTable.from_records(records({"p@0.50": (0.5, 2)}, full_rows=False)), make_spec(["p@0.50"]))
     assert with_full.records_sha256 == without.records_sha256
     assert with_full.violations == without.violations == 2
 
 
 def test_levels_and_bounds_follow_the_procedure():
     rows = records({"a@0.5": (0.5, 1), "b@0.5": (0.5, 2)})
-    op = certify(rows, make_spec(["a@0.5"], ["b@0.5"]))
+    op = certify(LossTable.from_records(rows), make_spec(["a@0.5"], ["b@0.5"]))
     for c in op.candidates:
         assert c.level == pytest.approx(0.025)
         assert (c.risk_upper_bound <= 0.05) == (c.p_value <= c.level) == c.certified
@@ -186,7 +186,7 @@ def test_spec_validation_errors_are_one_line():
         ({"extra": 1}, "unknown key"),
     ]:
         with pytest.raises(CertkvError, match=match) as err:
-            certify(records({"a@0.5": (0.5, 0)}), {**base, **bad})
+            certify(LossTable.from_records(records({"a@0.5": (0.5, 0)})), CertificationSpec.parse({**base, **bad}))
         assert "\n" not in str(err.value)
 
 
@@ -206,7 +206,7 @@ CANDIDATE_KEYS = {"policy", "kv_retained", "n", "violations", "empirical_risk",
 
 def test_operating_point_json_round_trip(tmp_path):
     rows = records({"snapkv@0.90": (0.9, 0), "snapkv@0.50": (0.5, 3)}, tasks=["a", "b"])
-    op = certify(rows, make_spec(["snapkv@0.90", "snapkv@0.50"]), contract_sha256="c" * 64)
+    op = certify(LossTable.from_records(rows), make_spec(["snapkv@0.90", "snapkv@0.50"]), contract_sha256="c" * 64)
     path = op.write_json(tmp_path / "out" / "operating_point.json")
     assert sorted(p.name for p in path.parent.iterdir()) == ["operating_point.json"]  # no temp
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -220,7 +220,7 @@ def test_operating_point_json_round_trip(tmp_path):
 
 
 def test_fallback_operating_point_round_trips(tmp_path):
-    op = certify(records({"x@0.5": (0.5, 50)}), make_spec(["x@0.5"]))
+    op = certify(LossTable.from_records(records({"x@0.5": (0.5, 50)})), make_spec(["x@0.5"]))
     loaded = load_operating_point(op.write_json(tmp_path / "op.json"))
     assert loaded.fallback and loaded.reason == op.reason and loaded.p_value is None
 
@@ -239,13 +239,13 @@ def test_load_operating_point_errors(tmp_path):
 
 def test_records_hash_is_canonical(tmp_path):
     rows = records({"a@0.5": (0.5, 2), "b@0.3": (0.3, 1)}, tasks=["t"])
-    digest = records_sha256(rows)
-    assert records_sha256(list(reversed(rows))) == digest
+    digest = records_sha256(LossTable.from_records(rows))
+    assert records_sha256(LossTable.from_records(list(reversed(rows)))) == digest
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    assert records_sha256(path) == digest
+    assert records_sha256(read_loss_table(path)) == digest
     rows[5]["loss"] = 0.5
-    assert records_sha256(rows) != digest
+    assert records_sha256(LossTable.from_records(rows)) != digest
 
 
 # ----------------------------------------------------------------------------- readers
@@ -290,7 +290,7 @@ def test_jsonl_reader_matches_csv(tmp_path):
                                           "request_id,policy,kv_retained,loss,task", *GOOD_CSV))
     jsonl_table = read_loss_table(write_jsonl(tmp_path / "t.jsonl", *rows, ""))
     assert records_sha256(csv_table) == records_sha256(jsonl_table)
-    assert LossTable.read(tmp_path / "t.jsonl").policies == ("a@0.50", "b@0.30")
+    assert read_loss_table(tmp_path / "t.jsonl").policies == ("a@0.50", "b@0.30")
 
 
 def test_optional_columns_are_read(tmp_path):
@@ -361,7 +361,7 @@ def test_reader_file_errors(tmp_path):
     with pytest.raises(CertkvError, match="use a .csv or .jsonl"):
         read_loss_table(tmp_path / "t.parquet")
     with pytest.raises(CertkvError, match="loss table not found"):
-        certify(str(tmp_path / "missing.jsonl"), make_spec(["a"]))
+        read_loss_table(str(tmp_path / "missing.jsonl"))
 
 
 def test_record_dict_errors_name_the_record():
@@ -390,9 +390,10 @@ def test_certify_never_imports_torch(tmp_path):
     script = (
         "import sys\n"
         "from certkv.core.certify import certify, CertificationSpec\n"
+        "from certkv.core.loss_table import LossTable\n"
         "import certkv.core.validation\n"
-        "rows = [{'request_id': f'r{i}', 'policy': 'a@0.50', 'kv_retained': 0.5, 'loss': 0.0}\n"
-        "        for i in range(100)]\n"
+        "rows = LossTable.from_records([{'request_id': f'r{i}', 'policy': 'a@0.50', 'kv_retained': 0.5, 'loss': 0.0}\n"
+        "                                for i in range(100)])\n"
         "op = certify(rows, CertificationSpec(tolerance=0, risk=0.05, confidence=0.95,\n"
         "                                     sequences=[['a@0.50']]))\n"
         "certkv.core.validation.validate(rows, CertificationSpec(tolerance=0, risk=0.05,\n"
@@ -421,3 +422,5 @@ def test_requests_without_a_task_are_grouped_as_no_task():
 def test_records_of_the_wrong_type_are_rejected():
     with pytest.raises(CertkvError, match="records must be"):
         certify(5, make_spec(["a"]))
+    with pytest.raises(CertkvError, match="spec must be a CertificationSpec"):
+        certify(LossTable.from_records(records({"a@0.5": (0.5, 0)})), {"tolerance": 0.0})

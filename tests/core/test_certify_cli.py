@@ -19,7 +19,7 @@ from conftest import certify_without_torch, run_main
 from certkv.calibration.certification import load_records
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract
-from certkv.contract.spec import certification_spec
+from certkv.contract.spec import candidates, certification_spec, sequences
 from certkv.core.certify import certify
 
 CONTRACT = {
@@ -68,7 +68,7 @@ def fake_rows(contract, i: int, rng) -> list[dict]:
     full = 1.0 if rng.random() < 0.9 else 0.0
     rows = [dict(policy="full", task=task, press=None, kv_retained=1.0, kv_retained_actual=1.0,
                  utility=full, utility_full=full, loss=0.0, answer="a")]
-    for c in contract.candidates():
+    for c in candidates(contract):
         violated = full == 1.0 and rng.random() < RATES[c.policy][task_index] / 0.9
         helped = full == 0.0 and rng.random() < 0.1  # eviction sometimes helps: a negative loss
         u = 0.0 if violated else (1.0 if helped else full)
@@ -127,7 +127,7 @@ def test_certify_end_to_end_matches_the_python_api(contract_path, tmp_path, caps
     assert data["policy"] == api.policy == "snapkv@0.50"
     assert data["violations"] == api.violations and data["n"] == api.n == N_REQUESTS
     assert data["records_sha256"] == api.records_sha256 and data["contract_sha256"] == contract.sha256()
-    assert [c["policy"] for c in data["candidates"]] == [p for s in contract.sequences() for p in s]
+    assert [c["policy"] for c in data["candidates"]] == [p for s in sequences(contract) for p in s]
     assert data["contract"] == {"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "procedure": "fixed_sequence",
                                 "utility": "exact_match"}
 
@@ -182,7 +182,7 @@ def test_fallback_when_every_candidate_is_bad(contract_path, tmp_path, capsys):
         writer = csv.writer(fh)
         writer.writerow(["request_id", "policy", "kv_retained", "loss"])
         for i in range(50):
-            for c in contract.candidates():
+            for c in candidates(contract):
                 writer.writerow([f"q{i}", c.policy, c.kv_retained, 1.0 if i % 2 else 0.0])
     out = tmp_path / "fallback.json"
     assert run_main("certify", str(contract_path), "--records", str(table), "-o", str(out)) == 0
@@ -246,7 +246,7 @@ def test_validate_bad_fraction_is_one_line(contract_path, tmp_path, capsys):
 
 
 def test_python_api_certifies_records_against_a_contract(tmp_path):
-    """`certkv.certify(records, contract)` gives the same decision as the CLI's path."""
+    """`certkv.certify(table, certkv.certification_spec(contract))` gives the same decision as the CLI's path."""
     import certkv
     from certkv.contract.loading import parse_contract
 
@@ -260,7 +260,8 @@ def test_python_api_certifies_records_against_a_contract(tmp_path):
         for kv, bad_every in [(0.8, 100), (0.5, 40), (0.2, 3)]:
             loss = 1.0 if i % bad_every == 0 else 0.0
             records.append({"request_id": f"r{i}", "policy": f"snapkv@{kv:.2f}", "kv_retained": kv, "loss": loss})
-    op = certkv.certify(records, contract)
+    op = certkv.certify(certkv.LossTable.from_records(records), certkv.certification_spec(contract),
+                        contract_sha256=contract.sha256())
     assert op.policy == "snapkv@0.50" and not op.fallback
     assert op.contract_sha256 == contract.sha256()
     assert op.violations == 5 and op.n == 200

@@ -19,13 +19,14 @@ from scipy import stats
 from certkv.calibration.certification import load_records
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract, parse_contract
-from certkv.contract.spec import certification_spec
+from certkv.contract.spec import candidates, certification_spec, gated_candidates, sequences
 from certkv.core.certify import certify
-from certkv.core.gated import Derive, expand_for_contract, expand_gated
+from certkv.core.gated import derive_gated
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
 from certkv.core.operating_point import load_operating_point
 from certkv.core.policy_names import gated_policy_name
 from certkv.core.procedures import certified_mask
+from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
 from certkv.core.validation import validate
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
@@ -52,6 +53,19 @@ def contract_of(**changes):
     return parse_contract(data, "test")
 
 
+def certify_under(rows, contract):
+    """certify() of record dicts under a contract, bound to its hash as the commands bind it."""
+    return certify(LossTable.from_records(rows), certification_spec(contract), contract_sha256=contract.sha256())
+
+
+def derive(table, *gates):
+    """derive_gated() of the gated candidates `gates`: (name, base, gate settings) each."""
+    info = {name: CandidateInfo(base_policy=base, gate=GateSettings(**settings)) for name, base, settings in gates}
+    spec = CertificationSpec(tolerance=0.0, risk=0.5, confidence=0.9, sequences=[[name for name, _, _ in gates]],
+                             candidate_info=info)
+    return derive_gated(table, spec)
+
+
 @pytest.fixture(autouse=True)
 def wide_console(monkeypatch):
     monkeypatch.setenv("COLUMNS", "220")
@@ -70,7 +84,7 @@ def test_names_use_format_g():
 
 def test_sequences_per_entry_ungated_then_thresholds_then_bounds_then_pairs():
     c = contract_of()
-    assert c.sequences() == [
+    assert sequences(c) == [
         ["snapkv@0.80", "snapkv@0.50"],
         ["snapkv@0.80+drop0.2", "snapkv@0.50+drop0.2"],
         ["snapkv@0.80+drop-0.05", "snapkv@0.50+drop-0.05"],
@@ -83,16 +97,16 @@ def test_sequences_per_entry_ungated_then_thresholds_then_bounds_then_pairs():
         ["probabilistic@0.50+drop-0.05+cert0.02", "probabilistic@0.30+drop-0.05+cert0.02"],
     ]
     # candidates() stays the base candidates the engine calibrates
-    assert [x.policy for x in c.candidates()] == ["snapkv@0.80", "snapkv@0.50", "probabilistic@0.50", "probabilistic@0.30"]
-    gated = c.gated_candidates()
+    assert [x.policy for x in candidates(c)] == ["snapkv@0.80", "snapkv@0.50", "probabilistic@0.50", "probabilistic@0.30"]
+    gated = gated_candidates(c)
     assert len(gated) == 2 * 2 + 2 * 5
     g = next(x for x in gated if x.policy == "probabilistic@0.30+drop0.2+cert0.02")
-    assert (g.base_policy, g.press, g.kv_retained, g.agreement_drop, g.certificate) == (
+    assert (g.base_policy, g.press, g.kv_retained, g.gate.agreement_drop, g.gate.certificate) == (
         "probabilistic@0.30", "probabilistic", 0.3, 0.2, 0.02)
     assert g.press_kwargs == {"seed": 3} and (g.sequence, g.position) == (7, 1)
     # every name in sequences is a base or a gated candidate, once
-    names = [n for s in c.sequences() for n in s]
-    assert sorted(names) == sorted([x.policy for x in c.candidates()] + [x.policy for x in gated])
+    names = [n for s in sequences(c) for n in s]
+    assert sorted(names) == sorted([x.policy for x in candidates(c)] + [x.policy for x in gated])
     assert c.gate.agreement_window == 32 and c.gate.agreement_top_k == 32 and c.gate.agreement_split == 3
 
 
@@ -105,10 +119,10 @@ def test_gate_changes_the_hash_but_no_gate_keeps_it():
 
 def test_interleaved_order_must_list_gated_candidates():
     c = contract_of(gate={"agreement_drop": [0.1]}, policies=[{"press": "snapkv", "kv_retained": [0.8, 0.5]}])
-    every = [n for s in c.sequences() for n in s]
+    every = [n for s in sequences(c) for n in s]
     ordered = contract_of(gate={"agreement_drop": [0.1]}, policies=[{"press": "snapkv", "kv_retained": [0.8, 0.5]}],
                           order=["snapkv@0.80", "snapkv@0.80+drop0.1", "snapkv@0.50+drop0.1", "snapkv@0.50"])
-    assert ordered.sequences() == [["snapkv@0.80", "snapkv@0.80+drop0.1", "snapkv@0.50+drop0.1", "snapkv@0.50"]]
+    assert sequences(ordered) == [["snapkv@0.80", "snapkv@0.80+drop0.1", "snapkv@0.50+drop0.1", "snapkv@0.50"]]
     with pytest.raises(CertkvError, match=r"order leaves out 'snapkv@0.80\+drop0.1'"):
         contract_of(gate={"agreement_drop": [0.1]}, policies=[{"press": "snapkv", "kv_retained": [0.8, 0.5]}],
                     order=["snapkv@0.80", "snapkv@0.50"])
@@ -269,11 +283,12 @@ def hand_table():
 def test_expansion_on_a_hand_made_table():
     table = hand_table()
     before = (table.policies, table.loss.copy(), table.memory.copy())
-    out = expand_gated(table, [
-        Derive("p@0.50+drop0.2", "p@0.50", 0.2, None),
-        Derive("p@0.50+cert0.5", "p@0.50", None, 0.5),
-        Derive("p@0.50+drop0.1+cert0.2", "p@0.50", 0.1, 0.2),
-    ])
+    out = derive(
+        table,
+        ("p@0.50+drop0.2", "p@0.50", {"agreement_drop": 0.2}),
+        ("p@0.50+cert0.5", "p@0.50", {"certificate": 0.5}),
+        ("p@0.50+drop0.1+cert0.2", "p@0.50", {"agreement_drop": 0.1, "certificate": 0.2}),
+    )
     # the input is untouched
     assert table.policies == before[0] and "p@0.50+drop0.2" not in table
     np.testing.assert_array_equal(table.loss, before[1])
@@ -299,16 +314,16 @@ def test_expansion_on_a_hand_made_table():
     # derived rows are not evidence: the hash is the base table's
     assert records_sha256(out) == records_sha256(table)
     # expanding again with the same settings is a no-op; other settings under the same name are refused
-    again = expand_gated(out, [Derive("p@0.50+drop0.2", "p@0.50", 0.2, None)])
+    again = derive(out, ("p@0.50+drop0.2", "p@0.50", {"agreement_drop": 0.2}))
     assert again is out
     with pytest.raises(CertkvError, match="derived with other gate settings"):
-        expand_gated(out, [Derive("p@0.50+drop0.2", "p@0.50", 0.3, None)])
+        derive(out, ("p@0.50+drop0.2", "p@0.50", {"agreement_drop": 0.3}))
 
 
 def test_violation_counts_of_gated_candidates_are_integers():
-    out = expand_gated(hand_table(), [Derive("p@0.50+drop0.2", "p@0.50", 0.2, None)])
-    op = certify(out, {"tolerance": 0.0, "risk": 0.5, "confidence": 0.9,
-                       "sequences": [["p@0.50"], ["p@0.50+drop0.2"]]})
+    out = derive(hand_table(), ("p@0.50+drop0.2", "p@0.50", {"agreement_drop": 0.2}))
+    op = certify(out, CertificationSpec.parse({"tolerance": 0.0, "risk": 0.5, "confidence": 0.9,
+                                               "sequences": [["p@0.50"], ["p@0.50+drop0.2"]]}))
     assert [(c.violations, type(c.violations)) for c in op.candidates] == [(3, int), (1, int)]
 
 
@@ -317,17 +332,17 @@ def test_rows_for_a_gated_name_in_the_input_are_refused():
     rows = [r for r in rows if not (r["policy"] == "full" and rows.index(r) >= 4)]
     table = LossTable.from_records(rows)
     with pytest.raises(CertkvError, match=r"has rows for 'p@0.50\+drop0.2', a gated candidate that certkv derives"):
-        expand_gated(table, [Derive("p@0.50+drop0.2", "p@0.50", 0.2, None)])
+        derive(table, ("p@0.50+drop0.2", "p@0.50", {"agreement_drop": 0.2}))
 
 
-@pytest.mark.parametrize("derive, column", [
-    (Derive("p@0.50+drop0.2", "p@0.50", 0.2, None), "agreement_drop"),
-    (Derive("p@0.50+cert0.5", "p@0.50", None, 0.5), "certificate_max"),
+@pytest.mark.parametrize("gate, column", [
+    (("p@0.50+drop0.2", "p@0.50", {"agreement_drop": 0.2}), "agreement_drop"),
+    (("p@0.50+cert0.5", "p@0.50", {"certificate": 0.5}), "certificate_max"),
 ])
-def test_a_missing_signal_is_a_one_line_error(derive, column):
+def test_a_missing_signal_is_a_one_line_error(gate, column):
     rows = rows_with_signals([0.1, None, 0.3], certs=[0.1, 0.2, None])
     with pytest.raises(CertkvError) as info:
-        expand_gated(LossTable.from_records(rows, source="store runs/x"), [derive])
+        derive(LossTable.from_records(rows, source="store runs/x"), gate)
     message = str(info.value)
     assert f"store runs/x lacks `{column}` for policy 'p@0.50'" in message
     assert "1 of 3 requests" in message and "recalibrate with a current certkv" in message
@@ -359,7 +374,7 @@ def test_certify_picks_a_gated_candidate_that_saves_more_memory():
     n = 200
     drop_of = lambda i: 0.1 if i < 20 else 0.9  # noqa: E731
     loss_of = lambda name, i: 1.0 if (name == "snapkv@0.50" and i < 20) else 0.0  # noqa: E731
-    op = certify(contract_rows(n, None, drop_of, loss_of), simple_contract())
+    op = certify_under(contract_rows(n, None, drop_of, loss_of), simple_contract())
     assert op.policy == "snapkv@0.50+drop0.2" and op.base_policy == "snapkv@0.50" and op.press == "snapkv"
     assert op.gate.agreement_drop == 0.2 and op.gate.certificate is None and op.gate.agreement_window == 32
     assert op.gated_share == pytest.approx(0.1) and op.violations == 0
@@ -374,7 +389,7 @@ def test_certify_prefers_the_ungated_candidate_when_gating_costs_memory():
     # cache (mean memory 0.8 > 0.5), so the ungated one is chosen.
     drop_of = lambda i: 0.1 if i % 5 < 3 else 0.9  # noqa: E731
     loss_of = lambda name, i: 0.0  # noqa: E731
-    op = certify(contract_rows(200, None, drop_of, loss_of), simple_contract())
+    op = certify_under(contract_rows(200, None, drop_of, loss_of), simple_contract())
     gated = next(c for c in op.candidates if c.policy == "snapkv@0.50+drop0.2")
     assert gated.certified and gated.mean_kv_retained == pytest.approx(0.8) and gated.gated_share == pytest.approx(0.6)
     assert op.policy == "snapkv@0.50" and op.gate is None and op.gated_share == 0.0
@@ -384,7 +399,7 @@ def test_certify_prefers_the_ungated_candidate_when_gating_costs_memory():
 def test_gated_p_values_and_bounds_match_scipy():
     drop_of = lambda i: (i % 10) / 10  # noqa: E731
     loss_of = lambda name, i: 1.0 if (name == "snapkv@0.50" and i % 7 == 0) else 0.0  # noqa: E731
-    op = certify(contract_rows(300, None, drop_of, loss_of), simple_contract(drops=(0.2, 0.5)))
+    op = certify_under(contract_rows(300, None, drop_of, loss_of), simple_contract(drops=(0.2, 0.5)))
     m = 3
     for c in op.candidates:
         assert c.level == pytest.approx(0.1 / m)
@@ -400,24 +415,24 @@ def test_gated_p_values_and_bounds_match_scipy():
 def test_number_of_sequences_and_levels_follow_the_documented_rule():
     # per entry: (1 + T) sequences, or (1 + T)(1 + B) for a certificate press
     c = contract_of()  # T = 2, B = 1: snapkv 3, probabilistic 6
-    assert len(c.sequences()) == 3 + 6
+    assert len(sequences(c)) == 3 + 6
     spec = certification_spec(c)
     rows = []
     for i in range(50):
         rows.append({"request_id": f"r{i}", "policy": "full", "kv_retained": 1.0, "loss": 0.0, "agreement_drop": 0.5})
-        for x in c.candidates():
+        for x in candidates(c):
             rows.append({"request_id": f"r{i}", "policy": x.policy, "kv_retained": x.kv_retained, "loss": 0.0,
                          "agreement_drop": 0.5, "certificate_max": 0.01 if x.press == "probabilistic" else None})
-    op = certify(rows, c)
+    op = certify_under(rows, c)
     assert len(op.sequences) == 9 and all(s.level == pytest.approx(0.1 / 9) for s in op.sequences)
     assert len(op.candidates) == len(spec.candidates) == 4 + 14
     # one interleaved order: one sequence at the full δ
-    names = [n for s in c.sequences() for n in s]
+    names = [n for s in sequences(c) for n in s]
     interleaved = contract_of(order=names[::-1])
-    op1 = certify(rows, interleaved)
+    op1 = certify_under(rows, interleaved)
     assert len(op1.sequences) == 1 and op1.sequences[0].level == pytest.approx(0.1)
     # bonferroni: every candidate at δ / N, N counting the gated ones
-    op2 = certify(rows, contract_of(procedure="bonferroni"))
+    op2 = certify_under(rows, contract_of(procedure="bonferroni"))
     assert all(c.level == pytest.approx(0.1 / 18) for c in op2.candidates)
 
 
@@ -433,8 +448,8 @@ def test_family_wise_error_with_gated_candidates_simulated():
     k = np.stack([violated.sum(1)] + [(violated & (drop >= t)).sum(1) for t in thresholds], axis=1)
     p = stats.binom.cdf(k, n, eps)
     lengths = [1, 1, 1]  # contract: one kv_retained, two thresholds → 3 sequences
-    assert len(contract_of(policies=[{"press": "snapkv", "kv_retained": [0.5]}],
-                           gate={"agreement_drop": list(thresholds)}).sequences()) == len(lengths)
+    assert len(sequences(contract_of(policies=[{"press": "snapkv", "kv_retained": [0.5]}],
+                           gate={"agreement_drop": list(thresholds)}))) == len(lengths)
     false = certified_mask(p, lengths, delta, "fixed_sequence").any(axis=1).mean()
     assert false <= delta + 3 * np.sqrt(delta * (1 - delta) / sims)
     # the split matters: the same tests each at the full δ certify falsely more often
@@ -463,7 +478,7 @@ def signal_rows(contract, n=200, seed=1):
         out.append(dict(request_id=f"r{i:04d}", task="t", policy="full", press=None, kv_retained=1.0,
                         kv_retained_actual=1.0, utility=1.0, utility_full=1.0, loss=0.0, answer="a",
                         agreement_drop=d, certificate_max=None))
-        for c in contract.candidates():
+        for c in candidates(contract):
             bad = violates(c.policy, d)
             cert = round(float(rng.random()) * 0.04, 6) if c.press == "probabilistic" else None
             out.append(dict(request_id=f"r{i:04d}", task="t", policy=c.policy, press=c.press, kv_retained=c.kv_retained,
@@ -500,9 +515,9 @@ def test_certify_cli_on_a_csv_with_signals(gated_store, tmp_path, capsys):
     printed = " ".join(capsys.readouterr().out.split())
     data = json.loads(out.read_text())
     contract = load_contract(path)
-    api = certify(rows, contract)
+    api = certify_under(rows, contract)
     assert data["policy"] == api.policy == "snapkv@0.50+drop0.2"
-    assert [c["policy"] for c in data["candidates"]] == [n for s in contract.sequences() for n in s]
+    assert [c["policy"] for c in data["candidates"]] == [n for s in sequences(contract) for n in s]
     assert [c["violations"] for c in data["candidates"]] == [c.violations for c in api.candidates]
     assert data["records_sha256"] == records_sha256(read_loss_table(table))  # the recorded rows, not the derived
     assert {"base_policy", "press_kwargs", "gate", "gated_share"} <= set(data)
@@ -526,17 +541,20 @@ def test_certify_cli_on_a_csv_with_signals(gated_store, tmp_path, capsys):
     assert by_name["snapkv@0.50"]["gate"] is None and by_name["snapkv@0.50"]["gated_share"] == 0.0
 
 
-def test_load_records_expands_once_and_validation_sees_gated_candidates(gated_store):
+def test_gated_candidates_are_derived_once_and_validation_sees_them(gated_store):
     path, _ = gated_store
     contract = load_contract(path)
     evidence = load_records(contract)
-    assert "snapkv@0.50+drop0.2" in evidence.table and len(evidence.table.gated) == 14
-    assert expand_for_contract(evidence.table, contract) is evidence.table
     spec = certification_spec(contract)
+    assert evidence.table.gated == {}  # the recorded rows: certify and validate derive the gated ones
+    derived = derive_gated(evidence.table, spec)
+    assert "snapkv@0.50+drop0.2" in derived and len(derived.gated) == 14
+    assert derive_gated(derived, spec) is derived
     result = validate(evidence.table, spec, n_splits=50, seed=3)
+    assert validate(derived, spec, n_splits=50, seed=3) == result
     # same result from the raw store rows: validate derives the gated rows itself
     with CalibrationStore.read(contract.resolved_store_path()) as store:
-        raw = validate(store.records(), spec, n_splits=50, seed=3)
+        raw = validate(LossTable.from_records(store.records()), spec, n_splits=50, seed=3)
     assert result.methods["certkv"].chosen == raw.methods["certkv"].chosen
     assert any("+" in name for m in result.methods.values() for name in m.chosen)
 
@@ -558,11 +576,11 @@ def test_figures_draw_ungated_sequences_and_the_chosen_family():
 
     drop_of = lambda i: 0.1 if i < 20 else 0.9  # noqa: E731
     loss_of = lambda name, i: 1.0 if (name == "snapkv@0.50" and i < 20) else 0.0  # noqa: E731
-    op = certify(contract_rows(200, None, drop_of, loss_of), simple_contract(drops=(0.2, 0.05)))
+    op = certify_under(contract_rows(200, None, drop_of, loss_of), simple_contract(drops=(0.2, 0.05)))
     assert op.policy == "snapkv@0.50+drop0.2"
     shown = [[c.policy for c in s] for s in shown_candidates(op)]
     assert shown == [["snapkv@0.80", "snapkv@0.50"], ["snapkv@0.80+drop0.2", "snapkv@0.50+drop0.2"]]
-    op_plain = certify(contract_rows(200, None, drop_of, lambda name, i: 0.0), simple_contract(drops=(0.2, 0.05)))
+    op_plain = certify_under(contract_rows(200, None, drop_of, lambda name, i: 0.0), simple_contract(drops=(0.2, 0.05)))
     assert op_plain.gate is None
     assert [[c.policy for c in s] for s in shown_candidates(op_plain)] == [["snapkv@0.80", "snapkv@0.50"]]
 
@@ -571,8 +589,9 @@ def test_figures_draw_ungated_sequences_and_the_chosen_family():
 
 
 def test_operating_points_written_before_gates_still_load(tmp_path):
-    op = certify([{"request_id": f"r{i}", "policy": "x@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(100)],
-                 {"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "sequences": [["x@0.50"]]})
+    rows = [{"request_id": f"r{i}", "policy": "x@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(100)]
+    op = certify(LossTable.from_records(rows),
+                 CertificationSpec.parse({"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "sequences": [["x@0.50"]]}))
     data = op.to_dict()
     for key in ("base_policy", "press_kwargs", "gate", "gated_share"):
         data.pop(key)
@@ -586,15 +605,16 @@ def test_operating_points_written_before_gates_still_load(tmp_path):
     # and a new file round-trips with its gate
     drop_of = lambda i: 0.1 if i < 20 else 0.9  # noqa: E731
     loss_of = lambda name, i: 1.0 if (name == "snapkv@0.50" and i < 20) else 0.0  # noqa: E731
-    gated = certify(contract_rows(200, None, drop_of, loss_of), simple_contract())
+    gated = certify_under(contract_rows(200, None, drop_of, loss_of), simple_contract())
     new = gated.write_json(tmp_path / "new.json")
     back = load_operating_point(new)
     assert back.gate == gated.gate and back.gated_share == gated.gated_share and back.base_policy == "snapkv@0.50"
 
 
 def test_fallback_has_no_gate():
-    op = certify([{"request_id": f"r{i}", "policy": "x@0.50", "kv_retained": 0.5, "loss": 1.0} for i in range(100)],
-                 {"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "sequences": [["x@0.50"]]})
+    rows = [{"request_id": f"r{i}", "policy": "x@0.50", "kv_retained": 0.5, "loss": 1.0} for i in range(100)]
+    op = certify(LossTable.from_records(rows),
+                 CertificationSpec.parse({"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "sequences": [["x@0.50"]]}))
     assert op.fallback and op.gate is None and op.base_policy == "full" and op.gated_share == 0.0
 
 
@@ -602,12 +622,9 @@ def test_fallback_has_no_gate():
 def test_the_runtime_gate_sends_a_request_whose_signal_is_missing_to_the_full_cache(missing):
     """Certification refuses records without a gate's signal, so the runtime must not let a request
     whose signal it could not read through as if the gate had not fired."""
-    from certkv.core.spec import GateSettings
-    from certkv.runtime.gates import runtime_gate
-
-    pre = runtime_gate(GateSettings(agreement_drop=0.1))
+    pre = GateSettings(agreement_drop=0.1).deployable()
     assert pre.before_decode({"agreement_drop": 0.5}) is None
     assert pre.before_decode({"agreement_drop": missing}) == "gate"
-    post = runtime_gate(GateSettings(confidence=0.2))
+    post = GateSettings(confidence=0.2).deployable()
     assert post.after_decode({"confidence_min": 0.9, "certificate_max": None}) is None
     assert post.after_decode({"confidence_min": missing, "certificate_max": None}) == "confidence"

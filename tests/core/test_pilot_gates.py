@@ -19,23 +19,23 @@ from scipy import stats
 
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract, parse_contract
+from certkv.contract.spec import certification_spec, sequences
 from certkv.core.binomial import binomial_p_value
 from certkv.core.certify import certify
-from certkv.core.gate_features import (
-    expand_features,
-    feature_vector,
-    is_post_decode,
-    is_pre_decode,
-    learned_score,
-    learned_scores,
-)
-from certkv.core.gated import Derive, expand_gated, gated_mask
+from certkv.core.gate_features import expand_features, feature_vector, learned_score, learned_scores
+from certkv.core.gated import derive_gated, gated_mask
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
 from certkv.core.operating_point import OperatingPoint, load_operating_point
 from certkv.core.pilot import draw_pilot, fit_learned_gate, resolve_pilot
-from certkv.core.spec import CertificationSpec, GateSettings, LearnedGate
+from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings, LearnedGate
 from certkv.core.validation import validate
 from certkv.errors import CertkvError
+
+
+def certify_under(rows, contract):
+    """certify() of record dicts under a contract, bound to its hash as the commands bind it."""
+    return certify(LossTable.from_records(rows), certification_spec(contract), contract_sha256=contract.sha256())
+
 
 HEADS = 4
 
@@ -110,7 +110,7 @@ def table(rows):
 
 def test_contract_sequences_and_names():
     c = contract_of()
-    assert c.sequences() == [
+    assert sequences(c) == [
         ["snapkv@0.70", "snapkv@0.50"],
         ["snapkv@0.70+confq0.1", "snapkv@0.50+confq0.1"],
         ["snapkv@0.70+confq0.2", "snapkv@0.50+confq0.2"],
@@ -120,15 +120,15 @@ def test_contract_sequences_and_names():
     ]
     assert c.gate.needs_lookahead and not c.gate.needs_agreement and c.gate.lookahead_tokens == 2
     assert c.gate.learned.features == ["lookahead", "confidence", "context_length"]
-    spec = c.certification_spec()
+    spec = certification_spec(c)
     assert spec.pilot.share == 0.25 and spec.pilot.seed == 0
     info = spec.candidate_info["snapkv@0.50+learnq0.3"]
-    assert info.pilot_gate.kind == "learned" and info.gate.quantile == 0.3 and info.gate.learned is None
+    assert info.pilot_gate.pilot_kind == "learned" and info.gate.quantile == 0.3 and info.gate.learned is None
 
 
 def test_drop_gates_come_before_pilot_gates():
     c = contract_of(gate={"_merge": True, "agreement_drop": [0.2]})
-    seqs = c.sequences()
+    seqs = sequences(c)
     assert seqs[1] == ["snapkv@0.70+drop0.2", "snapkv@0.50+drop0.2"] and seqs[2][0] == "snapkv@0.70+confq0.1"
     assert c.gate.needs_agreement
 
@@ -191,7 +191,7 @@ def test_bad_pilot_gates_are_one_line_errors(gate, procedure, fragment):
 def test_pilot_ordered_and_order_exclude_each_other():
     with pytest.raises(CertkvError, match="remove one of them"):
         contract_of(procedure="pilot_ordered", order=["snapkv@0.50", "snapkv@0.70"], gate={"pilot": 0.3})
-    assert contract_of(procedure="pilot_ordered", gate={"pilot": 0.3}).sequences() == [["snapkv@0.70", "snapkv@0.50"]]
+    assert sequences(contract_of(procedure="pilot_ordered", gate={"pilot": 0.3})) == [["snapkv@0.70", "snapkv@0.50"]]
 
 
 def test_resolved_gate_settings_reject_out_of_range_thresholds():
@@ -203,7 +203,7 @@ def test_resolved_gate_settings_reject_out_of_range_thresholds():
 def test_a_short_pilot_is_refused_at_certify_time():
     rows = signal_rows(n=120)
     with pytest.raises(CertkvError) as info:
-        certify(rows, contract_of())
+        certify_under(rows, contract_of())
     message = str(info.value)
     assert "leaves 90 of 120 requests to certify, fewer than 100" in message and "calibrate at least 133" in message
     assert "\n" not in message
@@ -281,7 +281,7 @@ def test_pilot_draw_is_deterministic_and_reads_ids_only(table):
     assert draw_pilot(table.request_ids, 0.25, seed=8).pilot_ids != split.pilot_ids
     # other losses, the same ids: the same pilot
     other = LossTable.from_records(signal_rows(seed=5))
-    spec = contract_of(requests={"source": "builtin:demo", "seed": 7}).certification_spec()
+    spec = certification_spec(contract_of(requests={"source": "builtin:demo", "seed": 7}))
     assert resolve_pilot(other, spec).split.pilot_ids == resolve_pilot(table, spec).split.pilot_ids == split.pilot_ids
 
 
@@ -292,7 +292,7 @@ def log_odds(mass):
 
 
 def test_thresholds_are_numpy_quantiles_of_the_pilot(table):
-    spec = contract_of().certification_spec()
+    spec = certification_spec(contract_of())
     res = resolve_pilot(table, spec)
     pilot = table.take_requests(res.split.pilot_columns)
     info = res.spec.candidate_info
@@ -341,7 +341,7 @@ def test_learned_gate_reproduces_sklearn(table):
 
 def test_a_pilot_of_one_class_gives_a_constant_model_that_gates_nothing():
     rows = signal_rows(rates={"snapkv@0.70": 0.0, "snapkv@0.50": 0.2})
-    op = certify(rows, contract_of())
+    op = certify_under(rows, contract_of())
     gated = next(c for c in op.candidates if c.policy == "snapkv@0.70+learnq0.3")
     assert gated.gate.learned.coef == [0.0] * (HEADS + 3) and gated.gated_share == 0.0
     one_class = [n for n in op.notes if "gates nothing" in n]
@@ -351,11 +351,11 @@ def test_a_pilot_of_one_class_gives_a_constant_model_that_gates_nothing():
 def test_post_and_pre_decode_kinds():
     model = LearnedGate(features=["lookahead[0]", "log_context_tokens"], mean=[0, 0], scale=[1, 1], coef=[1, 1],
                         intercept=0)
-    assert is_post_decode(GateSettings(confidence=0.2)) and is_post_decode(GateSettings(certificate=0.1))
-    assert not is_post_decode(GateSettings(lookahead=0.2)) and is_pre_decode(GateSettings(lookahead=0.2))
-    assert not is_post_decode(GateSettings(learned=model, learned_threshold=0.5))
+    assert GateSettings(confidence=0.2).post_decode and GateSettings(certificate=0.1).post_decode
+    assert not GateSettings(lookahead=0.2).post_decode and GateSettings(lookahead=0.2).pre_decode
+    assert not GateSettings(learned=model, learned_threshold=0.5).post_decode
     with_conf = model.model_copy(update={"features": ["confidence_min", "log_context_tokens"]})
-    assert is_post_decode(GateSettings(learned=with_conf, learned_threshold=0.5))
+    assert GateSettings(learned=with_conf, learned_threshold=0.5).post_decode
 
 
 # ----------------------------------------------------------------------------- gated masks
@@ -372,7 +372,9 @@ def test_gated_masks_of_the_new_kinds(table):
     scores = learned_scores(model, np.column_stack([log_odds(table.lookahead_heads[row]), np.log(table.context_tokens)]))
     np.testing.assert_array_equal(gated_mask(table, row, None, None, learned=model, learned_threshold=0.4),
                                   scores > 0.4)
-    out = expand_gated(table, [Derive("snapkv@0.70+x", "snapkv@0.70", None, None, confidence=0.3)])
+    spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["snapkv@0.70+x"]], candidate_info={
+        "snapkv@0.70+x": CandidateInfo(base_policy="snapkv@0.70", gate=GateSettings(confidence=0.3))})
+    out = derive_gated(table, spec)
     g = out.index_of("snapkv@0.70+x")
     np.testing.assert_array_equal(out.loss[g], np.where(conf < 0.3, 0.0, table.loss[row]))
     np.testing.assert_array_equal(out.memory[g], np.where(conf < 0.3, 1.0, 0.7))
@@ -382,20 +384,20 @@ def test_gated_masks_of_the_new_kinds(table):
 def test_a_table_without_the_signals_is_refused_with_the_recalibrate_hint(rows):
     bare = [{k: v for k, v in r.items() if k not in ("confidence_min", "logprob_mean")} for r in rows]
     with pytest.raises(CertkvError) as info:
-        certify(bare, contract_of())
+        certify_under(bare, contract_of())
     message = str(info.value)
     assert "lacks `confidence_min`" in message and "certkv calibrate CONTRACT --new-store" in message
     assert "\n" not in message
     no_heads = [{k: v for k, v in r.items() if k != "lookahead_heads"} for r in rows]
     with pytest.raises(CertkvError, match="lacks `lookahead_heads`.*recalibrate"):
-        certify(no_heads, contract_of())
+        certify_under(no_heads, contract_of())
 
 
 # ----------------------------------------------------------------------------- certification
 
 
 def test_certification_counts_the_certification_requests_only(rows, table):
-    op = certify(rows, contract_of())
+    op = certify_under(rows, contract_of())
     split = draw_pilot(table.request_ids, 0.25, 0)
     assert op.pilot.n_pilot == 100 and op.pilot.n_certification == 300 and op.pilot.request_ids == list(split.pilot_ids)
     assert op.pilot.share == 0.25 and op.pilot.seed == 0
@@ -418,7 +420,7 @@ def test_certification_counts_the_certification_requests_only(rows, table):
 
 
 def test_operating_point_round_trips_with_pilot_and_learned_gate(rows, tmp_path):
-    op = certify(rows, contract_of())
+    op = certify_under(rows, contract_of())
     learned = next(c for c in op.candidates if c.gate is not None and c.gate.learned is not None)
     path = op.write_json(tmp_path / "op.json")
     data = json.loads(path.read_text())
@@ -426,7 +428,7 @@ def test_operating_point_round_trips_with_pilot_and_learned_gate(rows, tmp_path)
     back = load_operating_point(path)
     assert back.pilot == op.pilot
     assert next(c for c in back.candidates if c.policy == learned.policy).gate == learned.gate
-    plain = certify(signal_rows(), contract_of(gate={"pilot": 0.25, "confidence": {"quantiles": [0.1]}},
+    plain = certify_under(signal_rows(), contract_of(gate={"pilot": 0.25, "confidence": {"quantiles": [0.1]}},
                                                procedure="fixed_sequence"))
     assert "pilot" in plain.to_dict()
     assert "pilot" not in OperatingPoint.model_validate({**plain.to_dict(), "pilot": None}).to_dict()
@@ -434,13 +436,13 @@ def test_operating_point_round_trips_with_pilot_and_learned_gate(rows, tmp_path)
 
 def test_pilot_ordered_orders_by_pilot_risk_and_tests_at_full_delta(rows, table):
     contract = contract_of(procedure="pilot_ordered")
-    spec = contract.certification_spec()
+    spec = certification_spec(contract)
     res = resolve_pilot(table, spec)
     (order,) = res.spec.sequences
     assert sorted(order) == sorted(spec.candidates)
     keys = [(res.pilot_violations[n], -res.pilot_memory[n], spec.candidates.index(n)) for n in order]
     assert keys == sorted(keys)
-    op = certify(rows, contract)
+    op = certify_under(rows, contract)
     assert [c.policy for c in op.candidates] == order and {c.level for c in op.candidates} == {0.1}
     assert len(op.sequences) == 1 and op.contract.procedure == "pilot_ordered"
     # the certified set equals a plain fixed-sequence run on that order, on the certification requests
@@ -477,7 +479,7 @@ def test_pilot_ordered_controls_the_family_wise_error():
 
 
 def test_p_values_match_scipy(table):
-    spec = contract_of(procedure="pilot_ordered").certification_spec()
+    spec = certification_spec(contract_of(procedure="pilot_ordered"))
     op = certify(table, spec)
     for c in op.candidates:
         assert c.p_value == pytest.approx(stats.binom.cdf(c.violations, c.n, 0.1), rel=1e-9, abs=1e-300)
@@ -486,7 +488,7 @@ def test_p_values_match_scipy(table):
 
 def test_validation_splits_the_certification_requests_only(rows):
     contract = contract_of(procedure="pilot_ordered")
-    result = validate(rows, contract.certification_spec(), n_splits=60, seed=2)
+    result = validate(LossTable.from_records(rows), certification_spec(contract), n_splits=60, seed=2)
     assert result.n_requests == 300 and result.pilot.n_pilot == 100
     assert result.n_calibration + result.n_test == 300
 
@@ -516,7 +518,7 @@ def test_certify_and_validate_commands_on_a_pilot_store(pilot_store, tmp_path, c
     assert "pilot_ordered" in printed and "pilot: 100 of 400 requests" in printed
     data = json.loads(out.read_text())
     assert data["n"] == 300 and data["pilot"]["n_certification"] == 300
-    assert data == {**data, **certify(rows, load_contract(path)).to_dict(), "created": data["created"],
+    assert data == {**data, **certify_under(rows, load_contract(path)).to_dict(), "created": data["created"],
                     "contract_sha256": data["contract_sha256"], "records_sha256": data["records_sha256"]}
     assert run_main("validate", str(path), "--splits", "30", "-o", str(tmp_path / "v.json")) == 0
     assert json.loads((tmp_path / "v.json").read_text())["n_requests"] == 300

@@ -14,6 +14,7 @@ from conftest import certify_without_torch, run_cli, run_main
 
 from certkv.calibration.store import CalibrationStore
 from certkv.contract.loading import load_contract, parse_contract
+from certkv.contract.spec import certification_spec
 from certkv.core.binomial import binomial_p_value
 from certkv.core.certify import certify
 from certkv.core.coverage import Coverage
@@ -203,7 +204,7 @@ def test_missing_or_empty_stratum_values_are_one_line_errors(change, match):
     for r in rows:
         change(r)
     with pytest.raises(CertkvError, match=match) as err:
-        certify(rows, CertificationSpec.parse({**SPEC, "strata": {"by": "metadata.group"}}))
+        certify(LossTable.from_records(rows), CertificationSpec.parse({**SPEC, "strata": {"by": "metadata.group"}}))
     assert "\n" not in str(err.value)
 
 
@@ -285,7 +286,7 @@ CONTRACT = {
 
 def test_contract_strata_and_coverage_reach_the_spec():
     contract = parse_contract(CONTRACT, "test")
-    spec = contract.certification_spec()
+    spec = certification_spec(contract)
     assert spec.strata == StrataConfig(by="task") and spec.context_margin == 0.25
     plain = parse_contract({k: v for k, v in CONTRACT.items() if k not in ("strata", "coverage")}, "test")
     assert "strata" not in json.loads(plain.canonical_json()) and plain.sha256() != contract.sha256()
@@ -348,7 +349,8 @@ def test_certify_command_writes_a_stratified_operating_point(strata_store, tmp_p
     out = tmp_path / "op.json"
     assert run_main("certify", str(path), "-o", str(out)) == 0
     data = json.loads(out.read_text())
-    expected = certify(rows, load_contract(path)).to_dict()
+    loaded = load_contract(path)
+    expected = certify(LossTable.from_records(rows), certification_spec(loaded), contract_sha256=loaded.sha256()).to_dict()
     for key in ("policy", "n", "violations", "mean_kv_retained", "coverage"):
         assert data[key] == expected[key]
     assert {k: v["policy"] for k, v in data["strata"]["entries"].items()} == {
@@ -373,7 +375,7 @@ def test_export_then_certify_the_csv_keeps_the_strata(strata_store, tmp_path):
 def test_a_stratum_whose_pilot_draws_nothing_falls_back():
     rows = strata_rows(sizes={"easy": 500, "hard": 150})
     spec = CertificationSpec.parse({**SPEC, "strata": {"by": "task"}, "pilot": {"share": 0.003, "min_certification": 1}})
-    op = certify(rows, spec)
+    op = certify(LossTable.from_records(rows), spec)
     assert op.strata.entries["hard"].fallback and "draws no pilot request" in op.strata.entries["hard"].reason
     assert not op.strata.entries["easy"].fallback
 
@@ -382,7 +384,7 @@ def test_by_task_reads_the_task_even_when_a_stratum_column_exists():
     rows = strata_rows(sizes={"easy": 300, "hard": 300})
     for r in rows:
         r["stratum"] = "x"
-    op = certify(rows, spec_of())
+    op = certify(LossTable.from_records(rows), spec_of())
     assert sorted(op.strata.entries) == ["easy", "hard"]
 
 

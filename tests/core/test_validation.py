@@ -16,6 +16,7 @@ from certkv.calibration.validation_file import read_validation
 from certkv.contract.loading import load_contract
 from certkv.core.binomial import binomial_p_value_table
 from certkv.core.certify import certify, decide, select_candidates
+from certkv.core.loss_table import LossTable
 from certkv.core.spec import CertificationSpec
 from certkv.core.strata import stratum_spec
 from certkv.core.validation import ValidationResult, calibration_masks, empirical_eligible, stratum_seed, validate
@@ -98,7 +99,7 @@ def test_certify_makes_the_same_choice_as_the_vectorised_core(simulation):
              "loss": float(violated[i, j])}
             for i in range(N_SIM) for j, (name, kv) in enumerate(zip(NAMES, KV))
         ]
-        op = certify(rows, spec)
+        op = certify(LossTable.from_records(rows), spec)
         expected = "full" if chosen[rep] < 0 else NAMES[chosen[rep]]
         assert op.policy == expected, rep
 
@@ -124,7 +125,7 @@ def spec_for(rows, **kw) -> CertificationSpec:
 
 def test_validate_reports_both_methods():
     rows = loss_rows()
-    result = validate(rows, spec_for(rows), n_splits=300, seed=1)
+    result = validate(LossTable.from_records(rows), spec_for(rows), n_splits=300, seed=1)
     assert (result.n_requests, result.n_calibration, result.n_test) == (300, 150, 150)
     data = json.loads(json.dumps(result.to_dict()))
     assert set(data["methods"]) == {"certkv", "empirical_thresholding"}
@@ -142,21 +143,21 @@ def test_validate_reports_both_methods():
 
 def test_validate_is_reproducible_per_seed():
     rows = loss_rows()
-    a = validate(rows, spec_for(rows), n_splits=50, seed=3).methods["certkv"].test_risks
-    b = validate(rows, spec_for(rows), n_splits=50, seed=3).methods["certkv"].test_risks
-    c = validate(rows, spec_for(rows), n_splits=50, seed=4).methods["certkv"].test_risks
+    a = validate(LossTable.from_records(rows), spec_for(rows), n_splits=50, seed=3).methods["certkv"].test_risks
+    b = validate(LossTable.from_records(rows), spec_for(rows), n_splits=50, seed=3).methods["certkv"].test_risks
+    c = validate(LossTable.from_records(rows), spec_for(rows), n_splits=50, seed=4).methods["certkv"].test_risks
     assert a == b and a != c
 
 
 def test_validate_split_matches_certify_on_the_calibration_half():
     rows = loss_rows(n=200)
     spec = spec_for(rows)
-    result = validate(rows, spec, n_splits=5, seed=7)
+    result = validate(LossTable.from_records(rows), spec, n_splits=5, seed=7)
     ids = sorted({r["request_id"] for r in rows})
     masks = calibration_masks(np.random.default_rng(7), 5, len(ids), 100)
     for split in range(5):
         cal = {ids[i] for i in np.flatnonzero(masks[split])}
-        op = certify([r for r in rows if r["request_id"] in cal], spec)
+        op = certify(LossTable.from_records([r for r in rows if r["request_id"] in cal]), spec)
         test = [r for r in rows if r["request_id"] not in cal and r["policy"] == op.policy]
         risk = 0.0 if op.fallback else sum(r["loss"] > 0 for r in test) / len(test)
         assert result.methods["certkv"].test_risks[split] == pytest.approx(risk)
@@ -164,7 +165,7 @@ def test_validate_split_matches_certify_on_the_calibration_half():
 
 def test_fallback_counts_as_safe():
     rows = loss_rows(risks=(0.3, 0.5))
-    result = validate(rows, spec_for(rows), n_splits=20)
+    result = validate(LossTable.from_records(rows), spec_for(rows), n_splits=20)
     cert = result.methods["certkv"]
     assert cert.fallback_share == 1.0 and cert.mean_kv_retained == 1.0
     assert cert.test_risks == [0.0] * 20 and cert.exceed_count == 0
@@ -173,7 +174,7 @@ def test_fallback_counts_as_safe():
 
 def test_validate_handles_several_blocks_of_splits():
     rows = loss_rows(n=60)
-    result = validate(rows, spec_for(rows, procedure="holm"), n_splits=600, seed=2)
+    result = validate(LossTable.from_records(rows), spec_for(rows, procedure="holm"), n_splits=600, seed=2)
     assert len(result.methods["empirical_thresholding"].test_risks) == 600
 
 
@@ -189,7 +190,15 @@ def test_validate_handles_several_blocks_of_splits():
 def test_validate_input_errors(kwargs, match):
     rows = loss_rows(n=20)
     with pytest.raises(CertkvError, match=match):
-        validate(rows, spec_for(rows), **kwargs)
+        validate(LossTable.from_records(rows), spec_for(rows), **kwargs)
+
+
+def test_validate_takes_a_table_and_a_spec_only():
+    rows = loss_rows(n=20)
+    with pytest.raises(CertkvError, match="records must be a LossTable"):
+        validate(rows, spec_for(rows))
+    with pytest.raises(CertkvError, match="spec must be a CertificationSpec"):
+        validate(LossTable.from_records(rows), spec_for(rows).model_dump())
 
 
 # ----------------------------------------------------------------------------- stratified validate()
@@ -227,12 +236,13 @@ def comparable(result) -> dict:
 def test_each_stratum_is_validate_of_its_own_table(simultaneous):
     rows = stratum_rows()
     spec = stratified_spec(rows, simultaneous)
-    result = validate(rows, spec, n_splits=200, seed=5)
+    result = validate(LossTable.from_records(rows), spec, n_splits=200, seed=5)
     assert result.by == "task" and sorted(result.strata) == ["easy", "hard"] and result.pilot is None
     per = stratum_spec(spec, 2)
     assert per.confidence == pytest.approx(0.975 if simultaneous else 0.95)
     for name, entry in result.strata.items():
-        alone = validate([r for r in rows if r["task"] == name], per, n_splits=200, seed=stratum_seed(5, name))
+        own = LossTable.from_records([r for r in rows if r["task"] == name])
+        alone = validate(own, per, n_splits=200, seed=stratum_seed(5, name))
         assert entry.seed == stratum_seed(5, name) and entry.contract.confidence == per.confidence
         assert comparable(entry) == comparable(alone)
     # The known rates decide: easy always certifies a compressed candidate, hard mostly no more than @0.80.
@@ -243,7 +253,7 @@ def test_each_stratum_is_validate_of_its_own_table(simultaneous):
 
 def test_pooled_numbers_combine_the_strata_by_test_requests():
     rows = stratum_rows()
-    result = validate(rows, stratified_spec(rows), n_splits=300, seed=2)
+    result = validate(LossTable.from_records(rows), stratified_spec(rows), n_splits=300, seed=2)
     easy, hard = result.strata["easy"], result.strata["hard"]
     assert (result.n_requests, result.n_calibration, result.n_test) == (700, 350, 350)
     assert (easy.n_test, hard.n_test) == (200, 150)
@@ -261,8 +271,8 @@ def test_pooled_numbers_combine_the_strata_by_test_requests():
 
 def test_simultaneous_validates_each_stratum_at_delta_over_s():
     rows = stratum_rows(sizes={"easy": 400, "hard": 300, "easy2": 300})
-    per_stratum = validate(rows, stratified_spec(rows), n_splits=100, seed=1)
-    joint = validate(rows, stratified_spec(rows, simultaneous=True), n_splits=100, seed=1)
+    per_stratum = validate(LossTable.from_records(rows), stratified_spec(rows), n_splits=100, seed=1)
+    joint = validate(LossTable.from_records(rows), stratified_spec(rows, simultaneous=True), n_splits=100, seed=1)
     assert [e.contract.confidence for e in joint.strata.values()] == pytest.approx([1 - 0.05 / 3] * 3)
     assert {e.contract.confidence for e in per_stratum.strata.values()} == {0.95}
     # A stricter level certifies no more aggressively on the very same splits.
@@ -273,7 +283,7 @@ def test_simultaneous_validates_each_stratum_at_delta_over_s():
 
 def test_a_stratum_too_small_to_certify_gets_the_full_cache():
     rows = stratum_rows(sizes={"easy": 400, "tiny": 30})
-    result = validate(rows, stratified_spec(rows), n_splits=50, seed=0)
+    result = validate(LossTable.from_records(rows), stratified_spec(rows), n_splits=50, seed=0)
     tiny = result.strata["tiny"]
     # 15 calibration requests: at ε = δ = 0.05 a zero-violation certificate needs 59.
     assert tiny.n_calibration == 15 and tiny.methods["certkv"].chosen == {"full": 50}
@@ -291,7 +301,7 @@ def test_a_stratum_too_small_to_certify_gets_the_full_cache():
 )
 def test_a_stratum_that_cannot_be_split_does_not_crash(sizes, pilot, match):
     rows = stratum_rows(sizes=sizes)
-    result = validate(rows, stratified_spec(rows, pilot=pilot), n_splits=40, seed=0)
+    result = validate(LossTable.from_records(rows), stratified_spec(rows, pilot=pilot), n_splits=40, seed=0)
     tiny = result.strata["tiny"]
     assert match in tiny.note and "too small to validate" in tiny.note and tiny.pilot is None
     for method in tiny.methods.values():
@@ -303,13 +313,13 @@ def test_a_stratum_that_cannot_be_split_does_not_crash(sizes, pilot, match):
 
 def test_stratified_result_round_trips_through_json():
     rows = stratum_rows()
-    result = validate(rows, stratified_spec(rows, pilot={"share": 0.25}), n_splits=30, seed=4)
+    result = validate(LossTable.from_records(rows), stratified_spec(rows, pilot={"share": 0.25}), n_splits=30, seed=4)
     data = json.loads(json.dumps(result.to_dict()))
     assert data["by"] == "task" and set(data["strata"]) == {"easy", "hard"}
     assert data["strata"]["easy"]["pilot"]["n_pilot"] == 100 and data["strata"]["easy"]["strata"] is None
     assert ValidationResult.model_validate(data) == result
     # An older validation.json (no by, no strata) still loads.
-    old = validate(rows, spec_for(rows), n_splits=10).to_dict()
+    old = validate(LossTable.from_records(rows), spec_for(rows), n_splits=10).to_dict()
     del old["by"], old["strata"]
     assert ValidationResult.model_validate(old).strata is None
 

@@ -108,6 +108,7 @@ def test_the_contract_accepts_the_protocol_and_hashes_it(tmp_path):
 def _operating_point(query_aware: bool | None) -> dict:
     """A certified SnapKV@0.5 point (200 lossless requests) under the given protocol (None: unsaid)."""
     from certkv.core.certify import certify
+    from certkv.core.loss_table import LossTable
     from certkv.core.spec import CertificationSpec
 
     rows = []
@@ -117,7 +118,7 @@ def _operating_point(query_aware: bool | None) -> dict:
     protocol = {} if query_aware is None else {"query_aware": query_aware}
     spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["snapkv@0.50"]], max_new_tokens=8,
                              **protocol)
-    data = certify(rows, spec).to_dict()
+    data = certify(LossTable.from_records(rows), spec).to_dict()
     assert not data["fallback"]
     return data
 

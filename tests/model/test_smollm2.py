@@ -188,7 +188,7 @@ def _operating_points(contract, rows, requests):
     from certkv.core.spec import GateSettings
 
     base = f"snapkv@{KV:.2f}"
-    op_all = certify(load_records(contract).table, contract)
+    op_all = certify(load_records(contract).table, certification_spec(contract), contract_sha256=contract.sha256())
     assert op_all.max_new_tokens == MAX_NEW_TOKENS and op_all.query_aware is False
     spec = certification_spec(contract)
     threshold = _splitting(DROPS, [rows[(r.id, base)]["agreement_drop"] for r in requests])

@@ -27,6 +27,7 @@ def engine_and_runtime_agree(embedded, name: str, kv: float, kwargs: dict[str, A
     """The press at `kv` answers every request alike in the engine, the runtime (an operating point
     that certifies it) and a greedy decode from its kept entries; some answer leaves the full one."""
     from certkv.core.certify import certify
+    from certkv.core.loss_table import LossTable
     from certkv.core.spec import CertificationSpec
     from certkv.engine.engine import Engine, PressCandidate
     from certkv.engine.full_cache import prefill_full
@@ -41,7 +42,8 @@ def engine_and_runtime_agree(embedded, name: str, kv: float, kwargs: dict[str, A
     assert engine.response_aware == engine.candidates and not engine.slow
     rows = [{"request_id": f"r{i}", "policy": p, "kv_retained": k, "loss": 0.0}
             for i in range(200) for p, k in (("full", 1.0), (policy, kv))]
-    op = certify(rows, CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[[policy]], max_new_tokens=8))
+    table = LossTable.from_records(rows)
+    op = certify(table, CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[[policy]], max_new_tokens=8))
     runtime = CertifiedRuntime(model, tokenizer, op.model_copy(update={"press": name, "press_kwargs": dict(kwargs)}))
     assert runtime.single_prefill
     differ = 0

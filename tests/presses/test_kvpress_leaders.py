@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import run_main
 
+from certkv.contract.spec import candidates
 from certkv.errors import CertkvError
 
 #: The presses of the issue (registry names).
@@ -151,7 +152,7 @@ def test_calibrate_runs_the_presses_that_run(tmp_path, query_aware):
     assert summary.calibrated == 4 and not summary.skipped
     with CalibrationStore.read(contract.resolved_store_path()) as store:
         policies_seen = {r["policy"] for r in store.records()}
-    assert policies_seen == {"full", *(c.policy for c in contract.candidates())}
+    assert policies_seen == {"full", *(c.policy for c in candidates(contract))}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

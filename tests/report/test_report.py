@@ -69,6 +69,8 @@ def test_report_reuses_an_up_to_date_validation(contract_path, tmp_path, capsys)
 def test_report_figures_for_a_fallback_without_tasks(tmp_path):
     """A table with no task column and nothing certified must still draw readable figures."""
     from certkv.core.certify import certify
+    from certkv.core.loss_table import LossTable
+    from certkv.core.spec import CertificationSpec
     from certkv.core.validation import validate
     from certkv.report.figures import plot_per_task, plot_risk_vs_kv, plot_validation, save_figure
 
@@ -77,10 +79,12 @@ def test_report_figures_for_a_fallback_without_tasks(tmp_path):
         for i in range(60)
         for p, kv in (("snapkv@0.50", 0.5), ("snapkv@0.30", 0.3))
     ]
-    spec = {"tolerance": 0.0, "risk": 0.05, "confidence": 0.95, "sequences": [["snapkv@0.50", "snapkv@0.30"]]}
-    op = certify(rows, spec)
+    spec = CertificationSpec.parse(
+        {"tolerance": 0.0, "risk": 0.05, "confidence": 0.95, "sequences": [["snapkv@0.50", "snapkv@0.30"]]})
+    table = LossTable.from_records(rows)
+    op = certify(table, spec)
     assert op.fallback
-    result = validate(rows, spec, n_splits=30)
+    result = validate(table, spec, n_splits=30)
     for name, fig in (("a.png", plot_risk_vs_kv(op)), ("b.png", plot_per_task(op)), ("c.png", plot_validation(result))):
         path = save_figure(fig, tmp_path / name)
         assert path.stat().st_size > 5_000

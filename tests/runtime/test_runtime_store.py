@@ -104,7 +104,7 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
     contract, rows, threshold, bound = calibrated
     model, tok = embedded
     records = load_records(contract).table
-    op_all = certify(records, contract)
+    op_all = certify(records, certification_spec(contract), contract_sha256=contract.sha256())
     by_key = {(r["request_id"], r["policy"]): r for r in rows}
     requests = read_jsonl(contract.resolved_requests_path())
     tested = 0

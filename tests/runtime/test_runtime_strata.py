@@ -55,10 +55,11 @@ def calibrated(tmp_path_factory, embedded):
 @pytest.fixture(scope="module")
 def stratified(calibrated):
     from certkv.calibration.certification import load_records
+    from certkv.contract.spec import certification_spec
     from certkv.core.certify import certify
 
     contract, _, _ = calibrated
-    return certify(load_records(contract).table, contract)
+    return certify(load_records(contract).table, certification_spec(contract), contract_sha256=contract.sha256())
 
 
 def test_store_rows_record_each_requests_stratum(calibrated):

@@ -86,7 +86,7 @@ def test_signals_leave_every_answer_unchanged(runs):
 
 
 def test_logprobs_equal_a_plain_forward_on_every_path(embedded, runs):
-    from certkv.signals.confidence import answer_confidence
+    from certkv.core.gate_features import answer_confidence
 
     model, _ = embedded
     candidates = {c.policy: c for c in _candidates()}
@@ -137,7 +137,7 @@ def test_probabilistic_logprobs_equal_a_teacher_forced_hajek_forward(embedded):
 
 
 def test_answer_confidence():
-    from certkv.signals.confidence import answer_confidence
+    from certkv.core.gate_features import answer_confidence
 
     low, mean = answer_confidence([-0.1, -2.0, 0.0])
     assert low == pytest.approx(math.exp(-2.0)) and mean == pytest.approx(-0.7)
