@@ -23,6 +23,5 @@ Modules, in the order they build on each other:
 * :mod:`~certkv.core.certify` — the decision: counts, p-values, the family-wise choice;
 * :mod:`~certkv.core.strata` — certificates per stratum, separately or simultaneously;
 * :mod:`~certkv.core.validation` — repeated-split validation;
-* :mod:`~certkv.core.conformal` — scale factors for the probabilistic press's certificate;
 * :mod:`~certkv.core.monitor` — the live risk monitor's anytime-valid test and bound.
 """

@@ -56,7 +56,7 @@ BOUND_PRIOR_MASS = 1.0
 DEFAULT_STREAM = "all"
 
 
-# -- the bets (pure, vectorised: the monitor and the simulator share them) ------------------------
+# -- the bets (pure, vectorised: the monitor and benchmarks/monitor_simulation.py share them) ------------------------
 
 
 def trip_bets(p_hat: npt.ArrayLike, risk: float, shadow_rate: float) -> np.ndarray:
@@ -113,13 +113,13 @@ def bound_from_rejected(rejected: np.ndarray, grid: np.ndarray = BOUND_GRID) -> 
     return top[last + 1]
 
 
-def _prior(risk: float, shadow_rate: float) -> tuple[float, float, float]:
+def plug_in_priors(risk: float, shadow_rate: float) -> tuple[float, float, float]:
     """(test prior mass, test prior rate, bound prior mass), in requests."""
     unit = 1.0 / (shadow_rate * risk)
     return PRIOR_MASS * unit, PRIOR_FACTOR * risk, BOUND_PRIOR_MASS * unit
 
 
-def _discount(risk: float, shadow_rate: float) -> float:
+def plug_in_discount(risk: float, shadow_rate: float) -> float:
     """Per-request discount of the test's estimate (memory MEMORY / (s·ε) requests)."""
     return 1.0 - shadow_rate * risk / MEMORY
 
@@ -201,8 +201,8 @@ class RiskMonitor:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._next_ticket = 0
-        self._prior_n, self._prior_p, self._bound_prior_n = _prior(self.risk, self.shadow_rate)
-        self._gamma = _discount(self.risk, self.shadow_rate)
+        self._prior_n, self._prior_p, self._bound_prior_n = plug_in_priors(self.risk, self.shadow_rate)
+        self._gamma = plug_in_discount(self.risk, self.shadow_rate)
         self._a = 1.0 / self.shadow_rate
 
     # -- the server's calls -------------------------------------------------------------------
@@ -344,110 +344,3 @@ def check_shadow_rate(value: object) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
         raise CertkvError(f"shadow_rate must be a number in (0, 1], got {value!r}")
     return float(value)
-
-
-# -- simulation (tests and benchmarks/monitor_quality.py) -----------------------------------------
-
-
-@dataclass(frozen=True)
-class Simulation:
-    """What :func:`simulate_streams` saw, per stream.
-
-    Attributes
-    ----------
-    tripped_after : numpy.ndarray
-        Requests recorded when the test tripped; 0 where it never did.
-    e_value : numpy.ndarray
-        The test martingale K after the last request.
-    upper_bound : numpy.ndarray or None
-        The bound after the last request (None unless ``bound=True``). The bound never increases,
-        so "above p after the last request" is "above p at every time".
-    """
-
-    tripped_after: np.ndarray
-    e_value: np.ndarray
-    upper_bound: np.ndarray | None
-
-
-def bernoulli_violations(rates: npt.ArrayLike, n_streams: int, seed: int = 0) -> np.ndarray:
-    """A (n_streams, len(rates)) boolean matrix: request t of each stream violates with
-    probability ``rates[t]`` (a constant rate, or one with a change point; `rates`: an
-    (n_requests,) float array)."""
-    rates = np.asarray(rates, dtype=float)
-    rng = np.random.default_rng(seed)
-    return rng.random((n_streams, rates.size)) < rates[None, :]
-
-
-def simulate_streams(
-    violated: npt.ArrayLike,
-    *,
-    risk: float,
-    delta: float,
-    shadow_rate: float,
-    seed: int = 0,
-    shadowed: np.ndarray | None = None,
-    bound: bool = False,
-    stop_when_tripped: bool = False,
-) -> Simulation:
-    """Run the monitor's statistics on many independent streams at once (vectorised over streams).
-
-    Every request is evicted and its shadow, when drawn, completes before the next request: the
-    same arithmetic as :class:`RiskMonitor` recording and completing in order (a test checks they
-    agree), at numpy speed.
-
-    Parameters
-    ----------
-    violated : array of bool, shape (streams, requests)
-        Whether each served answer violates (V).
-    risk, delta, shadow_rate : float
-        ε, δ and s.
-    seed : int
-        Seed of the shadow coins (ignored when ``shadowed`` is given).
-    shadowed : array of bool, optional
-        The shadow coins, same shape as ``violated``; drawn with P = s when None.
-    bound : bool
-        Also run the confidence sequence (200 martingales per stream: ~10× slower).
-    stop_when_tripped : bool
-        Stop once every stream has tripped (for time-to-trip measurements; only without ``bound``).
-    """
-    violated, risk, delta, s = _simulation_inputs(violated, risk, delta, shadow_rate)
-    n_streams, n = violated.shape
-    rng = np.random.default_rng(seed)
-    a, gamma, level = 1.0 / s, _discount(risk, s), math.log(1.0 / delta)
-    prior_n, prior_p, bound_prior_n = _prior(risk, s)
-    z_sum, weight = np.zeros(n_streams), 0.0  # the test's discounted estimate
-    z_total = np.zeros(n_streams)
-    log_k = np.zeros(n_streams)
-    tripped_after = np.zeros(n_streams, dtype=np.int64)
-    grid = BOUND_GRID.size if bound else 0  # the bound's statistics, empty when it is not asked for
-    log_km = np.zeros((n_streams, grid))
-    rejected = np.zeros((n_streams, grid), dtype=bool)
-    for t in range(n):
-        coin = shadowed[:, t] if shadowed is not None else rng.random(n_streams) < s
-        z = np.where(violated[:, t] & coin, a, 0.0)
-        lam = trip_bets((z_sum + prior_n * prior_p) / (weight + prior_n), risk, s)
-        if bound:
-            lam_m = bound_bets((z_total + bound_prior_n * risk) / (t + bound_prior_n), s)
-            log_km += np.log1p(-lam_m * (z[:, None] - BOUND_GRID))
-            rejected |= log_km >= level
-            z_total += z
-        log_k += np.log1p(lam * (z - risk))
-        weight = gamma * weight + 1.0
-        z_sum = gamma * z_sum + z
-        tripped_after[(tripped_after == 0) & (log_k >= level)] = t + 1
-        if stop_when_tripped and not bound and (tripped_after > 0).all():
-            break
-    return Simulation(tripped_after, np.exp(np.minimum(log_k, 700.0)), bound_from_rejected(rejected) if bound else None)
-
-
-def _simulation_inputs(
-    violated: npt.ArrayLike, risk: float, delta: float, shadow_rate: float
-) -> tuple[np.ndarray, float, float, float]:
-    """:func:`simulate_streams`'s inputs, checked: the (streams, requests) bool matrix, ε, δ and s."""
-    risk = check_probability(risk, "risk")
-    delta = check_probability(delta, "delta")
-    s = check_shadow_rate(shadow_rate)
-    matrix = np.asarray(violated, dtype=bool)
-    if matrix.ndim != 2:
-        raise CertkvError("violated must be a (streams, requests) boolean matrix")
-    return matrix, risk, delta, s
