@@ -143,6 +143,7 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_monitor.py",
     "test_strata_report.py",
     "test_types.py",
+    "test_stopping.py",
 })
 _HEAVY = ("torch", "transformers", "kvpress")
 _LOADED_BEFORE_RUN = pytest.StashKey[set]()
