@@ -144,6 +144,7 @@ TORCH_FREE_TEST_FILES = frozenset({
     "test_strata_report.py",
     "test_types.py",
     "test_stopping.py",
+    "test_examples_statistics.py",
 })
 _HEAVY = ("torch", "transformers", "kvpress")
 _LOADED_BEFORE_RUN = pytest.StashKey[set]()
