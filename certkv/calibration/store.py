@@ -14,9 +14,10 @@ before the commit returns. So:
 
 The store's ``meta`` table carries its ``format_version`` (:data:`FORMAT_VERSION`); a store of
 another version is refused in one line that says how to start a new one
-(:mod:`certkv.core.file_format`). The store remembers the hash of the contract it was calibrated for. Opening it with another
-contract is an error, because certifying records against a contract they were not produced under
-voids the guarantee; ``new=True`` (``--new-store``) moves the old database aside, never deletes it.
+(:mod:`certkv.core.file_format`). The store remembers the hash of the contract it was calibrated
+for. Opening it with another contract is an error, because certifying records against a
+contract they were not produced under voids the guarantee; ``new=True`` (``--new-store``) moves
+the old database aside, never deletes it.
 """
 
 from __future__ import annotations

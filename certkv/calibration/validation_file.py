@@ -77,4 +77,3 @@ def read_validation(path: Path, contract: Contract, evidence: ContractRecords) -
         return ValidationResult.model_validate(data)
     except ValidationError:
         return None
-
