@@ -184,19 +184,11 @@ def decode_probabilistic(
         for module, state in zip(modules, states):
             set_state(module, state)
         with torch.no_grad(), use_hajek_attention(model):
-            out = model(input_ids=q, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-            tokens = out.logits[:, -1].argmax(dim=-1)
-            step_logprobs = chosen_logprobs(out.logits[:, -1], tokens).tolist()
-            for row, token in enumerate(tokens.tolist()):
-                answers[row].append(token)
-                row_logprobs[row].append(step_logprobs[row])
-                done[row] = is_finished(answers[row], max_new_tokens, stop_ids)
-            next_position = positions[:, -1:]
-            # Every row feeds its last token until all are finished; a finished row's later
-            # tokens are computed (the batch moves together) but not kept.
+            # The question first, then every row's last token until all rows are finished; the
+            # batch moves together, so a finished row's later tokens are computed but not kept.
+            fed, fed_positions = q, positions
             while not all(done):
-                next_position = next_position + 1
-                out = model(input_ids=tokens.view(n, 1), past_key_values=cache, position_ids=next_position)
+                out = model(input_ids=fed, past_key_values=cache, position_ids=fed_positions, logits_to_keep=1)
                 tokens = out.logits[:, -1].argmax(dim=-1)
                 step_logprobs = chosen_logprobs(out.logits[:, -1], tokens).tolist()
                 for row, token in enumerate(tokens.tolist()):
@@ -204,6 +196,7 @@ def decode_probabilistic(
                         answers[row].append(token)
                         row_logprobs[row].append(step_logprobs[row])
                         done[row] = is_finished(answers[row], max_new_tokens, stop_ids)
+                fed, fed_positions = tokens.view(n, 1), fed_positions[:, -1:] + 1
         steps = certificate_steps(model)
     finally:
         clear_states(model)
