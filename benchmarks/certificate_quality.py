@@ -13,7 +13,7 @@ share of (step, layer, head) pairs of the second half with error ≤ z·ĉ (targ
 calibrated two ways:
 
 - ``grouped`` (the figure that counts): conformal risk control with one loss per request, the
-  share of its pairs z leaves uncovered (:func:`certkv.core.conformal.grouped_scale_factor`, α = 0.05).
+  share of its pairs z leaves uncovered (:func:`conformal_scale.grouped_scale_factor`, α = 0.05).
   Requests are exchangeable, their pairs are not, so this is what promises ≥ 95% on new requests;
 - ``pooled``: the plain conformal quantile (⌈(m+1)·0.95⌉-th smallest) of error/ĉ over the first
   half's m pairs, which treats correlated pairs as exchangeable (kept for comparison).
@@ -139,9 +139,8 @@ def quality(per_request, seed: int, kv_heads: int, splits: int = 50) -> dict:
     """z on one half of the requests, coverage on the other, for both calibrations of z; over
     `splits` random halvings, since pairs of one request are correlated and one split is noisy."""
     import numpy as np
+    from conformal_scale import grouped_scale_factor, pooled_scale_factor  # benchmarks/conformal_scale.py
     from scipy.stats import spearmanr
-
-    from certkv.core.conformal import grouped_scale_factor, pooled_scale_factor
 
     rng = np.random.default_rng(seed)
     ratios = [np.where(c.numpy() > 0, e.numpy() / np.maximum(c.numpy(), 1e-30), np.inf) for c, e, _, _ in per_request]

@@ -3,7 +3,7 @@ to the full cache soon after it stops holding?
 
 The monitor sees every served request and the verdict of a random share s of the evicted ones
 (a shadow answered from the full cache), and trips a stream when its betting e-value reaches 1/δ.
-Every stream below is simulated with :func:`certkv.core.monitor.simulate_streams` (the monitor's own
+Every stream below is simulated with :func:`monitor_simulation.simulate_streams` (the monitor's own
 arithmetic, vectorised over streams; a test checks it matches :class:`~certkv.core.monitor.RiskMonitor`),
 ε = 0.05, δ = 0.05, for s = 0.05 and s = 0.2:
 
@@ -35,8 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from certkv.core.monitor import bernoulli_violations, simulate_streams
+from monitor_simulation import bernoulli_violations, simulate_streams  # benchmarks/monitor_simulation.py
 
 RESULTS = Path(__file__).parent / "results"
 DEMO = Path("certkv-demo")  # the folder `certkv demo` runs in

@@ -60,7 +60,7 @@ def operating_point(policy: str, press: str, kv: float, gate=None, fallback: boo
     from certkv.core.operating_point import ContractSummary, OperatingPoint
 
     return OperatingPoint(
-        policy=policy, press=press, kv_retained=kv, mean_kv_retained=kv, fallback=fallback,
+        policy=policy, base_policy=policy, press=press, kv_retained=kv, mean_kv_retained=kv, fallback=fallback,
         contract=ContractSummary(tolerance=0.0, risk=0.05, confidence=0.95, procedure="fixed_sequence"),
         n=0, violations=0, empirical_risk=0.0, risk_upper_bound=1.0, p_value=1.0, candidates=[],
         sequences=[], guarantee="benchmark", created="now", certkv_version="benchmark", gate=gate,

@@ -533,7 +533,7 @@ def certificate_quality(data: dict) -> str:
         "‖o_full − ô‖ of the same query against the full cache. z is calibrated on half of the requests "
         f"and coverage is the share of the other half's pairs with error ≤ z·ĉ (target ≥ {COVERAGE_TARGET:.0%}), "
         f"over {first['splits']} random halvings. *Grouped* z is conformal risk control over requests "
-        "(`certkv.core.conformal.grouped_scale_factor`, α = 0.05), valid because requests are exchangeable; "
+        "(`grouped_scale_factor` in `benchmarks/conformal_scale.py`, α = 0.05), valid because requests are exchangeable; "
         "*pooled* z is the plain quantile over pairs, which treats the correlated pairs of one request as "
         "exchangeable and is shown for comparison.",
         table(["kv_retained", "z (grouped)", "coverage mean", "5th pct", "min", "z (pooled)",

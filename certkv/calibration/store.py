@@ -12,9 +12,12 @@ before the commit returns. So:
 - resuming skips exactly the requests present, and the PRIMARY KEY (request_id, policy) plus the
   "request already present" check make duplicates impossible.
 
-The store remembers the hash of the contract it was calibrated for. Opening it with another
-contract is an error, because certifying records against a contract they were not produced under
-voids the guarantee; ``new=True`` (``--new-store``) moves the old database aside, never deletes it.
+The store's ``meta`` table carries its ``format_version`` (:data:`FORMAT_VERSION`); a store of
+another version is refused in one line that says how to start a new one
+(:mod:`certkv.core.file_format`). The store remembers the hash of the contract it was calibrated
+for. Opening it with another contract is an error, because certifying records against a
+contract they were not produced under voids the guarantee; ``new=True`` (``--new-store``) moves
+the old database aside, never deletes it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import IO, TYPE_CHECKING, Any
 from certkv._version import __version__
 from certkv.atomic_io import atomic_write
 from certkv.calibration.database import connect, table_names, transaction
+from certkv.core.file_format import check_format_version
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.signals import STORE_COLUMNS
 from certkv.errors import CertkvError
@@ -40,7 +44,15 @@ if TYPE_CHECKING:
     from certkv.contract.schema import Contract
 
 DB_NAME = "records.sqlite"
-SCHEMA_VERSION = "1"
+
+#: The layout of a store (its tables and meta keys), written into ``meta`` by :func:`initialise`.
+FORMAT_VERSION = 1
+
+#: What writes a calibration store afresh, named when a store of another version is refused.
+REWRITE = "certkv calibrate CONTRACT --new-store"
+
+#: What writes a shadow store (meta ``kind`` ``shadow``, :mod:`certkv.serve.shadow_store`) afresh.
+SHADOW_REWRITE = "certkv serve OPERATING_POINT --shadow-store NEW_FOLDER"
 
 #: Record columns in export order; anything else a row carries goes into `extra` (JSON).
 COLUMNS = (
@@ -91,13 +103,15 @@ def db_path(store: str | Path) -> Path:
 
 
 def initialise(conn: sqlite3.Connection, meta: Mapping[str, str]) -> None:
-    """Create the record tables and write `meta` in one transaction (a crash leaves no half-made
-    store); the shadow store initialises its databases with it too."""
+    """Create the record tables and write `meta`, with the store's ``format_version``, in one
+    transaction (a crash leaves no half-made store); the shadow store initialises its databases
+    with it too."""
+    rows = {**meta, "format_version": str(FORMAT_VERSION)}
     try:
         with transaction(conn):
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 conn.execute(statement)
-            conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
+            conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", rows.items())
     except BaseException:
         conn.close()
         raise
@@ -109,6 +123,12 @@ def read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
         return {row["key"]: row["value"] for row in conn.execute("SELECT key, value FROM meta")}
     except sqlite3.DatabaseError as exc:
         raise CertkvError(f"{path} is not a certkv calibration store ({exc})") from None
+
+
+def check_store_format(meta: Mapping[str, str], path: Path, rewrite: str = REWRITE) -> None:
+    """Refuse a store (its `meta`, read from `path`) of another ``format_version``; `rewrite` is
+    the command that starts a new one."""
+    check_format_version(meta.get("format_version"), FORMAT_VERSION, path, rewrite)
 
 
 def _move_aside(path: Path) -> Path:
@@ -162,11 +182,17 @@ class CalibrationStore:
         if file.exists():
             conn = connect(file)
             if table_names(conn):  # no tables: a kill interrupted the first open; initialise below
-                stored = read_meta(conn, file).get("contract_sha256")
+                stored_meta = read_meta(conn, file)
+                stored = stored_meta.get("contract_sha256")
                 if stored is None:
                     conn.close()
                     raise CertkvError(f"{file} is not a certkv calibration store (no contract hash)")
-                if stored == sha and not new:
+                if stored == sha and not new:  # resume, in this certkv's format only
+                    try:
+                        check_store_format(stored_meta, file)
+                    except CertkvError:
+                        conn.close()
+                        raise
                     return cls(conn, folder, contract)
                 conn.close()
                 if not new:
@@ -184,7 +210,6 @@ class CalibrationStore:
             "contract_name": contract.name,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "certkv_version": __version__,
-            "schema_version": SCHEMA_VERSION,
         }
         initialise(conn, meta)
         return cls(conn, folder, contract, moved)
@@ -201,6 +226,11 @@ class CalibrationStore:
         if "contract_sha256" not in meta:
             conn.close()
             raise CertkvError(f"{file} is not a certkv calibration store (no contract hash)")
+        try:
+            check_store_format(meta, file, SHADOW_REWRITE if meta.get("kind") == "shadow" else REWRITE)
+        except CertkvError:
+            conn.close()
+            raise
         return cls(conn, folder, None)
 
     def close(self) -> None:
@@ -215,7 +245,7 @@ class CalibrationStore:
     # -- reading -------------------------------------------------------------------------------
 
     def meta(self) -> dict[str, str]:
-        """contract_sha256, contract (canonical JSON), created, certkv_version, schema_version."""
+        """contract_sha256, contract (canonical JSON), created, certkv_version, format_version."""
         return read_meta(self._conn, db_path(self.path))
 
     def bind(self, facts: Mapping[str, Any]) -> None:

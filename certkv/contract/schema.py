@@ -58,7 +58,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
-#: Optional top-level keys added after the first schema; omitted from the hash while unset.
+#: Optional top-level features; the canonical JSON omits each while unset (Contract.canonical_json).
 _LATER_KEYS = ("order", "strata", "coverage")
 
 
@@ -287,7 +287,7 @@ class LearnedGateSpec(QuantileGate):
         return values
 
 
-#: Keys added to `gate:` after its first schema; omitted from the hash while unset (or default).
+#: Optional `gate:` features and their unset values; the canonical JSON omits each at it (Gate.hashed_dump).
 _LATER_GATE_KEYS = {"pilot": None, "confidence": None, "lookahead": None, "learned": None,
                     "lookahead_tokens": LOOKAHEAD_TOKENS}
 
@@ -387,7 +387,8 @@ class Gate(_Strict):
         ]
 
     def hashed_dump(self, data: dict) -> dict:
-        """`data` (this gate's JSON dump) without the later keys left at their defaults."""
+        """`data` (this gate's JSON dump) as the canonical JSON holds it: without the optional
+        features (:data:`_LATER_GATE_KEYS`) left at their unset values (:meth:`Contract.canonical_json`)."""
         return {k: v for k, v in data.items() if not (k in _LATER_GATE_KEYS and v == _LATER_GATE_KEYS[k])}
 
 
@@ -542,11 +543,15 @@ class Contract(_Strict):
         return self
 
     def canonical_json(self) -> str:
-        """The validated contract as canonical JSON (sorted keys, defaults filled in).
+        """The validated contract as canonical JSON: sorted keys, compact separators, defaults filled in.
 
-        Keys added to the schema later (:data:`_LATER_KEYS`) are left out while unset, so adding an
-        optional feature does not change the hash of contracts that do not use it (stores
-        calibrated before it was added still match their contract).
+        One rule on top: an optional feature the contract does not use leaves no trace. The
+        top-level blocks :data:`_LATER_KEYS` (``order``, ``strata``, ``coverage``) are left out
+        while unset, and so are the gate's features :data:`_LATER_GATE_KEYS` (the pilot and its
+        gates while unset, ``lookahead_tokens`` at its default; :meth:`Gate.hashed_dump`). Every
+        other key is always written, ``gate`` too (null when unset). So using a feature changes
+        the hash, and a contract that uses none hashes the same whether or not certkv offers it;
+        that is what keeps the demo contract's hash (and so its store's binding) stable.
         """
         data = self.model_dump(mode="json")
         for key in _LATER_KEYS:
@@ -557,7 +562,8 @@ class Contract(_Strict):
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     def sha256(self) -> str:
-        """Hash of :meth:`canonical_json`: comments, key order and formatting do not change it."""
+        """SHA-256 (hex) of :meth:`canonical_json`: comments, key order and formatting do not
+        change it. Calibration stores, operating points and validation files are bound to it."""
         return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
 
     def policy_entries(self) -> list[PolicyEntry]:

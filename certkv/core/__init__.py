@@ -19,10 +19,10 @@ Modules, in the order they build on each other:
 * :mod:`~certkv.core.gated` — gated candidates derived from their base's records;
 * :mod:`~certkv.core.pilot` — the pilot split: thresholds and learned gates placed on it;
 * :mod:`~certkv.core.coverage` — the coverage envelope of a certificate (strata, context lengths);
+* :mod:`~certkv.core.file_format` — the ``format_version`` every file certkv writes, checked on load;
 * :mod:`~certkv.core.operating_point` — the result, as written to ``operating_point.json``;
 * :mod:`~certkv.core.certify` — the decision: counts, p-values, the family-wise choice;
 * :mod:`~certkv.core.strata` — certificates per stratum, separately or simultaneously;
 * :mod:`~certkv.core.validation` — repeated-split validation;
-* :mod:`~certkv.core.conformal` — scale factors for the probabilistic press's certificate;
 * :mod:`~certkv.core.monitor` — the live risk monitor's anytime-valid test and bound.
 """

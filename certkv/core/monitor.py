@@ -16,9 +16,26 @@ against it. :class:`RiskMonitor` turns those verdicts into two anytime-valid sta
 Why both statistics hold at every time at once — the inverse-probability weighting of the
 shadows, the betting martingale and Ville's inequality, the grid of the confidence sequence,
 shadows that complete out of order and abandoned shadows (counted as violations) — is written out
-in docs/design.md, "Statistical rules: the live risk monitor".
+in docs/design.md, "Statistical rules: the live risk monitor". In short: each statistic is a
+nonnegative martingale under its null hypothesis (a bettor's wealth in a fair game, the bets fixed
+before each verdict), and Ville's inequality [1]_ bounds the chance that such a martingale *ever*
+reaches 1/δ by δ; that is the whole anytime guarantee. The shadows' inverse-probability weights
+[2]_ make each bet fair under the null; the bets follow the predictable plug-in of [3]_, and the
+bound is the set of rates no grid martingale has rejected (a confidence sequence, [3]_ [4]_).
 
-Everything here is numpy only and thread-safe (one lock per monitor).
+The benchmarks' vectorised simulator of these statistics, many streams at once, is
+``benchmarks/monitor_simulation.py``; everything here is numpy only and thread-safe (one lock
+per monitor).
+
+References
+----------
+.. [1] J. Ville, *Étude critique de la notion de collectif*, Gauthier-Villars, Paris, 1939.
+.. [2] D. G. Horvitz and D. J. Thompson, "A generalization of sampling without replacement from a
+   finite universe", Journal of the American Statistical Association 47(260), 663–685, 1952.
+.. [3] I. Waudby-Smith and A. Ramdas, "Estimating means of bounded random variables by betting",
+   Journal of the Royal Statistical Society Series B 86(1), 1–27, 2024.
+.. [4] S. R. Howard, A. Ramdas, J. McAuliffe and J. Sekhon, "Time-uniform, nonparametric,
+   nonasymptotic confidence sequences", The Annals of Statistics 49(2), 1055–1080, 2021.
 """
 
 from __future__ import annotations
@@ -56,7 +73,7 @@ BOUND_PRIOR_MASS = 1.0
 DEFAULT_STREAM = "all"
 
 
-# -- the bets (pure, vectorised: the monitor and the simulator share them) ------------------------
+# -- the bets (pure, vectorised: the monitor and benchmarks/monitor_simulation.py share them) ------------------------
 
 
 def trip_bets(p_hat: npt.ArrayLike, risk: float, shadow_rate: float) -> np.ndarray:
@@ -78,6 +95,20 @@ def trip_bets(p_hat: npt.ArrayLike, risk: float, shadow_rate: float) -> np.ndarr
     Clipped to [0, MAX_SHARE / ε] so that every factor stays ≥ 1/2.
 
     p_hat : float, or an (n_streams,) float array (one estimate per stream); the bets have its shape.
+
+    References
+    ----------
+    Waudby-Smith and Ramdas (2024), the predictable plug-in: the module's References.
+
+    Examples
+    --------
+    No bet while the estimate is at most ε; a larger bet the further above ε it is, and a
+    smaller one when fewer answers are shadowed (a violation then weighs 1/s):
+
+    >>> trip_bets([0.02, 0.1, 0.5], risk=0.05, shadow_rate=1.0).round(3).tolist()
+    [0.0, 1.053, 9.474]
+    >>> trip_bets([0.02, 0.1, 0.5], risk=0.05, shadow_rate=0.2).round(3).tolist()
+    [0.0, 0.202, 1.818]
     """
     a = 1.0 / shadow_rate
     lam = (np.asarray(p_hat, dtype=float) - risk) / (risk * (a - risk))
@@ -91,6 +122,13 @@ def bound_bets(p_hat: npt.ArrayLike, shadow_rate: float, grid: np.ndarray = BOUN
     when p ≥ m; it is clipped to MAX_SHARE / (a − m), so a violation (Z = a) never costs more than
     half of K^m. ``p_hat`` may be an array (one estimate per stream): the result has shape
     ``p_hat.shape + grid.shape`` (`grid`: the (G,) float grid of m values).
+
+    Examples
+    --------
+    >>> bound_bets(0.01, shadow_rate=1.0).shape, bound_bets([0.01, 0.02], shadow_rate=1.0).shape
+    ((200,), (2, 200))
+    >>> bool((bound_bets(0.01, shadow_rate=1.0)[BOUND_GRID <= 0.01] == 0).all())  # no bet against m <= p̂
+    True
     """
     a = 1.0 / shadow_rate
     p = np.asarray(p_hat, dtype=float)[..., None]
@@ -104,6 +142,14 @@ def bound_from_rejected(rejected: np.ndarray, grid: np.ndarray = BOUND_GRID) -> 
     above the largest one still kept; 1 when the top one is kept, the bottom one when none is.
 
     rejected : (..., G) bool array over the (G,) `grid`; the bounds have shape (...).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> float(bound_from_rejected(np.zeros(BOUND_GRID.size, dtype=bool)))  # nothing rejected yet
+    1.0
+    >>> float(bound_from_rejected(BOUND_GRID >= 0.1))  # every rate from 0.1 up rejected
+    0.1
     """
     rejected = np.asarray(rejected, dtype=bool)
     kept = ~rejected
@@ -113,14 +159,26 @@ def bound_from_rejected(rejected: np.ndarray, grid: np.ndarray = BOUND_GRID) -> 
     return top[last + 1]
 
 
-def _prior(risk: float, shadow_rate: float) -> tuple[float, float, float]:
-    """(test prior mass, test prior rate, bound prior mass), in requests."""
+def plug_in_priors(risk: float, shadow_rate: float) -> tuple[float, float, float]:
+    """(test prior mass, test prior rate, bound prior mass), in requests.
+
+    Examples
+    --------
+    >>> [round(x, 6) for x in plug_in_priors(risk=0.05, shadow_rate=0.2)]
+    [200.0, 0.1, 100.0]
+    """
     unit = 1.0 / (shadow_rate * risk)
     return PRIOR_MASS * unit, PRIOR_FACTOR * risk, BOUND_PRIOR_MASS * unit
 
 
-def _discount(risk: float, shadow_rate: float) -> float:
-    """Per-request discount of the test's estimate (memory MEMORY / (s·ε) requests)."""
+def plug_in_discount(risk: float, shadow_rate: float) -> float:
+    """Per-request discount of the test's estimate (memory MEMORY / (s·ε) requests).
+
+    Examples
+    --------
+    >>> round(plug_in_discount(risk=0.05, shadow_rate=0.2), 6)
+    0.998
+    """
     return 1.0 - shadow_rate * risk / MEMORY
 
 
@@ -183,6 +241,35 @@ class RiskMonitor:
     -----
     See the module docstring for the statistics, their validity and the treatment of abandoned
     and out-of-order shadows. A tripped stream stays tripped for the monitor's lifetime.
+
+    References
+    ----------
+    Ville (1939) for the anytime validity; Horvitz and Thompson (1952) for the weights;
+    Waudby-Smith and Ramdas (2024) and Howard et al. (2021) for the bets and the bound: the
+    module's References.
+
+    Examples
+    --------
+    Every answer shadowed (s = 1), one in five violating, against a certified ε = 0.05: the test
+    trips within a few dozen requests.
+
+    >>> monitor = RiskMonitor(risk=0.05, delta=0.05, shadow_rate=1.0)
+    >>> for i in range(400):
+    ...     ticket = monitor.record("all", evicted=True, shadowed=True)
+    ...     monitor.complete(ticket, violated=i % 5 == 0)
+    >>> state = monitor.snapshot()["all"]
+    >>> state["tripped"], state["tripped_after"]
+    (True, 26)
+
+    One in a hundred violating: 2,000 requests leave the test quiet and bound the rate below ε.
+
+    >>> monitor = RiskMonitor(risk=0.05, delta=0.05, shadow_rate=1.0)
+    >>> for i in range(2000):
+    ...     ticket = monitor.record("all", evicted=True, shadowed=True)
+    ...     monitor.complete(ticket, violated=i % 100 == 0)
+    >>> state = monitor.snapshot()["all"]
+    >>> state["tripped"], round(state["upper_bound"], 4)
+    (False, 0.0191)
     """
 
     def __init__(
@@ -201,8 +288,8 @@ class RiskMonitor:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._next_ticket = 0
-        self._prior_n, self._prior_p, self._bound_prior_n = _prior(self.risk, self.shadow_rate)
-        self._gamma = _discount(self.risk, self.shadow_rate)
+        self._prior_n, self._prior_p, self._bound_prior_n = plug_in_priors(self.risk, self.shadow_rate)
+        self._gamma = plug_in_discount(self.risk, self.shadow_rate)
         self._a = 1.0 / self.shadow_rate
 
     # -- the server's calls -------------------------------------------------------------------
@@ -340,114 +427,17 @@ class RiskMonitor:
 
 
 def check_shadow_rate(value: object) -> float:
-    """Validate a shadow rate s in (0, 1]: the share of evicted answers checked (1: all of them)."""
+    """Validate a shadow rate s in (0, 1]: the share of evicted answers checked (1: all of them).
+
+    Examples
+    --------
+    >>> check_shadow_rate(1)
+    1.0
+    >>> check_shadow_rate(0)
+    Traceback (most recent call last):
+    ...
+    certkv.errors.CertkvError: shadow_rate must be a number in (0, 1], got 0
+    """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
         raise CertkvError(f"shadow_rate must be a number in (0, 1], got {value!r}")
     return float(value)
-
-
-# -- simulation (tests and benchmarks/monitor_quality.py) -----------------------------------------
-
-
-@dataclass(frozen=True)
-class Simulation:
-    """What :func:`simulate_streams` saw, per stream.
-
-    Attributes
-    ----------
-    tripped_after : numpy.ndarray
-        Requests recorded when the test tripped; 0 where it never did.
-    e_value : numpy.ndarray
-        The test martingale K after the last request.
-    upper_bound : numpy.ndarray or None
-        The bound after the last request (None unless ``bound=True``). The bound never increases,
-        so "above p after the last request" is "above p at every time".
-    """
-
-    tripped_after: np.ndarray
-    e_value: np.ndarray
-    upper_bound: np.ndarray | None
-
-
-def bernoulli_violations(rates: npt.ArrayLike, n_streams: int, seed: int = 0) -> np.ndarray:
-    """A (n_streams, len(rates)) boolean matrix: request t of each stream violates with
-    probability ``rates[t]`` (a constant rate, or one with a change point; `rates`: an
-    (n_requests,) float array)."""
-    rates = np.asarray(rates, dtype=float)
-    rng = np.random.default_rng(seed)
-    return rng.random((n_streams, rates.size)) < rates[None, :]
-
-
-def simulate_streams(
-    violated: npt.ArrayLike,
-    *,
-    risk: float,
-    delta: float,
-    shadow_rate: float,
-    seed: int = 0,
-    shadowed: np.ndarray | None = None,
-    bound: bool = False,
-    stop_when_tripped: bool = False,
-) -> Simulation:
-    """Run the monitor's statistics on many independent streams at once (vectorised over streams).
-
-    Every request is evicted and its shadow, when drawn, completes before the next request: the
-    same arithmetic as :class:`RiskMonitor` recording and completing in order (a test checks they
-    agree), at numpy speed.
-
-    Parameters
-    ----------
-    violated : array of bool, shape (streams, requests)
-        Whether each served answer violates (V).
-    risk, delta, shadow_rate : float
-        ε, δ and s.
-    seed : int
-        Seed of the shadow coins (ignored when ``shadowed`` is given).
-    shadowed : array of bool, optional
-        The shadow coins, same shape as ``violated``; drawn with P = s when None.
-    bound : bool
-        Also run the confidence sequence (200 martingales per stream: ~10× slower).
-    stop_when_tripped : bool
-        Stop once every stream has tripped (for time-to-trip measurements; only without ``bound``).
-    """
-    violated, risk, delta, s = _simulation_inputs(violated, risk, delta, shadow_rate)
-    n_streams, n = violated.shape
-    rng = np.random.default_rng(seed)
-    a, gamma, level = 1.0 / s, _discount(risk, s), math.log(1.0 / delta)
-    prior_n, prior_p, bound_prior_n = _prior(risk, s)
-    z_sum, weight = np.zeros(n_streams), 0.0  # the test's discounted estimate
-    z_total = np.zeros(n_streams)
-    log_k = np.zeros(n_streams)
-    tripped_after = np.zeros(n_streams, dtype=np.int64)
-    grid = BOUND_GRID.size if bound else 0  # the bound's statistics, empty when it is not asked for
-    log_km = np.zeros((n_streams, grid))
-    rejected = np.zeros((n_streams, grid), dtype=bool)
-    for t in range(n):
-        coin = shadowed[:, t] if shadowed is not None else rng.random(n_streams) < s
-        z = np.where(violated[:, t] & coin, a, 0.0)
-        lam = trip_bets((z_sum + prior_n * prior_p) / (weight + prior_n), risk, s)
-        if bound:
-            lam_m = bound_bets((z_total + bound_prior_n * risk) / (t + bound_prior_n), s)
-            log_km += np.log1p(-lam_m * (z[:, None] - BOUND_GRID))
-            rejected |= log_km >= level
-            z_total += z
-        log_k += np.log1p(lam * (z - risk))
-        weight = gamma * weight + 1.0
-        z_sum = gamma * z_sum + z
-        tripped_after[(tripped_after == 0) & (log_k >= level)] = t + 1
-        if stop_when_tripped and not bound and (tripped_after > 0).all():
-            break
-    return Simulation(tripped_after, np.exp(np.minimum(log_k, 700.0)), bound_from_rejected(rejected) if bound else None)
-
-
-def _simulation_inputs(
-    violated: npt.ArrayLike, risk: float, delta: float, shadow_rate: float
-) -> tuple[np.ndarray, float, float, float]:
-    """:func:`simulate_streams`'s inputs, checked: the (streams, requests) bool matrix, ε, δ and s."""
-    risk = check_probability(risk, "risk")
-    delta = check_probability(delta, "delta")
-    s = check_shadow_rate(shadow_rate)
-    matrix = np.asarray(violated, dtype=bool)
-    if matrix.ndim != 2:
-        raise CertkvError("violated must be a (streams, requests) boolean matrix")
-    return matrix, risk, delta, s

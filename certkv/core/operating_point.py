@@ -16,15 +16,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from certkv._version import __version__
 from certkv.atomic_io import write_text_atomic
 from certkv.core.coverage import Coverage
+from certkv.core.file_format import check_format_version
 from certkv.core.pilot import PilotInfo
 from certkv.core.procedures import Procedure
 from certkv.core.spec import CertificationSpec, GateSettings
 from certkv.errors import CertkvError, format_validation_error
+
+#: The layout of ``operating_point.json`` (:mod:`certkv.core.file_format`): a reader takes this
+#: version only, and a file of another is refused with the command that writes it again.
+FORMAT_VERSION = 1
+
+#: What writes an operating point, named when a file of another version is refused.
+REWRITE = "certkv certify CONTRACT"
 
 
 def certified_at() -> str:
@@ -125,11 +133,14 @@ class OperatingPoint(BaseModel):
 
     Deployment: ``base_policy`` is the ungated candidate, ``press_kwargs`` its press's kwargs
     (from the contract; {} for a bare loss table), ``gate`` the runtime gate (null: none) and
-    ``gated_share`` the share of calibration requests that gate sent to the full cache. Files
-    written before these fields existed still load (ungated, ``base_policy`` = ``policy``).
+    ``gated_share`` the share of calibration requests that gate sent to the full cache.
+
+    ``format_version`` is the file's layout (:data:`FORMAT_VERSION`, written first); a point of
+    another version is refused, by :func:`load_operating_point` with the command that rewrites it.
     """
 
     model_config = ConfigDict(extra="forbid")
+    format_version: int = FORMAT_VERSION
     policy: str
     base_policy: str
     press: str
@@ -141,8 +152,7 @@ class OperatingPoint(BaseModel):
     """Decode length the candidates were calibrated with; the runtime deploys exactly that."""
     query_aware: bool = False
     """The protocol: true when the question was prefilled with the context, so the press saw it
-    before evicting (contract ``protocol.query_aware``); a runtime deploys the same protocol.
-    Files written before it existed were all question-agnostic (false)."""
+    before evicting (contract ``protocol.query_aware``); a runtime deploys the same protocol."""
     mean_kv_retained: float
     kv_retained_actual: float | None = None
     fallback: bool
@@ -167,7 +177,7 @@ class OperatingPoint(BaseModel):
     pilot's request ids; n and the counts above are over the certification requests only."""
     coverage: Coverage | None = None
     """What was calibrated (strata, context lengths, decode length); the runtime answers requests
-    outside it from the full cache. Null in files written before it existed (nothing checked)."""
+    outside it from the full cache. Null: nothing is checked."""
     strata: StrataResult | None = None
     """A stratified operating point (contract ``strata:``): one operating point per stratum, each
     deployed for its own requests. The top-level fields then summarise them: ``policy`` is
@@ -187,13 +197,13 @@ class OperatingPoint(BaseModel):
             return self
         return None if stratum is None else self.strata.entries.get(stratum)
 
-    @model_validator(mode="before")
+    @field_validator("format_version")
     @classmethod
-    def _older_files(cls, data):
-        """An operating point written before `base_policy` existed was ungated."""
-        if isinstance(data, dict) and "base_policy" not in data and "policy" in data:
-            data = {**data, "base_policy": data["policy"]}
-        return data
+    def _this_format(cls, value: int) -> int:
+        """Only this certkv's layout validates (a file's own check, with its name, comes first)."""
+        if value != FORMAT_VERSION:
+            raise ValueError(f"format_version {value}, this certkv reads {FORMAT_VERSION}; re-run `{REWRITE}`")
+        return value
 
     @model_validator(mode="after")
     def _one_protocol(self) -> OperatingPoint:
@@ -217,8 +227,10 @@ class OperatingPoint(BaseModel):
         for key in ("pilot", "coverage", "strata"):
             if data.get(key) is None:
                 data.pop(key, None)
-        if self.strata is not None:
-            data["strata"]["entries"] = {name: op.to_dict() for name, op in self.strata.entries.items()}
+        if self.strata is not None:  # one version per file: the stratum entries carry none of their own
+            data["strata"]["entries"] = {
+                name: {k: v for k, v in op.to_dict().items() if k != "format_version"} for name, op in self.strata.entries.items()
+            }
         return data
 
     def to_json(self) -> str:
@@ -254,6 +266,8 @@ def load_operating_point(path: str | os.PathLike[str]) -> OperatingPoint:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CertkvError(f"{path}: not valid JSON ({exc}); re-run `certkv certify`") from None
+    if isinstance(data, dict):  # anything else is not an operating point: validation says so
+        check_format_version(data.get("format_version"), FORMAT_VERSION, path, REWRITE)
     try:
         return OperatingPoint.model_validate(data)
     except ValidationError as exc:

@@ -32,6 +32,25 @@ Layout: the vectorised steps take p-values of shape ``(..., N)`` where the last 
 candidates of all sequences concatenated in contract order, and ``lengths`` gives each sequence's
 length. The leading axes are free, so repeated-split validation runs the very same code on
 thousands of splits at once; :func:`control_fwer` is the friendly one-shot interface.
+
+The overall scheme, one valid p-value per candidate turned into a certified set by a family-wise
+procedure, is the Learn-then-Test framework [1]_; the procedures are the classical ones: a
+Bonferroni split [2]_, fixed-sequence testing of pre-ordered hypotheses [3]_ [4]_, and Holm's
+step-down [5]_.
+
+References
+----------
+.. [1] A. N. Angelopoulos, S. Bates, E. J. Candès, M. I. Jordan and L. Lei, "Learn then Test:
+   Calibrating predictive algorithms to achieve risk control", arXiv:2110.01052, 2021.
+.. [2] O. J. Dunn, "Multiple comparisons among means", Journal of the American Statistical
+   Association 56(293), 52–64, 1961.
+.. [3] W. Maurer, L. A. Hothorn and W. Lehmacher, "Multiple comparisons in drug clinical trials
+   and preclinical assays: a-priori ordered hypotheses", in Biometrie in der
+   chemisch-pharmazeutischen Industrie 6, 3–18, 1995.
+.. [4] P. H. Westfall and A. Krishen, "Optimally weighted, fixed sequence and gatekeeper multiple
+   testing procedures", Journal of Statistical Planning and Inference 99(1), 25–40, 2001.
+.. [5] S. Holm, "A simple sequentially rejective multiple test procedure", Scandinavian Journal
+   of Statistics 6(2), 65–70, 1979.
 """
 
 from __future__ import annotations
@@ -81,7 +100,17 @@ class FwerResult:
 
 
 def check_procedure(procedure: str) -> str:
-    """Reject unknown procedure names with the list of valid ones."""
+    """Reject unknown procedure names with the list of valid ones.
+
+    Examples
+    --------
+    >>> check_procedure("holm")
+    'holm'
+    >>> check_procedure("bh")
+    Traceback (most recent call last):
+    ...
+    certkv.errors.CertkvError: procedure must be one of fixed_sequence, bonferroni, holm, pilot_ordered; got 'bh'
+    """
     if procedure not in PROCEDURES:
         raise CertkvError(f"procedure must be one of {', '.join(PROCEDURES)}; got {procedure!r}")
     return procedure
@@ -209,6 +238,11 @@ class FixedSequence(FwerProcedure):
     No level is lost within a sequence, so the only split is across the m sequences. Within a
     chain of tests, candidate j is certified only if it and every candidate before it pass: a
     running product of the pass flags, which makes the certified set of a chain a prefix.
+
+    Why no level is lost within a chain: a later candidate is reached only through every earlier
+    one, so any false certificate in a chain needs its first candidate truly above ε to pass its
+    test at δ/m. Each chain therefore errs with probability at most δ/m, and the m chains together
+    at most δ (Maurer, Hothorn & Lehmacher 1995; see the module's References).
     """
 
     name = "fixed_sequence"
@@ -255,7 +289,11 @@ class PilotOrdered(FixedSequence):
 
 
 class Bonferroni(FwerProcedure):
-    """Every candidate tested at δ / N, in any order: the simplest split, and never stops."""
+    """Every candidate tested at δ / N, in any order: the simplest split, and never stops.
+
+    Valid by the union bound alone, whatever the dependence between the p-values (Dunn 1961; see
+    the module's References).
+    """
 
     name = "bonferroni"
 
@@ -273,6 +311,9 @@ class Holm(FwerProcedure):
     testing stops at the first comparison that fails. Ties are broken by the stable sort, which
     does not change the set certified (tied p-values pass or fail together in effect). The level
     depends on the rank, so a sequence has none of its own.
+
+    Holm (1979; see the module's References) shows it controls the family-wise error rate under
+    any dependence, like Bonferroni, while rejecting at least as much.
     """
 
     name = "holm"
@@ -310,7 +351,15 @@ FIXED_ORDER: tuple[str, ...] = tuple(name for name, proc in REGISTRY.items() if 
 
 
 def procedure_of(procedure: str) -> FwerProcedure:
-    """The procedure named `procedure`; unknown names get :func:`check_procedure`'s error."""
+    """The procedure named `procedure`; unknown names get :func:`check_procedure`'s error.
+
+    Examples
+    --------
+    >>> procedure_of("holm")
+    Holm()
+    >>> procedure_of("pilot_ordered").orders_by_pilot, procedure_of("fixed_sequence").stops_at_first_failure
+    (True, True)
+    """
     return REGISTRY[check_procedure(procedure)]
 
 
@@ -321,6 +370,24 @@ def fixed_sequence_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) 
     """Certified flags under fixed-sequence testing with a δ/m split across m sequences (a prefix each).
 
     p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+
+    References
+    ----------
+    Maurer, Hothorn & Lehmacher (1995); Westfall & Krishen (2001): the module's References.
+
+    Examples
+    --------
+    Two sequences of three candidates, most KV first, at δ = 0.1: each is tested at 0.05 and
+    stops at its first failure, so the second sequence never reaches its last candidate.
+
+    >>> p = [0.001, 0.01, 0.2, 0.03, 0.06, 0.001]
+    >>> fixed_sequence_mask(p, [3, 3], 0.1).tolist()
+    [True, True, False, True, False, False]
+
+    Leading axes are free: one row per validation split.
+
+    >>> fixed_sequence_mask([p, [0.2] * 6], [3, 3], 0.1).tolist()
+    [[True, True, False, True, False, False], [False, False, False, False, False, False]]
     """
     return REGISTRY["fixed_sequence"].mask(p, lengths, delta)
 
@@ -329,6 +396,18 @@ def bonferroni_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> n
     """Certified flags when each of the N candidates is tested at δ / N, in any order.
 
     p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+
+    References
+    ----------
+    Dunn (1961): the module's References.
+
+    Examples
+    --------
+    The p-values of :func:`fixed_sequence_mask`'s example, each at 0.1 / 6: the last candidate
+    passes although its sequence stopped before it.
+
+    >>> bonferroni_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1).tolist()
+    [True, True, False, False, False, True]
     """
     return REGISTRY["bonferroni"].mask(p, lengths, delta)
 
@@ -337,6 +416,18 @@ def holm_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndar
     """Certified flags under Holm's step-down procedure over all N candidates.
 
     p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+
+    References
+    ----------
+    Holm (1979): the module's References.
+
+    Examples
+    --------
+    The same p-values: sorted, they meet 0.1/6, 0.1/5, 0.1/4 and 0.1/3, then 0.06 > 0.1/2 stops
+    the step-down. Holm certifies everything Bonferroni does, and here one more.
+
+    >>> holm_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1).tolist()
+    [True, True, False, True, False, True]
     """
     return REGISTRY["holm"].mask(p, lengths, delta)
 
@@ -345,6 +436,11 @@ def certified_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float, proce
     """Dispatch to the procedure named in the contract; shape ``(..., N)`` in, booleans out.
 
     p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+
+    Examples
+    --------
+    >>> certified_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1, "fixed_sequence").tolist()
+    [True, True, False, True, False, False]
     """
     return procedure_of(procedure).mask(p, lengths, delta)
 
@@ -358,6 +454,14 @@ def candidate_levels(p: npt.ArrayLike, lengths: Sequence[int], delta: float, pro
     confidence ``1 − level``) candidate by candidate.
 
     p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
+
+    Examples
+    --------
+    >>> p = [0.001, 0.01, 0.2, 0.03, 0.06, 0.001]
+    >>> candidate_levels(p, [3, 3], 0.1, "fixed_sequence").tolist()
+    [0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
+    >>> candidate_levels(p, [3, 3], 0.1, "holm").round(4).tolist()  # δ / (N − rank)
+    [0.0167, 0.025, 0.1, 0.0333, 0.05, 0.02]
     """
     lengths, p, delta = _inputs(p, lengths, delta)  # the inputs are checked before the name
     return procedure_of(procedure)._levels(p, lengths, delta)
@@ -367,6 +471,12 @@ def sequence_stops(certified_flat: np.ndarray, lengths: Sequence[int], delta: fl
     """Summarise, per sequence, how far testing went and how much was certified.
 
     certified_flat : (N,) bool array of one decision's flags, the sequences concatenated.
+
+    Examples
+    --------
+    >>> flags = fixed_sequence_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1)
+    >>> [(s.tested, s.certified, s.stopped_at) for s in sequence_stops(flags, [3, 3], 0.1, "fixed_sequence")]
+    [(3, 2, 2), (2, 1, 1)]
     """
     lengths = check_lengths(lengths)
     delta = check_delta(delta)
@@ -379,6 +489,16 @@ def control_fwer(p_values: Sequence[Sequence[float]], delta: float, procedure: s
     ``p_values`` holds one list per sequence, each in the contract's test order (conservative
     first). Returns per-candidate flags and levels in the same nested shape, and where each
     sequence stopped.
+
+    Examples
+    --------
+    >>> result = control_fwer([[0.001, 0.01, 0.2], [0.03, 0.06, 0.001]], 0.1, "fixed_sequence")
+    >>> result.certified
+    ((True, True, False), (True, False, False))
+    >>> result.levels[0]
+    (0.05, 0.05, 0.05)
+    >>> [s.stopped_at for s in result.sequences]
+    [2, 1]
     """
     procedure = check_procedure(procedure)
     delta = check_delta(delta)
@@ -400,7 +520,13 @@ def control_fwer(p_values: Sequence[Sequence[float]], delta: float, procedure: s
 
 
 def is_prefix(flags: Sequence[bool]) -> bool:
-    """True when the certified flags form a prefix (all True, then all False)."""
+    """True when the certified flags form a prefix (all True, then all False).
+
+    Examples
+    --------
+    >>> is_prefix([True, True, False]), is_prefix([True, False, True])
+    (True, False)
+    """
     seen_false = False
     for flag in flags:
         if flag and seen_false:

@@ -12,7 +12,7 @@ declared here, in :data:`SIGNALS`, and derived from it:
   row's ``extra`` JSON);
 * the signal dict the runtime's gate reads (:mod:`certkv.runtime.certified_runtime`); the
   ``Decision`` record (:mod:`certkv.runtime.decision`) writes one field per signal out by hand, and
-  tests/test_signals.py holds them to these declarations;
+  tests/signals/test_signals.py holds them to these declarations;
 * the learned gate's feature groups and features (:mod:`certkv.core.gate_features`);
 * request-level signals computed from the encoded request alone (``compute``), which calibration
   and the runtime evaluate with :func:`request_signals`.
@@ -111,7 +111,7 @@ class Signal:
         return f"log_{self.name}" if self.transform == "log" else self.name
 
 
-# One declaration per signal, kept in this compact layout (tests/test_signals.py inserts one in it).
+# One declaration per signal, kept in this compact layout (tests/signals/test_signals.py inserts one in it).
 # fmt: off
 SIGNALS: tuple[Signal, ...] = (
     Signal("agreement_drop", per="request", kind="scalar", phase="pre_decode",

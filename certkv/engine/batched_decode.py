@@ -11,8 +11,8 @@ were kept. They are stacked into one padded batch (padding masked out) and answe
    cache, so each row attends to exactly the tokens of its own answer.
 
 Positions follow kvpress: `position_ids` continue from the uncompressed context length, the cache
-index from the (padded) pruned length. Stopping follows kvpress's pipeline too: at most
-`max_new_tokens` tokens, stop after a stop token, but never on the first generated token.
+index from the (padded) pruned length. Stopping is the decoders' shared rule, kvpress's pipeline's
+(:func:`certkv.model.stopping.is_finished`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicLayer
 from certkv.engine.prompt_lookup import PromptLookup
 from certkv.model.attention import NAME, attention_row_groups, register, use_attention
 from certkv.model.generation import chosen_logprobs
+from certkv.model.stopping import is_finished
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -271,8 +272,8 @@ class _Decoding:
         self.groups = row_groups(mask)  # attention skips each row's padding
 
     def finished(self, tokens: list[int]) -> bool:
-        # kvpress's rule: at most max_new_tokens, stop after a stop token but never on the first.
-        return len(tokens) >= self.max_new_tokens or (len(tokens) > 1 and tokens[-1] in self.stop_ids)
+        """Whether a row's answer `tokens` is complete (the decoders' shared rule)."""
+        return is_finished(tokens, self.max_new_tokens, self.stop_ids)
 
     def _forward(
         self, inputs: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor, keep: int = 0

@@ -389,7 +389,6 @@ class Engine:
             n_ctx = cache.get_seq_length()
         logprobs: list[float] = []
         ids = greedy_decode(self.model, cache, enc.question_ids, n_ctx, self.max_new_tokens, logprobs=logprobs)
-        assert ids is not None  # greedy_decode returns None only when an after_step callback stops it
         answer = CandidateAnswer(
             c.policy,
             c.press_name,

@@ -13,8 +13,9 @@ of the other rows have π = 1, hence 1 − π = 0, and contribute nothing to the
 each row's certificate is the one of its own split (up to float summation order).
 
 Decoding follows :func:`certkv.model.generation.greedy_decode` step for step (question feed, then one
-call per generated token but the last, stop tokens honoured from the second token on), and each
-row's certificate maximum is taken over exactly the calls its own answer needed. That is what the
+call per generated token but the last, each row ending by the decoders' shared rule,
+:func:`certkv.model.stopping.is_finished`), and each row's certificate maximum is taken over
+exactly the calls its own answer needed. That is what the
 runtime, which decodes one request at a time and escalates when any step's certificate exceeds
 the bound (checked every few steps and at the end), computes too: "escalated" ⇔
 ``certificate_max > bound``.
@@ -33,6 +34,7 @@ from kvpress.utils import extract_keys_and_values
 from transformers import DynamicCache
 
 from certkv.model.generation import chosen_logprobs
+from certkv.model.stopping import is_finished
 from certkv.model.window_attention import forget_window_attention
 from certkv.presses.hajek_attention import certificate_steps, use_hajek_attention
 from certkv.presses.hajek_state import HajekState, clear_states, set_state
@@ -182,24 +184,19 @@ def decode_probabilistic(
         for module, state in zip(modules, states):
             set_state(module, state)
         with torch.no_grad(), use_hajek_attention(model):
-            out = model(input_ids=q, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-            tokens = out.logits[:, -1].argmax(dim=-1)
-            step_logprobs = chosen_logprobs(out.logits[:, -1], tokens).tolist()
-            for row, token in enumerate(tokens.tolist()):
-                answers[row].append(token)
-                row_logprobs[row].append(step_logprobs[row])
-            next_position = positions[:, -1:] + 1
-            for i in range(max_new_tokens - 1):
-                out = model(input_ids=tokens.view(n, 1), past_key_values=cache, position_ids=next_position + i)
+            # The question first, then every row's last token until all rows are finished; the
+            # batch moves together, so a finished row's later tokens are computed but not kept.
+            fed, fed_positions = q, positions
+            while not all(done):
+                out = model(input_ids=fed, past_key_values=cache, position_ids=fed_positions, logits_to_keep=1)
                 tokens = out.logits[:, -1].argmax(dim=-1)
                 step_logprobs = chosen_logprobs(out.logits[:, -1], tokens).tolist()
                 for row, token in enumerate(tokens.tolist()):
                     if not done[row]:
                         answers[row].append(token)
                         row_logprobs[row].append(step_logprobs[row])
-                        done[row] = token in stop_ids
-                if all(done):
-                    break
+                        done[row] = is_finished(answers[row], max_new_tokens, stop_ids)
+                fed, fed_positions = tokens.view(n, 1), fed_positions[:, -1:] + 1
         steps = certificate_steps(model)
     finally:
         clear_states(model)

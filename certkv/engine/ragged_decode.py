@@ -14,8 +14,9 @@ Decoding follows ``decode_candidates`` with an empty draft, row by row: a row's 
 its question (positions from the row's ``position``), then each step feeds the row's pending token
 plus a prompt-lookup proposal (:class:`~certkv.engine.prompt_lookup.PromptLookup`; none for a row
 decoded plainly greedy, as kvpress's pipeline decodes); the tokens its greedy choice confirms stay
-in its cache, the rest are cropped away. A row stops after ``max_new_tokens`` tokens, or after a
-stop token but never on the first (kvpress's rule).
+in its cache, the rest are cropped away. A row stops by the decoders' shared rule, kvpress's
+(:func:`certkv.model.stopping.is_finished`: after ``max_new_tokens`` tokens, or after a stop token
+but never on the first).
 
 KV held is counted in *token slots*: one slot is one token's keys and values in every layer and KV
 head, so a request of n tokens with the full cache holds n slots, and a cache that keeps a share r
@@ -37,6 +38,7 @@ from transformers import AttentionInterface
 from certkv.engine.prompt_lookup import PromptLookup
 from certkv.model.attention import _grouped_matmul_attention, _sdpa, use_attention
 from certkv.model.generation import chosen_logprobs
+from certkv.model.stopping import is_finished
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -158,8 +160,8 @@ class Row:
 
     @property
     def done(self) -> bool:
-        n = len(self.answer)
-        return n >= self.max_new_tokens or (n > 1 and self.answer[-1] in self.stop_ids)
+        """Whether the row's answer is complete (the decoders' shared rule)."""
+        return is_finished(self.answer, self.max_new_tokens, self.stop_ids)
 
     def feed(self) -> tuple[list[int], int]:
         """The tokens to feed next and the position of the first."""

@@ -9,7 +9,7 @@ pruned length) follow that pipeline. Tests compare the two token for token.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
+from certkv.model.stopping import is_finished
 
 if TYPE_CHECKING:
     from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
@@ -99,14 +100,12 @@ def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_decode(model: PreTrainedModel, cache: Cache, question_ids: Sequence[int], context_length: int,
-                  max_new_tokens: int, after_step: Callable[[], bool] | None = None,
-                  logprobs: list[float] | None = None) -> list[int] | None:
+                  max_new_tokens: int, logprobs: list[float] | None = None) -> list[int]:
     """Feed the question after the (possibly pruned) cache and decode greedily.
 
-    Returns the generated token ids, the stop token included when one was produced. `after_step`,
-    when given, is called after every model call (the question feed, then each fed token); when it
-    returns True decoding stops and None is returned (the runtime's escalation). `logprobs`, when
-    given, is extended with each generated token's log p (python floats, float64; see
+    Returns the generated token ids, the stop token included when one was produced; decoding ends
+    by :func:`certkv.model.stopping.is_finished`, the rule every certkv decoder shares. `logprobs`,
+    when given, is extended with each generated token's log p (python floats, float64; see
     :func:`chosen_logprobs`).
     """
 
@@ -117,25 +116,19 @@ def greedy_decode(model: PreTrainedModel, cache: Cache, question_ids: Sequence[i
     device = model.device
     q = torch.as_tensor(question_ids, device=device).view(1, -1)
     positions = torch.arange(context_length, context_length + q.shape[1], device=device).unsqueeze(0)
+    stops = stop_token_ids(model)
     with torch.no_grad():
         out = model(input_ids=q, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-        if after_step is not None and after_step():
-            return None
         token = out.logits[0, -1].argmax()
         record(out.logits[0, -1], token)
         generated = [int(token)]
-        stops = stop_token_ids(model)
-        next_position = positions[:, -1:] + 1
-        # As kvpress does: the first token is never checked for a stop, later ones are.
-        for i in range(max_new_tokens - 1):
-            out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=next_position + i)
-            if after_step is not None and after_step():
-                return None
+        next_position = positions[:, -1:]
+        while not is_finished(generated, max_new_tokens, stops):
+            next_position = next_position + 1
+            out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=next_position)
             token = out.logits[0, -1].argmax()
             record(out.logits[0, -1], token)
             generated.append(int(token))
-            if generated[-1] in stops:
-                break
     return generated
 
 
@@ -144,9 +137,7 @@ def full_kv_ids(model: PreTrainedModel, enc: EncodedRequest, max_new_tokens: int
     cache = DynamicCache()
     with torch.no_grad():
         model.model(input_ids=torch.as_tensor(enc.context_ids, device=model.device).view(1, -1), past_key_values=cache)
-    ids = greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
-    assert ids is not None  # only an `after_step` stops greedy_decode early
-    return ids
+    return greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), max_new_tokens)
 
 
 def full_kv_answer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, context: str, question: str,

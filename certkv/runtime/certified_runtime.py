@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from certkv.core.operating_point import OperatingPoint, load_operating_point
-from certkv.core.signals import SIGNALS, request_signals
+from certkv.core.signals import empty_signals, request_signals
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS, GateSettings
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
@@ -325,7 +325,7 @@ class CertifiedRuntime:
         if self.query_aware and not enc.question_ids:
             raise CertkvError("the question is empty; the query-aware operating point prefills the question with the context")
         t0 = time.perf_counter()
-        signals: dict[str, Any] = {s.name: None for s in SIGNALS}
+        signals = empty_signals()
         signals.update(request_signals(enc.context_ids, enc.question_ids))
         coverage = self.operating_point.coverage
         outside = None if coverage is None else coverage.uncovered(stratum, len(enc.context_ids))

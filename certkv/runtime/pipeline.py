@@ -91,7 +91,6 @@ class PipelinePath:
             def solo() -> tuple[list[int], list[float] | None]:
                 logprobs: list[float] = []
                 ids = greedy_decode(model, cache, enc.question_ids, position, max_new, logprobs=logprobs)
-                assert ids is not None  # greedy_decode returns None only when an after_step callback stops it
                 return ids, logprobs
 
             alone = not lean or _masks_heads(model)

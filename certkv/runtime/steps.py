@@ -1,8 +1,8 @@
 """The steps of one answer: what an answering path asks of whoever runs it.
 
 An answering path (:class:`~certkv.runtime.single_prefill.SinglePrefillPath`,
-:class:`~certkv.runtime.pipeline.PipelinePath`, :class:`~certkv.runtime.full_path.FullCachePath`)
-is written once, as a generator, and run two ways:
+:class:`~certkv.runtime.pipeline.PipelinePath`, the full cache's
+:func:`~certkv.runtime.full_path.full_answer_steps`) is written once, as a generator, and run two ways:
 
 * in-process, one request at a time (:func:`run_alone`, what :class:`CertifiedRuntime.generate`
   does): every :class:`Reserve` is granted at once and every :class:`Decode` is decoded alone by

@@ -67,7 +67,7 @@ from typing import Any
 
 from certkv.atomic_io import write_text_atomic
 from certkv.calibration.database import connect, table_names
-from certkv.calibration.store import SCHEMA_VERSION, CalibrationStore, db_path, initialise, read_meta
+from certkv.calibration.store import SHADOW_REWRITE, CalibrationStore, check_store_format, db_path, initialise, read_meta
 from certkv.core.operating_point import OperatingPoint
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.errors import CertkvError
@@ -107,6 +107,11 @@ def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> Calibr
             raise CertkvError(
                 f"{file} is not a certkv shadow store (a calibration store?); choose another --shadow-store path"
             )
+        try:
+            check_store_format(meta, file, SHADOW_REWRITE)
+        except CertkvError:
+            conn.close()
+            raise
         if meta.get("operating_point_sha256") != sha:
             conn.close()
             raise CertkvError(
@@ -127,7 +132,6 @@ def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> Calibr
         "operating_point": op.to_json(),
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "certkv_version": __version__,
-        "schema_version": SCHEMA_VERSION,
     }
     initialise(conn, meta)
     return CalibrationStore(conn, folder, None)

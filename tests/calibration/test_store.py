@@ -110,6 +110,32 @@ def test_a_request_is_never_written_twice(tmp_path, contract):
     assert store.count() == 5
 
 
+@pytest.mark.parametrize("version", [None, "0", "2"])
+def test_a_store_of_another_format_version_is_refused_in_one_line(tmp_path, contract, version):
+    store = CalibrationStore.open(tmp_path / "st", contract)
+    store.write_request("r0", fake_rows(contract, 0))
+    assert store.meta()["format_version"] == "1"
+    store.close()
+    file = db_path(tmp_path / "st")
+    conn = sqlite3.connect(file, isolation_level=None)
+    if version is None:  # a store an earlier build wrote
+        conn.execute("DELETE FROM meta WHERE key = 'format_version'")
+    else:
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'format_version'", (version,))
+    conn.close()
+    shown = "none (written by an earlier certkv build)" if version is None else version
+    expected = (f"{file}: format_version {shown}, this certkv reads 1; "
+                "re-run `certkv calibrate CONTRACT --new-store` to write it again")
+    for opening in (lambda: CalibrationStore.open(tmp_path / "st", contract), lambda: CalibrationStore.read(tmp_path / "st")):
+        with pytest.raises(CertkvError) as err:
+            opening()
+        assert str(err.value) == expected
+    # --new-store moves it aside, whatever its version, and starts a store of this one
+    fresh = CalibrationStore.open(tmp_path / "st", contract, new=True)
+    assert fresh.moved_aside is not None and fresh.count() == 0 and fresh.meta()["format_version"] == "1"
+    fresh.close()
+
+
 def test_rows_must_match_the_contract(tmp_path, contract):
     store = CalibrationStore.open(tmp_path / "st", contract)
     rows = fake_rows(contract, 0)

@@ -232,7 +232,7 @@ def test_load_operating_point_errors(tmp_path):
     bad.write_text("{not json", encoding="utf-8")
     with pytest.raises(CertkvError, match="not valid JSON"):
         load_operating_point(bad)
-    bad.write_text(json.dumps({"policy": "x"}), encoding="utf-8")
+    bad.write_text(json.dumps({"format_version": 1, "policy": "x"}), encoding="utf-8")
     with pytest.raises(CertkvError, match="bad.json: .*Field required"):
         load_operating_point(bad)
 

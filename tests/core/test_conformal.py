@@ -4,8 +4,7 @@ import math
 
 import numpy as np
 import pytest
-
-from certkv.core.conformal import grouped_scale_factor, pooled_scale_factor
+from conformal_scale import grouped_scale_factor, pooled_scale_factor
 
 
 def _brute_force(groups, alpha):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import run_main
+from pydantic import ValidationError
 from scipy import stats
 
 from certkv.calibration.certification import load_records
@@ -23,7 +24,7 @@ from certkv.contract.spec import candidates, certification_spec, gated_candidate
 from certkv.core.certify import certify
 from certkv.core.gated import derive_gated
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
-from certkv.core.operating_point import load_operating_point
+from certkv.core.operating_point import OperatingPoint, load_operating_point
 from certkv.core.policy_names import gated_policy_name
 from certkv.core.procedures import certified_mask
 from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
@@ -588,20 +589,28 @@ def test_figures_draw_ungated_sequences_and_the_chosen_family():
 # ----------------------------------------------------------------------------- operating point files
 
 
-def test_operating_points_written_before_gates_still_load(tmp_path):
+def test_operating_points_of_an_earlier_build_are_refused_in_one_line(tmp_path):
     rows = [{"request_id": f"r{i}", "policy": "x@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(100)]
     op = certify(LossTable.from_records(rows),
                  CertificationSpec.parse({"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "sequences": [["x@0.50"]]}))
     data = op.to_dict()
-    for key in ("base_policy", "press_kwargs", "gate", "gated_share"):
+    assert next(iter(data)) == "format_version" and data["format_version"] == 1
+    # as a build from before gates (and before format versions) wrote it
+    for key in ("format_version", "base_policy", "press_kwargs", "gate", "gated_share"):
         data.pop(key)
     for c in data["candidates"]:
         c.pop("gate"), c.pop("gated_share")
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
-    old = load_operating_point(path)
-    assert (old.policy, old.base_policy, old.press_kwargs, old.gate, old.gated_share) == ("x@0.50", "x@0.50", {}, None, 0.0)
-    assert old.candidates[0].gated_share == 0.0 and old.candidates[0].gate is None
+    with pytest.raises(CertkvError) as err:
+        load_operating_point(path)
+    assert str(err.value) == (f"{path}: format_version none (written by an earlier certkv build), this certkv reads 1; "
+                              "re-run `certkv certify CONTRACT` to write it again")
+    path.write_text(json.dumps({**op.to_dict(), "format_version": 2}))
+    with pytest.raises(CertkvError, match="format_version 2, this certkv reads 1"):
+        load_operating_point(path)
+    with pytest.raises(ValidationError, match="format_version 2, this certkv reads 1"):
+        OperatingPoint.model_validate({**op.to_dict(), "format_version": 2})
     # and a new file round-trips with its gate
     drop_of = lambda i: 0.1 if i < 20 else 0.9  # noqa: E731
     loss_of = lambda name, i: 1.0 if (name == "snapkv@0.50" and i < 20) else 0.0  # noqa: E731

@@ -8,15 +8,10 @@ import threading
 
 import numpy as np
 import pytest
+from monitor_simulation import bernoulli_violations, simulate_streams
 from scipy.stats import binom
 
-from certkv.core.monitor import (
-    BOUND_GRID,
-    RiskMonitor,
-    bernoulli_violations,
-    bound_from_rejected,
-    simulate_streams,
-)
+from certkv.core.monitor import BOUND_GRID, RiskMonitor, bound_from_rejected
 from certkv.errors import CertkvError
 
 EPS, DELTA = 0.05, 0.05

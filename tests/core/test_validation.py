@@ -344,10 +344,18 @@ def test_validate_command_writes_the_strata(tmp_path):
     assert data["by"] == "task" and set(data["strata"]) == {"easy", "hard"}
     assert data["strata"]["hard"]["contract"]["confidence"] == pytest.approx(0.975)
     assert data["n_test"] == data["strata"]["easy"]["n_test"] + data["strata"]["hard"]["n_test"]
-    # A report reuses this file, but not one an older certkv wrote without the strata (same hashes).
+    # A report reuses this file; one an earlier certkv wrote (no format_version, no strata, same
+    # hashes) is refused in one line that names the file, both versions and the command to re-run.
     contract = load_contract(path)
     evidence = load_records(contract, records)
     assert read_validation(out, contract, evidence).strata.keys() == {"easy", "hard"}
-    del data["by"], data["strata"]
+    assert data["format_version"] == 1
+    del data["format_version"], data["by"], data["strata"]
     out.write_text(json.dumps(data))
-    assert read_validation(out, contract, evidence) is None
+    with pytest.raises(CertkvError) as err:
+        read_validation(out, contract, evidence)
+    assert str(err.value) == (f"{out}: format_version none (written by an earlier certkv build), this certkv reads 1; "
+                              "re-run `certkv validate CONTRACT` to write it again")
+    out.write_text(json.dumps({**data, "format_version": 2}))
+    with pytest.raises(CertkvError, match="format_version 2, this certkv reads 1"):
+        read_validation(out, contract, evidence)

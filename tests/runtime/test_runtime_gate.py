@@ -117,7 +117,7 @@ def _operating_point(press, kv, policy, gate):
     from certkv.core.operating_point import ContractSummary, OperatingPoint
 
     return OperatingPoint(
-        policy=policy, press=press, kv_retained=kv, mean_kv_retained=kv, fallback=False,
+        policy=policy, base_policy=policy, press=press, kv_retained=kv, mean_kv_retained=kv, fallback=False,
         contract=ContractSummary(tolerance=0.0, risk=0.5, confidence=0.9, procedure="fixed_sequence"),
         n=N_REQUESTS, violations=0, empirical_risk=0.0, risk_upper_bound=0.5, p_value=0.01,
         candidates=[], sequences=[], guarantee="test", created="now", certkv_version="test",

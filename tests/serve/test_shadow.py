@@ -338,6 +338,17 @@ def test_a_stratified_point_gets_one_store_per_stratum(tmp_path):
         ShadowStore(tmp_path / "s" / "alpha", b)
     with ShadowStore(tmp_path / "s", op) as again:  # same point: resumes
         assert again.count() == 2
+    # a stratum's store of another format version is refused, by the server and by export
+    alpha = tmp_path / "s" / "alpha" / "records.sqlite"
+    conn = sqlite3.connect(alpha, isolation_level=None)
+    conn.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
+    conn.close()
+    message = (f"{alpha}: format_version 2, this certkv reads 1; "
+               "re-run `certkv serve OPERATING_POINT --shadow-store NEW_FOLDER` to write it again")
+    for opening in (lambda: ShadowStore(tmp_path / "s", op), lambda: CalibrationStore.read(tmp_path / "s" / "alpha")):
+        with pytest.raises(CertkvError) as err:
+            opening()
+        assert str(err.value) == message
 
 
 def _pair(rid: str, task: str | None, policy: str, kv: float, loss: float = 0.0) -> list[dict]:

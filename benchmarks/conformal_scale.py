@@ -12,7 +12,9 @@ risk control (Angelopoulos, Bates, Fisch, Lei & Schuster, 2022) with one loss pe
 share of its pairs that z does not cover, a bounded loss that does not increase with z. With n
 calibration requests, the smallest z whose (n/(n+1))·mean loss + 1/(n+1) is at most α gives a
 new request an expected uncovered share ≤ α — a finite-sample bound, not an asymptotic one —
-whatever the dependence inside a request. Numpy only (no torch), so that benchmarks and tests can use it anywhere.
+whatever the dependence inside a request. Numpy only; it lives beside the benchmarks that measure the
+certificate's coverage (``benchmarks/certificate_quality.py``), the one place it is used, and its
+tests import it from there (tests/core/test_conformal.py).
 """
 
 from __future__ import annotations
