@@ -264,7 +264,7 @@ def records_sha256(table: LossTable) -> str:
     The reference rows (policy ``full``) carry no certification evidence and are not part of it.
     Gated rows are derived from the others (and the contract, hashed separately) and are left
     out, so a table hashes the same before and after :func:`certkv.core.gated.derive_gated`; the gate
-    signals are part of it when the table has any (a table without them hashes as it always did).
+    signals are part of it when the table has any (see :attr:`certkv.core.signals.Signal.hash_group`).
     """
     order = sorted((i for i, p in enumerate(table.policies) if p not in table.gated), key=lambda i: table.policies[i])
     header = {
@@ -283,20 +283,20 @@ def records_sha256(table: LossTable) -> str:
             continue
         block = np.ascontiguousarray(matrix[order].T + 0.0, dtype="<f8")
         digest.update(block.tobytes())
-    # The two first signals, hashed together whenever either has a value.
-    legacy = [s for s in RECORDED if s.hash_group == "legacy"]
-    if any(_has_values(table.signals.get(s.name)) for s in legacy):
-        for s in legacy:
+    # The joint signals, hashed together whenever either has a value.
+    joint = [s for s in RECORDED if s.hash_group == "joint"]
+    if any(_has_values(table.signals.get(s.name)) for s in joint):
+        for s in joint:
             digest.update(s.name.encode("ascii"))
             values = table.signals.get(s.name)
             if _has_values(values):
                 digest.update(_hash_block(s, values, order, table.policies, digest))
-    if table.strata is not None:  # added later: hashed only when present, so older tables keep their hash
+    if table.strata is not None:  # hashed only when present: a table without strata hashes as if they did not exist
         digest.update(json.dumps(["stratum", list(table.strata)]).encode("utf-8"))
-    # Signals added later (pilot gates): hashed only when present, so older tables keep their hash.
+    # The own-hash signals, each only when present.
     for s in RECORDED:
         values = table.signals.get(s.name)
-        if s.hash_group == "late" and _has_values(values):
+        if s.hash_group == "own" and _has_values(values):
             digest.update(s.name.encode("ascii"))
             digest.update(_hash_block(s, values, order, table.policies, digest))
     return digest.hexdigest()
@@ -306,7 +306,7 @@ def _hash_block(s: Signal, values: np.ndarray, order: list[int], policies, diges
     """A signal's values in (request, policy[, head]) order as little-endian float64 bytes
     (-0.0 folded to 0.0); a per-head signal first names the policies it covers into `digest`."""
     if s.per == "request":
-        block = np.atleast_2d(values).T if s.hash_group == "legacy" else values
+        block = np.atleast_2d(values).T if s.hash_group == "joint" else values
     elif s.kind == "heads":
         recorded = [i for i in order if i < values.shape[0]]
         block = np.swapaxes(values[recorded], 0, 1)  # (R, P, F)

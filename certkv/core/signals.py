@@ -65,11 +65,12 @@ class Signal:
         Values below it are an input error in a loss table, with `minimum_why` saying why.
     feature_group, transform : optional
         The learned-gate feature group that reads it, and the transform of its value.
-    hash_group : {"legacy", "late"}
-        How :func:`certkv.core.loss_table.records_sha256` folds it in: the two first signals were
-        hashed together from the start, the later ones each on their own and only when present,
-        so that a table without them keeps the hash it always had. The two first are also always
-        in a loss table, NaN where no row has them; a later one is absent (None) then.
+    hash_group : {"joint", "own"}
+        How :func:`certkv.core.loss_table.records_sha256` folds it in (part of the records hash's
+        definition, fixed for a file format version): the ``joint`` signals as one block whenever
+        any of them has a value; an ``own`` signal on its own, only when it has one, so a table
+        that lacks it hashes as if the signal did not exist. The joint ones are also always in a
+        loss table, NaN where no row has them; an own one is absent (None) then.
     compute : str, optional
         ``module:function`` of ``f(context_ids, question_ids) -> number``: a request signal of the
         encoded request alone, evaluated by :func:`request_signals` in calibration and the runtime.
@@ -86,13 +87,13 @@ class Signal:
     minimum_why: str = ""
     feature_group: str | None = None
     transform: Transform = "identity"
-    hash_group: Literal["legacy", "late"] = "late"
+    hash_group: Literal["joint", "own"] = "own"
     compute: str | None = None
 
     @property
     def always_present(self) -> bool:
-        """Whether a loss table holds it even when no row has it (NaN): the first two signals."""
-        return self.hash_group == "legacy"
+        """Whether a loss table holds it even when no row has it (NaN): the joint-hash signals."""
+        return self.hash_group == "joint"
 
     @property
     def recorded(self) -> bool:
@@ -117,12 +118,12 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("agreement_drop", per="request", kind="scalar", phase="pre_decode",
            recorder="the agreement recorder on the full prefill (certkv.signals.agreement)",
            doc="PAGE's agreement drop between early and late layers' attention (low: suspect request)",
-           store="column", feature_group="agreement_drop", hash_group="legacy"),
+           store="column", feature_group="agreement_drop", hash_group="joint"),
     Signal("certificate_max", per="candidate", kind="scalar", phase="post_decode",
            recorder="the probabilistic press's decode (certkv.engine.probabilistic_decode)",
            doc="largest survey-variance certificate over the evicted answer's decoding steps",
            store="column", minimum=0.0, minimum_why="a certificate is a standard deviation (≥ 0)",
-           hash_group="legacy"),
+           hash_group="joint"),
     Signal("confidence_min", per="candidate", kind="scalar", phase="post_decode",
            recorder="the answer's own token log-probabilities (certkv.core.gate_features.answer_confidence)",
            doc="lowest probability of a token of the evicted greedy answer (stop token included)",

@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from certkv.model.attention import use_attention
 from certkv.model.layers import attention_modules
+from certkv.model.stopping import ends_on_stop
 
 if TYPE_CHECKING:
     from transformers import Cache, PreTrainedModel
@@ -166,7 +167,7 @@ def lookahead_probe(model: PreTrainedModel, cache: Cache, question_ids: Sequence
                 token = _next_token(out.logits[0, -1], generator, temperature)
                 chosen.append(int(token))
                 position += fed.shape[1]
-                if len(chosen) > 1 and chosen[-1] in stops:
+                if ends_on_stop(chosen, stops):
                     break
                 fed = token.view(1, 1)
             calls, call_outputs = captured_last_queries(modules)
