@@ -42,7 +42,7 @@ from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS, GateSettings
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
-from certkv.model.generation import encode_request, for_protocol, stop_token_ids
+from certkv.model.generation import EncodedRequest, encode_request, for_protocol, stop_token_ids
 from certkv.presses.hajek_state import clear_states
 from certkv.presses.registry import build_press, compression_ratio_for, is_known_press, resolve_press_class
 from certkv.presses.response_aware import is_response_aware_press
@@ -59,6 +59,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from certkv.runtime.steps import Step
+
+
+def _check_request_types(context: object, question: object, stratum: object, answer_prefix: object) -> None:
+    """One line (CertkvError) for a request field of the wrong type, before anything is encoded."""
+    for name, value in (("context", context), ("question", question), ("answer_prefix", answer_prefix)):
+        if not isinstance(value, str):
+            raise CertkvError(f"{name} must be a string, got {type(value).__name__}")
+    if stratum is not None and not isinstance(stratum, str):
+        raise CertkvError(f"stratum must be a string or None, got {type(stratum).__name__}")
 
 
 @dataclass
@@ -310,12 +319,7 @@ class CertifiedRuntime:
         needs it (the scheduler's budget), with the same answers and decisions.
 
         The request is checked when the generator starts (CertkvError, one line)."""
-        max_new = self.max_new_tokens
-        for name, value in (("context", context), ("question", question), ("answer_prefix", answer_prefix)):
-            if not isinstance(value, str):
-                raise CertkvError(f"{name} must be a string, got {type(value).__name__}")
-        if stratum is not None and not isinstance(stratum, str):
-            raise CertkvError(f"stratum must be a string or None, got {type(stratum).__name__}")
+        _check_request_types(context, question, stratum, answer_prefix)
         if stratum in self.strata:
             return (yield from self.strata[stratum].answer_steps(
                 context, question, stratum, answer_prefix=answer_prefix, forced=forced, lean=lean))
@@ -327,31 +331,46 @@ class CertifiedRuntime:
         t0 = time.perf_counter()
         signals = empty_signals()
         signals.update(request_signals(enc.context_ids, enc.question_ids))
-        coverage = self.operating_point.coverage
-        outside = None if coverage is None else coverage.uncovered(stratum, len(enc.context_ids))
-        reason, detail = forced if forced is not None else (None, None)
-        if reason is None and outside is not None and not self.operating_point.fallback:
-            reason, detail = "uncovered", outside
-        elif reason is None and self.path is None:
-            reason = "fallback"
         # What the protocol prefills and feeds after compression; the signals and the coverage
-        # above read the request itself, as calibration records them.
+        # read the request itself, as calibration records them.
         run = for_protocol(enc, self.query_aware)
-        if reason is None:
-            failure = press_precondition_failure(self.press, len(run.context_ids))
-            if failure:
-                reason, detail = "precondition", failure
+        reason, detail = forced if forced is not None else self._full_cache_reason(len(enc.context_ids), run, stratum)
         if reason is not None or self.path is None:
             seconds: dict[str, float] = {}
-            ids = yield from full_answer_steps(self.model, run, max_new, self.stop_ids, seconds)
+            ids = yield from full_answer_steps(self.model, run, self.max_new_tokens, self.stop_ids, seconds)
             answered = PathAnswer(ids, reason, signals, seconds)
         else:
             clear_states(self.model)
             try:
-                answered = yield from self.path.steps(run, max_new, signals, lean=lean)
+                answered = yield from self.path.steps(run, self.max_new_tokens, signals, lean=lean)
             finally:
                 clear_states(self.model)
-        decision = Decision(
+        seconds = dict(answered.seconds, total=time.perf_counter() - t0)
+        return RuntimeAnswer(
+            self.tokenizer.decode(answered.ids, skip_special_tokens=True),
+            answered.ids,
+            self._decision(answered, stratum, detail),
+            seconds,
+            len(enc.context_ids),
+            len(enc.question_ids),
+        )
+
+    def _full_cache_reason(self, context_tokens: int, run: EncodedRequest, stratum: str | None) -> tuple[str | None, str | None]:
+        """(reason, detail) for which the full cache must answer a request whose context has
+        `context_tokens` tokens (and whose protocol prefills `run`), or (None, None) when the
+        point's press may: outside the coverage envelope, a fallback point, a press precondition."""
+        coverage = self.operating_point.coverage
+        outside = None if coverage is None else coverage.uncovered(stratum, context_tokens)
+        if outside is not None and not self.operating_point.fallback:
+            return "uncovered", outside
+        if self.path is None:
+            return "fallback", None
+        failure = press_precondition_failure(self.press, len(run.context_ids))
+        return ("precondition", failure) if failure else (None, None)
+
+    def _decision(self, answered: PathAnswer, stratum: str | None, detail: str | None) -> Decision:
+        """The :class:`Decision` of an answering path's `answered`, as this point served it."""
+        return Decision(
             mode=answered.mode,
             reason=answered.reason,
             policy=self.policy,
@@ -364,13 +383,4 @@ class CertifiedRuntime:
             kv_retained=self.operating_point.kv_retained if answered.reason is None else 1.0,
             kv_retained_actual=answered.kept if answered.reason is None and answered.kept is not None else 1.0,
             detail=detail,
-        )
-        seconds = dict(answered.seconds, total=time.perf_counter() - t0)
-        return RuntimeAnswer(
-            self.tokenizer.decode(answered.ids, skip_special_tokens=True),
-            answered.ids,
-            decision,
-            seconds,
-            len(enc.context_ids),
-            len(enc.question_ids),
         )

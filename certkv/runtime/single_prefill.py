@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -48,11 +48,13 @@ from certkv.engine.ragged_decode import gather_row
 from certkv.presses.poisson_selection import Selection
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.full_path import decode_from_full, full_answer_steps, prefill_slots
-from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
+from certkv.runtime.steps import Decode, PathAnswer, Reserve, Step, Steps, run_alone
 from certkv.signals.agreement import AgreementRecorder
 from certkv.signals.lookahead import evicted_mass, lookahead_probe
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from kvpress import BasePress
     from transformers import DynamicCache, PreTrainedModel
 
@@ -84,66 +86,21 @@ class SinglePrefillPath:
 
     def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
         """The answer as steps (module docstring); `lean` frees the full cache before the evicted decode."""
-        model, gate, press, stop_ids = self.model, self.gate, self.press, self.stop_ids
-        probabilistic = is_probabilistic_press(press)
-        response_aware = is_response_aware_press(press)
+        model, gate, stop_ids = self.model, self.gate, self.stop_ids
         n_ctx, room = len(enc.context_ids), len(enc.question_ids) + max_new
         probe = gate.lookahead_tokens if gate.needs_lookahead else 0
         # The probabilistic decode gathers its kept entries next to the full cache it keeps.
-        yield Reserve(prefill_slots(model, enc, max_new, extra=probe + (n_ctx + room if probabilistic else 0)))
-        t0 = time.perf_counter()
-        recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
-        cache, fast_sel, sampled = prefill_full(
-            model,
-            enc.context_ids,
-            fast=None if probabilistic or response_aware else {self.policy: press},
-            probabilistic={self.policy: press} if probabilistic else None,
-            recorder=recorder,
-            observers=prefill_observers([press]) if response_aware else (),
-        )
-        if response_aware:  # chosen over the full cache right after the prefill, as the engine chooses
-            selection = press.select(model, cache, enc, stop_ids)
-        else:
-            selection = sampled[self.policy] if probabilistic else fast_sel[self.policy]
-        seconds = {"prefill": time.perf_counter() - t0}
-        if recorder:
-            signals["agreement_drop"] = recorder.drop()
-            recorder.reset()
-        if gate.needs_lookahead:
-            t = time.perf_counter()
-            heads = lookahead_heads(model, cache, enc, selection, gate.lookahead_tokens, stop_ids)
-            signals["lookahead_heads"], signals["lookahead_mass"] = heads, max(heads)
-            seconds["probe"] = time.perf_counter() - t
+        extra = probe + (n_ctx + room if is_probabilistic_press(self.press) else 0)
+        yield Reserve(prefill_slots(model, enc, max_new, extra=extra))
+        seconds: dict[str, float] = {}
+        cache, selection = self._prefill(enc, signals, seconds)
         reason = gate.pre_decode_reason(signals)
         t = time.perf_counter()
         if reason is not None:
             ids = yield from decode_from_full(model, cache, enc, max_new, stop_ids)
             seconds["decode"] = time.perf_counter() - t
             return PathAnswer(ids, reason, signals, seconds)
-
-        kept: float
-        certificate: float | None = None
-        if probabilistic or not lean:
-            out: dict[str, Any] = {}
-
-            def solo() -> tuple[list[int], list[float] | None]:
-                out["ids"], out["logprobs"], out["kept"], out["certificate"] = evicted_decode(
-                    model, cache, enc, selection, probabilistic, max_new, stop_ids
-                )
-                return out["ids"], out["logprobs"]
-
-            job = Decode(None, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=solo, batchable=False)
-            yield job
-            ids, logprobs, kept, certificate = out["ids"], out["logprobs"], out["kept"], out["certificate"]
-        else:
-            first = selection[0]
-            kept = (n_ctx if first is None else first.shape[2]) / n_ctx
-            row = gather_row(cache, selection, n_ctx, room)  # empties `cache`: only the kept entries stay
-            job = Decode(row, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=None,
-                         lookup_ids=list(enc.context_ids), want_logprobs=True)
-            yield job
-            assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
-            ids, logprobs = job.ids, job.logprobs
+        ids, logprobs, kept, certificate = yield from self._evicted_steps(enc, cache, selection, max_new, lean)
         seconds["decode"] = time.perf_counter() - t
         reason = gate.post_decode_reason(signals, logprobs, certificate)
         if reason is None:
@@ -155,6 +112,68 @@ class SinglePrefillPath:
             ids = yield from full_answer_steps(model, enc, max_new, stop_ids)
         seconds["escalation"] = time.perf_counter() - t
         return PathAnswer(ids, reason, signals, seconds, escalated=True)
+
+    def _prefill(
+        self, enc: EncodedRequest, signals: dict[str, Any], seconds: dict[str, float]
+    ) -> tuple[DynamicCache, KeptSelection]:
+        """The context's full prefill under the press's scoring (or selection) hooks: (the full
+        cache, the press's selection), with the pre-decode signals the gate reads put into
+        `signals` (agreement drop, lookahead) and their times into `seconds`."""
+        model, gate, press = self.model, self.gate, self.press
+        probabilistic, response_aware = is_probabilistic_press(press), is_response_aware_press(press)
+        t0 = time.perf_counter()
+        recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
+        cache, fast_sel, sampled = prefill_full(
+            model,
+            enc.context_ids,
+            fast=None if probabilistic or response_aware else {self.policy: press},
+            probabilistic={self.policy: press} if probabilistic else None,
+            recorder=recorder,
+            observers=prefill_observers([press]) if response_aware else (),
+        )
+        if response_aware:  # chosen over the full cache right after the prefill, as the engine chooses
+            selection = press.select(model, cache, enc, self.stop_ids)
+        else:
+            selection = sampled[self.policy] if probabilistic else fast_sel[self.policy]
+        seconds["prefill"] = time.perf_counter() - t0
+        if recorder:
+            signals["agreement_drop"] = recorder.drop()
+            recorder.reset()
+        if gate.needs_lookahead:
+            t = time.perf_counter()
+            heads = lookahead_heads(model, cache, enc, selection, gate.lookahead_tokens, self.stop_ids)
+            signals["lookahead_heads"], signals["lookahead_mass"] = heads, max(heads)
+            seconds["probe"] = time.perf_counter() - t
+        return cache, selection
+
+    def _evicted_steps(
+        self, enc: EncodedRequest, cache: DynamicCache, selection: KeptSelection, max_new: int, lean: bool
+    ) -> Generator[Step, None, tuple[list[int], list[float] | None, float, float | None]]:
+        """The answer from the kept entries as one :class:`Decode` step: (ids, log-probabilities,
+        realised share kept, certificate or None). A probabilistic press, or a run that keeps the
+        full cache (not `lean`), decodes alone next to it; otherwise the kept entries are gathered
+        into a row of their own (emptying `cache`) that a scheduler can batch with others."""
+        model, stop_ids, n_ctx = self.model, self.stop_ids, len(enc.context_ids)
+        probabilistic = is_probabilistic_press(self.press)
+        if probabilistic or not lean:
+            out: dict[str, Any] = {}
+
+            def solo() -> tuple[list[int], list[float] | None]:
+                out["ids"], out["logprobs"], out["kept"], out["certificate"] = evicted_decode(
+                    model, cache, enc, selection, probabilistic, max_new, stop_ids
+                )
+                return out["ids"], out["logprobs"]
+
+            yield Decode(None, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=solo, batchable=False)
+            return out["ids"], out["logprobs"], out["kept"], out["certificate"]
+        first = cast("torch.Tensor | None", selection[0])  # not probabilistic: a layer's kept indices
+        kept = (n_ctx if first is None else first.shape[2]) / n_ctx
+        row = gather_row(cache, selection, n_ctx, len(enc.question_ids) + max_new)  # empties `cache`
+        job = Decode(row, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=None,
+                     lookup_ids=list(enc.context_ids), want_logprobs=True)
+        yield job
+        assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
+        return job.ids, job.logprobs, kept, None
 
 
 def evicted_decode(
