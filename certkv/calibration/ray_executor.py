@@ -276,8 +276,9 @@ class _Driver:
             on_ready(len(self.pids))
         self.t0 = time.perf_counter()
 
-    def calibrate(self, todo: Sequence[Request], on_written) -> None:
-        """Every request of `todo` written once; a request whose call was lost goes round again."""
+    def calibrate(self, todo: Sequence[Request], advance) -> None:
+        """Every request of `todo` written once (`advance()` after each); a request whose call was
+        lost goes round again."""
         # ray.util is imported by ray itself; ActorPool is its pool of actor handles
         pool = self.ray.util.ActorPool(list(self.actors))
         alive = len(self.actors)
@@ -299,7 +300,7 @@ class _Driver:
                             raise CertkvError(ALL_DIED) from None
                     continue
                 if self._write(outcome):
-                    on_written()
+                    advance()
             missing = [r for r in missing if r.id not in self.written]
 
     def _seen(self, index: int, pid: int | None) -> None:
