@@ -135,18 +135,16 @@ def _steady_rate(stamps: list[float]) -> float:
 
 def phase(name: str, contract, n: int, workdir: Path, meter: LoadMeter, executor: str = "local", workers: int = 0,
           kill_after: tuple[int, ...] = ()) -> dict:
-    import certkv.calibration.run as run
-    from certkv.calibration.ray_executor import WORKER_NAME, RayOptions, calibrate_on_ray
+    from certkv.calibration.ray_executor import WORKER_NAME, RayExecutor, RayOptions
+    from certkv.calibration.run import calibrate
 
     store = workdir / name
     contract = contract.model_copy(update={"store": str(store)})
     stamps: list[float] = []
     cpu_stamps: list[float] = []
     kills: list[dict] = []
-    write = run.record_request
 
-    def record(store_, summary, request_id, rows, reason):
-        write(store_, summary, request_id, rows, reason)
+    def written(summary, request_id):  # the run's on_written hook: after each request's write
         stamps.append(time.perf_counter())
         cpu_stamps.append(time.process_time())
         if len(stamps) in kill_after:  # SIGKILL a worker's process: a crash, not a polite stop
@@ -158,18 +156,12 @@ def phase(name: str, contract, n: int, workdir: Path, meter: LoadMeter, executor
             os.kill(pid, signal.SIGKILL)
             kills.append({"after_writes": len(stamps), "pid": pid})
 
-    run.record_request = record
-    try:
-        mark = meter.mark()
-        t0 = time.perf_counter()
-        if executor == "ray":
-            summary = calibrate_on_ray(contract, limit=n, quiet=True, options=RayOptions(workers=workers))
-        else:
-            summary = run.calibrate(contract, limit=n, quiet=True)
-        wall = time.perf_counter() - t0
-        load = meter.since(mark)
-    finally:
-        run.record_request = write
+    mark = meter.mark()
+    t0 = time.perf_counter()
+    runner = RayExecutor(RayOptions(workers=workers)) if executor == "ray" else None
+    summary = calibrate(contract, executor=runner, limit=n, quiet=True, on_written=written)
+    wall = time.perf_counter() - t0
+    load = meter.since(mark)
     assert summary.calibrated + len(summary.skipped) == n, summary
     out = {
         "executor": executor, "workers": workers, "requests": n,

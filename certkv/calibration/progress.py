@@ -39,7 +39,7 @@ class _RateColumn(TextColumn):
 
 def progress_bar(quiet: bool, console: Console | None, workers: bool = False) -> AbstractContextManager[Progress | None]:
     """The calibration progress bar (requests done, req/s, ETA) on `console`, or a context that
-    yields None when `quiet`; `workers` adds the task's ``workers`` field (live workers of a Ray run)."""
+    yields None when `quiet`; `workers` adds the task's ``workers`` field (the loaded workers of a Ray run)."""
     if quiet:
         return _NoProgress()
     columns: list[ProgressColumn] = [

@@ -4,10 +4,11 @@ The loop is resumable by construction: each request's rows (the full cache and e
 are written in one store transaction, requests already in the store are skipped on restart, and a
 request that cannot run is recorded as skipped with its reason, so the run goes on.
 
-Two executors share this module's code: the local loop here and the Ray driver of
-:mod:`certkv.calibration.ray_executor` both open the store with :func:`open_run`, turn a request
-into its rows with :func:`calibrate_request` (on a model loaded once by :func:`load_engine`) and
-write them with :func:`record_request`; on Ray the workers compute and the driver alone writes.
+One entry point, :func:`calibrate`, with the executor behind it: :class:`LocalExecutor` here, or
+:class:`certkv.calibration.ray_executor.RayExecutor`. The run opens the store with :func:`open_run`;
+every executor turns a request into its rows with :func:`calibrate_request` (on a model loaded once
+by :func:`load_engine`) and hands them to a :class:`Recorder`, which writes them with
+:func:`record_request`; on Ray the workers compute and this process alone writes.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from transformers import PreTrainedTokenizerBase
@@ -204,35 +205,112 @@ def _answer_signals(answer: CandidateAnswer, *, full_row: bool = False) -> dict:
     return out
 
 
+#: Called after each request is written: (the run's summary so far, the request's id). For a caller
+#: that watches the run (a benchmark's timestamps, a test that injects a fault at a known write).
+OnWritten = Callable[[CalibrationSummary, str], None]
+
+
+@dataclass
+class Recorder:
+    """Writes each request's outcome to the run's store (:func:`record_request`), then tells `on_written`.
+
+    Every executor hands its outcomes to one of these, in the process that owns the store: the
+    store has one writer, and the watcher sees every write whichever executor computed it.
+    """
+
+    store: CalibrationStore
+    summary: CalibrationSummary
+    on_written: OnWritten | None = None
+
+    def __call__(self, request_id: str, rows: list[dict] | None, reason: str | None) -> None:
+        record_request(self.store, self.summary, request_id, rows, reason)
+        if self.on_written is not None:
+            self.on_written(self.summary, request_id)
+
+
+class Executor(Protocol):
+    """Where a calibration's requests run: this process (:class:`LocalExecutor`) or Ray actors
+    (:class:`certkv.calibration.ray_executor.RayExecutor`). Both turn a request into its rows with
+    :func:`calibrate_request` and hand them to the :class:`Recorder`, so the store they leave is the same."""
+
+    #: "local" or "ray": the store binds the model's facts here (local) or from the workers' reports.
+    name: str
+
+    def check(self) -> None:
+        """Fail fast, before the store is opened: a missing extra, an impossible option (one line)."""
+
+    def run(self, contract: Contract, todo: Sequence[Request], record: Recorder, *, device: str | None,
+            dtype: str | None, quiet: bool, console: Console | None) -> None:
+        """Calibrate `todo`, handing each outcome to `record`; set ``record.summary.seconds``.
+
+        `device` is resolved on the local executor, the user's override (or None) on Ray."""
+
+
+class LocalExecutor:
+    """Every request in this process, one after the other, on a model loaded once."""
+
+    name = "local"
+
+    def check(self) -> None:
+        return None
+
+    def run(self, contract: Contract, todo: Sequence[Request], record: Recorder, *, device: str | None,
+            dtype: str | None, quiet: bool, console: Console | None) -> None:
+        assert device is not None  # open_run resolves the device on the local executor
+        engine, tokenizer, max_positions = load_engine(contract, device, dtype)
+        t0 = time.perf_counter()
+        with progress_bar(quiet, console) as progress:
+            task = progress.add_task("calibrating", total=len(todo)) if progress else None
+            for request in todo:
+                record(request.id, *calibrate_request(request, engine, tokenizer, contract, max_positions))
+                if progress and task is not None:
+                    progress.advance(task)
+        record.summary.seconds = time.perf_counter() - t0
+
+
 def calibrate(
     contract: Contract,
     *,
+    executor: Executor | None = None,
     new_store: bool = False,
     limit: int | None = None,
     quiet: bool = False,
     device: str | None = None,
     dtype: str | None = None,
     console: Console | None = None,
+    on_written: OnWritten | None = None,
 ) -> CalibrationSummary:
-    """Calibrate `contract` into its store in this process; returns a summary. Safe to interrupt and rerun.
+    """Calibrate `contract` into its store; returns a summary. Safe to interrupt and rerun.
 
-    (:func:`certkv.calibration.ray_executor.calibrate_on_ray` is the same on Ray actors.)
+    Parameters
+    ----------
+    contract : certkv.contract.schema.Contract
+        A validated contract; its store is opened (created, or resumed) here.
+    executor : Executor, optional
+        Where the requests run: :class:`LocalExecutor` (the default) or
+        :class:`certkv.calibration.ray_executor.RayExecutor`. The records do not depend on it.
+    new_store : bool
+        Move an existing store of another contract aside and start anew.
+    limit : int, optional
+        Calibrate at most this many requests of the contract's set (a preview).
+    quiet : bool
+        No progress bar.
+    device, dtype : str, optional
+        Override the contract's device and dtype.
+    console : rich.console.Console, optional
+        Where the progress bar goes.
+    on_written : callable, optional
+        Called after each request is written, with the summary and the request's id.
     """
-    store, summary, todo, run_device = open_run(contract, new_store=new_store, limit=limit, device=device, dtype=dtype)
+    executor = executor if executor is not None else LocalExecutor()
+    executor.check()  # before the store: a missing extra leaves nothing created
+    store, summary, todo, run_device = open_run(
+        contract, new_store=new_store, limit=limit, device=device, dtype=dtype, executor=executor.name
+    )
     try:
-        if not todo:
-            return summary
-        assert run_device is not None  # open_run resolves the device on the local executor
-        engine, tokenizer, max_positions = load_engine(contract, run_device, dtype)
-        t0 = time.perf_counter()
-        with progress_bar(quiet, console) as progress:
-            task = progress.add_task("calibrating", total=len(todo)) if progress else None
-            for request in todo:
-                rows, reason = calibrate_request(request, engine, tokenizer, contract, max_positions)
-                record_request(store, summary, request.id, rows, reason)
-                if progress and task is not None:
-                    progress.advance(task)
-        summary.seconds = time.perf_counter() - t0
+        if todo:
+            executor.run(contract, todo, Recorder(store, summary, on_written), device=run_device or device,
+                         dtype=dtype, quiet=quiet, console=console)
     finally:
         store.close()
     return summary

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from certkv.contract.schema import Contract
+    from certkv.workflow import Calibration
 
 
 def calibrate(
@@ -32,39 +39,41 @@ def calibrate(
     """
     from rich.console import Console
 
-    from certkv.calibration.run import calibrate as run_calibration
-    from certkv.calibration.task_health import failed_task_warnings
+    from certkv.calibration.run import Executor, LocalExecutor
     from certkv.contract.loading import load_contract
     from certkv.errors import CertkvError
-    from certkv.report.calibration_summary import print_calibration_summary
+    from certkv.workflow import calibrate as run_calibration
 
     console = Console(stderr=True)
     ray_given = {"--address": address, "--workers": workers, "--gpus-per-worker": gpus_per_worker,
                  "--threads-per-worker": threads_per_worker}
-    ray_options = None
+    runner: Executor = LocalExecutor()
     if executor == "ray":
-        from certkv.calibration.ray_executor import RayOptions
+        from certkv.calibration.ray_executor import RayExecutor, RayOptions
 
-        ray_options = RayOptions(address=address, workers=workers, gpus_per_worker=gpus_per_worker or 0.0,
-                                 threads_per_worker=threads_per_worker or 1)
+        runner = RayExecutor(RayOptions(address=address, workers=workers, gpus_per_worker=gpus_per_worker or 0.0,
+                                        threads_per_worker=threads_per_worker or 1))
     elif executor != "local":
         raise CertkvError(f"--executor must be local or ray, got {executor!r}")
     elif any(v is not None for v in ray_given.values()):
         given = [k for k, v in ray_given.items() if v is not None]
         raise CertkvError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --executor ray")
     contract = load_contract(contract_path)
-    if ray_options is not None:
-        from certkv.calibration.ray_executor import calibrate_on_ray
+    result = run_calibration(contract, executor=runner, new_store=new_store, limit=limit, quiet=quiet, device=device,
+                             dtype=dtype, console=console)
+    show_calibration(contract, result, quiet, console)
 
-        summary = calibrate_on_ray(contract, new_store=new_store, limit=limit, quiet=quiet, device=device, dtype=dtype,
-                                   console=console, options=ray_options)
-    else:
-        summary = run_calibration(contract, new_store=new_store, limit=limit, quiet=quiet, device=device, dtype=dtype,
-                                  console=console)
+
+def show_calibration(contract: Contract, result: Calibration, quiet: bool, console: Console) -> None:
+    """What `certkv calibrate` prints: the summary table on `console` (one line on stdout when
+    `quiet`), then each failed-task warning on stderr, even when quiet: such a task voids itself."""
+    from certkv.report.calibration_summary import print_calibration_summary
+
+    summary = result.summary
     if quiet:
         typer.echo(f"{summary.calibrated} calibrated, {summary.already_done} already stored, "
                    f"{len(summary.skipped)} skipped -> {summary.store}")
     else:
         print_calibration_summary(contract, summary, console)
-    for line in failed_task_warnings(summary.store, contract.model):  # even with --quiet: it voids a task
+    for line in result.warnings:
         typer.echo(f"certkv: {line}", err=True)

@@ -10,9 +10,13 @@ one row per sequence (:mod:`certkv.report.console`), readable in 80 columns and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from certkv.contract.schema import Contract
+    from certkv.workflow import Certification
 
 
 def certify(
@@ -27,24 +31,23 @@ def certify(
     wide: bool = typer.Option(
         False, "--wide", help="print every candidate (a wide table) instead of one row per sequence"
     ),
-) -> tuple[Any, Any]:
+) -> None:
     """Test every candidate of the contract and write the certified operating point."""
-    # Returns (operating point, pooled comparison or None) for `certkv demo`, whose last lines name
-    # the deployed one; on the command line main() sees the tuple as the command's result and exits
-    # 0, since only an int is an exit code. (Not in the docstring: that is --help.) The return type
-    # is (OperatingPoint, OperatingPoint | None), spelled Any because typer evaluates the hints when
-    # the command is registered and the core is imported only in here.
-    from rich.console import Console
-
-    from certkv.calibration.certification import certify_contract_with_comparison, default_output
     from certkv.contract.loading import load_contract
-    from certkv.report.console import print_operating_point
+    from certkv.workflow import certify as certify_contract
 
     contract = load_contract(contract_path)
-    evidence, op, pooled = certify_contract_with_comparison(
-        contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete
-    )
-    target = output or default_output(contract, "operating_point.json")
-    op.write_json(target)  # the contract's point only: the pooled comparison is never deployed
-    print_operating_point(contract, evidence, op, Console(), target, wide=wide, pooled=pooled)
-    return op, pooled
+    result = certify_contract(contract, contract_label=str(contract_path), records=records, output=output,
+                              allow_incomplete=allow_incomplete)
+    show_certification(contract, result, wide=wide)
+
+
+def show_certification(contract: Contract, result: Certification, *, wide: bool = False) -> None:
+    """What `certkv certify` prints on stdout: the decision (one row per sequence, or every candidate
+    when `wide`), the pooled comparison of a stratified point, and the file written."""
+    from rich.console import Console
+
+    from certkv.report.console import print_operating_point
+
+    print_operating_point(contract, result.evidence, result.operating_point, Console(), result.path, wide=wide,
+                          pooled=result.pooled)

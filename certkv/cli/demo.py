@@ -5,6 +5,10 @@ into ``--dir`` (default ``./certkv-demo``) and run from there, so the store and 
 ``<dir>/runs/demo``, never inside the installation, and the copy is the contract to pass to
 ``certkv certify`` or ``certkv report`` later. Its last lines say which certificate is deployed
 (the contract's: stratified per task for the packaged demo) beside the pooled comparison.
+
+The four steps are the functions of :mod:`certkv.workflow`, each printed as its own command prints
+it (``show_*`` of :mod:`certkv.cli.calibrate`, :mod:`certkv.cli.certify`, :mod:`certkv.cli.validate`
+and :mod:`certkv.cli.report`), so the demo's output is the four commands' output in a row.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ def demo(
     """Run the whole pipeline on the demo contract: calibrate → certify → validate → report."""
     from rich.console import Console
 
-    from certkv.cli.calibrate import calibrate
-    from certkv.cli.certify import certify
-    from certkv.cli.report import report
-    from certkv.cli.validate import validate
+    from certkv import workflow
+    from certkv.cli.calibrate import show_calibration
+    from certkv.cli.certify import show_certification
+    from certkv.cli.report import notice, show_report
+    from certkv.cli.validate import show_validation
+    from certkv.contract.loading import load_contract
     from certkv.demo import copy_demo
     from certkv.report.tables import say
     from certkv.report.text import deployed_text
@@ -47,17 +53,20 @@ def demo(
         path = copy_demo(folder)
     console = Console()
     typer.echo(f"demo contract: {path}")
-    console.rule("1/4 calibrate: full cache and every candidate on every request")
-    calibrate(path, limit=limit, new_store=False, quiet=quiet, device=None, dtype=None, executor="local",
-              address=None, workers=None, gpus_per_worker=None, threads_per_worker=None)
-    console.rule("2/4 certify: exact binomial tests, fixed-sequence family-wise control")
     partial = limit is not None  # a quick look: a preview without guarantee
-    op, pooled = certify(path, records=None, output=None, allow_incomplete=partial, wide=False)
+    console.rule("1/4 calibrate: full cache and every candidate on every request")
+    contract, label = load_contract(path), str(path)
+    progress = Console(stderr=True)  # the progress bar and summary table, where `certkv calibrate` shows them
+    show_calibration(contract, workflow.calibrate(contract, limit=limit, quiet=quiet, console=progress), quiet, progress)
+    console.rule("2/4 certify: exact binomial tests, fixed-sequence family-wise control")
+    certified = workflow.certify(contract, contract_label=label, allow_incomplete=partial)
+    show_certification(contract, certified)
     console.rule("3/4 validate: 1000 random splits, certkv vs empirical thresholding")
-    validate(path, splits=1000, calibration_fraction=0.5, seed=0, records=None, output=None, allow_incomplete=partial)
+    show_validation(workflow.validate(contract, contract_label=label, splits=1000, seed=0, allow_incomplete=partial))
     console.rule("4/4 report")
-    report(path, output=None, records=None, splits=1000, seed=0, allow_incomplete=partial)
-    say(console, deployed_text(op, pooled))
+    show_report(workflow.report(contract, contract_label=label, splits=1000, seed=0, allow_incomplete=partial,
+                                notify=notice))
+    say(console, deployed_text(certified.operating_point, certified.pooled))
     console.print(
         f"the demo contract is {path}: pass it to `certkv certify {path}` or `certkv report {path}` later; "
         "rerunning `certkv demo` with the same --dir resumes its store",

@@ -9,8 +9,12 @@ contract gets a panel per stratum and, in the summary, the pooled comparison `ce
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from certkv.workflow import Report
 
 
 def report(
@@ -24,47 +28,22 @@ def report(
     ),
 ) -> None:
     """Write risk_vs_kv.png, per_task.png (per stratum when stratified), validation.png and report.html."""
+    from certkv.contract.loading import load_contract
+    from certkv.workflow import report as report_contract
+
+    result = report_contract(load_contract(contract_path), contract_label=str(contract_path), output=output,
+                             records=records, splits=splits, seed=seed, allow_incomplete=allow_incomplete,
+                             notify=notice)
+    show_report(result)
+
+
+def notice(line: str) -> None:
+    """A step the report takes (validation splits run here) on stderr, before it takes it."""
     from rich.console import Console
 
-    from certkv.calibration.certification import certify_contract_with_comparison, default_output
-    from certkv.calibration.validation_file import VALIDATION_FILE, read_validation, run_validation, write_validation
-    from certkv.contract.loading import load_contract
-    from certkv.report.html import write_report
-
-    console = Console(stderr=True)
-    contract = load_contract(contract_path)
-    evidence, op, pooled = certify_contract_with_comparison(
-        contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete
-    )
-    out_dir = output or default_output(contract, "report")
-    notes = _stored_point_note(default_output(contract, "operating_point.json"), op)
-
-    validation = None
-    for candidate in (default_output(contract, VALIDATION_FILE), out_dir / VALIDATION_FILE):
-        validation = read_validation(candidate, contract, evidence)
-        if validation is not None:
-            break
-    if validation is None:
-        console.print(f"no up-to-date {VALIDATION_FILE}; running {splits} validation splits", highlight=False)
-        validation = run_validation(contract, evidence, splits=splits, seed=seed)
-        write_validation(validation, contract, evidence, out_dir / VALIDATION_FILE)
-
-    paths = write_report(contract, evidence, op, validation, out_dir, notes=notes, pooled=pooled)
-    print(f"wrote {paths['report.html']} and {len(paths) - 1} figures to {out_dir}")
+    Console(stderr=True).print(line, highlight=False)
 
 
-def _stored_point_note(path: Path, op) -> list[str]:
-    """Warn when the operating point on disk disagrees with the records the report shows."""
-    if not path.is_file():
-        return []
-    from certkv.core.operating_point import load_operating_point
-    from certkv.errors import CertkvError
-
-    try:
-        stored = load_operating_point(path)
-    except CertkvError:
-        return [f"{path} could not be read; re-run `certkv certify`"]
-    if stored.records_sha256 != op.records_sha256 or stored.contract_sha256 != op.contract_sha256:
-        return [f"{path} was certified from other records or another contract (chosen there: {stored.policy}); "
-                "this report shows the current records; re-run `certkv certify` to update it"]
-    return []
+def show_report(result: Report) -> None:
+    """What `certkv report` prints on stdout: the page and how many figures, and where."""
+    print(f"wrote {result.paths['report.html']} and {len(result.paths) - 1} figures to {result.folder}")

@@ -9,8 +9,12 @@ Torch-free: it only reads records.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from certkv.workflow import Validation
 
 
 def validate(
@@ -25,19 +29,22 @@ def validate(
     ),
 ) -> None:
     """Split the calibration records many times and check both selection methods on the test half."""
+    from certkv.contract.loading import load_contract
+    from certkv.workflow import validate as validate_contract
+
+    result = validate_contract(load_contract(contract_path), contract_label=str(contract_path), splits=splits,
+                               calibration_fraction=calibration_fraction, seed=seed, records=records, output=output,
+                               allow_incomplete=allow_incomplete)
+    show_validation(result)
+
+
+def show_validation(result: Validation) -> None:
+    """What `certkv validate` prints on stdout: both methods' promise-keeping, then the file written."""
     from rich.console import Console
 
-    from certkv.calibration.certification import default_output, load_records
-    from certkv.calibration.validation_file import VALIDATION_FILE, run_validation, write_validation
-    from certkv.contract.loading import load_contract
     from certkv.report.console import print_validation
     from certkv.report.tables import say_path
 
-    contract = load_contract(contract_path)
-    evidence = load_records(contract, records, contract_label=str(contract_path), allow_incomplete=allow_incomplete)
-    result = run_validation(contract, evidence, splits, calibration_fraction, seed)
-    target = output or default_output(contract, VALIDATION_FILE)
-    write_validation(result, contract, evidence, target)
     console = Console()
-    print_validation(result, console)
-    say_path(console, "wrote", target)
+    print_validation(result.result, console)
+    say_path(console, "wrote", result.path)

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -105,11 +104,13 @@ def local_records(tmp_path_factory):
     return _records(folder)
 
 
-def _ray_calibrate(contract_path: Path, **options):
-    from certkv.calibration.ray_executor import RayOptions, calibrate_on_ray
+def _ray_calibrate(contract_path: Path, on_written=None, **options):
+    from certkv.calibration.ray_executor import RayExecutor, RayOptions
+    from certkv.calibration.run import calibrate
     from certkv.contract.loading import load_contract
 
-    return calibrate_on_ray(load_contract(contract_path), quiet=True, options=RayOptions(**options))
+    return calibrate(load_contract(contract_path), executor=RayExecutor(RayOptions(**options)), quiet=True,
+                     on_written=on_written)
 
 
 @ray_test
@@ -128,19 +129,17 @@ def test_two_workers_write_the_local_runs_records(cluster, local_records, tmp_pa
 
 
 @ray_test
-def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_records, tmp_path, monkeypatch):
-    """Two kills while requests are in flight: one through Ray (ray.kill, restart allowed), one a
-    SIGKILL of the worker's process. Ray restarts each and runs its requests again."""
-    import certkv.calibration.run as run
+def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_records, tmp_path):
+    """Two kills while requests are in flight, each right after a given write (the run's
+    `on_written` hook): one through Ray (ray.kill, restart allowed), one a SIGKILL of the worker's
+    process. Ray restarts each and runs its requests again."""
     from certkv.calibration.ray_executor import WORKER_NAME
 
     ray = cluster
-    write = run.record_request
     kills = {3: "ray.kill", 9: "SIGKILL"}  # after this many writes
     done = []
 
-    def record_then_kill(store, summary, request_id, rows, reason):
-        write(store, summary, request_id, rows, reason)
+    def kill_after_write(summary, request_id):
         how = kills.get(summary.calibrated + len(summary.skipped))
         if how is None:
             return
@@ -152,47 +151,60 @@ def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_
             os.kill(ray.get(actor.ping.remote()), signal.SIGKILL)
         done.append(how)
 
-    monkeypatch.setattr(run, "record_request", record_then_kill)
-    summary = _ray_calibrate(_setup(tmp_path), workers=2)
+    summary = _ray_calibrate(_setup(tmp_path), on_written=kill_after_write, workers=2)
     assert done == ["ray.kill", "SIGKILL"], "both kills must land mid-run"
     assert summary.calibrated == N_REQUESTS
     assert summary.worker_restarts >= 1, "a killed worker came back (a new pid answered)"
     _assert_same(_records(tmp_path), local_records)
 
 
+#: The driver is stopped right after this many requests were written.
+STOP_AFTER = 2
+#: `certkv calibrate --executor ray` in a child interpreter that sends itself `signum` the moment
+#: its STOP_AFTER-th request's write returns: a trace hook on the store write, as
+#: tests/e2e/test_interrupts.py raises its signals at traced instants, so the stop lands mid-run
+#: whatever the machine's speed.
+STOPPED_DRIVER = """
+import os, sys
+import certkv.calibration.run as run
+from certkv.cli.app import main
+
+contract, signum, after = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+code = run.record_request.__code__
+writes = 0
+
+def on_return(frame, event, arg):
+    global writes
+    if event == "return":
+        writes += 1
+        if writes == after:
+            os.kill(os.getpid(), signum)
+    return on_return
+
+sys.settrace(lambda frame, event, arg: on_return if frame.f_code is code else None)
+sys.argv = ["certkv", "calibrate", contract, "--quiet", "--executor", "ray", "--workers", "1"]
+main()
+"""
+
+
 @ray_test
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["SIGKILL", "SIGINT", "SIGTERM"])
 def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records, tmp_path, signum):
-    """The driver stopped mid-run: killed (SIGKILL), or interrupted by Ctrl-C or SIGTERM, which it
-    must turn into exit 130 / 143 and certkv's one line (Ray's own SIGTERM handler would exit 15),
-    with its workers and its Ray instance stopped. Rerun, it resumes to the local run's records."""
-    from certkv.calibration.store import CalibrationStore, db_path
+    """The driver stopped mid-run, right after its second write (:data:`STOPPED_DRIVER`): killed
+    (SIGKILL), or interrupted by Ctrl-C or SIGTERM, which it must turn into exit 130 / 143 and
+    certkv's one line (Ray's own SIGTERM handler would exit 15), with its workers and its Ray
+    instance stopped. Rerun, it resumes to the local run's records."""
+    from certkv.calibration.store import CalibrationStore
 
     contract = _setup(tmp_path)
-
-    def stored() -> int:
-        if not db_path(tmp_path / "store").is_file():
-            return 0
-        try:
-            with CalibrationStore.read(tmp_path / "store") as store:
-                return store.request_count()
-        except Exception:  # noqa: BLE001 - the first open may still be creating the tables
-            return 0
-
-    # Its own driver process (and its own local Ray instance), stopped once it has written requests.
+    # Its own driver process (and its own local Ray instance), stopped right after its second write.
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "certkv.cli.app", "calibrate", str(contract), "--quiet", "--executor", "ray",
-         "--workers", "1"],
+        [sys.executable, "-c", STOPPED_DRIVER, str(contract), str(int(signum)), str(STOP_AFTER)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 150
-        while proc.poll() is None and stored() < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert proc.poll() is None, f"the driver ended before it could be stopped: {proc.stderr.read().decode()[-500:]}"
-        os.kill(proc.pid, signum)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -209,8 +221,10 @@ def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records
         assert "Traceback" not in err, err[-2000:]
         lines = [line for line in err.splitlines() if line.strip()]
         assert lines and lines[-1] == "certkv: interrupted; everything stored so far is kept (rerun to resume)", err
-    partial = stored()
+    with CalibrationStore.read(tmp_path / "store") as store:
+        partial = store.request_count()
     assert 0 < partial < N_REQUESTS, f"the stop must land mid-run ({partial} stored; {err[-500:]})"
+    assert partial == STOP_AFTER, f"nothing is written after the stop ({partial} stored)"
     summary = _ray_calibrate(contract, workers=2)
     assert summary.already_done == partial and summary.calibrated == N_REQUESTS - partial
     _assert_same(_records(tmp_path), local_records)
