@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,6 @@ import typer
 from certkv.errors import CertkvError
 
 if TYPE_CHECKING:
-    import socket
     from collections.abc import Iterator
 
     import uvicorn
@@ -47,8 +47,6 @@ def serve(
                                     "(off by default: /metrics counts every request and answer)"),
 ) -> None:
     """Serve OPERATING_POINT over HTTP (OpenAI-shaped /v1/completions and /v1/chat/completions)."""
-    import socket
-
     from certkv.core.operating_point import load_operating_point
 
     if not 1 <= port <= 65535:
@@ -65,12 +63,30 @@ def serve(
     from certkv.core.monitor import check_shadow_rate
 
     check_shadow_rate(shadow_rate)
-    api_key = None
-    if api_key_env is not None:
-        api_key = os.environ.get(api_key_env)
-        if not api_key:
-            raise CertkvError(f"--api-key-env {api_key_env}: that environment variable is not set or empty")
+    api_key = _api_key(api_key_env)
     op = load_operating_point(operating_point)
+    sock = _bound_socket(host, port)
+    try:
+        _run(sock, op, operating_point, model=model, host=host, port=port, shadow_rate=shadow_rate, api_key=api_key,
+             max_queue=max_queue, timeout=timeout, shadow_store=shadow_store, seed=seed,
+             max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, device=device, kv_budget=kv_budget,
+             kv_budget_mb=kv_budget_mb, access_log=access_log)
+    finally:
+        sock.close()
+
+
+def _api_key(api_key_env: str | None) -> str | None:
+    """The API key from the environment variable `api_key_env` names (None: no key asked for)."""
+    if api_key_env is None:
+        return None
+    api_key = os.environ.get(api_key_env)
+    if not api_key:
+        raise CertkvError(f"--api-key-env {api_key_env}: that environment variable is not set or empty")
+    return api_key
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), before the model loads, so a taken port fails at once."""
     # proto IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose
     # proto says TCP, and with Nagle on every keep-alive response waits ~40 ms for the client's delayed ACK.
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -80,14 +96,7 @@ def serve(
     except OSError as exc:
         sock.close()
         raise CertkvError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host or --port") from None
-
-    try:
-        _run(sock, op, operating_point, model=model, host=host, port=port, shadow_rate=shadow_rate, api_key=api_key,
-             max_queue=max_queue, timeout=timeout, shadow_store=shadow_store, seed=seed,
-             max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, device=device, kv_budget=kv_budget,
-             kv_budget_mb=kv_budget_mb, access_log=access_log)
-    finally:
-        sock.close()
+    return sock
 
 
 def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, model: str, host: str, port: int,

@@ -64,13 +64,43 @@ def certification_spec(contract: Contract) -> CertificationSpec:
     >>> spec.candidate_info["snapkv@0.50+drop0.1"].gate.agreement_drop
     0.1
     """
+    gate = contract.gate
+    pilot = None
+    if gate is not None and gate.pilot is not None:
+        pilot = PilotConfig(share=gate.pilot, seed=contract.requests.seed)
+    return CertificationSpec.parse(
+        {
+            "tolerance": contract.tolerance,
+            "risk": contract.risk,
+            "confidence": contract.confidence,
+            "procedure": contract.procedure,
+            "sequences": sequences(contract),
+            "candidate_info": _candidate_info(contract),
+            "max_new_tokens": contract.protocol.max_new_tokens,
+            "query_aware": contract.protocol.query_aware,
+            "pilot": pilot,
+            "strata": None if contract.strata is None else contract.strata.model_dump(),
+            "utility": contract.utility,
+            "context_margin": 0.0 if contract.coverage is None else contract.coverage.context_margin,
+        },
+        source=f"contract {contract.name}",
+    )
+
+
+def _candidate_info(contract: Contract) -> dict[str, dict[str, Any]]:
+    """policy → what deploying it needs: base policy and press_kwargs, and for a gated candidate
+    its gate settings (the contract's agreement parameters beside the candidate's thresholds; a
+    pilot gate's quantile, lookahead length and ``pilot_gate`` choice)."""
     info: dict[str, dict[str, Any]] = {
         c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs)} for c in candidates(contract)
     }
     gate = contract.gate
+    if gate is None:  # no gate block: no gated candidates
+        return info
     for g in gated_candidates(contract):
-        assert gate is not None and g.gate is not None  # gated candidates come from the gate grid
         choice = g.gate
+        if choice is None:  # gated_candidates yields gated ones only; narrows the type
+            continue
         settings: dict[str, Any] = {
             "agreement_drop": choice.agreement_drop,
             "certificate": choice.certificate,
@@ -84,26 +114,7 @@ def certification_spec(contract: Contract) -> CertificationSpec:
             settings["lookahead_tokens"] = gate.lookahead_tokens
             entry["pilot_gate"] = choice
         info[g.policy] = entry
-    pilot = None
-    if gate is not None and gate.pilot is not None:
-        pilot = PilotConfig(share=gate.pilot, seed=contract.requests.seed)
-    return CertificationSpec.parse(
-        {
-            "tolerance": contract.tolerance,
-            "risk": contract.risk,
-            "confidence": contract.confidence,
-            "procedure": contract.procedure,
-            "sequences": sequences(contract),
-            "candidate_info": info,
-            "max_new_tokens": contract.protocol.max_new_tokens,
-            "query_aware": contract.protocol.query_aware,
-            "pilot": pilot,
-            "strata": None if contract.strata is None else contract.strata.model_dump(),
-            "utility": contract.utility,
-            "context_margin": 0.0 if contract.coverage is None else contract.coverage.context_margin,
-        },
-        source=f"contract {contract.name}",
-    )
+    return info
 
 
 __all__ = ["candidates", "certification_spec", "gated_candidates", "sequences"]
