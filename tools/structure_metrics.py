@@ -13,13 +13,15 @@ Four numbers, each computed from the tree as it is (nothing is hard-coded)::
 - with ``--certify DIR`` (a folder holding a contract YAML whose store is calibrated, such as the
   ``certkv-demo`` folder ``certkv demo`` leaves): the ``certkv/`` files in which some function runs
   while ``certkv certify CONTRACT`` goes from the contract to ``operating_point.json`` — the files a
-  reader opens to follow it (module bodies that only run at import are not counted).
+  reader opens to follow it (module and class bodies, and whatever runs while a certkv module is
+  being imported, are not counted).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import os
 import re
 import sys
@@ -72,8 +74,14 @@ def certify_path_files(folder: Path) -> list[str]:
 
     def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
         code = frame.f_code
-        if event == "call" and code.co_filename.startswith(root) and code.co_name != "<module>":
-            seen.add(code.co_filename)
+        if event != "call" or not code.co_filename.startswith(root) or not code.co_flags & inspect.CO_OPTIMIZED:
+            return  # not certkv's, or a module or class body
+        outer = frame.f_back
+        while outer is not None:  # code that runs while a certkv module is being imported is not counted
+            if outer.f_code.co_name == "<module>" and outer.f_code.co_filename.startswith(root):
+                return
+            outer = outer.f_back
+        seen.add(code.co_filename)
 
     from certkv.cli.app import main
 
