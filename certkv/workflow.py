@@ -31,6 +31,7 @@ from certkv.calibration.certification import (
 )
 from certkv.calibration.validation_file import VALIDATION_FILE, read_validation, run_validation, write_validation
 from certkv.contract.schema import Contract
+from certkv.core.file_format import FormatVersionError
 from certkv.core.operating_point import OperatingPoint
 from certkv.core.validation import ValidationResult
 from certkv.errors import CertkvError
@@ -166,8 +167,9 @@ def report(
 
     The operating point is certified again from the records, so the page cannot describe another
     table than the one it plots. An up-to-date validation.json (the store's, then the report
-    folder's) is reused; otherwise `splits` validation splits run here (`notify` is told so first)
-    and their file is written into the report folder.
+    folder's) is reused; otherwise `splits` validation splits run here (`notify` is told so first,
+    and of each file of another ``format_version`` passed over) and their file is written into the
+    report folder.
     """
     from certkv.report.html import write_report
 
@@ -178,7 +180,12 @@ def report(
     notes = stored_point_note(default_output(contract, OPERATING_POINT_FILE), op)
     validation = None
     for candidate in (default_output(contract, VALIDATION_FILE), out_dir / VALIDATION_FILE):
-        validation = read_validation(candidate, contract, evidence)
+        try:
+            validation = read_validation(candidate, contract, evidence)
+        except FormatVersionError as exc:  # a cache of a computation this step can redo: say so, redo it
+            if notify is not None:
+                notify(f"{exc.args[0].split(';')[0]}: not reused")
+            continue
         if validation is not None:
             break
     if validation is None:

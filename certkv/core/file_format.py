@@ -49,9 +49,15 @@ def check_format_version(found: object, expected: int, file: str | os.PathLike[s
     if found is not None and str(found) == str(expected):
         return
     shown = "none (written by an earlier certkv build)" if found is None else str(found)
-    raise CertkvError(
+    raise FormatVersionError(
         f"{os.fspath(file)}: format_version {shown}, this certkv reads {expected}; re-run `{rewrite}` to write it again"
     )
 
 
-__all__ = ["check_format_version"]
+class FormatVersionError(CertkvError):
+    """A file of another ``format_version`` than this certkv writes (the message says which and
+    what re-writes it). A :class:`CertkvError`: callers that only report it need nothing more;
+    one that can recompute the file (``certkv report``'s validation) catches this type."""
+
+
+__all__ = ["FormatVersionError", "check_format_version"]

@@ -142,6 +142,14 @@ class GateChoice:
     quantile: float | None = None
     features: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # A spec read from JSON builds these too (CandidateInfo.pilot_gate): refuse what the
+        # contract's grid can never produce, in one line, before the pilot reads it.
+        if (self.pilot_kind is None) != (self.quantile is None):
+            raise ValueError("a pilot gate needs both pilot_kind (confidence, lookahead or learned) and its quantile")
+        if self.quantile is not None and not 0.0 < self.quantile < 1.0:
+            raise ValueError(f"a pilot gate's quantile must lie strictly between 0 and 1, got {self.quantile}")
+
     @property
     def is_gated(self) -> bool:
         return self.agreement_drop is not None or self.certificate is not None or self.pilot_kind is not None

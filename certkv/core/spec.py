@@ -317,6 +317,13 @@ class CandidateInfo(BaseModel):
     gate: GateSettings | None = None
     pilot_gate: GateChoice | None = None
 
+    @field_validator("pilot_gate")
+    @classmethod
+    def _pilot_gate_has_a_kind(cls, value: GateChoice | None) -> GateChoice | None:
+        if value is not None and value.pilot_kind is None:
+            raise ValueError("pilot_gate needs pilot_kind (confidence, lookahead or learned) and its quantile")
+        return value
+
 
 class CertificationSpec(BaseModel):
     """What the certifier needs from a contract: τ, ε, 1 − δ, the procedure and the sequences.

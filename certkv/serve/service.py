@@ -49,6 +49,20 @@ log = logging.getLogger("certkv.serve")
 HOLD_FD_VARIABLE = "CERTKV_TEST_HOLD_FD"
 
 
+def _hold_fd(value: str) -> int:
+    """The open file descriptor :data:`HOLD_FD_VARIABLE` names, checked before the server starts
+    (one line otherwise: a held scheduler that never starts would look healthy and answer nothing)."""
+    try:
+        fd = int(value)
+        if fd <= 2:
+            raise ValueError("standard streams are not a hold pipe")
+        os.fstat(fd)
+    except (ValueError, OSError):
+        raise CertkvError(f"{HOLD_FD_VARIABLE}={value!r} is not an open pipe's file descriptor above 2; "
+                          "it is a test hook: unset it") from None
+    return fd
+
+
 @dataclass
 class Served:
     """What a live request returns: the runtime's answer and the monitor's view of it."""
@@ -102,13 +116,15 @@ class Service:
 
     def start(self) -> None:
         """Start the scheduler's worker: at once, or when a test releases it (:data:`HOLD_FD_VARIABLE`)."""
-        hold = os.environ.get(HOLD_FD_VARIABLE)
+        hold = os.environ.pop(HOLD_FD_VARIABLE, None)  # popped: no child process inherits the hold
         if hold is None:
             self.scheduler.start()
             return
+        fd = _hold_fd(hold)
+        log.warning("the scheduler is held until file descriptor %d is closed (%s, a test hook)", fd, HOLD_FD_VARIABLE)
 
         def start_when_released() -> None:
-            with os.fdopen(int(hold), "rb") as pipe:
+            with os.fdopen(fd, "rb") as pipe:
                 pipe.read()  # returns when the writer has closed its end
             self.scheduler.start()
 

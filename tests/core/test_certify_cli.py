@@ -263,5 +263,13 @@ def test_python_api_certifies_records_against_a_contract(tmp_path):
     op = certkv.certify(certkv.LossTable.from_records(records), certkv.certification_spec(contract),
                         contract_sha256=contract.sha256())
     assert op.policy == "snapkv@0.50" and not op.fallback
-    assert op.contract_sha256 == contract.sha256()
     assert op.violations == 5 and op.n == 200
+    # The workflow's certify (what `certkv certify --records` runs) reads the same rows from a file,
+    # binds the contract's hash itself and decides the same.
+    from certkv import workflow
+
+    table = tmp_path / "records.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in records))
+    bound = workflow.certify(contract, records=table, output=tmp_path / "op.json").operating_point
+    assert bound.contract_sha256 == contract.sha256() == op.contract_sha256
+    assert (bound.policy, bound.violations, bound.n, bound.records_sha256) == (op.policy, op.violations, op.n, op.records_sha256)

@@ -562,3 +562,24 @@ def test_report_command_on_a_pilot_store(pilot_store, tmp_path, capsys):
     assert run_main("report", str(path), "-o", str(out), "--splits", "30") == 0
     page = (out / "report.html").read_text()
     assert "pilot_ordered" in page and "pilot: 100 of 400 requests" in page
+
+
+@pytest.mark.parametrize(
+    ("pilot_gate", "message"),
+    [
+        ({"pilot_kind": "confidence"}, "needs both pilot_kind"),
+        ({"quantile": 0.2}, "needs both pilot_kind"),
+        ({"pilot_kind": "confidence", "quantile": 1.5}, "strictly between 0 and 1, got 1.5"),
+        ({"pilot_kind": "lookahead", "quantile": 0.0}, "strictly between 0 and 1, got 0.0"),
+        ({"pilot_kind": "nope", "quantile": 0.2}, "pilot_kind: Input should be 'confidence', 'lookahead' or 'learned'"),
+        ({}, "pilot_gate needs pilot_kind"),
+    ],
+)
+def test_a_spec_with_a_malformed_pilot_gate_is_refused_in_one_line(pilot_gate, message):
+    """A spec read from JSON names its pilot gates itself: one that the contract's grid could never
+    produce (no kind, no quantile, a quantile outside (0, 1)) is refused before the pilot reads it."""
+    data = {"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "sequences": [["x@0.50", "x@0.50+confq0.2"]],
+            "candidate_info": {"x@0.50+confq0.2": {"base_policy": "x@0.50", "pilot_gate": pilot_gate}}}
+    with pytest.raises(CertkvError) as info:
+        CertificationSpec.parse(data)
+    assert message in str(info.value) and "\n" not in str(info.value)

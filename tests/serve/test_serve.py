@@ -505,3 +505,19 @@ def test_empty_prompt_and_empty_messages_beside_context_are_absent():
                 {"context": "c", "messages": [{"role": "system", "content": "q"}]}):
         with pytest.raises(SplitError):
             chat(bad).split()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "2", "-1", "999999"])
+def test_the_hold_hook_refuses_anything_but_an_open_pipe_in_one_line(value):
+    """The test hook is checked before the scheduler starts: a value that is not an open file
+    descriptor above the standard streams is one line, not a held scheduler that never starts."""
+    from certkv.errors import CertkvError
+    from certkv.serve.service import _hold_fd
+
+    with pytest.raises(CertkvError, match=f"^{HOLD_FD_VARIABLE}={value!r} is not an open pipe's file descriptor"):
+        _hold_fd(value)
+    read, write = os.pipe()
+    try:
+        assert _hold_fd(str(read)) == read
+    finally:
+        os.close(read), os.close(write)

@@ -60,3 +60,19 @@ def test_a_missing_store_is_one_line_naming_the_label(tmp_path):
     with pytest.raises(CertkvError) as info:
         workflow.certify(contract, contract_label="my/contract.yaml")
     assert "\n" not in str(info.value) and "my/contract.yaml" in str(info.value)
+
+
+def test_report_recomputes_a_validation_file_of_another_format_version_and_says_so(contract, tmp_path):
+    """validation.json is a cache of a computation the report can redo: one of another format
+    version (an earlier build's, none) is named, passed over and recomputed, not a dead end."""
+    stored = workflow.validate(contract, splits=30, seed=3).path
+    data = json.loads(stored.read_text())
+    del data["format_version"]
+    stored.write_text(json.dumps(data))
+    told: list[str] = []
+    report = workflow.report(contract, output=tmp_path / "page", splits=30, seed=3, notify=told.append)
+    assert told == [
+        f"{stored}: format_version none (written by an earlier certkv build), this certkv reads 1: not reused",
+        f"no up-to-date {VALIDATION_FILE}; running 30 validation splits",
+    ]
+    assert json.loads((report.folder / VALIDATION_FILE).read_text())["format_version"] == 1
