@@ -12,8 +12,10 @@ way::
     workflow.calibrate(contract)
     point = workflow.certify(contract).operating_point
 
-Torch-free at import: the calibration run (the model stack) is imported by :func:`calibrate` only,
-and the report's figures by :func:`report` only, so ``certkv certify`` stays torch-free.
+``calibrate`` is the calibration run itself (:func:`certkv.calibration.run.calibrate`, on a local
+or a Ray executor; its summary carries a warning per task that measures nothing), resolved on first
+use: importing this module never imports the model stack, and the report's figures are imported by
+:func:`report` only, so ``certkv certify`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from certkv._lazy import lazy_getattr
 from certkv.calibration.certification import (
     ContractRecords,
     certify_contract_with_comparison,
@@ -37,22 +40,16 @@ from certkv.core.validation import ValidationResult
 from certkv.errors import CertkvError
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
-    from certkv.calibration.run import CalibrationSummary, Executor, OnWritten
+    from certkv.calibration.run import calibrate as calibrate
+else:
+    # The first step is the calibration run itself (certkv.calibration.run.calibrate), named here
+    # lazily: importing the workflow must not import the model stack (`certkv certify` is torch-free).
+    __getattr__ = lazy_getattr("certkv.workflow", {"calibrate": ("certkv.calibration.run", "calibrate")})
 
 #: The operating point's file name in the store folder (``certkv certify``'s default output).
 OPERATING_POINT_FILE = "operating_point.json"
 #: The report's folder name in the store folder (``certkv report``'s default output).
 REPORT_DIR = "report"
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What :func:`calibrate` did: the run's summary and a warning line per task that measures nothing."""
-
-    summary: CalibrationSummary
-    warnings: list[str]
 
 
 @dataclass(frozen=True)
@@ -84,29 +81,6 @@ class Report:
 
     paths: dict[str, Path]
     folder: Path
-
-
-def calibrate(
-    contract: Contract,
-    *,
-    executor: Executor | None = None,
-    new_store: bool = False,
-    limit: int | None = None,
-    quiet: bool = False,
-    device: str | None = None,
-    dtype: str | None = None,
-    console: Console | None = None,
-    on_written: OnWritten | None = None,
-) -> Calibration:
-    """Calibrate `contract` into its store (:func:`certkv.calibration.run.calibrate`, on `executor`:
-    this process by default, or :class:`certkv.calibration.ray_executor.RayExecutor`), then read the
-    store for tasks that measure nothing (:func:`certkv.calibration.task_health.failed_task_warnings`)."""
-    from certkv.calibration.run import calibrate as run_calibration
-    from certkv.calibration.task_health import failed_task_warnings
-
-    summary = run_calibration(contract, executor=executor, new_store=new_store, limit=limit, quiet=quiet,
-                              device=device, dtype=dtype, console=console, on_written=on_written)
-    return Calibration(summary, failed_task_warnings(summary.store, contract.model))
 
 
 def certify(

@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from certkv.calibration.progress import progress_bar
 from certkv.calibration.store import CalibrationStore
+from certkv.calibration.task_health import failed_task_warnings
 from certkv.calibration.utility import score
 from certkv.contract.schema import Contract
 from certkv.contract.spec import candidates
@@ -61,6 +62,9 @@ class CalibrationSummary:
     #: Ray workers the run started (0 on the local executor), and how often Ray restarted one
     workers: int = 0
     worker_restarts: int = 0
+    #: one line per task the model fails even with the full cache (it measures no eviction), read
+    #: from the store after the run (:func:`certkv.calibration.task_health.failed_task_warnings`)
+    warnings: list[str] = field(default_factory=list)
 
 
 def build_candidates(contract: Contract) -> list[PressCandidate]:
@@ -280,7 +284,9 @@ def calibrate(
     console: Console | None = None,
     on_written: OnWritten | None = None,
 ) -> CalibrationSummary:
-    """Calibrate `contract` into its store; returns a summary. Safe to interrupt and rerun.
+    """Calibrate `contract` into its store; returns a summary, with a warning per task that
+    measures nothing. Safe to interrupt and rerun. Also :func:`certkv.workflow.calibrate`: the
+    workflow's first step is this function.
 
     Parameters
     ----------
@@ -313,6 +319,7 @@ def calibrate(
                          dtype=dtype, quiet=quiet, console=console)
     finally:
         store.close()
+    summary.warnings = failed_task_warnings(summary.store, contract.model)
     return summary
 
 

@@ -10,8 +10,8 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from certkv.calibration.run import CalibrationSummary
     from certkv.contract.schema import Contract
-    from certkv.workflow import Calibration
 
 
 def calibrate(
@@ -59,21 +59,20 @@ def calibrate(
         given = [k for k, v in ray_given.items() if v is not None]
         raise CertkvError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --executor ray")
     contract = load_contract(contract_path)
-    result = run_calibration(contract, executor=runner, new_store=new_store, limit=limit, quiet=quiet, device=device,
+    summary = run_calibration(contract, executor=runner, new_store=new_store, limit=limit, quiet=quiet, device=device,
                              dtype=dtype, console=console)
-    show_calibration(contract, result, quiet, console)
+    show_calibration(contract, summary, quiet, console)
 
 
-def show_calibration(contract: Contract, result: Calibration, quiet: bool, console: Console) -> None:
+def show_calibration(contract: Contract, summary: CalibrationSummary, quiet: bool, console: Console) -> None:
     """What `certkv calibrate` prints: the summary table on `console` (one line on stdout when
     `quiet`), then each failed-task warning on stderr, even when quiet: such a task voids itself."""
     from certkv.report.calibration_summary import print_calibration_summary
 
-    summary = result.summary
     if quiet:
         typer.echo(f"{summary.calibrated} calibrated, {summary.already_done} already stored, "
                    f"{len(summary.skipped)} skipped -> {summary.store}")
     else:
         print_calibration_summary(contract, summary, console)
-    for line in result.warnings:
+    for line in summary.warnings:
         typer.echo(f"certkv: {line}", err=True)
