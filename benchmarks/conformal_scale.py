@@ -14,7 +14,7 @@ calibration requests, the smallest z whose (n/(n+1))·mean loss + 1/(n+1) is at 
 new request an expected uncovered share ≤ α — a finite-sample bound, not an asymptotic one —
 whatever the dependence inside a request. Numpy only; it lives beside the benchmarks that measure the
 certificate's coverage (``benchmarks/certificate_quality.py``), the one place it is used, and its
-tests import it from there (tests/core/test_conformal.py).
+tests import it from there (tests/benchmarks/test_conformal.py).
 """
 
 from __future__ import annotations

@@ -130,12 +130,13 @@ def smollm2(tmp_path_factory):
 # `pytest -m "not model"` runs the torch-free tests alone, in seconds: the folders below hold
 # the core's statistics, certification and validation, gated candidates and the certify CLI (core),
 # the calibration store and utilities (calibration), the report, and the import graph, lint, types
-# and docs (repo), the workflow steps certify, validate and report on stored records (workflow).
+# and docs (repo), the workflow steps certify, validate and report on stored records (workflow),
+# the statistics only benchmarks use (benchmarks).
 # Every test in another folder is marked `model` (it loads a model, runs the
 # engine or a calibrating CLI); a new folder is `model` until it is added here, so the fast
 # selection can only ever shrink by mistake, never slow down. A torch-free folder holds torch-free
 # test files only: the guard in pytest_sessionfinish fails a fast run that imported torch.
-TORCH_FREE_FOLDERS = frozenset({"core", "calibration", "report", "repo", "workflow"})
+TORCH_FREE_FOLDERS = frozenset({"core", "calibration", "report", "repo", "workflow", "benchmarks"})
 _HEAVY = ("torch", "transformers", "kvpress")
 _LOADED_BEFORE_RUN = pytest.StashKey[set]()
 
