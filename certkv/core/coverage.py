@@ -28,6 +28,14 @@ class Coverage(BaseModel):
     [min, max] context length (tokens) of the requests that certified (null when the records lack
     lengths: lengths are then not checked), widened to [min·(1 − m), max·(1 + m)] by
     ``context_margin`` m. ``max_new_tokens`` is the calibrated decode length.
+
+    Examples
+    --------
+    >>> cover = Coverage(by="task", strata=["qa"], context_tokens=(100, 200), context_margin=0.5)
+    >>> cover.context_range()
+    (50.0, 300.0)
+    >>> cover.uncovered("qa", 250) is None, cover.uncovered("code", 150)
+    (True, "task 'code' was not calibrated; calibrated: qa")
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -90,6 +98,12 @@ def coverage_of(
         Each request's stratum (task) label; None when the records carry none.
     by : str or None
         The field the labels are read from.
+
+    Examples
+    --------
+    >>> cover = coverage_of([100, 250, float("nan")], ["b", "a", "a"], "task")  # NaN: length unknown
+    >>> cover.strata, cover.context_tokens, cover.stratum_required
+    (['a', 'b'], (100, 250), False)
     """
     strata = None
     if labels is not None:
@@ -112,7 +126,15 @@ def coverage_of(
 
 
 def merge_coverage(parts: dict[str, Coverage], by: str, *, context_margin: float, max_new_tokens: int | None) -> Coverage:
-    """The envelope of a stratified operating point: its strata, and the union of their ranges."""
+    """The envelope of a stratified operating point: its strata, and the union of their ranges.
+
+    Examples
+    --------
+    >>> parts = {"a": coverage_of([100, 200], ["a", "a"], "task"), "b": coverage_of([150, 400], ["b", "b"], "task")}
+    >>> merged = merge_coverage(parts, "task", context_margin=0.0, max_new_tokens=None)
+    >>> merged.strata, merged.context_tokens, merged.stratum_required
+    (['a', 'b'], (100, 400), True)
+    """
     spans = [c.context_tokens for c in parts.values() if c.context_tokens is not None]
     span = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
     return Coverage(

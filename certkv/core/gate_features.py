@@ -105,6 +105,17 @@ class LearnedGate(BaseModel):
     ``1 / (1 + exp(-(intercept + Σ coef_i (x_i − mean_i) / scale_i)))``
     (:func:`certkv.core.gate_features.learned_score`), on any machine, without scikit-learn.
     A pilot with one class only gives the constant model (coef 0), which gates nothing.
+
+    References
+    ----------
+    .. [1] F. Pedregosa et al., "Scikit-learn: Machine Learning in Python", JMLR 12, 2011
+           (``LogisticRegression`` and ``StandardScaler``, which fit the model this stores).
+
+    Examples
+    --------
+    >>> gate = LearnedGate(features=["confidence_min"], mean=[0.5], scale=[0.25], coef=[-2.0], intercept=0.0)
+    >>> round(learned_score(gate, {"confidence_min": 0.5}), 3)  # at the mean, the intercept alone
+    0.5
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -131,6 +142,13 @@ def expand_features(groups: Sequence[str], n_heads: int | None = None) -> list[s
     """Expanded feature names of `groups`, in :data:`FEATURE_GROUPS` order.
 
     `n_heads` (F = layers × KV heads) is needed when ``lookahead`` is among the groups.
+
+    Examples
+    --------
+    >>> expand_features(["confidence", "lookahead"], n_heads=2)  # FEATURE_GROUPS order, not the given one
+    ['lookahead[0]', 'lookahead[1]', 'confidence_min', 'logprob_mean']
+    >>> expand_features(["context_length"])
+    ['log_context_tokens']
     """
     unknown = [g for g in groups if g not in FEATURE_GROUPS]
     if unknown:
@@ -147,7 +165,13 @@ def expand_features(groups: Sequence[str], n_heads: int | None = None) -> list[s
 
 
 def needed_signals(features: Sequence[str]) -> list[str]:
-    """The signal keys (lookahead_heads, confidence_min, ...) that expanded `features` read."""
+    """The signal keys (lookahead_heads, confidence_min, ...) that expanded `features` read.
+
+    Examples
+    --------
+    >>> needed_signals(["lookahead[0]", "confidence_min", "log_context_tokens"])
+    ['lookahead_heads', 'confidence_min', 'context_tokens']
+    """
     keys = []
     for name in features:
         key = _signal_of(name).name
@@ -163,6 +187,13 @@ def feature_matrix(signals: Mapping, features: Sequence[str]) -> np.ndarray:
     ``logprob_mean``, ``agreement_drop``, ``context_tokens`` to (N,) arrays (only the keys the
     features read are needed). A missing key, a NaN value or a context length below 1 is an
     error: a gate must never score a signal it did not observe.
+
+    Examples
+    --------
+    >>> signals = {"confidence_min": np.array([0.9, 0.2]), "context_tokens": np.array([100, 1000])}
+    >>> feature_matrix(signals, ["confidence_min", "log_context_tokens"]).round(3)
+    array([[0.9  , 4.605],
+           [0.2  , 6.908]])
     """
     columns = []
     n = None
@@ -224,7 +255,13 @@ def _signal(signals: Mapping, key: str, ndim: int) -> np.ndarray:
 
 def feature_vector(signals: Mapping, features: Sequence[str]) -> np.ndarray:
     """Features of one request, (len(features),): `signals` holds one request's values
-    (``lookahead_heads`` a list of F floats, the others scalars); see :func:`feature_matrix`."""
+    (``lookahead_heads`` a list of F floats, the others scalars); see :func:`feature_matrix`.
+
+    Examples
+    --------
+    >>> feature_vector({"confidence_min": 0.5, "logprob_mean": -0.3}, ["confidence_min", "logprob_mean"])
+    array([ 0.5, -0.3])
+    """
     one = {}
     for key, value in signals.items():
         if value is None:
@@ -236,7 +273,14 @@ def feature_vector(signals: Mapping, features: Sequence[str]) -> np.ndarray:
 def learned_scores(model: LearnedGate, x: np.ndarray) -> np.ndarray:
     """Logistic scores (N,) of the feature matrix `x` (N, len(model.features)) under `model`:
     ``1 / (1 + exp(-(intercept + Σ coef_i (x_i − mean_i) / scale_i)))``, as scikit-learn's
-    ``predict_proba(...)[:, 1]`` of the fitted pipeline."""
+    ``predict_proba(...)[:, 1]`` of the fitted pipeline.
+
+    Examples
+    --------
+    >>> gate = LearnedGate(features=["confidence_min"], mean=[0.5], scale=[0.25], coef=[-2.0], intercept=0.0)
+    >>> learned_scores(gate, np.array([[0.5], [0.0], [1.0]])).round(3)  # low confidence scores high
+    array([0.5  , 0.982, 0.018])
+    """
     z = ((np.asarray(x, dtype=float) - np.asarray(model.mean)) / np.asarray(model.scale)) @ np.asarray(model.coef)
     z = z + model.intercept
     # exp of a large |z| overflows to inf, which divides to the right limit 0 or 1.
@@ -245,7 +289,14 @@ def learned_scores(model: LearnedGate, x: np.ndarray) -> np.ndarray:
 
 
 def learned_score(model: LearnedGate, signals: Mapping) -> float:
-    """The learned gate's score of one request from its signals dict (the runtime's call)."""
+    """The learned gate's score of one request from its signals dict (the runtime's call).
+
+    Examples
+    --------
+    >>> gate = LearnedGate(features=["confidence_min"], mean=[0.5], scale=[0.25], coef=[-2.0], intercept=0.0)
+    >>> round(learned_score(gate, {"confidence_min": 0.25}), 3)
+    0.881
+    """
     return float(learned_scores(model, feature_vector(signals, model.features)[None, :])[0])
 
 

@@ -101,6 +101,19 @@ def check_signal(table: LossTable, values: npt.ArrayLike | None, column: str, wh
     """`values` when fully recorded, else the one-line recalibrate error naming `column`.
 
     values : (R,) float array of a signal, or (R, F) for a per-head one; None: not recorded.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0, "agreement_drop": 0.1 * i}
+    ...         for i in range(3)]
+    >>> table = LossTable.from_records(rows)
+    >>> check_signal(table, table.agreement_drop, "agreement_drop", "the drop gate").round(2).tolist()
+    [0.0, 0.1, 0.2]
+    >>> check_signal(table, table.confidence_min, "confidence_min", "the confidence gate")  # not recorded
+    Traceback (most recent call last):
+    ...
+    certkv.errors.CertkvError: records lacks `confidence_min` for the confidence gate on 3 of 3 requests (e.g. 'r0'), ...
     """
     n = table.n_requests
     if values is None:
@@ -132,6 +145,14 @@ def gated_mask(
     `learned_threshold` (each part off when None). A signal the gate needs but the records lack
     (NaN) is a one-line error: silently treating a missing signal as "not gated" would certify a
     gate that was never observed.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0, "agreement_drop": drop}
+    ...         for i, drop in enumerate([0.0, 0.3, 0.05])]
+    >>> gated_mask(LossTable.from_records(rows), base_row=0, agreement_drop=0.1, certificate=None).tolist()
+    [True, False, True]
     """
     who = _who(table, base_row, policy)
     mask = np.zeros(table.n_requests, dtype=bool)

@@ -74,6 +74,13 @@ class Signal:
     compute : str, optional
         ``module:function`` of ``f(context_ids, question_ids) -> number``: a request signal of the
         encoded request alone, evaluated by :func:`request_signals` in calibration and the runtime.
+
+    Examples
+    --------
+    >>> from certkv.core.signals import signal
+    >>> drop = signal("agreement_drop")
+    >>> drop.per, drop.kind, drop.phase
+    ('request', 'scalar', 'pre_decode')
     """
 
     name: str
@@ -162,22 +169,46 @@ FEATURE_GROUPS = FEATURE_GROUPS + tuple(
 
 
 def signal(name: str) -> Signal:
-    """The declaration of `name` (KeyError for an undeclared name: a programming error)."""
+    """The declaration of `name` (KeyError for an undeclared name: a programming error).
+
+    Examples
+    --------
+    >>> signal("confidence_min").phase  # measured on the candidate's own answer
+    'post_decode'
+    """
     return BY_NAME[name]
 
 
 def group_signals(group: str) -> list[Signal]:
-    """The signals of learned-gate feature group `group`, in declaration order."""
+    """The signals of learned-gate feature group `group`, in declaration order.
+
+    Examples
+    --------
+    >>> [s.name for s in group_signals("confidence")]
+    ['confidence_min', 'logprob_mean']
+    """
     return [s for s in SIGNALS if s.feature_group == group]
 
 
 def reads_signal(groups: Sequence[str], name: str) -> bool:
-    """Whether a learned gate over feature `groups` reads signal `name` (so calibration records it)."""
+    """Whether a learned gate over feature `groups` reads signal `name` (so calibration records it).
+
+    Examples
+    --------
+    >>> reads_signal(["confidence"], "logprob_mean"), reads_signal(["confidence"], "agreement_drop")
+    (True, False)
+    """
     return any(s.name == name for g in groups for s in group_signals(g))
 
 
 def feature_signal(feature: str) -> Signal:
-    """The signal an expanded learned-gate feature reads (``lookahead[3]`` → lookahead_heads)."""
+    """The signal an expanded learned-gate feature reads (``lookahead[3]`` → lookahead_heads).
+
+    Examples
+    --------
+    >>> feature_signal("lookahead[3]").name, feature_signal("log_context_tokens").name
+    ('lookahead_heads', 'context_tokens')
+    """
     if feature.endswith("]") and "[" in feature:
         group = feature[: feature.index("[")]
         heads = [s for s in group_signals(group) if s.kind == "heads"]
@@ -190,7 +221,14 @@ def feature_signal(feature: str) -> Signal:
 
 
 def empty_signals() -> dict[str, Any]:
-    """Every signal the runtime's gate may read, not measured yet (None)."""
+    """Every signal the runtime's gate may read, not measured yet (None).
+
+    Examples
+    --------
+    >>> signals = empty_signals()
+    >>> signals["agreement_drop"] is None, "context_tokens" in signals
+    (True, True)
+    """
     return {s.name: None for s in SIGNALS}
 
 
@@ -200,12 +238,24 @@ def _compute_function(spec: str) -> Callable[[Sequence[int], Sequence[int]], flo
 
 
 def request_signals(context_ids: Sequence[int], question_ids: Sequence[int]) -> dict[str, float]:
-    """Every request signal computed from the encoded request alone (a ``compute`` function)."""
+    """Every request signal computed from the encoded request alone (a ``compute`` function).
+
+    Examples
+    --------
+    >>> request_signals(context_ids=[11, 12, 13, 14], question_ids=[21, 22])
+    {'context_tokens': 4}
+    """
     return {s.name: _compute_function(s.compute)(context_ids, question_ids) for s in SIGNALS if s.compute is not None}
 
 
 def context_length(context_ids: Sequence[int], question_ids: Sequence[int]) -> int:
-    """``context_tokens``: the context's length in tokens (what the coverage envelope counts)."""
+    """``context_tokens``: the context's length in tokens (what the coverage envelope counts).
+
+    Examples
+    --------
+    >>> context_length([11, 12, 13], [21])  # the question's tokens do not count
+    3
+    """
     return len(context_ids)
 
 
