@@ -57,7 +57,16 @@ def check_format_version(found: object, expected: int, file: str | os.PathLike[s
 class FormatVersionError(CertkvError):
     """A file of another ``format_version`` than this certkv writes (the message says which and
     what re-writes it). A :class:`CertkvError`: callers that only report it need nothing more;
-    one that can recompute the file (``certkv report``'s validation) catches this type."""
+    one that can recompute the file (``certkv report``'s validation) catches this type.
+
+    Examples
+    --------
+    >>> try:
+    ...     check_format_version(2, 1, "validation.json", "certkv validate CONTRACT")
+    ... except FormatVersionError as exc:
+    ...     print(isinstance(exc, CertkvError), str(exc).split(";")[0])
+    True validation.json: format_version 2, this certkv reads 1
+    """
 
 
 __all__ = ["FormatVersionError", "check_format_version"]

@@ -43,12 +43,24 @@ _AT_RETENTION = re.compile(r"@[0-9]+(?:\.[0-9]+)?")
 
 
 def policy_name(display: str, kv_retained: float) -> str:
-    """The policy name of a candidate, e.g. ``snapkv@0.50``."""
+    """The policy name of a candidate, e.g. ``snapkv@0.50``.
+
+    Examples
+    --------
+    >>> policy_name("snapkv", 0.5)
+    'snapkv@0.50'
+    """
     return f"{display}@{kv_retained:.2f}"
 
 
 def gate_label(value: float) -> str:
-    """A gate value as it appears in names: ``format(x, "g")`` (0.1 → ``0.1``, -0.05 → ``-0.05``)."""
+    """A gate value as it appears in names: ``format(x, "g")`` (0.1 → ``0.1``, -0.05 → ``-0.05``).
+
+    Examples
+    --------
+    >>> gate_label(0.1), gate_label(-0.05), gate_label(2.0)
+    ('0.1', '-0.05', '2')
+    """
     return format(float(value) + 0.0, "g")
 
 
@@ -64,6 +76,13 @@ def gated_policy_name(
 
     With `pilot_kind` (confidence, lookahead or learned) and its `quantile`:
     ``<base>+confq<q>``, ``<base>+lookq<q>`` or ``<base>+learnq<q>`` (never combined with the others).
+
+    Examples
+    --------
+    >>> gated_policy_name("snapkv@0.50", 0.1), gated_policy_name("snapkv@0.50", 0.1, 2.0)
+    ('snapkv@0.50+drop0.1', 'snapkv@0.50+drop0.1+cert2')
+    >>> gated_policy_name("snapkv@0.50", pilot_kind="confidence", quantile=0.9), gated_policy_name("snapkv@0.50")
+    ('snapkv@0.50+confq0.9', 'snapkv@0.50')
     """
     name = base
     if agreement_drop is not None:
@@ -85,6 +104,12 @@ class PolicyName:
     ``kv_retained`` the retention written after ``@`` (None when the name has none); ``gate`` the
     gate suffix from the first ``+drop`` or ``+cert`` on, exactly as written (empty when ungated);
     ``stem`` the name without its ``@<retention>``: the name of its sequence.
+
+    Examples
+    --------
+    >>> name = parse_policy_name("snapkv@0.50+drop0.1")
+    >>> name.display, name.kv_retained, name.gate, name.stem
+    ('snapkv', 0.5, '+drop0.1', 'snapkv+drop0.1')
     """
 
     display: str
@@ -98,7 +123,15 @@ class PolicyName:
 
 
 def parse_policy_name(name: str) -> PolicyName:
-    """Split `name` into display name, retention, gate suffix and stem; never fails (module doc)."""
+    """Split `name` into display name, retention, gate suffix and stem; never fails (module doc).
+
+    Examples
+    --------
+    >>> parse_policy_name("snapkv@0.50")
+    PolicyName(display='snapkv', kv_retained=0.5, gate='', stem='snapkv')
+    >>> parse_policy_name("full").kv_retained is None  # a name without a retention still parses
+    True
+    """
     display, at, rest = name.partition("@")
     match = _RETENTION.match(rest) if at else None
     kv = float(match.group()) if match is not None else None
@@ -109,7 +142,13 @@ def parse_policy_name(name: str) -> PolicyName:
 
 
 def is_gated_policy(name: str) -> bool:
-    """Whether `name` is a gated candidate's (derived from its base's records, never calibrated)."""
+    """Whether `name` is a gated candidate's (derived from its base's records, never calibrated).
+
+    Examples
+    --------
+    >>> is_gated_policy("snapkv@0.50+drop0.1"), is_gated_policy("snapkv@0.50")
+    (True, False)
+    """
     return parse_policy_name(name).is_gated
 
 
@@ -164,7 +203,16 @@ class PolicyEntry:
     """One policy entry of a contract, as candidates are built from it: its names' prefix
     (``display``: the label or the press), the press, its retentions in test order, the press's
     kwargs, the label, and the gate settings it is tested under (``choices``, ungated first:
-    :func:`gate_choices`)."""
+    :func:`gate_choices`).
+
+    Examples
+    --------
+    >>> entry = PolicyEntry("fast", "snapkv", (0.8, 0.5), label="fast", choices=gate_choices([0.1]))
+    >>> [c.policy for c in candidates([entry])]  # the label names the candidates
+    ['fast@0.80', 'fast@0.50']
+    >>> entry_sequences([entry])  # the gated setting makes a sequence of its own
+    [['fast@0.80', 'fast@0.50'], ['fast@0.80+drop0.1', 'fast@0.50+drop0.1']]
+    """
 
     display: str
     press: str
@@ -180,7 +228,15 @@ class Candidate:
     when ungated), `gate` its gate setting (None: ungated; a gated candidate is derived from its
     base's records, never calibrated itself). `position` is its place within its sequence (0 =
     most conservative); `sequence` is its policy entry's index for an ungated candidate (what
-    calibration runs) and its sequence's index among :func:`entry_sequences` for a gated one."""
+    calibration runs) and its sequence's index among :func:`entry_sequences` for a gated one.
+
+    Examples
+    --------
+    >>> entry = PolicyEntry("snapkv", "snapkv", (0.8, 0.5), choices=gate_choices([0.1]))
+    >>> gated = gated_candidates([entry])[-1]
+    >>> gated.policy, gated.base_policy, gated.position, gated.gate.agreement_drop
+    ('snapkv@0.50+drop0.1', 'snapkv@0.50', 1, 0.1)
+    """
 
     policy: str
     base_policy: str

@@ -78,6 +78,12 @@ class SequenceStop:
     ``level`` is the per-test significance level of the sequence (None for Holm, whose level
     depends on each candidate's rank). ``stopped_at`` is the position of the first candidate that
     was not certified (None if all were); for ``fixed_sequence`` nothing after it was tested.
+
+    Examples
+    --------
+    >>> result = control_fwer([[0.001, 0.01, 0.2]], 0.1, "fixed_sequence")
+    >>> result.sequences[0]
+    SequenceStop(index=0, length=3, level=0.1, tested=3, certified=2, stopped_at=2)
     """
 
     index: int
@@ -90,7 +96,14 @@ class SequenceStop:
 
 @dataclass(frozen=True)
 class FwerResult:
-    """Per-candidate decisions (``certified[s][j]`` for position j of sequence s) and stops."""
+    """Per-candidate decisions (``certified[s][j]`` for position j of sequence s) and stops.
+
+    Examples
+    --------
+    >>> result = control_fwer([[0.001, 0.01, 0.2], [0.03, 0.06, 0.001]], 0.1, "holm")
+    >>> result.procedure, result.certified
+    ('holm', ((True, True, False), (True, False, True)))
+    """
 
     procedure: str
     delta: float
@@ -168,6 +181,14 @@ class FwerProcedure(ABC):
     (:meth:`stops`). Subclasses fill in the steps; the public methods validate first, so that the
     three answers always rest on the same checks. Instances hold no state: :data:`REGISTRY` keeps
     one per name, as contracts spell them.
+
+    Examples
+    --------
+    >>> proc = REGISTRY["fixed_sequence"]
+    >>> isinstance(proc, FwerProcedure), proc.stops_at_first_failure
+    (True, True)
+    >>> proc.mask([0.001, 0.2, 0.001], [3], 0.1).tolist()  # the third is never reached
+    [True, False, False]
     """
 
     #: The name contracts and specs use.
@@ -243,6 +264,14 @@ class FixedSequence(FwerProcedure):
     one, so any false certificate in a chain needs its first candidate truly above ε to pass its
     test at δ/m. Each chain therefore errs with probability at most δ/m, and the m chains together
     at most δ (Maurer, Hothorn & Lehmacher 1995; see the module's References).
+
+    Examples
+    --------
+    >>> p = [0.001, 0.01, 0.2, 0.03, 0.06, 0.001]  # two sequences of three
+    >>> FixedSequence().mask(p, [3, 3], 0.1).tolist()  # δ/2 per sequence, each a prefix
+    [True, True, False, True, False, False]
+    >>> FixedSequence().levels(p, [3, 3], 0.1).tolist()
+    [0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
     """
 
     name = "fixed_sequence"
@@ -276,6 +305,12 @@ class PilotOrdered(FixedSequence):
 
     The order was set on a pilot split that never certifies (:mod:`certkv.core.pilot`), so it is
     pre-registered with respect to the certification requests and needs no split of δ.
+
+    Examples
+    --------
+    >>> p = [0.001, 0.01, 0.2, 0.03, 0.06, 0.001]
+    >>> PilotOrdered().mask(p, [3, 3], 0.1).tolist()  # one order at the full δ: stops at 0.2
+    [True, True, False, False, False, False]
     """
 
     name = "pilot_ordered"
@@ -293,6 +328,12 @@ class Bonferroni(FwerProcedure):
 
     Valid by the union bound alone, whatever the dependence between the p-values (Dunn 1961; see
     the module's References).
+
+    Examples
+    --------
+    >>> p = [0.001, 0.01, 0.2, 0.03, 0.06, 0.001]
+    >>> Bonferroni().mask(p, [3, 3], 0.1).tolist()  # each at 0.1 / 6, in any order
+    [True, True, False, False, False, True]
     """
 
     name = "bonferroni"
@@ -314,6 +355,14 @@ class Holm(FwerProcedure):
 
     Holm (1979; see the module's References) shows it controls the family-wise error rate under
     any dependence, like Bonferroni, while rejecting at least as much.
+
+    Examples
+    --------
+    >>> p = [0.001, 0.01, 0.2, 0.03, 0.06, 0.001]
+    >>> Holm().mask(p, [3, 3], 0.1).tolist()  # 0.03 passes at 0.1 / 3, which Bonferroni misses
+    [True, True, False, True, False, True]
+    >>> Holm().levels(p, [3, 3], 0.1).round(4).tolist()
+    [0.0167, 0.025, 0.1, 0.0333, 0.05, 0.02]
     """
 
     name = "holm"

@@ -53,6 +53,11 @@ def delta_of(confidence: float) -> float:
 
     Rounded to 12 decimals to strip the subtraction's float noise (1 − 0.95 is
     0.050000000000000044), so that levels read as written in the contract.
+
+    Examples
+    --------
+    >>> delta_of(0.95), 1 - 0.95  # levels read as the contract wrote them
+    (0.05, 0.050000000000000044)
     """
     return round(1.0 - confidence, 12)
 
@@ -273,7 +278,13 @@ def _first_firing(signals: Mapping, parts: Iterable[tuple[str, float | None, str
 
 class PilotConfig(BaseModel):
     """The pilot split: ``share`` of the calibration requests, drawn by ``seed``
-    (:func:`certkv.core.pilot.draw_pilot`), fits the gates and never certifies."""
+    (:func:`certkv.core.pilot.draw_pilot`), fits the gates and never certifies.
+
+    Examples
+    --------
+    >>> PilotConfig(share=0.25).seed  # the pilot split's default seed
+    0
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     share: float = Field(gt=0.0, lt=1.0)
@@ -290,6 +301,11 @@ class StrataConfig(BaseModel):
     for a key of the requests' ``metadata`` (a loss table's ``stratum`` column holds the values).
     ``simultaneous``: every stratum is certified at δ/S, so that all S guarantees hold together
     with probability ≥ 1 − δ; otherwise each stratum is certified at δ (a guarantee per stratum).
+
+    Examples
+    --------
+    >>> StrataConfig(by="metadata.language").simultaneous
+    False
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -309,7 +325,14 @@ class CandidateInfo(BaseModel):
     the press's kwargs and the gate (null for an ungated candidate). ``pilot_gate`` is the
     contract's setting of a gate whose threshold the pilot places (a :class:`GateChoice` with its
     ``pilot_kind``, ``quantile`` and learned ``features``; :mod:`certkv.core.pilot` fills ``gate``
-    from it)."""
+    from it).
+
+    Examples
+    --------
+    >>> info = CandidateInfo(base_policy="snapkv@0.50", gate=GateSettings(agreement_drop=0.1))
+    >>> info.base_policy, info.gate.agreement_drop, info.pilot_gate is None
+    ('snapkv@0.50', 0.1, True)
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     base_policy: str
@@ -332,6 +355,12 @@ class CertificationSpec(BaseModel):
     pre-registration and must not be chosen after looking at calibration data. ``candidate_info``
     (optional, filled from a contract) says how to deploy each candidate; a gated candidate listed
     there is derived from its base's records when the table lacks it (:mod:`certkv.core.gated`).
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["snapkv@0.70", "snapkv@0.30"]])
+    >>> spec.procedure, spec.delta
+    ('fixed_sequence', 0.05)
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
