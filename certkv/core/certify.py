@@ -60,6 +60,13 @@ def select_candidates(eligible: npt.ArrayLike, mean_memory: npt.ArrayLike, viola
 
     eligible, mean_memory : (..., n_candidates) bool and float arrays; violations : (..., n_candidates)
     int counts (broadcast to `eligible`'s shape). Returns a (...) int array.
+
+    Examples
+    --------
+    >>> int(select_candidates([True, True, False], mean_memory=[0.5, 0.3, 0.1], violations=[2, 5, 0]))  # least memory
+    1
+    >>> int(select_candidates([False, False], [0.5, 0.3], [0, 0]))  # none eligible: the fallback
+    -1
     """
     eligible = np.asarray(eligible, dtype=bool)
     memory = np.where(eligible, np.round(np.asarray(mean_memory, dtype=float), 12), np.inf)
@@ -79,13 +86,31 @@ def decide(
     candidates on the last axis in contract order: p_values, mean_memory and violations are
     (..., n_candidates) float, float and int arrays. Returns the (..., n_candidates) bool flags
     and the (...) int chosen index.
+
+    Examples
+    --------
+    >>> from certkv.core.spec import CertificationSpec
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.70", "p@0.50", "p@0.30"]])
+    >>> flags, chosen = decide([0.001, 0.01, 0.5], mean_memory=[0.7, 0.5, 0.3], violations=[0, 1, 40], spec=spec)
+    >>> flags.tolist(), int(chosen)
+    ([True, True, False], 1)
     """
     flags = certified_mask(p_values, spec.lengths, spec.delta, spec.procedure)
     return flags, select_candidates(flags, mean_memory, violations)
 
 
 def candidate_rows(table: LossTable, spec: CertificationSpec) -> np.ndarray:
-    """Rows of the table for the spec's candidates, in contract order; absent ones are errors."""
+    """Rows of the table for the spec's candidates, in contract order; absent ones are errors.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": "r0", "policy": p, "kv_retained": kv, "loss": 0.0} for p, kv in (("p@0.30", 0.3), ("p@0.70", 0.7))]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.70", "p@0.30"]])
+    >>> candidate_rows(LossTable.from_records(rows), spec).tolist()  # contract order, not the table's
+    [1, 0]
+    """
     rows = []
     for s, sequence in enumerate(spec.sequences):
         for j, name in enumerate(sequence):
@@ -108,7 +133,18 @@ def prepare(table: LossTable, spec: CertificationSpec) -> tuple[LossTable, Certi
     validation: with a pilot (``spec.pilot``), the certification requests only and the
     pilot-resolved spec (:func:`certkv.core.pilot.apply_pilot`); then every gated candidate
     derived (:func:`certkv.core.gated.derive_gated`). Returns (table, spec, the pilot resolution
-    or None)."""
+    or None).
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(200)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]], pilot={"share": 0.25})
+    >>> table, resolved, resolution = prepare(LossTable.from_records(rows), spec)
+    >>> table.n_requests, resolution.info.n_pilot  # the pilot's 50 requests never certify
+    (150, 50)
+    """
     table, spec, resolution = apply_pilot(table, spec)
     return derive_gated(table, spec), spec, resolution
 
@@ -179,7 +215,17 @@ def certify(
 
 def check_inputs(table: LossTable, spec: CertificationSpec) -> None:
     """One-line errors for a table or spec of another type (a path, rows, a dict, a contract):
-    :func:`certify` and validation take exactly a LossTable and a CertificationSpec."""
+    :func:`certify` and validation take exactly a LossTable and a CertificationSpec.
+
+    Examples
+    --------
+    >>> from certkv.core.spec import CertificationSpec
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> check_inputs([{"request_id": "r0"}], spec)
+    Traceback (most recent call last):
+    ...
+    certkv.errors.CertkvError: records must be a LossTable, got list; read a file with certkv.read_loss_table(path) ...
+    """
     if not isinstance(table, LossTable):
         raise CertkvError(
             f"records must be a LossTable, got {type(table).__name__}; read a file with certkv.read_loss_table(path) "
@@ -395,7 +441,17 @@ def _certified(spec: CertificationSpec, best: CandidateResult, notes: list[str],
 
 
 def guarantee_sentence(spec: CertificationSpec) -> str:
-    """The promise in words, with its scope: the calibration distribution, not each task."""
+    """The promise in words, with its scope: the calibration distribution, not each task.
+
+    Examples
+    --------
+    >>> from certkv.core.spec import CertificationSpec
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]])
+    >>> print(guarantee_sentence(spec))
+    With probability ≥ 0.95 over the calibration draw, at most 5% of requests from the calibration distribution lose
+    more than 0.0 utility. This covers the calibration distribution (the declared task mix), not each task or each request
+    on its own.
+    """
     return (
         f"With probability ≥ {spec.confidence:g} over the calibration draw, at most "
         f"{_percent(spec.risk)} of requests from the calibration distribution lose more than "
@@ -468,6 +524,16 @@ def full_cache_point(
     stratum was too small to certify anything (:func:`certify_stratified`).
 
     n : the certification requests it was decided on; per_task : their per-task counts (0 violations).
+
+    Examples
+    --------
+    >>> from certkv.core.coverage import Coverage
+    >>> from certkv.core.spec import CertificationSpec
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> op = full_cache_point(spec, n=100, reason="no candidate certified", guarantee=guarantee_sentence(spec), notes=[],
+    ...                       per_task={}, coverage=Coverage(), contract_sha256=None, records_sha256="example")
+    >>> op.fallback, op.policy, op.violations, op.risk_upper_bound, op.p_value
+    (True, 'full', 0, 0.0, None)
     """
     return OperatingPoint(
         policy=REFERENCE_POLICY,

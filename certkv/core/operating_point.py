@@ -36,18 +36,40 @@ REWRITE = "certkv certify CONTRACT"
 
 
 def certified_at() -> str:
-    """Now, as the ``created`` stamp of an operating point (UTC, seconds, ``Z``)."""
+    """Now, as the ``created`` stamp of an operating point (UTC, seconds, ``Z``).
+
+    Examples
+    --------
+    >>> stamp = certified_at()  # e.g. 2026-01-31T12:00:00Z
+    >>> len(stamp), stamp[10], stamp[-1]
+    (20, 'T', 'Z')
+    """
     return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def certkv_version() -> str:
-    """The installed certkv version, recorded in every operating point."""
+    """The installed certkv version, recorded in every operating point.
+
+    Examples
+    --------
+    >>> import certkv
+    >>> certkv_version() == certkv.__version__
+    True
+    """
     return __version__
 
 
 class ContractSummary(BaseModel):
     """The contract terms a result was computed under; ``utility`` (null for a bare loss table's
-    spec) is the score calibration used, which a live monitor must use too."""
+    spec) is the score calibration used, which a live monitor must use too.
+
+    Examples
+    --------
+    >>> from certkv.core.spec import CertificationSpec
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> ContractSummary.of(spec)
+    ContractSummary(tolerance=0.0, risk=0.1, confidence=0.9, procedure='fixed_sequence', utility=None)
+    """
 
     model_config = ConfigDict(extra="forbid")
     tolerance: float
@@ -69,6 +91,11 @@ class TaskBreakdown(BaseModel):
 
     A task above ε does not break the certificate (which covers the task mix), but a user who
     cares about that task on its own should know.
+
+    Examples
+    --------
+    >>> TaskBreakdown(n=50, violations=4, rate=0.08, exceeds_risk=True)  # 8% > ε = 5% on this task alone
+    TaskBreakdown(n=50, violations=4, rate=0.08, exceeds_risk=True)
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -86,6 +113,17 @@ class CandidateResult(BaseModel):
     ``risk_upper_bound`` is the Clopper–Pearson bound at confidence ``1 − level``, so that
     ``p_value <= level`` ⇔ ``risk_upper_bound <= ε``. ``mean_kv_retained`` is the mean KV fraction
     actually used (the memory column; gated fallbacks count 1.0).
+
+    Examples
+    --------
+    >>> from certkv.core.certify import certify
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": float(i < 2)} for i in range(100)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> c = certify(LossTable.from_records(rows), spec).candidates[0]
+    >>> c.policy, c.violations, c.level, round(c.risk_upper_bound, 4), c.certified  # Clopper–Pearson at 1 − level
+    ('p@0.50', 2, 0.1, 0.0523, True)
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -109,7 +147,20 @@ class CandidateResult(BaseModel):
 
 
 class SequenceResult(BaseModel):
-    """Where testing of one sequence ended (``stopped_at``: first non-certified position)."""
+    """Where testing of one sequence ended (``stopped_at``: first non-certified position).
+
+    Examples
+    --------
+    >>> from certkv.core.certify import certify
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"r{i}", "policy": p, "kv_retained": kv, "loss": float(kv < 0.5 and i < 30)}
+    ...         for i in range(100) for p, kv in (("p@0.70", 0.7), ("p@0.30", 0.3))]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.70", "p@0.30"]])
+    >>> s = certify(LossTable.from_records(rows), spec).sequences[0]
+    >>> s.tested, s.certified, s.stopped_at, s.stopped_policy
+    (2, 1, 1, 'p@0.30')
+    """
 
     model_config = ConfigDict(extra="forbid")
     index: int
@@ -137,6 +188,17 @@ class OperatingPoint(BaseModel):
 
     ``format_version`` is the file's layout (:data:`FORMAT_VERSION`, written first); a point of
     another version is refused, by :func:`load_operating_point` with the command that rewrites it.
+
+    Examples
+    --------
+    >>> from certkv.core.certify import certify
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(100)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> op = certify(LossTable.from_records(rows), spec)
+    >>> op.policy, op.fallback, op.n, op.is_stratified, op.to_dict()["policy"]
+    ('p@0.50', False, 100, False, 'p@0.50')
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -245,7 +307,20 @@ class OperatingPoint(BaseModel):
 class StrataResult(BaseModel):
     """The strata of a stratified operating point: ``by`` (the request field), whether the
     guarantees hold ``simultaneously`` (each stratum certified at δ/S) or per stratum (each at δ),
-    the ``confidence`` each stratum was certified at, and one operating point per stratum."""
+    the ``confidence`` each stratum was certified at, and one operating point per stratum.
+
+    Examples
+    --------
+    >>> from certkv.core.certify import certify
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"{t}{i}", "task": t, "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0}
+    ...         for t in ("a", "b") for i in range(100)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]], strata={"by": "task"})
+    >>> strata = certify(LossTable.from_records(rows), spec).strata
+    >>> strata.by, strata.simultaneous, sorted(strata.entries)
+    ('task', False, ['a', 'b'])
+    """
 
     model_config = ConfigDict(extra="forbid")
     by: str
@@ -258,7 +333,22 @@ OperatingPoint.model_rebuild()
 
 
 def load_operating_point(path: str | os.PathLike[str]) -> OperatingPoint:
-    """Read and validate an operating point written by :meth:`OperatingPoint.write_json`."""
+    """Read and validate an operating point written by :meth:`OperatingPoint.write_json`.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> from certkv.core.certify import certify
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(100)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     path = certify(LossTable.from_records(rows), spec).write_json(Path(folder) / "operating_point.json")
+    ...     print(load_operating_point(path).policy)
+    p@0.50
+    """
     path = Path(path)
     if not path.is_file():
         raise CertkvError(f"operating point not found: {path}; run `certkv certify` first")
