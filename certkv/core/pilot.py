@@ -51,7 +51,18 @@ MIN_CERTIFICATION = 100
 
 class PilotInfo(BaseModel):
     """The pilot of an operating point: its ``share`` and ``seed``, how many requests it took
-    (``n_pilot``) and left to certify (``n_certification``), and the pilot's ``request_ids``."""
+    (``n_pilot``) and left to certify (``n_certification``), and the pilot's ``request_ids``.
+
+    Examples
+    --------
+    >>> from certkv.core.certify import certify
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(200)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]], pilot={"share": 0.25})
+    >>> info = certify(LossTable.from_records(rows), spec).pilot
+    >>> info.n_pilot, info.n_certification, info.request_ids[:3]
+    (50, 150, ['r100', 'r109', 'r113'])
+    """
 
     model_config = ConfigDict(extra="forbid")
     share: float
@@ -64,7 +75,16 @@ class PilotInfo(BaseModel):
 @dataclass(frozen=True)
 class PilotSplit:
     """The pilot and certification requests of a table: ids and their columns (increasing
-    indices into the table's sorted ``request_ids``)."""
+    indices into the table's sorted ``request_ids``).
+
+    Examples
+    --------
+    >>> split = draw_pilot([f"r{i}" for i in range(400)], share=0.25, seed=0)
+    >>> len(split.pilot_ids), len(split.certification_ids), split.share, split.seed
+    (100, 300, 0.25, 0)
+    >>> bool((split.pilot_columns[:-1] < split.pilot_columns[1:]).all())  # increasing table columns
+    True
+    """
 
     share: float
     seed: int
@@ -84,7 +104,13 @@ class PilotSplit:
 
 
 def pilot_size(n_requests: int, share: float) -> int:
-    """Requests the pilot takes out of `n_requests`: ``round(share · n_requests)``."""
+    """Requests the pilot takes out of `n_requests`: ``round(share · n_requests)``.
+
+    Examples
+    --------
+    >>> pilot_size(400, 0.25), pilot_size(10, 0.04)  # round(0.4) takes no request
+    (100, 0)
+    """
     return int(round(share * n_requests))
 
 
@@ -142,6 +168,21 @@ def fit_learned_gate(
     Labels of one class only (a pilot without a violation, or with nothing else) give the
     constant model (coef 0, intercept 0: score 0.5 on every request), which gates nothing at a
     threshold placed on its own scores.
+
+    References
+    ----------
+    .. [1] F. Pedregosa et al., "Scikit-learn: Machine Learning in Python", JMLR 12, 2011
+           (``StandardScaler`` and ``LogisticRegression``, the fit done here).
+
+    Examples
+    --------
+    >>> from certkv.core.gate_features import learned_scores
+    >>> gate = fit_learned_gate({"confidence_min": np.array([0.1, 0.2, 0.8, 0.9])}, ["confidence_min"],
+    ...                         labels=[True, True, False, False])  # the unsure requests violated
+    >>> learned_scores(gate, np.array([[0.15], [0.85]])).round(2)
+    array([0.74, 0.26])
+    >>> fit_learned_gate({"confidence_min": np.array([0.1, 0.9])}, ["confidence_min"], [False, False]).coef
+    [0.0]
     """
     # Lazy: scikit-learn is heavy, and this module is on `certkv certify`'s import path (operating_point).
     from sklearn.linear_model import LogisticRegression
@@ -186,7 +227,13 @@ def _heads(rows) -> np.ndarray | None:
 
 
 def signal_quantile(values: np.ndarray, q: float) -> float:
-    """numpy's (linear) q-quantile of `values`, as a float."""
+    """numpy's (linear) q-quantile of `values`, as a float.
+
+    Examples
+    --------
+    >>> signal_quantile(np.array([0.0, 0.1, 0.2, 0.3, 0.4]), 0.5)
+    0.2
+    """
     return float(np.quantile(np.asarray(values, dtype=float), q))
 
 
@@ -198,7 +245,17 @@ class PilotResolution:
     """A spec resolved on its pilot: ``table`` holds the certification requests only (recorded
     rows, no derived ones yet), ``spec`` the pilot-fixed gate settings (and, under pilot_ordered,
     the one ordered sequence), ``pilot_violations`` each candidate's pilot violation count (by
-    name) and ``notes`` what the pilot did, in words."""
+    name) and ``notes`` what the pilot did, in words.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(200)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]], pilot={"share": 0.25})
+    >>> resolution = resolve_pilot(LossTable.from_records(rows), spec)
+    >>> resolution.table.n_requests, len(resolution.split.pilot_ids)
+    (150, 50)
+    """
 
     split: PilotSplit
     table: LossTable
@@ -219,6 +276,14 @@ def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
     The one resolution that certify, validate, report and export share. Errors (one line each):
     no pilot in the spec, a pilot that leaves fewer than 100 certification requests, a base
     candidate without records, a signal the gates need that the records lack (recalibrate hint).
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(200)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]], pilot={"share": 0.25})
+    >>> print(resolve_pilot(LossTable.from_records(rows), spec).notes[0])
+    pilot: 50 of 200 requests (share 0.25, seed 0) placed the gate thresholds and never certify; n counts the other 150
     """
     if spec.pilot is None:
         raise CertkvError("this spec has no pilot (gate.pilot); nothing to resolve")
@@ -326,7 +391,17 @@ def _merge_one_class(notes: list[str]) -> list[str]:
 
 
 def is_unresolved(info: CandidateInfo) -> bool:
-    """Whether `info` is a pilot gate whose threshold the pilot has not placed yet."""
+    """Whether `info` is a pilot gate whose threshold the pilot has not placed yet.
+
+    Examples
+    --------
+    >>> from certkv.core.policy_names import GateChoice
+    >>> from certkv.core.spec import CandidateInfo, GateSettings
+    >>> is_unresolved(CandidateInfo(base_policy="p@0.50", pilot_gate=GateChoice(pilot_kind="confidence", quantile=0.9)))
+    True
+    >>> is_unresolved(CandidateInfo(base_policy="p@0.50", gate=GateSettings(agreement_drop=0.1)))  # set in the contract
+    False
+    """
     g = info.gate
     return info.pilot_gate is not None and (g is None or (g.confidence is None and g.lookahead is None and g.learned is None))
 

@@ -54,7 +54,16 @@ def stratum_labels(table: LossTable, by: str) -> tuple[str, ...]:
     """Each request's stratum: its ``task`` for ``by: task``, else the table's ``stratum`` column
     (which holds the values of the ``metadata`` key the contract names: a store stratified by it
     records them; the runtime routes on the same field, so the task is never read from another
-    column); a request without a value (or with an empty one) is an error."""
+    column); a request without a value (or with an empty one) is an error.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"{t}{i}", "task": t, "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0}
+    ...         for t in ("qa", "code") for i in range(2)]
+    >>> stratum_labels(LossTable.from_records(rows), "task")  # in the table's sorted request order
+    ('code', 'code', 'qa', 'qa')
+    """
     labels = table.tasks if by == "task" else table.strata
     if labels is None:
         column = "a task column" if by == "task" else "a stratum column"
@@ -72,7 +81,21 @@ def stratum_labels(table: LossTable, by: str) -> tuple[str, ...]:
 
 
 def stratum_spec(spec: CertificationSpec, n_strata: int) -> CertificationSpec:
-    """The spec each stratum is certified under: no strata, and δ/S when `simultaneous`."""
+    """The spec each stratum is certified under: no strata, and δ/S when `simultaneous`.
+
+    References
+    ----------
+    .. [1] O. J. Dunn, "Multiple comparisons among means", Journal of the American Statistical
+           Association 56(293), 52–64, 1961 (the union bound behind δ/S).
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]],
+    ...                          strata={"by": "task", "simultaneous": True})
+    >>> per_stratum = stratum_spec(spec, n_strata=2)
+    >>> per_stratum.strata, per_stratum.confidence  # δ = 0.1 split over two strata
+    (None, 0.95)
+    """
     confidence = spec.confidence
     assert spec.strata is not None  # a stratified spec
     if spec.strata.simultaneous and n_strata > 1:
@@ -86,7 +109,20 @@ def fewest_requests(spec: CertificationSpec) -> int:
     """Fewest certification requests with which any candidate of `spec` can certify: n such that
     zero violations give a p-value ``(1 − ε)^n`` ≤ the most generous level the procedure gives a
     candidate (δ/m for fixed_sequence, δ/N for bonferroni and Holm's first step, δ for
-    pilot_ordered)."""
+    pilot_ordered).
+
+    References
+    ----------
+    .. [1] C. J. Clopper and E. S. Pearson, "The use of confidence or fiducial limits illustrated in
+           the case of the binomial", Biometrika 26(4), 404–413, 1934 (the exact p-value at k = 0).
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]])
+    >>> n = fewest_requests(spec)
+    >>> n, round(0.95 ** n, 4), round(0.95 ** (n - 1), 4)  # the first n with (1 − ε)^n ≤ δ
+    (45, 0.0994, 0.1047)
+    """
     level = float(candidate_levels(np.zeros(len(spec.candidates)), spec.lengths, spec.delta, spec.procedure).max())
     n = max(1, math.ceil(math.log(level) / math.log1p(-spec.risk)))
     while n > 1 and binomial_p_value(0, n - 1, spec.risk) <= level:  # float rounding at the ceiling
@@ -128,14 +164,34 @@ def split_strata(table: LossTable, spec: CertificationSpec) -> tuple[Certificati
 
 def with_stratum_coverage(entry: OperatingPoint, by: str, name: str) -> OperatingPoint:
     """`entry` (one stratum's operating point) with its coverage marked as stratum `name`'s: the
-    runtime serves it only to requests of that stratum."""
+    runtime serves it only to requests of that stratum.
+
+    Examples
+    --------
+    >>> from certkv.core.certify import certify
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(100)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]])
+    >>> entry = with_stratum_coverage(certify(LossTable.from_records(rows), spec), "task", "qa")
+    >>> entry.coverage.strata, entry.coverage.stratum_required
+    (['qa'], True)
+    """
     assert entry.coverage is not None  # every certified entry has its coverage
     coverage = entry.coverage.model_copy(update={"by": by, "strata": [name], "stratum_required": True})
     return entry.model_copy(update={"coverage": coverage})
 
 
 def stratum_guarantee(spec: CertificationSpec, by: str, name: str, fallback: bool) -> str:
-    """One stratum's promise in words (`spec`: the per-stratum spec)."""
+    """One stratum's promise in words (`spec`: the per-stratum spec).
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]])
+    >>> print(stratum_guarantee(spec, "task", "qa", fallback=True))
+    Nothing was certified for task 'qa'; its requests are answered from the full cache.
+    >>> stratum_guarantee(spec, "task", "qa", fallback=False).split(",")[0]
+    'With probability ≥ 0.95 over the calibration draw'
+    """
     if fallback:
         return f"Nothing was certified for {by} {name!r}; its requests are answered from the full cache."
     return (
@@ -145,7 +201,16 @@ def stratum_guarantee(spec: CertificationSpec, by: str, name: str, fallback: boo
 
 
 def strata_guarantee(spec: CertificationSpec, per_stratum: CertificationSpec, by: str, n_strata: int) -> str:
-    """The stratified promise in words, with which reading of δ holds."""
+    """The stratified promise in words, with which reading of δ holds.
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]],
+    ...                          strata={"by": "task", "simultaneous": True})
+    >>> text = strata_guarantee(spec, stratum_spec(spec, 2), "task", n_strata=2)
+    >>> "for every one of the 2 task strata at once" in text, "(each stratum certified at confidence 0.95)" in text
+    (True, True)
+    """
     eps, tau = f"{spec.risk * 100:g}%", float(spec.tolerance)
     if spec.strata is not None and spec.strata.simultaneous:
         return (
@@ -166,7 +231,17 @@ def strata_guarantee(spec: CertificationSpec, per_stratum: CertificationSpec, by
 def too_small_reason(n_requests: int, spec: CertificationSpec, need: int) -> str | None:
     """Why a stratum of `n_requests` cannot certify anything under the per-stratum `spec`
     (`need`: :func:`fewest_requests`), or None when it can: its pilot draws no request, leaves fewer
-    certification requests than a pilot must leave, or fewer than a zero-violation certificate needs."""
+    certification requests than a pilot must leave, or fewer than a zero-violation certificate needs.
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]])
+    >>> print(too_small_reason(30, spec, need=fewest_requests(spec)))
+    30 certification requests, fewer than the 59 that certifying anything at ε = 0.05 and confidence 0.95 needs
+    with zero violations
+    >>> too_small_reason(100, spec, need=fewest_requests(spec)) is None
+    True
+    """
     why = pilot_shortfall(n_requests, spec)
     if why is not None:
         return why
@@ -181,7 +256,16 @@ def too_small_reason(n_requests: int, spec: CertificationSpec, need: int) -> str
 
 def pilot_shortfall(n_requests: int, spec: CertificationSpec) -> str | None:
     """Why `spec`'s pilot cannot be drawn from `n_requests` (it would draw none, or leave fewer
-    certification requests than a pilot must leave), or None when it can (or there is no pilot)."""
+    certification requests than a pilot must leave), or None when it can (or there is no pilot).
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]], pilot={"share": 0.25})
+    >>> print(pilot_shortfall(120, spec))
+    the pilot leaves 90 certification requests, fewer than the 100 a pilot must leave
+    >>> pilot_shortfall(1000, spec) is None
+    True
+    """
     if spec.pilot is None:
         return None
     n_pilot = pilot_size(n_requests, spec.pilot.share)
@@ -197,7 +281,18 @@ def pilot_shortfall(n_requests: int, spec: CertificationSpec) -> str | None:
 
 def full_cache_counts(sub: LossTable, spec: CertificationSpec) -> tuple[int, dict[str, TaskBreakdown]]:
     """The certification requests of a stratum answered from the full cache: their number and
-    per-task counts (0 violations), so that the summary still counts every one of them."""
+    per-task counts (0 violations), so that the summary still counts every one of them.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"{t}{i}", "task": t, "policy": "p@0.50", "kv_retained": 0.5, "loss": 1.0}
+    ...         for t in ("a", "b") for i in range(3)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]])
+    >>> n, per_task = full_cache_counts(LossTable.from_records(rows), spec)
+    >>> n, per_task["a"].n, per_task["a"].violations  # the full cache loses nothing
+    (6, 3, 0)
+    """
     n_cert = sub.n_requests - (pilot_size(sub.n_requests, spec.pilot.share) if spec.pilot is not None else 0)
     return max(n_cert, 0), _task_counts(sub, spec)
 
@@ -210,7 +305,21 @@ def stratified_point(
     records_sha256: str,
 ) -> OperatingPoint:
     """The stratified operating point: each stratum's own in ``strata.entries``, and at the top
-    level their sums and pooled means (weighted by each stratum's certification requests)."""
+    level their sums and pooled means (weighted by each stratum's certification requests).
+
+    Examples
+    --------
+    >>> from certkv.core.certify import certify
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(100)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]], strata={"by": "task"})
+    >>> per_stratum = stratum_spec(spec, 2)
+    >>> entry = certify(LossTable.from_records(rows), per_stratum)
+    >>> entries = {name: with_stratum_coverage(entry, "task", name) for name in ("qa", "code")}
+    >>> op = stratified_point(entries, spec, per_stratum, contract_sha256=None, records_sha256="example")
+    >>> op.policy, op.n, op.is_stratified, sorted(op.strata.entries)
+    ('stratified', 200, True, ['code', 'qa'])
+    """
     assert spec.strata is not None  # a stratified spec
     by = spec.strata.by
     ops = list(entries.values())

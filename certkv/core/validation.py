@@ -64,6 +64,21 @@ class MethodResult(BaseModel):
     with its two-sided 95% Clopper–Pearson interval. ``mean_kv_retained``: mean over splits of the
     chosen policy's mean memory on the test half (1.0 for a fallback). ``chosen``: how often each
     policy was chosen ("full" for fallbacks). ``test_risks``: per-split test violation rates.
+
+    References
+    ----------
+    .. [1] C. J. Clopper and E. S. Pearson, "The use of confidence or fiducial limits illustrated in
+           the case of the binomial", Biometrika 26(4), 404–413, 1934 (the interval on the exceed fraction).
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": p, "kv_retained": kv, "loss": float(kv < 0.5 and i % 10 == 0)}
+    ...         for i in range(400) for p, kv in (("p@0.70", 0.7), ("p@0.30", 0.3))]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.70", "p@0.30"]])
+    >>> empirical = validate(LossTable.from_records(rows), spec, n_splits=5, seed=0).methods["empirical_thresholding"]
+    >>> empirical.exceed_count, empirical.chosen, empirical.test_risks  # a 10% rate, chosen at ε = 10%, exceeds ε on 2 tests
+    (2, {'p@0.70': 2, 'p@0.30': 3}, [0.115, 0.1, 0.0, 0.125, 0.0])
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -96,6 +111,15 @@ class ValidationResult(BaseModel):
     * ``n_requests``, ``n_calibration``, ``n_test``: sums over the strata.
 
     ``by`` and ``strata`` are None for a pooled spec, which keeps older validation.json files loading.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(400)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> result = validate(LossTable.from_records(rows), spec, n_splits=5, seed=0)
+    >>> result.n_calibration, result.n_test, sorted(result.methods), result.to_dict()["n_splits"]
+    (200, 200, ['certkv', 'empirical_thresholding'], 5)
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -126,7 +150,18 @@ POOLED_NOTE = (
 @dataclass(frozen=True)
 class SplitOutcomes:
     """One method's per-split outcome on one table: the chosen candidate (-1: full cache), its
-    test-half violation count (an integer) and its test-half mean memory (1.0 for the full cache)."""
+    test-half violation count (an integer) and its test-half mean memory (1.0 for the full cache).
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": p, "kv_retained": kv, "loss": float(kv < 0.5 and i % 10 == 0)}
+    ...         for i in range(400) for p, kv in (("p@0.70", 0.7), ("p@0.30", 0.3))]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.70", "p@0.30"]])
+    >>> outcome = run_splits(LossTable.from_records(rows), spec, 5, 0.5, seed=0).outcomes["empirical_thresholding"]
+    >>> outcome.index.tolist(), outcome.k_test.tolist(), outcome.used_kv.round(2).tolist()
+    ([1, 1, 0, 1, 0], [23, 20, 0, 25, 0], [0.3, 0.3, 0.7, 0.3, 0.7])
+    """
 
     index: np.ndarray
     k_test: np.ndarray
@@ -139,6 +174,15 @@ class SplitRun:
 
     Kept apart from :class:`ValidationResult` because pooling strata needs the integer counts of
     every split, which the result only holds as rates.
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(400)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
+    >>> run = run_splits(LossTable.from_records(rows), spec, n_splits=5, calibration_fraction=0.5, seed=0)
+    >>> run.n_cal, run.n_test, run.names, sorted(run.outcomes)
+    (200, 200, ['p@0.50'], ['certkv', 'empirical_thresholding'])
     """
 
     n_requests: int
@@ -215,6 +259,16 @@ def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibra
     Gated candidates are derived (memory 1.0 where gated); with a pilot, only the certification
     requests are split, under the thresholds and order the pilot fixed once (the splits never
     refit them).
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> rows = [{"request_id": f"r{i}", "policy": p, "kv_retained": kv, "loss": float(kv < 0.5 and i % 10 == 0)}
+    ...         for i in range(400) for p, kv in (("p@0.70", 0.7), ("p@0.30", 0.3))]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.70", "p@0.30"]])
+    >>> run = run_splits(LossTable.from_records(rows), spec, n_splits=5, calibration_fraction=0.5, seed=0)
+    >>> run.outcomes["certkv"].index.tolist()  # certkv never certifies the 10% one at ε = 10%
+    [0, 0, 0, 0, 0]
     """
     table, spec, resolution = prepare(table, spec)
     rows = candidate_rows(table, spec)
@@ -250,6 +304,11 @@ def stratum_seed(seed: int, stratum: str) -> int:
 
     Derived from the name rather than the stratum's position, so adding a stratum does not redraw
     the others' splits; 52 bits, so the seed survives a JSON reader that parses numbers as doubles.
+
+    Examples
+    --------
+    >>> stratum_seed(0, "qa"), stratum_seed(0, "code")  # by name, so adding a stratum redraws nothing
+    (981293738136972, 4200496447830128)
     """
     return int(hashlib.sha256(f"{seed}:{stratum}".encode()).hexdigest()[:13], 16)
 
@@ -389,6 +448,11 @@ def empirical_eligible(k: npt.ArrayLike, n: int, risk: float) -> np.ndarray:
     """Empirical thresholding's rule: calibration rate k/n ≤ ε (integer-safe comparison).
 
     k : (n_splits, n_candidates) int array of calibration violation counts (any shape); the flags have its shape.
+
+    Examples
+    --------
+    >>> empirical_eligible([[0, 10, 11]], n=100, risk=0.1).tolist()  # k/n ≤ ε, 10/100 included
+    [[True, True, False]]
     """
     return np.asarray(k) <= risk * n + VIOLATION_EPS
 
@@ -398,6 +462,12 @@ def calibration_masks(rng: np.random.Generator, n_splits: int, n_requests: int, 
 
     Each row is a uniformly random subset of size ``n_cal`` (the first ``n_cal`` entries of an
     independent permutation), drawn from the seeded generator so results are reproducible.
+
+    Examples
+    --------
+    >>> masks = calibration_masks(np.random.default_rng(0), n_splits=2, n_requests=6, n_cal=4)
+    >>> masks.tolist()
+    [[0.0, 0.0, 1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]]
     """
     perms = rng.permuted(np.tile(np.arange(n_requests), (n_splits, 1)), axis=1)
     mask = np.zeros((n_splits, n_requests))
