@@ -19,13 +19,35 @@ from certkv.core.spec import CertificationSpec, PilotConfig
 
 
 def candidates(contract: Contract) -> list[Candidate]:
-    """Every ungated candidate (what calibration runs), entry by entry, each in its test order."""
+    """Every ungated candidate (what calibration runs), entry by entry, each in its test order.
+
+    Examples
+    --------
+    >>> from certkv.contract.loading import parse_contract
+    >>> contract = parse_contract({
+    ...     "name": "mini", "requests": {"source": "requests.jsonl"}, "utility": "exact_match",
+    ...     "tolerance": 0.0, "risk": 0.1, "confidence": 0.9,
+    ...     "policies": [{"press": "snapkv", "kv_retained": [0.8, 0.5]}], "gate": {"agreement_drop": [0.1]}})
+    >>> [(c.policy, c.sequence, c.position) for c in candidates(contract)]  # the gated ones are not calibrated
+    [('snapkv@0.80', 0, 0), ('snapkv@0.50', 0, 1)]
+    """
     return policy_names.candidates(contract.policy_entries())
 
 
 def gated_candidates(contract: Contract) -> list[Candidate]:
     """Every gated candidate, sequence by sequence in the per-entry layout of :func:`sequences`
-    (as without `order`); each is derived from its base's records, never calibrated."""
+    (as without `order`); each is derived from its base's records, never calibrated.
+
+    Examples
+    --------
+    >>> from certkv.contract.loading import parse_contract
+    >>> contract = parse_contract({
+    ...     "name": "mini", "requests": {"source": "requests.jsonl"}, "utility": "exact_match",
+    ...     "tolerance": 0.0, "risk": 0.1, "confidence": 0.9,
+    ...     "policies": [{"press": "snapkv", "kv_retained": [0.8, 0.5]}], "gate": {"agreement_drop": [0.1]}})
+    >>> [(c.policy, c.base_policy) for c in gated_candidates(contract)]
+    [('snapkv@0.80+drop0.1', 'snapkv@0.80'), ('snapkv@0.50+drop0.1', 'snapkv@0.50')]
+    """
     return policy_names.gated_candidates(contract.policy_entries())
 
 
@@ -34,7 +56,21 @@ def sequences(contract: Contract) -> list[list[str]]:
     contract gives one, else, for each policy entry, its ungated sequence followed by one sequence
     per gate setting (:func:`certkv.core.policy_names.gate_choices`). Under procedure pilot_ordered
     these are the candidates; the pilot orders them into one sequence at certification time
-    (:mod:`certkv.core.pilot`)."""
+    (:mod:`certkv.core.pilot`).
+
+    Examples
+    --------
+    >>> from certkv.contract.loading import parse_contract
+    >>> terms = {
+    ...     "name": "mini", "requests": {"source": "requests.jsonl"}, "utility": "exact_match",
+    ...     "tolerance": 0.0, "risk": 0.1, "confidence": 0.9,
+    ...     "policies": [{"press": "snapkv", "kv_retained": [0.8, 0.5]}], "gate": {"agreement_drop": [0.1]}}
+    >>> sequences(parse_contract(terms))  # one per entry, then one per gate setting
+    [['snapkv@0.80', 'snapkv@0.50'], ['snapkv@0.80+drop0.1', 'snapkv@0.50+drop0.1']]
+    >>> order = ["snapkv@0.80", "snapkv@0.80+drop0.1", "snapkv@0.50", "snapkv@0.50+drop0.1"]
+    >>> sequences(parse_contract({**terms, "order": order}))  # an interleaved order is one sequence
+    [['snapkv@0.80', 'snapkv@0.80+drop0.1', 'snapkv@0.50', 'snapkv@0.50+drop0.1']]
+    """
     if contract.order is not None:
         return [list(contract.order)]
     return entry_sequences(contract.policy_entries())

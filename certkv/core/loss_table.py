@@ -71,7 +71,20 @@ class GatedRow:
     `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`) or
     (confidence_min < `confidence`) or (lookahead_mass > `lookahead`) or (learned score >
     `learned_threshold`);
-    `gated_count` of the table's requests went to the full cache (`gated_share` of them)."""
+    `gated_count` of the table's requests went to the full cache (`gated_share` of them).
+
+    Examples
+    --------
+    >>> from certkv.core.gated import derive_gated
+    >>> from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0, "agreement_drop": 0.05 * i}
+    ...         for i in range(4)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.5, confidence=0.9, sequences=[["p@0.50+drop0.1"]],
+    ...     candidate_info={"p@0.50+drop0.1": CandidateInfo(base_policy="p@0.50", gate=GateSettings(agreement_drop=0.1))})
+    >>> row = derive_gated(LossTable.from_records(rows), spec).gated["p@0.50+drop0.1"]
+    >>> row.base_policy, row.agreement_drop, row.gated_count, row.gated_share  # drops 0 and 0.05 are < 0.1
+    ('p@0.50', 0.1, 2, 0.5)
+    """
 
     base_policy: str
     agreement_drop: float | None
@@ -95,6 +108,17 @@ class LossTable:
     rows appended after them have no per-head masses). Each is also an attribute
     (``table.agreement_drop``), None when no row has it. ``gated`` maps each derived gated policy
     to how it was derived; it is empty for a table read from records.
+
+    Examples
+    --------
+    >>> rows = [{"request_id": r, "policy": p, "kv_retained": kv, "loss": loss}
+    ...         for r, p, kv, loss in [("r1", "p@0.50", 0.5, 1.0), ("r0", "p@0.50", 0.5, 0.0), ("r0", "full", 1.0, 0.0)]]
+    >>> rows.append({"request_id": "r1", "policy": "full", "kv_retained": 1.0, "loss": 0.0})
+    >>> table = LossTable.from_records(rows)
+    >>> table.request_ids, table.policies, table.press  # ids sorted; "full" is the reference, not a candidate
+    (('r0', 'r1'), ('p@0.50',), ('p',))
+    >>> table.loss[table.index_of("p@0.50")].tolist(), table.n_requests
+    ([0.0, 1.0], 2)
     """
 
     request_ids: tuple[str, ...]
@@ -193,7 +217,19 @@ class LossTable:
 
 
 def read_loss_table(path: str | os.PathLike[str]) -> LossTable:
-    """Read a CSV or JSONL loss table, choosing the format from the file suffix."""
+    """Read a CSV or JSONL loss table, choosing the format from the file suffix.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     path = Path(folder) / "losses.csv"
+    ...     _ = path.write_text("request_id,policy,kv_retained,loss\\nr0,p@0.50,0.5,0\\nr1,p@0.50,0.5,1\\n")
+    ...     table = read_loss_table(path)  # the suffix picks the CSV reader
+    >>> table.policies, table.loss.tolist()
+    (('p@0.50',), [[0.0, 1.0]])
+    """
     path = Path(path)
     if not path.is_file():
         raise CertkvError(f"loss table not found: {path}; check the path or export the store first")
@@ -206,7 +242,19 @@ def read_loss_table(path: str | os.PathLike[str]) -> LossTable:
 
 
 def read_csv(path: str | os.PathLike[str]) -> LossTable:
-    """Read a CSV loss table with a header row; empty optional cells count as absent."""
+    """Read a CSV loss table with a header row; empty optional cells count as absent.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     path = Path(folder) / "losses.csv"
+    ...     _ = path.write_text("request_id,policy,kv_retained,loss,task\\nr0,p@0.50,0.5,0,\\nr1,p@0.50,0.5,1,qa\\n")
+    ...     table = read_csv(path)
+    >>> table.tasks  # the blank task cell reads as absent
+    (None, 'qa')
+    """
     path = Path(path)
     source = str(path)
     if not path.is_file():
@@ -231,7 +279,20 @@ def read_csv(path: str | os.PathLike[str]) -> LossTable:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> LossTable:
-    """Read a JSONL loss table: one JSON object per line; blank lines are skipped."""
+    """Read a JSONL loss table: one JSON object per line; blank lines are skipped.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     path = Path(folder) / "losses.jsonl"
+    ...     _ = path.write_text('{"request_id": "r0", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0}\\n\\n'
+    ...                         '{"request_id": "r1", "policy": "p@0.50", "kv_retained": 0.5, "loss": 1}\\n')
+    ...     table = read_jsonl(path)  # the blank line is skipped
+    >>> table.request_ids, table.loss.tolist()
+    (('r0', 'r1'), [[0.0, 1.0]])
+    """
     path = Path(path)
     source = str(path)
     if not path.is_file():
@@ -265,6 +326,16 @@ def records_sha256(table: LossTable) -> str:
     Gated rows are derived from the others (and the contract, hashed separately) and are left
     out, so a table hashes the same before and after :func:`certkv.core.gated.derive_gated`; the gate
     signals are part of it when the table has any (see :attr:`certkv.core.signals.Signal.hash_group`).
+
+    Examples
+    --------
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": float(i)} for i in range(2)]
+    >>> before = records_sha256(LossTable.from_records(rows))
+    >>> len(before), before == records_sha256(LossTable.from_records(rows[::-1]))  # the row order does not count
+    (64, True)
+    >>> rows[0]["loss"] = 0.5
+    >>> before == records_sha256(LossTable.from_records(rows))  # a loss does
+    False
     """
     order = sorted((i for i, p in enumerate(table.policies) if p not in table.gated), key=lambda i: table.policies[i])
     header = {
