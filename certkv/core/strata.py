@@ -297,34 +297,25 @@ def full_cache_counts(sub: LossTable, spec: CertificationSpec) -> tuple[int, dic
     return max(n_cert, 0), _task_counts(sub, spec)
 
 
-def stratified_point(
-    entries: dict[str, OperatingPoint],
-    spec: CertificationSpec,
-    per_stratum: CertificationSpec,
-    contract_sha256: str | None,
-    records_sha256: str,
-) -> OperatingPoint:
-    """The stratified operating point: each stratum's own in ``strata.entries``, and at the top
-    level their sums and pooled means (weighted by each stratum's certification requests).
+def stratified_point(entries: dict[str, OperatingPoint], spec: CertificationSpec, per_stratum: CertificationSpec,
+                     contract_sha256: str | None, records_sha256: str) -> OperatingPoint:
+    """Each stratum's own point in ``strata.entries`` and, on top, their sums and means pooled by certification requests.
 
     Examples
     --------
     >>> from certkv.core.certify import certify
-    >>> from certkv.core.loss_table import LossTable
     >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(100)]
     >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]], strata={"by": "task"})
     >>> per_stratum = stratum_spec(spec, 2)
-    >>> entry = certify(LossTable.from_records(rows), per_stratum)
-    >>> entries = {name: with_stratum_coverage(entry, "task", name) for name in ("qa", "code")}
-    >>> op = stratified_point(entries, spec, per_stratum, contract_sha256=None, records_sha256="example")
-    >>> op.policy, op.n, op.is_stratified, sorted(op.strata.entries)
-    ('stratified', 200, True, ['code', 'qa'])
+    >>> entry = certify(LossTable.from_records(rows), per_stratum)  # one stratum's point, used for both here
+    >>> op = stratified_point({"qa": entry, "code": entry}, spec, per_stratum, None, records_sha256="example")
+    >>> op.policy, op.n, sorted(op.strata.entries)
+    ('stratified', 200, ['code', 'qa'])
     """
     assert spec.strata is not None  # a stratified spec
     by = spec.strata.by
     ops = list(entries.values())
-    n = sum(op.n for op in ops)
-    violations = sum(op.violations for op in ops)
+    n, violations = sum(op.n for op in ops), sum(op.violations for op in ops)
     weights = np.asarray([op.n for op in ops], dtype=float)
     weights = weights / weights.sum() if weights.sum() > 0 else np.full(len(ops), 1.0 / len(ops))
 
@@ -357,12 +348,8 @@ def stratified_point(
         notes=[f"certified per {by}: {len(certified)} of {len(ops)} strata chose a compressed policy", *notes],
         max_new_tokens=spec.max_new_tokens,
         query_aware=spec.query_aware,
-        coverage=merge_coverage(
-            {k: op.coverage for k, op in entries.items() if op.coverage is not None},
-            by,
-            context_margin=spec.context_margin,
-            max_new_tokens=spec.max_new_tokens,
-        ),
+        coverage=merge_coverage({k: op.coverage for k, op in entries.items() if op.coverage is not None}, by,
+                                context_margin=spec.context_margin, max_new_tokens=spec.max_new_tokens),
         strata=StrataResult(by=by, simultaneous=spec.strata.simultaneous, confidence=per_stratum.confidence, entries=entries),
         contract_sha256=contract_sha256,
         records_sha256=records_sha256,
