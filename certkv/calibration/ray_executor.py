@@ -5,7 +5,9 @@ and turns the requests it is handed into their store rows with the very function
 (:func:`certkv.calibration.run.calibrate_request`); rows travel back as plain dicts in a
 :class:`RequestOutcome`. The driver (this process, :class:`RayExecutor`) hands the requests still
 missing from the store to Ray's own actor pool (``ray.util.ActorPool``: one request per worker at a
-time, the next handed out the moment a result is fetched) and writes each result as it arrives
+time, the next handed out the moment a result is fetched) from the moment the first worker has
+loaded, each further worker joining the pool when it has (one that Ray cannot place never holds the
+run up), and writes each result as it arrives
 through the run's :class:`~certkv.calibration.run.Recorder`: one transaction per request, and the
 driver is the store's only writer, so the store's guarantees (all or nothing per request,
 resumable, never a duplicate) are the local run's. Requests are handed out longest first, so that
@@ -13,7 +15,9 @@ the run does not end waiting on one long request.
 
 Faults. Actors are created with ``max_restarts=-1`` and ``max_task_retries=-1``: Ray restarts a
 killed worker (which loads the model again) and runs its in-flight request again. A request whose
-call fails anyway is handed out again once the pool has drained, until every request is written.
+call fails anyway is handed out again once the pool has drained, until every request is written,
+to the workers not dead for good (a call that raised ``ActorDiedError``); when every worker is, the
+run stops with :data:`ALL_DIED`.
 A request is written once: the driver skips a result whose request it has already written, and the
 store refuses a second write (its primary key and the "already present" check). A killed driver
 leaves only committed requests; rerunning resumes like a local run.
@@ -32,7 +36,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -237,71 +241,137 @@ def _warn_if_gpus_unused(ray, contract, device: str | None, options: RayOptions)
         print(f"certkv: the Ray cluster has {gpus:g} GPUs but --gpus-per-worker is 0: the workers run on CPU", file=sys.stderr)
 
 
-def _compute(actor, request: Request):
-    """The pool's call: one request on `actor`, in its compute group (one at a time per worker)."""
-    return actor.calibrate.options(concurrency_group="compute").remote(request)
-
-
 class _Driver:
-    """The loop of :meth:`RayExecutor.run`: loads and checks the workers, then runs the requests
-    through a ``ray.util.ActorPool`` of them and writes each result once."""
+    """The loop of :meth:`RayExecutor.run`: runs the requests through a ``ray.util.ActorPool`` of the
+    workers that have loaded, and writes each result once.
 
-    def __init__(self, ray, record: Recorder, actors: list, lost_call: tuple) -> None:
+    A worker joins the pool the moment its report arrives and passes :func:`_check_facts`, so one
+    that Ray cannot place (more workers than the cluster holds, a busy shared cluster) never holds
+    the run up. A worker is dead for good when a call to it raises ``ActorDiedError`` (Ray gave up
+    restarting it, or it was killed with ``no_restart``): each round's pool is built from the workers
+    that have loaded and are not dead, whatever the pool itself does with a dead actor (recent Ray
+    drops it from rotation, older Ray keeps handing it calls that fail at once).
+    """
+
+    def __init__(self, ray, record: Recorder, actors: list, lost_call: tuple,
+                 on_workers: Callable[[int], None] | None = None) -> None:
         self.ray, self.record, self.actors, self.lost_call = ray, record, actors, lost_call
+        self.died = ray.exceptions.ActorDiedError
+        self.on_workers = on_workers or (lambda n: None)  # called with the live loaded workers, as it changes
         self.bound = {k: v for k, v in record.store.meta().items() if k in WORKER_FACTS}
         self.pids: dict[int, int | None] = {}  # worker index -> the process that last answered
         self.written: set[str] = set()
-        self.t0: float | None = None  # when every worker was ready
+        self.loading: dict = {}  # describe call -> worker index: the reports not yet in
+        self.ready: list[int] = []  # workers loaded and checked, in the order they reported
+        self.dead: set[int] = set()  # workers Ray reported dead for good
+        self.calls: dict = {}  # this round's request calls -> worker index
+        self.pool: Any = None  # this round's ActorPool
+        self.t0: float | None = None  # when the first worker was ready
 
     def seconds(self) -> float:
         return time.perf_counter() - self.t0 if self.t0 else 0.0
 
-    def load(self, on_ready) -> None:
-        """Wait for every worker's report and check it; `on_ready(n)` after each (n ready so far)."""
-        calls = {actor.describe.remote(): index for index, actor in enumerate(self.actors)}
-        while calls:
-            finished, _ = self.ray.wait(list(calls), num_returns=1, timeout=WAIT_SECONDS)
-            if not finished:
-                continue
-            index = calls.pop(finished[0])
-            try:
-                report = self.ray.get(finished[0])
-            except self.lost_call:  # a restart is underway: ask again
-                calls[self.actors[index].describe.remote()] = index
-                continue
-            if report.error:
-                raise CertkvError(f"Ray worker {index} could not load the model: {report.error}")
-            _check_facts(self.record.store, self.bound, report.facts, f"Ray worker {index} (pid {report.pid})")
-            self._seen(index, report.pid)
-            on_ready(len(self.pids))
-        self.t0 = time.perf_counter()
+    def load(self) -> None:
+        """Ask every worker for its report; return once the first has passed (the others join as they report)."""
+        self.loading = {actor.describe.remote(): index for index, actor in enumerate(self.actors)}
+        while not self.ready:
+            self._next_report(WAIT_SECONDS)
 
     def calibrate(self, todo: Sequence[Request], advance) -> None:
         """Every request of `todo` written once (`advance()` after each); a request whose call was
         lost goes round again."""
-        # ray.util is imported by ray itself; ActorPool is its pool of actor handles
-        pool = self.ray.util.ActorPool(list(self.actors))
-        alive = len(self.actors)
         # Longest first: the run ends with short requests, so the last worker to finish waits the
         # least for the others (request-length skew); the records do not depend on the order.
         missing = sorted(todo, key=lambda r: -len(r.context))
         while missing:
-            for request in missing:
-                pool.submit(_compute, request)
-            while pool.has_next():
-                try:  # a bounded wait: Ctrl-C and SIGTERM are handled between two waits
-                    outcome = pool.get_next_unordered(timeout=WAIT_SECONDS)
-                except TimeoutError:
-                    continue
-                except self.lost_call as exc:  # the request is handed out again in the next round
-                    if isinstance(exc, self.ray.exceptions.ActorDiedError):  # the pool drops a dead actor
-                        alive -= 1
-                        if not alive:
-                            raise CertkvError(ALL_DIED) from None
-                    continue
-                if self._write(outcome):
-                    advance()
+            self._round(missing, advance)
             missing = [r for r in missing if r.id not in self.written]
+
+    def _round(self, requests: Sequence[Request], advance) -> None:
+        """Each of `requests` handed out once to the live loaded workers; returns when every call has come back."""
+        self.calls = {}
+        # ray.util is imported by ray itself; ActorPool is its pool of actor handles
+        self.pool = self.ray.util.ActorPool([self.actors[i] for i in self.ready if i not in self.dead])
+        for request in requests:
+            self.pool.submit(self._compute, request)
+        left = len(requests)  # calls not yet come back, handed out or waiting for a worker
+        while left:
+            self._next_report(0.0)  # a worker that has just loaded joins the pool
+            if not self.pool.has_next():  # every worker of the pool died: wait for one still loading
+                if not self.loading:  # none is (then _dead has raised already): never spin
+                    raise CertkvError(ALL_DIED)
+                self._next_report(WAIT_SECONDS)
+                continue
+            try:  # a bounded wait: Ctrl-C and SIGTERM are handled between two waits
+                outcome = self.pool.get_next_unordered(timeout=WAIT_SECONDS)
+            except TimeoutError:
+                continue
+            except self.lost_call as exc:  # the request is handed out again in the next round
+                left -= 1
+                if isinstance(exc, self.died):
+                    self._find_dead()
+                continue
+            left -= 1
+            if self._write(outcome):
+                advance()
+
+    def _compute(self, actor, request: Request):
+        """The pool's call: one request on `actor`, in its compute group (one at a time per worker)."""
+        ref = actor.calibrate.options(concurrency_group="compute").remote(request)
+        self.calls[ref] = self.actors.index(actor)
+        return ref
+
+    def _next_report(self, timeout: float) -> None:
+        """Handle one worker's report if one arrives within `timeout` seconds: refuse its load error or
+        its facts, or make it ready (and a member of the running pool)."""
+        if not self.loading:
+            return
+        finished, _ = self.ray.wait(list(self.loading), num_returns=1, timeout=timeout)
+        if not finished:
+            return
+        index = self.loading.pop(finished[0])
+        try:
+            report = self.ray.get(finished[0])
+        except self.died:
+            self._dead(index)
+            return
+        except self.lost_call:  # a restart is underway: ask again
+            self.loading[self.actors[index].describe.remote()] = index
+            return
+        if report.error:
+            raise CertkvError(f"Ray worker {index} could not load the model: {report.error}")
+        _check_facts(self.record.store, self.bound, report.facts, f"Ray worker {index} (pid {report.pid})")
+        self._seen(index, report.pid)
+        self.ready.append(index)
+        self.t0 = self.t0 or time.perf_counter()
+        if self.pool is not None:
+            self.pool.push(self.actors[index])
+        self.on_workers(self._live())
+
+    def _find_dead(self) -> None:
+        """After an ``ActorDiedError``: mark dead every worker with a call of this round that came back
+        so (the pool does not say whose call failed). A call that has come back is looked at once."""
+        refs = list(self.calls)
+        finished, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in finished:
+            index = self.calls.pop(ref)
+            if index in self.dead:
+                continue
+            try:
+                self.ray.get(ref)
+            except self.died:
+                self._dead(index)
+            except self.lost_call:
+                pass
+
+    def _dead(self, index: int) -> None:
+        self.dead.add(index)
+        self.on_workers(self._live())
+        if len(self.dead) == len(self.actors):
+            raise CertkvError(ALL_DIED)
+
+    def _live(self) -> int:
+        return sum(1 for index in self.ready if index not in self.dead)
 
     def _seen(self, index: int, pid: int | None) -> None:
         """An answer from worker `index`'s process `pid`: a new pid means Ray restarted the worker."""
@@ -365,10 +435,10 @@ class RayExecutor:
             record.summary.workers = n_workers
             actors = _start_actors(ray, contract, device, dtype, self.options, n_workers)
             _warn_if_gpus_unused(ray, contract, device, self.options)
-            driver = _Driver(ray, record, actors, _lost_call_errors(ray))
             with progress_bar(quiet, console, workers=True) as progress:
                 bar = _Bar(progress, progress.add_task("calibrating", total=len(todo), workers=0)) if progress else _Bar()
-                driver.load(bar.workers)
+                driver = _Driver(ray, record, actors, _lost_call_errors(ray), bar.workers)
+                driver.load()
                 driver.calibrate(todo, bar.advance)
             record.summary.seconds = driver.seconds()
         finally:

@@ -2,9 +2,11 @@
 
 The records of a Ray run equal a local run's (timings aside), with two workers, with workers
 killed mid-run (Ray restarts them and their requests run again: none lost, none duplicated) and
-after the driver itself is killed and rerun. A worker whose model or device differs from the
-store's is refused. The tests that need Ray are marked ``ray`` and skipped without it; the
-missing-extra error and the option checks run everywhere (they need no Ray).
+after the driver itself is killed and rerun; with a worker Ray cannot place (the others do the run)
+and with workers killed for good (the others take their requests; none left: one line). A worker
+whose model or device differs from the store's is refused. The tests that need Ray are marked
+``ray`` and skipped without it; the missing-extra error and the option checks run everywhere (they
+need no Ray).
 """
 
 from __future__ import annotations
@@ -156,6 +158,56 @@ def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_
     assert summary.calibrated == N_REQUESTS
     assert summary.worker_restarts >= 1, "a killed worker came back (a new pid answered)"
     _assert_same(_records(tmp_path), local_records)
+
+
+
+@ray_test
+def test_a_worker_ray_cannot_place_does_not_hold_the_run_up(cluster, local_records, tmp_path):
+    """Three workers of one CPU each on the two CPUs of the cluster: the third stays pending for as
+    long as the other two live, so the run must be done by the workers that have loaded."""
+    summary = _ray_calibrate(_setup(tmp_path), workers=3, threads_per_worker=1)
+    assert summary.workers == 3 and summary.calibrated == N_REQUESTS
+    _assert_same(_records(tmp_path), local_records)
+
+
+def _kill_for_good(ray, after: int, how_many: int, done: list):
+    """An `on_written` hook: right after the `after`-th write, kill `how_many` workers through Ray
+    with no restart (their in-flight calls then fail with ActorDiedError)."""
+    from certkv.calibration.ray_executor import WORKER_NAME
+
+    def hook(summary, request_id):
+        if summary.calibrated + len(summary.skipped) != after:
+            return
+        names = sorted(n for n in ray.util.list_named_actors() if n.startswith(WORKER_NAME))
+        for name in names[:how_many]:
+            ray.kill(ray.get_actor(name), no_restart=True)
+            done.append(name)
+
+    return hook
+
+
+@ray_test
+def test_a_worker_killed_for_good_leaves_its_requests_to_the_others(cluster, local_records, tmp_path):
+    done: list[str] = []
+    summary = _ray_calibrate(_setup(tmp_path), on_written=_kill_for_good(cluster, 3, 1, done), workers=2)
+    assert len(done) == 1, "the kill must land mid-run"
+    assert summary.calibrated == N_REQUESTS
+    _assert_same(_records(tmp_path), local_records)
+
+
+@ray_test
+def test_every_worker_killed_for_good_stops_the_run_with_one_line(cluster, local_records, tmp_path):
+    from certkv.calibration.ray_executor import ALL_DIED
+    from certkv.errors import CertkvError
+
+    done: list[str] = []
+    with pytest.raises(CertkvError) as info:
+        _ray_calibrate(_setup(tmp_path), on_written=_kill_for_good(cluster, 3, 2, done), workers=2)
+    assert len(done) == 2 and str(info.value) == ALL_DIED
+    stored = _records(tmp_path)
+    ids = {r["request_id"] for r in stored}
+    assert 3 <= len(ids) < N_REQUESTS, "the requests written before the kills are kept"
+    assert stored == [r for r in local_records if r["request_id"] in ids], "what is stored is the local run's"
 
 
 #: The driver is stopped right after this many requests were written.
