@@ -11,6 +11,7 @@ need no Ray).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -161,11 +162,37 @@ def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_
 
 
 
+class _Hung(Exception):
+    """Raised by :func:`_fails_if_hung`'s alarm: its own type, so no ``except TimeoutError`` of the
+    code under test swallows it."""
+
+
+@contextlib.contextmanager
+def _fails_if_hung(seconds: int, what: str):
+    """Fail (not hang) when the block has not returned after `seconds`: the regression this guards
+    against is a run that waits forever. The limit is far above a healthy run's few seconds; it
+    is a deadline for a failure, not a timing the test asserts."""
+
+    def alarm(signum, frame):
+        raise _Hung(f"{what} did not finish in {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    except _Hung as exc:
+        pytest.fail(str(exc))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @ray_test
 def test_a_worker_ray_cannot_place_does_not_hold_the_run_up(cluster, local_records, tmp_path):
     """Three workers of one CPU each on the two CPUs of the cluster: the third stays pending for as
     long as the other two live, so the run must be done by the workers that have loaded."""
-    summary = _ray_calibrate(_setup(tmp_path), workers=3, threads_per_worker=1)
+    with _fails_if_hung(seconds=600, what="a run with a worker Ray cannot place"):
+        summary = _ray_calibrate(_setup(tmp_path), workers=3, threads_per_worker=1)
     assert summary.workers == 3 and summary.calibrated == N_REQUESTS
     _assert_same(_records(tmp_path), local_records)
 
