@@ -125,10 +125,16 @@ def read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str]:
         raise CertkvError(f"{path} is not a certkv calibration store ({exc})") from None
 
 
-def check_store_format(meta: Mapping[str, str], path: Path, rewrite: str = REWRITE) -> None:
-    """Refuse a store (its `meta`, read from `path`) of another ``format_version``; `rewrite` is
-    the command that starts a new one."""
-    check_format_version(meta.get("format_version"), FORMAT_VERSION, path, rewrite)
+def check_store_format(conn: sqlite3.Connection, meta: Mapping[str, str], path: Path) -> None:
+    """Refuse a store (its `meta`, read through `conn` from `path`) of another ``format_version``,
+    closing `conn` first; the error names the command that starts a new one, a shadow store's or a
+    calibration store's by the store's ``kind``."""
+    rewrite = SHADOW_REWRITE if meta.get("kind") == "shadow" else REWRITE
+    try:
+        check_format_version(meta.get("format_version"), FORMAT_VERSION, path, rewrite)
+    except CertkvError:
+        conn.close()
+        raise
 
 
 def _move_aside(path: Path) -> Path:
@@ -188,11 +194,7 @@ class CalibrationStore:
                     conn.close()
                     raise CertkvError(f"{file} is not a certkv calibration store (no contract hash)")
                 if stored == sha and not new:  # resume, in this certkv's format only
-                    try:
-                        check_store_format(stored_meta, file)
-                    except CertkvError:
-                        conn.close()
-                        raise
+                    check_store_format(conn, stored_meta, file)
                     return cls(conn, folder, contract)
                 conn.close()
                 if not new:
@@ -226,11 +228,7 @@ class CalibrationStore:
         if "contract_sha256" not in meta:
             conn.close()
             raise CertkvError(f"{file} is not a certkv calibration store (no contract hash)")
-        try:
-            check_store_format(meta, file, SHADOW_REWRITE if meta.get("kind") == "shadow" else REWRITE)
-        except CertkvError:
-            conn.close()
-            raise
+        check_store_format(conn, meta, file)
         return cls(conn, folder, None)
 
     def close(self) -> None:

@@ -303,7 +303,8 @@ def certify_stratified(
     >>> {name: entry.policy for name, entry in op.strata.entries.items()}
     {'easy': 'p@0.50', 'hard': 'full'}
     """
-    assert spec.strata is not None  # a stratified spec
+    if spec.strata is None:
+        raise CertkvError("certify_stratified needs a spec with strata; certify_pooled certifies one without")
     by = spec.strata.by
     per_stratum, strata = split_strata(table, spec)
     entries = {}

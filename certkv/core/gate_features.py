@@ -19,7 +19,7 @@ Feature groups (the contract's ``gate.learned.features``) are declared with thei
 * ``context_length`` → ``log_context_tokens``: log of the request's context length in tokens.
 
 A gate that reads ``confidence_min`` or ``logprob_mean`` can only decide after the evicted
-decode (:attr:`certkv.core.gate.GateSettings.post_decode`); the others decide while the full cache still exists.
+decode (:attr:`certkv.core.spec.GateSettings.post_decode`); the others decide while the full cache still exists.
 
 Torch-free: numpy and pydantic.
 """

@@ -157,12 +157,17 @@ class GateSettings(BaseModel):
         lookahead, a learned model without confidence features)."""
         if self.agreement_drop is not None or self.lookahead is not None:
             return True
-        return self.learned is not None and not self.post_decode
+        return self.learned_pre_decode
 
     @property
     def learned_post_decode(self) -> bool:
-        """Whether the learned model (if any) scores after the evicted decode."""
+        """Whether the gate has a learned model that scores after the evicted decode."""
         return self.learned is not None and self.post_decode
+
+    @property
+    def learned_pre_decode(self) -> bool:
+        """Whether the gate has a learned model that scores before the evicted decode."""
+        return self.learned is not None and not self.post_decode
 
     # -- what the runtime measures -----------------------------------------------------------------
 
@@ -210,7 +215,7 @@ class GateSettings(BaseModel):
 
         `signals` holds ``agreement_drop``, ``lookahead_mass``, ``learned_score`` (those computed).
         """
-        learned = self.learned_threshold if self.learned is not None and not self.learned_post_decode else None
+        learned = self.learned_threshold if self.learned_pre_decode else None
         return _first_firing(
             signals,
             (
@@ -225,7 +230,7 @@ class GateSettings(BaseModel):
 
         `signals` holds ``certificate_max``, ``confidence_min`` and ``learned_score`` (those computed).
         """
-        learned = self.learned_threshold if self.learned is not None and self.learned_post_decode else None
+        learned = self.learned_threshold if self.learned_post_decode else None
         return _first_firing(
             signals,
             (
@@ -243,7 +248,7 @@ class GateSettings(BaseModel):
         `signals` maps every signal name of :data:`certkv.core.signals.SIGNALS` to its value so far
         (None: not measured); the path that answers the request fills it, and its Decision is built
         from it once the answer is known."""
-        if self.learned is not None and not self.learned_post_decode:
+        if self.learned_pre_decode:
             signals["learned_score"] = self.learned_score(signals)
         return self.before_decode(signals)
 
@@ -256,7 +261,7 @@ class GateSettings(BaseModel):
         runtime path shares."""
         signals["confidence_min"], signals["logprob_mean"] = (None, None) if logprobs is None else answer_confidence(logprobs)
         signals["certificate_max"] = certificate
-        if self.learned is not None and self.learned_post_decode:
+        if self.learned_post_decode:
             signals["learned_score"] = self.learned_score(signals)
         return self.after_decode(signals)
 

@@ -67,7 +67,7 @@ from typing import Any
 
 from certkv.atomic_io import write_text_atomic
 from certkv.calibration.database import connect, table_names
-from certkv.calibration.store import SHADOW_REWRITE, CalibrationStore, check_store_format, db_path, initialise, read_meta
+from certkv.calibration.store import CalibrationStore, check_store_format, db_path, initialise, read_meta
 from certkv.core.operating_point import OperatingPoint
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.errors import CertkvError
@@ -107,11 +107,7 @@ def _open_bound(folder: Path, op: OperatingPoint, stratum: str | None) -> Calibr
             raise CertkvError(
                 f"{file} is not a certkv shadow store (a calibration store?); choose another --shadow-store path"
             )
-        try:
-            check_store_format(meta, file, SHADOW_REWRITE)
-        except CertkvError:
-            conn.close()
-            raise
+        check_store_format(conn, meta, file)
         if meta.get("operating_point_sha256") != sha:
             conn.close()
             raise CertkvError(
