@@ -288,7 +288,7 @@ class LearnedGateSpec(QuantileGate):
 
 
 #: Optional `gate:` features and their unset values; the canonical JSON omits each at it (Gate.hashed_dump).
-_LATER_GATE_KEYS = {"pilot": None, "confidence": None, "lookahead": None, "learned": None,
+_LATER_GATE_KEYS = {"pilot": None, "confidence": None, "lookahead": None, "learned": None, "recompute": None,
                     "lookahead_tokens": LOOKAHEAD_TOKENS}
 
 
@@ -298,8 +298,10 @@ class Gate(_Strict):
     ``agreement_drop`` thresholds may be any finite numbers (the drop can be negative);
     ``certificate`` bounds are positive. The agreement signal's settings (window W, top-k, layer
     split) are part of the contract because they change the signal the thresholds apply to.
-    ``confidence``, ``lookahead`` and ``learned`` list quantiles whose thresholds the ``pilot``
-    share of the requests places (so they need a pilot); ``lookahead_tokens`` is the probe's A.
+    ``confidence``, ``lookahead``, ``learned`` and ``recompute`` list quantiles whose thresholds
+    the ``pilot`` share of the requests places (so they need a pilot); ``lookahead_tokens`` is the
+    probe's A. ``recompute`` restarts a generation on the full cache as soon as one of its tokens'
+    probability falls below the threshold (docs/long-generations.md).
     """
 
     pilot: float | None = None
@@ -311,6 +313,7 @@ class Gate(_Strict):
     confidence: QuantileGate | None = None
     lookahead: QuantileGate | None = None
     learned: LearnedGateSpec | None = None
+    recompute: QuantileGate | None = None
     lookahead_tokens: int = Field(default=LOOKAHEAD_TOKENS, ge=1, le=64)
 
     @model_validator(mode="before")

@@ -52,6 +52,7 @@ GATE_PARTS = {
     "agreement_drop": ("agreement_drop", np.less),
     "certificate": ("certificate_max", np.greater),
     "confidence": ("confidence_min", np.less),
+    "recompute": ("confidence_min", np.less),
     "lookahead": ("lookahead_mass", np.greater),
     "learned": ("learned_score", np.greater),
 }

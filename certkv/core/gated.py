@@ -13,6 +13,17 @@ recorded signals,
     loss_i   = 0    where gated_i, else the base's loss
     memory_i = 1.0  where gated_i, else the base's memory
 
+A recompute gate (threshold r) restarts a generation on the full cache at its first token whose
+probability is < r, keeping the tokens before it. Under greedy decoding that gives exactly the
+full-KV answer when the restart comes at or before the answer's first departure from it
+(``confidence_min_agreeing_i < r``); a later restart continues from tokens the full cache would
+not have produced, and is counted as violated (loss 1, the largest a utility in [0, 1] allows)
+rather than decoded again: conservative, never optimistic. So
+
+    restarted_i = confidence_min_i < r
+    loss_i      = 0 where confidence_min_agreeing_i < r; 1 where restarted_i otherwise; else the base's
+    memory_i    = 1.0 where restarted_i (the restart prefills everything again), else the base's
+
 with the base's nominal kv_retained and press. The thresholds are pre-registered in the contract
 (each setting is a candidate of its own, tested like any other), or placed on a pilot split that
 never certifies (:mod:`certkv.core.pilot`), so nothing here is tuned on the certification data.
@@ -137,12 +148,13 @@ def gated_mask(
     lookahead: float | None = None,
     learned: LearnedGate | None = None,
     learned_threshold: float | None = None,
+    recompute: float | None = None,
 ) -> np.ndarray:
     """Boolean (R,) mask of the requests the gate sends to the full cache.
 
     Fires where agreement_drop < `agreement_drop`, certificate_max > `certificate`,
-    confidence_min < `confidence`, lookahead_mass > `lookahead`, or the `learned` score >
-    `learned_threshold` (each part off when None). A signal the gate needs but the records lack
+    confidence_min < `confidence` or < `recompute`, lookahead_mass > `lookahead`, or the `learned`
+    score > `learned_threshold` (each part off when None). A signal the gate needs but the records lack
     (NaN) is a one-line error: silently treating a missing signal as "not gated" would certify a
     gate that was never observed.
 
@@ -158,6 +170,7 @@ def gated_mask(
     mask = np.zeros(table.n_requests, dtype=bool)
     for part, threshold in (
         ("confidence", confidence),
+        ("recompute", recompute),
         ("lookahead", lookahead),
         ("agreement_drop", agreement_drop),
         ("certificate", certificate),
@@ -203,6 +216,7 @@ def _expand(table: LossTable, wanted: list[_Wanted]) -> LossTable:
         return table
     base_rows = np.array([table.index_of(base) for _, base, _ in wanted], dtype=np.int64)
     masks = np.stack([_mask_of(table, int(row), name, g) for row, (name, _, g) in zip(base_rows, wanted)])
+    late = np.stack([_late_restarts(table, int(row), name, g) for row, (name, _, g) in zip(base_rows, wanted)])
     actual = None
     if table.kv_retained_actual is not None:
         actual = np.vstack([table.kv_retained_actual, np.where(masks, 1.0, table.kv_retained_actual[base_rows])])
@@ -214,12 +228,24 @@ def _expand(table: LossTable, wanted: list[_Wanted]) -> LossTable:
         policies=table.policies + tuple(name for name, _, _ in wanted),
         press=table.press + tuple(table.press[int(r)] for r in base_rows),
         kv_retained=np.concatenate([table.kv_retained, table.kv_retained[base_rows]]),
-        loss=np.vstack([table.loss, np.where(masks, 0.0, table.loss[base_rows])]),
+        loss=np.vstack([table.loss, np.where(late, 1.0, np.where(masks, 0.0, table.loss[base_rows]))]),
         memory=np.vstack([table.memory, np.where(masks, 1.0, table.memory[base_rows])]),
         kv_retained_actual=actual,
         gated=gated_rows,
         signals=_padded_signals(table, len(wanted)),
     )
+
+
+def _late_restarts(table: LossTable, row: int, name: str, g: GateSettings) -> np.ndarray:
+    """(R,) bool: the requests `g`'s recompute part restarts after their first departure from the
+    full-KV answer (all False without a recompute part): counted as violated."""
+    if g.recompute is None:
+        return np.zeros(table.n_requests, dtype=bool)
+    who = _who(table, row, name)
+    signals = table.signals_of(row)
+    lowest = check_signal(table, signals.get("confidence_min"), "confidence_min", who)
+    agreeing = check_signal(table, signals.get("confidence_min_agreeing"), "confidence_min_agreeing", who)
+    return fires("recompute", lowest, g.recompute) & ~fires("recompute", agreeing, g.recompute)
 
 
 def _mask_of(table: LossTable, row: int, name: str, g: GateSettings) -> np.ndarray:
@@ -234,6 +260,7 @@ def _mask_of(table: LossTable, row: int, name: str, g: GateSettings) -> np.ndarr
         lookahead=g.lookahead,
         learned=g.learned,
         learned_threshold=g.learned_threshold,
+        recompute=g.recompute,
     )
 
 
@@ -247,14 +274,9 @@ def _to_derive(table: LossTable, name: str, base: str, g: GateSettings) -> bool:
                 f"{table.source} has rows for {name!r}, a gated candidate that certkv derives from "
                 f"{base!r} and the gate signals; remove those rows (or rename the policy)"
             )
-        if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead, done.learned_threshold) != (
-            base,
-            g.agreement_drop,
-            g.certificate,
-            g.confidence,
-            g.lookahead,
-            g.learned_threshold,
-        ):
+        if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead, done.learned_threshold,
+                done.recompute) != (base, g.agreement_drop, g.certificate, g.confidence, g.lookahead, g.learned_threshold,
+                                    g.recompute):
             raise CertkvError(f"{name!r} was derived with other gate settings; derive it from the records again")
         return False
     if base not in table:
@@ -277,6 +299,7 @@ def _gated_row(base: str, g: GateSettings, count: int, n_requests: int) -> Gated
         confidence=None if g.confidence is None else float(g.confidence),
         lookahead=None if g.lookahead is None else float(g.lookahead),
         learned_threshold=None if g.learned_threshold is None else float(g.learned_threshold),
+        recompute=None if g.recompute is None else float(g.recompute),
     )
 
 

@@ -70,7 +70,7 @@ class GatedRow:
     """How a gated row of a table was derived (by :func:`certkv.core.gated.derive_gated`): from
     `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`) or
     (confidence_min < `confidence`) or (lookahead_mass > `lookahead`) or (learned score >
-    `learned_threshold`);
+    `learned_threshold`) or a recompute restart (confidence_min < `recompute`);
     `gated_count` of the table's requests went to the full cache (`gated_share` of them).
 
     Examples
@@ -94,6 +94,7 @@ class GatedRow:
     confidence: float | None = None
     lookahead: float | None = None
     learned_threshold: float | None = None
+    recompute: float | None = None
 
 
 @dataclass(frozen=True, eq=False)

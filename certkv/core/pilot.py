@@ -21,7 +21,9 @@ the share q of the pilot's most suspicious requests to the full cache:
 
 * confidence: b_q = q-quantile of the pilot's ``confidence_min`` (escalate when < b_q);
 * lookahead: t_q = (1 − q)-quantile of the pilot's ``lookahead_mass`` (full cache when > t_q);
-* learned: t_q = (1 − q)-quantile of the pilot's learned scores (full cache when > t_q).
+* learned: t_q = (1 − q)-quantile of the pilot's learned scores (full cache when > t_q);
+* recompute: r_q = q-quantile of the pilot's ``confidence_min`` (a generation restarts on the full
+  cache at its first token whose probability is < r_q).
 
 Quantiles are numpy's default (linear interpolation). Torch-free: numpy and scikit-learn.
 """
@@ -334,9 +336,9 @@ def _resolve_candidate(
     settings = entry.gate.model_copy(update={"quantile": gate.quantile}) if entry.gate is not None else None
     if settings is None:
         settings = GateSettings(quantile=gate.quantile)
-    if gate.pilot_kind == "confidence":
+    if gate.pilot_kind in ("confidence", "recompute"):  # both read the lowest token probability
         values = check_signal(pilot, _row(pilot.confidence_min, row), "confidence_min", who)
-        settings = settings.model_copy(update={"confidence": signal_quantile(values, gate.quantile)})
+        settings = settings.model_copy(update={gate.pilot_kind: signal_quantile(values, gate.quantile)})
     elif gate.pilot_kind == "lookahead":
         values = check_signal(pilot, _row(pilot.lookahead_mass, row), "lookahead_mass", who)
         settings = settings.model_copy(update={"lookahead": signal_quantile(values, 1.0 - gate.quantile)})
@@ -403,7 +405,9 @@ def is_unresolved(info: CandidateInfo) -> bool:
     False
     """
     g = info.gate
-    return info.pilot_gate is not None and (g is None or (g.confidence is None and g.lookahead is None and g.learned is None))
+    return info.pilot_gate is not None and (
+        g is None or (g.confidence is None and g.lookahead is None and g.learned is None and g.recompute is None)
+    )
 
 
 def _row(matrix, row: int):

@@ -6,7 +6,8 @@ a gated candidate appends its gate, each value written by ``format(x, "g")``:
 ``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``
 (``probabilistic@0.30+drop-0.05+cert0.02``); a gate whose threshold the pilot places at a
 pre-registered quantile q names the quantile: ``<base>+confq<q>`` (confidence),
-``<base>+lookq<q>`` (lookahead mass) or ``<base>+learnq<q>`` (learned score), e.g.
+``<base>+lookq<q>`` (lookahead mass), ``<base>+learnq<q>`` (learned score) or ``<base>+recq<q>``
+(recompute mid-generation), e.g.
 ``snapkv@0.70+confq0.1``. ``full`` names the full cache, the reference every
 candidate is compared with; it is never a candidate.
 
@@ -35,9 +36,9 @@ REFERENCE_POLICY = "full"
 #: The top-level policy of a stratified operating point: each stratum deploys its own.
 STRATIFIED_POLICY = "stratified"
 
-_GATE_MARKERS = ("+drop", "+cert", "+confq", "+lookq", "+learnq")
+_GATE_MARKERS = ("+drop", "+cert", "+confq", "+lookq", "+learnq", "+recq")
 #: Name suffix of each pilot gate kind (followed by the quantile).
-PILOT_GATE_MARKERS = {"confidence": "+confq", "lookahead": "+lookq", "learned": "+learnq"}
+PILOT_GATE_MARKERS = {"confidence": "+confq", "lookahead": "+lookq", "learned": "+learnq", "recompute": "+recq"}
 _RETENTION = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 _AT_RETENTION = re.compile(r"@[0-9]+(?:\.[0-9]+)?")
 
@@ -74,8 +75,9 @@ def gated_policy_name(
 ) -> str:
     """``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``; `base` when ungated.
 
-    With `pilot_kind` (confidence, lookahead or learned) and its `quantile`:
-    ``<base>+confq<q>``, ``<base>+lookq<q>`` or ``<base>+learnq<q>`` (never combined with the others).
+    With `pilot_kind` (confidence, lookahead, learned or recompute) and its `quantile`:
+    ``<base>+confq<q>``, ``<base>+lookq<q>``, ``<base>+learnq<q>`` or ``<base>+recq<q>`` (never
+    combined with the others).
 
     Examples
     --------
@@ -153,9 +155,9 @@ def is_gated_policy(name: str) -> bool:
 
 
 #: Gate kinds whose thresholds are placed on a pilot split, at pre-registered quantiles.
-PilotGateKind = Literal["confidence", "lookahead", "learned"]
+PilotGateKind = Literal["confidence", "lookahead", "learned", "recompute"]
 #: The pilot gate kinds in sequence order.
-PILOT_GATE_KINDS: tuple[PilotGateKind, ...] = ("confidence", "lookahead", "learned")
+PILOT_GATE_KINDS: tuple[PilotGateKind, ...] = ("confidence", "lookahead", "learned", "recompute")
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ class GateChoice:
         # A spec read from JSON builds these too (CandidateInfo.pilot_gate): refuse what the
         # contract's grid can never produce, in one line, before the pilot reads it.
         if (self.pilot_kind is None) != (self.quantile is None):
-            raise ValueError("a pilot gate needs both pilot_kind (confidence, lookahead or learned) and its quantile")
+            raise ValueError("a pilot gate needs both pilot_kind (confidence, lookahead, learned or recompute) and its quantile")
         if self.quantile is not None and not 0.0 < self.quantile < 1.0:
             raise ValueError(f"a pilot gate's quantile must lie strictly between 0 and 1, got {self.quantile}")
 

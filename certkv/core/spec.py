@@ -17,6 +17,7 @@ here, once, for the contract, the certificate and the runtime alike. Torch-free.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -72,7 +73,9 @@ class GateSettings(BaseModel):
     * ``lookahead``: the full-cache attention mass the probe queries put on evicted entries > t
       (before the decode);
     * ``learned`` with ``learned_threshold``: its logistic score > t (before the decode, or after
-      it when the model reads a confidence feature: :attr:`post_decode`).
+      it when the model reads a confidence feature: :attr:`post_decode`);
+    * ``recompute``: while the evicted answer decodes, its first token whose probability is < r
+      makes the runtime restart on the full cache from the tokens before it (:meth:`recomputes`).
 
     null: that part is off. ``quantile`` is the pre-registered pilot quantile a confidence,
     lookahead or learned threshold was placed at (null for fixed thresholds; while it is set and
@@ -106,6 +109,7 @@ class GateSettings(BaseModel):
     lookahead: float | None = None
     learned: LearnedGate | None = None
     learned_threshold: float | None = None
+    recompute: float | None = None
     quantile: float | None = None
     lookahead_tokens: int = Field(default=LOOKAHEAD_TOKENS, ge=1)
 
@@ -113,6 +117,7 @@ class GateSettings(BaseModel):
     def _ranges(self) -> GateSettings:
         checks = (
             ("confidence", self.confidence, 0.0, 1.0, "a token probability"),
+            ("recompute", self.recompute, 0.0, 1.0, "a token probability"),
             ("lookahead", self.lookahead, 0.0, 1.0, "an attention mass"),
             ("learned_threshold", self.learned_threshold, 0.0, 1.0, "a logistic score"),
         )
@@ -132,7 +137,7 @@ class GateSettings(BaseModel):
         """``agreement_drop``, ``certificate``, ``agreement_drop+certificate``, ``confidence``,
         ``lookahead`` or ``learned``: the parts that are set ("" while a pilot gate is unresolved,
         and for the ungated ``GateSettings()``)."""
-        parts = [k for k in ("agreement_drop", "certificate", "confidence", "lookahead") if getattr(self, k) is not None]
+        parts = [k for k in ("agreement_drop", "certificate", "confidence", "lookahead", "recompute") if getattr(self, k) is not None]
         if self.learned is not None:
             parts.append("learned")
         return "+".join(parts)
@@ -158,6 +163,19 @@ class GateSettings(BaseModel):
         if self.agreement_drop is not None or self.lookahead is not None:
             return True
         return self.learned_pre_decode
+
+    def recomputes(self, logprob: float) -> bool:
+        """Whether the recompute part restarts a generation at a token of log-probability `logprob`
+        (:func:`certkv.core.gate_features.fires`, certification's comparison; False when it is off).
+
+        Examples
+        --------
+        >>> import math
+        >>> gate = GateSettings(recompute=0.3)
+        >>> gate.recomputes(math.log(0.2)), gate.recomputes(math.log(0.9)), GateSettings().recomputes(-9.0)
+        (True, False, False)
+        """
+        return self.recompute is not None and bool(fires("recompute", math.exp(logprob), self.recompute))
 
     @property
     def learned_post_decode(self) -> bool:

@@ -19,9 +19,11 @@ from kvpress import FastKVzipPress, FinchPress, KeyRerotationPress, ObservedAtte
 from transformers import DynamicCache
 
 from certkv.core.gate_features import answer_confidence
+from certkv.core.kv_cost import kv_cost, prefill_press_held
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, padded_cache
+from certkv.engine.decoding_run import is_decoding_press, run_decoding
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
 from certkv.engine.scoring import is_fast_path_press
@@ -72,6 +74,11 @@ class CandidateAnswer:
     ``seconds``: on the pipeline path the candidate's whole run; on the fast path its share of the
     scoring a response-aware press does after the prefill (0 for the others, whose cost is their
     share of the batched decodes, ``Result.seconds["candidates_fast"]``).
+    ``kv_peak`` / ``kv_time``: the generation's KV relative to the full cache's
+    (:mod:`certkv.core.kv_cost`); ``logprobs``: each generated token's log p (None: not known).
+    ``confidence_min_agreeing``: the lowest token probability up to and including the first token
+    where the answer departs from the full-KV answer (over all of it when it never does): a
+    recompute gate that fires there restarts on the full cache before anything wrong was produced.
     """
 
     policy: str
@@ -87,11 +94,26 @@ class CandidateAnswer:
     logprob_mean: float | None = None
     lookahead_heads: list[float] | None = None
     lookahead_mass: float | None = None
+    kv_peak: float | None = None
+    kv_time: float | None = None
+    logprobs: list[float] | None = None
+    confidence_min_agreeing: float | None = None
 
     def set_confidence(self, logprobs: Sequence[float] | None) -> None:
         """Record the answer's confidence signals from its per-token log p (None: not known)."""
         if logprobs is not None:
+            self.logprobs = list(logprobs)
             self.confidence_min, self.logprob_mean = answer_confidence(logprobs)
+
+    def set_agreement_with(self, full_ids: Sequence[int]) -> None:
+        """``confidence_min_agreeing`` against the full-KV answer's token ids (needs `logprobs`)."""
+        if self.logprobs is None:
+            return
+        diverged = next((t for t, (a, b) in enumerate(zip(self.token_ids, full_ids)) if a != b), None)
+        if diverged is None:
+            diverged = min(len(self.token_ids), len(full_ids))  # a prefix of the other: the next token
+        upto = self.logprobs[: diverged + 1]
+        self.confidence_min_agreeing = answer_confidence(upto)[0] if upto else None
 
     def set_lookahead(self, heads: list[float] | None) -> None:
         self.lookahead_heads = heads
@@ -173,7 +195,12 @@ class Engine:
         # Decoded from kept entries gathered out of the full cache: kvpress's scorers, chosen in the
         # prefill, and the response-aware presses, chosen right after it.
         self.gathered = self.fast + self.response_aware
-        self.slow = [c for c in self.candidates if c not in self.gathered and not is_probabilistic_press(c.press)]
+        # Compress while decoding: each decodes on its own, as kvpress's pipeline does (decoding_run).
+        self.decoding = [c for c in self.candidates if is_decoding_press(c.press)]
+        self.slow = [
+            c for c in self.candidates
+            if c not in self.gathered and c not in self.decoding and not is_probabilistic_press(c.press)
+        ]
 
     def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[PressCandidate]]:
         """Fast candidates grouped into padded batches, longest kept caches first.
@@ -257,7 +284,10 @@ class Engine:
         seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
         for c in self.slow:
             answers[c.policy] = self._run_pipeline(c, enc, context_tensor(self.model, enc.context_ids))
+        for c in self.decoding:
+            answers[c.policy] = self._run_decoding(c, enc)
         seconds["candidates_pipeline"] = time.perf_counter() - t3
+        _set_generation_costs(full, answers.values(), n_ctx, len(enc.question_ids))
         return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
 
     def _prefill(self, enc: EncodedRequest) -> tuple[_Prefilled, float | None]:
@@ -401,6 +431,35 @@ class Engine:
         )
         answer.set_confidence(logprobs)
         return answer
+
+
+    def _run_decoding(self, c: PressCandidate, enc: EncodedRequest) -> CandidateAnswer:
+        """A decoding-time press's own generation (:func:`certkv.engine.decoding_run.run_decoding`);
+        its kept fraction is the mean, over decoding steps, of the entries held over the tokens seen."""
+        t0 = time.perf_counter()
+        run = run_decoding(self.model, c.press, enc, self.max_new_tokens)
+        n_ctx, n_q = len(enc.context_ids), len(enc.question_ids)
+        answer = CandidateAnswer(
+            c.policy, c.press_name, c.kv_retained, run.prefill_kept / n_ctx, self._decode(run.token_ids),
+            run.token_ids, "pipeline", time.perf_counter() - t0,
+        )
+        answer.set_confidence(run.logprobs)
+        cost = kv_cost(run.held, n_ctx, n_q)
+        answer.kv_peak, answer.kv_time = cost.peak, cost.time
+        return answer
+
+
+def _set_generation_costs(full: CandidateAnswer, answers, n_ctx: int, n_question: int) -> None:
+    """Every answer's KV cost (peak and KV-time) and its confidence up to its first departure from
+    the full answer. A decoding-time candidate measured its own cost; any other one compressed
+    the prefill only (to ``kv_retained_actual`` of the context) and then grew by a token a step."""
+    full.kv_peak = full.kv_time = 1.0
+    for answer in answers:
+        if answer.kv_peak is None:
+            steps = max(1, len(answer.token_ids))
+            cost = kv_cost(prefill_press_held(answer.kv_retained_actual * n_ctx, n_question, steps), n_ctx, n_question)
+            answer.kv_peak, answer.kv_time = cost.peak, cost.time
+        answer.set_agreement_with(full.token_ids)
 
 
 def _bytes_per_token(cache) -> int:

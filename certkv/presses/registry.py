@@ -94,11 +94,13 @@ _KVPRESS: dict[str, tuple[str, str | None]] = {
     "key_rerotation": ("KeyRerotationPress", "compression_ratio"),
     "merging": ("MergingPress", "compression_ratio"),
     # Wrappers configured otherwise.
-    # Decoding-time compression: certkv calibrates prefill eviction, and its engine does not run
-    # presses during decoding, so these cannot be certified by kv_retained (yet).
-    "prefill_decoding": ("PrefillDecodingPress", None),
-    "compression_ratio_decoding": ("CompressionRatioDecodingPress", None),
-    "decoding": ("DecodingPress", None),  # target_size in tokens
+    # Decoding-time compression (certkv.engine.decoding_run runs them as kvpress's pipeline does):
+    # kv_retained is the share of every token seen so far that each compression keeps; the
+    # prefill-and-decoding wrapper forwards it to its decoding press, which must then be a
+    # compression_ratio_decoding press (its prefilling press keeps its own compression_ratio).
+    "prefill_decoding": ("PrefillDecodingPress", "decoding_press.target_compression_ratio"),
+    "compression_ratio_decoding": ("CompressionRatioDecodingPress", "target_compression_ratio"),
+    "decoding": ("DecodingPress", None),  # target_size in tokens, not a share
     "cam": ("CAMPress", None),  # decoding-time, target_size in tokens
     "composed": ("ComposedPress", None),  # ratio is the product of the inner presses' ratios
     "per_layer_compression": ("PerLayerCompressionPress", None),  # compression_ratios per layer

@@ -64,6 +64,8 @@ class Decision:
     certificate_max: float | None = None
     #: Lowest probability of a token of the evicted greedy answer (stop token included).
     confidence_min: float | None = None
+    #: Lowest token probability up to the answer's first departure from the full-KV answer (calibration only: where a recompute gate restarts before anything wrong was produced).
+    confidence_min_agreeing: float | None = None
     #: Mean log-probability of the evicted answer's tokens.
     logprob_mean: float | None = None
     #: Max over (layer, KV head) of lookahead_heads.
@@ -76,6 +78,8 @@ class Decision:
     learned_score: float | None = None
     # The answer's outcome.
     escalated: bool = False
+    #: The decoding step a recompute gate restarted the answer on the full cache at (None: it did not).
+    recomputed_at: int | None = None
     kv_retained: float = 1.0
     kv_retained_actual: float = 1.0
     detail: str | None = None

@@ -379,6 +379,8 @@ def _inner_kwargs(cls) -> dict:
         kwargs["presses"] = ["snapkv"]
     if "compression_ratios" in params:
         kwargs["compression_ratios"] = [0.5]
+    if "decoding_press" in params:
+        kwargs["decoding_press"] = {"press": "compression_ratio_decoding", "press_kwargs": {"base_press": "knorm"}}
     return kwargs
 
 

@@ -58,7 +58,7 @@ def test_the_decision_declares_each_signal_as_a_field_of_its_kind_in_declaration
     names = [f.name for f in dataclasses.fields(Decision)]
     declared = [s.name for s in signals.SIGNALS]
     head = ["mode", "reason", "policy", "stratum", "gate_kind", "gate_threshold", "certificate_bound"]
-    tail = ["escalated", "kv_retained", "kv_retained_actual", "detail"]
+    tail = ["escalated", "recomputed_at", "kv_retained", "kv_retained_actual", "detail"]
     assert names == head + declared + tail  # the order of to_dict(), hence of the JSON served and stored
     hints = typing.get_type_hints(Decision)
     defaults = {f.name: f.default for f in dataclasses.fields(Decision)}

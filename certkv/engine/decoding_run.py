@@ -1,0 +1,135 @@
+"""One generation under a decoding-time press, exactly as kvpress's pipeline runs it.
+
+kvpress's decoding presses (``DecodingPress``, ``CompressionRatioDecodingPress`` and the
+``PrefillDecodingPress`` wrapper) hook every attention layer and compress the cache while the
+answer is decoded: every ``compression_interval`` forwards a layer's cache is cut down to its
+target by the wrapped scorer, scored with the hidden states buffered since the last event. What
+they keep depends on every token decoded before, so no single prefill can stand in for them: each
+candidate decodes on its own, under the press's context manager, the way kvpress's pipeline does —
+the prefill under the press only when the press compresses prefills too (the wrapper), then the
+question and the greedy answer under the press. Tests compare the answers with the pipeline's
+token for token.
+
+Besides the answer, the run keeps what a long generation's gates and budgets read, step by step:
+each generated token's log p and the KV entries the cache holds after each forward
+(:mod:`certkv.core.kv_cost`).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvpress import DecodingPress, PrefillDecodingPress
+from transformers import DynamicCache
+
+from certkv.model.generation import chosen_logprobs, stop_token_ids
+from certkv.model.stopping import is_finished
+from certkv.model.window_queries import capturing_window_queries
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from certkv.model.generation import EncodedRequest
+
+
+@dataclass
+class DecodingRun:
+    """One generation under a decoding-time press.
+
+    ``token_ids``: the greedy answer (stop token included); ``logprobs``: each token's log p;
+    ``held``: the entries the cache holds after each forward (mean over layers), one per token;
+    ``prefill_kept``: the entries the prefill left (the context, unless the press compresses
+    prefills too); ``stopped_at``: where a recompute trigger stopped the run (None: it finished).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)
+    prefill_kept: float = 0.0
+    stopped_at: int | None = None
+
+
+def is_decoding_press(press: Any) -> bool:
+    """Whether `press` compresses while decoding (kvpress's decoding presses and their wrapper)."""
+    return isinstance(press, (DecodingPress, PrefillDecodingPress))
+
+
+def compresses_prefill(press: Any) -> bool:
+    """Whether kvpress's pipeline runs the prefill under `press` too: every press but the plain
+    decoding ones (the wrapper applies its prefilling press there)."""
+    return not isinstance(press, DecodingPress)
+
+
+def run_decoding(
+    model: PreTrainedModel,
+    press: Any,
+    enc: EncodedRequest,
+    max_new_tokens: int,
+    stop_below: float | None = None,
+) -> DecodingRun:
+    """Prefill `enc`'s context and decode its answer under `press`, as kvpress's pipeline does.
+
+    Positions continue from the context's length (the pipeline's convention); the press's state
+    (its buffers and step counts) is reset when each context manager exits, so runs are independent.
+    `stop_below`: stop as soon as a generated token's probability falls below it (the recompute
+    gate's trigger); that token is not kept, and ``DecodingRun.stopped_at`` says where it stood.
+    """
+    context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)
+    cache = DynamicCache()
+    with torch.no_grad():
+        with press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
+            model.model(input_ids=context, past_key_values=cache)
+        prefill_kept = sum(layer.keys.shape[-2] for layer in cache.layers) / len(cache.layers)
+        run = DecodingRun(token_ids=[], prefill_kept=prefill_kept)
+        with press(model):
+            _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, stop_below)
+    return run
+
+
+def finish_on_full_cache(model: PreTrainedModel, enc: EncodedRequest, prefix: list[int], max_new_tokens: int) -> DecodingRun:
+    """The recompute fallback: prefill the context with the full cache, feed the question and the
+    `prefix` generated so far in one forward, and decode greedily to the end of the answer.
+
+    Under greedy decoding, a `prefix` that the full cache's own answer starts with continues into
+    exactly that answer (up to the float noise of feeding the prefix in one forward instead of
+    token by token). The returned run's ``token_ids`` hold the whole answer, `prefix` included;
+    ``logprobs`` and ``held`` cover the tokens decoded here only.
+    """
+    context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)
+    cache = DynamicCache()
+    run = DecodingRun(token_ids=list(prefix), prefill_kept=float(context.shape[1]))
+    with torch.no_grad():
+        model.model(input_ids=context, past_key_values=cache)
+        _decode(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, None)
+    return run
+
+
+def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, stop_below) -> None:
+    """Greedy decoding into `run`, forward for forward as :func:`greedy_decode` (and so kvpress's
+    pipeline) decodes: the question with ``logits_to_keep=1``, then one token per forward."""
+    stops = stop_token_ids(model)
+    floor = -math.inf if stop_below is None else math.log(stop_below) if stop_below > 0 else -math.inf
+    ids = torch.as_tensor(list(question_ids), device=model.device).view(1, -1)
+    positions = torch.arange(position, position + ids.shape[1], device=model.device).unsqueeze(0)
+    out = model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+    while True:
+        logits = out.logits[0, -1]
+        token = logits.argmax()
+        logprob = float(chosen_logprobs(logits.view(1, -1), token.view(1))[0])
+        if logprob < floor:
+            run.stopped_at = len(run.token_ids)
+            return
+        run.token_ids.append(int(token))
+        run.logprobs.append(logprob)
+        run.held.append(sum(layer.keys.shape[-2] for layer in cache.layers) / len(cache.layers))
+        if is_finished(run.token_ids, max_new_tokens, stops):
+            return
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=positions)
+
+
+__all__ = ["DecodingRun", "compresses_prefill", "finish_on_full_cache", "is_decoding_press", "run_decoding"]
