@@ -41,7 +41,10 @@ def _tokens(text: str) -> list[str]:
 def _references(answers: Sequence[str] | str) -> list[str]:
     refs = [answers] if isinstance(answers, str) else list(answers)
     if not refs:
-        raise CertkvError("this utility needs reference answers, but the request lists none; use utility: agreement")
+        raise CertkvError(
+            "this utility needs reference answers, but the request lists none; use a label-free utility: "
+            + ", ".join(sorted(LABEL_FREE))
+        )
     return [str(a) for a in refs]
 
 
