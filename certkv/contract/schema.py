@@ -402,7 +402,10 @@ class Contract(_Strict):
     model: str = Field(default="embedded", min_length=1)
     requests: RequestsSpec
     protocol: Protocol = Field(default_factory=Protocol)
-    utility: Literal["exact_match", "contains", "f1", "rouge_l", "agreement"]
+    utility: Literal[
+        "exact_match", "contains", "f1", "rouge_l", "agreement",
+        "prefix_agreement", "token_agreement", "rouge_l_full", "final_answer", "final_agreement",
+    ]
     tolerance: float = Field(ge=0.0)
     risk: float = Field(gt=0.0, lt=1.0)
     confidence: float = Field(gt=0.0, lt=1.0)

@@ -259,6 +259,23 @@ def test_parse_contract_accepts_mappings():
     assert c.resolved_store_path() == Path("/tmp/x/runs/m")
 
 
+@pytest.mark.parametrize(
+    "utility", ["prefix_agreement", "token_agreement", "rouge_l_full", "final_answer", "final_agreement"]
+)
+def test_long_output_utilities_load(tmp_path, utility):
+    path = tmp_path / "c.yaml"
+    path.write_text(VALID.replace("utility: exact_match", f"utility: {utility}"), encoding="utf-8")
+    assert load_contract(path).utility == utility
+
+
+def test_the_contract_accepts_exactly_the_registered_utilities():
+    from typing import get_args
+
+    from certkv.calibration.utility import UTILITIES
+
+    assert set(get_args(Contract.model_fields["utility"].annotation)) == set(UTILITIES)
+
+
 # -- shipped contracts ------------------------------------------------------------------------------
 
 
