@@ -161,6 +161,7 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
                     cand.answer,
                 ),
                 "path": cand.path,
+                **_generation_cost(cand, contract.cost_measure),
                 # A fast candidate: its share of the batched decodes, plus its own scoring when it is
                 # response-aware (chosen after the prefill; CandidateAnswer.seconds, 0 otherwise).
                 "seconds": cand.seconds if cand.path == "pipeline" else fast_share + cand.seconds,
@@ -173,6 +174,15 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
         for row in rows:
             row["stratum"] = stratum_of(request, by)
     return rows
+
+
+def _generation_cost(answer: CandidateAnswer, measure: str) -> dict:
+    """The answer's KV cost (peak and KV-time relative to the full cache's, an ``extra`` key each)
+    and, when the contract compares candidates by one of them, that one as the row's ``memory``."""
+    out: dict[str, Any] = {"kv_peak": answer.kv_peak, "kv_time": answer.kv_time}
+    if measure != "kv_retained":
+        out["memory"] = answer.kv_peak if measure == "peak" else answer.kv_time
+    return out
 
 
 def _row_head(

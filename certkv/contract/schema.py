@@ -59,7 +59,7 @@ _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 #: Optional top-level features; the canonical JSON omits each while unset (Contract.canonical_json).
-_LATER_KEYS = ("order", "strata", "coverage")
+_LATER_KEYS = ("order", "strata", "coverage", "kv_cost")
 
 
 def _error(message: str) -> PydanticCustomError:
@@ -417,6 +417,10 @@ class Contract(_Strict):
     gate: Gate | None = None
     strata: StrataSpec | None = None
     coverage: CoverageSpec | None = None
+    # What "least KV" means when candidates are compared (certkv.core.kv_cost): the nominal
+    # kv_retained, the generation's peak, or its KV-time. Unset: peak when a policy compresses
+    # while decoding (its nominal share is not comparable with a prefill press's), else kv_retained.
+    kv_cost: Literal["kv_retained", "peak", "time"] | None = None
     store: str | None = Field(default=None, min_length=1, description="relative to the contract's folder")
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
@@ -539,6 +543,15 @@ class Contract(_Strict):
     # -- derived views -------------------------------------------------------------------------
 
     @property
+    def cost_measure(self) -> str:
+        """``kv_cost``, or its default: ``peak`` when a policy compresses while decoding, else
+        ``kv_retained`` (what every contract was ordered by before decoding-time presses)."""
+        if self.kv_cost is not None:
+            return self.kv_cost
+        decoding = any(press_registry.compresses_while_decoding(p.press) for p in self.policies)
+        return "peak" if decoding else "kv_retained"
+
+    @property
     def base_dir(self) -> Path:
         """The folder relative paths resolve against (the contract file's folder)."""
         return self._base_dir
@@ -552,7 +565,7 @@ class Contract(_Strict):
         """The validated contract as canonical JSON: sorted keys, compact separators, defaults filled in.
 
         One rule on top: an optional feature the contract does not use leaves no trace. The
-        top-level blocks :data:`_LATER_KEYS` (``order``, ``strata``, ``coverage``) are left out
+        top-level blocks :data:`_LATER_KEYS` (``order``, ``strata``, ``coverage``, ``kv_cost``) are left out
         while unset, and so are the gate's features :data:`_LATER_GATE_KEYS` (the pilot and its
         gates while unset, ``lookahead_tokens`` at its default; :meth:`Gate.hashed_dump`). Every
         other key is always written, ``gate`` too (null when unset). So using a feature changes

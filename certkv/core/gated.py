@@ -245,7 +245,7 @@ def _late_restarts(table: LossTable, row: int, name: str, g: GateSettings) -> np
     signals = table.signals_of(row)
     lowest = check_signal(table, signals.get("confidence_min"), "confidence_min", who)
     agreeing = check_signal(table, signals.get("confidence_min_agreeing"), "confidence_min_agreeing", who)
-    return fires("recompute", lowest, g.recompute) & ~fires("recompute", agreeing, g.recompute)
+    return np.asarray(fires("recompute", lowest, g.recompute) & ~fires("recompute", agreeing, g.recompute), dtype=bool)
 
 
 def _mask_of(table: LossTable, row: int, name: str, g: GateSettings) -> np.ndarray:

@@ -137,8 +137,7 @@ SIGNALS: tuple[Signal, ...] = (
            feature_group="confidence"),
     Signal("confidence_min_agreeing", per="candidate", kind="scalar", phase="post_decode",
            recorder="the answer's token log-probabilities against the full-KV answer (certkv.engine.engine)",
-           doc="lowest token probability up to the answer's first departure from the full-KV answer "
-           "(calibration only: where a recompute gate restarts before anything wrong was produced)"),
+           doc="lowest token probability up to the answer's first departure from the full-KV answer"),
     Signal("logprob_mean", per="candidate", kind="scalar", phase="post_decode",
            recorder="the answer's own token log-probabilities (certkv.core.gate_features.answer_confidence)",
            doc="mean log-probability of the evicted answer's tokens", feature_group="confidence"),

@@ -137,7 +137,8 @@ class GateSettings(BaseModel):
         """``agreement_drop``, ``certificate``, ``agreement_drop+certificate``, ``confidence``,
         ``lookahead`` or ``learned``: the parts that are set ("" while a pilot gate is unresolved,
         and for the ungated ``GateSettings()``)."""
-        parts = [k for k in ("agreement_drop", "certificate", "confidence", "lookahead", "recompute") if getattr(self, k) is not None]
+        named = ("agreement_drop", "certificate", "confidence", "lookahead", "recompute")
+        parts = [k for k in named if getattr(self, k) is not None]
         if self.learned is not None:
             parts.append("learned")
         return "+".join(parts)

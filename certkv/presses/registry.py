@@ -249,6 +249,16 @@ def _kvpress_class(spec: str) -> str | None:
     return cls if module == "kvpress" or module.startswith("kvpress.") else None
 
 
+#: kvpress presses that compress while the answer is decoded (certkv.engine.decoding_run runs them).
+_DECODING_TIME = frozenset({"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"})
+
+
+def compresses_while_decoding(spec: str) -> bool:
+    """Whether a press compresses the cache while decoding (kvpress's decoding presses and their
+    prefill-and-decoding wrapper), so that its cost is a generation's, not a prefill's. Imports nothing."""
+    return _kvpress_class(spec) in _DECODING_TIME
+
+
 def needs_eager_attention(spec: str) -> bool:
     """Whether a press makes certkv load the model with eager attention (it scores from the
     attention weights: kvpress's ObservedAttention). Imports nothing."""

@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from certkv.core.operating_point import OperatingPoint, load_operating_point
 from certkv.core.signals import empty_signals, request_signals
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS, GateSettings
+from certkv.engine.decoding_run import is_decoding_press
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
@@ -47,6 +48,7 @@ from certkv.presses.hajek_state import clear_states
 from certkv.presses.registry import build_press, compression_ratio_for, is_known_press, resolve_press_class
 from certkv.presses.response_aware import is_response_aware_press
 from certkv.runtime.decision import Decision
+from certkv.runtime.decoding_path import DecodingPath
 from certkv.runtime.full_path import full_answer_steps
 from certkv.runtime.pipeline import PipelinePath
 from certkv.runtime.single_prefill import SinglePrefillPath
@@ -157,18 +159,34 @@ class CertifiedRuntime:
         self.bound = self.gate.certificate
         self.press: BasePress | None = None
         self.single_prefill = False
-        self.path: SinglePrefillPath | PipelinePath | None = None
+        self.path: SinglePrefillPath | PipelinePath | DecodingPath | None = None
         """The answering path of the certified press (None: fallback or stratified)."""
         if not operating_point.fallback and not operating_point.is_stratified:
             self.press = self._build_press() if press is None else self._checked(press)
             self.single_prefill = self._on_single_prefill(self.press)
-            self.path = (
-                SinglePrefillPath(model, self.press, self.gate, self.policy, self.stop_ids)
-                if self.single_prefill
-                else PipelinePath(model, self.press, self.gate, self.stop_ids)
-            )
+            self.path = self._answering_path(model)
 
     # -- construction -------------------------------------------------------------------------
+
+    def _answering_path(self, model: PreTrainedModel) -> SinglePrefillPath | PipelinePath | DecodingPath:
+        """The path the certified press answers through: its single prefill, kvpress's hooks, or a
+        decode under a decoding-time press; a gate a path cannot apply is a one-line error."""
+        assert self.press is not None  # only called for a point with a press
+        if self.gate.recompute is not None and not is_decoding_press(self.press):
+            raise CertkvError(
+                f"the operating point's recompute gate restarts a generation mid-decode, which only a "
+                f"decoding-time press's path does; {self.policy!r} is not one"
+            )
+        if self.single_prefill:
+            return SinglePrefillPath(model, self.press, self.gate, self.policy, self.stop_ids)
+        if is_decoding_press(self.press):
+            if self.gate.pre_decode:
+                raise CertkvError(
+                    f"the operating point's {self.gate.kind} gate decides before the decode from the full "
+                    "prefill, which a decoding-time press never holds; certify a recompute or confidence gate"
+                )
+            return DecodingPath(model, self.press, self.gate, self.stop_ids)
+        return PipelinePath(model, self.press, self.gate, self.stop_ids)
 
     def _decode_length(self, requested: object) -> int:
         """The calibrated decode length: what was certified is an answer of at most that many tokens."""
@@ -380,6 +398,7 @@ class CertifiedRuntime:
             certificate_bound=self.bound,
             **answered.signals,
             escalated=answered.escalated,
+            recomputed_at=answered.recomputed_at,
             kv_retained=self.operating_point.kv_retained if answered.reason is None else 1.0,
             kv_retained_actual=answered.kept if answered.reason is None and answered.kept is not None else 1.0,
             detail=detail,

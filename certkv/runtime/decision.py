@@ -64,7 +64,7 @@ class Decision:
     certificate_max: float | None = None
     #: Lowest probability of a token of the evicted greedy answer (stop token included).
     confidence_min: float | None = None
-    #: Lowest token probability up to the answer's first departure from the full-KV answer (calibration only: where a recompute gate restarts before anything wrong was produced).
+    #: Lowest token probability up to the answer's first departure from the full-KV answer.
     confidence_min_agreeing: float | None = None
     #: Mean log-probability of the evicted answer's tokens.
     logprob_mean: float | None = None

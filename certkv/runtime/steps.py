@@ -77,7 +77,9 @@ class PathAnswer:
     `reason` is None when the press's cache answered (``mode`` "evicted"); `kept` the realised
     kept share of that cache; `signals` the gate signals measured on the way (keys of
     :data:`certkv.core.signals.SIGNALS`); `seconds` per phase (``prefill``, ``probe``, ``decode``,
-    ``escalation``)."""
+    ``escalation``, ``recompute``); `recomputed_at` the decoding step a recompute gate restarted
+    the answer on the full cache at; `kv_peak` / `kv_time` a decoding-time press's measured KV
+    (:mod:`certkv.core.kv_cost`; None where the path did not measure it)."""
 
     ids: list[int]
     reason: str | None
@@ -85,6 +87,9 @@ class PathAnswer:
     seconds: dict[str, float] = field(default_factory=dict)
     kept: float | None = None
     escalated: bool = False
+    recomputed_at: int | None = None
+    kv_peak: float | None = None
+    kv_time: float | None = None
 
     @property
     def mode(self) -> str:

@@ -10,9 +10,9 @@ request waits. :meth:`ShadowRunner.run`:
    from the full cache is that answer (no second forward);
 2. scores ``loss = utility(full) − utility(served)`` with the contract's utility
    (``op.contract.utility``, the stratum's for a stratified point) when the request carries
-   reference answers, else with ``agreement`` (the served answer against the full answer: what a
-   label-free deployment can check); the loss is the one calibration would record for that
-   request and policy;
+   reference answers or when it needs none (a label-free utility such as ``prefix_agreement``),
+   else with ``agreement`` (the served answer against the full answer: what a label-free
+   deployment can check); the loss is the one calibration would record for that request and policy;
 3. gives the monitor the verdict ``loss > τ`` under calibration's own rule
    (:func:`certkv.core.binomial.violation_mask`, slack :data:`~certkv.core.binomial.VIOLATION_EPS`);
 4. writes the record pair to the :class:`~certkv.serve.shadow_store.ShadowStore` (its docstring
@@ -144,7 +144,7 @@ class ShadowRunner:
                                                 forced=("shadow", None), lean=True))
 
     def _score(self, job: ShadowJob, full: RuntimeAnswer | None = None) -> dict[str, Any]:
-        from certkv.calibration.utility import score
+        from certkv.calibration.utility import LABEL_FREE, score
 
         top = self.runtime.operating_point
         entry, runtime = self._entry(job.stratum)
@@ -164,8 +164,8 @@ class ShadowRunner:
             full_answer, seconds = full.answer, full.seconds
         answers = [str(a) for a in job.answers] if job.answers else None
         utility_name = entry.contract.utility
-        if answers is None or utility_name is None:
-            utility_name = AGREEMENT
+        if utility_name is None or (answers is None and utility_name not in LABEL_FREE):
+            utility_name = AGREEMENT  # a label-free utility (prefix_agreement, ...) needs no references
         refs = answers or ()
         utility_full = score(utility_name, full_answer, refs, full_answer)
         utility = score(utility_name, served.answer, refs, full_answer)

@@ -1,0 +1,94 @@
+"""One request under a decoding-time press, with the recompute fallback mid-generation.
+
+A decoding-time press (kvpress's ``CompressionRatioDecodingPress``, ``PrefillDecodingPress``, ...)
+compresses the cache while the answer is decoded, through hooks on every attention layer, so the
+answer is decoded alone under the press, as calibration decoded it
+(:func:`certkv.engine.decoding_run.run_decoding`): the forwards, and so the tokens, are the
+store's. In ``certkv serve`` such a decode is not batchable (the press's hooks would compress every
+row of a batch): the scheduler runs it between batched steps.
+
+The gate:
+
+* ``recompute`` (threshold r): the first generated token whose probability is < r is not kept;
+  the context is prefilled again with the full cache, the question and the tokens kept so far are
+  fed in one forward, and the answer is finished on the full cache
+  (:func:`certkv.engine.decoding_run.finish_on_full_cache`). The decision says where
+  (``recomputed_at``); certification counted such a request exactly as this runs it
+  (:mod:`certkv.core.gated`).
+* a post-decode part (confidence, certificate-free) escalates the finished answer to the full cache.
+
+Gates decided before the decode (agreement drop, lookahead, a learned model reading them) need the
+full prefill this path never holds; the runtime refuses them for a decoding-time press.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from certkv.core.kv_cost import kv_cost
+from certkv.engine.decoding_run import DecodingRun, finish_on_full_cache, run_decoding
+from certkv.runtime.full_path import full_answer_steps, prefill_slots
+from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
+
+if TYPE_CHECKING:
+    from kvpress import BasePress
+    from transformers import PreTrainedModel
+
+    from certkv.core.spec import GateSettings
+    from certkv.model.generation import EncodedRequest
+
+
+@dataclass
+class DecodingPath:
+    """Answer requests with a decoding-time `press`, behind `gate` (its recompute part included)."""
+
+    model: PreTrainedModel
+    press: BasePress
+    gate: GateSettings
+    stop_ids: set[int]
+
+    def answer(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any]) -> PathAnswer:
+        """Answer `enc` in-process, as calibration did; `signals` is filled with what the gate read."""
+        return run_alone(self.steps(enc, max_new, signals))
+
+    def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
+        """The answer as steps (module docstring); `lean` changes nothing here (the decode is solo)."""
+        yield Reserve(prefill_slots(self.model, enc, max_new))
+        t0 = time.perf_counter()
+        runs: list[DecodingRun] = []
+
+        def solo() -> tuple[list[int], list[float] | None]:
+            run = run_decoding(self.model, self.press, enc, max_new, stop_below=self.gate.recompute)
+            runs.append(run)
+            return run.token_ids, run.logprobs
+
+        job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, self.stop_ids, solo=solo,
+                     want_logprobs=True, batchable=False)
+        yield job
+        run = runs[0]
+        seconds = {"decode": time.perf_counter() - t0}
+        kept = run.prefill_kept / len(enc.context_ids)
+        if run.stopped_at is not None:
+            return self._recompute(enc, run, max_new, signals, seconds, kept)
+        reason = self.gate.post_decode_reason(signals, run.logprobs, None)
+        if reason is None:
+            cost = kv_cost(run.held, len(enc.context_ids), len(enc.question_ids))
+            return PathAnswer(run.token_ids, None, signals, seconds, kept=kept, kv_peak=cost.peak, kv_time=cost.time)
+        t = time.perf_counter()
+        ids = yield from full_answer_steps(self.model, enc, max_new, self.stop_ids)
+        seconds["escalation"] = time.perf_counter() - t
+        return PathAnswer(ids, reason, signals, seconds, escalated=True)
+
+    def _recompute(self, enc, run: DecodingRun, max_new: int, signals: dict, seconds: dict, kept: float) -> PathAnswer:
+        """Finish `run`, stopped by the recompute trigger, on a fresh full cache."""
+        t = time.perf_counter()
+        signals["confidence_min"], signals["logprob_mean"] = None, None  # the evicted answer was not finished
+        finished = finish_on_full_cache(self.model, enc, run.token_ids, max_new)
+        seconds["recompute"] = time.perf_counter() - t
+        return PathAnswer(finished.token_ids, "recompute", signals, seconds, kept=kept, escalated=True,
+                          recomputed_at=run.stopped_at)
+
+
+__all__ = ["DecodingPath"]
