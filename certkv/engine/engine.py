@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvpress import FastKVzipPress, FinchPress, KeyRerotationPress, ObservedAttentionPress, RestoreKVPress
+from kvpress import DecodingPress, FastKVzipPress, FinchPress, KeyRerotationPress, ObservedAttentionPress, RestoreKVPress
 from transformers import DynamicCache
 
 from certkv.core.gate_features import answer_confidence
@@ -472,6 +472,9 @@ def press_precondition_failure(press: BasePress | None, context_length: int) -> 
     """Why `press` (or a press inside it) cannot run on a context of `context_length` tokens, or None."""
     if getattr(press, "compression_ratio", None) == 0:
         return None  # kvpress leaves the cache untouched and never scores
+    window_failure = decoding_window_failure(press)
+    if window_failure:
+        return window_failure
     for inner in press_tree(press):
         # FastKVzip's window_size chunks the prefill of long contexts; a short one simply fits in it.
         window = None if isinstance(inner, FastKVzipPress) else getattr(inner, "window_size", None)
@@ -480,6 +483,23 @@ def press_precondition_failure(press: BasePress | None, context_length: int) -> 
         n_sink = getattr(inner, "n_sink", None)
         if isinstance(n_sink, int) and context_length <= n_sink:
             return f"context of {context_length} tokens does not exceed its {n_sink} sink tokens"
+    return None
+
+
+def decoding_window_failure(press: BasePress | None) -> str | None:
+    """Why a decoding-time press inside `press` cannot score: its scorer reads a window of queries
+    longer than the hidden states it buffers between compressions (kvpress asserts it mid-decode)."""
+    for inner in press_tree(press):
+        if not isinstance(inner, DecodingPress):
+            continue
+        window = getattr(inner.base_press, "window_size", None)
+        buffered = min(inner.compression_interval, inner.hidden_states_buffer_size or inner.compression_interval)
+        if isinstance(window, int) and buffered <= window:
+            return (
+                f"its decoding press scores with the {buffered} hidden states it buffers between compressions, "
+                f"no more than its scorer's window {window}; raise compression_interval (and "
+                f"hidden_states_buffer_size) above {window}"
+            )
     return None
 
 
