@@ -117,6 +117,7 @@ def certification_spec(contract: Contract) -> CertificationSpec:
             "pilot": pilot,
             "strata": None if contract.strata is None else contract.strata.model_dump(),
             "utility": contract.utility,
+            "kv_cost": contract.cost_measure,
             "context_margin": 0.0 if contract.coverage is None else contract.coverage.context_margin,
         },
         source=f"contract {contract.name}",

@@ -68,7 +68,7 @@ class ContractSummary(BaseModel):
     >>> from certkv.core.spec import CertificationSpec
     >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
     >>> ContractSummary.of(spec)
-    ContractSummary(tolerance=0.0, risk=0.1, confidence=0.9, procedure='fixed_sequence', utility=None)
+    ContractSummary(tolerance=0.0, risk=0.1, confidence=0.9, procedure='fixed_sequence', utility=None, kv_cost='kv_retained')
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -77,12 +77,14 @@ class ContractSummary(BaseModel):
     confidence: float
     procedure: Procedure
     utility: str | None = None
+    kv_cost: str = "kv_retained"  # what mean_kv_retained averages: the nominal share, or a generation's peak / KV-time
 
     @classmethod
     def of(cls, spec: CertificationSpec) -> ContractSummary:
         """The contract terms a result reports, taken from the spec it was computed under."""
         return cls(
-            tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure, utility=spec.utility
+            tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure,
+            utility=spec.utility, kv_cost=spec.kv_cost,
         )
 
 

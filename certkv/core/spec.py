@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -401,6 +401,11 @@ class CertificationSpec(BaseModel):
     strata: StrataConfig | None = Field(default=None, description="certify each stratum on its own (strata:)")
     utility: str | None = Field(
         default=None, description="the contract's utility, recorded so that live answers are scored as calibration scored them"
+    )
+    kv_cost: Literal["kv_retained", "peak", "time"] = Field(
+        default="kv_retained",
+        description="what the table's memory column measures (the contract's kv_cost): the nominal share, or a "
+        "generation's peak or KV-time relative to the full cache's (certkv.core.kv_cost)",
     )
     context_margin: float = Field(
         default=0.0,

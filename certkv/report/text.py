@@ -286,10 +286,15 @@ def choice_summary(op: OperatingPoint) -> str:
         gate = f", gated ({gate_text(op.gate)}: {fmt_share(op.gated_share)} of calibration requests)"
     return (
         f"{op.policy} (press {op.press}{gate}): kv_retained {op.kv_retained:g} nominal{actual}, "
-        f"mean memory {op.mean_kv_retained:.3f}, so {100 * (1 - op.mean_kv_retained):.1f}% of the KV "
+        f"mean memory {op.mean_kv_retained:.3f}{_measure(op)}, so {100 * (1 - op.mean_kv_retained):.1f}% of the KV "
         f"cache saved; {op.violations}/{op.n} violations, risk upper bound {fmt_bound(op.risk_upper_bound)} "
         f"≤ ε = {op.contract.risk:g}"
     )
+
+
+def _measure(op: OperatingPoint) -> str:
+    """What the mean memory measures, when it is a generation's cost rather than the nominal share."""
+    return {"peak": " (peak KV)", "time": " (KV-time)"}.get(op.contract.kv_cost, "")
 
 
 def stratified_summary(op: OperatingPoint) -> str:

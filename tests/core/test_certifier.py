@@ -211,7 +211,7 @@ def test_operating_point_json_round_trip(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["operating_point.json"]  # no temp
     data = json.loads(path.read_text(encoding="utf-8"))
     assert DESIGN_KEYS <= set(data)
-    assert set(data["contract"]) == {"tolerance", "risk", "confidence", "procedure", "utility"}
+    assert set(data["contract"]) == {"tolerance", "risk", "confidence", "procedure", "utility", "kv_cost"}
     assert CANDIDATE_KEYS <= set(data["candidates"][0])
     assert data["contract_sha256"] == "c" * 64 and len(data["records_sha256"]) == 64
     assert data["created"].endswith("Z")

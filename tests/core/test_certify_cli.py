@@ -129,7 +129,7 @@ def test_certify_end_to_end_matches_the_python_api(contract_path, tmp_path, caps
     assert data["records_sha256"] == api.records_sha256 and data["contract_sha256"] == contract.sha256()
     assert [c["policy"] for c in data["candidates"]] == [p for s in sequences(contract) for p in s]
     assert data["contract"] == {"tolerance": 0.0, "risk": 0.1, "confidence": 0.9, "procedure": "fixed_sequence",
-                                "utility": "exact_match"}
+                                "utility": "exact_match", "kv_cost": "kv_retained"}
 
     # The console: one row per sequence, the choice, per-task flags and the scoped guarantee.
     for fragment in ("snapkv 2/4 @0.50 ★ @0.20 77/200", "knorm 0/1 — @0.50", "stopped at", "--wide",
