@@ -41,6 +41,8 @@ def candidate_summary(records: Iterable[Mapping[str, Any]], tolerance: float) ->
                 "violations": k,
                 "violation_rate": k / len(rows),
                 "kv_retained_actual": float(np.mean([r["kv_retained_actual"] or 0.0 for r in rows])),
+                # a generation's peak KV relative to the full cache's (None in stores written before it)
+                "kv_peak": None if any(r.get("kv_peak") is None for r in rows) else float(np.mean([r["kv_peak"] for r in rows])),
                 "path": Counter(r.get("path") or "full" for r in rows).most_common(1)[0][0],
             }
         )
@@ -71,13 +73,16 @@ def print_calibration_summary(contract: Contract, summary: CalibrationSummary, c
         skipped = store.skipped()
     order = {REFERENCE_POLICY: -1, **{c.policy: i for i, c in enumerate(candidates(contract))}}
     rows = sorted(candidate_summary(records, contract.tolerance), key=lambda r: order.get(r["policy"], 1 << 30))
+    peak = contract.cost_measure != "kv_retained"  # a generation's cost orders the candidates: show it
     table = narrow_table([("policy", "left"), ("n", "right"), ("utility", "right"), ("k", "right"),
-                          ("rate", "right"), ("KV kept", "right"), ("path", "left")])
+                          ("rate", "right"), ("KV kept", "right"), *([("peak", "right")] if peak else []), ("path", "left")])
     for r in rows:
+        shown = [] if not peak else ["—" if r["kv_peak"] is None else f"{r['kv_peak']:.3f}"]
         add_row(table, r["policy"], str(r["n"]), f"{r['mean_utility']:.3f}", str(r["violations"]),
-                f"{r['violation_rate']:.3f}", f"{r['kv_retained_actual']:.3f}", r["path"])
+                f"{r['violation_rate']:.3f}", f"{r['kv_retained_actual']:.3f}", *shown, r["path"])
     say_path(console, "store", summary.store)
     title = f"per policy: mean utility, violations k (loss > {contract.tolerance:g}), their rate, realised KV kept"
+    title += " after the prefill, peak KV of the generation" if peak else ""
     print_table(console, table, title=title)
     rate = f", {summary.calibrated / summary.seconds:.2f} req/s" if summary.seconds else ""
     say(
