@@ -950,6 +950,48 @@ def press_alternatives(data: dict) -> str:
     ])
 
 
+def long_generation(data: dict) -> str:
+    """Long generations on the embedded model: per-policy breakage under two utilities, KV costs,
+    the recompute gate and the calibration cost against kvpress's pipeline."""
+    rows = [[f"`{p['policy']}`", f"{p['violations']}/{p['n']}", f"{p['task_violations']}/{p['n']}",
+             num(p["kv_peak"]), num(p["kv_time"])] for p in data["policies"]]
+    chosen = data["chosen"]
+    what = "the full cache (nothing certified)" if chosen["fallback"] else f"`{chosen['policy']}`"
+    gates = []
+    for g in data["recompute"]:
+        pilot, cert = g["pilot"], g["certification"]
+        gates.append([f"`{g['policy']}`", num(g["threshold"]), num(pilot["auc"]), pct(pilot["restarted"]),
+                      num(cert["auc"]), pct(cert["restarted"]), pct(cert["restarted_late"]),
+                      "yes" if g["certified"] else "no", num(g["mean_memory"])])
+    t = data["timing"]
+    return "\n\n".join([
+        "## Long generations on the embedded model",
+        command(f"certkv calibrate {data['contract']}\ncertkv certify {data['contract']}\n"
+                "python benchmarks/long_generation.py"),
+        f"`{data['contract']}`: utility `{data['utility']}` at τ = {data['tolerance']:g}, ε = {data['risk']:g}, "
+        f"confidence {data['confidence']:g}, answers of up to {data['max_new_tokens']} tokens (the full cache's: "
+        f"{data['answer_tokens']:.1f} words on average), candidates compared by their `{data['kv_cost']}` KV. "
+        "Per policy over every calibrated request: violations under the contract's label-free utility and under "
+        "the task's own utility (exact match of the recited list with the reference), and the mean peak and "
+        "KV-time relative to the full cache ([long generations](long-generations.md)).",
+        table(["policy", "violations (contract)", "violations (task)", "peak KV", "KV-time"], rows),
+        f"Certified: {what}, mean {data['kv_cost']} KV **{num(chosen['mean_kv_retained'])}**, "
+        f"{chosen['violations']}/{chosen['n']} violations on the certification requests, risk upper bound "
+        f"{num(chosen['risk_upper_bound'])}.",
+        "The recompute gate per base policy and pre-registered quantile: its threshold (placed on the pilot), the "
+        "AUC of the lowest token probability for the requests the base breaks and the share restarted, on the "
+        "pilot and on the certification split, the share restarted after the first departure from the full "
+        "answer (counted as violated), whether it certified, and its mean KV with restarts counted as full.",
+        table(["candidate", "threshold", "AUC pilot", "restarted pilot", "AUC cert.", "restarted cert.",
+               "restarted late", "certified", "mean KV"], gates),
+        f"Calibration cost on {t['requests']} requests, {t['candidates']} candidates, one thread: certkv's engine "
+        f"{seconds(t['certkv_seconds'])} a request against kvpress's pipeline once per candidate and for the full "
+        f"cache {seconds(t['kvpress_seconds'])}, **{times(t['speedup'])}** faster. A decoding-time candidate "
+        "costs its own generation in both; certkv shares the prefill and the full answer's draft among the "
+        "prefill-time candidates only.",
+    ])
+
+
 SECTIONS = {
     "embedded_accuracy": embedded_accuracy,
     "smollm2_135m_accuracy": smollm2_accuracy,
@@ -969,6 +1011,7 @@ SECTIONS = {
     "capacity": capacity,
     "press_league": press_league,
     "press_alternatives": press_alternatives,
+    "long_generation": long_generation,
 }
 
 
