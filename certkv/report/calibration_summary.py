@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from certkv.core.policy_names import REFERENCE_POLICY
 
@@ -74,8 +74,11 @@ def print_calibration_summary(contract: Contract, summary: CalibrationSummary, c
     order = {REFERENCE_POLICY: -1, **{c.policy: i for i, c in enumerate(candidates(contract))}}
     rows = sorted(candidate_summary(records, contract.tolerance), key=lambda r: order.get(r["policy"], 1 << 30))
     peak = contract.cost_measure != "kv_retained"  # a generation's cost orders the candidates: show it
-    table = narrow_table([("policy", "left"), ("n", "right"), ("utility", "right"), ("k", "right"),
-                          ("rate", "right"), ("KV kept", "right"), *([("peak", "right")] if peak else []), ("path", "left")])
+    columns: list[tuple[str, Literal["left", "right"]]] = [
+        ("policy", "left"), ("n", "right"), ("utility", "right"), ("k", "right"), ("rate", "right"), ("KV kept", "right")]
+    if peak:
+        columns.append(("peak", "right"))
+    table = narrow_table([*columns, ("path", "left")])
     for r in rows:
         shown = [] if not peak else ["—" if r["kv_peak"] is None else f"{r['kv_peak']:.3f}"]
         add_row(table, r["policy"], str(r["n"]), f"{r['mean_utility']:.3f}", str(r["violations"]),

@@ -1,0 +1,63 @@
+"""contracts/embedded_long.yaml, calibrated on a few of its requests: every candidate's generation
+is kvpress's pipeline's, token for token, and the records carry what a long generation's
+certification reads."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from conftest import REPO
+
+N_REQUESTS = 3
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    from certkv.calibration.run import calibrate
+    from certkv.calibration.store import CalibrationStore
+    from certkv.contract.loading import load_contract
+
+    data = yaml.safe_load((REPO / "contracts" / "embedded_long.yaml").read_text())
+    data["requests"]["limit"] = N_REQUESTS
+    data["store"] = "store"
+    folder = tmp_path_factory.mktemp("embedded_long")
+    (folder / "contract.yaml").write_text(yaml.safe_dump(data))
+    contract = load_contract(folder / "contract.yaml")
+    assert calibrate(contract, quiet=True).calibrated == N_REQUESTS
+    with CalibrationStore.read(folder / "store") as store:
+        rows = store.records()
+    return contract, rows
+
+
+def test_every_candidate_generates_as_kvpress_pipeline(calibrated, embedded):
+    import kvpress  # noqa: F401  (registers the pipeline)
+    from transformers import pipeline
+
+    from certkv.calibration.run import build_candidates
+
+    contract, rows = calibrated
+    model, tokenizer = embedded
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    answers = {(r["request_id"], r["policy"]): r["answer"] for r in rows}
+    lengths = []
+    for request in contract.load_requests():
+        assert not request.answer_prefix  # the recite question carries its answer's opening itself
+        full = pipe(request.context, question=request.question, max_new_tokens=contract.protocol.max_new_tokens)
+        assert answers[(request.id, "full")] == full["answer"]
+        lengths.append(len(full["answer"].split()))
+        for c in build_candidates(contract):
+            want = pipe(request.context, question=request.question, press=c.press,
+                        max_new_tokens=contract.protocol.max_new_tokens)["answer"]
+            assert answers[(request.id, c.policy)] == want, (request.id, c.policy)
+    assert min(lengths) >= 20, f"the full cache's recitations must be long outputs: {lengths} words"
+
+
+def test_records_carry_a_generation_s_cost_and_signals(calibrated):
+    contract, rows = calibrated
+    assert contract.cost_measure == "peak"
+    for r in rows:
+        if r["policy"] != "full":
+            assert r["memory"] == r["kv_peak"] and 0 < r["kv_peak"] <= 1 and 0 < r["kv_time"] <= 1
+            assert r["confidence_min_agreeing"] >= r["confidence_min"]
+    decoding = [r for r in rows if r["press"] == "compression_ratio_decoding"]
+    assert decoding and all(r["kv_time"] < 1 for r in decoding)
