@@ -515,6 +515,13 @@ class Contract(_Strict):
     @classmethod
     def _check_gate(cls, gate: Gate | None, info) -> Gate | None:
         policies = info.data.get("policies")  # absent when the policies themselves were invalid
+        if gate is not None and gate.recompute is not None and policies is not None:
+            if not any(press_registry.compresses_while_decoding(p.press) for p in policies):
+                raise _error(
+                    "gate.recompute restarts a generation that a decoding-time press is compressing, and no "
+                    "policy entry compresses while decoding; add one (e.g. compression_ratio_decoding) or remove "
+                    "gate.recompute"
+                )
         if gate is None or not gate.certificate or policies is None:
             return gate
         if not any(press_registry.produces_certificates(p.press) for p in policies):
@@ -600,7 +607,8 @@ class Contract(_Strict):
                 kv_retained=tuple(p.kv_retained),
                 press_kwargs=dict(p.press_kwargs),
                 label=p.label,
-                choices=gate_choices(drops, bounds, pilot, certificates=press_registry.produces_certificates(p.press)),
+                choices=gate_choices(drops, bounds, pilot, certificates=press_registry.produces_certificates(p.press),
+                                     decoding=press_registry.compresses_while_decoding(p.press)),
             )
             for p in self.policies
         ]

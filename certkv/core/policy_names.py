@@ -261,10 +261,12 @@ def gate_choices(
     pilot: Iterable[GateChoice] = (),
     *,
     certificates: bool = False,
+    decoding: bool = False,
 ) -> tuple[GateChoice, ...]:
     """Every gate setting an entry is tested under, in sequence order: ungated, each threshold t,
     then (`certificates`: its press produces certificates) each bound b and each pair (t, b),
-    thresholds outer, then the `pilot` settings as given.
+    thresholds outer, then the `pilot` settings as given, the recompute ones only for an entry
+    that compresses while `decoding` (only a decoding-time press's generation can be restarted).
 
     Examples
     --------
@@ -272,12 +274,15 @@ def gate_choices(
     ['p@0.50', 'p@0.50+drop0.2', 'p@0.50+cert0.02', 'p@0.50+drop0.2+cert0.02']
     >>> len(gate_choices([0.2], [0.02], certificates=False))  # no certificate: no +cert settings
     2
+    >>> recompute = [GateChoice(pilot_kind="recompute", quantile=0.1)]
+    >>> len(gate_choices(pilot=recompute)), len(gate_choices(pilot=recompute, decoding=True))
+    (1, 2)
     """
     choices = [GateChoice()] + [GateChoice(agreement_drop=t) for t in agreement_drop]
     if certificates:
         choices += [GateChoice(certificate=b) for b in certificate]
         choices += [GateChoice(agreement_drop=t, certificate=b) for t in agreement_drop for b in certificate]
-    return (*choices, *pilot)
+    return (*choices, *(c for c in pilot if decoding or c.pilot_kind != "recompute"))
 
 
 def candidates(entries: Iterable[PolicyEntry]) -> list[Candidate]:

@@ -8,6 +8,7 @@ drift check needs it); everything else stays torch-free.
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 import textwrap
@@ -504,3 +505,25 @@ def test_unset_later_keys_leave_the_hash_alone(tmp_path):
     assert '"order"' in ordered.canonical_json() and ordered.sha256() != plain.sha256()
     # (runs/demo itself was recalibrated when demo.yaml gained its gate grid and probabilistic press)
     assert '"gate"' in plain.canonical_json()  # `gate` predates stores: present, null when unset
+
+
+def test_decoding_time_presses_and_the_recompute_gate(tmp_path):
+    """kv_retained reaches a decoding press's target share (through the wrapper too); the recompute
+    gate grows candidates for decoding-time entries only, and is refused without one; kv_cost
+    defaults to peak with a decoding-time entry and is left out of the hash while unset."""
+    from certkv.contract.spec import sequences
+    from certkv.errors import CertkvError
+
+    decoding = {"press": "compression_ratio_decoding", "kv_retained": [0.6],
+                "press_kwargs": {"base_press": "knorm", "compression_interval": 8}}
+    base = {"name": "long", "requests": {"source": "builtin:demo"}, "utility": "prefix_agreement", "tolerance": 0.0,
+            "risk": 0.1, "confidence": 0.9, "gate": {"pilot": 0.25, "recompute": {"quantiles": [0.1]}}}
+    contract = parse_contract({**base, "policies": [decoding, {"press": "snapkv", "kv_retained": [0.5]}]}, "test")
+    assert [s for seq in sequences(contract) for s in seq] == [
+        "compression_ratio_decoding@0.60", "compression_ratio_decoding@0.60+recq0.1", "snapkv@0.50"]
+    assert contract.cost_measure == "peak" and "kv_cost" not in json.loads(contract.canonical_json())
+    assert parse_contract({**base, "policies": [decoding], "kv_cost": "time"}, "t").cost_measure == "time"
+    with pytest.raises(CertkvError, match="no policy entry compresses while decoding"):
+        parse_contract({**base, "policies": [{"press": "snapkv", "kv_retained": [0.5]}]}, "test")
+    with pytest.raises(CertkvError, match="has no setting that kv_retained maps to"):
+        parse_contract({**base, "policies": [{"press": "decoding", "kv_retained": [0.5]}]}, "test")
