@@ -90,6 +90,9 @@ def embedded_accuracy(data: dict) -> str:
         f"length (seed {data['seed']}, which training never draws), model `{data['model']}`, "
         f"{data['seconds']:.0f} s.",
         accuracy_table(data),
+        *([f"The long-output task recite is measured at the lengths of its own span (64-256 tokens) with "
+           f"`max_new_tokens` {data['max_new_tokens_long']} (its answers are 42-126 tokens); the others with "
+           f"{data['max_new_tokens']}."] if "max_new_tokens_long" in data else []),
         "Tasks at 0 are not learned by the embedded model: with `exact_match` their requests can never "
         "be violated, so they measure nothing about eviction (see [the embedded model](embedded-model.md)).",
     ])

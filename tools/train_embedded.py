@@ -41,8 +41,11 @@ import sys
 import time
 from pathlib import Path
 
+from certkv.requests.builtin_tasks import LONG_TASKS, RECITE_CONTEXT
+
 CURRICULUM = [64, 96, 128, 192, 256, 320, 384, 448, 512, 576]
 MAX_QUESTIONS = 8
+RECITE_TASKS = tuple(LONG_TASKS)  # trained at their own context lengths (RECITE_CONTEXT), asked once per sequence
 
 
 def model_config(vocab_size: int, bos: int, eos: int, pad: int, layers: int = 2, heads: int = 4, kv_heads: int = 2):
@@ -121,6 +124,7 @@ class Batcher:
         self.space = tokenizer.convert_tokens_to_ids("\u2581")
         self.repeat_ids = tokenizer.encode("Repeat:", add_special_tokens=False)
         self.for_id = tokenizer.convert_tokens_to_ids("\u2581for")
+        self.question_id = tokenizer.convert_tokens_to_ids("\u2581Question")
         self.key_id_set = set(self.key_ids)
         self.record_ends = set(tokenizer.convert_tokens_to_ids([".", "?"])) | {self.eos}
 
@@ -131,7 +135,9 @@ class Batcher:
         """Context then several question/answer pairs; mask is 1 on the first answer, 2 on others."""
         from certkv.requests.builtin_tasks import TASKS
 
-        if task == "multi_key":
+        if task in LONG_TASKS:
+            sample = LONG_TASKS[task](self.rng, length)
+        elif task == "multi_key":
             sample = TASKS[task](
                 self.rng,
                 length,
@@ -145,7 +151,8 @@ class Batcher:
         mask = [0] * len(ids)
         # Questions are drawn with replacement: asked-once keys would let later answers be found by
         # elimination ("a record not asked yet"), a shortcut that stalls learning to match keys.
-        qa = self.rng.choices(sample.qa, k=min(MAX_QUESTIONS, 2 * len(sample.qa)))
+        # A recitation is asked once: a second one could copy the first instead of the context.
+        qa = self.rng.choices(sample.qa, k=1 if task in LONG_TASKS else min(MAX_QUESTIONS, 2 * len(sample.qa)))
         for i, (question, answer) in enumerate(qa):
             q = self.encode(question + "\n")
             a = self.encode(" " + answer) + [self.eos]
@@ -197,9 +204,9 @@ class Batcher:
                 ids, mask = self.recall_sequence(self.rng.randint(max(64, max_len // 2), max_len))
                 tasks.append("recall")
             else:
-                length = self.rng.randint(max(64, max_len // 2), max_len)
                 task = self.rng.choices(names, weights)[0]
-                ids, mask = self.task_sequence(task, length)
+                low, high = (max(64, max_len // 2), max_len) if task not in RECITE_TASKS else RECITE_CONTEXT
+                ids, mask = self.task_sequence(task, self.rng.randint(low, high))
                 tasks.append(task)
             seqs.append((ids, mask))
             total += len(ids)
@@ -219,7 +226,8 @@ class Batcher:
         for row, ((ids, mask), task) in enumerate(zip(seqs, tasks)):
             for position, source in answer_sources(ids, mask, preceding=0 if task == "copy" else 2).items():
                 sources[0, row, position] = source
-            for position, source in self.key_sources(ids).items():
+            keys = self.recite_key_sources(ids, mask) if task in RECITE_TASKS else self.key_sources(ids)
+            for position, source in keys.items():
                 sources[1, row, position] = source
         return input_ids, labels, first, tasks, sources
 
@@ -237,6 +245,30 @@ class Batcher:
         return out
 
 
+    def recite_key_sources(self, ids: list[int], mask: list[int]) -> dict[int, int]:
+        """For a recitation, every position after the list's first key, in the context and from
+        the answer prefix's key on, points at the last record key strictly before it.
+
+        Inside a record that is its own key, as :meth:`key_sources` says; from a record's "The"
+        to its key it is the previous record's key. So the position of each key carries the name
+        of the record before it, and the answer's "for", which knows only the record just
+        recited, finds the next key by matching that name: the step from one record to the next
+        that a copy by the current token alone cannot make ("for" is in every record).
+        """
+        out: dict[int, int] = {}
+        context_end = next(i for i, m in enumerate(mask) if m > 0)
+        context_end = max(i for i in range(context_end) if ids[i] == self.question_id)
+        last = None
+        for i, token in enumerate(ids):
+            if i == context_end:
+                last = None  # the question names no record; the answer prefix's key starts again
+            if last is not None:
+                out[i] = last
+            if token in self.key_id_set and i > 0 and ids[i - 1] == self.for_id:
+                last = i
+        return out
+
+
 def cooldown_factor(step: int, steps: int, cooldown: int) -> float:
     """Learning-rate factor: 1 until the last `cooldown` steps, then falling linearly to 5%
     (a constant rate leaves the answers a few points short of what the weights can do)."""
@@ -245,20 +277,23 @@ def cooldown_factor(step: int, steps: int, cooldown: int) -> float:
     return max(0.05, (steps - step) / cooldown)
 
 
-def retrieval_loss(weights, sources):
+def retrieval_loss(weights, sources, floor: float = 1e-6):
     """Mean −log of the attention that positions pay to their target (`sources`, -1: none).
 
     `weights` (batch, T, T) are one head's attention weights. Telling a last-layer head where the
     answer's token stands, and a first-layer head where a record's key stands, gives the
     key-matching circuit a gradient of its own from the first step, instead of only through a
-    copy that works once the match does (the plateau multi-key runs stalled on)."""
+    copy that works once the match does (the plateau multi-key runs stalled on). `floor` is added
+    to each weight before the log: a weight far below it gets almost no gradient, so a head that
+    must learn a pattern it does not show at all (a key position attending to the previous key)
+    needs a floor far below its current weight (``--attention-floor 1e-30``)."""
     import torch
 
     rows, positions = torch.nonzero(sources >= 0, as_tuple=True)
     if rows.numel() == 0:
         return weights.sum() * 0.0
     picked = weights[rows, positions, sources[rows, positions]]
-    return -torch.log(picked + 1e-6).mean()
+    return -torch.log(picked + floor).mean()
 
 
 def answer_runs(mask: list[int]) -> list[tuple[int, int]]:
@@ -349,6 +384,9 @@ def train(args) -> Path:
         opt.load_state_dict(ckpt["opt"])
         state = ckpt["state"]
         log(f"resumed from {ckpt_path} at step {state['step']} (seed {state['seed']}, stage {state['stage']})")
+    elif args.init_from_shipped:
+        model, opt, state = from_shipped(fresh, args.seed)
+        log(f"new run from the shipped weights (sha256 {state['init_from_shipped'][:12]}), fresh optimizer, length 576")
     elif args.grow_from:
         model, opt, state = grown(args.grow_from, fresh)
         log(f"grown from {args.grow_from} to {args.layers} layers at step {state['step']} (new layers start as identities)")
@@ -363,6 +401,7 @@ def train(args) -> Path:
     batcher = batcher_for(state["seed"], state["step"])
 
     window: list[tuple[int, int]] = []
+    recite_window: list[tuple[int, int]] = []  # (answers recited right token for token, answers) per step
     t0 = time.time()
     model.train()
     while state["step"] < args.steps:
@@ -377,6 +416,8 @@ def train(args) -> Path:
         if stage >= 4:
             mix = {"multi_key": 0.85 - needle, "single_needle": needle, "dilution": 0.05, "variable_tracking": 0.05,
                    "multi_value": 0.05}
+        if args.recite_share > 0:
+            mix = {**{t: w * (1 - args.recite_share) for t, w in mix.items()}, "recite": args.recite_share}
         input_ids, labels, first_labels, tasks, *targets = batcher.batch(
             max_len, args.tokens_per_step, copy_share, mix, with_sources=supervise)
         warm = min(1.0, (state["since_start"] + 1) / args.warmup) * cooldown_factor(state["step"], args.steps, args.cooldown)
@@ -387,8 +428,9 @@ def train(args) -> Path:
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
         if supervise:
             copy_targets, key_targets = targets[0]
-            loss = loss + args.retrieval_supervision * (retrieval_loss(output.attentions[-1][:, 0], copy_targets)
-                                                        + retrieval_loss(output.attentions[0][:, 0], key_targets))
+            floor = args.attention_floor
+            loss = loss + args.retrieval_supervision * (retrieval_loss(output.attentions[-1][:, 0], copy_targets, floor)
+                                                        + retrieval_loss(output.attentions[0][:, 0], key_targets, floor))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -404,9 +446,13 @@ def train(args) -> Path:
                 (answer_accuracy(logits[task_rows], labels[task_rows]),
                  answer_accuracy(logits[mk_rows], first_labels[mk_rows]))
             )
+            recite_rows = [i for i, t in enumerate(tasks) if t in RECITE_TASKS]
+            recite_window = ([*recite_window, answer_accuracy(logits[recite_rows], labels[recite_rows])]
+                             if recite_rows else recite_window)[-args.window :]
         window = window[-args.window :]
         acc = sum(c for (c, _), _ in window) / max(1, sum(t for (_, t), _ in window))
         mk_acc = sum(c for _, (c, _) in window) / max(1, sum(t for _, (_, t) in window))
+        recite_acc = sum(c for c, _ in recite_window) / max(1, sum(t for _, t in recite_window))
         if mk_acc > 0.6 and len(window) == args.window:
             state["multi_key_matching"] = True
         if args.shared_vector == "on-match" and state.get("multi_key_matching") and "shared_vector_added" not in state:
@@ -420,8 +466,10 @@ def train(args) -> Path:
             log(
                 f"step {state['step']} len {max_len} loss {loss.item():.4f} acc {acc:.3f} multi_key_first {mk_acc:.3f} "
                 f"lr {args.lr * warm:.2e} {time.time() - t0:.0f}s"
+                + (f" recite {recite_acc:.3f}" if recite_window else "")
             )
-            state["history"].append({"step": state["step"], "len": max_len, "loss": loss.item(), "acc": acc, "multi_key": mk_acc})
+            state["history"].append({"step": state["step"], "len": max_len, "loss": loss.item(), "acc": acc, "multi_key": mk_acc,
+                                     **({"recite": recite_acc} if recite_window else {})})
         if len(window) == args.window and acc > args.advance_at and stage < len(CURRICULUM) - 1:
             state["stage"] += 1
             window = []
@@ -437,8 +485,32 @@ def train(args) -> Path:
         if state["step"] % args.checkpoint_every == 0:
             save_checkpoint(ckpt_path, model, opt, state)
     save_checkpoint(ckpt_path, model, opt, state)
-    export(model, tok)
+    if args.no_export:
+        log(f"done; not exported (--no-export): python tools/train_embedded.py --out {out} --export-only")
+    else:
+        export(model, tok)
     return ckpt_path
+
+
+def from_shipped(fresh, seed: int):
+    """The shipped weights (``certkv/embedded/model.safetensors``) to fine-tune, with a fresh
+    optimizer and its warm-up, at the last curriculum length, matching counted as started (so the
+    run is never restarted from a random initialisation and the copy share is ``--copy-share``)."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from certkv.model.embedded_tokenizer import EMBEDDED_DIR
+
+    weights = EMBEDDED_DIR / "model.safetensors"
+    model, opt, state = fresh(seed)
+    shipped = load_file(str(weights))
+    if "lm_head.weight" not in shipped:  # tied embeddings: saved once
+        shipped["lm_head.weight"] = shipped["model.embed_tokens.weight"]
+    model.load_state_dict(shipped)
+    state.update({"stage": len(CURRICULUM) - 1, "multi_key_matching": True,
+                  "init_from_shipped": hashlib.sha256(weights.read_bytes()).hexdigest()})
+    return model, opt, state
 
 
 def grown(source: str, fresh):
@@ -580,7 +652,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--retrieval-supervision", type=float, default=1.0,
                    help="weight of the attention loss that tells one last-layer head where each answer token stands"
                    " in the context and one first-layer head where each record token's key stands (0: none)")
+    p.add_argument("--attention-floor", type=float, default=1e-6,
+                   help="added to a supervised attention weight before its log: below it the weight gets almost no"
+                   " gradient (1e-30 lets a head learn a pattern it shows not at all, as a fine-tune needs)")
     p.add_argument("--export-only", action="store_true", help="export the checkpoint's weights and stop")
+    p.add_argument("--no-export", action="store_true",
+                   help="leave certkv/embedded/ as it is when the run ends (export later with --export-only)")
+    p.add_argument("--init-from-shipped", action="store_true",
+                   help="start a new run (empty --out) from the shipped weights with a fresh optimizer, at the last"
+                   " curriculum length, instead of a random initialisation (to fine-tune, e.g. with --recite-share)")
+    p.add_argument("--recite-share", type=float, default=0.0,
+                   help="share of the task sequences that are the long-output recite task (the rest keeps the"
+                   " retrieval mix, rehearsed); 0: the retrieval recipe alone")
     args = p.parse_args(argv)
     try:
         check_shape(args.heads, args.kv_heads)

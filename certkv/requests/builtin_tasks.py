@@ -15,10 +15,16 @@ Tasks:
 - ``variable_tracking``: chains of assignments ``VAR b = a.``; ask the value at the end of a chain.
 - ``dilution``: the asked code is split in two parts stored in separate records.
 
+One long-output task, in ``LONG_TASKS``:
+- ``recite``: a dense list of 4-11 records after some filler; the question asks for every magic
+  number, its answer prefix restates the first record up to its value, and the answer is the rest
+  of the list verbatim, 42-126 embedded-tokenizer tokens (``RECITE_RECORDS`` sets the count).
+
 :mod:`certkv.requests.natural_tasks` adds the RULER families in natural English for real models
 (``ruler_*`` and ``reading_comprehension``, 512-8192 model tokens). ``TASKS`` keeps only the tasks
-above, the embedded model's (its training, its accuracy table and the ``all`` and ``demo`` mixes
-are about them); ``ALL_TASKS`` holds both, and ``CONTEXT_RANGES`` says which lengths each allows.
+above, the embedded model's retrieval tasks (its training, its accuracy table and the ``all`` and
+``demo`` mixes are about them); ``ALL_TASKS`` holds every task, and ``CONTEXT_RANGES`` says which
+lengths each allows (``recite`` 64-256 tokens, so that context and answer stay short).
 """
 
 from __future__ import annotations
@@ -176,6 +182,39 @@ def dilution(rng: random.Random, context_length: int) -> Sample:
     return Sample(_fill(rng, units, context_length), qa)
 
 
+#: Records in a recite context: 4 records make a 42-token answer, 11 a 126-token one.
+RECITE_RECORDS = (4, 11)
+RECITE_CONTEXT = (64, 256)
+#: The recite filler: none starts with "The", so in a recite context "The" always opens a record.
+RECITE_FILLER = [sentence for sentence in FILLER if not sentence.startswith("The ")]
+RECITE_QUESTION = "Question: What are all the magic numbers?"
+
+
+def recite(rng: random.Random, context_length: int) -> Sample:
+    """Filler, then a dense list of records; the answer recites the list after the first value's key.
+
+    The records stand together at the end of the context, with no filler between them, so the
+    answer is one contiguous span of the context, the kind of copy a 2-layer model's induction
+    heads make. Like the other tasks, the question's answer prefix restates the first record up
+    to its value ("Answer: The magic number for apple is"), so the answer starts at its value and
+    goes on with the rest of the list: 6 + 12 (n - 1) tokens for n records."""
+    low, high = RECITE_RECORDS
+    n = rng.randint(low, max(low, min(high, context_length // count_tokens(_record("apple", "1234")))))
+    keys = rng.sample(KEY_WORDS, n)
+    records = [_record(k, _value(rng)) for k in keys]
+    budget = context_length - sum(count_tokens(r) for r in records)
+    filler: list[str] = []
+    while True:
+        sentence = rng.choice(RECITE_FILLER)
+        if count_tokens(sentence) > budget:
+            break
+        filler.append(sentence)
+        budget -= count_tokens(sentence)
+    prefix = f"The magic number for {keys[0]} is"
+    answer = " ".join(records).removeprefix(prefix + " ")
+    return Sample(filler + records, [(f"{RECITE_QUESTION} Answer: {prefix}", answer)])
+
+
 TASKS: dict[str, Callable[[random.Random, int], Sample]] = {
     "single_needle": single_needle,
     "multi_key": multi_key,
@@ -184,8 +223,11 @@ TASKS: dict[str, Callable[[random.Random, int], Sample]] = {
     "dilution": dilution,
 }
 
+#: The embedded model's long-output tasks: answers of 32-128 tokens instead of a value.
+LONG_TASKS: dict[str, Callable[[random.Random, int], Sample]] = {"recite": recite}
+
 #: Every built-in task, embedded and natural; request generation looks tasks up here.
-ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {**TASKS, **NATURAL_TASKS}
+ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {**TASKS, **LONG_TASKS, **NATURAL_TASKS}
 
 #: The inclusive context lengths each task allows: the embedded tasks count embedded-tokenizer
 #: tokens up to the embedded model's 2048 positions; the natural ones count model tokens
@@ -193,6 +235,7 @@ ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {
 CONTEXT_RANGES: dict[str, tuple[int, int]] = {
     **{name: (MIN_CONTEXT, MAX_CONTEXT) for name in TASKS},
     **{name: (natural_tasks.MIN_CONTEXT, natural_tasks.MAX_CONTEXT) for name in NATURAL_TASKS},
+    "recite": RECITE_CONTEXT,
 }
 
 # Named mixtures. `demo` holds only the tasks the embedded model answers with full-KV exact match

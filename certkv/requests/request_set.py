@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from certkv.atomic_io import atomic_write
 from certkv.errors import CertkvError, format_validation_error
-from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, MIXES, TASKS
+from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, LONG_TASKS, MIXES, TASKS
 from certkv.requests.natural_tasks import NATURAL_TASKS, split_answer_prefix
 
 
@@ -103,10 +103,12 @@ def _ranges_text() -> str:
     spans: dict[tuple[int, int], list[str]] = {}
     for name, span in CONTEXT_RANGES.items():
         spans.setdefault(span, []).append(name)
-    return " or ".join(
-        f"{low}-{high} tokens ({'embedded tasks' if set(names) <= set(TASKS) else 'natural-English ruler tasks'})"
-        for (low, high), names in spans.items()
-    )
+    def family(names: list[str]) -> str:
+        if set(names) <= set(TASKS):
+            return "embedded tasks"
+        return ", ".join(names) if set(names) <= set(LONG_TASKS) else "natural-English ruler tasks"
+
+    return " or ".join(f"{low}-{high} tokens ({family(names)})" for (low, high), names in spans.items())
 
 
 def _mix_range(tasks: Iterable[str]) -> tuple[int, int, str]:
@@ -146,14 +148,20 @@ def parse_context_length(spec: str | int, tasks: Iterable[str] | None = None) ->
 #: A builtin mix's context lengths when none is given (model tokens), per family of tasks.
 EMBEDDED_DEFAULT_CONTEXT_LENGTH = "256-512"
 NATURAL_DEFAULT_CONTEXT_LENGTH = "512-1024"
+LONG_DEFAULT_CONTEXT_LENGTH = "128-256"
 
 
 def default_context_length(mix: str | dict[str, float]) -> str:
     """The context lengths of a builtin mix that gives none: 256-512 tokens for the embedded tasks,
+    128-256 for the embedded long-output task (so that context and a 126-token answer stay short),
     512-1024 for the natural-English ruler tasks (the short end of their span, where a 135M model
     answers and a calibration of every press fits in a CPU session)."""
     weights = parse_mix(mix) if isinstance(mix, str) else mix
-    return NATURAL_DEFAULT_CONTEXT_LENGTH if weights and set(weights) <= set(NATURAL_TASKS) else EMBEDDED_DEFAULT_CONTEXT_LENGTH
+    if weights and set(weights) <= set(NATURAL_TASKS):
+        return NATURAL_DEFAULT_CONTEXT_LENGTH
+    if weights and set(weights) & set(LONG_TASKS):
+        return LONG_DEFAULT_CONTEXT_LENGTH
+    return EMBEDDED_DEFAULT_CONTEXT_LENGTH
 
 
 def generate_requests(
@@ -163,7 +171,8 @@ def generate_requests(
 
     The task of request i is drawn from the mix's weights, its context length uniformly from the
     range; request i depends only on (seed, i), so a larger `n` extends a smaller set. The range
-    must be one every task of the mix allows (embedded tasks 64-2048, natural ones 512-8192);
+    must be one every task of the mix allows (embedded tasks 64-2048, recite 64-256, natural ones
+    512-8192);
     None: :func:`default_context_length`.
     """
     weights = parse_mix(mix) if isinstance(mix, str) else dict(mix)

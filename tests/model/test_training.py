@@ -169,3 +169,41 @@ def test_cooldown_lowers_the_rate_only_over_the_last_steps():
     assert [cooldown_factor(s, 1000, 0) for s in (0, 999)] == [1.0, 1.0]
     assert cooldown_factor(799, 1000, 200) == 1.0 and cooldown_factor(800, 1000, 200) == 1.0
     assert cooldown_factor(900, 1000, 200) == 0.5 and cooldown_factor(999, 1000, 200) == 0.05
+
+
+def test_recite_sequences_copy_the_record_list_and_chain_each_key_to_the_one_before(tokenizer):
+    """A recitation is one answer, a copy of the context's record list: every answer token but </s>
+    gets its source in the list, and each position from the list's first key on looks at the last
+    key strictly before it (a key position at the previous record's key: 12 tokens back)."""
+    from train_embedded import Batcher, answer_runs, answer_sources
+
+    batcher = Batcher(tokenizer, seed=13)
+    for length in (64, 256):
+        ids, mask = batcher.task_sequence("recite", length)
+        (start, n), = answer_runs(mask)
+        assert 42 + 1 <= n <= 126 + 1
+        sources = answer_sources(ids, mask)
+        assert len(sources) == n - 1 and all(ids[q + 1] == ids[s] and mask[s] == 0 for q, s in sources.items())
+        keys = batcher.recite_key_sources(ids, mask)
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+        record_keys = [i for i in range(1, len(ids)) if ids[i] in batcher.key_id_set and tokens[i - 1] == "\u2581for"]
+        for q, s in keys.items():
+            assert s in record_keys and s < q and not any(s < k < q for k in record_keys)
+        # every key but a list's first has a source, the previous record's key, 12 tokens back
+        chained = [k for k in record_keys if k in keys]
+        assert len(chained) == len(record_keys) - 2 and all(keys[k] == k - 12 for k in chained)
+        # the question names no record: nothing between the context's end and the answer prefix's key
+        question = tokens.index("\u2581Question")
+        assert all(q not in keys for q in range(question, start - 1))
+
+
+def test_a_floor_far_below_the_weight_gives_a_vanishing_head_its_gradient():
+    from train_embedded import retrieval_loss
+
+    logits = torch.tensor([[[0.0, -30.0, 0.0]]], requires_grad=True)  # the target's weight is ~5e-14
+    sources = torch.tensor([[1]])
+    for floor, least in ((1e-6, 0.0), (1e-30, 0.99)):
+        logits.grad = None
+        retrieval_loss(torch.softmax(logits, -1), sources, floor).backward()
+        push = -float(logits.grad[0, 0, 1])  # d(loss)/d(target logit), which -log(weight) makes 1 - weight
+        assert push > least and (floor == 1e-30 or push < 1e-6)

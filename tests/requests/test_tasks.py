@@ -135,10 +135,12 @@ def test_demo_mix_holds_exactly_the_tasks_the_shipped_model_answers():
     table = json.loads((REPO / "benchmarks" / "results" / "embedded_accuracy.json").read_text())
     assert table["model"] == model_fingerprint("embedded"), "re-run benchmarks/embedded_accuracy.py for these weights"
     assert table["n_per_cell"] >= 500
-    good = {task for task, by_length in table["exact_match"].items() if min(by_length.values()) >= 0.90}
+    # the retrieval tasks only: the long-output task recite has a mix of its own (builtin:recite)
+    retrieval = {task: by_length for task, by_length in table["exact_match"].items() if task in TASKS}
+    good = {task for task, by_length in retrieval.items() if min(by_length.values()) >= 0.90}
     assert set(MIXES["demo"]) == good
     # `certkv generate --help` says the embedded model fails every other task even with the full cache
-    failed = {task for task, by_length in table["exact_match"].items() if max(by_length.values()) <= 0.05}
+    failed = {task for task, by_length in retrieval.items() if max(by_length.values()) <= 0.05}
     assert set(TASKS) - good == failed
     shipped = {json.loads(line)["task"] for line in DEMO_REQUESTS.read_text().splitlines()}
     assert shipped == good
