@@ -23,7 +23,6 @@ from certkv.core.kv_cost import kv_cost, prefill_press_held
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, padded_cache
-from certkv.engine.decoding_batch import decode_decoding_candidates, shares_the_prefill
 from certkv.engine.decoding_run import is_decoding_press, run_decoding
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
@@ -279,7 +278,6 @@ class Engine:
         reserve = len(enc.question_ids) + 4 * self.max_new_tokens
         self._fast_answers(prefilled, draft, reserve, answers, verify)
         self._probabilistic_answers(prefilled, reserve, answers)
-        self._decoding_answers(prefilled, answers)
         t3 = time.perf_counter()
         seconds["candidates_fast"] = t3 - t2 - prefilled.mass_seconds
         seconds["lookahead"] += prefilled.mass_seconds  # the probe and every candidate's evicted mass
@@ -287,8 +285,7 @@ class Engine:
         for c in self.slow:
             answers[c.policy] = self._run_pipeline(c, enc, context_tensor(self.model, enc.context_ids))
         for c in self.decoding:
-            if c.policy not in answers:  # a prefill-and-decoding press: its own prefill
-                answers[c.policy] = self._run_decoding(c, enc)
+            answers[c.policy] = self._run_decoding(c, enc)
         seconds["candidates_pipeline"] = time.perf_counter() - t3
         _set_generation_costs(full, answers.values(), n_ctx, len(enc.question_ids))
         return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
@@ -435,21 +432,6 @@ class Engine:
         answer.set_confidence(logprobs)
         return answer
 
-
-    def _decoding_answers(self, prefilled: _Prefilled, answers: dict) -> None:
-        """The decoding-time candidates that start from the full prefill, decoded together
-        (:func:`certkv.engine.decoding_batch.decode_decoding_candidates`); each one's ``seconds``
-        is its share of that batch."""
-        shared = [c for c in self.decoding if shares_the_prefill(c.press)]
-        if not shared:
-            return
-        t0 = time.perf_counter()
-        enc = prefilled.enc
-        runs = decode_decoding_candidates(self.model, prefilled.cache, [c.press for c in shared], enc,
-                                          self.max_new_tokens, self.stop_ids)
-        share = (time.perf_counter() - t0) / len(shared)
-        for c, run in zip(shared, runs):
-            answers[c.policy] = self._decoding_answer(c, enc, run, share)
 
     def _decoding_answer(self, c: PressCandidate, enc: EncodedRequest, run, seconds: float) -> CandidateAnswer:
         """A decoding-time candidate's answer from its run: kept fraction of the prefill, confidence, KV cost."""

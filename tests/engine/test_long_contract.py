@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-N_REQUESTS = 3
+N_REQUESTS = 2
 
 
 @pytest.fixture(scope="module")
