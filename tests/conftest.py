@@ -173,3 +173,14 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
         print(f"\nERROR: the torch-free selection imported {', '.join(heavy)}; move the test that "
               "needs it to a folder outside TORCH_FREE_FOLDERS (tests/conftest.py)", file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def embedded_recite():
+    """The embedded model fine-tuned to recite its context (the long-generation tests' model)."""
+    import torch
+
+    from certkv.model.loading import load_model
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    return load_model("embedded-recite", device="cpu")

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED = "embedded"
+#: The embedded model fine-tuned to also recite its context's records (builtin:recite, answers of
+#: 42-126 tokens): the long-generation contracts' model. Same architecture and tokenizer; its own
+#: weights, so that the default model's calibrated figures and tests stay as they are.
+EMBEDDED_RECITE = "embedded-recite"
+EMBEDDED_RECITE_DIR = EMBEDDED_DIR.parent / "embedded_recite"
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -52,13 +57,14 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 def _source(name_or_path: str) -> tuple[str, bool]:
     """Return (what to pass to from_pretrained, whether it is a local folder)."""
-    if name_or_path == EMBEDDED:
-        if not (EMBEDDED_DIR / "model.safetensors").is_file():
+    if name_or_path in (EMBEDDED, EMBEDDED_RECITE):
+        folder = EMBEDDED_DIR if name_or_path == EMBEDDED else EMBEDDED_RECITE_DIR
+        if not (folder / "model.safetensors").is_file():
             raise CertkvError(
-                f"the embedded model's weights are missing from {EMBEDDED_DIR}; reinstall certkv "
+                f"the {name_or_path} model's weights are missing from {folder}; reinstall certkv "
                 "or, from a certkv checkout, train them with `python tools/train_embedded.py`"
             )
-        return str(EMBEDDED_DIR), True
+        return str(folder), True
     if is_gguf_source(name_or_path):  # a named model or a .gguf file: its converted folder
         return str(converted_folder(name_or_path)), True
     path = Path(name_or_path).expanduser()

@@ -305,7 +305,7 @@ def refusal_reason(
     cls = _kvpress_class(spec)
     if cls is None:
         return None
-    if cls in _TRAINED_PER_MODEL and model == EMBEDDED_MODEL:
+    if cls in _TRAINED_PER_MODEL and model in (EMBEDDED_MODEL, "embedded-recite"):
         return (
             f"press {spec!r} cannot run on the embedded model: {_TRAINED_PER_MODEL[cls]}; none exist for "
             "the embedded model, so name it only with a model they were trained for"

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-N_REQUESTS = 2
+N_REQUESTS = 1
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +29,14 @@ def calibrated(tmp_path_factory):
     return contract, rows
 
 
-def test_every_candidate_generates_as_kvpress_pipeline(calibrated, embedded):
+def test_every_candidate_generates_as_kvpress_pipeline(calibrated, embedded_recite):
     import kvpress  # noqa: F401  (registers the pipeline)
     from transformers import pipeline
 
     from certkv.calibration.run import build_candidates
 
     contract, rows = calibrated
-    model, tokenizer = embedded
+    model, tokenizer = embedded_recite
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     answers = {(r["request_id"], r["policy"]): r["answer"] for r in rows}
     lengths = []
