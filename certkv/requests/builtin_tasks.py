@@ -27,7 +27,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from certkv.requests import natural_tasks
+from certkv.requests import long_tasks, natural_tasks
+from certkv.requests.long_tasks import LONG_TASKS
 from certkv.requests.natural_tasks import NATURAL_TASKS, NaturalSample
 from certkv.requests.vocabulary import KEY_WORDS, count_tokens
 
@@ -185,7 +186,7 @@ TASKS: dict[str, Callable[[random.Random, int], Sample]] = {
 }
 
 #: Every built-in task, embedded and natural; request generation looks tasks up here.
-ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {**TASKS, **NATURAL_TASKS}
+ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {**TASKS, **NATURAL_TASKS, **LONG_TASKS}
 
 #: The inclusive context lengths each task allows: the embedded tasks count embedded-tokenizer
 #: tokens up to the embedded model's 2048 positions; the natural ones count model tokens
@@ -193,6 +194,7 @@ ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {
 CONTEXT_RANGES: dict[str, tuple[int, int]] = {
     **{name: (MIN_CONTEXT, MAX_CONTEXT) for name in TASKS},
     **{name: (natural_tasks.MIN_CONTEXT, natural_tasks.MAX_CONTEXT) for name in NATURAL_TASKS},
+    **{name: (long_tasks.LONG_MIN_CONTEXT, long_tasks.LONG_MAX_CONTEXT) for name in LONG_TASKS},
 }
 
 # Named mixtures. `demo` holds only the tasks the embedded model answers with full-KV exact match

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from certkv.atomic_io import atomic_write
 from certkv.errors import CertkvError, format_validation_error
 from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, MIXES, TASKS
+from certkv.requests.long_tasks import LONG_TASKS
 from certkv.requests.natural_tasks import NATURAL_TASKS, split_answer_prefix
 
 
@@ -103,10 +104,12 @@ def _ranges_text() -> str:
     spans: dict[tuple[int, int], list[str]] = {}
     for name, span in CONTEXT_RANGES.items():
         spans.setdefault(span, []).append(name)
-    return " or ".join(
-        f"{low}-{high} tokens ({'embedded tasks' if set(names) <= set(TASKS) else 'natural-English ruler tasks'})"
-        for (low, high), names in spans.items()
-    )
+    def family(names: list[str]) -> str:
+        if set(names) <= set(TASKS):
+            return "embedded tasks"
+        return "natural-English long-output tasks" if set(names) <= set(LONG_TASKS) else "natural-English ruler tasks"
+
+    return " or ".join(f"{low}-{high} tokens ({family(names)})" for (low, high), names in spans.items())
 
 
 def _mix_range(tasks: Iterable[str]) -> tuple[int, int, str]:
@@ -146,13 +149,17 @@ def parse_context_length(spec: str | int, tasks: Iterable[str] | None = None) ->
 #: A builtin mix's context lengths when none is given (model tokens), per family of tasks.
 EMBEDDED_DEFAULT_CONTEXT_LENGTH = "256-512"
 NATURAL_DEFAULT_CONTEXT_LENGTH = "512-1024"
+LONG_DEFAULT_CONTEXT_LENGTH = "640-960"
 
 
 def default_context_length(mix: str | dict[str, float]) -> str:
     """The context lengths of a builtin mix that gives none: 256-512 tokens for the embedded tasks,
     512-1024 for the natural-English ruler tasks (the short end of their span, where a 135M model
-    answers and a calibration of every press fits in a CPU session)."""
+    answers and a calibration of every press fits in a CPU session), 640-960 for the long-output
+    tasks (prompts of a few hundred tokens: their cost is the long answer)."""
     weights = parse_mix(mix) if isinstance(mix, str) else mix
+    if weights and set(weights) <= set(LONG_TASKS):
+        return LONG_DEFAULT_CONTEXT_LENGTH
     return NATURAL_DEFAULT_CONTEXT_LENGTH if weights and set(weights) <= set(NATURAL_TASKS) else EMBEDDED_DEFAULT_CONTEXT_LENGTH
 
 
