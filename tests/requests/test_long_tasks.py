@@ -106,3 +106,20 @@ def test_too_short_a_length_is_an_error_naming_it():
     for task in ("recite_diary", "summarise_story"):
         with pytest.raises(ValueError, match="context length 300"):
             LONG_TASKS[task](random.Random(0), 300)
+
+
+def test_the_shipped_contract_draws_long_answers_from_these_tasks():
+    from conftest import REPO
+
+    from certkv.contract.loading import load_contract
+    from certkv.requests.request_set import parse_mix
+
+    c = load_contract(REPO / "contracts" / "smollm2_long.yaml")
+    assert set(parse_mix(c.requests.source.removeprefix("builtin:"))) == {"recite_steps", "recite_diary"}
+    assert c.requests.limit >= 600 and c.protocol.max_new_tokens >= 128 and c.cost_measure == "peak"
+    assert c.gate is not None and c.gate.recompute is not None and c.gate.pilot
+    decoding = {"compression_ratio_decoding", "prefill_decoding"}
+    presses = {p.press for p in c.policies}
+    assert decoding <= presses and presses - decoding, "decoding-time and prefill-time candidates"
+    requests = load_requests(c.requests.source, limit=4, seed=c.requests.seed, context_length=c.requests.context_length)
+    assert all(r.answers[0] in r.context for r in requests)
