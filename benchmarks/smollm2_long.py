@@ -93,12 +93,18 @@ def strict_records(rows: list[dict], path: Path) -> None:
 
 
 def certified(contract, records_file: Path | None, allow_incomplete: bool) -> dict:
-    """The certified point per task (the contract's strata) and pooled (a comparison)."""
+    """The certified point per task (the contract's strata) and pooled (a comparison); what
+    refused to certify instead (a loss table read from a file is never a preview: too few requests
+    for the pilot is an error there)."""
     from smollm2_ruler import entry_summary
 
     from certkv.calibration.certification import certify_contract_with_comparison
+    from certkv.errors import CertkvError
 
-    evidence, op, pooled = certify_contract_with_comparison(contract, records_file, allow_incomplete=allow_incomplete)
+    try:
+        evidence, op, pooled = certify_contract_with_comparison(contract, records_file, allow_incomplete=allow_incomplete)
+    except CertkvError as exc:
+        return {"strata": {}, "pooled": None, "incomplete": allow_incomplete, "error": str(exc)}
     return {
         "strata": {name: entry_summary(e) for name, e in (op.strata.entries.items() if op.strata else [])},
         "pooled": entry_summary(pooled) if pooled is not None else None,

@@ -253,6 +253,8 @@ def smollm2_long(data: dict) -> str:
         f"Certified point per task under `{u}` (τ = {data['tolerance']}) and under `{s}` (τ = 0, the same records "
         "rescored; a comparison, never deployed); mean KV counts the full cache of the requests a gate restarts:",
         table(["task", f"`{u}`: point", "k/n", "bound", "mean KV", f"`{s}`: point", "k/n", "bound", "mean KV"], prow),
+        *[f"Not certified under `{name}`: {c['error']}" for name, c in ((u, cert["task_utility"]), (s, cert["strict_utility"]))
+          if c.get("error")],
     ])
 
 
