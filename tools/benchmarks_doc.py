@@ -205,6 +205,62 @@ def smollm2_ruler(data: dict) -> str:
     ])
 
 
+def _long_point(e: dict | None) -> list[str]:
+    if e is None:
+        return ["—"] * 4
+    return [f"`{e['policy']}`" + (" (full cache)" if e["fallback"] else ""), f"{e['violations']}/{e['n']}",
+            num(e["risk_upper_bound"]), num(e["mean_kv_retained"])]
+
+
+def smollm2_long(data: dict) -> str:
+    """SmolLM2's long answers under decoding-time eviction: what each policy breaks, what certifies."""
+    done = data["requests"] >= data["requests_planned"]
+    tasks = sorted(data["full_cache"])
+    full_rows = [[t, str(f["n"]), num(f["utility"]), str(f["below_half"]), seconds(f["seconds_per_request"])]
+                 for t, f in data["full_cache"].items()]
+    crow = []
+    for policy, c in data["candidates"].items():
+        cells = [c["tasks"].get(t) for t in tasks]
+        crow.append([f"`{policy}`", " / ".join(num(x and x["kv_peak"], 2) for x in cells),
+                     " / ".join(num(x and x["kv_time"], 2) for x in cells),
+                     *[f"{x['task_broken']}/{x['n']}" if x else "—" for x in cells],
+                     *[f"{x['strict_broken']}/{x['n']}" if x else "—" for x in cells],
+                     " / ".join(num(x and x["rouge_l_full"], 2) for x in cells)])
+    cert = data["certified"]
+    prow = [[t, *_long_point(cert["task_utility"]["strata"].get(t)), *_long_point(cert["strict_utility"]["strata"].get(t))]
+            for t in tasks]
+    status = (f"The store holds all {data['requests']} requests." if done else
+              f"**In progress:** the store holds {data['requests']} of the contract's {data['requests_planned']} requests "
+              "(the calibration resumes where it stopped). Every figure below is a preview of those requests, and the "
+              "certificates promise nothing until the store is complete.")
+    u, s = data["utility"], data["strict_utility"]
+    return "\n\n".join([
+        "## SmolLM2-135M long generations" + ("" if done else " (in progress)"),
+        command("nohup certkv calibrate contracts/smollm2_long.yaml > calibrate.log &\n"
+                "python benchmarks/smollm2_long.py" + ("" if done else " --allow-incomplete")),
+        f"`contracts/smollm2_long.yaml`: {data['requests_planned']} requests ({data['source']}, {data['context_length']} "
+        f"counted tokens, seed {data['seed']}), {'query-aware' if data['query_aware'] else 'question-agnostic'}, "
+        f"{data['max_new_tokens']} new tokens; utility `{u}` against the recited text, τ = {data['tolerance']}, "
+        f"ε = {data['risk']}, δ = {data['delta']}; a recompute gate placed on a pilot of {pct(data['pilot'], 0)} of the "
+        f"requests; candidates compared by their {data['kv_cost']} KV; certified per task. {status}",
+        "The full cache's own quality on the calibrated requests (mean ROUGE-L against the recited text, the requests "
+        "under 0.5) and the engine's seconds per request, one thread, every candidate decoding its own answer:",
+        table(["task", "requests", f"full-cache {u}", "under 0.5", "seconds per request"], full_rows),
+        f"Per candidate (per task: {' / '.join(tasks)}): the KV it held over the full cache's, at its peak and on "
+        f"average over the decoding steps; the requests it breaks under `{u}` (its score more than τ below the full "
+        f"cache's) and under the strict `{s}` (any word of the full output changed or lost); its mean ROUGE-L against "
+        "the full output. A decoding-time press keeps the whole prompt until its first compression, so its peak is "
+        "the prompt and the first tokens decoded, whatever it keeps later.",
+        table(["candidate", "peak KV", "KV-time", *[f"breaks `{u}`, {t}" for t in tasks],
+               *[f"breaks `{s}`, {t}" for t in tasks], "ROUGE-L vs full"], crow),
+        f"Certified point per task under `{u}` (τ = {data['tolerance']}) and under `{s}` (τ = 0, the same records "
+        "rescored; a comparison, never deployed); mean KV counts the full cache of the requests a gate restarts:",
+        table(["task", f"`{u}`: point", "k/n", "bound", "mean KV", f"`{s}`: point", "k/n", "bound", "mean KV"], prow),
+        *[f"Not certified under `{name}`: {c['error']}" for name, c in ((u, cert["task_utility"]), (s, cert["strict_utility"]))
+          if c.get("error")],
+    ])
+
+
 def eviction_spread(data: dict) -> str:
     rows = [
         [r["press"], f"{r['kv_retained']:.1f}", r["full_kv_correct"], r["still_correct"], r["broken_by_eviction"]]
@@ -999,6 +1055,7 @@ SECTIONS = {
     "embedded_accuracy": embedded_accuracy,
     "smollm2_135m_accuracy": smollm2_accuracy,
     "smollm2_ruler": smollm2_ruler,
+    "smollm2_long": smollm2_long,
     "eviction_spread": eviction_spread,
     "calibration_speed": calibration_speed,
     "gate_grid_pilot": gate_grid_pilot,

@@ -20,7 +20,8 @@ SOURCE_HELP = (
     f"all = every task, adding {', '.join(_UNANSWERED)}, which the embedded model fails even with the "
     "full cache, so on it they measure nothing for eviction (they are for larger models); "
     "ruler = the RULER families and reading comprehension in natural English, for real models "
-    "(512-8192 model tokens)"
+    "(512-8192 model tokens); the long-output tasks recite_steps, recite_diary and summarise_story "
+    "answer in 100-250 tokens, for real models (640-4096 model tokens)"
 )
 
 
@@ -29,7 +30,9 @@ def generate(
     n: int = typer.Option(1200, "--n", help="number of requests"),
     seed: int = typer.Option(0, "--seed", help="seed; request i depends only on (seed, i)"),
     context_length: str | None = typer.Option(
-        None, "--context-length", help="tokens, e.g. 512 or 256-512: 64-2048, default 256-512 (ruler tasks: 512-8192, 512-1024)"
+        None, "--context-length",
+        help="tokens, e.g. 512 or 256-512: 64-2048, default 256-512 (ruler tasks: 512-8192, 512-1024; "
+        "long-output tasks: 640-4096, 640-960)",
     ),
     output: Path = typer.Option(..., "-o", "--output", help="JSONL file to write"),
 ) -> None:

@@ -33,7 +33,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from certkv.requests import natural_tasks
+from certkv.requests import long_tasks, natural_tasks
+from certkv.requests.long_tasks import NATURAL_LONG_TASKS
 from certkv.requests.natural_tasks import NATURAL_TASKS, NaturalSample
 from certkv.requests.vocabulary import KEY_WORDS, count_tokens
 
@@ -227,7 +228,9 @@ TASKS: dict[str, Callable[[random.Random, int], Sample]] = {
 LONG_TASKS: dict[str, Callable[[random.Random, int], Sample]] = {"recite": recite}
 
 #: Every built-in task, embedded and natural; request generation looks tasks up here.
-ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {**TASKS, **LONG_TASKS, **NATURAL_TASKS}
+ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {
+    **TASKS, **LONG_TASKS, **NATURAL_TASKS, **NATURAL_LONG_TASKS
+}
 
 #: The inclusive context lengths each task allows: the embedded tasks count embedded-tokenizer
 #: tokens up to the embedded model's 2048 positions; the natural ones count model tokens
@@ -236,6 +239,7 @@ CONTEXT_RANGES: dict[str, tuple[int, int]] = {
     **{name: (MIN_CONTEXT, MAX_CONTEXT) for name in TASKS},
     **{name: (natural_tasks.MIN_CONTEXT, natural_tasks.MAX_CONTEXT) for name in NATURAL_TASKS},
     "recite": RECITE_CONTEXT,
+    **{name: (long_tasks.LONG_MIN_CONTEXT, long_tasks.LONG_MAX_CONTEXT) for name in NATURAL_LONG_TASKS},
 }
 
 # Named mixtures. `demo` holds only the tasks the embedded model answers with full-KV exact match

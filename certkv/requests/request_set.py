@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from certkv.atomic_io import atomic_write
 from certkv.errors import CertkvError, format_validation_error
 from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, LONG_TASKS, MIXES, TASKS
+from certkv.requests.long_tasks import NATURAL_LONG_TASKS
 from certkv.requests.natural_tasks import NATURAL_TASKS, split_answer_prefix
 
 
@@ -106,6 +107,8 @@ def _ranges_text() -> str:
     def family(names: list[str]) -> str:
         if set(names) <= set(TASKS):
             return "embedded tasks"
+        if set(names) <= set(NATURAL_LONG_TASKS):
+            return "natural-English long-output tasks"
         return ", ".join(names) if set(names) <= set(LONG_TASKS) else "natural-English ruler tasks"
 
     return " or ".join(f"{low}-{high} tokens ({family(names)})" for (low, high), names in spans.items())
@@ -149,14 +152,18 @@ def parse_context_length(spec: str | int, tasks: Iterable[str] | None = None) ->
 EMBEDDED_DEFAULT_CONTEXT_LENGTH = "256-512"
 NATURAL_DEFAULT_CONTEXT_LENGTH = "512-1024"
 LONG_DEFAULT_CONTEXT_LENGTH = "128-256"
+NATURAL_LONG_DEFAULT_CONTEXT_LENGTH = "640-960"
 
 
 def default_context_length(mix: str | dict[str, float]) -> str:
     """The context lengths of a builtin mix that gives none: 256-512 tokens for the embedded tasks,
     128-256 for the embedded long-output task (so that context and a 126-token answer stay short),
     512-1024 for the natural-English ruler tasks (the short end of their span, where a 135M model
-    answers and a calibration of every press fits in a CPU session)."""
+    answers and a calibration of every press fits in a CPU session), 640-960 for the long-output
+    tasks (prompts of a few hundred tokens: their cost is the long answer)."""
     weights = parse_mix(mix) if isinstance(mix, str) else mix
+    if weights and set(weights) <= set(NATURAL_LONG_TASKS):
+        return NATURAL_LONG_DEFAULT_CONTEXT_LENGTH
     if weights and set(weights) <= set(NATURAL_TASKS):
         return NATURAL_DEFAULT_CONTEXT_LENGTH
     if weights and set(weights) & set(LONG_TASKS):

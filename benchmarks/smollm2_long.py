@@ -1,0 +1,162 @@
+"""What decoding-time eviction breaks in SmolLM2-135M-Instruct's long answers, and what certifies.
+
+Reads the store of ``contracts/smollm2_long.yaml`` (SmolLM2-135M-Instruct reciting a recipe's steps
+or a diary from a context of a few hundred tokens, 128 new tokens; decoding-time, prefill-and-
+decoding and prefill-time presses) and writes, torch-free:
+
+1. per task: the full cache's own task quality (ROUGE-L against the recited text, on the
+   calibrated requests) and its seconds per request (every candidate, one worker);
+2. per candidate and task: the requests it breaks under the contract's task utility (loss above
+   τ), under the strict label-free ``prefix_agreement`` (any word changed before the full
+   output's end, τ = 0), its mean ROUGE-L against the full output, and the KV it held: peak and
+   KV-time, each over the full cache's;
+3. the certified point per task under the task utility and under the strict utility (the same
+   records, each candidate's loss rescored; the strict contract is a comparison, never deployed).
+
+An unfinished store gives a preview (``--allow-incomplete``): the JSON says how many of the
+contract's requests it holds, and the certificates of a preview promise nothing. Calibrate first,
+in the background (it resumes where it stops):
+
+    nohup certkv calibrate contracts/smollm2_long.yaml > calibrate.log &
+    python benchmarks/smollm2_long.py         # writes benchmarks/results/smollm2_long.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from certkv.calibration.utility import prefix_agreement, rouge_l_full
+from certkv.core.policy_names import REFERENCE_POLICY
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+CONTRACT = REPO / "contracts" / "smollm2_long.yaml"
+STRICT_UTILITY = "prefix_agreement"
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def full_cache(rows: list[dict]) -> dict:
+    """Per task: requests, the full cache's mean task utility, and engine seconds per request."""
+    by_task: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["policy"] == REFERENCE_POLICY:
+            by_task[r["task"]].append(r)
+    out = {}
+    for task, full in sorted(by_task.items()):
+        spent = [sum(r["seconds_breakdown"].values()) for r in full if r.get("seconds_breakdown")]
+        out[task] = {"n": len(full), "utility": _mean([r["utility"] for r in full]),
+                     "below_half": sum(r["utility"] < 0.5 for r in full), "seconds_per_request": _mean(spent)}
+    return out
+
+
+def per_candidate(rows: list[dict], tolerance: float) -> dict:
+    """Per ungated candidate and task: breaks under the task utility and the strict one, ROUGE-L
+    against the full output, peak KV and KV-time (means over the requests)."""
+    full = {r["request_id"]: r for r in rows if r["policy"] == REFERENCE_POLICY}
+    cells: dict[str, dict] = {}
+    for r in rows:
+        if r["policy"] == REFERENCE_POLICY:
+            continue
+        c = cells.setdefault(r["policy"], {"press": r["press"], "kv_retained": r["kv_retained"], "tasks": {}})
+        t = c["tasks"].setdefault(r["task"], defaultdict(list))
+        reference = full[r["request_id"]]["answer"]
+        t["task_broken"].append(r["loss"] > tolerance)
+        t["strict_broken"].append(prefix_agreement(r["answer"], reference) < 1.0)
+        t["rouge_l_full"].append(rouge_l_full(r["answer"], reference))
+        t["kv_peak"].append(r.get("kv_peak", r["kv_retained"]))
+        t["kv_time"].append(r.get("kv_time", r["kv_retained"]))
+    for c in cells.values():
+        c["tasks"] = {
+            task: {"n": len(t["task_broken"]), "task_broken": sum(t["task_broken"]), "strict_broken": sum(t["strict_broken"]),
+                   **{k: _mean(t[k]) for k in ("rouge_l_full", "kv_peak", "kv_time")}}
+            for task, t in sorted(c["tasks"].items())
+        }
+    return cells
+
+
+def strict_records(rows: list[dict], path: Path) -> None:
+    """The store's rows with each loss rescored under the strict utility (1 − prefix agreement;
+    the full cache agrees with itself): a loss table `certify_contract` reads like a store's."""
+    full = {r["request_id"]: r["answer"] for r in rows if r["policy"] == REFERENCE_POLICY}
+    with path.open("w", encoding="utf-8") as fh:
+        for r in rows:
+            loss = 1.0 - prefix_agreement(r["answer"], full[r["request_id"]])
+            fh.write(json.dumps({**r, "utility": 1.0 - loss, "utility_full": 1.0, "loss": loss}) + "\n")
+
+
+def certified(contract, records_file: Path | None, allow_incomplete: bool) -> dict:
+    """The certified point per task (the contract's strata) and pooled (a comparison); what
+    refused to certify instead (a loss table read from a file is never a preview: too few requests
+    for the pilot is an error there)."""
+    from smollm2_ruler import entry_summary
+
+    from certkv.calibration.certification import certify_contract_with_comparison
+    from certkv.errors import CertkvError
+
+    try:
+        evidence, op, pooled = certify_contract_with_comparison(contract, records_file, allow_incomplete=allow_incomplete)
+    except CertkvError as exc:
+        return {"strata": {}, "pooled": None, "incomplete": allow_incomplete, "error": str(exc)}
+    return {
+        "strata": {name: entry_summary(e) for name, e in (op.strata.entries.items() if op.strata else [])},
+        "pooled": entry_summary(pooled) if pooled is not None else None,
+        "incomplete": bool(evidence.incomplete),
+    }
+
+
+def main() -> None:
+    from certkv.calibration.store import CalibrationStore
+    from certkv.contract.loading import load_contract
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contract", default=str(CONTRACT))
+    p.add_argument("--out", default=str(RESULTS / "smollm2_long.json"))
+    p.add_argument("--allow-incomplete", action="store_true", help="a preview of an unfinished store (no guarantee)")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    contract = load_contract(Path(args.contract))
+    with CalibrationStore.read(contract.resolved_store_path()) as store:
+        rows = list(store.records())
+    strict = contract.model_copy(update={"utility": STRICT_UTILITY, "tolerance": 0.0})
+    with tempfile.TemporaryDirectory() as tmp:
+        strict_file = Path(tmp) / "strict.jsonl"
+        strict_records(rows, strict_file)
+        certificates = {"task_utility": certified(contract, None, args.allow_incomplete),
+                        "strict_utility": certified(strict, strict_file, args.allow_incomplete)}
+    out = {
+        "contract": "contracts/smollm2_long.yaml",
+        "model": contract.model,
+        "requests": len({r["request_id"] for r in rows}),
+        "requests_planned": contract.requests.limit,
+        "source": contract.requests.source,
+        "context_length": contract.requests.context_length,
+        "seed": contract.requests.seed,
+        "query_aware": contract.protocol.query_aware,
+        "max_new_tokens": contract.protocol.max_new_tokens,
+        "utility": contract.utility,
+        "tolerance": contract.tolerance,
+        "strict_utility": STRICT_UTILITY,
+        "risk": contract.risk,
+        "delta": round(1 - contract.confidence, 10),
+        "pilot": contract.gate.pilot if contract.gate else None,
+        "kv_cost": contract.cost_measure,
+        "full_cache": full_cache(rows),
+        "candidates": per_candidate(rows, contract.tolerance),
+        "certified": certificates,
+        "benchmark_seconds": time.perf_counter() - t0,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: out[k] for k in ("requests", "full_cache", "certified")}, indent=1)[:4000])
+
+
+if __name__ == "__main__":
+    main()
