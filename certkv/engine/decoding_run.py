@@ -83,7 +83,7 @@ def run_decoding(
     with torch.no_grad():
         with press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
             model.model(input_ids=context, past_key_values=cache)
-        prefill_kept = sum(layer.keys.shape[-2] for layer in cache.layers) / len(cache.layers)
+        prefill_kept = _entries_held(cache)
         run = DecodingRun(token_ids=[], prefill_kept=prefill_kept)
         with press(model):
             _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, stop_below)
@@ -108,6 +108,11 @@ def finish_on_full_cache(model: PreTrainedModel, enc: EncodedRequest, prefix: li
     return run
 
 
+def _entries_held(cache: DynamicCache) -> float:
+    """The entries `cache` holds: its layers' lengths, (1, H_kv, n, d) keys each, averaged over layers."""
+    return sum(layer.keys.shape[-2] for layer in cache.layers) / len(cache.layers)
+
+
 def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, stop_below) -> None:
     """Greedy decoding into `run`, forward for forward as :func:`greedy_decode` (and so kvpress's
     pipeline) decodes: the question with ``logits_to_keep=1``, then one token per forward."""
@@ -125,7 +130,7 @@ def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run:
             return
         run.token_ids.append(int(token))
         run.logprobs.append(logprob)
-        run.held.append(sum(layer.keys.shape[-2] for layer in cache.layers) / len(cache.layers))
+        run.held.append(_entries_held(cache))
         if is_finished(run.token_ids, max_new_tokens, stops):
             return
         positions = positions[:, -1:] + 1
