@@ -132,6 +132,9 @@ _CERTIFICATE_TARGETS = frozenset({"certkv.presses.probabilistic:ProbabilisticPre
 #: The contract's model name that means certkv's embedded model (certkv.model.loading.EMBEDDED,
 #: spelled out here so validation imports no torch).
 EMBEDDED_MODEL = "embedded"
+#: Both embedded models' names (certkv.model.loading.EMBEDDED and EMBEDDED_RECITE): no trained
+#: scorer weights exist for either.
+EMBEDDED_MODELS = frozenset({EMBEDDED_MODEL, "embedded-recite"})
 
 #: kvpress presses that score with weights trained for particular base models, fetched from the
 #: Hugging Face hub by the model's name when the press first runs (kvpress class -> why). No such
@@ -305,7 +308,7 @@ def refusal_reason(
     cls = _kvpress_class(spec)
     if cls is None:
         return None
-    if cls in _TRAINED_PER_MODEL and model in (EMBEDDED_MODEL, "embedded-recite"):
+    if cls in _TRAINED_PER_MODEL and model in EMBEDDED_MODELS:
         return (
             f"press {spec!r} cannot run on the embedded model: {_TRAINED_PER_MODEL[cls]}; none exist for "
             "the embedded model, so name it only with a model they were trained for"
