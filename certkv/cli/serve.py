@@ -26,7 +26,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="interface to listen on (loopback by default)"),
     port: int = typer.Option(8000, "--port", help="TCP port (1-65535)"),
     shadow_rate: float = typer.Option(0.05, "--shadow-rate", help="share of evicted answers re-answered from the "
-                                      "full cache by the live monitor, in (0, 1]"),
+                                      "full cache by the live monitor, in [0, 1]; 0: no shadows and no monitor "
+                                      "(nothing watches the deployed risk)"),
     api_key_env: str | None = typer.Option(None, "--api-key-env", help="environment variable holding the API key; "
                                     "requests must then send Authorization: Bearer <key>"),
     max_queue: int = typer.Option(64, "--max-queue", help="live requests that may wait; more get 503"),
@@ -60,9 +61,7 @@ def serve(
     check_flags(kv_budget, kv_budget_mb)
     if max_body_bytes < 1024:
         raise CertkvError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
-    from certkv.core.monitor import check_shadow_rate
-
-    check_shadow_rate(shadow_rate)
+    _check_shadow_rate(shadow_rate)
     api_key = _api_key(api_key_env)
     op = load_operating_point(operating_point)
     sock = _bound_socket(host, port)
@@ -73,6 +72,18 @@ def serve(
              kv_budget_mb=kv_budget_mb, access_log=access_log)
     finally:
         sock.close()
+
+
+def _check_shadow_rate(shadow_rate: float) -> None:
+    """--shadow-rate in [0, 1]: 0 turns the monitor off, anything else is the monitor's own rate."""
+    if shadow_rate == 0:
+        return
+    from certkv.core.monitor import check_shadow_rate
+
+    try:
+        check_shadow_rate(shadow_rate)
+    except CertkvError:
+        raise CertkvError(f"--shadow-rate must be in [0, 1] (0: no shadows and no monitor), got {shadow_rate:g}") from None
 
 
 def _api_key(api_key_env: str | None) -> str | None:
@@ -124,16 +135,23 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
     streams = None
     if op.strata is not None:  # a stratified point: one monitor stream per stratum
         streams = {name: delta_of(op.strata.confidence) for name in op.strata.entries}
-    monitor = RiskMonitor(op.contract.risk, delta_of(op.contract.confidence), shadow_rate, seed=seed, streams=streams)
+    monitor = None
+    if shadow_rate > 0:
+        monitor = RiskMonitor(op.contract.risk, delta_of(op.contract.confidence), shadow_rate, seed=seed,
+                              streams=streams)
+    else:
+        logging.getLogger("certkv.serve").warning(
+            "--shadow-rate 0: no shadows and no live monitor; nothing watches the deployed risk, and no stream "
+            "falls back to the full cache if the certified risk is exceeded")
     store_path = shadow_store or operating_point.parent / "shadow"
     store = runner = None
-    if op.is_stratified or not op.fallback:  # a fallback point answers everything from the full cache
+    if monitor is not None and (op.is_stratified or not op.fallback):  # a fallback point answers from the full cache
         store = ShadowStore(store_path, op)
         runner = ShadowRunner(runtime, monitor, store)
     service = Service(runtime, monitor, runner, store, Metrics(), max_queue=max_queue, kv_budget=budget)
     app = create_app(service, model_id=model, operating_point_path=str(operating_point), timeout=timeout,
                      api_key=api_key, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds,
-                     shadow_store_path=str(store_path))
+                     shadow_store_path=None if monitor is None else str(store_path))
     import uvicorn
 
     server_class = _graceful_server_class()
@@ -141,8 +159,9 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
     # asyncio and h11; with no access log they took ~0.25 ms off a request's round trip here.
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(timeout + drain_seconds) + 5,
                             lifespan="on", access_log=access_log, loop="auto", http="auto")
-    typer.echo(f"certkv serve: {op.policy} on http://{host}:{port} (model {model}, shadow rate {shadow_rate:g}, "
-               f"store {store_path}, KV budget {'unlimited' if budget is None else f'{budget} token slots'})", err=True)
+    shadows = f"shadow rate {shadow_rate:g}, store {store_path}" if monitor is not None else "no shadows, no monitor"
+    kv = "unlimited" if budget is None else f"{budget} token slots"
+    typer.echo(f"certkv serve: {op.policy} on http://{host}:{port} (model {model}, {shadows}, KV budget {kv})", err=True)
     server_class(config).run(sockets=[sock])
 
 

@@ -14,7 +14,9 @@ GATE_REASONS = ("gate", "lookahead", "learned", "confidence", "certificate")
 class Scraped(Protocol):
     """What a scrape reads of the service (:class:`certkv.serve.service.Service`)."""
 
-    monitor: RiskMonitor
+    monitor: RiskMonitor | None
+
+    def monitor_snapshot(self) -> dict[str, dict[str, Any]]: ...
 
     def queue_depth(self) -> int: ...
 
@@ -63,6 +65,8 @@ class Metrics:
                                         "(live and shadow)", registry=r)
         self.decode_steps = Counter("certkv_decode_steps", "Batched decode steps run", registry=r)
         self._steps_seen = 0
+        self.m_enabled = Gauge("certkv_monitor_enabled", "1 when a live monitor watches the deployed risk; 0 "
+                               "under --shadow-rate 0 (no shadows: nothing watches it)", registry=r)
         labels = ["stream"]
         self.m_requests = Gauge("certkv_monitor_requests", "Requests recorded by the monitor", labels, registry=r)
         self.m_violations = Gauge("certkv_monitor_violations", "Observed shadow violations (loss > tau)", labels,
@@ -98,7 +102,8 @@ class Metrics:
         steps = scheduler.steps
         self.decode_steps.inc(steps - self._steps_seen)
         self._steps_seen = steps
-        for stream, s in service.monitor.snapshot().items():
+        self.m_enabled.set(0.0 if service.monitor is None else 1.0)
+        for stream, s in service.monitor_snapshot().items():
             self.m_requests.labels(stream).set(s["requests"])
             self.m_violations.labels(stream).set(s["violations"])
             self.m_bound.labels(stream).set(s["upper_bound"])

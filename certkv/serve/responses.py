@@ -1,12 +1,13 @@
 """Response shapes of `certkv serve`: OpenAI's, typed, plus the ``certkv`` object and certkv's own routes.
 
-Every body the server sends is one of these pydantic models, so a field cannot drift between a
-route and its documentation: completions and chat completions (whole and as stream chunks), the
-model list, errors (``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape) and
-``/health``. The ``certkv`` object in every answer carries the runtime's Decision record, the
-monitor stream it was counted in and that stream's state, whether it was shadowed, the request id
-and the runtime's seconds. Fields OpenAI's clients read as absent-or-null (``logprobs``, an
-error's ``param``) are always present, null when there is nothing to say.
+Every body the server sends is one of these pydantic models, so a field cannot drift between a route
+and its documentation: completions and chat completions (whole and as stream chunks), the model
+list, errors (``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape) and ``/health``.
+The ``certkv`` object in every answer carries the runtime's Decision record, the monitor stream it
+was counted in and that stream's state, whether it was shadowed, the request id, the runtime's
+seconds and, when the certified answer was cut (a token limit, a stop string), how. Fields OpenAI's
+clients read as absent-or-null (``logprobs``, an error's ``param``) are always present, null when
+there is nothing to say.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ class ErrorResponse(BaseModel):
         return cls(error=ErrorDetail(message=" ".join(str(message).split()), type=type_, param=param, code=code))
 
 
+class CutInfo(BaseModel):
+    """How a certified answer was cut after it was decoded: ``by`` a ``stop`` string (``stop``
+    names the one found) or the request's token limit (``max_tokens``); the certified answer had
+    ``certified_tokens`` tokens, the returned text comes from the first ``tokens`` of them."""
+
+    by: Literal["stop", "max_tokens"]
+    stop: str | None = None
+    certified_tokens: int
+    tokens: int
+
+
 class CertkvInfo(BaseModel):
     """How certkv answered: ``decision`` is :class:`~certkv.runtime.certified_runtime.Decision`'s record,
     ``seconds`` the runtime's time per stage (prefill, decode, ..., total)."""
@@ -43,6 +55,7 @@ class CertkvInfo(BaseModel):
     monitor: dict[str, Any] | None
     shadowed: bool
     seconds: dict[str, float]
+    cut: CutInfo | None = None
 
 
 class Usage(BaseModel):
@@ -51,11 +64,35 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion's ``logprobs``: each returned token's text, log p and offset in the answer's
+    text; ``top_logprobs`` is null (the certified decode records no alternatives)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+
+
+class TokenLogprob(BaseModel):
+    """One returned token of a chat answer: its text, log p and UTF-8 bytes (no alternatives)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
 
 
 class ChatMessage(BaseModel):
@@ -66,6 +103,7 @@ class ChatMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -173,7 +211,8 @@ class ShadowCounts(BaseModel):
 
 class HealthResponse(BaseModel):
     """GET /health: ``status`` is ``ok``, ``tripped`` (a monitor stream tripped) or ``stopping``;
-    ``in_flight`` counts HTTP requests received and not yet answered."""
+    ``in_flight`` counts HTTP requests received and not yet answered; ``monitoring`` is ``off``
+    under ``--shadow-rate 0`` (no shadows, no monitor: nothing watches the deployed risk)."""
 
     status: Literal["ok", "tripped", "stopping"]
     model: str
@@ -181,6 +220,7 @@ class HealthResponse(BaseModel):
     queue: QueueState
     in_flight: int
     kv: KVState
+    monitoring: Literal["on", "off"]
     shadow_rate: float
     shadow_store: str | None
     shadows: ShadowCounts

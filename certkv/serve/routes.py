@@ -1,13 +1,17 @@
 """The routes of `certkv serve`: OpenAI's completions and chat completions, the model list, the
 operating point, /health and /metrics.
 
-An answer route validates what the schemas cannot (the model name, the prompt split, ``max_tokens``
-against the certified length), submits the request to the :class:`~certkv.serve.service.Service`
-and waits for it without blocking the event loop. Its failures map to OpenAI-shaped errors
+An answer route validates what the schemas cannot (the model name, the prompt split, the fields that
+would ask for an answer the certificate does not cover:
+:meth:`~certkv.serve.schemas._Request.refusal`), logs a warning naming the fields it ignores,
+submits the request to the :class:`~certkv.serve.service.Service` and waits for it without blocking
+the event loop; the certified answer is then cut as the request asks
+(:mod:`certkv.serve.answer_cut`). Its failures map to OpenAI-shaped errors
 (:class:`~certkv.serve.responses.ErrorResponse`): 404 (another model), 422 (a text that does not
-split, ``max_tokens``), 503 + Retry-After (queue full, shutting down), 504 (over ``--timeout``),
-413 ``kv_budget_exceeded`` (a request larger than the whole KV budget), 400 (the runtime refused
-the request, e.g. an empty context) and 500 (that request failed; the server stays up).
+split, a field outside the certificate), 503 + Retry-After (queue full, shutting down), 504 (over
+``--timeout``), 413 ``kv_budget_exceeded`` (a request larger than the whole KV budget), 400 (the
+runtime refused the request, e.g. an empty context) and 500 (that request failed; the server stays
+up).
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from certkv.errors import CertkvError
+from certkv.serve.answer_cut import (
+    Cut,
+    chat_logprobs,
+    completion_logprobs,
+    cut_answer,
+    logprob_tokens,
+    token_texts,
+)
 from certkv.serve.responses import (
     CertkvInfo,
     ChatChoice,
@@ -103,7 +115,8 @@ class _Routes:
 
     def refusal(self, route: str, req: CompletionRequest | ChatCompletionRequest):
         """The error for what the schemas cannot check (another model, a prompt that does not split,
-        ``max_tokens`` other than the certified length), or ``(context, question)`` when there is none."""
+        a field asking for an answer the certificate does not cover), or ``(context, question)``
+        when there is none; the fields ignored are logged (as vLLM's server does)."""
         if req.model is not None and req.model != self.model_id:
             return self.fail(route, 404, f"model {req.model!r} is not served here; this server serves "
                              f"{self.model_id!r}", "invalid_request_error", "model", "model_not_found")
@@ -111,11 +124,12 @@ class _Routes:
             context, question = req.split()
         except SplitError as exc:
             return self.fail(route, 422, str(exc), "invalid_request_error", exc.param, "unsplittable_prompt")
-        max_new = self.service.runtime.max_new_tokens
-        if req.max_tokens is not None and req.max_tokens != max_new:
-            return self.fail(route, 422, f"max_tokens: the operating point is certified for answers of {max_new} "
-                             "tokens; omit max_tokens or pass that", "invalid_request_error", "max_tokens",
-                             "invalid_value")
+        refused = req.refusal(self.service.runtime.max_new_tokens)
+        if refused is not None:
+            return self.fail(route, 422, str(refused), "invalid_request_error", refused.param, "invalid_value")
+        unknown = req.unknown_fields()
+        if unknown:
+            log.warning("%s: ignored the fields this server does not know: %s", route, ", ".join(unknown))
         return context, question
 
     async def answer(self, route: str, req: CompletionRequest | ChatCompletionRequest, chat: bool):
@@ -128,7 +142,8 @@ class _Routes:
         context, question = split
         service = self.service
         try:
-            future = service.submit(context, question, req.stratum, req.reference_answers(), req.answer_prefix)
+            future = service.submit(context, question, req.stratum, req.reference_answers(), req.answer_prefix,
+                                    logprobs=req.wants_logprobs())
         except QueueFull:
             return self.fail(route, 503, f"the queue is full ({service.max_queue} requests waiting); retry later",
                              "server_error", None, "queue_full", {"Retry-After": str(service.retry_after())})
@@ -151,40 +166,58 @@ class _Routes:
             return self.fail(route, 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None,
                              "internal_error")
         service.metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
-        return self.respond(served, chat, req.stream)
+        return self.respond(served, chat, req)
 
-    def respond(self, served: Served, chat: bool, stream: bool):
-        """`served` as a (chat) completion: one JSON body, or server-sent events when `stream`."""
+    def cut(self, served: Served, req: CompletionRequest | ChatCompletionRequest) -> tuple[Cut, list[str] | None]:
+        """What is returned of `served`'s certified answer (:func:`~certkv.serve.answer_cut.cut_answer`),
+        and the text each of its tokens adds (None when neither a cut nor log-probabilities need it)."""
+        answer, limit, stops = served.answer, req.token_limit(), req.stop_strings()
+        if not stops and not req.wants_logprobs() and (limit is None or limit >= len(answer.token_ids)):
+            return Cut(answer.answer, len(answer.token_ids), served.finish_reason), None
+        texts = token_texts(self.service.runtime.tokenizer, answer.token_ids)
+        return cut_answer(answer.answer, texts, served.finish_reason, limit=limit, stops=stops), texts
+
+    def respond(self, served: Served, chat: bool, req: CompletionRequest | ChatCompletionRequest):
+        """`served` as a (chat) completion, cut as `req` asks: one JSON body, or server-sent events
+        when it streams (the hook: ``req.include_usage``, a last chunk with the usage and no choices)."""
         from fastapi.responses import StreamingResponse
 
         model_id = self.model_id
         answer_id, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
-        text = served.answer.answer
-        n_out = len(served.answer.token_ids)
-        usage = Usage(prompt_tokens=served.prompt_tokens, completion_tokens=n_out,
-                      total_tokens=served.prompt_tokens + n_out)
+        cut, texts = self.cut(served, req)
+        usage = Usage(prompt_tokens=served.prompt_tokens, completion_tokens=cut.tokens,
+                      total_tokens=served.prompt_tokens + cut.tokens)
         info = CertkvInfo(request_id=served.request_id, decision=served.answer.decision.to_dict(),
                           stream=served.stream, monitor=served.monitor, shadowed=served.shadowed,
-                          seconds=served.answer.seconds)
-        if stream:
-            pieces = token_pieces(self.service.runtime.tokenizer, served.answer.token_ids, text)
-            events = sse_events(answer_id, created, model_id, pieces, chat=chat, finish_reason=served.finish_reason,
-                                usage=usage, certkv=info)
+                          seconds=served.answer.seconds, cut=cut.info)
+        if req.stream:
+            pieces = token_pieces(self.service.runtime.tokenizer, served.answer.token_ids[: cut.tokens], cut.text)
+            events = sse_events(answer_id, created, model_id, pieces, chat=chat, finish_reason=cut.finish_reason,
+                                usage=usage, certkv=info, include_usage=req.include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        body: ChatCompletionResponse | CompletionResponse
+        return json_response(200, self.whole(answer_id, created, chat, cut, texts, served, usage, info))
+
+    def whole(self, answer_id: str, created: int, chat: bool, cut: Cut, texts: list[str] | None, served: Served,
+              usage: Usage, info: CertkvInfo) -> ChatCompletionResponse | CompletionResponse:
+        """The one-body answer: the cut text, with the certified decode's log-probabilities when asked
+        (null when the decode that gave the answer recorded none: a recompute gate's spliced answer)."""
+        lps, n = served.logprobs, logprob_tokens(cut, served.answer.token_ids, self.service.runtime.stop_ids)
         if chat:
-            body = ChatCompletionResponse(
-                id=answer_id, created=created, model=model_id, usage=usage, certkv=info,
-                choices=[ChatChoice(message=ChatMessage(content=text), finish_reason=served.finish_reason)])
-        else:
-            body = CompletionResponse(id=answer_id, created=created, model=model_id, usage=usage, certkv=info,
-                                      choices=[CompletionChoice(text=text, finish_reason=served.finish_reason)])
-        return json_response(200, body)
+            return ChatCompletionResponse(
+                id=answer_id, created=created, model=self.model_id, usage=usage, certkv=info,
+                choices=[ChatChoice(message=ChatMessage(content=cut.text), finish_reason=cut.finish_reason,
+                                    logprobs=None if lps is None or texts is None else
+                                    chat_logprobs(texts, lps, n, cut.text))])
+        return CompletionResponse(
+            id=answer_id, created=created, model=self.model_id, usage=usage, certkv=info,
+            choices=[CompletionChoice(text=cut.text, finish_reason=cut.finish_reason,
+                                      logprobs=None if lps is None or texts is None else
+                                      completion_logprobs(texts, lps, n, cut.text))])
 
     def health(self) -> HealthResponse:
         """The body of /health: status, operating point, queue, KV budget, shadows and the monitor."""
         service, op = self.service, self.service.runtime.operating_point
-        snap = service.monitor.snapshot()
+        snap = service.monitor_snapshot()
         tripped = [s for s, v in snap.items() if v["tripped"]]
         scheduler = service.scheduler
         return HealthResponse(
@@ -200,7 +233,9 @@ class _Routes:
             kv=KVState(budget=service.kv_budget, in_use=scheduler.kv_in_use, peak=scheduler.peak_kv,
                        requests_in_flight=scheduler.in_flight(), admissions_waiting=scheduler.waiting(),
                        decode_steps=scheduler.steps, max_batch=scheduler.peak_rows),
-            shadow_rate=service.monitor.shadow_rate, shadow_store=self.shadow_store_path,
+            monitoring="off" if service.monitor is None else "on",
+            shadow_rate=0.0 if service.monitor is None else service.monitor.shadow_rate,
+            shadow_store=self.shadow_store_path,
             shadows=ShadowCounts(scored=service.shadows_done, abandoned=service.abandoned),
             monitor=snap, tripped=tripped, uptime_s=round(time.time() - self.started_at, 3))
 

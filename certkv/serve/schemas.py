@@ -23,12 +23,24 @@ as a calibration request's is (after the chat template's assistant header); the 
 what follows it.
 
 Anything else (no text, the marker missing or repeated, assistant or tool turns, more than two
-messages, a prompt list) is refused with 422 and the reason. Decoding is greedy at the calibrated
-length (that is what the certificate covers): ``max_tokens`` may only equal it, ``n`` may only be
-1, ``temperature``/``top_p``/``seed``/``user`` are accepted and ignored.
+messages, a prompt list) is refused with 422 and the reason.
+
+What the certificate covers decides the OpenAI fields (:meth:`_Request.refusal` names the field
+and why, as a one-line 422): the answer is the greedy decode at the calibrated length, so
+``temperature`` may only be 0 or absent (``top_p`` then changes nothing: the greedy token is in
+every nucleus), ``n`` only 1, ``presence_penalty`` / ``frequency_penalty`` only 0, ``logit_bias``
+only empty, and ``max_tokens`` / ``max_completion_tokens`` at most the calibrated length. A
+smaller limit and ``stop`` strings cut the certified answer after it is decoded (the gates decide
+on the whole answer, as calibration did); the response's ``certkv.cut`` says so. ``logprobs`` are
+the certified decode's own token log-probabilities; its alternatives are not recorded, so
+``top_logprobs`` (chat) and ``logprobs`` (completions) may only be 0. ``seed``, ``user`` and
+``metadata`` are accepted and ignored; any other field is ignored with a logged warning, as vLLM's
+server does (:meth:`_Request.unknown_fields`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,16 +48,31 @@ from pydantic import BaseModel, ConfigDict, Field
 SPLIT_MARKER = "Question:"
 
 
-class SplitError(ValueError):
-    """A request whose text does not split into context and question; ``param`` names the field."""
+#: The most stop strings a request may give (OpenAI's limit).
+MAX_STOP_STRINGS = 4
+
+
+class FieldError(ValueError):
+    """A request field certkv refuses (422); ``param`` names the field, the message says why."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
 
 
+class SplitError(FieldError):
+    """A request whose text does not split into context and question; ``param`` names the field."""
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` asks for a last chunk with the usage and no choices."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields: ignored with a warning (unknown_fields)
     model: str | None = None
     context: str | None = None
     question: str | None = None
@@ -55,17 +82,89 @@ class _Request(BaseModel):
     answers: list[str] | str | None = Field(
         default=None, description="reference answers, read only by the shadow's utility (else agreement)")
     stream: bool = False
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1, le=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     user: str | None = None
+    metadata: dict[str, Any] | None = None
 
     def reference_answers(self) -> list[str] | None:
         if self.answers is None:
             return None
         return [self.answers] if isinstance(self.answers, str) else list(self.answers)
+
+    def unknown_fields(self) -> list[str]:
+        """Fields this server does not know (ignored: the route logs a warning naming them)."""
+        return sorted(self.model_extra or {})
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a chunk carrying the usage and no choices (OpenAI's
+        ``stream_options.include_usage``): the hook a streamed answer reads."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings, as a list (none: ``[]``)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def token_limit(self) -> int | None:
+        """The tokens the answer may have (``max_completion_tokens``, else ``max_tokens``), or None."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def wants_logprobs(self) -> bool:
+        """Whether the answer's token log-probabilities are asked for (each endpoint says how)."""
+        return False
+
+    def refusal(self, certified_tokens: int) -> FieldError | None:
+        """The first field that asks for an answer the certificate does not cover (a
+        :class:`FieldError` naming it and why), or None. `certified_tokens` is the calibrated length."""
+        checks = (
+            ("n", self.n not in (None, 1), "certkv returns the one certified greedy answer; n may only be 1"),
+            ("temperature", bool(self.temperature), "sampling (temperature > 0) is not what was certified: the "
+             "certificate covers the greedy answer; pass 0 or omit it"),
+            ("presence_penalty", bool(self.presence_penalty), "a penalty changes the greedy answer that was "
+             "certified; pass 0 or omit it"),
+            ("frequency_penalty", bool(self.frequency_penalty), "a penalty changes the greedy answer that was "
+             "certified; pass 0 or omit it"),
+            ("logit_bias", bool(self.logit_bias), "a bias changes the greedy answer that was certified; omit it"),
+        )
+        for param, refused, why in checks:
+            if refused:
+                return FieldError(f"{param}: {why}", param)
+        return self._length_refusal(certified_tokens) or self._output_refusal()
+
+    def _length_refusal(self, certified_tokens: int) -> FieldError | None:
+        """A token limit above the calibrated length (never certified), or two limits that differ."""
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            return FieldError("max_completion_tokens: differs from max_tokens; give one of them", "max_completion_tokens")
+        limit = self.token_limit()
+        if limit is not None and limit > certified_tokens:
+            param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            return FieldError(f"{param}: the operating point is certified for answers of at most {certified_tokens} "
+                              "tokens; a longer answer was never certified: pass at most that or omit it", param)
+        return None
+
+    def _output_refusal(self) -> FieldError | None:
+        """Stop strings, stream options and log-probabilities certkv cannot give as asked."""
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            return FieldError(f"stop: give a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty "
+                              "strings", "stop")
+        if self.stream_options is not None and not self.stream:
+            return FieldError("stream_options: only allowed with stream: true", "stream_options")
+        if self.wants_logprobs() and self.stream:
+            return FieldError("logprobs: not returned on a stream yet; ask without stream", "logprobs")
+        return None
 
 
 def split_prompt(text: str, param: str) -> tuple[str, str]:
@@ -84,6 +183,17 @@ class CompletionRequest(_Request):
     """POST /v1/completions (see the module docstring for how the text is split)."""
 
     prompt: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5, description="0: the chosen tokens' log-probabilities")
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def refusal(self, certified_tokens: int) -> FieldError | None:
+        if self.logprobs:
+            return FieldError(f"logprobs: certkv returns the certified greedy decode's own token log-probabilities; "
+                              f"the {self.logprobs} most likely alternatives per token are not recorded: pass 0",
+                              "logprobs")
+        return super().refusal(certified_tokens)
 
     def split(self) -> tuple[str, str]:
         if self.context is not None and self.prompt == "":
@@ -124,6 +234,18 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions (see the module docstring for how the messages are split)."""
 
     messages: list[ChatMessage] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    def refusal(self, certified_tokens: int) -> FieldError | None:
+        if self.top_logprobs:
+            return FieldError(f"top_logprobs: certkv returns the certified greedy decode's own token "
+                              f"log-probabilities; the {self.top_logprobs} most likely alternatives per token are "
+                              "not recorded: pass 0 or omit it", "top_logprobs")
+        return super().refusal(certified_tokens)
 
     def split(self) -> tuple[str, str]:
         msgs = self.messages or []

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from certkv.errors import CertkvError
+from certkv.runtime.steps import Decode
 from certkv.serve.scheduler import BudgetExceeded, QueueFull, Scheduler, Stopping
 
 __all__ = ["BudgetExceeded", "QueueFull", "Served", "Service", "Stopping"]
@@ -76,6 +77,9 @@ class Served:
     finish_reason: str
     waited: float
     seconds: float
+    logprobs: list[float] | None = None
+    """Per token of ``answer.token_ids``, the log p its decode computed, when the request asked for
+    them and the decode that gave the answer recorded them (a recompute gate's spliced answer: None)."""
 
 
 class Service:
@@ -84,7 +88,7 @@ class Service:
     Parameters
     ----------
     runtime : CertifiedRuntime
-    monitor : RiskMonitor
+    monitor : RiskMonitor or None (no monitor, ``--shadow-rate 0``: no stream, nothing recorded)
     shadow_runner : ShadowRunner or None (no shadows: nothing is ever shadowed)
     store : ShadowStore or None (closed at shutdown)
     metrics : Metrics
@@ -94,7 +98,7 @@ class Service:
         KV budget in token slots (``--kv-budget``); None: unlimited.
     """
 
-    def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor, shadow_runner: ShadowRunner | None,
+    def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor | None, shadow_runner: ShadowRunner | None,
                  store: ShadowStore | None, metrics: Metrics, *, max_queue: int = 64,
                  kv_budget: int | None = None) -> None:
         self.runtime = runtime
@@ -136,18 +140,24 @@ class Service:
 
     def stream_of(self, stratum: str | None) -> str | None:
         """The monitor stream of a request: "all" for a pooled point, its stratum for a stratified one
-        (None: a stratum the point does not know, answered from the full cache and not monitored)."""
+        (None: a stratum the point does not know, answered from the full cache and not monitored; or
+        no monitor at all)."""
+        if self.monitor is None:
+            return None
         if not self.stratified:
             return self.monitor.streams[0]
         return stratum if stratum in self.monitor.streams else None
 
     def submit(
-        self, context: str, question: str, stratum: str | None, answers: list[str] | None, answer_prefix: str = ""
+        self, context: str, question: str, stratum: str | None, answers: list[str] | None, answer_prefix: str = "",
+        *, logprobs: bool = False,
     ) -> Future[Served]:
         """Queue a live request; raises QueueFull (``max_queue`` wait already) or Stopping. The
-        future fails with BudgetExceeded when the request alone needs more than the budget."""
+        future fails with BudgetExceeded when the request alone needs more than the budget.
+        `logprobs`: the answer's token log-probabilities are recorded (:attr:`Served.logprobs`)."""
         rid = f"req-{next(self._ids)}"
-        steps = self._live_steps(rid, context, question, stratum, answers, answer_prefix, time.perf_counter())
+        steps = self._live_steps(rid, context, question, stratum, answers, answer_prefix, time.perf_counter(),
+                                 logprobs)
         return self.scheduler.submit(steps, max_waiting=self.max_queue)
 
     @property
@@ -168,29 +178,34 @@ class Service:
     def shadow_depth(self) -> int:
         return self.scheduler.waiting_shadows()
 
+    def monitor_snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per monitor stream, its state (:meth:`RiskMonitor.snapshot`); empty without a monitor."""
+        return {} if self.monitor is None else self.monitor.snapshot()
+
     def tripped_streams(self) -> list[str]:
-        return [s for s, v in self.monitor.snapshot().items() if v["tripped"]]
+        return [s for s, v in self.monitor_snapshot().items() if v["tripped"]]
 
     # -- a live request, as steps -------------------------------------------------------------
 
     def _live_steps(self, rid: str, context: str, question: str, stratum: str | None, answers: list[str] | None,
-                    answer_prefix: str, submitted: float) -> Generator[Step, None, Served]:
-        stream = self.stream_of(stratum)
+                    answer_prefix: str, submitted: float, logprobs: bool = False) -> Generator[Step, None, Served]:
+        stream, monitor = self.stream_of(stratum), self.monitor
         forced = None
-        if stream is not None and self.monitor.tripped(stream):
-            s = self.monitor.snapshot()[stream]
+        if stream is not None and monitor is not None and monitor.tripped(stream):
+            s = monitor.snapshot()[stream]
             forced = ("monitor", f"the live monitor tripped on stream {stream!r} after {s['tripped_after']} requests; "
                                  "answering from the full cache until restart")
         steps = self.runtime.answer_steps(context, question, stratum, answer_prefix=answer_prefix, forced=forced,
                                           lean=True)
         admitted: list[float] = []
-        answer = yield from _noting_admission(steps, admitted)
+        decodes: list[Decode] = []
+        answer = yield from _noting_admission(_noting_decodes(steps, decodes, logprobs), admitted)
         decision = answer.decision
         evicted = decision.mode == "evicted"
         shadowed = False
-        if stream is not None:
-            shadowed = evicted and self.shadow_runner is not None and self.monitor.draw_shadow()
-            ticket = self.monitor.record(stream, evicted=evicted, shadowed=shadowed)
+        if stream is not None and monitor is not None:
+            shadowed = evicted and self.shadow_runner is not None and monitor.draw_shadow()
+            ticket = monitor.record(stream, evicted=evicted, shadowed=shadowed)
             if shadowed:
                 from certkv.serve.shadow import ShadowJob
 
@@ -200,14 +215,14 @@ class Service:
         rt = self.runtime  # every stratum's runtime shares its model (stop tokens) and decode length
         ids = answer.token_ids
         finish = "length" if len(ids) >= rt.max_new_tokens and not (ids and ids[-1] in rt.stop_ids) else "stop"
-        monitor = None if stream is None else self.monitor.snapshot()[stream]
+        state = None if stream is None or monitor is None else monitor.snapshot()[stream]
         now = time.perf_counter()
         self._answered += 1
         if self._first_answer is None:
             self._first_answer = submitted
         started = admitted[0] if admitted else submitted
-        return Served(rid, answer, stream, shadowed, monitor, answer.context_tokens + answer.question_tokens,
-                      finish, started - submitted, now - submitted)
+        return Served(rid, answer, stream, shadowed, state, answer.context_tokens + answer.question_tokens,
+                      finish, started - submitted, now - submitted, _answer_logprobs(decodes, ids) if logprobs else None)
 
     # -- shadows ------------------------------------------------------------------------------
 
@@ -230,6 +245,7 @@ class Service:
         self._check_trip(job.stream)
 
     def _abandon(self, job: ShadowJob) -> None:
+        assert self.monitor is not None  # a shadow job exists only under a monitor
         try:
             self.monitor.abandon(job.ticket)
         except CertkvError:
@@ -238,13 +254,15 @@ class Service:
         self.metrics.shadow_abandoned.labels(job.stream).inc()
 
     def _check_trip(self, stream: str) -> None:
-        if stream in self._tripped_logged or not self.monitor.tripped(stream):
+        monitor = self.monitor
+        assert monitor is not None  # only shadows, which need a monitor, check it
+        if stream in self._tripped_logged or not monitor.tripped(stream):
             return
         self._tripped_logged.add(stream)
-        s = self.monitor.snapshot()[stream]
+        s = monitor.snapshot()[stream]
         log.warning("certkv serve: monitor TRIPPED on stream %r after %s requests (e-value %.3g >= 1/delta, "
                     "violation-rate bound %.3g > risk %.3g); its requests are answered from the full cache until "
-                    "restart", stream, s["tripped_after"], s["e_value"], s["upper_bound"], self.monitor.risk)
+                    "restart", stream, s["tripped_after"], s["e_value"], s["upper_bound"], monitor.risk)
 
     # -- shutdown -----------------------------------------------------------------------------
 
@@ -270,3 +288,27 @@ def _noting_admission(steps: Generator[Step, None, RuntimeAnswer], admitted: lis
             step = steps.send(reply)
         except StopIteration as stop:
             return stop.value
+
+
+def _noting_decodes(steps: Generator[Step, None, RuntimeAnswer], decodes: list[Decode], logprobs: bool
+                    ) -> Generator[Step, None, RuntimeAnswer]:
+    """Run `steps` unchanged, appending each :class:`Decode` it yields to `decodes`; with `logprobs`,
+    each asks its decoder for the chosen tokens' log-probabilities (the greedy choices are the same)."""
+    try:
+        step = next(steps)
+        while True:
+            if isinstance(step, Decode):
+                step.want_logprobs = step.want_logprobs or logprobs
+                decodes.append(step)
+            step = steps.send((yield step))
+    except StopIteration as stop:
+        return stop.value
+
+
+def _answer_logprobs(decodes: list[Decode], ids: list[int]) -> list[float] | None:
+    """The log-probabilities of the decode that gave the answer `ids` (the last whose tokens are
+    the answer's), or None when none recorded them (a recompute gate splices its answer)."""
+    for step in reversed(decodes):
+        if step.ids == ids and step.logprobs is not None and len(step.logprobs) == len(ids):
+            return list(step.logprobs)
+    return None

@@ -3,7 +3,8 @@
 certkv decides and decodes a request before it answers (a post-decode gate may replace the evicted
 answer by the full cache's), so a stream carries a finished answer: one chunk per token's new text,
 then a last chunk with the finish reason, the usage and the ``certkv`` object, then
-``data: [DONE]``, as OpenAI's clients expect.
+``data: [DONE]``, as OpenAI's clients expect; with ``stream_options.include_usage`` the usage comes
+once more in a chunk of its own with no choices before ``[DONE]``, as OpenAI sends it.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def token_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int], text: str) 
 
 
 def sse_events(answer_id: str, created: int, model: str, pieces: list[str], *, chat: bool, finish_reason: str,
-               usage: Usage, certkv: CertkvInfo) -> Iterator[str]:
+               usage: Usage, certkv: CertkvInfo, include_usage: bool = False) -> Iterator[str]:
     """The ``data:`` lines of a streamed answer: one chunk per piece, a last chunk with the finish
-    reason, usage and certkv, then ``[DONE]``."""
+    reason, usage and certkv, (`include_usage`: a chunk with the usage and no choices,) then ``[DONE]``."""
 
     def chunk(piece: str | None, finish: str | None, first: bool = False, last: bool = False) -> str:
         body: ChatCompletionChunk | CompletionResponse
@@ -66,4 +67,7 @@ def sse_events(answer_id: str, created: int, model: str, pieces: list[str], *, c
     for i, piece in enumerate(pieces or [""]):
         yield chunk(piece, None, first=i == 0)
     yield chunk(None, finish_reason, last=True)
+    if include_usage:
+        shape = ChatCompletionChunk if chat else CompletionResponse
+        yield f"data: {shape(id=answer_id, created=created, model=model, choices=[], usage=usage).model_dump_json()}\n\n"
     yield "data: [DONE]\n\n"
