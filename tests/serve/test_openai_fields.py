@@ -99,6 +99,31 @@ def test_logprobs_are_the_certified_decodes_own(client, expected):
     assert plain.choices[0].logprobs is None  # only when asked
 
 
+def test_logprobs_of_a_full_cache_answer_are_a_teacher_forced_forwards(client, embedded):
+    """A context shorter than the press's window is answered from the full cache (reason
+    ``precondition``); its log-probabilities equal an independent computation: one forward of the
+    model over context, question and answer, read at the answer's tokens."""
+    import torch
+
+    from certkv.model.generation import encode_request
+
+    model, tokenizer = embedded
+    context = "The magic number for lilac is 6386. The magic number for fox is 1234."
+    question = "Question: What is the magic number for fox? Answer: The magic number for fox is"
+    out = client.completions.create(model=MODEL, prompt="", logprobs=0,
+                                    extra_body={"context": context, "question": question})
+    assert out.model_extra["certkv"]["decision"]["reason"] == "precondition"
+    enc = encode_request(tokenizer, context, question, "")
+    answer = tokenizer(out.choices[0].text, add_special_tokens=False)["input_ids"]
+    prompt = list(enc.context_ids) + list(enc.question_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].float()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(answer)[:, None])[:, 0].tolist()
+    got = out.choices[0].logprobs
+    assert "".join(got.tokens) == out.choices[0].text
+    assert got.token_logprobs == pytest.approx(want, abs=1e-4)  # as many tokens, and the same log p
+
+
 def test_stop_strings_cut_the_certified_answer(client, expected, embedded):
     """The answer is cut before the earliest stop string it contains (a string, or a list), exactly
     where the full answer contains it; the certkv object says a stop string cut it; a stop string the
