@@ -29,6 +29,8 @@ from transformers import DynamicCache
 from certkv.model.generation import chosen_logprobs, stop_token_ids
 from certkv.model.stopping import is_finished
 from certkv.model.window_queries import capturing_window_queries
+from certkv.presses.hajek_state import clear_states
+from certkv.presses.probabilistic_decoding import ProbabilisticDecodingPress
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -43,7 +45,9 @@ class DecodingRun:
     ``token_ids``: the greedy answer (stop token included); ``logprobs``: each token's log p;
     ``held``: the entries the cache holds after each forward (mean over layers), one per token;
     ``prefill_kept``: the entries the prefill left (the context, unless the press compresses
-    prefills too); ``stopped_at``: where a recompute trigger stopped the run (None: it finished).
+    prefills too); ``stopped_at``: where a recompute trigger stopped the run (None: it finished);
+    ``certificate_max``: the largest survey-variance certificate of the run's steps under certkv's
+    probabilistic decoding press (None under any other press).
     """
 
     token_ids: list[int]
@@ -51,11 +55,13 @@ class DecodingRun:
     held: list[float] = field(default_factory=list)
     prefill_kept: float = 0.0
     stopped_at: int | None = None
+    certificate_max: float | None = None
 
 
 def is_decoding_press(press: Any) -> bool:
-    """Whether `press` compresses while decoding (kvpress's decoding presses and their wrapper)."""
-    return isinstance(press, (DecodingPress, PrefillDecodingPress))
+    """Whether `press` compresses while decoding (kvpress's decoding presses and their wrapper,
+    certkv's probabilistic decoding press)."""
+    return isinstance(press, (DecodingPress, PrefillDecodingPress, ProbabilisticDecodingPress))
 
 
 def compresses_prefill(press: Any) -> bool:
@@ -80,13 +86,19 @@ def run_decoding(
     """
     context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)
     cache = DynamicCache()
-    with torch.no_grad():
-        with press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
-            model.model(input_ids=context, past_key_values=cache)
-        prefill_kept = _entries_held(cache)
-        run = DecodingRun(token_ids=[], prefill_kept=prefill_kept)
-        with press(model):
-            _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, stop_below)
+    held = press.entries_held if isinstance(press, ProbabilisticDecodingPress) else _entries_held
+    try:
+        with torch.no_grad():
+            with press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
+                model.model(input_ids=context, past_key_values=cache)
+            run = DecodingRun(token_ids=[], prefill_kept=held(cache))
+            with press(model):
+                _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, stop_below, held)
+                if isinstance(press, ProbabilisticDecodingPress):
+                    run.certificate_max = press.certificate_max(model)
+    finally:
+        if isinstance(press, ProbabilisticDecodingPress):  # its Hájek states outlive its blocks
+            clear_states(model)
     return run
 
 
@@ -104,7 +116,7 @@ def finish_on_full_cache(model: PreTrainedModel, enc: EncodedRequest, prefix: li
     run = DecodingRun(token_ids=list(prefix), prefill_kept=float(context.shape[1]))
     with torch.no_grad():
         model.model(input_ids=context, past_key_values=cache)
-        _decode(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, None)
+        _decode(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, None, _entries_held)
     return run
 
 
@@ -113,9 +125,10 @@ def _entries_held(cache: DynamicCache) -> float:
     return sum(layer.keys.shape[-2] for layer in cache.layers) / len(cache.layers)
 
 
-def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, stop_below) -> None:
+def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, stop_below, held) -> None:
     """Greedy decoding into `run`, forward for forward as :func:`greedy_decode` (and so kvpress's
-    pipeline) decodes: the question with ``logits_to_keep=1``, then one token per forward."""
+    pipeline) decodes: the question with ``logits_to_keep=1``, then one token per forward; `held`
+    counts the entries the cache holds after each."""
     stops = stop_token_ids(model)
     floor = -math.inf if stop_below is None else math.log(stop_below) if stop_below > 0 else -math.inf
     ids = torch.as_tensor(list(question_ids), device=model.device).view(1, -1)
@@ -130,7 +143,7 @@ def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run:
             return
         run.token_ids.append(int(token))
         run.logprobs.append(logprob)
-        run.held.append(_entries_held(cache))
+        run.held.append(held(cache))
         if is_finished(run.token_ids, max_new_tokens, stops):
             return
         positions = positions[:, -1:] + 1

@@ -441,6 +441,7 @@ class Engine:
             run.token_ids, "pipeline", seconds,
         )
         answer.set_confidence(run.logprobs)
+        answer.certificate_max = run.certificate_max  # certkv's probabilistic decoding press only
         cost = kv_cost(run.held, n_ctx, n_q)
         answer.kv_peak, answer.kv_time = cost.peak, cost.time
         return answer

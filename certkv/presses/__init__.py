@@ -12,6 +12,7 @@ from certkv._lazy import lazy_getattr
 
 _LAZY = {
     "ProbabilisticPress": ("certkv.presses.probabilistic", "ProbabilisticPress"),
+    "ProbabilisticDecodingPress": ("certkv.presses.probabilistic_decoding", "ProbabilisticDecodingPress"),
     "DeterministicHeadPress": ("certkv.presses.deterministic_head", "DeterministicHeadPress"),
     "AttentionTimesValueNormPress": ("certkv.presses.value_norm", "AttentionTimesValueNormPress"),
     "ValueDiffPress": ("certkv.presses.value_diff", "ValueDiffPress"),

@@ -117,6 +117,9 @@ KVPRESS_NOT_PRESSES = frozenset({"BasePress", "ScorerPress", "KVPressTextGenerat
 #: certkv's own presses (static, like the kvpress table: naming them imports nothing).
 _CERTKV: dict[str, tuple[str, str | None]] = {
     "probabilistic": ("certkv.presses.probabilistic:ProbabilisticPress", "compression_ratio"),
+    # The same sampling while decoding: kv_retained of every token seen, sampled again every
+    # compression_interval forwards (certkv.engine.decoding_run runs it as the decoding presses).
+    "probabilistic_decoding": ("certkv.presses.probabilistic_decoding:ProbabilisticDecodingPress", "compression_ratio"),
     "deterministic_head": ("certkv.presses.deterministic_head:DeterministicHeadPress", "compression_ratio"),
     "value_diff": ("certkv.presses.value_diff:ValueDiffPress", "compression_ratio"),
     # Response-aware: they choose after the prefill, from the response's queries (certkv's engine only).
@@ -127,7 +130,10 @@ _CERTKV: dict[str, tuple[str, str | None]] = {
 
 #: Press targets whose candidates record a survey-variance certificate (``certificate_max``), so
 #: a contract's ``gate.certificate`` bounds apply to them (docs/design.md, "Gate signals").
-_CERTIFICATE_TARGETS = frozenset({"certkv.presses.probabilistic:ProbabilisticPress"})
+_CERTIFICATE_TARGETS = frozenset({
+    "certkv.presses.probabilistic:ProbabilisticPress",
+    "certkv.presses.probabilistic_decoding:ProbabilisticDecodingPress",
+})
 
 #: The contract's model name that means certkv's embedded model (certkv.model.loading.EMBEDDED,
 #: spelled out here so validation imports no torch).
@@ -233,7 +239,8 @@ def press_info(spec: str) -> PressInfo:
 
 def produces_certificates(name: str) -> bool:
     """Whether a press records the survey-variance certificate the gate's ``certificate`` bounds
-    apply to: certkv's ``probabilistic`` press (by name or by its import path). Imports nothing."""
+    apply to: certkv's ``probabilistic`` and ``probabilistic_decoding`` presses (by name or by
+    import path). Imports nothing."""
     info = _REGISTRY.get(name)
     target = info.target if info is not None else name
     return isinstance(target, str) and target in _CERTIFICATE_TARGETS
@@ -254,12 +261,17 @@ def _kvpress_class(spec: str) -> str | None:
 
 #: kvpress presses that compress while the answer is decoded (certkv.engine.decoding_run runs them).
 _DECODING_TIME = frozenset({"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"})
+#: certkv's presses that do (the same runner).
+_CERTKV_DECODING_TIME = frozenset({"certkv.presses.probabilistic_decoding:ProbabilisticDecodingPress"})
 
 
 def compresses_while_decoding(spec: str) -> bool:
     """Whether a press compresses the cache while decoding (kvpress's decoding presses and their
-    prefill-and-decoding wrapper), so that its cost is a generation's, not a prefill's. Imports nothing."""
-    return _kvpress_class(spec) in _DECODING_TIME
+    prefill-and-decoding wrapper, certkv's ``probabilistic_decoding``), so that its cost is a
+    generation's, not a prefill's. Imports nothing."""
+    info = _REGISTRY.get(spec)
+    target = info.target if info is not None else spec
+    return _kvpress_class(spec) in _DECODING_TIME or (isinstance(target, str) and target in _CERTKV_DECODING_TIME)
 
 
 def needs_eager_attention(spec: str) -> bool:

@@ -45,6 +45,7 @@ from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
 from certkv.model.generation import EncodedRequest, encode_request, for_protocol, stop_token_ids
 from certkv.presses.hajek_state import clear_states
+from certkv.presses.probabilistic_decoding import ProbabilisticDecodingPress
 from certkv.presses.registry import build_press, compression_ratio_for, is_known_press, resolve_press_class
 from certkv.presses.response_aware import is_response_aware_press
 from certkv.runtime.decision import Decision
@@ -242,7 +243,7 @@ class CertifiedRuntime:
                 f"kv_retained {op.kv_retained} (compression_ratio {expected}); "
                 "configure the press at the certified retention"
             )
-        if self.bound is not None and not is_probabilistic_press(press):
+        if self.bound is not None and not (is_probabilistic_press(press) or isinstance(press, ProbabilisticDecodingPress)):
             raise CertkvError(
                 f"the operating point escalates on the certificate (bound {self.bound}), which only "
                 f"certkv's probabilistic press computes; a {type(press).__name__} cannot be gated by it"

@@ -15,7 +15,8 @@ The gate:
   (:func:`certkv.engine.decoding_run.finish_on_full_cache`). The decision says where
   (``recomputed_at``); certification counted such a request exactly as this runs it
   (:mod:`certkv.core.gated`).
-* a post-decode part (confidence, certificate-free) escalates the finished answer to the full cache.
+* a post-decode part (confidence; the certificate bound for certkv's probabilistic decoding
+  press, whose run records its largest certificate) escalates the finished answer to the full cache.
 
 Gates decided before the decode (agreement drop, lookahead, a learned model reading them) need the
 full prefill this path never holds; the runtime refuses them for a decoding-time press.
@@ -72,7 +73,7 @@ class DecodingPath:
         kept = run.prefill_kept / len(enc.context_ids)
         if run.stopped_at is not None:
             return self._recompute(enc, run, max_new, signals, seconds, kept)
-        reason = self.gate.post_decode_reason(signals, run.logprobs, None)
+        reason = self.gate.post_decode_reason(signals, run.logprobs, run.certificate_max)
         if reason is None:
             cost = kv_cost(run.held, len(enc.context_ids), len(enc.question_ids))
             return PathAnswer(run.token_ids, None, signals, seconds, kept=kept, kv_peak=cost.peak, kv_time=cost.time)
