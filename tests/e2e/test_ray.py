@@ -266,17 +266,9 @@ main()
 """
 
 
-@ray_test
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["SIGKILL", "SIGINT", "SIGTERM"])
-def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records, tmp_path, signum):
-    """The driver stopped mid-run, right after its second write (:data:`STOPPED_DRIVER`): killed
-    (SIGKILL), or interrupted by Ctrl-C or SIGTERM, which it must turn into exit 130 / 143 and
-    certkv's one line (Ray's own SIGTERM handler would exit 15), with its workers and its Ray
-    instance stopped. Rerun, it resumes to the local run's records."""
-    from certkv.calibration.store import CalibrationStore
-
-    contract = _setup(tmp_path)
-    # Its own driver process (and its own local Ray instance), stopped right after its second write.
+def _stop_driver(contract: Path, signum: int) -> tuple[int, str]:
+    """Run :data:`STOPPED_DRIVER` on `contract` in its own process (and its own local Ray
+    instance), stopped by `signum` right after its STOP_AFTER-th write; its exit code and stderr."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(
         [sys.executable, "-c", STOPPED_DRIVER, str(contract), str(int(signum)), str(STOP_AFTER)],
@@ -292,18 +284,33 @@ def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records
             os.killpg(proc.pid, signal.SIGKILL)  # whatever of its Ray instance outlived it
         except ProcessLookupError:
             pass
-    err = err.decode()
-    if signum == signal.SIGKILL:
-        assert proc.returncode == -signal.SIGKILL
-    else:
-        assert proc.returncode == 128 + signum, (proc.returncode, err[-2000:])
-        assert "Traceback" not in err, err[-2000:]
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert lines and lines[-1] == "certkv: interrupted; everything stored so far is kept (rerun to resume)", err
-    with CalibrationStore.read(tmp_path / "store") as store:
-        partial = store.request_count()
-    assert 0 < partial < N_REQUESTS, f"the stop must land mid-run ({partial} stored; {err[-500:]})"
-    assert partial == STOP_AFTER, f"nothing is written after the stop ({partial} stored)"
+    return proc.returncode, err.decode()
+
+
+@ray_test
+def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records, tmp_path):
+    """The driver stopped mid-run, right after its second write (:data:`STOPPED_DRIVER`), three
+    times over on one store: interrupted by Ctrl-C, then by SIGTERM, which it must turn into exit
+    130 / 143 and certkv's one line (Ray's own SIGTERM handler would exit 15), with its workers and
+    its Ray instance stopped; then killed (SIGKILL). Each rerun resumes where the last stopped,
+    and the last one completes the store to the local run's records."""
+    from certkv.calibration.store import CalibrationStore
+
+    contract = _setup(tmp_path)
+    for stops, signum in enumerate((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), start=1):
+        code, err = _stop_driver(contract, signum)
+        if signum == signal.SIGKILL:
+            assert code == -signal.SIGKILL
+        else:
+            assert code == 128 + signum, (signum, code, err[-2000:])
+            assert "Traceback" not in err, err[-2000:]
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert lines and lines[-1] == "certkv: interrupted; everything stored so far is kept (rerun to resume)", err
+        with CalibrationStore.read(tmp_path / "store") as store:
+            partial = store.request_count()
+        # nothing is written after a stop, and each run resumed after the last one's writes
+        assert partial == stops * STOP_AFTER, f"{partial} stored after stop {stops} ({signum!r}; {err[-500:]})"
+    assert partial < N_REQUESTS, "the stops must land mid-run"
     summary = _ray_calibrate(contract, workers=2)
     assert summary.already_done == partial and summary.calibrated == N_REQUESTS - partial
     _assert_same(_records(tmp_path), local_records)
@@ -352,7 +359,13 @@ def test_without_the_extra_executor_ray_is_one_line_naming_it(tmp_path):
     (["--address", "auto", "--gpus-per-worker", "1"], "--address, --gpus-per-worker need --executor ray"),
     (["--executor", "dask"], "--executor must be local or ray"),
 ])
-def test_ray_options_without_the_ray_executor_are_refused(tmp_path, args, fragment):
-    res = _cli_without_ray(str(_setup(tmp_path)), *args)
-    assert res.returncode == 2 and fragment in res.stderr and len(res.stderr.strip().splitlines()) == 1
+def test_ray_options_without_the_ray_executor_are_refused(tmp_path, args, fragment, monkeypatch, capsys):
+    """Refused before anything runs, so in this process (a child interpreter each would cost seconds)."""
+    from certkv.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["certkv", "calibrate", str(_setup(tmp_path)), *args])
+    with pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and fragment in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "store").exists()
