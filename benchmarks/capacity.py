@@ -52,9 +52,9 @@ SHADOW_RATE = 0.05
 
 
 def fixed_point(kv: float, *, query_aware: bool, max_new_tokens: int, press: str = "snapkv",
-                press_kwargs: dict | None = None, label: str | None = None):
+                press_kwargs: dict | None = None, label: str | None = None, risk: float = 0.05):
     """An ungated `press` point at `kv` (kv = 1.0: the full-cache fallback), outside any certificate:
-    the benchmark compares memory, not risk."""
+    the benchmark compares memory, not risk (`risk` is the ε the live monitor holds it to)."""
     from certkv.core.operating_point import ContractSummary, OperatingPoint
 
     full = kv >= 1.0
@@ -63,7 +63,7 @@ def fixed_point(kv: float, *, query_aware: bool, max_new_tokens: int, press: str
         policy=policy, base_policy=policy, press="full" if full else press, press_kwargs=press_kwargs or {},
         kv_retained=kv, mean_kv_retained=kv,
         fallback=full, reason="benchmark: the full cache" if full else None, query_aware=query_aware,
-        contract=ContractSummary(tolerance=0.0, risk=0.05, confidence=0.95, procedure="fixed_sequence",
+        contract=ContractSummary(tolerance=0.0, risk=risk, confidence=0.95, procedure="fixed_sequence",
                                  utility="exact_match"),
         n=0, violations=0, empirical_risk=0.0, risk_upper_bound=0.0, p_value=None, candidates=[], sequences=[],
         guarantee="none: a benchmark's fixed point", created="benchmark", certkv_version="benchmark",

@@ -25,7 +25,10 @@ the full cache is held to the end, as calibration holds it. Run *lean* (``certkv
 scheduler) the full cache is freed as soon as the kept entries are gathered
 (:func:`~certkv.engine.ragged_decode.gather_row`, the same entries in the same order as
 ``padded_cache``), so a decoding request holds only its retained KV; an escalation then prefills
-the context again (same kernels, same full answer). The probabilistic press always holds its full
+the context again (same kernels, same full answer). Behind no gate that reads the full cache after
+the prefill, a plain top-k press gathers each layer's kept entries as soon as the layer is
+prefilled (:mod:`certkv.engine.layer_pruning`), so the full prefill never exists at once and the
+request reserves only that peak (:meth:`SinglePrefillPath.reservation`). The probabilistic press always holds its full
 cache: its Hájek decode is its own, unbatched.
 
 The full-cache answer is always decoded as calibration decodes it
