@@ -896,19 +896,49 @@ def capacity(data: dict) -> str:
     ])
 
 
+def capacity_long_reading(data: dict, runs: dict) -> str:
+    """What the long-generation capacity figures say, read from them."""
+    dec, solo, n = data["ratios"]["decoding"], data["in_process_seconds"], data["traffic"]["requests"]
+    full, unlimited = runs["full", "budget"], runs["full", "unlimited"]
+    cores = max(r["server_cpu_per_wall_s"] for r in runs.values())
+    text = (f"The decoding-time point's target is 0.8 × the full cache's peak KV over its own, per request "
+            f"({num(dec['full_peak_over_its_peak'], 2)}: the cache holds the whole prompt until its first compression "
+            "event, and the answers are about as long as their contexts). ")
+    if full["throughput_rps"] >= 0.9 * unlimited["throughput_rps"]:
+        text += (f"The processor binds, not memory: under the budget the full cache decodes at most "
+                 f"{full['max_batch']} request(s) at once and serves {num(full['throughput_rps'], 2)} req/s; unlimited, "
+                 f"up to {unlimited['max_batch']} at once, {num(unlimited['throughput_rps'], 2)} req/s. On recitations "
+                 "the batched decode's prompt lookup confirms "
+                 f"{num(full['tokens_per_decode_step'], 1)} tokens a step under the budget, so an answer holds its KV "
+                 "for a few decode steps, not a hundred, and a request's time is its prefill, its HTTP round trip and "
+                 "its share of the processor, which a smaller cache does not shorten (the server got at most "
+                 f"{num(cores, 2)} of the machine's {data['machine']['cpus']} cores, shared with other work). ")
+    else:
+        text += (f"Memory binds: the full cache serves {num(full['throughput_rps'], 2)} req/s under the budget against "
+                 f"{num(unlimited['throughput_rps'], 2)} unlimited. ")
+    return text + (
+        "Besides, the half-KV point holds k + q + T of the full cache's n + q + T slots while it decodes "
+        "([serving](serving.md#sizing-a-kv-budget-for-long-generations)): a prefill press does not compress the "
+        "answer's room, so on these requests it holds about 0.69 of the full cache's KV (n = 256), not 0.5; and each of its "
+        f"requests costs more processor (its press scores the prefill: in-process {seconds(solo['half'] / n)} a "
+        f"request against the full cache's {seconds(solo['full'] / n)}), which is what binds. The "
+        "decoding-time point decodes alone (its press's hooks would compress every row of a batched forward), one "
+        "token a forward without prompt lookup, and nothing else runs meanwhile: in-process it took "
+        f"{seconds(solo['decoding'] / n)} a request against the full cache's {seconds(solo['full'] / n)}, and the "
+        "server cannot batch it, so its smaller peak buys no throughput.")
+
+
 def capacity_long(data: dict) -> str:
     traffic, budget, ratios = data["traffic"], data["budget"], data["ratios"]
     runs = {(name, key): r for name, p in data["points"].items() for key, r in p["runs"].items()}
     rows = [[name, f"`{data['points'][name]['policy']}`", "unlimited" if key == "unlimited" else f"{budget['slots']:,}",
              num(r["throughput_rps"], 2), f"{seconds(r['latency_p50_s'])} / {seconds(r['latency_p99_s'])}",
              f"{r['kv_peak']:,.0f}", str(r["max_batch"]), num(r["server_cpu_per_wall_s"], 2), str(r["server_5xx"]),
-             "yes" if r["answers_equal_in_process"] else f"no ({r['answers_differing']} differ)"]
+             "yes" if r["answers_equal_in_process"] else "no (passes differ)" if r["answers_differing"] is None
+             else f"no ({r['answers_differing']} differ)"]
             for (name, key), r in runs.items()]
     ratio_rows = [[name, times(r["over_full"]), times(r["target"]), "yes" if r["over_full"] >= r["target"] else "no"]
                   for name, r in ratios.items()]
-    full, unlimited = runs["full", "budget"]["throughput_rps"], runs["full", "unlimited"]["throughput_rps"]
-    dec = ratios["decoding"]
-    solo = data["in_process_seconds"]
     n = traffic["requests"]
     return "\n\n".join([
         "## Capacity on long generations",
@@ -923,21 +953,14 @@ def capacity_long(data: dict) -> str:
         "(pruned layer by layer under the server); kvpress's CompressionRatioDecodingPress over StreamingLLM keeping "
         "half of the tokens seen every 8 steps, **uncertified**: the embedded long-generation contract certified "
         "nothing at ε = 0.05 under its strict prefix agreement (see [long generations](long-generations.md)), so it "
-        "is served as a fixed point, for its memory. Every answer is compared with the in-process runtime's.",
+        "is served as a fixed point, for its memory. The live monitor holds the fixed points to ε = "
+        f"{data['monitor_risk']:g}: at 0.05 it sends the breaking evicted points to the full cache within a pass, "
+        "and the run would then measure the full cache under their names. Every answer is compared with the "
+        "in-process runtime's.",
         table(["point", "policy", "budget (slots)", "req/s", "latency p50 / p99", "peak KV", "max batch",
                "server cores", "5xx", "answers = in-process"], rows),
         table(["point", "÷ full throughput", "target", "reached"], ratio_rows),
-        f"The decoding-time point's target is 0.8 × the full cache's peak KV over its own, per request "
-        f"({num(dec['full_peak_over_its_peak'], 2)}: the cache holds the whole prompt until its first compression "
-        "event, and answers are about as long as their contexts). What the figures say: the full cache serves "
-        f"{num(full, 2)} req/s under the budget and {num(unlimited, 2)} req/s unlimited. The half-KV point holds "
-        "k + q + T of the full cache's n + q + T while it decodes: the answer's room is not compressed by a prefill "
-        "press, so on these requests it holds about 0.69 of the full cache's KV, not 0.5, and decodes that many more "
-        "rows at once, no more. The decoding-time point decodes alone (its press's hooks would compress every row "
-        "of a batched forward), one token a forward without prompt lookup, and nothing else runs meanwhile: "
-        f"in-process it took {seconds(solo['decoding'] / n)} a request against the full cache's "
-        f"{seconds(solo['full'] / n)}, and the server cannot batch it, so its smaller peak buys no throughput. "
-        "The machine is shared (2 cores; the server's cores column says how much of them it got).",
+        capacity_long_reading(data, runs),
     ])
 
 
