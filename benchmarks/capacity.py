@@ -51,17 +51,19 @@ RESULT = REPO / "benchmarks" / "results" / "capacity.json"
 SHADOW_RATE = 0.05
 
 
-def fixed_point(kv: float, *, query_aware: bool, max_new_tokens: int):
-    """An ungated SnapKV point at `kv` (kv = 1.0: the full-cache fallback), outside any certificate:
-    the benchmark compares memory, not risk."""
+def fixed_point(kv: float, *, query_aware: bool, max_new_tokens: int, press: str = "snapkv",
+                press_kwargs: dict | None = None, label: str | None = None, risk: float = 0.05):
+    """An ungated `press` point at `kv` (kv = 1.0: the full-cache fallback), outside any certificate:
+    the benchmark compares memory, not risk (`risk` is the ε the live monitor holds it to)."""
     from certkv.core.operating_point import ContractSummary, OperatingPoint
 
     full = kv >= 1.0
-    policy = "full" if full else f"snapkv@{kv:.2f}"
+    policy = "full" if full else f"{label or press}@{kv:.2f}"
     return OperatingPoint(
-        policy=policy, base_policy=policy, press="full" if full else "snapkv", kv_retained=kv, mean_kv_retained=kv,
+        policy=policy, base_policy=policy, press="full" if full else press, press_kwargs=press_kwargs or {},
+        kv_retained=kv, mean_kv_retained=kv,
         fallback=full, reason="benchmark: the full cache" if full else None, query_aware=query_aware,
-        contract=ContractSummary(tolerance=0.0, risk=0.05, confidence=0.95, procedure="fixed_sequence",
+        contract=ContractSummary(tolerance=0.0, risk=risk, confidence=0.95, procedure="fixed_sequence",
                                  utility="exact_match"),
         n=0, violations=0, empirical_risk=0.0, risk_upper_bound=0.0, p_value=None, candidates=[], sequences=[],
         guarantee="none: a benchmark's fixed point", created="benchmark", certkv_version="benchmark",
@@ -69,14 +71,14 @@ def fixed_point(kv: float, *, query_aware: bool, max_new_tokens: int):
     )
 
 
-def largest_reservation(requests, max_new_tokens: int) -> int:
-    """The KV slots the largest of `requests` reserves for its prefill on the embedded model
+def largest_reservation(requests, max_new_tokens: int, model_name: str = "embedded") -> int:
+    """The KV slots the largest of `requests` reserves for its full-cache prefill on `model_name`
     (:func:`certkv.runtime.full_path.prefill_slots`): the unit the budgets are given in."""
     from certkv.model.generation import encode_request
     from certkv.model.loading import load_model
     from certkv.runtime.full_path import prefill_slots
 
-    model, tok = load_model("embedded", device="cpu")
+    model, tok = load_model(model_name, device="cpu")
     return max(prefill_slots(model, encode_request(tok, r.context, r.question, r.answer_prefix), max_new_tokens)
                for r in requests)
 
@@ -87,7 +89,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def closed_loop(base: str, requests, concurrency: int) -> tuple[list[dict], float]:
+async def closed_loop(base: str, requests, concurrency: int, model: str = "embedded") -> tuple[list[dict], float]:
     """`concurrency` clients, each sending its next request as soon as its last is answered."""
     import openai
 
@@ -99,7 +101,7 @@ async def closed_loop(base: str, requests, concurrency: int) -> tuple[list[dict]
         for r in todo:
             t = time.perf_counter()
             try:
-                out = await client.completions.create(model="embedded", prompt="", extra_body={
+                out = await client.completions.create(model=model, prompt="", extra_body={
                     "context": r.context, "question": r.question, "stratum": r.task})
                 extra = out.model_extra["certkv"]
                 rows.append({"id": r.id, "status": 200, "seconds": time.perf_counter() - t, "decision": extra["decision"],
@@ -117,8 +119,9 @@ async def closed_loop(base: str, requests, concurrency: int) -> tuple[list[dict]
 class Server:
     """One `certkv serve` process on `op_path` under `budget` slots (None: unlimited), kept up for every repeat."""
 
-    def __init__(self, name: str, op_path: Path, budget: int | None, concurrency: int, work: Path) -> None:
-        self.port = free_port()
+    def __init__(self, name: str, op_path: Path, budget: int | None, concurrency: int, work: Path,
+                 model: str = "embedded") -> None:
+        self.port, self.model = free_port(), model
         self.base = f"http://127.0.0.1:{self.port}"
         self.budget = budget
         folder = work / f"{name}-{budget or 'unlimited'}"
@@ -126,7 +129,7 @@ class Server:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
         cmd = [sys.executable, "-m", "certkv.cli.app", "serve", str(op_path), "--port", str(self.port),
                "--device", "cpu", "--shadow-rate", str(SHADOW_RATE), "--shadow-store", str(folder / "shadows"),
-               "--max-queue", str(4 * concurrency), "--timeout", "300", "--seed", "0"]
+               "--max-queue", str(4 * concurrency), "--timeout", "300", "--seed", "0", "--model", model]
         if budget is not None:
             cmd += ["--kv-budget", str(budget)]
         self.log = open(folder / "server.log", "w")  # noqa: SIM115 - closed in stop()
@@ -135,13 +138,13 @@ class Server:
 
     def warm(self, requests) -> None:
         wait_healthy(self.base, self.proc)
-        asyncio.run(closed_loop(self.base, requests[:8], 4))  # first forwards allocate: not counted
+        asyncio.run(closed_loop(self.base, requests[:8], 4, self.model))  # first forwards allocate: not counted
         self.settle()
 
     def measure(self, requests, concurrency: int) -> None:
         """One closed-loop pass of `requests`, with the server's and this client's CPU seconds over it."""
         cpu0, client0 = cpu_seconds(self.proc.pid), time.process_time()
-        rows, seconds = asyncio.run(closed_loop(self.base, requests, concurrency))
+        rows, seconds = asyncio.run(closed_loop(self.base, requests, concurrency, self.model))
         server_cpu, client_cpu = cpu_seconds(self.proc.pid) - cpu0, time.process_time() - client0
         self.repeats.append({"rows": rows, "seconds": seconds, "server_cpu": server_cpu, "client_cpu": client_cpu,
                              "shadows_left": self.settle()})
@@ -208,6 +211,12 @@ class Server:
 
 
 def main() -> None:
+    if "--long" in sys.argv[1:]:
+        from capacity_long import main as long_main
+
+        sys.argv.remove("--long")
+        long_main()
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--demo-point", type=Path, default=DEMO_POINT, help="what `certkv demo` wrote")
     parser.add_argument("--requests", type=int, default=480, help="requests per run")

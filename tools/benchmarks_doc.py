@@ -866,10 +866,11 @@ def capacity(data: dict) -> str:
         rates = {name: p["runs"][k]["throughput_rps"] for name, p in data["points"].items()}
         binds += (f" At {k}× memory does bind: the full cache drops to {num(rates['full'], 1)} req/s "
                   f"({pct(rates['full'] / unlimited, 0)} of its unlimited rate), and the evicted points drop with it "
-                  f"({', '.join(f'{n} {num(v, 1)}' for n, v in rates.items() if n != 'full')} req/s): every request, "
-                  "evicted or not, first reserves its whole prefill (plus one layer copied) and only after its press "
-                  "holds less, so a budget that one prefill fills admits the next request only as the last ones end, "
-                  "whatever they keep.")
+                  f"({', '.join(f'{n} {num(v, 1)}' for n, v in rates.items() if n != 'full')} req/s): when this "
+                  "ran, every request, evicted or not, first reserved its whole prefill (plus one layer copied) and "
+                  "only after its press held less, so a budget that one prefill fills admitted the next request only "
+                  "as the last ones ended, whatever they kept (a score-based point now reserves its pruned peak: "
+                  "[serving](serving.md#sizing-a-kv-budget-for-long-generations)).")
     if left:
         binds += (f" Shadows wait for the live load to stop: each pass of an evicted point left {min(left)}–{max(left)} "
                   "of its jobs waiting at its end (about one in twenty answers is shadowed); they ran between passes, "
@@ -892,6 +893,74 @@ def capacity(data: dict) -> str:
                                                                         for k in budgets], ratio_rows),
         ("The targets are reached." if reached else "The targets are not reached. " + binds)
         + f" Answers under every budget equal the unlimited run's: {equal}.",
+    ])
+
+
+def capacity_long_reading(data: dict, runs: dict) -> str:
+    """What the long-generation capacity figures say, read from them."""
+    dec, solo, n = data["ratios"]["decoding"], data["in_process_seconds"], data["traffic"]["requests"]
+    full, unlimited = runs["full", "budget"], runs["full", "unlimited"]
+    cores = max(r["server_cpu_per_wall_s"] for r in runs.values())
+    text = (f"The decoding-time point's target is 0.8 × the full cache's peak KV over its own, per request "
+            f"({num(dec['full_peak_over_its_peak'], 2)}: the cache holds the whole prompt until its first compression "
+            "event, and the answers are about as long as their contexts). ")
+    if full["throughput_rps"] >= 0.9 * unlimited["throughput_rps"]:
+        text += (f"The processor binds, not memory: under the budget the full cache decodes at most "
+                 f"{full['max_batch']} request(s) at once and serves {num(full['throughput_rps'], 2)} req/s; unlimited, "
+                 f"up to {unlimited['max_batch']} at once, {num(unlimited['throughput_rps'], 2)} req/s. On recitations "
+                 "the batched decode's prompt lookup confirms "
+                 f"{num(full['tokens_per_decode_step'], 1)} tokens a step under the budget, so an answer holds its KV "
+                 "for a few decode steps, not a hundred, and a request's time is its prefill, its HTTP round trip and "
+                 "its share of the processor, which a smaller cache does not shorten (the server got at most "
+                 f"{num(cores, 2)} of the machine's {data['machine']['cpus']} cores, shared with other work). ")
+    else:
+        text += (f"Memory binds: the full cache serves {num(full['throughput_rps'], 2)} req/s under the budget against "
+                 f"{num(unlimited['throughput_rps'], 2)} unlimited. ")
+    return text + (
+        "Besides, the half-KV point holds k + q + T of the full cache's n + q + T slots while it decodes "
+        "([serving](serving.md#sizing-a-kv-budget-for-long-generations)): a prefill press does not compress the "
+        "answer's room, so on these requests it holds about 0.69 of the full cache's KV (n = 256), not 0.5; and each of its "
+        f"requests costs more processor (its press scores the prefill: in-process {seconds(solo['half'] / n)} a "
+        f"request against the full cache's {seconds(solo['full'] / n)}), which is what binds. The "
+        "decoding-time point decodes alone (its press's hooks would compress every row of a batched forward), one "
+        "token a forward without prompt lookup, and nothing else runs meanwhile: in-process it took "
+        f"{seconds(solo['decoding'] / n)} a request against the full cache's {seconds(solo['full'] / n)}, and the "
+        "server cannot batch it, so its smaller peak buys no throughput.")
+
+
+def capacity_long(data: dict) -> str:
+    traffic, budget, ratios = data["traffic"], data["budget"], data["ratios"]
+    runs = {(name, key): r for name, p in data["points"].items() for key, r in p["runs"].items()}
+    rows = [[name, f"`{data['points'][name]['policy']}`", "unlimited" if key == "unlimited" else f"{budget['slots']:,}",
+             num(r["throughput_rps"], 2), f"{seconds(r['latency_p50_s'])} / {seconds(r['latency_p99_s'])}",
+             f"{r['kv_peak']:,.0f}", str(r["max_batch"]), num(r["server_cpu_per_wall_s"], 2), str(r["server_5xx"]),
+             "yes" if r["answers_equal_in_process"] else "no (passes differ)" if r["answers_differing"] is None
+             else f"no ({r['answers_differing']} differ)"]
+            for (name, key), r in runs.items()]
+    ratio_rows = [[name, times(r["over_full"]), times(r["target"]), "yes" if r["over_full"] >= r["target"] else "no"]
+                  for name, r in ratios.items()]
+    n = traffic["requests"]
+    return "\n\n".join([
+        "## Capacity on long generations",
+        command(data["command"]),
+        f"`certkv serve --model {traffic['model']}`, closed loop at concurrency {traffic['concurrency']} through the "
+        f"official `openai` client, {n} fresh `{traffic['task']}` requests (seed {traffic['seed']}, contexts of "
+        f"{traffic['context_length'][0]}–{traffic['context_length'][1]} tokens, answers reciting 4–11 records, "
+        f"42–126 tokens, `max_new_tokens` {traffic['max_new_tokens']}) per pass, the median of "
+        f"{traffic['repeats']} passes, servers interleaved; shadow rate 0.05. One budget, {budget['slots']:,} token "
+        f"slots ({budget['share']:g}× the largest full-cache reservation, {budget['largest_full_reservation']:,}); the "
+        "full cache also runs unlimited. Points: the full cache; StreamingLLM keeping half of the prefill, ungated "
+        "(pruned layer by layer under the server); kvpress's CompressionRatioDecodingPress over StreamingLLM keeping "
+        "half of the tokens seen every 8 steps, **uncertified**: the embedded long-generation contract certified "
+        "nothing at ε = 0.05 under its strict prefix agreement (see [long generations](long-generations.md)), so it "
+        "is served as a fixed point, for its memory. The live monitor holds the fixed points to ε = "
+        f"{data['monitor_risk']:g}: at 0.05 it sends the breaking evicted points to the full cache within a pass, "
+        "and the run would then measure the full cache under their names. Every answer is compared with the "
+        "in-process runtime's.",
+        table(["point", "policy", "budget (slots)", "req/s", "latency p50 / p99", "peak KV", "max batch",
+               "server cores", "5xx", "answers = in-process"], rows),
+        table(["point", "÷ full throughput", "target", "reached"], ratio_rows),
+        capacity_long_reading(data, runs),
     ])
 
 
@@ -1069,6 +1138,7 @@ SECTIONS = {
     "ray_scaling": ray_scaling,
     "serve_load": serve_load,
     "capacity": capacity,
+    "capacity_long": capacity_long,
     "press_league": press_league,
     "press_alternatives": press_alternatives,
     "long_generation": long_generation,

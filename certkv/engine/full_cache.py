@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvpress.presses.base_press import BasePress
     from transformers import PreTrainedModel
 
+    from certkv.engine.layer_pruning import LayerPruner
     from certkv.model.generation import EncodedRequest
     from certkv.presses.poisson_selection import Selection
     from certkv.presses.probabilistic import ProbabilisticPress
@@ -44,6 +45,7 @@ def prefill_full(
     probabilistic: dict[str, ProbabilisticPress] | None = None,
     recorder: AgreementRecorder | None = None,
     observers: Sequence[ResponseAwarePress] = (),
+    pruner: LayerPruner | None = None,
 ) -> tuple[DynamicCache, dict[str, list[torch.Tensor | None]], dict[str, list[Selection | None]]]:
     """The one full prefill of a request: returns (cache, fast selections, probabilistic selections).
 
@@ -51,6 +53,8 @@ def prefill_full(
     hooks record their kept entries per layer); `recorder` is an AgreementRecorder or None;
     `observers` are response-aware presses whose ``observe()`` records prompt-side statistics
     from this same forward (their ``select()`` follows, over the returned full cache).
+    `pruner` (one `fast` press) keeps only that press's entries of each layer as soon as the layer
+    is prefilled (:mod:`certkv.engine.layer_pruning`): the returned cache is then empty.
     """
     selections = Selections()
     sampled: dict[str, list[Selection | None]] = {}
@@ -65,7 +69,13 @@ def prefill_full(
     ):
         for press in observers:
             stack.enter_context(press.observe(model))
+        if pruner is not None:  # after every other hook: they read the layer's full keys first
+            if not fast or len(fast) != 1:
+                raise ValueError("a layer-by-layer pruned prefill needs exactly one fast-path press")
+            stack.enter_context(pruner.attach(model, selections.by_candidate[next(iter(fast))]))
         model.model(input_ids=context_tensor(model, context_ids), past_key_values=cache)
+    if pruner is not None:
+        cache.layers.clear()
     return cache, selections.by_candidate, sampled
 
 

@@ -340,13 +340,22 @@ def gather_row(full_cache: DynamicCache, selection: Sequence[torch.Tensor | None
     layers = []
     for layer_idx, kept in enumerate(selection):
         full = full_cache.layers[layer_idx]
-        keys, values = full.keys[:, :, :context_length], full.values[:, :, :context_length]
-        if kept is not None:
-            heads, dim = keys.shape[1], keys.shape[3]
-            index = kept[0].unsqueeze(-1)
-            keys = keys.gather(2, index.unsqueeze(0).expand(1, heads, -1, dim))
-            values = values.gather(2, index.unsqueeze(0).expand(1, heads, -1, values.shape[3]))
-        layers.append(RowLayer.holding(keys, values, room))
+        layers.append(gather_layer(full.keys, full.values, kept, context_length, room))
         full.keys = full.values = None
     full_cache.layers.clear()
     return RowCache(layers)
+
+
+def gather_layer(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | None, context_length: int,
+                 room: int) -> RowLayer:
+    """One layer's kept entries as a :class:`RowLayer` with `room` free slots.
+
+    `keys` / `values` (1, H_kv, n, d) are a full prefill's layer; `kept` (1, H_kv, n_kept) the
+    press's kept indices in kvpress's order, or None (the first `context_length` entries)."""
+    keys, values = keys[:, :, :context_length], values[:, :, :context_length]
+    if kept is not None:
+        heads, dim = keys.shape[1], keys.shape[3]
+        index = kept[0].unsqueeze(-1)
+        keys = keys.gather(2, index.unsqueeze(0).expand(1, heads, -1, dim))
+        values = values.gather(2, index.unsqueeze(0).expand(1, heads, -1, values.shape[3]))
+    return RowLayer.holding(keys, values, room)

@@ -25,7 +25,10 @@ the full cache is held to the end, as calibration holds it. Run *lean* (``certkv
 scheduler) the full cache is freed as soon as the kept entries are gathered
 (:func:`~certkv.engine.ragged_decode.gather_row`, the same entries in the same order as
 ``padded_cache``), so a decoding request holds only its retained KV; an escalation then prefills
-the context again (same kernels, same full answer). The probabilistic press always holds its full
+the context again (same kernels, same full answer). Behind no gate that reads the full cache after
+the prefill, a plain top-k press gathers each layer's kept entries as soon as the layer is
+prefilled (:mod:`certkv.engine.layer_pruning`), so the full prefill never exists at once and the
+request reserves only that peak (:meth:`SinglePrefillPath.reservation`). The probabilistic press always holds its full
 cache: its Hájek decode is its own, unbatched.
 
 The full-cache answer is always decoded as calibration decodes it
@@ -39,12 +42,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from kvpress.utils import compute_n_kept
 
 from certkv.engine.batched_decode import decode_candidates, padded_cache
 from certkv.engine.engine import is_probabilistic_press
 from certkv.engine.full_cache import prefill_full
+from certkv.engine.layer_pruning import LayerPruner, pruned_peak_slots
 from certkv.engine.probabilistic_decode import decode_probabilistic
-from certkv.engine.ragged_decode import gather_row
+from certkv.engine.ragged_decode import RowCache, gather_row
+from certkv.engine.scoring import is_fast_path_press
 from certkv.presses.poisson_selection import Selection
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.full_path import decode_from_full, full_answer_steps, prefill_slots
@@ -85,22 +91,22 @@ class SinglePrefillPath:
         return run_alone(self.steps(enc, max_new, signals))
 
     def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
-        """The answer as steps (module docstring); `lean` frees the full cache before the evicted decode."""
+        """The answer as steps (module docstring); `lean` frees the full cache before the evicted decode,
+        layer by layer during the prefill when no gate reads the full cache (:meth:`prunes`)."""
         model, gate, stop_ids = self.model, self.gate, self.stop_ids
         n_ctx, room = len(enc.context_ids), len(enc.question_ids) + max_new
-        probe = gate.lookahead_tokens if gate.needs_lookahead else 0
-        # The probabilistic decode gathers its kept entries next to the full cache it keeps.
-        extra = probe + (n_ctx + room if is_probabilistic_press(self.press) else 0)
-        yield Reserve(prefill_slots(model, enc, max_new, extra=extra))
+        pruner = LayerPruner(n_ctx, room) if lean and self.prunes() else None
+        yield Reserve(self.reservation(enc, max_new, pruned=pruner is not None))
         seconds: dict[str, float] = {}
-        cache, selection = self._prefill(enc, signals, seconds)
+        cache, selection = self._prefill(enc, signals, seconds, pruner)
         reason = gate.pre_decode_reason(signals)
         t = time.perf_counter()
         if reason is not None:
             ids = yield from decode_from_full(model, cache, enc, max_new, stop_ids)
             seconds["decode"] = time.perf_counter() - t
             return PathAnswer(ids, reason, signals, seconds)
-        ids, logprobs, kept, certificate = yield from self._evicted_steps(enc, cache, selection, max_new, lean)
+        row = pruner.row() if pruner is not None else None
+        ids, logprobs, kept, certificate = yield from self._evicted_steps(enc, cache, selection, max_new, lean, row)
         seconds["decode"] = time.perf_counter() - t
         reason = gate.post_decode_reason(signals, logprobs, certificate)
         if reason is None:
@@ -113,12 +119,33 @@ class SinglePrefillPath:
         seconds["escalation"] = time.perf_counter() - t
         return PathAnswer(ids, reason, signals, seconds, escalated=True)
 
+    def prunes(self) -> bool:
+        """Whether a lean run prunes its prefill layer by layer (:mod:`certkv.engine.layer_pruning`):
+        a plain top-k press, behind no gate that reads the full cache after the prefill (a pre-decode
+        gate answers from it, the lookahead probe reads it)."""
+        gate = self.gate
+        return is_fast_path_press(self.press) and not gate.pre_decode and not gate.needs_lookahead
+
+    def reservation(self, enc: EncodedRequest, max_new: int, pruned: bool) -> int:
+        """Token slots the request holds at its peak, up to its answer: with a `pruned` prefill, every
+        layer's kept entries and room plus one full layer (:func:`~certkv.engine.layer_pruning.pruned_peak_slots`);
+        otherwise the whole prefill, a probe's tokens and one layer copied (:func:`prefill_slots`)."""
+        n_ctx, room = len(enc.context_ids), len(enc.question_ids) + max_new
+        if pruned:
+            kept = compute_n_kept(n_ctx, self.press.compression_ratio)
+            return pruned_peak_slots([kept] * self.model.config.num_hidden_layers, n_ctx, room)
+        probe = self.gate.lookahead_tokens if self.gate.needs_lookahead else 0
+        # The probabilistic decode gathers its kept entries next to the full cache it keeps.
+        extra = probe + (n_ctx + room if is_probabilistic_press(self.press) else 0)
+        return prefill_slots(self.model, enc, max_new, extra=extra)
+
     def _prefill(
-        self, enc: EncodedRequest, signals: dict[str, Any], seconds: dict[str, float]
+        self, enc: EncodedRequest, signals: dict[str, Any], seconds: dict[str, float], pruner: LayerPruner | None
     ) -> tuple[DynamicCache, KeptSelection]:
         """The context's full prefill under the press's scoring (or selection) hooks: (the full
         cache, the press's selection), with the pre-decode signals the gate reads put into
-        `signals` (agreement drop, lookahead) and their times into `seconds`."""
+        `signals` (agreement drop, lookahead) and their times into `seconds`. With a `pruner` the
+        kept entries are gathered into it layer by layer and the cache returned is empty."""
         model, gate, press = self.model, self.gate, self.press
         probabilistic, response_aware = is_probabilistic_press(press), is_response_aware_press(press)
         t0 = time.perf_counter()
@@ -130,6 +157,7 @@ class SinglePrefillPath:
             probabilistic={self.policy: press} if probabilistic else None,
             recorder=recorder,
             observers=prefill_observers([press]) if response_aware else (),
+            pruner=pruner,
         )
         if response_aware:  # chosen over the full cache right after the prefill, as the engine chooses
             selection = press.select(model, cache, enc, self.stop_ids)
@@ -147,12 +175,14 @@ class SinglePrefillPath:
         return cache, selection
 
     def _evicted_steps(
-        self, enc: EncodedRequest, cache: DynamicCache, selection: KeptSelection, max_new: int, lean: bool
+        self, enc: EncodedRequest, cache: DynamicCache, selection: KeptSelection, max_new: int, lean: bool,
+        row: RowCache | None = None,
     ) -> Generator[Step, None, tuple[list[int], list[float] | None, float, float | None]]:
         """The answer from the kept entries as one :class:`Decode` step: (ids, log-probabilities,
         realised share kept, certificate or None). A probabilistic press, or a run that keeps the
         full cache (not `lean`), decodes alone next to it; otherwise the kept entries are gathered
-        into a row of their own (emptying `cache`) that a scheduler can batch with others."""
+        into a row of their own (emptying `cache`; `row`: already gathered while prefilling) that a
+        scheduler can batch with others."""
         model, stop_ids, n_ctx = self.model, self.stop_ids, len(enc.context_ids)
         probabilistic = is_probabilistic_press(self.press)
         if probabilistic or not lean:
@@ -168,7 +198,8 @@ class SinglePrefillPath:
             return out["ids"], out["logprobs"], out["kept"], out["certificate"]
         first = cast("torch.Tensor | None", selection[0])  # not probabilistic: a layer's kept indices
         kept = (n_ctx if first is None else first.shape[2]) / n_ctx
-        row = gather_row(cache, selection, n_ctx, len(enc.question_ids) + max_new)  # empties `cache`
+        if row is None:
+            row = gather_row(cache, selection, n_ctx, len(enc.question_ids) + max_new)  # empties `cache`
         job = Decode(row, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=None,
                      lookup_ids=list(enc.context_ids), want_logprobs=True)
         yield job

@@ -8,10 +8,11 @@ at once, and interleaves them:
 * **Admission.** A job that yields ``Reserve(slots)`` waits until ``slots`` fit in what the jobs
   in flight leave of the budget (token slots, :mod:`certkv.engine.ragged_decode`); then it runs on
   (its prefill, its gates) up to its next step. At most one job is admitted per iteration, between
-  two batched decode steps, so a prefill delays the batch by one prefill at most. Waiting jobs are
-  admitted in order: a job already in flight that asks again (an escalation's second prefill),
-  then live requests first come first served, then shadows. A job whose reservation alone exceeds
-  the budget fails with :class:`BudgetExceeded` (it could never run).
+  two batched decode steps, so a prefill delays the batch by one prefill at most. Who goes next is
+  decided by :mod:`certkv.serve.admission` (a pure policy, tested without a model): a job already
+  in flight that asks again (an escalation's second prefill), then live requests first come first
+  served, then shadows. A job whose reservation alone exceeds the budget fails with
+  :class:`BudgetExceeded` (it could never run).
 * **Batched decoding.** A ``Decode`` joins the :class:`~certkv.engine.ragged_decode.RaggedBatch`
   (its cache taken over as a :class:`~certkv.engine.ragged_decode.RowCache` with room for its
   question and answer) and from then on holds exactly that cache's slots; one forward per
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from certkv.engine.ragged_decode import RaggedBatch, Row, RowCache
 from certkv.errors import CertkvError
 from certkv.runtime.steps import Decode, Reserve
+from certkv.serve import admission
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -80,6 +82,16 @@ class _Job:
     resumed: bool = False
     """Whether the job already ran a step (a second reservation is admitted first)."""
     seq: int = 0
+
+    @property
+    def slots(self) -> float:
+        """The reservation the job waits with (:mod:`certkv.serve.admission` reads it)."""
+        assert isinstance(self.step, Reserve)
+        return self.step.slots
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.cancelled()
 
 
 class Scheduler:
@@ -191,59 +203,42 @@ class Scheduler:
             return False
         return not jobs or (self._deadline is not None and time.monotonic() > self._deadline)
 
-    def _fits(self, slots: float) -> bool:
-        return self.budget is None or self._in_use() + slots <= self.budget
-
     def _in_use(self) -> float:
-        return sum(j.held for j in self._holding)
+        return admission.in_use(self._holding)
 
     def _sample(self) -> None:
         self.kv_in_use = self._in_use()
         self.peak_kv = max(self.peak_kv, self.kv_in_use)
 
-    def _order(self, job: _Job) -> tuple[int, int]:
-        return (0 if job.resumed and not job.shadow else 1 if not job.shadow else 2, job.seq)
-
     def _admit_one(self) -> None:
-        """Admit the first waiting job whose reservation fits (after preempting shadows for a live
-        one that does not), and run it to its next step."""
+        """Carry out the admission policy's plan (:func:`certkv.serve.admission.plan`): drop the jobs
+        cancelled while they waited, preempt shadows, admit one job and run it to its next step."""
         if not self._waiting:
             return
-        self._waiting.sort(key=self._order)
-        first = self._waiting[0]
-        assert isinstance(first.step, Reserve)
-        if not first.shadow and not self._fits(first.step.slots):
-            self._preempt_shadows(first.step.slots)
-        for job in list(self._waiting):
-            assert isinstance(job.step, Reserve)
-            if job.future.cancelled():  # its caller gave up while it waited
-                self._waiting.remove(job)
-                job.steps.close()
-                continue
-            if self._fits(job.step.slots):
-                if job.shadow and any(not j.shadow for j in self._waiting):
-                    return  # a live request waits: shadows never take its memory
-                self._waiting.remove(job)
-                job.held = job.step.slots
-                self._holding.add(job)
-                self._sample()
-                self._advance(job)
-                return
-            if not job.shadow:
-                return  # live requests are admitted in order
-
-    def _preempt_shadows(self, slots: float) -> None:
-        for job in sorted((j for j in self._holding if j.shadow), key=lambda j: -j.seq):
-            if self._fits(slots):
-                return
-            if job.row is not None:
-                self.batch.remove(job.row)
-            self._holding.discard(job)
+        plan = admission.plan(self._waiting, self._holding, self.budget)
+        for job in plan.drop:  # its caller gave up while it waited
+            self._waiting.remove(job)
             job.steps.close()
-            job.row, job.held, job.resumed = None, 0.0, False
-            assert job.restart is not None  # shadows are submitted with their restart
-            job.steps, job.step = job.restart(), None
-            self._advance(job)
+        for job in plan.preempt:
+            self._preempt(job)
+        chosen = plan.admit
+        if chosen is not None:
+            self._waiting.remove(chosen)
+            chosen.held = chosen.slots
+            self._holding.add(chosen)
+            self._sample()
+            self._advance(chosen)
+
+    def _preempt(self, job: _Job) -> None:
+        """Free a shadow's KV and restart it from the beginning (it waits for admission again)."""
+        if job.row is not None:
+            self.batch.remove(job.row)
+        self._holding.discard(job)
+        job.steps.close()
+        job.row, job.held, job.resumed = None, 0.0, False
+        assert job.restart is not None  # shadows are submitted with their restart
+        job.steps, job.step = job.restart(), None
+        self._advance(job)
 
     def _advance(self, job: _Job) -> None:
         """Run `job` to its next step that waits: a reservation, a batched decode, or its end."""

@@ -105,13 +105,15 @@ def test_the_live_queue_is_bounded(embedded, requests):
 def test_a_live_request_preempts_a_decoding_shadow(embedded, requests):
     """A shadow holds most of the budget and decodes; a live request arrives that does not fit: the
     shadow is dropped and restarted after it, and both answers are still the runtime's."""
+    from certkv.model.generation import encode_request
     from certkv.serve.scheduler import Scheduler
 
     runtime = _runtime(embedded, "snapkv", 0.5)
     # the longer request is the live one, and the budget its reservation (and a little): it cannot
     # fit beside the shadow's row
     shadow_request, live_request = sorted(requests[:4], key=lambda r: len(r.context))[::3]
-    budget = budget_for(runtime, [live_request], share=1.0)
+    live_enc = encode_request(runtime.tokenizer, live_request.context, live_request.question, live_request.answer_prefix)
+    budget = runtime.path.reservation(live_enc, runtime.max_new_tokens, pruned=runtime.path.prunes())
     scheduler = Scheduler(runtime.model, budget=budget)
     restarts = []
     live_future = {}
