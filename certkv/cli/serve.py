@@ -46,6 +46,9 @@ def serve(
                                               "converted with the model's layers, KV heads, head size and dtype"),
     access_log: bool = typer.Option(False, "--access-log/--no-access-log", help="log one line per HTTP request "
                                     "(off by default: /metrics counts every request and answer)"),
+    prompt_lookup: bool = typer.Option(True, "--prompt-lookup/--no-prompt-lookup", help="verify several greedy "
+                                       "tokens per forward where an answer copies its context (same answers); off: "
+                                       "one token per request per forward"),
 ) -> None:
     """Serve OPERATING_POINT over HTTP (OpenAI-shaped /v1/completions and /v1/chat/completions)."""
     from certkv.core.operating_point import load_operating_point
@@ -69,7 +72,7 @@ def serve(
         _run(sock, op, operating_point, model=model, host=host, port=port, shadow_rate=shadow_rate, api_key=api_key,
              max_queue=max_queue, timeout=timeout, shadow_store=shadow_store, seed=seed,
              max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, device=device, kv_budget=kv_budget,
-             kv_budget_mb=kv_budget_mb, access_log=access_log)
+             kv_budget_mb=kv_budget_mb, access_log=access_log, prompt_lookup=prompt_lookup)
     finally:
         sock.close()
 
@@ -113,7 +116,7 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, model: str, host: str, port: int,
          shadow_rate: float, api_key: str | None, max_queue: int, timeout: float, shadow_store: Path | None, seed: int,
          max_body_bytes: int, drain_seconds: float, device: str, kv_budget: int | None = None,
-         kv_budget_mb: float | None = None, access_log: bool = False) -> None:
+         kv_budget_mb: float | None = None, access_log: bool = False, prompt_lookup: bool = True) -> None:
     """Load the model, build the service and serve on the bound socket until SIGTERM/SIGINT."""
     import logging
 
@@ -148,7 +151,8 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
     if monitor is not None and (op.is_stratified or not op.fallback):  # a fallback point answers from the full cache
         store = ShadowStore(store_path, op)
         runner = ShadowRunner(runtime, monitor, store)
-    service = Service(runtime, monitor, runner, store, Metrics(), max_queue=max_queue, kv_budget=budget)
+    service = Service(runtime, monitor, runner, store, Metrics(), max_queue=max_queue, kv_budget=budget,
+                      prompt_lookup=prompt_lookup)
     app = create_app(service, model_id=model, operating_point_path=str(operating_point), timeout=timeout,
                      api_key=api_key, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds,
                      shadow_store_path=None if monitor is None else str(store_path))

@@ -103,13 +103,18 @@ class Scheduler:
         The model every job's steps run (the batch's forwards use it).
     budget : int or None
         KV budget in token slots; None: unlimited (jobs are admitted as they come).
+    prompt_lookup : bool
+        Whether a row verifies the prompt-lookup proposals its path seeds (several greedy tokens
+        per forward where the answer copies its context; answers are the same either way). Off:
+        one token per row per forward, as a generation that copies nothing decodes.
     """
 
-    def __init__(self, model: PreTrainedModel, budget: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, budget: int | None = None, *, prompt_lookup: bool = True) -> None:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise CertkvError(f"the KV budget must be a positive number of token slots, got {budget!r}")
         self.model = model
         self.budget = budget
+        self.prompt_lookup = prompt_lookup
         self.batch = RaggedBatch(model)
         self._inbox: collections.deque[_Job] = collections.deque()
         self._waiting: list[_Job] = []
@@ -274,7 +279,7 @@ class Scheduler:
                 room = len(step.question_ids) + step.max_new_tokens
                 cache = step.cache if isinstance(step.cache, RowCache) else RowCache.adopt(step.cache, room)
                 row = Row(cache, step.question_ids, step.position, step.max_new_tokens, step.stop_ids,
-                          lookup_ids=step.lookup_ids, want_logprobs=step.want_logprobs, tag=job)
+                          lookup_ids=step.lookup_ids if self.prompt_lookup else None, want_logprobs=step.want_logprobs, tag=job)
                 job.row, job.held = row, cache.slots
                 self._holding.add(job)
                 self.batch.add(row)

@@ -96,18 +96,21 @@ class Service:
         Live requests that may wait for admission; one more is refused (:class:`QueueFull`).
     kv_budget : int or None
         KV budget in token slots (``--kv-budget``); None: unlimited.
+    prompt_lookup : bool
+        ``--prompt-lookup``: whether the batched decode verifies prompt-lookup proposals
+        (:class:`~certkv.serve.scheduler.Scheduler`).
     """
 
     def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor | None, shadow_runner: ShadowRunner | None,
                  store: ShadowStore | None, metrics: Metrics, *, max_queue: int = 64,
-                 kv_budget: int | None = None) -> None:
+                 kv_budget: int | None = None, prompt_lookup: bool = True) -> None:
         self.runtime = runtime
         self.monitor = monitor
         self.shadow_runner = shadow_runner
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
-        self.scheduler = Scheduler(runtime.model, kv_budget)
+        self.scheduler = Scheduler(runtime.model, kv_budget, prompt_lookup=prompt_lookup)
         self.stratified = runtime.operating_point.is_stratified
         self._ids = itertools.count(1)
         self._tripped_logged: set[str] = set()

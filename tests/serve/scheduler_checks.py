@@ -29,16 +29,17 @@ def budget_for(runtime, requests, share: float = 2.5) -> int:
     return math.ceil(share * most)
 
 
-def assert_scheduler_matches(runtime, requests, *, budget: int | None = None, strata=None, batching: bool = True, alone=None):
+def assert_scheduler_matches(runtime, requests, *, budget: int | None = None, strata=None, batching: bool = True, alone=None,
+                             prompt_lookup: bool = True):
     """Submit every request at once; ids, mode, reason, escalation, retention and signals must be
     the in-process runtime's, and the KV in use never above the budget; `batching`: some decode
     went through the batch (False for presses that decode alone); `alone`: the runtime's answers to
-    `requests` already computed by the caller. Returns the scheduler."""
+    `requests` already computed by the caller; `prompt_lookup`: the scheduler's. Returns the scheduler."""
     from certkv.serve.scheduler import Scheduler
 
     strata = strata or [None] * len(requests)
     alone = alone or [runtime.generate(r.context, r.question, s, answer_prefix=r.answer_prefix) for r, s in zip(requests, strata)]
-    scheduler = Scheduler(runtime.model, budget)
+    scheduler = Scheduler(runtime.model, budget, prompt_lookup=prompt_lookup)
     futures = [scheduler.submit(runtime.answer_steps(r.context, r.question, s, answer_prefix=r.answer_prefix, lean=True))
                for r, s in zip(requests, strata)]
     scheduler.start()

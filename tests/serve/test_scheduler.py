@@ -23,7 +23,7 @@ def requests():
     return generate_requests("demo", N_REQUESTS, seed=2929, context_length="200-320")
 
 
-def _runtime(embedded, press: str, kv: float, gate=None, press_kwargs=None):
+def _runtime(embedded, press: str, kv: float, gate=None, press_kwargs=None, max_new_tokens: int = 8):
     from certkv.core.operating_point import ContractSummary, OperatingPoint
     from certkv.core.spec import GateSettings
     from certkv.runtime.certified_runtime import CertifiedRuntime
@@ -32,7 +32,7 @@ def _runtime(embedded, press: str, kv: float, gate=None, press_kwargs=None):
     policy = "full" if fallback else f"{press}@{kv}"
     op = OperatingPoint(
         policy=policy, base_policy=policy, press="full" if fallback else press, kv_retained=kv,
-        mean_kv_retained=kv, fallback=fallback, gate=GateSettings(**gate) if gate else None, max_new_tokens=8,
+        mean_kv_retained=kv, fallback=fallback, gate=GateSettings(**gate) if gate else None, max_new_tokens=max_new_tokens,
         press_kwargs=press_kwargs or {},
         contract=ContractSummary(tolerance=0.0, risk=0.6, confidence=0.6, procedure="fixed_sequence"),
         n=N_REQUESTS, violations=0, empirical_risk=0.0, risk_upper_bound=0.6, p_value=0.1, candidates=[],
@@ -58,6 +58,25 @@ def test_scheduler_answers_as_the_runtime(embedded, requests, press, kv, gate, p
         modes = {runtime.generate(r.context, r.question).decision.mode for r in requests}
         assert modes == {"evicted", "full"}
     assert scheduler.in_flight() == 0 and scheduler.waiting() == 0
+
+
+@pytest.mark.parametrize("prompt_lookup", [True, False], ids=["lookup", "no_lookup"])
+def test_prompt_lookup_changes_the_forwards_not_the_answers(embedded_recite, prompt_lookup):
+    """Recitations copy their context, so prompt lookup confirms many tokens per forward; without
+    it (``certkv serve --no-prompt-lookup``) each row advances one token per forward, so the
+    batch runs at least as many forwards as the longest answer has tokens. Same answers both ways."""
+    from certkv.requests.request_set import generate_requests
+
+    recitations = generate_requests("recite", 3, seed=31)
+    runtime = _runtime(embedded_recite, "snapkv", 1.0, max_new_tokens=140)  # the full cache: the model's own answers
+    alone = [runtime.generate(r.context, r.question) for r in recitations]
+    longest = max(len(a.token_ids) for a in alone)
+    assert longest > 40, "recitations are long answers"
+    scheduler = assert_scheduler_matches(runtime, recitations, alone=alone, prompt_lookup=prompt_lookup)
+    if prompt_lookup:
+        assert scheduler.steps < longest / 2, (scheduler.steps, longest)
+    else:
+        assert scheduler.steps >= longest, (scheduler.steps, longest)
 
 
 def test_a_request_larger_than_the_budget_fails_alone(embedded, requests):
