@@ -120,11 +120,11 @@ class Server:
     """One `certkv serve` process on `op_path` under `budget` slots (None: unlimited), kept up for every repeat."""
 
     def __init__(self, name: str, op_path: Path, budget: int | None, concurrency: int, work: Path,
-                 model: str = "embedded") -> None:
+                 model: str = "embedded", extra: tuple[str, ...] = ()) -> None:
         self.port, self.model = free_port(), model
         self.base = f"http://127.0.0.1:{self.port}"
         self.budget = budget
-        folder = work / f"{name}-{budget or 'unlimited'}"
+        folder = work / f"{name}-{budget or 'unlimited'}{''.join(extra).replace('-', '_')}"
         folder.mkdir()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
         cmd = [sys.executable, "-m", "certkv.cli.app", "serve", str(op_path), "--port", str(self.port),
@@ -132,6 +132,7 @@ class Server:
                "--max-queue", str(4 * concurrency), "--timeout", "300", "--seed", "0", "--model", model]
         if budget is not None:
             cmd += ["--kv-budget", str(budget)]
+        cmd += list(extra)  # after the defaults: the last value of a flag wins
         self.log = open(folder / "server.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.repeats: list[dict] = []

@@ -18,14 +18,20 @@ to a real ``certkv serve`` of the embedded-recite model (``--model embedded-reci
 Traffic: fresh ``builtin:recite`` requests (contexts of 192-256 tokens, answers of 42-126 tokens
 reciting the context's records) with ``max_new_tokens`` 140, the contract's. The budget is
 ``--budget-share`` times the largest full-cache reservation among them. The full cache also runs
-with no budget, the machine's own ceiling. Shadows run as deployed (5%), but the live monitor holds
-the fixed points to ε = 0.99 (:data:`MONITOR_RISK`): it would otherwise send the breaking evicted
-points to the full cache mid-run.
+with no budget, the machine's own ceiling. The servers run with ``--shadow-rate 0`` (no shadows, no
+monitor): both evicted points break many recitations, and a live monitor would rightly send them to
+the full cache mid-run, after which the run would measure the full cache under their names.
+
+Recitations copy their context, so prompt lookup confirms many tokens per forward and an answer
+holds its KV for few forwards. The full and half points therefore run a second time with
+``--no-prompt-lookup`` (one token per request per forward, as a generation that copies nothing
+decodes, and as the decoding-time point always decodes), where memory binds.
 
 Every answer is compared with the in-process runtime's (:meth:`CertifiedRuntime.generate`, one
 request at a time), which also gives each request's peak KV under the decoding-time press
 (:mod:`certkv.core.kv_cost`) for its target. Targets (issue 41): half ÷ full throughput ≥ 1.6;
 decoding ÷ full ≥ 0.8 × (full peak KV ÷ its peak KV); no 5xx; answers equal the in-process ones.
+The ``_no_lookup`` ratios compare like with like: both points one token a forward.
 Writes ``benchmarks/results/capacity_long.json``.
 """
 
@@ -51,14 +57,14 @@ CONTEXT = (192, 256)
 DECODING_KWARGS = {"base_press": "streaming_llm", "compression_interval": 8}
 
 
-#: The ε the live monitor holds the fixed points to: both evicted points break many recitations
-#: (exact match), and at the usual 0.05 the monitor rightly sends them to the full cache within a
-#: pass, after which the run would measure the full cache under their names.
-MONITOR_RISK = 0.99
+#: Every server: no shadows and no monitor (the points are fixed, measured for their memory).
+NO_MONITOR = ("--shadow-rate", "0")
+#: The second run of the full and half points: one token per request per forward.
+NO_LOOKUP = "--no-prompt-lookup"
 
 
 def points() -> dict:
-    common = {"query_aware": False, "max_new_tokens": MAX_NEW, "risk": MONITOR_RISK}
+    common = {"query_aware": False, "max_new_tokens": MAX_NEW}
     return {
         "full": fixed_point(1.0, **common),
         "half": fixed_point(0.5, press="streaming_llm", **common),
@@ -97,13 +103,16 @@ def in_process(ops: dict, requests) -> dict:
 
 
 def run_servers(paths: dict, budget: int, requests, args, work: Path) -> tuple[dict, dict]:
-    """Every point under `budget`, and the full cache unlimited; (servers, their final /health KV)."""
-    configs = {(name, "budget"): (path, budget) for name, path in paths.items()}
-    configs["full", "unlimited"] = (paths["full"], None)
+    """Every point under `budget`, the full and half points again without prompt lookup, and the
+    full cache unlimited; (servers, their final /health KV)."""
+    configs = {(name, "budget"): (path, budget, NO_MONITOR) for name, path in paths.items()}
+    for name in ("full", "half"):
+        configs[name, "budget_no_lookup"] = (paths[name], budget, (*NO_MONITOR, NO_LOOKUP))
+    configs["full", "unlimited"] = (paths["full"], None, NO_MONITOR)
     servers: dict = {}
     try:
-        for (name, key), (path, slots) in configs.items():
-            servers[name, key] = Server(name, path, slots, args.concurrency, work, model=MODEL)
+        for (name, key), (path, slots, extra) in configs.items():
+            servers[name, key] = Server(name, path, slots, args.concurrency, work, model=MODEL, extra=extra)
         for server in servers.values():
             server.warm(requests)
         for _ in range(args.repeats):
@@ -130,10 +139,16 @@ def summarise(ops, servers, health, alone) -> tuple[dict, dict]:
     full = runs["full"]["runs"]["budget"]["throughput_rps"]
     dec = alone["decoding"]
     peak_ratio = sum(dec["full_peak_slots"]) / sum(dec["kv_peak_slots"])
+    plain = runs["full"]["runs"]["budget_no_lookup"]["throughput_rps"]
     ratios = {
         "half": {"over_full": runs["half"]["runs"]["budget"]["throughput_rps"] / full, "target": 1.6},
+        "half_no_lookup": {"over_full": runs["half"]["runs"]["budget_no_lookup"]["throughput_rps"] / plain,
+                           "target": 1.6},
         "decoding": {"over_full": runs["decoding"]["runs"]["budget"]["throughput_rps"] / full,
                      "full_peak_over_its_peak": peak_ratio, "target": 0.8 * peak_ratio},
+        # like for like: the decoding-time point always decodes one token a forward
+        "decoding_no_lookup": {"over_full": runs["decoding"]["runs"]["budget"]["throughput_rps"] / plain,
+                               "full_peak_over_its_peak": peak_ratio, "target": 0.8 * peak_ratio},
     }
     return runs, ratios
 
@@ -170,7 +185,7 @@ def main() -> None:
                     "max_new_tokens": MAX_NEW, "requests": len(requests), "concurrency": args.concurrency,
                     "repeats": args.repeats},
         "budget": {"largest_full_reservation": largest, "share": args.budget_share, "slots": budget},
-        "decoding_press_kwargs": DECODING_KWARGS, "monitor_risk": MONITOR_RISK,
+        "decoding_press_kwargs": DECODING_KWARGS, "server_flags": list(NO_MONITOR),
         "in_process_seconds": {name: a["seconds"] for name, a in alone.items()},
         "points": runs, "ratios": ratios, "wall_seconds": time.perf_counter() - t_start,
     }
