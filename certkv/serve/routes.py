@@ -38,9 +38,10 @@ from certkv.serve.responses import (
     Usage,
 )
 from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, SplitError
-from certkv.serve.streaming import sse_events, token_pieces
+from certkv.serve.streaming import Chunks, Item, PieceStream, TokenFeed, sse_events, token_pieces
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
     from concurrent.futures import Future
 
     from fastapi import APIRouter
@@ -119,16 +120,21 @@ class _Routes:
         return context, question
 
     async def answer(self, route: str, req: CompletionRequest | ChatCompletionRequest, chat: bool):
-        """Validate `req`, queue it, wait for it (at most `timeout` seconds) and answer it, or the error."""
-        from certkv.serve.service import BudgetExceeded, QueueFull, Stopping
+        """Validate `req`, queue it, wait for it (at most `timeout` seconds) and answer it, or the
+        error. Streamed, the response starts with the answer's first tokens as they are decoded
+        (:mod:`certkv.serve.streaming`), or with the finished answer when none was heard before."""
+        from certkv.serve.service import QueueFull, Stopping
 
         split = self.refusal(route, req)
         if not isinstance(split, tuple):
             return split
         context, question = split
-        service = self.service
+        service, loop = self.service, asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        feed = TokenFeed(loop) if req.stream else None
         try:
-            future = service.submit(context, question, req.stratum, req.reference_answers(), req.answer_prefix)
+            future = service.submit(context, question, req.stratum, req.reference_answers(), req.answer_prefix,
+                                    on_tokens=feed)
         except QueueFull:
             return self.fail(route, 503, f"the queue is full ({service.max_queue} requests waiting); retry later",
                              "server_error", None, "queue_full", {"Retry-After": str(service.retry_after())})
@@ -136,41 +142,101 @@ class _Routes:
             return self.fail(route, 503, "the server is shutting down", "server_error", None, "shutting_down",
                              {"Retry-After": "5"})
         try:
-            async with asyncio.timeout(self.timeout):
-                served = await _outcome(future)
+            async with asyncio.timeout_at(deadline):
+                first = None if feed is None else await feed.first(future)
+                served = None if first is not None else await _outcome(future)
         except TimeoutError:
             future.cancel()  # still queued: never run; running: its answer is discarded
-            return self.fail(route, 504, f"the request took longer than the {self.timeout:g} s timeout (--timeout)",
-                             "server_error", None, "timeout")
-        except BudgetExceeded as exc:
-            return self.fail(route, 413, str(exc), "invalid_request_error", None, "kv_budget_exceeded")
-        except CertkvError as exc:
-            return self.fail(route, 400, str(exc), "invalid_request_error", None, "refused")
-        except Exception as exc:  # noqa: BLE001
-            log.exception("certkv serve: request failed")
-            return self.fail(route, 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None,
-                             "internal_error")
+            return self.fail(route, 504, *self.timed_out())
+        except Exception as exc:  # noqa: BLE001 - mapped to its status by failure()
+            return self.fail(route, *self.failure(exc))
+        if first is not None:
+            from fastapi.responses import StreamingResponse
+
+            assert feed is not None  # tokens are heard only through a feed
+            events = self.decoded_events(route, chat, first, feed, future, deadline)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        assert served is not None
         service.metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
         return self.respond(served, chat, req.stream)
 
-    def respond(self, served: Served, chat: bool, stream: bool):
-        """`served` as a (chat) completion: one JSON body, or server-sent events when `stream`."""
-        from fastapi.responses import StreamingResponse
+    def timed_out(self) -> tuple[str, str, None, str]:
+        """(message, type, param, code) of a request past ``--timeout``."""
+        return (f"the request took longer than the {self.timeout:g} s timeout (--timeout)", "server_error", None,
+                "timeout")
 
-        model_id = self.model_id
-        answer_id, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
-        text = served.answer.answer
+    def failure(self, exc: BaseException) -> tuple[int, str, str, str | None, str]:
+        """(status, message, type, param, code) of a request whose answer failed with `exc`."""
+        from certkv.serve.service import BudgetExceeded
+
+        if isinstance(exc, BudgetExceeded):
+            return 413, str(exc), "invalid_request_error", None, "kv_budget_exceeded"
+        if isinstance(exc, CertkvError):
+            return 400, str(exc), "invalid_request_error", None, "refused"
+        log.error("certkv serve: request failed", exc_info=exc)
+        return 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None, "internal_error"
+
+    async def decoded_events(self, route: str, chat: bool, first: Item, feed: TokenFeed, future: Future[Served],
+                             deadline: float) -> AsyncIterator[str]:
+        """The events of an answer streamed as decoded, from its `first` tokens heard to ``[DONE]``
+        (:mod:`certkv.serve.streaming`); past the `deadline`, or failed, an error event ends it."""
+        chunks, pieces = Chunks.new(self.model_id, chat), PieceStream(self.service.runtime.tokenizer)
+        item, restarted = first, False
+        try:
+            async with asyncio.timeout_at(deadline):
+                while item is not None:
+                    ids, restarted_at = item
+                    if restarted_at is not None and not restarted:
+                        restarted = True
+                        yield chunks.restart(restarted_at)
+                    piece = pieces.add(ids)
+                    if piece or item is first:  # the first tokens start the response, text or not
+                        yield chunks.piece(piece)
+                    item = await feed.next()
+            served = future.result()
+        except TimeoutError:
+            future.cancel()
+            self.service.metrics.errors.labels(route, "504").inc()
+            yield chunks.error(ErrorResponse.of(*self.timed_out()))
+            return
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error is an event
+            status, message, type_, param, code = self.failure(exc)
+            self.service.metrics.errors.labels(route, str(status)).inc()
+            yield chunks.error(ErrorResponse.of(message, type_, param, code))
+            return
+        self.service.metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
+        rest = pieces.rest(served.answer.answer)
+        if rest:
+            yield chunks.piece(rest)
+        usage, info = self.usage_and_info(served)
+        yield chunks.last(served.finish_reason, usage, info)
+        yield chunks.done()
+
+    @staticmethod
+    def usage_and_info(served: Served) -> tuple[Usage, CertkvInfo]:
+        """The usage and the ``certkv`` object of `served`'s answer."""
         n_out = len(served.answer.token_ids)
         usage = Usage(prompt_tokens=served.prompt_tokens, completion_tokens=n_out,
                       total_tokens=served.prompt_tokens + n_out)
         info = CertkvInfo(request_id=served.request_id, decision=served.answer.decision.to_dict(),
                           stream=served.stream, monitor=served.monitor, shadowed=served.shadowed,
                           seconds=served.answer.seconds)
+        return usage, info
+
+    def respond(self, served: Served, chat: bool, stream: bool):
+        """`served`, finished, as a (chat) completion: one JSON body, or server-sent events when
+        `stream` (an answer none of which was heard as decoded: flushed whole)."""
+        from fastapi.responses import StreamingResponse
+
+        model_id = self.model_id
+        text = served.answer.answer
+        usage, info = self.usage_and_info(served)
         if stream:
             pieces = token_pieces(self.service.runtime.tokenizer, served.answer.token_ids, text)
-            events = sse_events(answer_id, created, model_id, pieces, chat=chat, finish_reason=served.finish_reason,
-                                usage=usage, certkv=info)
+            events = sse_events(Chunks.new(model_id, chat), pieces, finish_reason=served.finish_reason, usage=usage,
+                                certkv=info)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        answer_id, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
         body: ChatCompletionResponse | CompletionResponse
         if chat:
             body = ChatCompletionResponse(
