@@ -1051,6 +1051,43 @@ def long_generation(data: dict) -> str:
     ])
 
 
+def streaming(data: dict) -> str:
+    c = data["concurrency"]
+    rows = []
+    for name, p in data["points"].items():
+        for key in ("concurrency_1", f"concurrency_{c}"):
+            r = p[key]
+            rows.append([name + (" (gated)" if p["gated"] else ""), f"`{p['policy']}`", key.split("_")[1],
+                         num(r["tokens_mean"], 0), num(r["chunks_mean"], 1), seconds(r["first_chunk_p50_s"]),
+                         f"{seconds(r['ttft_p50_s'])} / {seconds(r['ttft_p99_s'])}",
+                         f"{seconds(r['total_p50_s'])} / {seconds(r['total_p99_s'])}",
+                         f"**{num(r['ratio_p50'])}**" if key == "concurrency_1" else num(r["ratio_p50"]),
+                         str(r["restarted"]), str(p["streamed_equals_whole"])])
+    met = data["target_met_by"]
+    ungated = [n for n, p in data["points"].items() if not p["gated"]]
+    missed = [n for n in ungated if n not in met]
+    verdict = (f"The target (time to first token at most {data['target']:g}× the total latency, p50 over p50 at "
+               f"concurrency 1, on an ungated point) is met by {', '.join(met) if met else 'no point'}")
+    verdict += f"; not by {', '.join(missed)}." if missed else "."
+    return "\n\n".join([
+        "## Streaming: time to first token",
+        command(data["command"]),
+        f"`certkv serve` with the `{data['model']}` model, streamed through the official `openai` client "
+        f"(`stream=True`): fresh `builtin:recite` requests whose recitation has at least {data['min_tokens']} "
+        f"tokens, decoded to {data['max_new_tokens']} new tokens, one at a time (concurrency 1) and in a closed "
+        f"loop at concurrency {c}. Per request: the time to the first chunk (the response starts), to the first "
+        "chunk with text (the time to first token, TTFT) and to the end of the stream. The points are fixed and "
+        "ungated but one (the recompute gate, beside them); `streamed = whole` compares the streamed text with the "
+        "same server's non-streamed answer.",
+        table(["point", "policy", "concurrency", "tokens", "chunks", "first chunk p50", "TTFT p50 / p99",
+               "total p50 / p99", "TTFT ÷ total (p50)", "restarted", "streamed = whole"], rows),
+        verdict + " A decoding-time press decodes one token per forward, so its first token leaves after the "
+        "prefill and one forward and the rest follow one by one. The batched points decode a recitation with "
+        "prompt-lookup proposals, which accept many tokens of the copied list per step: the answer takes a "
+        "handful of steps, so the first token cannot come much before the end, and a chunk carries many tokens.",
+    ])
+
+
 SECTIONS = {
     "embedded_accuracy": embedded_accuracy,
     "smollm2_135m_accuracy": smollm2_accuracy,
@@ -1069,6 +1106,7 @@ SECTIONS = {
     "ray_scaling": ray_scaling,
     "serve_load": serve_load,
     "capacity": capacity,
+    "streaming": streaming,
     "press_league": press_league,
     "press_alternatives": press_alternatives,
     "long_generation": long_generation,

@@ -7,7 +7,9 @@ and waits for it without blocking the event loop. Its failures map to OpenAI-sha
 (:class:`~certkv.serve.responses.ErrorResponse`): 404 (another model), 422 (a text that does not
 split, ``max_tokens``), 503 + Retry-After (queue full, shutting down), 504 (over ``--timeout``),
 413 ``kv_budget_exceeded`` (a request larger than the whole KV budget), 400 (the runtime refused
-the request, e.g. an empty context) and 500 (that request failed; the server stays up).
+the request, e.g. an empty context) and 500 (that request failed; the server stays up). A streamed
+request's response starts with its first decoded tokens (:mod:`certkv.serve.streaming`); a failure
+after that ends the stream with an error event.
 """
 
 from __future__ import annotations
