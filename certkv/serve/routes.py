@@ -181,26 +181,29 @@ class _Routes:
     async def decoded_events(self, route: str, chat: bool, first: Item, feed: TokenFeed, future: Future[Served],
                              deadline: float) -> AsyncIterator[str]:
         """The events of an answer streamed as decoded, from its `first` tokens heard to ``[DONE]``
-        (:mod:`certkv.serve.streaming`); past the `deadline`, or failed, an error event ends it."""
+        (:mod:`certkv.serve.streaming`); past the `deadline`, or failed, an error event ends it. The
+        deadline bounds each wait for tokens, never a ``yield`` (a timeout that fired while the
+        server sends a chunk would cancel the sending, not this wait)."""
         chunks, pieces = Chunks.new(self.model_id, chat), PieceStream(self.service.runtime.tokenizer)
         item, restarted = first, False
-        try:
-            async with asyncio.timeout_at(deadline):
-                while item is not None:
-                    ids, restarted_at = item
-                    if restarted_at is not None and not restarted:
-                        restarted = True
-                        yield chunks.restart(restarted_at)
-                    piece = pieces.add(ids)
-                    if piece or item is first:  # the first tokens start the response, text or not
-                        yield chunks.piece(piece)
+        while item is not None:
+            ids, restarted_at = item
+            if restarted_at is not None and not restarted:
+                restarted = True
+                yield chunks.restart(restarted_at)
+            piece = pieces.add(ids)
+            if piece or item is first:  # the first tokens start the response, text or not
+                yield chunks.piece(piece)
+            try:
+                async with asyncio.timeout_at(deadline):
                     item = await feed.next()
+            except TimeoutError:
+                future.cancel()
+                self.service.metrics.errors.labels(route, "504").inc()
+                yield chunks.error(ErrorResponse.of(*self.timed_out()))
+                return
+        try:
             served = future.result()
-        except TimeoutError:
-            future.cancel()
-            self.service.metrics.errors.labels(route, "504").inc()
-            yield chunks.error(ErrorResponse.of(*self.timed_out()))
-            return
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error is an event
             status, message, type_, param, code = self.failure(exc)
             self.service.metrics.errors.labels(route, str(status)).inc()

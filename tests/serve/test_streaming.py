@@ -111,6 +111,85 @@ def test_a_recompute_restart_keeps_what_was_heard_and_says_where(embedded):
     assert restarts >= 1 and any(a.decision.recomputed_at is None for a in answers), "cover both cases"
 
 
+def test_pieces_concatenate_to_exactly_the_answer(embedded):
+    from certkv.serve.streaming import PieceStream, token_pieces
+
+    tokenizer = embedded[1]
+    ids = tokenizer.encode("The magic number for elm is 3802. The magic number for summit is 4600.")
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    stream, pieces = PieceStream(tokenizer), []
+    for end in (1, 2, 2, 5, 9, len(ids) - 1):  # steps that settle one token, none, several
+        pieces.append(stream.add(ids[:end]))
+    pieces.append(stream.rest(text))
+    assert "".join(pieces) == text == "".join(token_pieces(tokenizer, ids, text))
+    assert pieces[2] == "" and all(pieces[i] for i in (0, 1, 3, 4))
+
+
+def test_the_feed_hands_tokens_over_in_order_and_ends_after_them():
+    import asyncio
+    import threading
+    from concurrent.futures import Future
+
+    from certkv.serve.streaming import TokenFeed
+
+    async def go():
+        feed, future = TokenFeed(asyncio.get_running_loop()), Future()
+
+        def scheduler():  # what the worker thread does: tell the answer as it grows, then resolve
+            for n in range(1, 4):
+                feed(list(range(n)), None)
+            feed([0, 1, 2], 2)
+            future.set_result("done")
+
+        worker = threading.Thread(target=scheduler)
+        worker.start()
+        worker.join()  # all told and resolved before the loop reads: the end still comes last
+        items = [await feed.first(future)]
+        while items[-1] is not None:
+            items.append(await feed.next())
+        return items
+
+    items = asyncio.run(go())
+    # the answers of one restart state may merge into the latest; a restart is never merged over; the end is last
+    assert items[-1] is None and items[-2] == ([0, 1, 2], 2)
+    assert [ids for ids, _ in items[:-2]][-1] == [0, 1, 2] and all(at is None for _, at in items[:-2])
+
+
+def test_a_failure_after_the_first_chunk_ends_the_stream_with_an_error_event(embedded, requests):
+    import asyncio
+    import json
+
+    from certkv.core.monitor import RiskMonitor
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+    from certkv.serve.app import create_app
+    from certkv.serve.metrics import Metrics
+    from certkv.serve.service import Service
+
+    runtime = CertifiedRuntime(*embedded, _operating_point(0.5, 0.5))
+    real = runtime.answer_steps
+
+    def answer_steps(context, question, stratum=None, **kwargs):  # fails once its answer is decoded
+        yield from real(context, question, stratum, **kwargs)
+        raise RuntimeError("kaboom after the decode")
+
+    runtime.answer_steps = answer_steps
+    service = Service(runtime, RiskMonitor(0.5, 0.1, 0.5), None, None, Metrics(), max_queue=4)
+    app = create_app(service, model_id="embedded")
+    service.start()
+    r = requests[1]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v1/completions", json={"context": r.context, "question": r.question,
+                                                              "stream": True})
+
+    resp = asyncio.run(go())
+    service.shutdown(1.0)
+    events = [json.loads(line.removeprefix("data: ")) for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert resp.status_code == 200 and "choices" in events[0]  # the stream had begun
+    assert "kaboom after the decode" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == "internal_error"
+
+
 class _SteppedServer(_Server):
     """test_serve's server, its scheduler stepping once per byte of a pipe (:data:`STEP_FD_VARIABLE`):
     `step` is the pipe's write end; closing it lets the scheduler step freely."""
@@ -139,11 +218,13 @@ class _SteppedServer(_Server):
         return super().stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def stepped(tmp_path_factory):
+    """The stepped server, started with the module (it loads while the in-process tests run); a
+    test that talks to it waits for it first."""
     server = _SteppedServer(tmp_path_factory.mktemp("stream"), _operating_point(0.5, 0.5))
     try:
-        yield server.wait()
+        yield server
     finally:
         server.stop()
 
@@ -151,7 +232,7 @@ def stepped(tmp_path_factory):
 def test_chunks_leave_before_the_answer_ends_through_the_openai_client(stepped, requests):
     import openai
 
-    server, r = stepped, requests[0]
+    server, r = stepped.wait(), requests[0]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     os.write(server.step, b"1")  # exactly one decode step
     stream = client.completions.create(model="embedded", prompt="", stream=True,
