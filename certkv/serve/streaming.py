@@ -28,6 +28,7 @@ A failure after the first chunk (the status line is sent by then) arrives as an 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import re
@@ -119,6 +120,7 @@ class TokenFeed:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._pending: collections.deque[Item] = collections.deque()  # taken from the queue, not yet read
 
     def __call__(self, ids: list[int], restarted_at: int | None) -> None:
         self._put((ids, restarted_at))
@@ -138,12 +140,13 @@ class TokenFeed:
     async def next(self) -> Item:
         """The latest answer so far waiting (earlier ones of the same restart are contained in it),
         or None once the request ended."""
-        item = await self._queue.get()
-        while item is not None and not self._queue.empty():
-            nxt = self._queue._queue[0]  # type: ignore[attr-defined]  # a peek: asyncio.Queue has none
-            if nxt is None or nxt[1] != item[1]:
-                break
-            item = self._queue.get_nowait()
+        if not self._pending:
+            self._pending.append(await self._queue.get())
+        while not self._queue.empty():
+            self._pending.append(self._queue.get_nowait())
+        item = self._pending.popleft()
+        while item is not None and self._pending and self._pending[0] is not None and self._pending[0][1] == item[1]:
+            item = self._pending.popleft()
         return item
 
 
