@@ -9,6 +9,10 @@ all ungated (fixed, outside any certificate: the benchmark measures when tokens 
 * ``full``: the full-cache fallback: batched decoding with prompt-lookup proposals (a step may
   accept several tokens of a recitation at once);
 * ``snapkv_half``: SnapKV keeping half the cache, batched the same way;
+* ``rerotated``: SnapKV keeping 80% of the cache inside kvpress's ``KeyRerotationPress`` (at half,
+  SnapKV breaks most recitations, which then stop early): pruned by kvpress's hooks while it
+  prefills (certkv's pipeline path), then batched and decoded plainly greedy, as kvpress's pipeline
+  decodes: one token per batched step;
 * ``decoding``: kvpress's ``CompressionRatioDecodingPress`` (StreamingLLM scorer, every 8 steps to
   80% of the tokens seen), decoded alone under the press, one token per forward, as calibrated;
 * ``decoding_recompute``: the same press behind the recompute gate (p < 0.3 restarts on the full
@@ -22,7 +26,7 @@ answers are compared with the same server's non-streamed answers on the first ``
 
 Writes ``benchmarks/results/streaming.json`` and prints a table::
 
-    python benchmarks/streaming.py                 # ~4 minutes on 2 CPU cores
+    python benchmarks/streaming.py                 # ~5 minutes on 2 CPU cores
     python benchmarks/streaming.py --requests 8    # a quick look
 """
 
@@ -52,6 +56,7 @@ TARGET = 0.2
 #: "monitor"), a different point mid-measurement. Each pass's decisions are counted to show none did.
 SHADOW_RATE = 0.001
 DECODING_KWARGS = {"base_press": "streaming_llm", "compression_interval": 8}
+POINTS = ("full", "snapkv_half", "rerotated", "decoding", "decoding_recompute")
 
 
 def point(name: str):
@@ -62,6 +67,7 @@ def point(name: str):
     press, policy, kv, kwargs, gate = {
         "full": ("full", "full", 1.0, {}, None),
         "snapkv_half": ("snapkv", "snapkv@0.50", 0.5, {}, None),
+        "rerotated": ("key_rerotation", "key_rerotation@0.80", 0.8, {"press": "snapkv"}, None),
         "decoding": ("compression_ratio_decoding", "compression_ratio_decoding@0.80", 0.8, DECODING_KWARGS, None),
         "decoding_recompute": ("compression_ratio_decoding", "compression_ratio_decoding@0.80", 0.8, DECODING_KWARGS,
                                GateSettings(recompute=0.3)),
@@ -175,6 +181,10 @@ def run_point(name: str, requests, args, work: Path) -> dict:
                 "context": r.context, "question": r.question}).json()["choices"][0]["text"] for r in requests[:args.check]]
             one, one_s = asyncio.run(closed_loop(base, requests, 1))
             many, many_s = asyncio.run(closed_loop(base, requests, args.concurrency))
+        except Exception:
+            print(f"{name}: failed (server exit code {proc.poll()}); its log ends:\n"
+                  + (folder / "server.log").read_text()[-3000:], file=sys.stderr)
+            raise
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -193,7 +203,7 @@ def main() -> None:
     parser.add_argument("--min-tokens", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--check", type=int, default=6, help="requests whose streamed answer is compared")
-    parser.add_argument("--points", nargs="+", default=["full", "snapkv_half", "decoding", "decoding_recompute"])
+    parser.add_argument("--points", nargs="+", default=list(POINTS))
     parser.add_argument("--seed", type=int, default=4141)
     args = parser.parse_args()
     requests = long_requests(args.requests, args.min_tokens, args.seed)

@@ -1070,15 +1070,18 @@ def streaming(data: dict) -> str:
     verdict = (f"The target (time to first token at most {data['target']:g}× the total latency, p50 over p50 at "
                f"concurrency 1, on an ungated point) is met by {', '.join(met) if met else 'no point'}"
                + (f"; not by {', '.join(missed)}." if missed else "."))
-    batched = [n for n in ("full", "snapkv_half") if n in points]
+    lookup = [n for n in ("full", "snapkv_half") if n in points]
     why = ""
-    if batched:
-        b = points[batched[0]]["concurrency_1"]
-        why = (f" The batched points decode with prompt-lookup proposals, which accept many tokens of a copied "
-               f"list in one step: {batched[0]} sends a {num(b['tokens_mean'], 0)}-token answer in "
+    if lookup:
+        b = points[lookup[0]]["concurrency_1"]
+        why = (f" {' and '.join(lookup)} decode in the batch with prompt-lookup proposals, which accept many tokens "
+               f"of a copied list in one step: {lookup[0]} sends a {num(b['tokens_mean'], 0)}-token answer in "
                f"{num(b['chunks_mean'], 1)} chunks on average, so its first text comes with a large part of the "
                "answer, after the prefill and the first steps, and little is left to stream; the ratio measures how "
                "few forwards the answer takes, not a delay in sending.")
+    if "rerotated" in points:
+        why += (" rerotated decodes in the batch too, plainly greedy as kvpress's pipeline decodes (no "
+                "proposals): one token per batched step, each sent as its step ends.")
     return "\n\n".join([
         "## Streaming: time to first token",
         command(data["command"]),

@@ -86,7 +86,8 @@ class Decode:
     ids: list[int] | None = None
     logprobs: list[float] | None = None
 
-    _told: int = -1
+    _told: int = field(default=-1, init=False, repr=False)
+    """How many tokens the listener was last told."""
 
     def tell(self, ids: list[int]) -> None:
         """Tell the listener, if any, that the answer so far is `ids` (copied: the caller may grow
