@@ -1126,6 +1126,61 @@ def long_generation(data: dict) -> str:
     ])
 
 
+def streaming(data: dict) -> str:
+    c, points = data["concurrency"], data["points"]
+    rows = []
+    for name, p in points.items():
+        for key in ("concurrency_1", f"concurrency_{c}"):
+            r = p[key]
+            ratio = num(r["ratio_p50"])
+            long = "—" if r["long_ratio_p50"] is None else f"{num(r['long_ratio_p50'])} ({r['long_answers']})"
+            rows.append([name + (" (gated)" if p["gated"] else ""), f"`{p['policy']}`", key.split("_")[1],
+                         num(r["tokens_mean"], 0), num(r["chunks_mean"], 1), seconds(r["first_chunk_p50_s"]),
+                         f"{seconds(r['ttft_p50_s'])} / {seconds(r['ttft_p99_s'])}",
+                         f"{seconds(r['total_p50_s'])} / {seconds(r['total_p99_s'])}",
+                         f"**{ratio}**" if key == "concurrency_1" else ratio, long, str(r["restarted"]),
+                         str(p["streamed_equals_whole"])])
+    met = data["target_met_by"]
+    missed = [n for n, p in points.items() if not p["gated"] and n not in met]
+    verdict = (f"The target (time to first token at most {data['target']:g}× the total latency, p50 over p50 at "
+               f"concurrency 1, on an ungated point) is met by {', '.join(met) if met else 'no point'}"
+               + (f"; not by {', '.join(missed)}." if missed else "."))
+    lookup = [n for n in ("full", "snapkv_half") if n in points]
+    why = ""
+    if lookup:
+        b = points[lookup[0]]["concurrency_1"]
+        why = (f" {' and '.join(lookup)} decode in the batch with prompt-lookup proposals, which accept many tokens "
+               f"of a copied list in one step: {lookup[0]} sends a {num(b['tokens_mean'], 0)}-token answer in "
+               f"{num(b['chunks_mean'], 1)} chunks on average, so its first text comes with a large part of the "
+               "answer, after the prefill and the first steps, and little is left to stream; the ratio measures how "
+               "few forwards the answer takes, not a delay in sending.")
+    if "rerotated" in points:
+        why += (" rerotated decodes in the batch too, plainly greedy as kvpress's pipeline decodes (no "
+                "proposals): one token per batched step, each sent as its step ends.")
+    return "\n\n".join([
+        "## Streaming: time to first token",
+        command(data["command"]),
+        f"`certkv serve` with the `{data['model']}` model, streamed through the official `openai` client "
+        f"(`stream=True`): fresh `builtin:recite` requests whose reference recitation has at least "
+        f"{data['min_tokens']} tokens, decoded to at most {data['max_new_tokens']} new tokens, one at a time "
+        f"(concurrency 1) and in a closed loop at concurrency {c}. Per request: the time to the first chunk (the "
+        "response starts), to the first chunk with text (the time to first token, TTFT) and to the end of the "
+        "stream. The points are fixed and ungated but one (the recompute gate, beside them); an evicted point may "
+        f"stop its answer early, so the ratio is also given over the answers of {data['min_tokens']}+ tokens alone "
+        "(how many in brackets); `streamed = whole` compares the streamed text with the same server's non-streamed "
+        "answers.",
+        table(["point", "policy", "concurrency", "tokens", "chunks", "first chunk p50", "TTFT p50 / p99",
+               "total p50 / p99", "TTFT ÷ total (p50)", f"same, {data['min_tokens']}+ tokens", "restarted",
+               "streamed = whole"], rows),
+        verdict + " A decoding-time press decodes one token per forward, alone, so its first token leaves after "
+        "the prefill and one forward and the rest follow about one chunk per token." + why + f" At concurrency {c} "
+        "a decoding-time press's requests decode one after another (its hooks would compress every row of a batch), "
+        "so their time to first token is mostly the wait for the ones ahead. The embedded model is tiny: a forward "
+        "costs little next to the request's fixed costs (HTTP, tokenizing, the prefill), which every time here "
+        "includes.",
+    ])
+
+
 SECTIONS = {
     "embedded_accuracy": embedded_accuracy,
     "smollm2_135m_accuracy": smollm2_accuracy,
@@ -1145,6 +1200,7 @@ SECTIONS = {
     "serve_load": serve_load,
     "capacity": capacity,
     "capacity_long": capacity_long,
+    "streaming": streaming,
     "press_league": press_league,
     "press_alternatives": press_alternatives,
     "long_generation": long_generation,

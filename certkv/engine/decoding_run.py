@@ -18,6 +18,7 @@ each generated token's log p and the KV entries the cache holds after each forwa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,7 @@ def run_decoding(
     enc: EncodedRequest,
     max_new_tokens: int,
     stop_below: float | None = None,
+    on_token: Callable[[list[int]], None] | None = None,
 ) -> DecodingRun:
     """Prefill `enc`'s context and decode its answer under `press`, as kvpress's pipeline does.
 
@@ -83,6 +85,7 @@ def run_decoding(
     (its buffers and step counts) is reset when each context manager exits, so runs are independent.
     `stop_below`: stop as soon as a generated token's probability falls below it (the recompute
     gate's trigger); that token is not kept, and ``DecodingRun.stopped_at`` says where it stood.
+    `on_token` is called with the answer so far after each token is kept (what a server streams).
     """
     context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)
     cache = DynamicCache()
@@ -93,7 +96,8 @@ def run_decoding(
                 model.model(input_ids=context, past_key_values=cache)
             run = DecodingRun(token_ids=[], prefill_kept=held(cache))
             with press(model):
-                _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, stop_below, held)
+                _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, stop_below, held,
+                        on_token)
                 if isinstance(press, ProbabilisticDecodingPress):
                     run.certificate_max = press.certificate_max(model)
     finally:
@@ -102,21 +106,24 @@ def run_decoding(
     return run
 
 
-def finish_on_full_cache(model: PreTrainedModel, enc: EncodedRequest, prefix: list[int], max_new_tokens: int) -> DecodingRun:
+def finish_on_full_cache(model: PreTrainedModel, enc: EncodedRequest, prefix: list[int], max_new_tokens: int,
+                         on_token: Callable[[list[int]], None] | None = None) -> DecodingRun:
     """The recompute fallback: prefill the context with the full cache, feed the question and the
     `prefix` generated so far in one forward, and decode greedily to the end of the answer.
 
     Under greedy decoding, a `prefix` that the full cache's own answer starts with continues into
     exactly that answer (up to the float noise of feeding the prefix in one forward instead of
     token by token). The returned run's ``token_ids`` hold the whole answer, `prefix` included;
-    ``logprobs`` and ``held`` cover the tokens decoded here only.
+    ``logprobs`` and ``held`` cover the tokens decoded here only; `on_token` is called with the
+    whole answer so far after each token decoded here.
     """
     context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)
     cache = DynamicCache()
     run = DecodingRun(token_ids=list(prefix), prefill_kept=float(context.shape[1]))
     with torch.no_grad():
         model.model(input_ids=context, past_key_values=cache)
-        _decode(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, None, _entries_held)
+        _decode(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, None, _entries_held,
+                on_token)
     return run
 
 
@@ -125,7 +132,8 @@ def _entries_held(cache: DynamicCache) -> float:
     return sum(layer.keys.shape[-2] for layer in cache.layers) / len(cache.layers)
 
 
-def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, stop_below, held) -> None:
+def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, stop_below, held,
+            on_token: Callable[[list[int]], None] | None = None) -> None:
     """Greedy decoding into `run`, forward for forward as :func:`greedy_decode` (and so kvpress's
     pipeline) decodes: the question with ``logits_to_keep=1``, then one token per forward; `held`
     counts the entries the cache holds after each."""
@@ -144,6 +152,8 @@ def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run:
         run.token_ids.append(int(token))
         run.logprobs.append(logprob)
         run.held.append(held(cache))
+        if on_token is not None:
+            on_token(run.token_ids)
         if is_finished(run.token_ids, max_new_tokens, stops):
             return
         positions = positions[:, -1:] + 1

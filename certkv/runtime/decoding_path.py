@@ -55,24 +55,26 @@ class DecodingPath:
         return run_alone(self.steps(enc, max_new, signals))
 
     def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
-        """The answer as steps (module docstring); `lean` changes nothing here (the decode is solo)."""
+        """The answer as steps (module docstring); `lean` changes nothing here (the decode is solo).
+        Behind no post-decode part the press's tokens are the answer's as decoded (``final``: a
+        listener hears each one), and a recompute restart keeps them."""
         yield Reserve(prefill_slots(self.model, enc, max_new))
         t0 = time.perf_counter()
         runs: list[DecodingRun] = []
 
         def solo() -> tuple[list[int], list[float] | None]:
-            run = run_decoding(self.model, self.press, enc, max_new, stop_below=self.gate.recompute)
+            run = run_decoding(self.model, self.press, enc, max_new, stop_below=self.gate.recompute, on_token=job.tell)
             runs.append(run)
             return run.token_ids, run.logprobs
 
         job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, self.stop_ids, solo=solo,
-                     want_logprobs=True, batchable=False)
+                     want_logprobs=True, batchable=False, final=not self.gate.post_decode)
         yield job
         run = runs[0]
         seconds = {"decode": time.perf_counter() - t0}
         kept = run.prefill_kept / len(enc.context_ids)
         if run.stopped_at is not None:
-            return self._recompute(enc, run, max_new, signals, seconds, kept)
+            return (yield from self._recompute(enc, run, max_new, signals, seconds, kept))
         reason = self.gate.post_decode_reason(signals, run.logprobs, run.certificate_max)
         if reason is None:
             cost = kv_cost(run.held, len(enc.context_ids), len(enc.question_ids))
@@ -82,13 +84,24 @@ class DecodingPath:
         seconds["escalation"] = time.perf_counter() - t
         return PathAnswer(ids, reason, signals, seconds, escalated=True)
 
-    def _recompute(self, enc, run: DecodingRun, max_new: int, signals: dict, seconds: dict, kept: float) -> PathAnswer:
-        """Finish `run`, stopped by the recompute trigger, on a fresh full cache."""
+    def _recompute(self, enc, run: DecodingRun, max_new: int, signals: dict, seconds: dict, kept: float) -> Steps:
+        """Finish `run`, stopped by the recompute trigger, on a fresh full cache: one more solo
+        :class:`Decode` (within the request's reservation: the press's cache is gone by then),
+        final, that tells its listener where the restart kept the answer."""
         t = time.perf_counter()
         signals["confidence_min"], signals["logprob_mean"] = None, None  # the evicted answer was not finished
-        finished = finish_on_full_cache(self.model, enc, run.token_ids, max_new)
+        prefix = list(run.token_ids)
+
+        def solo() -> tuple[list[int], list[float] | None]:
+            job.tell(prefix)  # the restart is heard at once, before the full cache's first token
+            return finish_on_full_cache(self.model, enc, prefix, max_new, on_token=job.tell).token_ids, None
+
+        job = Decode(None, [*enc.question_ids, *prefix], len(enc.context_ids), max_new, self.stop_ids, solo=solo,
+                     batchable=False, final=True, restarted_at=run.stopped_at)
+        yield job
+        assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
         seconds["recompute"] = time.perf_counter() - t
-        return PathAnswer(finished.token_ids, "recompute", signals, seconds, kept=kept, escalated=True,
+        return PathAnswer(job.ids, "recompute", signals, seconds, kept=kept, escalated=True,
                           recomputed_at=run.stopped_at)
 
 

@@ -46,6 +46,7 @@ def decode_from_full(
         stop_ids,
         solo=lambda: (decode_full(model, cache, enc, max_new_tokens, stop_ids), None),
         lookup_ids=list(enc.context_ids),
+        final=True,  # nothing replaces the full cache's answer: it may stream as decoded
     )
     yield job
     assert job.ids is not None  # whoever runs the steps fills the answer in before resuming

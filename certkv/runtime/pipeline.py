@@ -95,7 +95,7 @@ class PipelinePath:
 
             alone = not lean or _masks_heads(model)
             job = Decode(cache, list(enc.question_ids), position, max_new, stop_ids, solo=solo if alone else None,
-                         want_logprobs=True, batchable=not alone)
+                         want_logprobs=True, batchable=not alone, final=not gate.post_decode)
             yield job
             assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
             seconds["decode"] = time.perf_counter() - t

@@ -194,14 +194,15 @@ class SinglePrefillPath:
                 )
                 return out["ids"], out["logprobs"]
 
-            yield Decode(None, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=solo, batchable=False)
+            yield Decode(None, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=solo, batchable=False,
+                         final=not self.gate.post_decode)
             return out["ids"], out["logprobs"], out["kept"], out["certificate"]
         first = cast("torch.Tensor | None", selection[0])  # not probabilistic: a layer's kept indices
         kept = (n_ctx if first is None else first.shape[2]) / n_ctx
         if row is None:
             row = gather_row(cache, selection, n_ctx, len(enc.question_ids) + max_new)  # empties `cache`
         job = Decode(row, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=None,
-                     lookup_ids=list(enc.context_ids), want_logprobs=True)
+                     lookup_ids=list(enc.context_ids), want_logprobs=True, final=not self.gate.post_decode)
         yield job
         assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
         return job.ids, job.logprobs, kept, None

@@ -20,6 +20,13 @@ both; only who decodes, and when, differs. A path yields:
   and answer), and resumes once ``ids`` (and ``logprobs``) are filled in;
 
 and returns a :class:`PathAnswer`.
+
+A ``Decode`` marked ``final`` decodes tokens that are the answer's as they come: no later gate can
+replace them (a full-cache answer, an evicted answer behind no post-decode gate, the full cache
+finishing an answer a recompute gate restarted). Whoever runs it may set its ``listener`` (a
+:data:`TokenListener`), which is then called with the answer's tokens so far each time the decode
+adds some: what ``certkv serve`` streams. A non-final decode (an evicted answer that a post-decode
+gate may still escalate) is never streamed: its tokens may be thrown away.
 """
 
 from __future__ import annotations
@@ -32,6 +39,12 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
     from certkv.engine.ragged_decode import RowCache
+
+#: Told, on the runner's thread, (the answer's tokens so far, the count of them a recompute gate kept
+#: when it restarted the answer on the full cache, None before any restart) each time a final
+#: :class:`Decode` adds tokens. Under greedy decoding the kept tokens stand: the restart prefills
+#: them with the context and continues after them, so the list only ever grows.
+TokenListener = Callable[[list[int], int | None], None]
 
 
 @dataclass
@@ -52,6 +65,10 @@ class Decode:
     scheduler only) gives none. ``batchable=False`` (certkv's probabilistic press: its Hájek
     attention correction is its own decode; an in-process decode over the full cache) makes the
     scheduler call `solo`, unbatched, between batched steps; `cache` is then None or left to the path.
+    `final` (module docstring): its tokens are the answer's as decoded; `restarted_at` is set on the
+    decode that finishes an answer a recompute gate restarted after its first `restarted_at`
+    tokens (its `ids` include them); `listener` is the runner's (None: nobody listens), and a
+    `solo` function that decodes token by token tells it through :meth:`tell`.
     """
 
     cache: DynamicCache | RowCache | None
@@ -63,8 +80,21 @@ class Decode:
     lookup_ids: list[int] | None = None
     want_logprobs: bool = False
     batchable: bool = True
+    final: bool = False
+    restarted_at: int | None = None
+    listener: TokenListener | None = None
     ids: list[int] | None = None
     logprobs: list[float] | None = None
+
+    _told: int = field(default=-1, init=False, repr=False)
+    """How many tokens the listener was last told."""
+
+    def tell(self, ids: list[int]) -> None:
+        """Tell the listener, if any, that the answer so far is `ids` (copied: the caller may grow
+        it); an answer no longer than the last one told is not told again."""
+        if self.listener is not None and len(ids) > self._told:
+            self._told = len(ids)
+            self.listener(list(ids), self.restarted_at)
 
 
 Step = Reserve | Decode

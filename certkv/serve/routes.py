@@ -11,7 +11,8 @@ the event loop; the certified answer is then cut as the request asks
 split, a field outside the certificate), 503 + Retry-After (queue full, shutting down), 504 (over
 ``--timeout``), 413 ``kv_budget_exceeded`` (a request larger than the whole KV budget), 400 (the
 runtime refused the request, e.g. an empty context) and 500 (that request failed; the server stays
-up).
+up). A streamed request's response starts with its first decoded tokens
+(:mod:`certkv.serve.streaming`); a failure after that ends the stream with an error event.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ from certkv.serve.responses import (
     Usage,
 )
 from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, SplitError
-from certkv.serve.streaming import sse_events, token_pieces
+from certkv.serve.streaming import Chunks, Item, PieceStream, StopHold, TokenFeed, sse_events, token_pieces
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
     from concurrent.futures import Future
 
     from fastapi import APIRouter
@@ -133,17 +135,21 @@ class _Routes:
         return context, question
 
     async def answer(self, route: str, req: CompletionRequest | ChatCompletionRequest, chat: bool):
-        """Validate `req`, queue it, wait for it (at most `timeout` seconds) and answer it, or the error."""
-        from certkv.serve.service import BudgetExceeded, QueueFull, Stopping
+        """Validate `req`, queue it, wait for it (at most `timeout` seconds) and answer it, or the
+        error. Streamed, the response starts with the answer's first tokens as they are decoded
+        (:mod:`certkv.serve.streaming`), or with the finished answer when none was heard before."""
+        from certkv.serve.service import QueueFull, Stopping
 
         split = self.refusal(route, req)
         if not isinstance(split, tuple):
             return split
         context, question = split
-        service = self.service
+        service, loop = self.service, asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        feed = TokenFeed(loop) if req.stream else None
         try:
             future = service.submit(context, question, req.stratum, req.reference_answers(), req.answer_prefix,
-                                    logprobs=req.wants_logprobs())
+                                    logprobs=req.wants_logprobs(), on_tokens=feed)
         except QueueFull:
             return self.fail(route, 503, f"the queue is full ({service.max_queue} requests waiting); retry later",
                              "server_error", None, "queue_full", {"Retry-After": str(service.retry_after())})
@@ -151,20 +157,21 @@ class _Routes:
             return self.fail(route, 503, "the server is shutting down", "server_error", None, "shutting_down",
                              {"Retry-After": "5"})
         try:
-            async with asyncio.timeout(self.timeout):
-                served = await _outcome(future)
+            async with asyncio.timeout_at(deadline):
+                first = None if feed is None else await feed.first(future)
+                served = None if first is not None else await _outcome(future)
         except TimeoutError:
             future.cancel()  # still queued: never run; running: its answer is discarded
-            return self.fail(route, 504, f"the request took longer than the {self.timeout:g} s timeout (--timeout)",
-                             "server_error", None, "timeout")
-        except BudgetExceeded as exc:
-            return self.fail(route, 413, str(exc), "invalid_request_error", None, "kv_budget_exceeded")
-        except CertkvError as exc:
-            return self.fail(route, 400, str(exc), "invalid_request_error", None, "refused")
-        except Exception as exc:  # noqa: BLE001
-            log.exception("certkv serve: request failed")
-            return self.fail(route, 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None,
-                             "internal_error")
+            return self.fail(route, 504, *self.timed_out())
+        except Exception as exc:  # noqa: BLE001 - mapped to its status by failure()
+            return self.fail(route, *self.failure(exc))
+        if first is not None:
+            from fastapi.responses import StreamingResponse
+
+            assert feed is not None  # tokens are heard only through a feed
+            events = self.decoded_events(route, req, chat, first, feed, future, deadline)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        assert served is not None
         service.metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
         return self.respond(served, chat, req)
 
@@ -177,24 +184,88 @@ class _Routes:
         texts = token_texts(self.service.runtime.tokenizer, answer.token_ids)
         return cut_answer(answer.answer, texts, served.finish_reason, limit=limit, stops=stops), texts
 
-    def respond(self, served: Served, chat: bool, req: CompletionRequest | ChatCompletionRequest):
-        """`served` as a (chat) completion, cut as `req` asks: one JSON body, or server-sent events
-        when it streams (the hook: ``req.include_usage``, a last chunk with the usage and no choices)."""
-        from fastapi.responses import StreamingResponse
+    def timed_out(self) -> tuple[str, str, None, str]:
+        """(message, type, param, code) of a request past ``--timeout``."""
+        return (f"the request took longer than the {self.timeout:g} s timeout (--timeout)", "server_error", None,
+                "timeout")
 
-        model_id = self.model_id
-        answer_id, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
-        cut, texts = self.cut(served, req)
+    def failure(self, exc: BaseException) -> tuple[int, str, str, str | None, str]:
+        """(status, message, type, param, code) of a request whose answer failed with `exc`."""
+        from certkv.serve.service import BudgetExceeded
+
+        if isinstance(exc, BudgetExceeded):
+            return 413, str(exc), "invalid_request_error", None, "kv_budget_exceeded"
+        if isinstance(exc, CertkvError):
+            return 400, str(exc), "invalid_request_error", None, "refused"
+        log.error("certkv serve: request failed", exc_info=exc)
+        return 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error", None, "internal_error"
+
+    async def decoded_events(self, route: str, req: CompletionRequest | ChatCompletionRequest, chat: bool,
+                             first: Item, feed: TokenFeed, future: Future[Served], deadline: float) -> AsyncIterator[str]:
+        """The events of an answer streamed as decoded, from its `first` tokens heard to ``[DONE]``
+        (:mod:`certkv.serve.streaming`), cut as `req` asks (its token limit, its stop strings: text
+        that may begin one is held back); past the `deadline`, or failed, an error event ends it. The
+        deadline bounds each wait for tokens, never a ``yield`` (a timeout that fired while the
+        server sends a chunk would cancel the sending, not this wait)."""
+        chunks, pieces = Chunks.new(self.model_id, chat), PieceStream(self.service.runtime.tokenizer)
+        hold, limit = StopHold(req.stop_strings()), req.token_limit()
+        item, restarted = first, False
+        while item is not None:
+            ids, restarted_at = item
+            if restarted_at is not None and not restarted:
+                restarted = True
+                yield chunks.restart(restarted_at)
+            piece = hold.add(pieces.add(ids if limit is None else ids[:limit]))
+            if piece or item is first:  # the first tokens start the response, text or not
+                yield chunks.piece(piece)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await feed.next()
+            except TimeoutError:
+                future.cancel()
+                self.service.metrics.errors.labels(route, "504").inc()
+                yield chunks.error(ErrorResponse.of(*self.timed_out()))
+                return
+        try:
+            served = future.result()
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error is an event
+            status, message, type_, param, code = self.failure(exc)
+            self.service.metrics.errors.labels(route, str(status)).inc()
+            yield chunks.error(ErrorResponse.of(message, type_, param, code))
+            return
+        self.service.metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
+        cut, _ = self.cut(served, req)
+        rest = hold.rest(cut.text)
+        if rest:
+            yield chunks.piece(rest)
+        usage, info = self.usage_and_info(served, cut)
+        for event in chunks.ending(cut.finish_reason, usage, info, req.include_usage):
+            yield event
+
+    @staticmethod
+    def usage_and_info(served: Served, cut: Cut) -> tuple[Usage, CertkvInfo]:
+        """The usage and the ``certkv`` object of `served`'s answer as `cut`."""
         usage = Usage(prompt_tokens=served.prompt_tokens, completion_tokens=cut.tokens,
                       total_tokens=served.prompt_tokens + cut.tokens)
         info = CertkvInfo(request_id=served.request_id, decision=served.answer.decision.to_dict(),
                           stream=served.stream, monitor=served.monitor, shadowed=served.shadowed,
                           seconds=served.answer.seconds, cut=cut.info)
+        return usage, info
+
+    def respond(self, served: Served, chat: bool, req: CompletionRequest | ChatCompletionRequest):
+        """`served`, finished, as a (chat) completion cut as `req` asks: one JSON body, or
+        server-sent events when it streams (an answer none of which was heard as decoded: flushed
+        whole)."""
+        from fastapi.responses import StreamingResponse
+
+        cut, texts = self.cut(served, req)
+        usage, info = self.usage_and_info(served, cut)
         if req.stream:
             pieces = token_pieces(self.service.runtime.tokenizer, served.answer.token_ids[: cut.tokens], cut.text)
-            events = sse_events(answer_id, created, model_id, pieces, chat=chat, finish_reason=cut.finish_reason,
-                                usage=usage, certkv=info, include_usage=req.include_usage)
+            events = sse_events(Chunks.new(self.model_id, chat), pieces, finish_reason=cut.finish_reason, usage=usage,
+                                certkv=info, include_usage=req.include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        answer_id, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
         return json_response(200, self.whole(answer_id, created, chat, cut, texts, served, usage, info))
 
     def whole(self, answer_id: str, created: int, chat: bool, cut: Cut, texts: list[str] | None, served: Served,

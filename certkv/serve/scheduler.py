@@ -18,6 +18,11 @@ at once, and interleaves them:
   question and answer) and from then on holds exactly that cache's slots; one forward per
   iteration advances every row, and a finished row's job resumes (its post-decode gate). A
   ``Decode`` that cannot batch (certkv's probabilistic press) is decoded alone at once.
+* **Tokens as decoded.** A job submitted with ``on_tokens`` (a
+  :data:`~certkv.runtime.steps.TokenListener`) hears, on the worker thread, the answer so far of
+  each of its ``final`` decodes: after every batched step that added tokens to its row, and after
+  (or, for a solo decode that tells it, during) a solo decode. A decode a post-decode gate may
+  still escalate is not final: nothing of it is heard.
 * **Shadows** (``shadow=True``) never hold KV a live request waits for: when the first waiting
   live request does not fit, shadows in flight are preempted (their rows dropped, their KV freed)
   and restarted from the beginning later, so a live request waits at most the decode step in
@@ -48,7 +53,7 @@ from certkv.serve import admission
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from certkv.runtime.steps import Step
+    from certkv.runtime.steps import Step, TokenListener
 
 log = logging.getLogger("certkv.serve")
 
@@ -75,6 +80,7 @@ class _Job:
     future: Future[Any]
     restart: Callable[[], JobSteps] | None = None
     on_abandon: Callable[[], None] | None = None
+    on_tokens: TokenListener | None = None
     step: Step | None = None
     held: float = 0.0
     """Token slots the job holds now: its reservation, or its row's allocated cache."""
@@ -130,6 +136,8 @@ class Scheduler:
         """Batched decode steps run."""
         self.peak_rows = 0
         """Most requests one decode step advanced together."""
+        self.before_step: Callable[[], None] | None = None
+        """Called on the worker before each batched decode step (a test hook: it may block)."""
         self._thread = threading.Thread(target=self._loop, name="certkv-scheduler", daemon=True)
 
     # -- the caller's side --------------------------------------------------------------------
@@ -138,14 +146,16 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, steps: JobSteps, *, shadow: bool = False, restart: Callable[[], JobSteps] | None = None,
-               on_abandon: Callable[[], None] | None = None, max_waiting: int | None = None) -> Future[Any]:
+               on_abandon: Callable[[], None] | None = None, max_waiting: int | None = None,
+               on_tokens: TokenListener | None = None) -> Future[Any]:
         """Queue a job; its future gets what its steps return (or raise).
 
         `restart` gives fresh steps for a shadow that was preempted; `on_abandon` is called for a
         shadow still unfinished at the shutdown deadline; `max_waiting` refuses a live job
-        (:class:`QueueFull`) when that many live jobs wait for admission already.
+        (:class:`QueueFull`) when that many live jobs wait for admission already; `on_tokens` hears
+        the answer so far of the job's final decodes (module docstring), on the worker thread.
         """
-        job = _Job(steps, shadow, Future(), restart, on_abandon, seq=next(self._seq))
+        job = _Job(steps, shadow, Future(), restart, on_abandon, on_tokens, seq=next(self._seq))
         with self._cv:
             if self._stopping and not shadow:  # a live request finishing during the drain may shadow
                 raise Stopping()
@@ -272,9 +282,12 @@ class Scheduler:
                 return
             if isinstance(step, Decode):
                 job.resumed = True
+                if step.final and job.on_tokens is not None:
+                    step.listener = _guarded(job.on_tokens)
                 if not step.batchable or step.cache is None:
                     assert step.solo is not None  # an unbatchable decode carries its own decoder
                     step.ids, step.logprobs = step.solo()
+                    step.tell(step.ids)  # a solo decode that told nothing as it went is heard whole
                     continue
                 room = len(step.question_ids) + step.max_new_tokens
                 cache = step.cache if isinstance(step.cache, RowCache) else RowCache.adopt(step.cache, room)
@@ -294,7 +307,10 @@ class Scheduler:
     def _decode_step(self) -> None:
         if not self.batch.rows:
             return
+        if self.before_step is not None:
+            self.before_step()
         self.peak_rows = max(self.peak_rows, len(self.batch.rows))
+        rows = [(row, len(row.answer)) for row in self.batch.rows]
         try:
             finished = self.batch.step()
         except Exception as exc:  # noqa: BLE001 - a failed forward fails the rows in it, not the server
@@ -308,6 +324,9 @@ class Scheduler:
             return
         self.steps += 1
         self._sample()
+        for row, before in rows:  # the new tokens leave before any finished job resumes
+            if len(row.answer) > before:
+                row.tag.step.tell(row.answer)
         for row in finished:
             job = row.tag
             step = job.step
@@ -330,6 +349,18 @@ class Scheduler:
         self._holding.clear()
         if left:
             log.warning("certkv serve: shutdown deadline reached; %d pending shadow(s) abandoned", len(left))
+
+
+def _guarded(listener: TokenListener) -> TokenListener:
+    """`listener`, its failures logged instead of raised: a client's stream never fails a decode."""
+
+    def tell(ids: list[int], restarted_at: int | None) -> None:
+        try:
+            listener(ids, restarted_at)
+        except Exception:  # noqa: BLE001
+            log.exception("certkv serve: a token listener failed; the request decodes on")
+
+    return tell
 
 
 def _resolve(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:

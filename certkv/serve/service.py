@@ -30,12 +30,12 @@ from certkv.serve.scheduler import BudgetExceeded, QueueFull, Scheduler, Stoppin
 __all__ = ["BudgetExceeded", "QueueFull", "Served", "Service", "Stopping"]
 
 if TYPE_CHECKING:
-    from collections.abc import Generator
+    from collections.abc import Callable, Generator
     from concurrent.futures import Future
 
     from certkv.core.monitor import RiskMonitor
     from certkv.runtime.certified_runtime import CertifiedRuntime, RuntimeAnswer
-    from certkv.runtime.steps import Step
+    from certkv.runtime.steps import Step, TokenListener
     from certkv.serve.metrics import Metrics
     from certkv.serve.shadow import ShadowJob, ShadowRunner
     from certkv.serve.shadow_store import ShadowStore
@@ -49,9 +49,15 @@ log = logging.getLogger("certkv.serve")
 #: and holds a request past ``--timeout`` (504) as events, not races (tests/serve/test_serve.py).
 HOLD_FD_VARIABLE = "CERTKV_TEST_HOLD_FD"
 
+#: A second test hook of the same kind: when set (a pipe's read end), the scheduler reads one byte
+#: from it before each batched decode step, and steps freely once the writer has closed it. A test
+#: lets a streamed answer decode one step at a time and sees its first tokens arrive while the rest
+#: is provably not decoded yet (tests/serve/test_streaming.py).
+STEP_FD_VARIABLE = "CERTKV_TEST_STEP_FD"
 
-def _hold_fd(value: str) -> int:
-    """The open file descriptor :data:`HOLD_FD_VARIABLE` names, checked before the server starts
+
+def _hold_fd(value: str, variable: str = HOLD_FD_VARIABLE) -> int:
+    """The open file descriptor `variable` (a test hook) names, checked before the server starts
     (one line otherwise: a held scheduler that never starts would look healthy and answer nothing)."""
     try:
         fd = int(value)
@@ -59,9 +65,21 @@ def _hold_fd(value: str) -> int:
             raise ValueError("standard streams are not a hold pipe")
         os.fstat(fd)
     except (ValueError, OSError):
-        raise CertkvError(f"{HOLD_FD_VARIABLE}={value!r} is not an open pipe's file descriptor above 2; "
+        raise CertkvError(f"{variable}={value!r} is not an open pipe's file descriptor above 2; "
                           "it is a test hook: unset it") from None
     return fd
+
+
+def _stepper(fd: int, scheduler: Scheduler) -> Callable[[], None]:
+    """The scheduler's ``before_step`` for :data:`STEP_FD_VARIABLE`: one byte of pipe `fd` per
+    step, until its writer closes it (then the hook removes itself)."""
+
+    def before_step() -> None:
+        if not os.read(fd, 1):
+            os.close(fd)
+            scheduler.before_step = None
+
+    return before_step
 
 
 @dataclass
@@ -123,6 +141,9 @@ class Service:
 
     def start(self) -> None:
         """Start the scheduler's worker: at once, or when a test releases it (:data:`HOLD_FD_VARIABLE`)."""
+        step = os.environ.pop(STEP_FD_VARIABLE, None)
+        if step is not None:
+            self.scheduler.before_step = _stepper(_hold_fd(step, STEP_FD_VARIABLE), self.scheduler)
         hold = os.environ.pop(HOLD_FD_VARIABLE, None)  # popped: no child process inherits the hold
         if hold is None:
             self.scheduler.start()
@@ -153,15 +174,17 @@ class Service:
 
     def submit(
         self, context: str, question: str, stratum: str | None, answers: list[str] | None, answer_prefix: str = "",
-        *, logprobs: bool = False,
+        *, logprobs: bool = False, on_tokens: TokenListener | None = None,
     ) -> Future[Served]:
         """Queue a live request; raises QueueFull (``max_queue`` wait already) or Stopping. The
         future fails with BudgetExceeded when the request alone needs more than the budget.
-        `logprobs`: the answer's token log-probabilities are recorded (:attr:`Served.logprobs`)."""
+        `logprobs`: the answer's token log-probabilities are recorded (:attr:`Served.logprobs`).
+        `on_tokens` hears the answer's tokens as they are decoded, on the scheduler's thread
+        (:mod:`certkv.serve.scheduler`; a streamed request's hand-off to the event loop)."""
         rid = f"req-{next(self._ids)}"
         steps = self._live_steps(rid, context, question, stratum, answers, answer_prefix, time.perf_counter(),
                                  logprobs)
-        return self.scheduler.submit(steps, max_waiting=self.max_queue)
+        return self.scheduler.submit(steps, max_waiting=self.max_queue, on_tokens=on_tokens)
 
     @property
     def stopping(self) -> bool:

@@ -165,6 +165,9 @@ def test_a_token_limit_cuts_the_certified_answer(client, expected, embedded):
     assert [t.logprob for t in choice.logprobs.content] == pytest.approx(logprobs[:3], abs=1e-4)
     done = client.completions.create(model=MODEL, prompt=r.context + r.question, max_tokens=4)
     assert done.choices[0].text == tokenizer.decode(answer.token_ids[:4], skip_special_tokens=True)
+    streamed = list(client.completions.create(model=MODEL, prompt=r.context + r.question, max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.message.content  # tokens past it are never sent
+    assert streamed[-1].choices[0].finish_reason == "length"
     whole = client.completions.create(model=MODEL, prompt=r.context + r.question, max_tokens=8)
     assert whole.choices[0].text == answer.answer and whole.model_extra["certkv"]["cut"] is None
 

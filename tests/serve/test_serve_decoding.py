@@ -45,7 +45,14 @@ def test_decoding_point_served_as_in_process(server, embedded_recite):
         assert out.choices[0].text == want.answer, request.id
         assert (decision["reason"], decision["recomputed_at"]) == (want.decision.reason, want.decision.recomputed_at)
         reasons.add(decision["reason"])
-        stream = client.completions.create(model="embedded-recite", prompt="", stream=True, max_tokens=140,
-                                           extra_body={"context": request.context, "question": request.question})
+        stream = list(client.completions.create(model="embedded-recite", prompt="", stream=True, max_tokens=140,
+                                                extra_body={"context": request.context, "question": request.question}))
         assert "".join(c.choices[0].text for c in stream) == want.answer
+        # streamed as decoded: a restart is a chunk of its own, and the text sent before it stands
+        events = [(i, c.model_extra["certkv"]) for i, c in enumerate(stream) if "event" in c.model_extra.get("certkv", {})]
+        at = want.decision.recomputed_at
+        assert [e for _, e in events] == ([] if at is None else [{"event": "recompute", "recomputed_at": at}])
+        if events:
+            before = "".join(c.choices[0].text for c in stream[: events[0][0]])
+            assert want.answer.startswith(before) and before, "the press's tokens streamed before the restart"
     assert reasons == {None, "recompute"}, "the requests must cover kept and restarted generations"
