@@ -15,7 +15,9 @@ the embedded model (default: the demo's stratified point, read only), then:
    server is: see :class:`InProcess`), in alternating passes
    (``--passes``, the server idle before each: its pending shadows are waited for), so that the
    machine's drift falls on both alike; the ratio is the median HTTP throughput over the median
-   in-process throughput (target ≥ 0.9). One more pass through the official ``openai`` client
+   in-process throughput (target ≥ 0.9). Each pass also goes over HTTP to a second server on the
+   same point run with ``--shadow-rate 0``: the HTTP path's own cost, told apart from the shadows
+   the first server runs between requests (in-process runs none). One more pass through the official ``openai`` client
    (sequential, synchronous) is reported beside them: its own parsing costs the same cores.
 
 With ``--kv-budget SLOTS`` the server runs under that KV budget (``certkv serve --kv-budget``) and
@@ -92,14 +94,16 @@ def plan(n: int, malformed_share: float, seed: int) -> list[tuple[str, bytes, di
     return [(k, valid_body(r) if k == "valid" else malformed_body(k, r), r) for k, r in zip(kinds, reqs)]
 
 
-def start_server(op: Path, port: int, store: Path, args) -> subprocess.Popen:
+def start_server(op: Path, port: int, store: Path, args, shadow_rate: float | None = None) -> subprocess.Popen:
+    """`certkv serve` on `op` (`shadow_rate`: None, the command line's ``--shadow-rate``)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
+    rate = args.shadow_rate if shadow_rate is None else shadow_rate
     cmd = [sys.executable, "-m", "certkv.cli.app", "serve", str(op), "--port", str(port), "--device", "cpu",
-           "--shadow-rate", str(args.shadow_rate), "--shadow-store", str(store), "--max-queue", "64",
+           "--shadow-rate", str(rate), "--shadow-store", str(store), "--max-queue", "64",
            "--max-body-bytes", str(MAX_BODY), "--timeout", "120", "--seed", "0"]
     if args.kv_budget is not None:
         cmd += ["--kv-budget", str(args.kv_budget)]
-    log = open(store.parent / "server.log", "w")  # noqa: SIM115 - closed with the process
+    log = open(store.parent / f"server-{rate:g}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -280,8 +284,14 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     t_start = time.perf_counter()
     proc = start_server(op, port, work / "shadows", args)
+    # the same point without shadows (--shadow-rate 0): the concurrency-1 passes run on it too, so
+    # that the HTTP path's own cost is told apart from the shadows' (in-process runs none)
+    port0 = free_port()
+    base0 = f"http://127.0.0.1:{port0}"
+    proc0 = start_server(op, port0, work / "no_shadows", args, shadow_rate=0.0)
     try:
         health = wait_healthy(base, proc)
+        wait_healthy(base0, proc0)
         items = plan(args.requests, args.malformed, args.seed)
         # warm the server (first forwards allocate), not counted
         asyncio.run(fire(base, [i for i in items if i[0] == "valid"][:4], 1))
@@ -290,7 +300,8 @@ def main() -> None:
         seq_reqs = [r for k, _, r in plan(args.sequential, 0.0, args.seed + 7)]
         seq_items = [("valid", valid_body(r), r) for r in seq_reqs]
         sequential_http(base, seq_items[:4])  # warm the server's sequential path, not counted
-        http_passes, inproc_passes, seq_rows = [], [], []
+        sequential_http(base0, seq_items[:4])
+        http_passes, plain_passes, inproc_passes, seq_rows = [], [], [], []
         http_lat, lat_in, answers_equal = [], [], True
         local = InProcess(op, seq_reqs[0])
         try:
@@ -301,6 +312,9 @@ def main() -> None:
                 http_lat += lat
                 seq_rows += rows_http
                 wait_shadows(base)
+                _, seconds, _, answers_plain = sequential_http(base0, seq_items)
+                plain_passes.append(seconds)
+                answers_equal = answers_equal and answers_plain == answers_http
                 lat, seconds, answers_in = local.run(seq_reqs)
                 inproc_passes.append(seconds)
                 lat_in += lat
@@ -318,11 +332,12 @@ def main() -> None:
                 idle.append(time.perf_counter() - t)
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for server in (proc, proc0):
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
     server_rc = proc.returncode
 
     valid = [r for r in rows if r["kind"] == "valid"]
@@ -338,6 +353,7 @@ def main() -> None:
             reasons[key] = reasons.get(key, 0) + 1
     http_tp = len(seq_reqs) / statistics.median(http_passes)
     inproc_tp = len(seq_reqs) / statistics.median(inproc_passes)
+    plain_tp = len(seq_reqs) / statistics.median(plain_passes)
     shadows = after_seq.get("shadows", {})
     result = {
         "benchmark": "serve_load",
@@ -367,6 +383,8 @@ def main() -> None:
             "in_process": {"pass_seconds": inproc_passes, "throughput_rps": inproc_tp,
                            "latency_p50_s": percentile(lat_in, 0.5)},
             "ratio_http_over_in_process": http_tp / inproc_tp,
+            "http_no_shadows": {"pass_seconds": plain_passes, "throughput_rps": plain_tp},
+            "ratio_http_no_shadows_over_in_process": plain_tp / inproc_tp,
             "answers_equal": answers_equal,
             "openai_client": {"seconds": openai_seconds, "throughput_rps": len(seq_reqs) / openai_seconds,
                               "ratio_over_in_process": len(seq_reqs) / openai_seconds / inproc_tp},
@@ -402,6 +420,8 @@ def main() -> None:
     print(f"concurrency 1, {seq['requests']} requests x {args.passes} passes:   HTTP {http_tp:.2f} req/s   in-process "
           f"{inproc_tp:.2f} req/s   ratio {seq['ratio_http_over_in_process']:.3f} (target ≥ 0.9); answers equal: "
           f"{seq['answers_equal']}")
+    print(f"{'concurrency 1, HTTP, no shadows':<34}{plain_tp:.2f} req/s, ratio "
+          f"{seq['ratio_http_no_shadows_over_in_process']:.3f}")
     print(f"{'concurrency 1, openai client':<34}{seq['openai_client']['throughput_rps']:.2f} req/s, ratio "
           f"{seq['openai_client']['ratio_over_in_process']:.3f}")
     print(f"{'KV budget / peak / max batch':<34}{result['kv']['budget']} / {result['kv']['peak']:.0f} / "

@@ -16,7 +16,13 @@ all ungated (fixed, outside any certificate: the benchmark measures when tokens 
 * ``decoding``: kvpress's ``CompressionRatioDecodingPress`` (StreamingLLM scorer, every 8 steps to
   80% of the tokens seen), decoded alone under the press, one token per forward, as calibrated;
 * ``decoding_recompute``: the same press behind the recompute gate (p < 0.3 restarts on the full
-  cache, announced in the stream): gated, reported beside, not part of the target.
+  cache, announced in the stream): gated, reported beside, not part of the target;
+* ``full_no_lookup``, ``snapkv_half_no_lookup``: ``full`` and ``snapkv_half`` served with
+  ``--no-prompt-lookup``: one token per batched step, as an answer that copies nothing decodes.
+
+The servers run with ``--shadow-rate 0`` (no shadows, no monitor): a fixed point outside any
+certificate would trip its monitor within the run, and the full cache would then answer the rest, a
+different point mid-measurement.
 
 Per request: the time to the first chunk (the response starts), to the first chunk with text (what
 a reader sees: the time to first token), and to the end of the stream, at concurrency 1 (one request
@@ -51,16 +57,16 @@ RESULT = REPO / "benchmarks" / "results" / "streaming.json"
 MODEL = "embedded-recite"
 MAX_NEW_TOKENS = 140  # contracts/embedded_long.yaml: the longest recitation (126 tokens) and its stop token
 TARGET = 0.2
-#: Shadows as rare as the server allows (0 is refused): a fixed point outside any certificate would
-#: trip its monitor within the run, and the full cache would then answer the rest (reason
-#: "monitor"), a different point mid-measurement. Each pass's decisions are counted to show none did.
-SHADOW_RATE = 0.001
 DECODING_KWARGS = {"base_press": "streaming_llm", "compression_interval": 8}
-POINTS = ("full", "snapkv_half", "rerotated", "decoding", "decoding_recompute")
+POINTS = ("full", "snapkv_half", "rerotated", "decoding", "decoding_recompute", "full_no_lookup",
+          "snapkv_half_no_lookup")
+#: The suffix of a point served with --no-prompt-lookup.
+NO_LOOKUP = "_no_lookup"
 
 
 def point(name: str):
     """The operating point `name` (module docstring), ungated but for ``decoding_recompute``."""
+    name = name.removesuffix(NO_LOOKUP)
     from certkv.core.operating_point import ContractSummary, OperatingPoint
     from certkv.core.spec import GateSettings
 
@@ -170,8 +176,8 @@ def run_point(name: str, requests, args, work: Path) -> dict:
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "certkv.cli.app", "serve", str(op_path), "--model", MODEL, "--port", str(port),
-           "--device", "cpu", "--shadow-rate", str(SHADOW_RATE), "--shadow-store", str(folder / "shadows"), "--timeout", "600",
-           "--max-queue", "256", "--seed", "0"]
+           "--device", "cpu", "--shadow-rate", "0", "--shadow-store", str(folder / "shadows"), "--timeout", "600",
+           "--max-queue", "256", "--seed", "0", *(["--no-prompt-lookup"] if name.endswith(NO_LOOKUP) else [])]
     with open(folder / "server.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -795,6 +795,9 @@ def serve_load(data: dict) -> str:
         ["concurrency 1: HTTP / in-process", f"{num(seq['http']['throughput_rps'], 1)} / "
          f"{num(seq['in_process']['throughput_rps'], 1)} req/s, ratio {num(seq['ratio_http_over_in_process'])} "
          f"(medians of {seq['passes']} alternating passes; answers equal: {seq['answers_equal']})"],
+        *([["concurrency 1: HTTP without shadows / in-process", f"{num(seq['http_no_shadows']['throughput_rps'], 1)} "
+             f"req/s, ratio {num(seq['ratio_http_no_shadows_over_in_process'])} (a second server, `--shadow-rate 0`)"]]
+          if "http_no_shadows" in seq else []),
         ["concurrency 1: official openai client", f"{num(seq['openai_client']['throughput_rps'], 1)} req/s, ratio "
          f"{num(seq['openai_client']['ratio_over_in_process'])}"],
         ["GET /v1/models p50 (no model)", seconds(seq["get_models_p50_s"])],
@@ -822,8 +825,20 @@ def serve_load(data: dict) -> str:
         f"{num(seq['ratio_http_over_in_process'])}, {'at or over' if seq['ratio_http_over_in_process'] >= 0.9 else 'under'} "
         "the 0.9 target; the overhead does not grow with the model, so a model whose request costs ten times more "
         "shrinks its share tenfold. Through the official `openai` client, which parses every response into its own "
-        f"models on the same cores, the ratio is {num(seq['openai_client']['ratio_over_in_process'])}.",
+        f"models on the same cores, the ratio is {num(seq['openai_client']['ratio_over_in_process'])}."
+        + _shadow_share(seq),
     ])
+
+
+def _shadow_share(seq: dict) -> str:
+    """What the server without shadows says of the HTTP path's own cost (older results lack it)."""
+    if "http_no_shadows" not in seq:
+        return ""
+    plain = seq["ratio_http_no_shadows_over_in_process"]
+    return (f" The same point served with `--shadow-rate 0` (no shadows, no monitor) reaches {num(plain)} "
+            f"({'at or over' if plain >= 0.9 else 'under'} the target): the rest of the gap is the shadows, the full "
+            "cache re-answering a share of the evicted answers on the same worker, which is the live monitor's "
+            "price, not HTTP's.")
 
 
 def capacity(data: dict) -> str:
@@ -1157,6 +1172,10 @@ def streaming(data: dict) -> str:
     if "rerotated" in points:
         why += (" rerotated decodes in the batch too, plainly greedy as kvpress's pipeline decodes (no "
                 "proposals): one token per batched step, each sent as its step ends.")
+    plain = [n for n in ("full_no_lookup", "snapkv_half_no_lookup") if n in points]
+    if plain:
+        why += (f" {' and '.join(plain)} are the same points served with `--no-prompt-lookup`: one token per "
+                "batched step, as an answer that copies nothing decodes, each sent as its step ends.")
     return "\n\n".join([
         "## Streaming: time to first token",
         command(data["command"]),
@@ -1165,7 +1184,8 @@ def streaming(data: dict) -> str:
         f"{data['min_tokens']} tokens, decoded to at most {data['max_new_tokens']} new tokens, one at a time "
         f"(concurrency 1) and in a closed loop at concurrency {c}. Per request: the time to the first chunk (the "
         "response starts), to the first chunk with text (the time to first token, TTFT) and to the end of the "
-        "stream. The points are fixed and ungated but one (the recompute gate, beside them); an evicted point may "
+        "stream. The servers run with `--shadow-rate 0` (no monitor would switch a fixed point mid-run). The points "
+        "are fixed and ungated but one (the recompute gate, beside them); an evicted point may "
         f"stop its answer early, so the ratio is also given over the answers of {data['min_tokens']}+ tokens alone "
         "(how many in brackets); `streamed = whole` compares the streamed text with the same server's non-streamed "
         "answers.",
