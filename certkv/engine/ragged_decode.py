@@ -353,9 +353,13 @@ def gather_layer(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | 
     `keys` / `values` (1, H_kv, n, d) are a full prefill's layer; `kept` (1, H_kv, n_kept) the
     press's kept indices in kvpress's order, or None (the first `context_length` entries)."""
     keys, values = keys[:, :, :context_length], values[:, :, :context_length]
-    if kept is not None:
-        heads, dim = keys.shape[1], keys.shape[3]
-        index = kept[0].unsqueeze(-1)
-        keys = keys.gather(2, index.unsqueeze(0).expand(1, heads, -1, dim))
-        values = values.gather(2, index.unsqueeze(0).expand(1, heads, -1, values.shape[3]))
-    return RowLayer.holding(keys, values, room)
+    if kept is None:
+        return RowLayer.holding(keys, values, room)
+    # gathered straight into the row's buffers: no kept copy beside them (a layer-by-layer pruned
+    # prefill's peak is the full layer plus its buffers, :func:`~certkv.engine.layer_pruning.pruned_peak_slots`)
+    index, n = kept[0].unsqueeze(-1).unsqueeze(0), kept.shape[-1]
+    k = keys.new_empty((1, keys.shape[1], n + room, keys.shape[3]))
+    v = values.new_empty((1, values.shape[1], n + room, values.shape[3]))
+    torch.gather(keys, 2, index.expand(1, keys.shape[1], n, keys.shape[3]), out=k[:, :, :n])
+    torch.gather(values, 2, index.expand(1, values.shape[1], n, values.shape[3]), out=v[:, :, :n])
+    return RowLayer(k, v, n)

@@ -10,7 +10,9 @@ objects and no model. The policy reads:
   (``resumed``: an escalation's second prefill), its arrival number ``seq``, and whether its
   caller gave up (``cancelled``);
 * the jobs **in flight**, each with the slots it ``held`` now (its reservation, or once it decodes
-  in the batch its row's allocated cache, which shrinks when a decoding-time press compresses it);
+  in the batch its row's allocated cache), read afresh at every plan: a job whose holding shrinks
+  lets waiting jobs in at once (the scheduler gives slots back when a row finishes; decoding-time
+  presses decode alone, outside the batch, and free their reservation when their answer ends);
 * the **budget** in token slots (None: unlimited).
 
 and returns a :class:`Plan`: the cancelled jobs to drop, the shadows in flight to preempt, and the
@@ -22,8 +24,8 @@ one job to admit (or none). Its rules:
    KV in use never exceeds the budget.
 3. Live jobs are admitted in order: when the first live job does not fit, no later job overtakes it.
 4. Shadows never hold KV a live job waits for: when the first live job does not fit, shadows in
-   flight are preempted, newest first, until it fits (or none is left); and no shadow is admitted
-   while a live job waits.
+   flight are preempted, newest first, until it fits (or none is left: the live job then waits
+   for live jobs alone); and no shadow is admitted while a live job waits.
 """
 
 from __future__ import annotations
@@ -128,11 +130,9 @@ def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None) -> Pl
                 break
             result.preempt.append(shadow)
             used -= shadow.held
-    live_waits = any(not job.shadow for job in queue)
-    for job in queue:
+    for job in queue:  # in order: live jobs first, so a shadow is reached only when none waits
         if fits(job.slots):
-            if not (job.shadow and live_waits):  # a shadow never takes what a live job waits for
-                result.admit = job
+            result.admit = job
             return result
         if not job.shadow:
             return result  # live jobs are admitted in order

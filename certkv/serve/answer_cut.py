@@ -49,9 +49,30 @@ def token_texts(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]
     return out
 
 
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where `text` is cut by `stops`: (start, stop string) of the occurrence that is complete
+    first as the text grows (the smallest end; among those, the earliest start), or None. A stream
+    checks its text as it grows, so this is the rule that cuts a streamed answer and a whole one
+    alike (:class:`~certkv.serve.streaming.StopHold`).
+
+    Examples
+    --------
+    >>> first_stop("xabcd rest", ["abcd", "bc"])
+    (2, 'bc')
+    >>> first_stop("no stop here", ["#"]) is None
+    True
+    """
+    found = [(at + len(s), at, s) for s in stops if s and (at := text.find(s)) >= 0]
+    if not found:
+        return None
+    _, at, stop = min(found)
+    return at, stop
+
+
 def cut_answer(text: str, texts: list[str], finish_reason: str, *, limit: int | None, stops: list[str]) -> Cut:
     """Cut the certified answer `text` (whose tokens add `texts`, :func:`token_texts`) at `limit`
-    tokens, then before the earliest of `stops`; unchanged (and `finish_reason` kept) when neither cuts.
+    tokens, then before the first of `stops` complete (:func:`first_stop`); unchanged (and
+    `finish_reason` kept) when neither cuts.
 
     Examples
     --------
@@ -67,10 +88,10 @@ def cut_answer(text: str, texts: list[str], finish_reason: str, *, limit: int | 
     if limit is not None and limit < n:
         text, finish_reason, kept = "".join(texts[:limit]), "length", limit
         info = CutInfo(by="max_tokens", certified_tokens=n, tokens=limit)
-    found = [(text.find(s), s) for s in stops if s in text]
-    if not found:
+    found = first_stop(text, stops)
+    if found is None:
         return Cut(text, kept, finish_reason, info)
-    at, stop = min(found)
+    at, stop = found
     start, tokens = 0, 0
     for piece in texts[:kept]:  # the tokens whose text begins before the cut
         if start >= at:

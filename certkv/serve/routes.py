@@ -207,6 +207,15 @@ class _Routes:
         that may begin one is held back); past the `deadline`, or failed, an error event ends it. The
         deadline bounds each wait for tokens, never a ``yield`` (a timeout that fired while the
         server sends a chunk would cancel the sending, not this wait)."""
+        try:
+            async for event in self._decoded(route, req, chat, first, feed, future, deadline):
+                yield event
+        finally:  # the client went away (or the stream ended): a row still decoding stops and frees its KV
+            if not future.done():
+                future.cancel()
+
+    async def _decoded(self, route: str, req: CompletionRequest | ChatCompletionRequest, chat: bool, first: Item,
+                       feed: TokenFeed, future: Future[Served], deadline: float) -> AsyncIterator[str]:
         chunks, pieces = Chunks.new(self.model_id, chat), PieceStream(self.service.runtime.tokenizer)
         hold, limit = StopHold(req.stop_strings()), req.token_limit()
         item, restarted = first, False

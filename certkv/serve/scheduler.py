@@ -23,6 +23,8 @@ at once, and interleaves them:
   each of its ``final`` decodes: after every batched step that added tokens to its row, and after
   (or, for a solo decode that tells it, during) a solo decode. A decode a post-decode gate may
   still escalate is not final: nothing of it is heard.
+* **Cancelled** requests (past ``--timeout``, or a streamed client gone) leave the batch before the
+  next decode step, and their KV is free at once; a solo decode runs to its end.
 * **Shadows** (``shadow=True``) never hold KV a live request waits for: when the first waiting
   live request does not fit, shadows in flight are preempted (their rows dropped, their KV freed)
   and restarted from the beginning later, so a live request waits at most the decode step in
@@ -305,6 +307,7 @@ class Scheduler:
         job.held, job.row = 0.0, None
 
     def _decode_step(self) -> None:
+        self._drop_cancelled_rows()
         if not self.batch.rows:
             return
         if self.before_step is not None:
@@ -335,6 +338,14 @@ class Scheduler:
             self._holding.discard(job)
             job.held, job.row = 0.0, None
             self._advance(job)
+
+    def _drop_cancelled_rows(self) -> None:
+        """Rows whose caller gave up (a timeout, a streamed client gone) stop decoding and free their KV."""
+        for row in [r for r in self.batch.rows if r.tag.future.cancelled()]:
+            self.batch.remove(row)
+            job = row.tag
+            self._finish(job)
+            job.steps.close()
 
     def _abandon_shadows(self) -> None:
         left = [j for j in self._waiting + list(self._holding) if j.shadow]

@@ -40,6 +40,7 @@ server does (:meth:`_Request.unknown_fields`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,6 +63,29 @@ class FieldError(ValueError):
 
 class SplitError(FieldError):
     """A request whose text does not split into context and question; ``param`` names the field."""
+
+
+#: Fields other servers (OpenAI's, vLLM's) know that would change the certified answer or what is
+#: returned of it: (does the value change it?, why). Any other unknown field is ignored with a warning.
+ANSWER_CHANGING_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "best_of": (lambda v: v not in (None, 1), "certkv returns the one certified greedy answer; best_of may only be 1"),
+    "use_beam_search": (bool, "beam search is not the greedy decoding that was certified; omit it"),
+    "repetition_penalty": (lambda v: v not in (None, 1, 1.0), "a penalty changes the greedy answer that was "
+                           "certified; pass 1 or omit it"),
+    "min_tokens": (bool, "forbidding the end of the answer changes the greedy answer that was certified; omit it"),
+    "ignore_eos": (bool, "decoding past the end of the answer was never certified; omit it"),
+    "echo": (bool, "the prompt is not returned with the certified answer; omit it"),
+    "suffix": (bool, "insertion after a suffix was never certified; omit it"),
+    "response_format": (lambda v: v not in (None, {"type": "text"}), "constrained output is not the greedy "
+                        "answer that was certified; omit it"),
+    "tools": (bool, "tool calls were never certified; omit tools"),
+    "functions": (bool, "function calls were never certified; omit functions"),
+    "guided_json": (lambda v: v is not None, "guided decoding is not the greedy answer that was certified; omit it"),
+    "guided_regex": (lambda v: v is not None, "guided decoding is not the greedy answer that was certified; omit it"),
+    "guided_choice": (lambda v: v is not None, "guided decoding is not the greedy answer that was certified; omit it"),
+    "guided_grammar": (lambda v: v is not None, "guided decoding is not the greedy answer that was certified; "
+                       "omit it"),
+}
 
 
 class StreamOptions(BaseModel):
@@ -102,8 +126,18 @@ class _Request(BaseModel):
         return [self.answers] if isinstance(self.answers, str) else list(self.answers)
 
     def unknown_fields(self) -> list[str]:
-        """Fields this server does not know (ignored: the route logs a warning naming them)."""
-        return sorted(self.model_extra or {})
+        """Fields this server does not know (ignored: the route logs a warning naming them); fields of
+        :data:`ANSWER_CHANGING_FIELDS` at a value that changes nothing are not counted."""
+        return sorted(k for k in self.model_extra or {} if k not in ANSWER_CHANGING_FIELDS)
+
+    def _extra_refusal(self) -> FieldError | None:
+        """The first field of :data:`ANSWER_CHANGING_FIELDS` given at a value that changes the answer."""
+        for name, value in sorted((self.model_extra or {}).items()):
+            if name in ANSWER_CHANGING_FIELDS:
+                changes, why = ANSWER_CHANGING_FIELDS[name]
+                if changes(value):
+                    return FieldError(f"{name}: {why}", name)
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -141,7 +175,7 @@ class _Request(BaseModel):
         for param, refused, why in checks:
             if refused:
                 return FieldError(f"{param}: {why}", param)
-        return self._length_refusal(certified_tokens) or self._output_refusal()
+        return self._extra_refusal() or self._length_refusal(certified_tokens) or self._output_refusal()
 
     def _length_refusal(self, certified_tokens: int) -> FieldError | None:
         """A token limit above the calibrated length (never certified), or two limits that differ."""

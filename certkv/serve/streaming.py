@@ -20,8 +20,8 @@ of an answer no later gate can replace (a decode marked ``final``, :mod:`certkv.
   context and continues from them, so nothing sent is withdrawn and a client just appends.
 
 Every chunk is OpenAI's shape; the last carries the finish reason, the usage and the ``certkv``
-object, then ``data: [DONE]``; with ``stream_options.include_usage`` the usage comes once more
-before it, in a chunk of its own with no choices, as OpenAI sends it. The text of the chunks
+object, then ``data: [DONE]``; with ``stream_options.include_usage`` the usage comes instead in a
+chunk of its own with no choices, before ``[DONE]``, as OpenAI sends it. The text of the chunks
 concatenates to exactly the final answer's (as cut by ``stop`` or a token limit: :class:`StopHold`
 holds back text that may turn out to begin a stop string).
 A failure after the first chunk (the status line is sent by then) arrives as an ``error`` event
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
+from certkv.serve.answer_cut import first_stop
 from certkv.serve.responses import (
     CertkvInfo,
     ChatChunkChoice,
@@ -189,12 +190,13 @@ class Chunks:
             data["certkv"] = certkv.model_dump()
         return f"data: {json.dumps(data)}\n\n"
 
-    def last(self, finish: str, usage: Usage, certkv: CertkvInfo) -> str:
+    def last(self, finish: str, usage: Usage | None, certkv: CertkvInfo) -> str:
         return self.piece(None, finish, usage, certkv)
 
     def ending(self, finish: str, usage: Usage, certkv: CertkvInfo, include_usage: bool) -> Iterator[str]:
-        """The last chunk, the usage chunk when asked (`include_usage`), then ``[DONE]``."""
-        yield self.last(finish, usage, certkv)
+        """The last chunk, then ``[DONE]``; with `include_usage` the usage moves from the last chunk
+        to a chunk of its own (a client that sums the usage of every chunk counts it once)."""
+        yield self.last(finish, None if include_usage else usage, certkv)
         if include_usage:
             yield self.usage_only(usage)
         yield self.done()
@@ -232,13 +234,17 @@ class StopHold:
     """Streamed text cut at the first of `stops`: :meth:`add` gives what may be sent of the text
     settled so far, holding back an end that could still grow into a stop string; once a stop
     string appears, nothing more is sent (the text before it is the answer's, as
-    :func:`~certkv.serve.answer_cut.cut_answer` cuts the finished answer).
+    :func:`~certkv.serve.answer_cut.cut_answer` cuts the finished answer: both cut where
+    :func:`~certkv.serve.answer_cut.first_stop` says).
 
     >>> hold = StopHold(["END"])
     >>> hold.add("one E"), hold.add("N"), hold.add("D two")
     ('one ', '', '')
     >>> hold.sent
     'one '
+    >>> overlapping = StopHold(["abcd", "bc"])  # "bc" is complete first: the cut is before it
+    >>> overlapping.add("xab"), overlapping.add("cd rest"), overlapping.sent
+    ('x', 'a', 'xa')
     """
 
     def __init__(self, stops: list[str]) -> None:
@@ -251,10 +257,10 @@ class StopHold:
         if self.stopped or not piece:
             return ""
         self._text += piece
-        found = [at for at in (self._text.find(s) for s in self.stops) if at >= 0]
-        if found:
+        found = first_stop(self._text, self.stops)
+        if found is not None:
             self.stopped = True
-            safe = min(found)
+            safe = found[0]
         else:
             safe = len(self._text) - self._held_back()
         out, self.sent = self._text[len(self.sent):safe], self._text[:max(safe, len(self.sent))]

@@ -1,8 +1,9 @@
 """The admission policy with fake jobs (no model): certkv.serve.admission.plan.
 
 The rules are checked one by one on hand-built queues, then as invariants of a simulated server:
-jobs arrive, are admitted by the plan, hold their reservation, decode (a decoding-time job's held
-slots shrink as it compresses), finish; shadows are preempted and come back.
+jobs arrive, are admitted by the plan, hold their reservation, decode (a job's held slots may
+shrink, as a row compressed while it decodes would: the policy reads them afresh at every plan),
+finish; shadows are preempted and come back.
 """
 
 from __future__ import annotations

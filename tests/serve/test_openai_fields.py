@@ -180,6 +180,7 @@ def test_include_usage_ends_the_stream_with_a_usage_chunk(client, expected):
                                                   stream_options={"include_usage": True}))):
         last = chunks[-1]
         assert last.choices == [] and last.usage.completion_tokens == len(answer.token_ids)
+        assert all(c.usage is None for c in chunks[:-1]), "the usage is sent once, in its own chunk"
         assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
         text = "".join((c.choices[0].delta.content or "") if hasattr(c.choices[0], "delta") else c.choices[0].text
                        for c in chunks[:-1])
@@ -188,14 +189,16 @@ def test_include_usage_ends_the_stream_with_a_usage_chunk(client, expected):
 
 def test_unknown_fields_and_greedy_preserving_values_are_accepted(server, client, expected):
     """Fields that leave the greedy answer as certified (temperature 0, any top_p, penalties at 0,
-    metadata, seed, user) answer as a plain request does; a field the server does not know is
-    ignored and named in a logged warning, as vLLM's server does."""
+    metadata, seed, user, other servers' fields at their neutral values) answer as a plain request
+    does; a field the server does not know is ignored and named in a logged warning, as vLLM's
+    server does."""
     r, answer, _ = expected[0]
     out = client.chat.completions.create(
         model=MODEL, messages=_chat(r), temperature=0, top_p=0.2, presence_penalty=0, frequency_penalty=0, n=1,
-        metadata={"team": "qa"}, seed=7, user="u1", extra_body={"guided_choice": ["x"], "zz_unheard_of": 1})
+        metadata={"team": "qa"}, seed=7, user="u1", response_format={"type": "text"},
+        extra_body={"top_k": 1, "zz_unheard_of": 1, "best_of": 1, "repetition_penalty": 1.0})
     assert out.choices[0].message.content == answer.answer
-    _wait_for(lambda: "ignored the fields this server does not know: guided_choice, zz_unheard_of" in server.output(),
+    _wait_for(lambda: "ignored the fields this server does not know: top_k, zz_unheard_of" in server.output(),
               "the server to log the fields it ignored")
 
 
@@ -212,6 +215,12 @@ REFUSED = [
     ("stop", {"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
     ("stream_options", {"stream_options": {"include_usage": True}}, "stream"),
     ("logprobs", {"logprobs": True, "stream": True}, "stream"),
+    # other servers' fields that change the answer (vLLM's, OpenAI's): refused, not ignored
+    ("response_format", {"response_format": {"type": "json_object"}}, "constrained output"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool calls"),
+    ("repetition_penalty", {"extra_body": {"repetition_penalty": 1.3}}, "penalty"),
+    ("ignore_eos", {"extra_body": {"ignore_eos": True}}, "past the end"),
+    ("best_of", {"extra_body": {"best_of": 3}}, "best_of may only be 1"),
 ]
 
 

@@ -79,6 +79,30 @@ def test_prompt_lookup_changes_the_forwards_not_the_answers(embedded_recite, pro
         assert scheduler.steps >= longest, (scheduler.steps, longest)
 
 
+def test_a_cancelled_request_leaves_the_batch_at_the_next_step(embedded_recite):
+    """A caller that gives up (a timeout, a streamed client gone) cancels the future: its row stops
+    decoding at the next step instead of running on to the end of a long answer."""
+    from certkv.requests.request_set import generate_requests
+    from certkv.serve.scheduler import Scheduler
+
+    (recitation,) = generate_requests("recite", 1, seed=31)
+    runtime = _runtime(embedded_recite, "snapkv", 1.0, max_new_tokens=140)
+    whole = runtime.generate(recitation.context, recitation.question)
+    scheduler = Scheduler(runtime.model, prompt_lookup=False)  # one token a step
+    futures = []
+
+    def give_up_after_three(ids, restarted_at):
+        if len(ids) == 3:
+            futures[0].cancel()
+
+    futures.append(scheduler.submit(runtime.answer_steps(recitation.context, recitation.question, lean=True),
+                                    on_tokens=give_up_after_three))
+    scheduler.start()
+    scheduler.shutdown()  # returns once no live job is left
+    assert futures[0].cancelled() and scheduler.in_flight() == 0 and not scheduler.batch.rows
+    assert scheduler.steps == 3 < len(whole.token_ids), scheduler.steps  # a token a step, dropped after the third
+
+
 def test_a_request_larger_than_the_budget_fails_alone(embedded, requests):
     from certkv.serve.scheduler import BudgetExceeded, Scheduler
 
