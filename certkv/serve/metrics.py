@@ -47,6 +47,8 @@ class Metrics:
                                      registry=r)
         self.latency = Histogram("certkv_request_latency_seconds", "Request latency (queue wait + answer)",
                                  ["route"], registry=r)
+        self.first_token = Histogram("certkv_time_to_first_token_seconds", "Streamed requests: time from arrival "
+                                     "to the first chunk with text", ["route"], registry=r)
         self.queue_wait = Histogram("certkv_queue_wait_seconds", "Time a live request waited for the worker",
                                     registry=r)
         self.queue_depth = Gauge("certkv_queue_depth", "Live requests waiting for the worker", registry=r)

@@ -173,6 +173,8 @@ class _Routes:
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         assert served is not None
         service.metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
+        if req.stream:  # flushed whole once decided: its first token leaves now
+            service.metrics.first_token.labels(route).observe(loop.time() - deadline + self.timeout)
         return self.respond(served, chat, req)
 
     def cut(self, served: Served, req: CompletionRequest | ChatCompletionRequest) -> tuple[Cut, list[str] | None]:
@@ -218,13 +220,17 @@ class _Routes:
                        feed: TokenFeed, future: Future[Served], deadline: float) -> AsyncIterator[str]:
         chunks, pieces = Chunks.new(self.model_id, chat), PieceStream(self.service.runtime.tokenizer)
         hold, limit = StopHold(req.stop_strings()), req.token_limit()
-        item, restarted = first, False
+        item, restarted, texted = first, False, False
         while item is not None:
             ids, restarted_at = item
             if restarted_at is not None and not restarted:
                 restarted = True
                 yield chunks.restart(restarted_at)
             piece = hold.add(pieces.add(ids if limit is None else ids[:limit]))
+            if piece and not texted:  # the time to first token: from arrival (the deadline less the timeout)
+                texted = True
+                loop = asyncio.get_running_loop()
+                self.service.metrics.first_token.labels(route).observe(loop.time() - deadline + self.timeout)
             if piece or item is first:  # the first tokens start the response, text or not
                 yield chunks.piece(piece)
             try:

@@ -254,3 +254,6 @@ def test_chunks_leave_before_the_answer_ends_through_the_openai_client(stepped, 
     chat = list(client.chat.completions.create(model="embedded", messages=messages, stream=True))
     assert chat[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chat) == whole.choices[0].text
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'certkv_time_to_first_token_seconds_count{route="/v1/completions"} 1.0' in metrics
+    assert 'certkv_time_to_first_token_seconds_count{route="/v1/chat/completions"} 1.0' in metrics
