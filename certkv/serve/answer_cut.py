@@ -41,11 +41,14 @@ def token_texts(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]
     out, prev = [], ""
     for i in range(len(ids)):
         cur = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
-        if cur.startswith(prev) and "\ufffd" not in cur[len(prev):]:
+        if "\ufffd" in cur[len(prev):]:
+            out.append("")  # a character not yet complete: its text comes with a later token
+        elif cur.startswith(prev):
             out.append(cur[len(prev):])
             prev = cur
-        else:
+        else:  # the text so far was rewritten (a tokenizer that cleans up spaces): start again from it
             out.append("")
+            prev = cur
     return out
 
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
-from certkv.serve.answer_cut import first_stop
+from certkv.serve.answer_cut import first_stop, token_texts
 from certkv.serve.responses import (
     CertkvInfo,
     ChatChunkChoice,
@@ -70,17 +70,17 @@ _UNSETTLED_SPACES = re.compile("[\\s\ufffd]+$")
 
 
 def token_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int], text: str) -> list[str]:
-    """The answer's text cut at token boundaries (each piece the new text its token adds); the
-    whole text as one piece when decoding token by token does not rebuild it."""
-    out, prev = [], ""
-    for i in range(len(ids)):
-        cur = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
-        if cur.startswith(prev) and cur != prev:
-            out.append(cur[len(prev):])
-            prev = cur
-    if prev != text:
-        return [text]
-    return out
+    """`text` cut at token boundaries: the non-empty texts the tokens `ids` add
+    (:func:`~certkv.serve.answer_cut.token_texts`), clipped where `text` ends (a stop string cut
+    it inside a token); the whole text as one piece when the tokens do not rebuild it."""
+    out, length = [], 0
+    for piece in (t for t in token_texts(tokenizer, ids) if t):
+        if length >= len(text):
+            break
+        piece = piece[: len(text) - length]
+        out.append(piece)
+        length += len(piece)
+    return out if "".join(out) == text else [text]
 
 
 class PieceStream:

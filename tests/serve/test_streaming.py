@@ -257,3 +257,22 @@ def test_chunks_leave_before_the_answer_ends_through_the_openai_client(stepped, 
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     assert 'certkv_time_to_first_token_seconds_count{route="/v1/completions"} 1.0' in metrics
     assert 'certkv_time_to_first_token_seconds_count{route="/v1/chat/completions"} 1.0' in metrics
+
+
+class _CleaningTokenizer:
+    """Tokens' texts joined, then " 's" cleaned up to "'s", as tokenizers that clean up
+    tokenization spaces rewrite text already decoded once the next token arrives."""
+
+    words = ["Hi", " '", "s", " there"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.words[i] for i in ids).replace(" 's", "'s")
+
+
+def test_a_token_after_rewritten_text_still_gets_its_own():
+    from certkv.serve.answer_cut import token_texts
+    from certkv.serve.streaming import token_pieces
+
+    texts = token_texts(_CleaningTokenizer(), [0, 1, 2, 3])
+    assert texts == ["Hi", " '", "", " there"]  # the rewrite costs one token its text, not every later one
+    assert token_pieces(_CleaningTokenizer(), [0, 1, 2, 3], "Hi's there") == ["Hi's there"]  # not rebuilt: whole
