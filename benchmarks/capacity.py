@@ -116,6 +116,27 @@ async def closed_loop(base: str, requests, concurrency: int, model: str = "embed
     return rows, seconds
 
 
+def measure_round_robin(starts: dict, requests, args, work: Path) -> tuple[dict, dict]:
+    """Start a server per entry of `starts` (key → a function that starts it), warm each, measure
+    them round robin ``args.repeats`` times (a slow spell of the machine hits every run alike) and
+    stop them all, whatever fails; (servers, their final /health KV). Exits when one went silent."""
+    servers: dict = {}
+    try:
+        for key, start in starts.items():
+            servers[key] = start()
+        for server in servers.values():
+            server.warm(requests)
+        for _ in range(args.repeats):
+            for server in servers.values():
+                server.measure(requests, args.concurrency)
+    finally:
+        health = {key: server.stop() for key, server in servers.items()}
+    silent = [f"{name} at {key}" for (name, key), kv in health.items() if kv is None]
+    if silent:
+        sys.exit(f"no /health answer at the end from: {', '.join(silent)} (see its server.log under {work})")
+    return servers, health
+
+
 class Server:
     """One `certkv serve` process on `op_path` under `budget` slots (None: unlimited), kept up for every repeat."""
 
@@ -246,21 +267,9 @@ def main() -> None:
     budgets: dict[str, int | None] = {f"{share:g}": round(share * largest) for share in args.budget_shares}
     t_start = time.perf_counter()
     budgets["unlimited"] = None
-    servers: dict[tuple[str, str], Server] = {}
-    try:  # every server started is stopped, whatever fails
-        for name, path in paths.items():
-            for key, slots in budgets.items():
-                servers[name, key] = Server(name, path, slots, args.concurrency, work)
-        for server in servers.values():
-            server.warm(requests)
-        for _ in range(args.repeats):  # round robin, so that a slow spell of the machine hits every run alike
-            for server in servers.values():
-                server.measure(requests, args.concurrency)
-    finally:
-        health = {config: server.stop() for config, server in servers.items()}
-    silent = [f"{name} at {key}" for (name, key), kv in health.items() if kv is None]
-    if silent:
-        sys.exit(f"no /health answer at the end from: {', '.join(silent)} (see its server.log under {work})")
+    starts = {(name, key): (lambda name=name, path=path, slots=slots: Server(name, path, slots, args.concurrency, work))
+              for name, path in paths.items() for key, slots in budgets.items()}
+    servers, health = measure_round_robin(starts, requests, args, work)
     runs: dict[str, dict] = {}
     for name in paths:
         runs[name] = {"policy": points[name].policy, "certified_mean_kv_retained": points[name].mean_kv_retained,

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capacity import Server, fixed_point, largest_reservation  # noqa: E402
+from capacity import Server, fixed_point, largest_reservation, measure_round_robin  # noqa: E402
 from serve_load import REPO  # noqa: E402
 
 RESULT = REPO / "benchmarks" / "results" / "capacity_long.json"
@@ -109,21 +109,10 @@ def run_servers(paths: dict, budget: int, requests, args, work: Path) -> tuple[d
     for name in ("full", "half"):
         configs[name, "budget_no_lookup"] = (paths[name], budget, (*NO_MONITOR, NO_LOOKUP))
     configs["full", "unlimited"] = (paths["full"], None, NO_MONITOR)
-    servers: dict = {}
-    try:
-        for (name, key), (path, slots, extra) in configs.items():
-            servers[name, key] = Server(name, path, slots, args.concurrency, work, model=MODEL, extra=extra)
-        for server in servers.values():
-            server.warm(requests)
-        for _ in range(args.repeats):
-            for server in servers.values():
-                server.measure(requests, args.concurrency)
-    finally:
-        health = {config: server.stop() for config, server in servers.items()}
-    silent = [f"{n} at {k}" for (n, k), kv in health.items() if kv is None]
-    if silent:
-        sys.exit(f"no /health answer at the end from: {', '.join(silent)} (see its server.log under {work})")
-    return servers, health
+    starts = {config: (lambda name=config[0], path=path, slots=slots, extra=extra:
+                       Server(name, path, slots, args.concurrency, work, model=MODEL, extra=extra))
+              for config, (path, slots, extra) in configs.items()}
+    return measure_round_robin(starts, requests, args, work)
 
 
 def summarise(ops, servers, health, alone) -> tuple[dict, dict]:
