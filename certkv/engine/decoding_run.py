@@ -27,8 +27,7 @@ import torch
 from kvpress import DecodingPress, PrefillDecodingPress
 from transformers import DynamicCache
 
-from certkv.model.generation import chosen_logprobs, stop_token_ids
-from certkv.model.stopping import is_finished
+from certkv.model.generation import greedy_decode
 from certkv.model.window_queries import capturing_window_queries
 from certkv.presses.hajek_state import clear_states
 from certkv.presses.probabilistic_decoding import ProbabilisticDecodingPress
@@ -134,30 +133,24 @@ def _entries_held(cache: DynamicCache) -> float:
 
 def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, stop_below, held,
             on_token: Callable[[list[int]], None] | None = None) -> None:
-    """Greedy decoding into `run`, forward for forward as :func:`greedy_decode` (and so kvpress's
-    pipeline) decodes: the question with ``logits_to_keep=1``, then one token per forward; `held`
-    counts the entries the cache holds after each."""
-    stops = stop_token_ids(model)
-    floor = -math.inf if stop_below is None else math.log(stop_below) if stop_below > 0 else -math.inf
-    ids = torch.as_tensor(list(question_ids), device=model.device).view(1, -1)
-    positions = torch.arange(position, position + ids.shape[1], device=model.device).unsqueeze(0)
-    out = model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-    while True:
-        logits = out.logits[0, -1]
-        token = logits.argmax()
-        logprob = float(chosen_logprobs(logits.view(1, -1), token.view(1))[0])
+    """Greedy decoding into `run` by :func:`greedy_decode` (forward for forward as kvpress's
+    pipeline decodes), keeping per token its log p and the entries `held` counts in the cache after
+    the forward that chose it; a token whose probability is below `stop_below` ends the run
+    without it (``run.stopped_at``). `max_new_tokens` counts the tokens `run` already holds."""
+    floor = math.log(stop_below) if stop_below is not None and stop_below > 0 else -math.inf
+
+    def keep(token: int, logprob: float) -> bool:
         if logprob < floor:
             run.stopped_at = len(run.token_ids)
-            return
-        run.token_ids.append(int(token))
+            return False
+        run.token_ids.append(token)
         run.logprobs.append(logprob)
         run.held.append(held(cache))
         if on_token is not None:
             on_token(run.token_ids)
-        if is_finished(run.token_ids, max_new_tokens, stops):
-            return
-        positions = positions[:, -1:] + 1
-        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=positions)
+        return True
+
+    greedy_decode(model, cache, question_ids, position, max_new_tokens - len(run.token_ids), keep=keep)
 
 
 __all__ = ["DecodingRun", "compresses_prefill", "finish_on_full_cache", "is_decoding_press", "run_decoding"]

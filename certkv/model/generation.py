@@ -9,7 +9,7 @@ pruned length) follow that pipeline. Tests compare the two token for token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,35 +100,39 @@ def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_decode(model: PreTrainedModel, cache: Cache, question_ids: Sequence[int], context_length: int,
-                  max_new_tokens: int, logprobs: list[float] | None = None) -> list[int]:
+                  max_new_tokens: int, logprobs: list[float] | None = None,
+                  keep: Callable[[int, float], bool] | None = None) -> list[int]:
     """Feed the question after the (possibly pruned) cache and decode greedily.
 
     Returns the generated token ids, the stop token included when one was produced; decoding ends
     by :func:`certkv.model.stopping.is_finished`, the rule every certkv decoder shares. `logprobs`,
     when given, is extended with each generated token's log p (python floats, float64; see
-    :func:`chosen_logprobs`).
+    :func:`chosen_logprobs`). `keep`, when given, is called with each chosen token's id and log p
+    before the token is kept; False ends the decode without it (a recompute gate's trigger, a
+    decoding-time press's per-step bookkeeping: :mod:`certkv.engine.decoding_run`).
     """
-
-    def record(logits: torch.Tensor, token: torch.Tensor) -> None:
-        if logprobs is not None:
-            logprobs.append(float(chosen_logprobs(logits.view(1, -1), token.view(1))[0]))
-
     device = model.device
-    q = torch.as_tensor(question_ids, device=device).view(1, -1)
+    q = torch.as_tensor(list(question_ids), device=device).view(1, -1)
     positions = torch.arange(context_length, context_length + q.shape[1], device=device).unsqueeze(0)
     stops = stop_token_ids(model)
+    generated: list[int] = []
     with torch.no_grad():
         out = model(input_ids=q, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-        token = out.logits[0, -1].argmax()
-        record(out.logits[0, -1], token)
-        generated = [int(token)]
         next_position = positions[:, -1:]
-        while not is_finished(generated, max_new_tokens, stops):
+        while True:
+            logits = out.logits[0, -1]
+            token = logits.argmax()
+            if logprobs is not None or keep is not None:
+                logprob = float(chosen_logprobs(logits.view(1, -1), token.view(1))[0])
+                if keep is not None and not keep(int(token), logprob):
+                    break
+                if logprobs is not None:
+                    logprobs.append(logprob)
+            generated.append(int(token))
+            if is_finished(generated, max_new_tokens, stops):
+                break
             next_position = next_position + 1
             out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=next_position)
-            token = out.logits[0, -1].argmax()
-            record(out.logits[0, -1], token)
-            generated.append(int(token))
     return generated
 
 
