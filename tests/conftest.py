@@ -69,6 +69,15 @@ def run_main(*args: str) -> int:
         sys.argv = old
 
 
+def run_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """:func:`run_main` with its output read back through pytest's `capsys`, shaped as
+    :func:`run_cli`'s result: for commands whose own process is not what a test checks."""
+    capsys.readouterr()
+    code = run_main(*args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["certkv", *args], code, out.out, out.err)
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded model and tokenizer, loaded once per test session."""

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import run_cli
+from conftest import run_cli, run_here
 
 
 def test_generate_writes_requests(tmp_path):
@@ -20,10 +20,10 @@ def test_generate_writes_requests(tmp_path):
     assert set(rows[0]) == {"id", "task", "context", "question", "answers"}
 
 
-def test_accuracy_reports_the_tasks_the_model_fails_at_full_kv():
+def test_accuracy_reports_the_tasks_the_model_fails_at_full_kv(capsys):
     """The embedded model answers single_needle and fails multi_value with the full cache; the table
     says which, and a line names the failing task."""
-    res = run_cli("accuracy", "builtin:single_needle=1,multi_value=1", "--n", "8", "--seed", "2", "--context-length", "64-96")
+    res = run_here(capsys, "accuracy", "builtin:single_needle=1,multi_value=1", "--n", "8", "--seed", "2", "--context-length", "64-96")
     assert res.returncode == 0, res.stderr
     rows = {line.split()[1]: line for line in res.stdout.splitlines() if line.startswith("│ ") and "_" in line}
     assert "answers" in rows["single_needle"] and "fails" in rows["multi_value"], res.stdout
@@ -48,8 +48,8 @@ def test_generate_bad_input_is_one_line_exit_2(tmp_path):
     _assert_clean_error(run_cli("generate", "requests.jsonl", "-o", str(tmp_path / "x.jsonl")), "not a built-in mix")
 
 
-def test_accuracy_with_unavailable_hub_model_is_one_line(tmp_path):
-    res = run_cli("accuracy", "builtin:demo", "--n", "2", "--model", "certkv-tests/no-such-model")
+def test_accuracy_with_unavailable_hub_model_is_one_line(tmp_path, capsys):
+    res = run_here(capsys, "accuracy", "builtin:demo", "--n", "2", "--model", "certkv-tests/no-such-model")
     _assert_clean_error(res, "'certkv-tests/no-such-model' is not available offline")
 
 
@@ -80,7 +80,7 @@ def test_generate_help_says_which_tasks_the_embedded_model_answers():
     assert f"adding {failed}, which the embedded model fails even with the full cache" in text, text
 
 
-def test_calibrate_warns_about_tasks_the_model_fails_with_the_full_cache(tmp_path):
+def test_calibrate_warns_about_tasks_the_model_fails_with_the_full_cache(tmp_path, capsys, monkeypatch):
     """builtin:all on the embedded model: the tasks it fails at full KV measure nothing for
     eviction. The warning must name exactly the tasks whose full-cache rows are all 0 (read here
     through the store's public reader), and none that the model answers."""
@@ -92,7 +92,8 @@ def test_calibrate_warns_about_tasks_the_model_fails_with_the_full_cache(tmp_pat
         "utility: exact_match\ntolerance: 0.0\nrisk: 0.1\nconfidence: 0.9\n"
         "policies:\n  - press: streaming_llm\n    kv_retained: [0.5]\n"
     )
-    res = run_cli("calibrate", str(contract), "--quiet", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # the store is runs/all, next to where certkv runs
+    res = run_here(capsys, "calibrate", str(contract), "--quiet")
     assert res.returncode == 0, res.stderr
     with CalibrationStore.read(tmp_path / "runs" / "all") as store:
         full = [r for r in store.records() if r["policy"] == "full"]
