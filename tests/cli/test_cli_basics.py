@@ -23,7 +23,8 @@ def test_generate_writes_requests(tmp_path):
 def test_accuracy_reports_the_tasks_the_model_fails_at_full_kv(capsys):
     """The embedded model answers single_needle and fails multi_value with the full cache; the table
     says which, and a line names the failing task."""
-    res = run_here(capsys, "accuracy", "builtin:single_needle=1,multi_value=1", "--n", "8", "--seed", "2", "--context-length", "64-96")
+    res = run_here(capsys, "accuracy", "builtin:single_needle=1,multi_value=1", "--n", "8", "--seed", "2",
+                   "--context-length", "64-96")
     assert res.returncode == 0, res.stderr
     rows = {line.split()[1]: line for line in res.stdout.splitlines() if line.startswith("│ ") and "_" in line}
     assert "answers" in rows["single_needle"] and "fails" in rows["multi_value"], res.stdout
