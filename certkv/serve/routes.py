@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -174,8 +173,14 @@ class _Routes:
         assert served is not None
         service.metrics.observe_answer(route, served.answer.decision, served.seconds, served.waited)
         if req.stream:  # flushed whole once decided: its first token leaves now
-            service.metrics.first_token.labels(route).observe(loop.time() - deadline + self.timeout)
+            self.first_token(route, deadline)
         return self.respond(served, chat, req)
+
+    def first_token(self, route: str, deadline: float) -> None:
+        """Observe a streamed request's time to first token: now less its arrival (the `deadline`,
+        on the event loop's clock, less the timeout)."""
+        elapsed = asyncio.get_running_loop().time() - (deadline - self.timeout)
+        self.service.metrics.first_token.labels(route).observe(elapsed)
 
     def cut(self, served: Served, req: CompletionRequest | ChatCompletionRequest) -> tuple[Cut, list[str] | None]:
         """What is returned of `served`'s certified answer (:func:`~certkv.serve.answer_cut.cut_answer`),
@@ -227,10 +232,9 @@ class _Routes:
                 restarted = True
                 yield chunks.restart(restarted_at)
             piece = hold.add(pieces.add(ids if limit is None else ids[:limit]))
-            if piece and not texted:  # the time to first token: from arrival (the deadline less the timeout)
+            if piece and not texted:
                 texted = True
-                loop = asyncio.get_running_loop()
-                self.service.metrics.first_token.labels(route).observe(loop.time() - deadline + self.timeout)
+                self.first_token(route, deadline)
             if piece or item is first:  # the first tokens start the response, text or not
                 yield chunks.piece(piece)
             try:
@@ -275,13 +279,13 @@ class _Routes:
 
         cut, texts = self.cut(served, req)
         usage, info = self.usage_and_info(served, cut)
+        chunks = Chunks.new(self.model_id, chat)  # the answer's id and creation time, streamed or not
         if req.stream:
             pieces = token_pieces(self.service.runtime.tokenizer, served.answer.token_ids[: cut.tokens], cut.text)
-            events = sse_events(Chunks.new(self.model_id, chat), pieces, finish_reason=cut.finish_reason, usage=usage,
-                                certkv=info, include_usage=req.include_usage)
+            events = sse_events(chunks, pieces, finish_reason=cut.finish_reason, usage=usage, certkv=info,
+                                include_usage=req.include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        answer_id, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
-        return json_response(200, self.whole(answer_id, created, chat, cut, texts, served, usage, info))
+        return json_response(200, self.whole(chunks.answer_id, chunks.created, chat, cut, texts, served, usage, info))
 
     def whole(self, answer_id: str, created: int, chat: bool, cut: Cut, texts: list[str] | None, served: Served,
               usage: Usage, info: CertkvInfo) -> ChatCompletionResponse | CompletionResponse:

@@ -319,11 +319,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a failed forward fails the rows in it, not the server
             log.exception("certkv serve: a batched decode step failed; its %d request(s) fail", len(self.batch.rows))
             for row in list(self.batch.rows):
-                self.batch.remove(row)
-                job = row.tag
-                self._finish(job)
-                job.steps.close()
-                _resolve(job.future, error=exc)
+                _resolve(self._drop(row).future, error=exc)
             return
         self.steps += 1
         self._sample()
@@ -335,17 +331,21 @@ class Scheduler:
             step = job.step
             assert isinstance(step, Decode)
             step.ids, step.logprobs = row.answer, (row.logprobs if row.want_logprobs else None)
-            self._holding.discard(job)
-            job.held, job.row = 0.0, None
+            self._finish(job)
             self._advance(job)
 
     def _drop_cancelled_rows(self) -> None:
         """Rows whose caller gave up (a timeout, a streamed client gone) stop decoding and free their KV."""
         for row in [r for r in self.batch.rows if r.tag.future.cancelled()]:
-            self.batch.remove(row)
-            job = row.tag
-            self._finish(job)
-            job.steps.close()
+            self._drop(row)
+
+    def _drop(self, row: Row) -> _Job:
+        """Take `row` out of the batch for good: its KV freed, its job's steps closed; its job."""
+        self.batch.remove(row)
+        job = row.tag
+        self._finish(job)
+        job.steps.close()
+        return job
 
     def _abandon_shadows(self) -> None:
         left = [j for j in self._waiting + list(self._holding) if j.shadow]

@@ -225,7 +225,7 @@ class Service:
                                           lean=True)
         admitted: list[float] = []
         decodes: list[Decode] = []
-        answer = yield from _noting_admission(_noting_decodes(steps, decodes, logprobs), admitted)
+        answer = yield from _noting(steps, admitted, decodes, logprobs)
         decision = answer.decision
         evicted = decision.mode == "evicted"
         shadowed = False
@@ -301,12 +301,17 @@ class Service:
         log.info("certkv serve: stopped (%d shadows scored, %d abandoned)", self.shadows_done, self.abandoned)
 
 
-def _noting_admission(steps: Generator[Step, None, RuntimeAnswer], admitted: list[float]
-                      ) -> Generator[Step, None, RuntimeAnswer]:
-    """Run `steps` unchanged, appending to `admitted` the time its first step (the reservation of
-    its prefill) was granted: the end of the request's queueing."""
+def _noting(steps: Generator[Step, None, RuntimeAnswer], admitted: list[float], decodes: list[Decode],
+            logprobs: bool) -> Generator[Step, None, RuntimeAnswer]:
+    """Run `steps` unchanged but for what they note: the time its first step (the reservation of its
+    prefill) was granted goes to `admitted` (the end of the request's queueing), each
+    :class:`Decode` it yields to `decodes`; with `logprobs`, each decode asks its decoder for the
+    chosen tokens' log-probabilities (the greedy choices are the same)."""
     step = next(steps)
     while True:
+        if isinstance(step, Decode):
+            step.want_logprobs = step.want_logprobs or logprobs
+            decodes.append(step)
         reply = yield step
         if not admitted:
             admitted.append(time.perf_counter())
@@ -314,21 +319,6 @@ def _noting_admission(steps: Generator[Step, None, RuntimeAnswer], admitted: lis
             step = steps.send(reply)
         except StopIteration as stop:
             return stop.value
-
-
-def _noting_decodes(steps: Generator[Step, None, RuntimeAnswer], decodes: list[Decode], logprobs: bool
-                    ) -> Generator[Step, None, RuntimeAnswer]:
-    """Run `steps` unchanged, appending each :class:`Decode` it yields to `decodes`; with `logprobs`,
-    each asks its decoder for the chosen tokens' log-probabilities (the greedy choices are the same)."""
-    try:
-        step = next(steps)
-        while True:
-            if isinstance(step, Decode):
-                step.want_logprobs = step.want_logprobs or logprobs
-                decodes.append(step)
-            step = steps.send((yield step))
-    except StopIteration as stop:
-        return stop.value
 
 
 def _answer_logprobs(decodes: list[Decode], ids: list[int]) -> list[float] | None:

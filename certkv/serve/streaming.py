@@ -101,7 +101,6 @@ class PieceStream:
         return piece
 
 
-
 #: What a :class:`TokenFeed` holds: (the answer so far, restarted_at), or None once the request ended.
 Item = tuple[list[int], int | None] | None
 
