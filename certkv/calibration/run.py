@@ -43,6 +43,7 @@ from certkv.errors import CertkvError
 from certkv.model.generation import encode_request
 from certkv.model.loading import load_model, model_fingerprint, resolve_device
 from certkv.presses.registry import build_press
+from certkv.requests.context_groups import group_of
 from certkv.requests.request_set import Request, check_strata, stratum_of
 
 
@@ -173,6 +174,9 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
     if by != "task":  # strata by a metadata key: the records carry its value (a `stratum` column)
         for row in rows:
             row["stratum"] = stratum_of(request, by)
+    if contract.requests.group_by == "context":  # the certificate's unit of sampling (certkv.core.grouped)
+        for row in rows:
+            row["group"] = group_of(request)
     return rows
 
 

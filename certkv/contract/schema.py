@@ -60,6 +60,8 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 #: Optional top-level features; the canonical JSON omits each while unset (Contract.canonical_json).
 _LATER_KEYS = ("order", "strata", "coverage", "kv_cost")
+#: Optional keys of ``requests:``, omitted the same way while unset.
+_LATER_REQUEST_KEYS = ("group_by", "group_measure")
 
 
 def _error(message: str) -> PydanticCustomError:
@@ -81,6 +83,16 @@ class RequestsSpec(_Strict):
     seed: int = 0
     context_length: str | int | None = Field(
         default=None, description="builtin sources only; default 256-512 (ruler tasks: 512-1024)"
+    )
+    group_by: Literal["context", "request"] | None = Field(
+        default=None,
+        description="requests that share a context: certify per context, or treat them as independent "
+        "(required when contexts repeat; certkv.requests.context_groups)",
+    )
+    group_measure: Literal["per_context", "per_question", "any_question"] | None = Field(
+        default=None,
+        description="with group_by: context, what ε bounds: the share of a context's questions violated (each "
+        "context weighted equally; default), the share of all questions, or the share of contexts with any violation",
     )
 
     @field_validator("source")
@@ -114,9 +126,20 @@ class RequestsSpec(_Strict):
             raise _error(f"{exc}{default}") from None
         return self
 
+    @model_validator(mode="after")
+    def _check_grouping(self) -> RequestsSpec:
+        if self.group_measure is not None and self.group_by != "context":
+            raise _error("requests.group_measure applies only with requests.group_by: context; remove it or group by context")
+        return self
+
     @property
     def is_builtin(self) -> bool:
         return self.source.startswith("builtin:")
+
+    @property
+    def measure(self) -> str | None:
+        """What a grouped certificate bounds (``per_context`` by default), None without grouping."""
+        return None if self.group_by != "context" else (self.group_measure or "per_context")
 
 
 class Protocol(_Strict):
@@ -583,6 +606,9 @@ class Contract(_Strict):
         for key in _LATER_KEYS:
             if data.get(key) is None:
                 data.pop(key, None)
+        for key in _LATER_REQUEST_KEYS:
+            if data["requests"].get(key) is None:
+                data["requests"].pop(key)
         if self.gate is not None:
             data["gate"] = self.gate.hashed_dump(data["gate"])
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -632,14 +658,18 @@ class Contract(_Strict):
             )
 
     def load_requests(self) -> list[Request]:
-        """Load the contract's requests (JSONL or builtin) after checking the source exists."""
+        """Load the contract's requests (JSONL or builtin) after checking the source exists; requests
+        that share contexts are refused unless ``requests.group_by`` says how to certify them."""
+        from certkv.requests.context_groups import check_grouping
         from certkv.requests.request_set import load_requests
 
         self.check_requests_source()
         path = self.resolved_requests_path()
         source = self.requests.source if path is None else str(path)
         length = self.requests.context_length
-        return load_requests(source, self.requests.limit, self.requests.seed, None if length is None else str(length))
+        requests = load_requests(source, self.requests.limit, self.requests.seed, None if length is None else str(length))
+        check_grouping(requests, self.requests.group_by)
+        return requests
 
     def _resolve(self, path: str) -> Path:
         p = Path(path).expanduser()

@@ -15,6 +15,10 @@ Tasks:
 - ``variable_tracking``: chains of assignments ``VAR b = a.``; ask the value at the end of a chain.
 - ``dilution``: the asked code is split in two parts stored in separate records.
 
+One multi-question task, in ``MULTI_QUESTION_TASKS``:
+- ``multi_question``: a multi_key haystack asked up to 8 of its keys, one request per question,
+  all sharing the context (contracts over it set ``requests.group_by: context``).
+
 One long-output task, in ``LONG_TASKS``:
 - ``recite``: a dense list of 4-11 records after some filler; the question asks for every magic
   number, its answer prefix restates the first record up to its value, and the answer is the rest
@@ -224,19 +228,33 @@ TASKS: dict[str, Callable[[random.Random, int], Sample]] = {
     "dilution": dilution,
 }
 
+#: Questions asked of one context by a multi-question task (fewer when it holds fewer records).
+QUESTIONS_PER_CONTEXT = 8
+
+
+def multi_question(rng: random.Random, context_length: int) -> Sample:
+    """A multi_key haystack asked up to :data:`QUESTIONS_PER_CONTEXT` of its keys, one request
+    each: the traffic of many questions on one document, where questions on one context fail
+    together (:mod:`certkv.requests.context_groups`) and a compressed context can be reused."""
+    return multi_key(rng, context_length)
+
+
+#: Tasks whose one draw gives several requests on the same context (generate_requests).
+MULTI_QUESTION_TASKS: dict[str, Callable[[random.Random, int], Sample]] = {"multi_question": multi_question}
+
 #: The embedded model's long-output tasks: answers of 32-128 tokens instead of a value.
 LONG_TASKS: dict[str, Callable[[random.Random, int], Sample]] = {"recite": recite}
 
 #: Every built-in task, embedded and natural; request generation looks tasks up here.
 ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {
-    **TASKS, **LONG_TASKS, **NATURAL_TASKS, **NATURAL_LONG_TASKS
+    **TASKS, **MULTI_QUESTION_TASKS, **LONG_TASKS, **NATURAL_TASKS, **NATURAL_LONG_TASKS
 }
 
 #: The inclusive context lengths each task allows: the embedded tasks count embedded-tokenizer
 #: tokens up to the embedded model's 2048 positions; the natural ones count model tokens
 #: (:func:`certkv.requests.natural_tasks.count_model_tokens`) and need room for a few paragraphs.
 CONTEXT_RANGES: dict[str, tuple[int, int]] = {
-    **{name: (MIN_CONTEXT, MAX_CONTEXT) for name in TASKS},
+    **{name: (MIN_CONTEXT, MAX_CONTEXT) for name in (*TASKS, *MULTI_QUESTION_TASKS)},
     **{name: (natural_tasks.MIN_CONTEXT, natural_tasks.MAX_CONTEXT) for name in NATURAL_TASKS},
     "recite": RECITE_CONTEXT,
     **{name: (long_tasks.LONG_MIN_CONTEXT, long_tasks.LONG_MAX_CONTEXT) for name in NATURAL_LONG_TASKS},

@@ -17,7 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from certkv.atomic_io import atomic_write
 from certkv.errors import CertkvError, format_validation_error
-from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, LONG_TASKS, MIXES, TASKS
+from certkv.requests.builtin_tasks import (
+    ALL_TASKS,
+    CONTEXT_RANGES,
+    LONG_TASKS,
+    MIXES,
+    MULTI_QUESTION_TASKS,
+    QUESTIONS_PER_CONTEXT,
+    TASKS,
+)
 from certkv.requests.long_tasks import NATURAL_LONG_TASKS
 from certkv.requests.natural_tasks import NATURAL_TASKS, split_answer_prefix
 
@@ -27,7 +35,9 @@ class Request(BaseModel):
     the answer starts with, placed after the question as the start of the model's own turn (after
     a chat template's assistant header; RULER's "The special magic number ... is"): a chat model
     continues a prefix there, where inside the question it tends to restate it. `metadata` holds
-    any other labels of the request (a contract may certify per value of one: ``strata.by``)."""
+    any other labels of the request (a contract may certify per value of one: ``strata.by``).
+    `group` names the context group of a request that shares its context with others by
+    something other than identical text (:mod:`certkv.requests.context_groups`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -38,12 +48,13 @@ class Request(BaseModel):
     answers: list[str]
     answer_prefix: str = ""
     metadata: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    group: str = ""
 
     def as_record(self) -> dict:
-        """The request as written to JSONL and hashed: ``answer_prefix`` and ``metadata`` only when
-        they hold something, so request files and store digests made before they existed are
-        unchanged."""
-        empty = {name for name in ("answer_prefix", "metadata") if not getattr(self, name)}
+        """The request as written to JSONL and hashed: ``answer_prefix``, ``metadata`` and ``group``
+        only when they hold something, so request files and store digests made before they existed
+        are unchanged."""
+        empty = {name for name in ("answer_prefix", "metadata", "group") if not getattr(self, name)}
         return self.model_dump(exclude=empty or None)
 
 
@@ -105,7 +116,7 @@ def _ranges_text() -> str:
     for name, span in CONTEXT_RANGES.items():
         spans.setdefault(span, []).append(name)
     def family(names: list[str]) -> str:
-        if set(names) <= set(TASKS):
+        if set(names) <= set(TASKS) | set(MULTI_QUESTION_TASKS):
             return "embedded tasks"
         if set(names) <= set(NATURAL_LONG_TASKS):
             return "natural-English long-output tasks"
@@ -176,10 +187,11 @@ def generate_requests(
 ) -> list[Request]:
     """Generate `n` requests deterministically from `seed`.
 
-    The task of request i is drawn from the mix's weights, its context length uniformly from the
-    range; request i depends only on (seed, i), so a larger `n` extends a smaller set. The range
-    must be one every task of the mix allows (embedded tasks 64-2048, recite 64-256, natural ones
-    512-8192);
+    Draw j picks its task from the mix's weights and its context length uniformly from the range,
+    and gives one request (a multi-question task: up to :data:`QUESTIONS_PER_CONTEXT` requests on
+    the same context, each with a different question, all with the draw's ``group``); draw j
+    depends only on (seed, j), so a larger `n` extends a smaller set. The range must be one every
+    task of the mix allows (embedded tasks 64-2048, recite 64-256, natural ones 512-8192);
     None: :func:`default_context_length`.
     """
     weights = parse_mix(mix) if isinstance(mix, str) else dict(mix)
@@ -192,19 +204,29 @@ def generate_requests(
     if n < 1:
         raise CertkvError(f"--n must be at least 1, got {n}")
     names = sorted(weights)
-    out = []
-    for i in range(n):
-        rng = random.Random(f"certkv/{seed}/{i}")
+    out: list[Request] = []
+    draw = 0
+    while len(out) < n:
+        rng = random.Random(f"certkv/{seed}/{draw}")
         task = rng.choices(names, weights=[weights[t] for t in names])[0]
-        length = rng.randint(low, high)
-        sample = ALL_TASKS[task](rng, length)
+        sample = ALL_TASKS[task](rng, rng.randint(low, high))
+        out.extend(_draw_requests(rng, task, sample, f"{task}-s{seed}-{draw:06d}"))
+        draw += 1
+    return out[:n]
+
+
+def _draw_requests(rng: random.Random, task: str, sample, name: str) -> list[Request]:
+    """The requests of one draw: one question of `sample`, or several on its context for a
+    multi-question task (ids ``<name>-q<i>``, group `name`)."""
+    if task not in MULTI_QUESTION_TASKS:
         question, answer = rng.choice(sample.qa)
         question, prefix = split_answer_prefix(question) if task in NATURAL_TASKS else (question, "")
-        out.append(
-            Request(id=f"{task}-s{seed}-{i:06d}", task=task, context=sample.context, question=question, answers=[answer],
-                    answer_prefix=prefix)
-        )
-    return out
+        return [Request(id=name, task=task, context=sample.context, question=question, answers=[answer], answer_prefix=prefix)]
+    asked = rng.sample(sample.qa, min(QUESTIONS_PER_CONTEXT, len(sample.qa)))
+    return [
+        Request(id=f"{name}-q{i}", task=task, context=sample.context, question=question, answers=[answer], group=name)
+        for i, (question, answer) in enumerate(asked)
+    ]
 
 
 def write_jsonl(requests: Iterable[Request], path: Path) -> int:

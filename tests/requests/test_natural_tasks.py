@@ -13,7 +13,7 @@ import pytest
 
 from certkv.errors import CertkvError
 from certkv.requests import natural_tasks as nt
-from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, LONG_TASKS, MIXES, TASKS
+from certkv.requests.builtin_tasks import ALL_TASKS, CONTEXT_RANGES, LONG_TASKS, MIXES, MULTI_QUESTION_TASKS, TASKS
 from certkv.requests.long_tasks import NATURAL_LONG_TASKS
 from certkv.requests.natural_tasks import NATURAL_TASKS, RESERVED_TOKENS, count_model_tokens, split_answer_prefix
 from certkv.requests.request_set import generate_requests, parse_context_length
@@ -27,7 +27,8 @@ def _samples(task: str, length: int, k: int = 3) -> list[nt.NaturalSample]:
 
 def test_registry_and_mixes():
     assert set(MIXES["ruler"]) == set(NATURAL_TASKS)
-    assert set(ALL_TASKS) == set(TASKS) | set(LONG_TASKS) | set(NATURAL_TASKS) | set(NATURAL_LONG_TASKS)
+    families = (TASKS, MULTI_QUESTION_TASKS, LONG_TASKS, NATURAL_TASKS, NATURAL_LONG_TASKS)
+    assert set(ALL_TASKS) == set().union(*families)
     assert not set(TASKS) & set(NATURAL_TASKS)
     assert set(MIXES["all"]) == set(TASKS), "the embedded mixes keep their tasks"
     assert all(CONTEXT_RANGES[t] == (512, 8192) for t in NATURAL_TASKS)
