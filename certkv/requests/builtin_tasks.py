@@ -17,7 +17,8 @@ Tasks:
 
 One multi-question task, in ``MULTI_QUESTION_TASKS``:
 - ``multi_question``: a multi_key haystack asked up to 8 of its keys, one request per question,
-  all sharing the context (contracts over it set ``requests.group_by: context``).
+  all sharing the context (contracts over it set ``requests.group_by: context``);
+  ``ruler_multi_question`` is the same in natural English for real models (8 needles).
 
 One long-output task, in ``LONG_TASKS``:
 - ``recite``: a dense list of 4-11 records after some filler; the question asks for every magic
@@ -239,8 +240,19 @@ def multi_question(rng: random.Random, context_length: int) -> Sample:
     return multi_key(rng, context_length)
 
 
+def ruler_multi_question(rng: random.Random, context_length: int) -> NaturalSample:
+    """RULER's NIAH multi-key in natural English (real models, 512-8192 tokens) with
+    :data:`QUESTIONS_PER_CONTEXT` needles, each asked by a request of its own."""
+    return natural_tasks.ruler_multi_key(rng, context_length, n_keys=QUESTIONS_PER_CONTEXT)
+
+
 #: Tasks whose one draw gives several requests on the same context (generate_requests).
-MULTI_QUESTION_TASKS: dict[str, Callable[[random.Random, int], Sample]] = {"multi_question": multi_question}
+MULTI_QUESTION_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {
+    "multi_question": multi_question,
+    "ruler_multi_question": ruler_multi_question,
+}
+#: The multi-question tasks in natural English: their questions carry an answer prefix to split off.
+NATURAL_MULTI_QUESTION_TASKS = ("ruler_multi_question",)
 
 #: The embedded model's long-output tasks: answers of 32-128 tokens instead of a value.
 LONG_TASKS: dict[str, Callable[[random.Random, int], Sample]] = {"recite": recite}
@@ -254,8 +266,8 @@ ALL_TASKS: dict[str, Callable[[random.Random, int], Sample | NaturalSample]] = {
 #: tokens up to the embedded model's 2048 positions; the natural ones count model tokens
 #: (:func:`certkv.requests.natural_tasks.count_model_tokens`) and need room for a few paragraphs.
 CONTEXT_RANGES: dict[str, tuple[int, int]] = {
-    **{name: (MIN_CONTEXT, MAX_CONTEXT) for name in (*TASKS, *MULTI_QUESTION_TASKS)},
-    **{name: (natural_tasks.MIN_CONTEXT, natural_tasks.MAX_CONTEXT) for name in NATURAL_TASKS},
+    **{name: (MIN_CONTEXT, MAX_CONTEXT) for name in (*TASKS, "multi_question")},
+    **{name: (natural_tasks.MIN_CONTEXT, natural_tasks.MAX_CONTEXT) for name in (*NATURAL_TASKS, *NATURAL_MULTI_QUESTION_TASKS)},
     "recite": RECITE_CONTEXT,
     **{name: (long_tasks.LONG_MIN_CONTEXT, long_tasks.LONG_MAX_CONTEXT) for name in NATURAL_LONG_TASKS},
 }

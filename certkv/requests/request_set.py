@@ -23,6 +23,7 @@ from certkv.requests.builtin_tasks import (
     LONG_TASKS,
     MIXES,
     MULTI_QUESTION_TASKS,
+    NATURAL_MULTI_QUESTION_TASKS,
     QUESTIONS_PER_CONTEXT,
     TASKS,
 )
@@ -116,7 +117,7 @@ def _ranges_text() -> str:
     for name, span in CONTEXT_RANGES.items():
         spans.setdefault(span, []).append(name)
     def family(names: list[str]) -> str:
-        if set(names) <= set(TASKS) | set(MULTI_QUESTION_TASKS):
+        if set(names) <= {*TASKS, "multi_question"}:
             return "embedded tasks"
         if set(names) <= set(NATURAL_LONG_TASKS):
             return "natural-English long-output tasks"
@@ -175,7 +176,7 @@ def default_context_length(mix: str | dict[str, float]) -> str:
     weights = parse_mix(mix) if isinstance(mix, str) else mix
     if weights and set(weights) <= set(NATURAL_LONG_TASKS):
         return NATURAL_LONG_DEFAULT_CONTEXT_LENGTH
-    if weights and set(weights) <= set(NATURAL_TASKS):
+    if weights and set(weights) <= {*NATURAL_TASKS, *NATURAL_MULTI_QUESTION_TASKS}:
         return NATURAL_DEFAULT_CONTEXT_LENGTH
     if weights and set(weights) & set(LONG_TASKS):
         return LONG_DEFAULT_CONTEXT_LENGTH
@@ -223,10 +224,12 @@ def _draw_requests(rng: random.Random, task: str, sample, name: str) -> list[Req
         question, prefix = split_answer_prefix(question) if task in NATURAL_TASKS else (question, "")
         return [Request(id=name, task=task, context=sample.context, question=question, answers=[answer], answer_prefix=prefix)]
     asked = rng.sample(sample.qa, min(QUESTIONS_PER_CONTEXT, len(sample.qa)))
-    return [
-        Request(id=f"{name}-q{i}", task=task, context=sample.context, question=question, answers=[answer], group=name)
-        for i, (question, answer) in enumerate(asked)
-    ]
+    out = []
+    for i, (text, answer) in enumerate(asked):
+        question, prefix = split_answer_prefix(text) if task in NATURAL_MULTI_QUESTION_TASKS else (text, "")
+        out.append(Request(id=f"{name}-q{i}", task=task, context=sample.context, question=question, answers=[answer],
+                           answer_prefix=prefix, group=name))
+    return out
 
 
 def write_jsonl(requests: Iterable[Request], path: Path) -> int:

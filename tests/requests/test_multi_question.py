@@ -100,3 +100,11 @@ def test_group_measure_needs_grouping_by_context_and_unset_keys_leave_the_hash(t
     assert Counter(context_groups(grouped.load_requests())).most_common(1)[0][1] == QUESTIONS_PER_CONTEXT
     plain = load_contract(_contract(tmp_path, "builtin:multi_question"))
     assert "group_by" not in json.loads(plain.canonical_json())["requests"] and plain.sha256() != grouped.sha256()
+
+
+def test_the_natural_english_variant_asks_each_needle_with_its_answer_prefix():
+    requests = generate_requests("ruler_multi_question", 8, seed=2)
+    assert len({r.context for r in requests}) == 1 and len({r.answers[0] for r in requests}) == 8
+    for r in requests:
+        assert r.answer_prefix.startswith("The special magic number for") and r.answers[0] in r.context
+        assert r.group == "ruler_multi_question-s2-000000" and r.task == "ruler_multi_question"
