@@ -84,7 +84,8 @@ def certification_spec(contract: Contract) -> CertificationSpec:
     re-derived from data. ``candidate_info`` carries what deploying each candidate needs (base
     policy, press_kwargs, gate settings). A pilot gate (confidence, lookahead, learned) carries its
     quantile and ``pilot_gate``; its threshold is placed on the pilot split (``gate.pilot``, drawn
-    by ``requests.seed``) when the records are certified.
+    by ``requests.seed``) when the records are certified. ``requests.group_by: context`` becomes
+    the spec's ``grouping`` (its measure), ``request`` its ``independent_requests``.
 
     Examples
     --------
@@ -119,9 +120,21 @@ def certification_spec(contract: Contract) -> CertificationSpec:
             "utility": contract.utility,
             "kv_cost": contract.cost_measure,
             "context_margin": 0.0 if contract.coverage is None else contract.coverage.context_margin,
+            **_grouping(contract),
         },
         source=f"contract {contract.name}",
     )
+
+
+def _grouping(contract: Contract) -> dict[str, Any]:
+    """The spec's grouping from ``requests.group_by``: the measure of a per-context certificate, or
+    the user's statement that questions sharing a context are independent; nothing when unset (the
+    spec keys are left out, so a contract without grouping gives the spec it always gave)."""
+    if contract.requests.group_by == "context":
+        return {"grouping": {"measure": contract.requests.measure}}
+    if contract.requests.group_by == "request":
+        return {"independent_requests": True}
+    return {}
 
 
 def _candidate_info(contract: Contract) -> dict[str, dict[str, Any]]:

@@ -236,8 +236,10 @@ QUESTIONS_PER_CONTEXT = 8
 def multi_question(rng: random.Random, context_length: int) -> Sample:
     """A multi_key haystack asked up to :data:`QUESTIONS_PER_CONTEXT` of its keys, one request
     each: the traffic of many questions on one document, where questions on one context fail
-    together (:mod:`certkv.requests.context_groups`) and a compressed context can be reused."""
-    return multi_key(rng, context_length)
+    together (:mod:`certkv.requests.context_groups`) and a compressed context can be reused.
+    Half of the haystacks have look-alike values (:func:`multi_key`), as documents differ in how
+    hard they are to compress: a value kept among look-alikes is easier to confuse with another."""
+    return multi_key(rng, context_length, lookalike=rng.random() < 0.5)
 
 
 def ruler_multi_question(rng: random.Random, context_length: int) -> NaturalSample:
