@@ -295,9 +295,12 @@ def check_grouping(table: LossTable, spec: CertificationSpec) -> None:
         return
     if table.groups is None or spec.independent_requests:
         return
-    name, size = Counter(table.groups).most_common(1)[0]
-    if size > 1:
-        shown = ", ".join(repr(r) for r, g in zip(table.request_ids, table.groups) if g == name)
+    sizes = Counter(table.groups)
+    name = next((g for g in table.groups if sizes[g] > 1), None)
+    if name is not None:
+        size = sizes[name]
+        members = [r for r, g in zip(table.request_ids, table.groups) if g == name]
+        shown = ", ".join(repr(r) for r in members[:3]) + (f" and {size - 3} more" if size > 3 else "")
         raise CertkvError(
             f"{table.source}: requests share contexts (group {name!r} has {size} requests: {shown}); set "
             "requests.group_by: context in the contract (or request to treat them as independent)"
