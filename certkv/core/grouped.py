@@ -72,6 +72,8 @@ class Groups:
     (('doc-a', 'doc-b'), [1, 0, 1], [1, 2], 2)
     >>> groups.counts(np.array([[True, False, True]])).tolist()  # k_g: violated questions per group
     [[0, 2]]
+    >>> groups.sums([0.5, 0.25, 1.0]).tolist()
+    [0.25, 1.5]
     """
 
     names: tuple[str, ...]
@@ -92,10 +94,17 @@ class Groups:
 
     def counts(self, flags: npt.ArrayLike) -> np.ndarray:
         """Per-group sums of 0/1 `flags` (..., R): the (..., G) integer counts k_g."""
-        flags = np.asarray(flags)
-        one_hot = np.zeros((self.codes.size, self.n_groups), dtype=np.int64)
+        return np.asarray(flags).astype(np.int64) @ self._one_hot(np.int64)
+
+    def sums(self, values: npt.ArrayLike) -> np.ndarray:
+        """Per-group sums of float `values` (..., R), such as the memory each request used: (..., G)."""
+        return np.asarray(values, dtype=float) @ self._one_hot(float)
+
+    def _one_hot(self, dtype) -> np.ndarray:
+        """(R, G) indicator of each request's group."""
+        one_hot = np.zeros((self.codes.size, self.n_groups), dtype=dtype)
         one_hot[np.arange(self.codes.size), self.codes] = 1
-        return flags.astype(np.int64) @ one_hot
+        return one_hot
 
 
 def group_values(

@@ -210,3 +210,41 @@ def test_a_point_without_grouping_writes_no_grouped_fields():
     grouped = certify(LossTable.from_records(clustered_rows()), spec_of(grouping={})).to_dict()
     assert grouped["n_contexts"] == 150 and grouped["contract"]["grouping"] == "per_context"
     assert grouped["candidates"][0]["grouped_risk"] is not None
+
+
+def test_grouped_validation_splits_contexts_and_decides_as_certify_does():
+    from certkv.core.grouped import Groups, grouped_estimate
+    from certkv.core.validation import calibration_masks, run_splits, validate
+
+    table = LossTable.from_records(clustered_rows(contexts=240, seed=1))
+    spec = spec_of(grouping={"measure": "per_context"})
+    run = run_splits(table, spec, n_splits=6, calibration_fraction=0.5, seed=7)
+    assert (run.n_requests, run.n_cal, run.n_test) == (240, 120, 120)  # contexts
+    groups = Groups.of(table.groups)
+    masks = calibration_masks(np.random.default_rng(7), 6, groups.n_groups, 120)
+    outcome = run.outcomes["certkv"]
+    for s, mask in enumerate(masks):
+        cal = np.flatnonzero(mask[groups.codes] > 0)
+        test = np.flatnonzero(mask[groups.codes] == 0)
+        op = certify(table.take_requests(cal), spec)
+        expected = -1 if op.fallback else run.names.index(op.policy)
+        assert outcome.index[s] == expected
+        if expected >= 0:
+            sub = table.take_requests(test)
+            sub_groups = Groups.of(sub.groups)
+            flags = sub.loss[sub.index_of(op.policy)] > 0
+            measured = grouped_estimate(sub_groups.counts(flags), sub_groups.sizes, "per_context")
+            assert outcome.test_risk[s] == pytest.approx(float(measured))
+    result = validate(table, spec, n_splits=6, seed=7)
+    assert set(outcome.index.tolist()) == {0, 1}  # both candidates chosen on some split: the comparison bites
+    assert result.n_calibration == 120 and "n_calibration and n_test count contexts" in result.note
+
+
+def test_grouped_validation_pools_strata():
+    from certkv.core.validation import validate
+
+    rows = clustered_rows(contexts=400, task=lambda c: "qa" if c % 2 else "code")
+    result = validate(LossTable.from_records(rows), spec_of(grouping={"measure": "per_question"}, strata={"by": "task"}),
+                      n_splits=20, seed=0)
+    assert sorted(result.strata) == ["code", "qa"] and result.n_test == 200
+    assert len(result.methods["certkv"].test_risks) == 20
