@@ -112,8 +112,10 @@ def group_values(
 ) -> np.ndarray:
     """The per-context statistic in [0, 1] whose mean the measure tests (the module docstring).
 
-    k : (..., G) violated questions per context; n : (G,) questions per context; risk : ε (a
-    scalar or (...) array; only ``per_question`` reads it); n_max : N, default ``n.max()``.
+    k : (..., G) violated questions per context; n : (G,) questions per context (or any shape
+    that broadcasts with `k`, as a resample's); risk : ε (a scalar or (...) array; only
+    ``per_question`` reads it); n_max : N (scalar or (...)), default the largest context of each
+    row of `n` (``n.max(axis=-1)``).
     Returns (..., G) floats: 1[k_g > 0], k_g / n_g or (k_g + ε (N − n_g)) / N.
 
     Examples
@@ -130,7 +132,7 @@ def group_values(
     if measure == "per_context":
         return k / n
     if measure == "per_question":
-        big = float(n.max()) if n_max is None else float(n_max)
+        big = n.max(axis=-1, keepdims=True) if n_max is None else np.asarray(n_max, dtype=float)[..., None]
         eps = np.asarray(risk, dtype=float)[..., None]
         return (k + eps * (big - n)) / big
     raise CertkvError(f"grouping measure {measure!r} is not one of {', '.join(MEASURES)}")
@@ -140,7 +142,8 @@ def grouped_estimate(k: npt.ArrayLike, n: npt.ArrayLike, measure: str) -> np.nda
     """The measure's plug-in estimate on the table: the share of contexts with a violation, the
     mean per-context violation share, or all violated questions over all questions.
 
-    k : (..., G) violated questions per context; n : (G,) questions per context. Returns (...).
+    k : (..., G) violated questions per context; n : (G,) questions per context, or broadcast
+    with `k`. Returns (...).
 
     Examples
     --------
@@ -150,7 +153,7 @@ def grouped_estimate(k: npt.ArrayLike, n: npt.ArrayLike, measure: str) -> np.nda
     """
     k, n = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
     if measure == "per_question":
-        return k.sum(axis=-1) / n.sum()
+        return k.sum(axis=-1) / n.sum(axis=-1)
     return group_values(k, n, measure).mean(axis=-1)
 
 
@@ -194,8 +197,9 @@ def grouped_p_values(
     measures: :func:`hoeffding_bentkus_p_value` of the mean of :func:`group_values` over the G
     contexts.
 
-    k : (..., G) violated questions per context; n : (G,) questions per context; risk : ε (scalar
-    or (...)); n_max : N for ``per_question`` (default ``n.max()``). Returns (...).
+    k : (..., G) violated questions per context; n : (G,) questions per context, or broadcast
+    with `k`; risk : ε (scalar or (...)); n_max : N for ``per_question`` (default ``n.max()``).
+    Returns (...).
 
     Examples
     --------
@@ -207,9 +211,22 @@ def grouped_p_values(
     """
     k, n = np.asarray(k), np.asarray(n)
     if measure == "any_question":
-        return binom.cdf((k > 0).sum(axis=-1), n.size, risk)
-    values = group_values(k, n, measure, risk, n_max)
-    return hoeffding_bentkus_p_value(values.mean(axis=-1), n.size, risk)
+        return binom.cdf((k > 0).sum(axis=-1), n.shape[-1], risk)
+    return hoeffding_bentkus_p_value(_mean_at(k, n, measure, n_max)(risk), n.shape[-1], risk)
+
+
+def _mean_at(k: np.ndarray, n: np.ndarray, measure: str, n_max) -> Callable[[float | np.ndarray], np.ndarray]:
+    """The mean of :func:`group_values` over the contexts as a function of ε, reduced over the
+    contexts once: W̄(ε) = (k̄ + ε (N − n̄)) / N is linear in ε, so a bisection never revisits them."""
+    if measure == "per_context":
+        mean = group_values(k, n, measure).mean(axis=-1)
+        return lambda risk: mean
+    if measure != "per_question":
+        raise CertkvError(f"grouping measure {measure!r} has no Hoeffding–Bentkus mean; use one of {', '.join(MEASURES)}")
+    n = np.asarray(n, dtype=float)
+    big = n.max(axis=-1) if n_max is None else np.asarray(n_max, dtype=float)
+    k_bar, n_bar = np.asarray(k, dtype=float).mean(axis=-1), n.mean(axis=-1)
+    return lambda risk: (k_bar + np.asarray(risk, dtype=float) * (big - n_bar)) / big
 
 
 def grouped_upper_bound(
@@ -223,7 +240,8 @@ def grouped_upper_bound(
     Hoeffding part still falls, its Bentkus part steps), so the bound is ≤ ε where the p-value
     at ε is ≤ the level, up to 2⁻⁵⁰. The decision is the p-value's; the bound reports it.
 
-    k : (..., G); n : (G,); confidence : scalar or (...) (1 − each candidate's level). Returns (...).
+    k : (..., G); n : (G,) or broadcast with `k`; confidence : scalar or (...) (1 − each
+    candidate's level). Returns (...).
 
     Examples
     --------
@@ -239,10 +257,12 @@ def grouped_upper_bound(
     if measure == "any_question":
         hits = np.broadcast_to((k > 0).sum(axis=-1), np.broadcast_shapes(k.shape[:-1], confidence.shape))
         conf = np.broadcast_to(confidence, hits.shape)
-        upper = np.where(hits >= n.size, 1.0, beta.ppf(conf, hits + 1, np.maximum(n.size - hits, 1)))
+        m = n.shape[-1]
+        upper = np.where(hits >= m, 1.0, beta.ppf(conf, hits + 1, np.maximum(m - hits, 1)))
         return np.asarray(upper, dtype=float)
-    level = 1.0 - confidence
-    return _bisect(lambda eps: grouped_p_values(k, n, measure, eps, n_max), level, np.broadcast_shapes(k.shape[:-1], level.shape))
+    level, mean_at, m = 1.0 - confidence, _mean_at(k, n, measure, n_max), n.shape[-1]
+    shape = np.broadcast_shapes(k.shape[:-1], level.shape)
+    return _bisect(lambda eps: hoeffding_bentkus_p_value(mean_at(eps), m, eps), level, shape)
 
 
 def _bisect(p_of: Callable[[np.ndarray], np.ndarray], level: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -149,3 +149,16 @@ def test_group_values_reject_an_unknown_measure():
 
     with pytest.raises(CertkvError, match="grouping measure 'mean' is not one of"):
         group_values(np.zeros(2), np.ones(2), "mean")
+
+
+@pytest.mark.parametrize("measure", ["per_context", "per_question", "any_question"])
+def test_resamples_with_their_own_context_sizes_match_one_call_each(measure):
+    rng = np.random.default_rng(6)
+    n = rng.integers(1, 9, size=(4, 1, 50))  # 4 resamples, each with its own sizes
+    k = rng.binomial(np.broadcast_to(n, (4, 3, 50)), 0.05)  # 3 candidates
+    p = grouped_p_values(k, n, measure, 0.1)
+    bound = grouped_upper_bound(k, n, measure, 0.9)
+    for b in range(4):
+        for c in range(3):
+            assert p[b, c] == pytest.approx(float(grouped_p_values(k[b, c], n[b, 0], measure, 0.1)), rel=1e-12)
+            assert bound[b, c] == pytest.approx(float(grouped_upper_bound(k[b, c], n[b, 0], measure, 0.9)), rel=1e-9)
