@@ -248,3 +248,22 @@ def test_grouped_validation_pools_strata():
                       n_splits=20, seed=0)
     assert sorted(result.strata) == ["code", "qa"] and result.n_test == 200
     assert len(result.methods["certkv"].test_risks) == 20
+
+
+def test_gated_candidates_are_derived_per_request_then_grouped():
+    from certkv.core.spec import CandidateInfo, GateSettings
+
+    rows = clustered_rows(contexts=150)
+    for row in rows:
+        row["agreement_drop"] = 0.0 if row["request_id"].startswith("c00") else 0.5  # c000–c009 gated
+    gated = "p@0.30+drop0.1"
+    info = {gated: CandidateInfo(base_policy="p@0.30", gate=GateSettings(agreement_drop=0.1))}
+    spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.70", gated]], candidate_info=info,
+                             grouping={"measure": "per_context"})
+    op = certify(LossTable.from_records(rows), spec)
+    candidate = op.candidates[1]
+    pairs = by_context([r for r in rows if not r["request_id"].startswith("c00")], "p@0.30")
+    pairs += [(0, n) for _, n in by_context([r for r in rows if r["request_id"].startswith("c00")], "p@0.30")]
+    expected = compute_hoeffding_bentkus_p_value(np.array([np.mean([k / n for k, n in pairs])]), 150, 0.1)[0, 0]
+    assert candidate.policy == gated and candidate.n_contexts == 150
+    assert candidate.p_value == pytest.approx(float(expected), rel=1e-9)
