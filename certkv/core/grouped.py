@@ -212,10 +212,11 @@ def grouped_p_values(
     k, n = np.asarray(k), np.asarray(n)
     if measure == "any_question":
         return binom.cdf((k > 0).sum(axis=-1), n.shape[-1], risk)
-    return hoeffding_bentkus_p_value(_mean_at(k, n, measure, n_max)(risk), n.shape[-1], risk)
+    eps = np.asarray(risk, dtype=float)
+    return hoeffding_bentkus_p_value(_mean_at(k, n, measure, n_max)(eps), n.shape[-1], eps)
 
 
-def _mean_at(k: np.ndarray, n: np.ndarray, measure: str, n_max) -> Callable[[float | np.ndarray], np.ndarray]:
+def _mean_at(k: np.ndarray, n: np.ndarray, measure: str, n_max) -> Callable[[np.ndarray], np.ndarray]:
     """The mean of :func:`group_values` over the contexts as a function of ε, reduced over the
     contexts once: W̄(ε) = (k̄ + ε (N − n̄)) / N is linear in ε, so a bisection never revisits them."""
     if measure == "per_context":
@@ -226,7 +227,7 @@ def _mean_at(k: np.ndarray, n: np.ndarray, measure: str, n_max) -> Callable[[flo
     n = np.asarray(n, dtype=float)
     big = n.max(axis=-1) if n_max is None else np.asarray(n_max, dtype=float)
     k_bar, n_bar = np.asarray(k, dtype=float).mean(axis=-1), n.mean(axis=-1)
-    return lambda risk: (k_bar + np.asarray(risk, dtype=float) * (big - n_bar)) / big
+    return lambda risk: (k_bar + risk * (big - n_bar)) / big
 
 
 def grouped_upper_bound(
