@@ -159,8 +159,35 @@ def split_strata(table: LossTable, spec: CertificationSpec) -> tuple[Certificati
     for s, name in enumerate(names):
         columns = np.flatnonzero(codes == s)
         sub = table.take_requests(columns, source=f"{table.source} [{by} {name}]")
-        out.append((name, sub, too_small_reason(columns.size, per_stratum, need)))
+        why = too_small_reason(columns.size, per_stratum, need) or too_few_contexts(sub.groups, per_stratum, need)
+        out.append((name, sub, why))
     return per_stratum, out
+
+
+def too_few_contexts(groups: Sequence[str] | None, spec: CertificationSpec, need: int) -> str | None:
+    """Under a grouped `spec`, why a stratum whose requests have context `groups` cannot certify
+    anything: fewer certification contexts (after a pilot's) than the `need`
+    (:func:`fewest_requests`) that a zero-violation certificate needs. With no violation the
+    grouped p-value over m contexts is (1 − ε)^m, the binomial one over m requests, so the count
+    carries over. None when it can, or without grouping.
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]], grouping={})
+    >>> print(too_few_contexts([f"doc{i // 8}" for i in range(400)], spec, need=fewest_requests(spec)))
+    50 certification contexts, fewer than the 59 that certifying anything at ε = 0.05 and confidence 0.95 needs with
+    zero violations
+    """
+    if spec.grouping is None or groups is None:
+        return None
+    n_contexts = len(set(groups))
+    n_cert = n_contexts - (pilot_size(n_contexts, spec.pilot.share) if spec.pilot is not None else 0)
+    if n_cert >= need:
+        return None
+    return (
+        f"{n_cert} certification contexts, fewer than the {need} that certifying anything at "
+        f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations"
+    )
 
 
 def with_stratum_coverage(entry: OperatingPoint, by: str, name: str) -> OperatingPoint:
@@ -413,6 +440,7 @@ __all__ = [
     "stratum_guarantee",
     "stratum_labels",
     "stratum_spec",
+    "too_few_contexts",
     "too_small_reason",
     "with_stratum_coverage",
 ]

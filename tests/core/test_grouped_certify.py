@@ -267,3 +267,10 @@ def test_gated_candidates_are_derived_per_request_then_grouped():
     expected = compute_hoeffding_bentkus_p_value(np.array([np.mean([k / n for k, n in pairs])]), 150, 0.1)[0, 0]
     assert candidate.policy == gated and candidate.n_contexts == 150
     assert candidate.p_value == pytest.approx(float(expected), rel=1e-9)
+
+
+def test_a_stratum_with_too_few_contexts_falls_back_with_that_reason():
+    rows = clustered_rows(contexts=200, task=lambda c: "qa" if c < 180 else "code")  # code: 20 contexts
+    op = certify(LossTable.from_records(rows), spec_of(grouping={}, strata={"by": "task"}))
+    code = op.strata.entries["code"]
+    assert code.fallback and "20 certification contexts, fewer than the 22 that certifying anything" in code.reason
