@@ -408,8 +408,8 @@ def _count_and_decide(table: LossTable, spec: CertificationSpec) -> _Counts:
         assert table.groups is not None  # check_grouping refused a grouped spec on a table without groups
         groups = Groups.of(table.groups)
         measure = spec.grouping.measure
-        k_groups = groups.counts(violations)
-        p = np.asarray(grouped_p_values(k_groups, groups.sizes, measure, spec.risk), dtype=float)
+        k_groups, bound = groups.counts(violations), spec.grouping.bound
+        p = np.asarray(grouped_p_values(k_groups, groups.sizes, measure, spec.risk, bound=bound), dtype=float)
     else:
         p = np.array([binomial_p_value(int(kj), n, spec.risk) for kj in k])
     flags, chosen = decide(p, mean_memory, k, spec)
@@ -417,7 +417,7 @@ def _count_and_decide(table: LossTable, spec: CertificationSpec) -> _Counts:
     if spec.grouping is None:
         bounds = np.array([clopper_pearson_upper(int(kj), n, 1.0 - float(lv)) for kj, lv in zip(k, levels)])
         return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds)
-    bounds = np.asarray(grouped_upper_bound(k_groups, groups.sizes, measure, 1.0 - levels), dtype=float)
+    bounds = np.asarray(grouped_upper_bound(k_groups, groups.sizes, measure, 1.0 - levels, bound=bound), dtype=float)
     estimates = np.asarray(grouped_estimate(k_groups, groups.sizes, measure), dtype=float)
     return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds, groups.n_groups, estimates)
 

@@ -20,6 +20,12 @@ guarantee bounds is the contract's measure (:class:`~certkv.core.spec.GroupingCo
   seen (how many questions each context gets is design, not outcome), so fixing it from the
   table does not look at the evidence.
 
+Hoeffding–Bentkus holds for every distribution on [0, 1], the worst being a context that fails
+all or nothing, so it cannot profit from contexts whose questions fail nearly independently (the
+per-context statistic then varies little). ``GroupingConfig.bound: betting`` tests the same means
+with a betting martingale instead (:func:`betting_p_value`, [5]_ [6]_), whose bets grow with the
+evidence and adapt to the statistic's variance.
+
 The p-values feed the spec's family-wise procedure unchanged (:mod:`certkv.core.procedures`);
 the reported bound of a Hoeffding–Bentkus measure is the smallest ε' whose p-value is ≤ the
 candidate's level, found by bisection, in place of Clopper–Pearson. Torch-free: numpy and scipy.
@@ -35,6 +41,10 @@ References
    risk-controlling prediction sets", Journal of the ACM 68(6), 2021; and A. N. Angelopoulos,
    S. Bates, E. J. Candès, M. I. Jordan and L. Lei, "Learn then Test: Calibrating predictive
    algorithms to achieve risk control", arXiv:2110.01052, 2021 (the combined p-value).
+.. [5] I. Waudby-Smith and A. Ramdas, "Estimating means of bounded random variables by betting",
+   Journal of the Royal Statistical Society Series B 86(1), 1–27, 2024.
+.. [6] J. Ville, "Étude critique de la notion de collectif", Gauthier-Villars, 1939 (the maximal
+   inequality that makes 1 / max wealth a p-value).
 """
 
 from __future__ import annotations
@@ -56,6 +66,11 @@ from certkv.errors import CertkvError
 #: What a grouped guarantee bounds (:class:`certkv.core.spec.GroupingConfig`).
 Measure = Literal["per_context", "per_question", "any_question"]
 MEASURES: tuple[str, ...] = get_args(Measure)
+#: How a mean measure is tested (:class:`certkv.core.spec.GroupingConfig`).
+Bound = Literal["hoeffding_bentkus", "betting"]
+BOUNDS: tuple[str, ...] = get_args(Bound)
+#: The largest bet, as a share of the most the wealth can stake without going negative.
+BET_CAP = 0.5
 
 _BISECTIONS = 50  # halvings of [0, 1] for a bound: 2**-50, far below any reported digit
 
@@ -189,13 +204,19 @@ def hoeffding_bentkus_p_value(mean: npt.ArrayLike, m: int, risk: float | npt.Arr
 
 
 def grouped_p_values(
-    k: npt.ArrayLike, n: npt.ArrayLike, measure: str, risk: float | npt.ArrayLike, n_max: int | None = None
+    k: npt.ArrayLike,
+    n: npt.ArrayLike,
+    measure: str,
+    risk: float | npt.ArrayLike,
+    n_max: int | None = None,
+    bound: str = "hoeffding_bentkus",
 ) -> np.ndarray:
     """Valid p-values of "the measure > ε" with contexts as the i.i.d. unit, one per row of `k`.
 
     ``any_question``: the exact binomial P(Binomial(G, ε) ≤ #violated contexts) [1]_; the other
     measures: :func:`hoeffding_bentkus_p_value` of the mean of :func:`group_values` over the G
-    contexts.
+    contexts, or with ``bound="betting"`` :func:`betting_p_value` of those values, contexts in
+    the order given (the table's: sorted by group name, fixed before any loss).
 
     k : (..., G) violated questions per context; n : (G,) questions per context, or broadcast
     with `k`; risk : ε (scalar or (...)); n_max : N for ``per_question`` (default ``n.max()``).
@@ -213,7 +234,53 @@ def grouped_p_values(
     if measure == "any_question":
         return binom.cdf((k > 0).sum(axis=-1), n.shape[-1], risk)
     eps = np.asarray(risk, dtype=float)
+    if _check_bound(bound) == "betting":
+        return betting_p_value(group_values(k, n, measure, eps, n_max), eps)
     return hoeffding_bentkus_p_value(_mean_at(k, n, measure, n_max)(eps), n.shape[-1], eps)
+
+
+def betting_p_value(values: npt.ArrayLike, risk: float | npt.ArrayLike) -> np.ndarray:
+    """Betting p-value of "E[X] > ε" from X_1 … X_m ∈ [0, 1] i.i.d., taken in the order given.
+
+    Wealth starts at 1 and bets against "the mean is ≥ ε": after X_i it is multiplied by
+    1 + λ_i (ε − X_i), with λ_i chosen from X_1 … X_{i−1} only (predictable): the approximate
+    growth-rate-optimal bet (ε − μ̂) / (σ̂² + (ε − μ̂)²) of [5]_ from the running mean μ̂ and
+    variance σ̂² (each started at 1/2 and 1/4, a pseudo-observation), clipped to
+    [0, BET_CAP / (1 − ε)] so that the wealth stays positive. Under the hypothesis, E[X] ≥ ε,
+    the wealth is a nonnegative supermartingale, so by Ville's inequality [6]_
+    P(max wealth ≥ 1/α) ≤ α and 1 / max wealth (capped at 1) is a valid p-value; the bet sizes
+    follow the statistic's variance, which Hoeffding–Bentkus cannot.
+
+    values : (..., m) in [0, 1]; risk : ε, scalar or (...). Returns (...).
+
+    Examples
+    --------
+    Two hundred contexts whose per-context share hovers near 6%, at ε = 10%:
+
+    >>> x = np.tile([0.0, 0.125, 0.0, 0.125, 0.0, 0.125, 0.0, 0.125], 25)  # mean 0.0625, low variance
+    >>> round(float(betting_p_value(x, 0.1)), 4), round(float(hoeffding_bentkus_p_value(x.mean(), 200, 0.1)), 4)
+    (0.0245, 0.1538)
+    >>> float(betting_p_value(np.full(50, 0.2), 0.1))  # above ε: no evidence
+    1.0
+    """
+    x = np.asarray(values, dtype=float)
+    eps = np.asarray(risk, dtype=float)[..., None]
+    count = np.arange(2, x.shape[-1] + 2)  # the pseudo-observation counts too
+    mean = (0.5 + np.cumsum(x, axis=-1)) / count
+    var = (0.25 + np.cumsum((x - mean) ** 2, axis=-1)) / count
+    start = np.ones(x.shape[:-1] + (1,))
+    mean_before = np.concatenate([0.5 * start, mean[..., :-1]], axis=-1)
+    var_before = np.concatenate([0.25 * start, var[..., :-1]], axis=-1)
+    gap = eps - mean_before
+    bet = np.clip(gap / (var_before + gap**2), 0.0, BET_CAP / (1.0 - eps))
+    log_wealth = np.cumsum(np.log1p(bet * (eps - x)), axis=-1)
+    return np.exp(-np.maximum(log_wealth.max(axis=-1), 0.0))
+
+
+def _check_bound(bound: str) -> str:
+    if bound not in BOUNDS:
+        raise CertkvError(f"grouping bound {bound!r} is not one of {', '.join(BOUNDS)}")
+    return bound
 
 
 def _mean_at(k: np.ndarray, n: np.ndarray, measure: str, n_max) -> Callable[[np.ndarray], np.ndarray]:
@@ -231,15 +298,21 @@ def _mean_at(k: np.ndarray, n: np.ndarray, measure: str, n_max) -> Callable[[np.
 
 
 def grouped_upper_bound(
-    k: npt.ArrayLike, n: npt.ArrayLike, measure: str, confidence: float | npt.ArrayLike, n_max: int | None = None
+    k: npt.ArrayLike,
+    n: npt.ArrayLike,
+    measure: str,
+    confidence: float | npt.ArrayLike,
+    n_max: int | None = None,
+    bound: str = "hoeffding_bentkus",
 ) -> np.ndarray:
     """Upper confidence bound on the measure at `confidence`, dual to :func:`grouped_p_values`.
 
     ``any_question``: the Clopper–Pearson bound on (#violated contexts, G) [1]_. Otherwise the
     smallest ε' whose p-value is ≤ 1 − confidence, by bisection on [0, 1] (1 when none is): the
     Hoeffding–Bentkus p-value falls as ε' grows (for ``per_question`` W moves with ε' too; its
-    Hoeffding part still falls, its Bentkus part steps), so the bound is ≤ ε where the p-value
-    at ε is ≤ the level, up to 2⁻⁵⁰. The decision is the p-value's; the bound reports it.
+    Hoeffding part still falls, its Bentkus part steps; the betting p-value falls too, up to
+    how its bets move with ε'), so the bound is ≤ ε where the p-value at ε is ≤ the level, up to
+    2⁻⁵⁰. The decision is the p-value's; the bound reports it.
 
     k : (..., G); n : (G,) or broadcast with `k`; confidence : scalar or (...) (1 − each
     candidate's level). Returns (...).
@@ -261,8 +334,11 @@ def grouped_upper_bound(
         m = n.shape[-1]
         upper = np.where(hits >= m, 1.0, beta.ppf(conf, hits + 1, np.maximum(m - hits, 1)))
         return np.asarray(upper, dtype=float)
-    level, mean_at, m = 1.0 - confidence, _mean_at(k, n, measure, n_max), n.shape[-1]
+    level = 1.0 - confidence
     shape = np.broadcast_shapes(k.shape[:-1], level.shape)
+    if _check_bound(bound) == "betting":
+        return _bisect(lambda eps: betting_p_value(group_values(k, n, measure, eps, n_max), eps), level, shape)
+    mean_at, m = _mean_at(k, n, measure, n_max), n.shape[-1]
     return _bisect(lambda eps: hoeffding_bentkus_p_value(mean_at(eps), m, eps), level, shape)
 
 
@@ -361,9 +437,13 @@ def check_group_strata(groups: Sequence[str], labels: Sequence[str], by: str) ->
 
 
 __all__ = [
+    "BET_CAP",
+    "BOUNDS",
     "MEASURES",
+    "Bound",
     "Groups",
     "Measure",
+    "betting_p_value",
     "check_group_strata",
     "check_grouping",
     "group_values",

@@ -24,7 +24,7 @@ from certkv.core.coverage import Coverage
 from certkv.core.file_format import check_format_version
 from certkv.core.pilot import PilotInfo
 from certkv.core.procedures import Procedure
-from certkv.core.spec import CertificationSpec, GateSettings
+from certkv.core.spec import CertificationSpec, GateSettings, GroupingConfig
 from certkv.errors import CertkvError, format_validation_error
 
 #: The layout of ``operating_point.json`` (:mod:`certkv.core.file_format`): a reader takes this
@@ -71,8 +71,8 @@ class ContractSummary(BaseModel):
     ContractSummary(tolerance=0.0, risk=0.1, confidence=0.9, procedure='fixed_sequence', utility=None,
                     kv_cost='kv_retained', grouping=None)
 
-    ``grouping`` is the grouped measure the risk bounds (:mod:`certkv.core.grouped`), null when
-    requests are the sampling unit.
+    ``grouping`` is the grouped measure the risk bounds and how it was tested
+    (:mod:`certkv.core.grouped`), null when requests are the sampling unit.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -82,14 +82,14 @@ class ContractSummary(BaseModel):
     procedure: Procedure
     utility: str | None = None
     kv_cost: str = "kv_retained"  # what mean_kv_retained averages: the nominal share, or a generation's peak / KV-time
-    grouping: str | None = None
+    grouping: GroupingConfig | None = None
 
     @classmethod
     def of(cls, spec: CertificationSpec) -> ContractSummary:
         """The contract terms a result reports, taken from the spec it was computed under."""
         return cls(
             tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure,
-            utility=spec.utility, kv_cost=spec.kv_cost, grouping=None if spec.grouping is None else spec.grouping.measure,
+            utility=spec.utility, kv_cost=spec.kv_cost, grouping=spec.grouping,
         )
 
 

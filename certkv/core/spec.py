@@ -356,14 +356,28 @@ class GroupingConfig(BaseModel):
       calibration (each question counts once: E[k_g] / E[n_g]);
     * ``any_question``: the share of contexts with at least one violated question.
 
+    ``bound`` is how the two mean measures are tested: ``hoeffding_bentkus`` (the default; tight
+    when a context's questions fail together) or ``betting`` (a variance-adaptive betting test,
+    far tighter when they are nearly independent). ``any_question`` is always the exact binomial
+    over contexts.
+
     Examples
     --------
-    >>> GroupingConfig().measure
-    'per_context'
+    >>> GroupingConfig().measure, GroupingConfig().bound
+    ('per_context', 'hoeffding_bentkus')
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     measure: Literal["per_context", "per_question", "any_question"] = "per_context"
+    bound: Literal["hoeffding_bentkus", "betting"] = "hoeffding_bentkus"
+
+    @model_validator(mode="after")
+    def _bound_of_a_mean(self) -> GroupingConfig:
+        if self.measure == "any_question" and self.bound != "hoeffding_bentkus":
+            raise ValueError(
+                "any_question is tested exactly (binomial over contexts); bound applies to per_context and per_question"
+            )
+        return self
 
 
 class CandidateInfo(BaseModel):

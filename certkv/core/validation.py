@@ -52,7 +52,7 @@ from scipy.stats import binom
 
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
 from certkv.core.certify import candidate_rows, check_inputs, check_sampling_unit, decide, prepare, select_candidates
-from certkv.core.grouped import Groups, group_values, hoeffding_bentkus_p_value
+from certkv.core.grouped import Groups, betting_p_value, group_values, hoeffding_bentkus_p_value
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import ContractSummary
 from certkv.core.pilot import PilotInfo, pilot_size
@@ -348,10 +348,7 @@ def _run_grouped_splits(
         cal = calibration_masks(rng, size, groups.n_groups, g_cal)
         halves = [_grouped_half(mask, k_groups, values, memory, sizes, measure) for mask in (cal, 1.0 - cal)]
         (k_cal, est_cal, mem_cal, mean_cal), (k_test, est_test, mem_test, _) = halves
-        if measure == "any_question":
-            p = binom.cdf(np.rint(mean_cal * g_cal), g_cal, spec.risk)
-        else:
-            p = hoeffding_bentkus_p_value(mean_cal, g_cal, spec.risk)
+        p = _grouped_split_p(spec, cal, values, mean_cal, g_cal)
         _, pick = decide(p, mem_cal, k_cal, spec)
         empirical = select_candidates(est_cal <= spec.risk + VIOLATION_EPS, mem_cal, k_cal)
         picks = {"certkv": pick, "empirical_thresholding": empirical}
@@ -362,6 +359,21 @@ def _run_grouped_splits(
             parts[method].append((index, k, used, risk, weight))
     outcomes = {m: SplitOutcomes(*(np.concatenate(column) for column in zip(*parts[m]))) for m in METHODS}
     return SplitRun(groups.n_groups, g_cal, g_test, [table.policies[r] for r in rows], resolution, outcomes)
+
+
+def _grouped_split_p(
+    spec: CertificationSpec, cal: np.ndarray, values: np.ndarray, mean_cal: np.ndarray, g_cal: int
+) -> np.ndarray:
+    """The grouped p-values of every candidate on every split's calibration contexts (`cal`: (S, G)
+    masks, `values`: the (G, C) per-context statistic, `mean_cal`: its (S, C) calibration means),
+    as :func:`certkv.core.grouped.grouped_p_values` computes them on those contexts alone."""
+    assert spec.grouping is not None
+    if spec.grouping.measure == "any_question":
+        return binom.cdf(np.rint(mean_cal * g_cal), g_cal, spec.risk)
+    if spec.grouping.bound == "betting":  # each split's calibration contexts in table order, as certify takes them
+        columns = np.flatnonzero(cal.ravel() > 0).reshape(cal.shape[0], g_cal) % cal.shape[1]
+        return betting_p_value(np.swapaxes(values[columns], 1, 2), spec.risk)
+    return hoeffding_bentkus_p_value(mean_cal, g_cal, spec.risk)
 
 
 def _grouped_half(mask, k_groups, values, memory, sizes, measure):

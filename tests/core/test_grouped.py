@@ -20,6 +20,7 @@ from scipy.stats import binom
 from certkv.core.binomial import binomial_p_value, clopper_pearson_upper
 from certkv.core.grouped import (
     Groups,
+    betting_p_value,
     group_values,
     grouped_estimate,
     grouped_p_values,
@@ -162,3 +163,52 @@ def test_resamples_with_their_own_context_sizes_match_one_call_each(measure):
         for c in range(3):
             assert p[b, c] == pytest.approx(float(grouped_p_values(k[b, c], n[b, 0], measure, 0.1)), rel=1e-12)
             assert bound[b, c] == pytest.approx(float(grouped_upper_bound(k[b, c], n[b, 0], measure, 0.9)), rel=1e-9)
+
+
+def _betting_by_hand(x, risk, cap=0.5):
+    """The betting p-value step by step in plain Python: running mean and variance with the
+    (1/2, 1/4) pseudo-observation, the clipped bet, the wealth and its maximum."""
+    total, squares, wealth, best = 0.5, 0.25, 1.0, 1.0
+    mean_before, var_before = 0.5, 0.25
+    for i, xi in enumerate(x, start=1):
+        gap = risk - mean_before
+        bet = min(max(gap / (var_before + gap * gap), 0.0), cap / (1 - risk))
+        wealth *= 1 + bet * (risk - xi)
+        best = max(best, wealth)
+        total += xi
+        mean_before = total / (i + 1)
+        squares += (xi - mean_before) ** 2
+        var_before = squares / (i + 1)
+    return 1 / best
+
+
+def test_betting_p_value_matches_a_step_by_step_computation():
+    rng = np.random.default_rng(7)
+    for size, risk in [(1, 0.1), (30, 0.05), (200, 0.1), (120, 0.3)]:
+        x = rng.binomial(8, risk * 0.6, size=size) / 8
+        assert float(betting_p_value(x, risk)) == pytest.approx(_betting_by_hand(x.tolist(), risk), rel=1e-10)
+    batch = rng.random((3, 40)) * 0.2
+    np.testing.assert_allclose(betting_p_value(batch, np.array([0.1, 0.2, 0.3])),
+                               [_betting_by_hand(row.tolist(), r) for row, r in zip(batch, (0.1, 0.2, 0.3))], rtol=1e-10)
+
+
+@pytest.mark.parametrize("measure", ["per_context", "per_question"])
+@pytest.mark.parametrize("together", [True, False])
+def test_betting_p_values_are_valid_at_the_boundary(measure, together):
+    rng = np.random.default_rng(8)
+    risk, delta, draws = 0.1, 0.1, 2000
+    k, n = _boundary_draws(rng, draws, 80, risk, together=together)
+    p = grouped_p_values(k, n, measure, risk, n_max=8, bound="betting")
+    limit = delta + 3 * math.sqrt(delta * (1 - delta) / draws)
+    assert (p <= delta).mean() <= limit
+
+
+def test_betting_sees_low_variance_contexts_that_hoeffding_bentkus_cannot():
+    rng = np.random.default_rng(9)
+    n = np.full((500, 200), 8)
+    k = rng.binomial(n, 0.06)  # questions fail independently: a context's share varies little
+    bet = grouped_p_values(k, n, "per_question", 0.1, bound="betting")
+    hb = grouped_p_values(k, n, "per_question", 0.1)
+    assert (bet <= 0.05).mean() > 0.5 > 0.25 > (hb <= 0.05).mean()
+    bound = grouped_upper_bound(k[0], n[0], "per_question", 0.95, bound="betting")
+    assert grouped_p_values(k[0], n[0], "per_question", float(bound), bound="betting") <= 0.05

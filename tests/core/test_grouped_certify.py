@@ -78,7 +78,7 @@ def test_grouped_certificate_recomputed_independently(measure):
         # Counts stay integers over questions.
         assert candidate.n == sum(n for _, n in pairs) and candidate.violations == sum(k for k, _ in pairs)
         assert (candidate.risk_upper_bound <= 0.1) == candidate.certified  # the bound reports the decision
-    assert op.contract.grouping == measure and op.n_contexts == 150
+    assert op.contract.grouping.measure == measure and op.n_contexts == 150
 
 
 def test_any_question_certificate_is_the_binomial_over_contexts():
@@ -208,7 +208,8 @@ def test_a_point_without_grouping_writes_no_grouped_fields():
     plain = certify(LossTable.from_records(rows), spec_of()).to_dict()
     assert "n_contexts" not in plain and "grouping" not in plain["contract"] and "n_contexts" not in plain["candidates"][0]
     grouped = certify(LossTable.from_records(clustered_rows()), spec_of(grouping={})).to_dict()
-    assert grouped["n_contexts"] == 150 and grouped["contract"]["grouping"] == "per_context"
+    assert grouped["n_contexts"] == 150
+    assert grouped["contract"]["grouping"] == {"measure": "per_context", "bound": "hoeffding_bentkus"}
     assert grouped["candidates"][0]["grouped_risk"] is not None
 
 
@@ -274,3 +275,30 @@ def test_a_stratum_with_too_few_contexts_falls_back_with_that_reason():
     op = certify(LossTable.from_records(rows), spec_of(grouping={}, strata={"by": "task"}))
     code = op.strata.entries["code"]
     assert code.fallback and "20 certification contexts, fewer than the 22 that certifying anything" in code.reason
+
+
+def test_betting_certificate_recomputed_independently():
+    from test_grouped import _betting_by_hand
+
+    rows = clustered_rows()
+    op = certify(LossTable.from_records(rows), spec_of(grouping={"measure": "per_context", "bound": "betting"}))
+    for candidate in op.candidates:
+        pairs = by_context(rows, candidate.policy)  # sorted by group name, the order certify bets in
+        assert candidate.p_value == pytest.approx(_betting_by_hand([k / n for k, n in pairs], 0.1), rel=1e-9)
+    assert op.contract.grouping.bound == "betting"
+    with pytest.raises(CertkvError, match="any_question is tested exactly"):
+        CertificationSpec.parse(spec_of().model_dump() | {"grouping": {"measure": "any_question", "bound": "betting"}})
+
+
+def test_betting_validation_decides_as_certify_does():
+    from certkv.core.grouped import Groups
+    from certkv.core.validation import calibration_masks, run_splits
+
+    table = LossTable.from_records(clustered_rows(contexts=240, seed=1))
+    spec = spec_of(grouping={"measure": "per_question", "bound": "betting"})
+    run = run_splits(table, spec, n_splits=5, calibration_fraction=0.5, seed=3)
+    groups = Groups.of(table.groups)
+    masks = calibration_masks(np.random.default_rng(3), 5, groups.n_groups, 120)
+    for s, mask in enumerate(masks):
+        op = certify(table.take_requests(np.flatnonzero(mask[groups.codes] > 0)), spec)
+        assert run.outcomes["certkv"].index[s] == (-1 if op.fallback else run.names.index(op.policy))
