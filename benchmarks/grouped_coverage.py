@@ -9,13 +9,15 @@ the table has, with replacement, and certifies the draw twice over:
 
 * **naive**: every question an independent request (exact binomial p-value, Clopper–Pearson bound),
   which is what certkv did before grouping;
-* **grouped**: contexts as the unit (:mod:`certkv.core.grouped`), for each measure.
+* **grouped**: contexts as the unit (:mod:`certkv.core.grouped`), for each measure, the two mean
+  measures under both bounds (Hoeffding–Bentkus and betting).
 
 Both use the same spec: one fixed sequence per press, its candidates from the most KV to the least,
 τ, ε and the confidence from the flags, and certkv's own decision step
-(:func:`certkv.core.certify.decide`). Reported, per candidate: the coverage of its bound (the
-share of draws whose upper bound at its level is ≥ its true risk; a valid bound covers at least
-1 − level) and how often it was certified while its true risk is above ε; for the chosen point,
+(:func:`certkv.core.certify.decide`). Reported, per candidate: its coverage (the share of draws
+whose test at the candidate's level does not reject its true risk, i.e. whose upper bound is at
+least the true risk; a valid test keeps it in at least 1 − level of the draws) and how often it
+was certified while its true risk is above ε; for the chosen point,
 the share of draws whose choice has a true risk ≤ ε (the full cache always has), and its mean KV.
 
 A second table, the same rows with the questions re-paired across contexts at random (every
@@ -40,10 +42,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import beta, binom
+from scipy.stats import binom
 
 from certkv.core.certify import certify, decide
-from certkv.core.grouped import MEASURES, Groups, grouped_estimate, grouped_p_values, grouped_upper_bound
+from certkv.core.grouped import MEASURES, Groups, grouped_estimate, grouped_p_values
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
 from certkv.core.procedures import candidate_levels
 from certkv.core.spec import CertificationSpec
@@ -52,6 +54,16 @@ RESULTS = Path(__file__).parent / "results"
 SEED = 4242
 RESAMPLES = 2000
 BLOCK = 250
+
+#: The grouped readings: (name, measure, bound); "naive" is the per-request certificate.
+GROUPED = (
+    ("per_question", "per_question", "hoeffding_bentkus"),
+    ("per_question+betting", "per_question", "betting"),
+    ("per_context", "per_context", "hoeffding_bentkus"),
+    ("per_context+betting", "per_context", "betting"),
+    ("any_question", "any_question", "hoeffding_bentkus"),
+)
+READINGS = ("naive", *(name for name, _, _ in GROUPED))
 
 
 # ----------------------------------------------------------------------------- tables
@@ -111,31 +123,43 @@ class Layout:
         return {m: np.asarray(grouped_estimate(self.k.T, self.n, m)) for m in MEASURES}
 
 
-def resample_block(layout: Layout, spec: CertificationSpec, idx: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
-    """Certify draws `idx` (B, G) of contexts, naively and grouped: per reading, the (B, C) bounds and
-    certified flags, and the (B,) chosen index and its mean memory."""
+def resample_block(layout: Layout, spec: CertificationSpec, idx: np.ndarray, truth: dict) -> dict[str, dict[str, np.ndarray]]:
+    """Certify draws `idx` (B, G) of contexts, naively and grouped: per reading, the (B, C)
+    p-values at ε, certified flags and coverage (the test at the candidate's level does not
+    reject its true risk, `truth`), and the (B,) chosen index and its mean memory."""
     k = layout.k[idx]  # (B, G, C)
     n = layout.n[idx]  # (B, G)
     memory = layout.memory[idx].sum(axis=1) / n.sum(axis=1)[:, None]  # (B, C)
     k_total, n_total = k.sum(axis=1), n.sum(axis=1)[:, None]
     out = {}
     naive_p = binom.cdf(k_total, n_total, spec.risk)
-    levels = candidate_levels(naive_p, spec.lengths, spec.delta, spec.procedure)
-    naive_bound = np.where(k_total >= n_total, 1.0, beta.ppf(1.0 - levels, k_total + 1, np.maximum(n_total - k_total, 1)))
-    out["naive"] = _decided(naive_p, naive_bound, memory, k_total, spec)
+    at_truth = _testable(truth["per_question"])
+    covered = _covered(binom.cdf(k_total, n_total, at_truth), naive_p, truth["per_question"], spec)
+    out["naive"] = _decided(naive_p, covered, memory, k_total, spec)
     kt, nt = np.swapaxes(k, 1, 2), n[:, None, :]  # (B, C, G), (B, 1, G)
-    for measure in MEASURES:
-        p = grouped_p_values(kt, nt, measure, spec.risk)
-        levels = candidate_levels(p, spec.lengths, spec.delta, spec.procedure)
-        bound = grouped_upper_bound(kt, nt, measure, 1.0 - levels)
-        out[measure] = _decided(p, bound, memory, k_total, spec)
+    for name, measure, how in GROUPED:
+        p = grouped_p_values(kt, nt, measure, spec.risk, bound=how)
+        p_true = grouped_p_values(kt, nt, measure, _testable(truth[measure]), bound=how)
+        out[name] = _decided(p, _covered(p_true, p, truth[measure], spec), memory, k_total, spec)
     return out
 
 
-def _decided(p, bound, memory, k_total, spec) -> dict[str, np.ndarray]:
+def _testable(true: np.ndarray) -> np.ndarray:
+    """True risks as test points: 0 and 1 (always covered, see :func:`_covered`) replaced by 1/2."""
+    return np.where((true > 0) & (true < 1), true, 0.5)
+
+
+def _covered(p_true: np.ndarray, p: np.ndarray, true: np.ndarray, spec: CertificationSpec) -> np.ndarray:
+    """(B, C): the test at each candidate's level (from the p-values at ε, as the procedure sets
+    it) keeps the true risk, i.e. the upper bound is at least it; a true risk of 0 or 1 is kept."""
+    levels = candidate_levels(p, spec.lengths, spec.delta, spec.procedure)
+    return (p_true > levels) | (true <= 0) | (true >= 1)
+
+
+def _decided(p, covered, memory, k_total, spec) -> dict[str, np.ndarray]:
     flags, chosen = decide(p, memory, k_total, spec)
     used = np.where(chosen < 0, 1.0, np.take_along_axis(memory, np.maximum(chosen, 0)[:, None], axis=1)[:, 0])
-    return {"bound": bound, "flags": flags, "chosen": chosen, "kv": used, "p": p}
+    return {"covered": covered, "flags": flags, "chosen": chosen, "kv": used, "p": p}
 
 
 def coverage(table: LossTable, spec: CertificationSpec, resamples: int, seed: int) -> dict:
@@ -148,12 +172,12 @@ def coverage(table: LossTable, spec: CertificationSpec, resamples: int, seed: in
     for start in range(0, resamples, BLOCK):
         size = min(BLOCK, resamples - start)
         idx = rng.integers(0, layout.groups.n_groups, size=(size, layout.groups.n_groups))
-        for reading, block in resample_block(layout, spec, idx).items():
+        for reading, block in resample_block(layout, spec, idx, truth).items():
             parts.setdefault(reading, []).append(block)
     readings = {}
     for reading, blocks in parts.items():
         merged = {key: np.concatenate([b[key] for b in blocks]) for key in blocks[0]}
-        true = truth["per_question" if reading == "naive" else reading]
+        true = truth["per_question" if reading == "naive" else reading.split("+")[0]]
         readings[reading] = summarise(merged, true, spec, levels)
     names = spec.candidates
     return {
@@ -168,7 +192,7 @@ def summarise(merged: dict, true: np.ndarray, spec: CertificationSpec, levels: n
     """Per candidate: bound coverage, share certified, share certified while its true risk > ε;
     the chosen point: share of draws whose choice holds, mean KV, share of fallbacks."""
     names = spec.candidates
-    covered = merged["bound"] >= true[None, :] - 1e-12
+    covered = merged["covered"]
     wrong = merged["flags"] & (true[None, :] > spec.risk)
     chosen = merged["chosen"]
     holds = np.where(chosen < 0, True, true[np.maximum(chosen, 0)] <= spec.risk)
@@ -187,40 +211,48 @@ def summarise(merged: dict, true: np.ndarray, spec: CertificationSpec, levels: n
 def certified_on_whole(table: LossTable, spec: CertificationSpec) -> dict:
     """The point each reading certifies on the whole table: policy and mean KV."""
     out = {}
-    for reading in ("naive", *MEASURES):
-        extra = {"independent_requests": True} if reading == "naive" else {"grouping": {"measure": reading}}
+    for reading in READINGS:
+        extra = _reading_spec(reading)
         op = certify(table, CertificationSpec.parse({**spec.model_dump(), **extra}))
         out[reading] = {"policy": op.policy, "mean_kv_retained": op.mean_kv_retained, "risk_upper_bound": op.risk_upper_bound}
     return out
 
 
+def _reading_spec(reading: str) -> dict:
+    """The spec fields of one reading: independent requests, or its grouping."""
+    if reading == "naive":
+        return {"independent_requests": True}
+    measure, how = next((m, b) for name, m, b in GROUPED if name == reading)
+    return {"grouping": {"measure": measure, "bound": how}}
+
+
 def self_check(table: LossTable, spec: CertificationSpec, seed: int) -> None:
-    """Three draws re-certified with certkv.certify on real resampled tables: same choices and bounds."""
+    """Three draws re-certified with certkv.certify on real resampled tables: same choices and p-values."""
     layout = Layout(table, spec)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, layout.groups.n_groups, size=(3, layout.groups.n_groups))
-    block = resample_block(layout, spec, idx)
+    block = resample_block(layout, spec, idx, layout.truth())
     for b in range(3):
         sub = resampled_table(table, layout, idx[b])
-        for reading in ("naive", *MEASURES):
-            extra = {"independent_requests": True} if reading == "naive" else {"grouping": {"measure": reading}}
-            op = certify(sub, CertificationSpec.parse({**spec.model_dump(), **extra}))
+        for reading in READINGS:
+            op = certify(sub, CertificationSpec.parse({**spec.model_dump(), **_reading_spec(reading)}))
             got = block[reading]["chosen"][b]
             expected = -1 if op.fallback else spec.candidates.index(op.policy)
             assert got == expected, (reading, b, got, expected)
-            bounds = [c.risk_upper_bound for c in op.candidates]
-            np.testing.assert_allclose(block[reading]["bound"][b], bounds, rtol=1e-6, atol=1e-9)
+            p_values = [c.p_value for c in op.candidates]
+            np.testing.assert_allclose(block[reading]["p"][b], p_values, rtol=1e-9, atol=1e-300)
 
 
 def resampled_table(table: LossTable, layout: Layout, draw: np.ndarray) -> LossTable:
-    """The LossTable of one draw of contexts (a context drawn twice appears twice, renamed)."""
+    """The LossTable of one draw of contexts (a context drawn twice appears twice, renamed); the
+    group names sort in the drawn order, the order a betting test takes the contexts in."""
     rows = []
     for slot, g in enumerate(draw):
         for r in np.flatnonzero(layout.groups.codes == g):
             for row in layout.rows:
                 rows.append({
                     "request_id": f"{slot}:{r}", "policy": table.policies[row], "kv_retained": float(table.kv_retained[row]),
-                    "loss": float(table.loss[row, r]), "memory": float(table.memory[row, r]), "group": f"{slot}",
+                    "loss": float(table.loss[row, r]), "memory": float(table.memory[row, r]), "group": f"{slot:06d}",
                 })
     return LossTable.from_records(rows)
 

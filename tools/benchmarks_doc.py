@@ -705,8 +705,9 @@ def strata_quality(data: dict) -> str:
     return "\n\n".join(parts)
 
 
-GROUPED_READINGS = (("naive", "naive (per request)"), ("per_question", "per_question"), ("per_context", "per_context"),
-                    ("any_question", "any_question"))
+GROUPED_READINGS = (("naive", "naive (per request)"), ("per_question", "per_question"),
+                    ("per_question+betting", "per_question, betting"), ("per_context", "per_context"),
+                    ("per_context+betting", "per_context, betting"), ("any_question", "any_question"))
 
 
 def grouped_candidates(t: dict) -> list[list[str]]:
@@ -748,10 +749,12 @@ def grouped_coverage(data: dict) -> str:
         f"(seed {data['seed']}) resamples as many contexts with replacement and certifies them at ε = {data['risk']:g}, "
         f"confidence {data['confidence']:g}, τ = {data['tolerance']:g}, one fixed sequence per press: *naive* treats "
         "every question as an independent request (the binomial certificate without grouping); the grouped readings "
-        "sample contexts (`requests.group_by: context`, each `requests.group_measure`). A candidate's true risk is "
-        "the measure on the whole table (naive is held to the per-question share, which is what it claims). "
-        "Coverage is the share of draws whose upper bound at the candidate's level is at least its true risk; a "
-        "valid bound covers at least the target 1 − level. A candidate that never violates is covered by any bound.",
+        "sample contexts (`requests.group_by: context`, each `requests.group_measure`; the two mean measures "
+        "under the default Hoeffding–Bentkus bound and under `betting`). A candidate's true risk is the measure on "
+        "the whole table (naive is held to the per-question share, which is what it claims). Coverage is the share "
+        "of draws whose test at the candidate's level does not reject its true risk, i.e. whose upper bound is at "
+        "least the true risk; a valid test covers at least the target 1 − level. A candidate that never violates "
+        "is covered by any bound.",
         table(["candidate", "true per-question", "true per-context", "true any-question", "target",
                *[f"{label} coverage" for _, label in GROUPED_READINGS], "naive certified above ε"],
               grouped_candidates(data["tables"]["clustered"])),

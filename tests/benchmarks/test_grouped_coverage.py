@@ -18,11 +18,12 @@ def test_grouped_coverage_on_a_synthetic_clustered_table(tmp_path):
     slack = 3 * math.sqrt(0.05 * 0.95 / 250)
     # Questions of a context fail together: the naive bound covers less than its target; the grouped ones do.
     assert clustered["readings"]["naive"]["worst_coverage"] < 0.95 - slack
-    for measure in ("per_question", "per_context", "any_question"):
+    for measure in ("per_question", "per_question+betting", "per_context", "per_context+betting", "any_question"):
         assert clustered["readings"][measure]["worst_coverage"] >= 0.95 - slack
     # Questions re-paired at random are nearly independent: grouping costs little KV there.
     whole = repaired["certified"]
-    assert abs(whole["per_question"]["mean_kv_retained"] - whole["naive"]["mean_kv_retained"]) <= 0.1
+    for reading in ("per_question", "per_question+betting"):
+        assert abs(whole[reading]["mean_kv_retained"] - whole["naive"]["mean_kv_retained"]) <= 0.1
     section = benchmarks_doc.grouped_coverage(data)
     assert section.startswith("## Grouped certificates") and "--synthetic" in section
-    assert f"{data['resamples']} draws" in section and "`synthetic@0.20`" in section
+    assert f"{data['resamples']} draws" in section and "`synthetic@0.20`" in section and "per_context, betting" in section

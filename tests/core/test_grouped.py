@@ -165,7 +165,7 @@ def test_resamples_with_their_own_context_sizes_match_one_call_each(measure):
             assert bound[b, c] == pytest.approx(float(grouped_upper_bound(k[b, c], n[b, 0], measure, 0.9)), rel=1e-9)
 
 
-def _betting_by_hand(x, risk, cap=0.5):
+def _betting_by_hand(x, risk, cap=0.75):
     """The betting p-value step by step in plain Python: running mean and variance with the
     (1/2, 1/4) pseudo-observation, the clipped bet, the wealth and its maximum."""
     total, squares, wealth, best = 0.5, 0.25, 1.0, 1.0
