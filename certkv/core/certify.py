@@ -711,6 +711,10 @@ def _per_task(violated, task_names, task_codes, risk) -> dict[str, TaskBreakdown
     return out
 
 
+#: How a grouped mean measure was tested, in the notes.
+_TEST_NAMES = {"hoeffding_bentkus": "Hoeffding–Bentkus", "betting": "betting"}
+
+
 def _notes(table: LossTable, spec: CertificationSpec, task_names) -> list[str]:
     notes = []
     tested = set(spec.candidates)
@@ -720,6 +724,12 @@ def _notes(table: LossTable, spec: CertificationSpec, task_names) -> list[str]:
         notes.append(f"policies in the records but in no sequence were ignored: {shown}")
     if not task_names:
         notes.append("the records have no task column; no per-task breakdown")
+    if spec.grouping is not None and table.groups is not None:
+        notes.append(
+            f"certified over {len(set(table.groups))} contexts of {table.n_requests} requests ({spec.grouping.measure}, "
+            f"{_TEST_NAMES[spec.grouping.bound] if spec.grouping.measure != 'any_question' else 'binomial'}): "
+            "violations count questions, p-values and bounds come from the contexts"
+        )
     return notes
 
 

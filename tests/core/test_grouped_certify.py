@@ -79,6 +79,7 @@ def test_grouped_certificate_recomputed_independently(measure):
         assert candidate.n == sum(n for _, n in pairs) and candidate.violations == sum(k for k, _ in pairs)
         assert (candidate.risk_upper_bound <= 0.1) == candidate.certified  # the bound reports the decision
     assert op.contract.grouping.measure == measure and op.n_contexts == 150
+    assert f"certified over 150 contexts of {op.candidates[0].n} requests ({measure}, Hoeffding–Bentkus)" in " ".join(op.notes)
 
 
 def test_any_question_certificate_is_the_binomial_over_contexts():
