@@ -17,6 +17,8 @@ Modules, in the order they build on each other:
 * :mod:`~certkv.core.loss_table` — one loss per (request, policy), read from any source;
 * :mod:`~certkv.core.gate_features` — the learned gate's features and score;
 * :mod:`~certkv.core.gated` — gated candidates derived from their base's records;
+* :mod:`~certkv.core.grouped` — the certificate over context groups (Hoeffding–Bentkus, binomial
+  over contexts) when requests share a context;
 * :mod:`~certkv.core.pilot` — the pilot split: thresholds and learned gates placed on it;
 * :mod:`~certkv.core.coverage` — the coverage envelope of a certificate (strata, context lengths);
 * :mod:`~certkv.core.file_format` — the ``format_version`` every file certkv writes, checked on load;

@@ -8,7 +8,9 @@ and, among the certified candidates, chooses the one that keeps the least KV cac
 candidate may be chosen because the guarantee is simultaneous). When nothing is certified it falls
 back to the full cache and says which candidate failed first and why. Gated candidates are derived
 first, in one step (:func:`prepare`), and a stratified spec is one pooled certificate per stratum
-(:func:`certify_stratified`).
+(:func:`certify_stratified`). A grouped spec (``spec.grouping``) takes its p-values and bounds
+from the contexts instead (:mod:`certkv.core.grouped`); the violation counts stay integers over
+questions.
 
 This module is torch-free: it imports numpy, scipy and pydantic only, so certificates can be
 computed and checked on machines without the model stack.
@@ -24,6 +26,15 @@ import numpy.typing as npt
 from certkv.core.binomial import binomial_p_value, clopper_pearson_upper, violation_mask
 from certkv.core.coverage import Coverage, coverage_of
 from certkv.core.gated import derive_gated
+from certkv.core.grouped import (
+    Groups,
+    check_group_strata,
+    check_grouping,
+    grouped_estimate,
+    grouped_p_values,
+    grouped_promise,
+    grouped_upper_bound,
+)
 from certkv.core.loss_table import LossTable
 from certkv.core.loss_table import records_sha256 as _records_sha256
 from certkv.core.operating_point import (
@@ -39,7 +50,14 @@ from certkv.core.pilot import PilotInfo, PilotResolution, apply_pilot
 from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
 from certkv.core.procedures import candidate_levels, certified_mask, sequence_stops
 from certkv.core.spec import CertificationSpec
-from certkv.core.strata import full_cache_counts, split_strata, stratified_point, stratum_guarantee, with_stratum_coverage
+from certkv.core.strata import (
+    full_cache_counts,
+    split_strata,
+    stratified_point,
+    stratum_guarantee,
+    stratum_labels,
+    with_stratum_coverage,
+)
 from certkv.errors import CertkvError
 
 #: Re-exported helper; certify() takes a keyword of the same name, hence the private alias above.
@@ -145,6 +163,7 @@ def prepare(table: LossTable, spec: CertificationSpec) -> tuple[LossTable, Certi
     >>> table.n_requests, resolution.info.n_pilot  # the pilot's 50 requests never certify
     (150, 50)
     """
+    check_grouping(table, spec)
     table, spec, resolution = apply_pilot(table, spec)
     return derive_gated(table, spec), spec, resolution
 
@@ -206,6 +225,7 @@ def certify(
     [(2, 'snapkv@0.30')]
     """
     check_inputs(table, spec)
+    check_sampling_unit(table, spec)
     if records_sha256 is None:  # the recorded evidence (pilot included): derived gated rows are not part of it
         records_sha256 = _records_sha256(table)
     if spec.strata is not None:
@@ -236,6 +256,27 @@ def check_inputs(table: LossTable, spec: CertificationSpec) -> None:
             f"spec must be a CertificationSpec, got {type(spec).__name__}; build one with CertificationSpec.parse(data) "
             "or from a contract with certkv.certification_spec(contract)"
         )
+
+
+def check_sampling_unit(table: LossTable, spec: CertificationSpec) -> None:
+    """One-line errors when the table's context groups and the spec disagree
+    (:func:`certkv.core.grouped.check_grouping`), or when a grouped, stratified spec meets a context
+    whose questions span two strata (:func:`certkv.core.grouped.check_group_strata`).
+
+    Examples
+    --------
+    >>> from certkv.core.loss_table import LossTable
+    >>> from certkv.core.spec import CertificationSpec
+    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0} for i in range(4)]
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]], grouping={})
+    >>> check_sampling_unit(LossTable.from_records(rows), spec)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    certkv.errors.CertkvError: records: the spec certifies over context groups but the records have no group column; ...
+    """
+    check_grouping(table, spec)
+    if spec.grouping is not None and spec.strata is not None and table.groups is not None:
+        check_group_strata(table.groups, stratum_labels(table, spec.strata.by), spec.strata.by)
 
 
 def certify_pooled(
@@ -338,8 +379,9 @@ def _too_small(
 @dataclass(frozen=True)
 class _Counts:
     """Per candidate (contract order): table row, violation flags per request, violation count k,
-    mean KV retained, exact p-value, procedure level and certified flag; and the chosen index (-1:
-    fallback)."""
+    mean KV retained, p-value, procedure level, certified flag and upper bound at 1 − level; the
+    chosen index (-1: fallback); under grouping the contexts' count and each candidate's grouped
+    estimate (None otherwise)."""
 
     rows: np.ndarray
     violations: np.ndarray
@@ -349,19 +391,35 @@ class _Counts:
     levels: np.ndarray
     flags: np.ndarray
     chosen: np.ndarray
+    bounds: np.ndarray
+    n_contexts: int | None = None
+    estimates: np.ndarray | None = None
 
 
 def _count_and_decide(table: LossTable, spec: CertificationSpec) -> _Counts:
-    """Count violations as integers, take each exact binomial p-value and apply the procedure."""
+    """Count violations as integers, take each p-value (exact binomial, or over contexts under
+    grouping) and apply the procedure; bound each candidate at its level."""
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance)
     n = table.n_requests
     k = violations.sum(axis=1)
     mean_memory = table.memory[rows].mean(axis=1)
-    p = np.array([binomial_p_value(int(kj), n, spec.risk) for kj in k])
+    if spec.grouping is not None:
+        assert table.groups is not None  # check_grouping refused a grouped spec on a table without groups
+        groups = Groups.of(table.groups)
+        measure = spec.grouping.measure
+        k_groups, bound = groups.counts(violations), spec.grouping.bound
+        p = np.asarray(grouped_p_values(k_groups, groups.sizes, measure, spec.risk, bound=bound), dtype=float)
+    else:
+        p = np.array([binomial_p_value(int(kj), n, spec.risk) for kj in k])
     flags, chosen = decide(p, mean_memory, k, spec)
     levels = candidate_levels(p, spec.lengths, spec.delta, spec.procedure)
-    return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen)
+    if spec.grouping is None:
+        bounds = np.array([clopper_pearson_upper(int(kj), n, 1.0 - float(lv)) for kj, lv in zip(k, levels)])
+        return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds)
+    bounds = np.asarray(grouped_upper_bound(k_groups, groups.sizes, measure, 1.0 - levels, bound=bound), dtype=float)
+    estimates = np.asarray(grouped_estimate(k_groups, groups.sizes, measure), dtype=float)
+    return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds, groups.n_groups, estimates)
 
 
 def _candidate_results(
@@ -369,12 +427,15 @@ def _candidate_results(
 ) -> list[CandidateResult]:
     """One result per candidate, in contract order: counts, bound at its level, per-task breakdown."""
     c = counts
-    return [
+    results = [
         _candidate_result(
             table, spec, c.rows[i], i, c.violations[i], c.p[i], c.levels[i], c.flags[i], c.mean_memory[i], task_names, task_codes
-        )
+        ).model_copy(update={"risk_upper_bound": float(c.bounds[i])})
         for i in range(len(c.rows))
     ]
+    if c.estimates is None:
+        return results
+    return [r.model_copy(update={"n_contexts": c.n_contexts, "grouped_risk": float(e)}) for r, e in zip(results, c.estimates)]
 
 
 def _sequence_results(spec: CertificationSpec, flags: np.ndarray) -> list[SequenceResult]:
@@ -434,6 +495,8 @@ def _certified(spec: CertificationSpec, best: CandidateResult, notes: list[str],
         empirical_risk=best.empirical_risk,
         risk_upper_bound=best.risk_upper_bound,
         p_value=best.p_value,
+        n_contexts=best.n_contexts,
+        grouped_risk=best.grouped_risk,
         per_task=best.per_task,
         guarantee=guarantee_sentence(spec),
         notes=notes,
@@ -442,17 +505,28 @@ def _certified(spec: CertificationSpec, best: CandidateResult, notes: list[str],
 
 
 def guarantee_sentence(spec: CertificationSpec) -> str:
-    """The promise in words, with its scope: the calibration distribution, not each task.
+    """The promise in words, with its scope: the calibration distribution, not each task; under
+    grouping, what its share counts (:func:`certkv.core.grouped.grouped_promise`).
 
     Examples
     --------
-    >>> from certkv.core.spec import CertificationSpec
+    >>> from certkv.core.spec import CertificationSpec, GroupingConfig
     >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]])
     >>> print(guarantee_sentence(spec))
     With probability ≥ 0.95 over the calibration draw, at most 5% of requests from the calibration distribution lose
     more than 0.0 utility. This covers the calibration distribution (the declared task mix), not each task or each request
     on its own.
+    >>> print(guarantee_sentence(spec.model_copy(update={"grouping": GroupingConfig()})))
+    With probability ≥ 0.95 over the calibration draw, at most 5% of questions lose more than 0.0 utility, each context
+    weighted equally, contexts drawn as in calibration. This covers the calibration distribution (the declared task mix),
+    not each task, context or question on its own.
     """
+    if spec.grouping is not None:
+        return (
+            f"With probability ≥ {spec.confidence:g} over the calibration draw, "
+            f"{grouped_promise(spec.grouping.measure, spec.risk, spec.tolerance)}. This covers the calibration "
+            "distribution (the declared task mix), not each task, context or question on its own."
+        )
     return (
         f"With probability ≥ {spec.confidence:g} over the calibration draw, at most "
         f"{_percent(spec.risk)} of requests from the calibration distribution lose more than "
@@ -476,7 +550,7 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
     )
     reason = (
         f"no candidate was certified; the first to fail was {first.policy!r} (sequence "
-        f"{first.sequence}, position {first.position}): {first.violations}/{first.n} violations, "
+        f"{first.sequence}, position {first.position}): {first.violations}/{first.n} violations{_grouped_evidence(first)}, "
         f"risk upper bound {first.risk_upper_bound:.4g} at confidence {1.0 - first.level:.4g} "
         f"{verdict}{others}; using the full cache"
     )
@@ -486,7 +560,7 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
         per_task = {
             name: TaskBreakdown(n=int(c), violations=0, rate=0.0, exceeds_risk=False) for name, c in zip(task_names, counts)
         }
-    return full_cache_point(
+    point = full_cache_point(
         spec,
         n=table.n_requests,
         reason=reason,
@@ -503,6 +577,14 @@ def _fallback(table, spec, candidates, task_names, task_codes, notes, common) ->
         sequences=common["sequences"],
         pilot=common["pilot"],
     )
+    return point.model_copy(update={"n_contexts": first.n_contexts})  # null unless grouped
+
+
+def _grouped_evidence(candidate: CandidateResult) -> str:
+    """The contexts behind a grouped candidate's bound, for the fallback reason ("" when not grouped)."""
+    if candidate.n_contexts is None or candidate.grouped_risk is None:
+        return ""
+    return f" over {candidate.n_contexts} contexts (grouped estimate {candidate.grouped_risk:.4g})"
 
 
 def full_cache_point(
@@ -586,7 +668,7 @@ def _candidate_result(table, spec, row, i, violated, p, level, certified, mean_m
         n=n,
         violations=k,
         empirical_risk=k / n,
-        risk_upper_bound=clopper_pearson_upper(k, n, 1.0 - float(level)),
+        risk_upper_bound=0.0,  # filled from the counts: Clopper–Pearson, or the grouped bound
         p_value=float(p),
         level=float(level),
         certified=bool(certified),
@@ -629,6 +711,10 @@ def _per_task(violated, task_names, task_codes, risk) -> dict[str, TaskBreakdown
     return out
 
 
+#: How a grouped mean measure was tested, in the notes.
+_TEST_NAMES = {"hoeffding_bentkus": "Hoeffding–Bentkus", "betting": "betting"}
+
+
 def _notes(table: LossTable, spec: CertificationSpec, task_names) -> list[str]:
     notes = []
     tested = set(spec.candidates)
@@ -638,6 +724,12 @@ def _notes(table: LossTable, spec: CertificationSpec, task_names) -> list[str]:
         notes.append(f"policies in the records but in no sequence were ignored: {shown}")
     if not task_names:
         notes.append("the records have no task column; no per-task breakdown")
+    if spec.grouping is not None and table.groups is not None:
+        notes.append(
+            f"certified over {len(set(table.groups))} contexts of {table.n_requests} requests ({spec.grouping.measure}, "
+            f"{_TEST_NAMES[spec.grouping.bound] if spec.grouping.measure != 'any_question' else 'binomial'}): "
+            "violations count questions, p-values and bounds come from the contexts"
+        )
     return notes
 
 
@@ -660,6 +752,7 @@ __all__ = [
     "certify_pooled",
     "certify_stratified",
     "check_inputs",
+    "check_sampling_unit",
     "decide",
     "full_cache_point",
     "guarantee_sentence",

@@ -23,7 +23,10 @@ least ``request_id, policy, kv_retained, loss``. Optional columns:
   ``full`` row; one value per request);
 * ``stratum``: the request's value of a ``strata: {by: metadata.<key>}`` contract's field (each
   stratum is certified on its own; one value per request, like ``task``); ``by: task`` reads the
-  ``task`` column.
+  ``task`` column;
+* ``group``: the request's context group (requests that ask about the same context share it; a
+  grouped certificate samples contexts, not requests: :mod:`certkv.core.grouped`). One value per
+  request, like ``task``; when the column is present every request needs one.
 
 The signal columns are optional, NaN (None for ``lookahead_heads``) where a row lacks them; a gate
 that needs a missing one refuses the table (:mod:`certkv.core.gated`).
@@ -60,7 +63,7 @@ from certkv.errors import CertkvError
 
 REQUIRED_COLUMNS = ("request_id", "policy", "kv_retained", "loss")
 #: The optional columns: the table's own, then every recorded gate signal (:mod:`certkv.core.signals`).
-OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", *(s.name for s in RECORDED), "stratum")
+OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", *(s.name for s in RECORDED), "stratum", "group")
 #: Per-(policy, request) float signals, (P, R) each.
 CANDIDATE_SIGNALS = tuple(s.name for s in RECORDED if s.per == "candidate" and s.kind == "scalar")
 
@@ -108,7 +111,8 @@ class LossTable:
     (P_recorded, R, F), covering the policies read from the input, which come first (derived gated
     rows appended after them have no per-head masses). Each is also an attribute
     (``table.agreement_drop``), None when no row has it. ``gated`` maps each derived gated policy
-    to how it was derived; it is empty for a table read from records.
+    to how it was derived; it is empty for a table read from records. ``groups`` holds each
+    request's context group (the ``group`` column), None when the input has none.
 
     Examples
     --------
@@ -134,6 +138,7 @@ class LossTable:
     gated: Mapping[str, GatedRow] = field(default_factory=dict)
     strata: tuple[str | None, ...] | None = None
     signals: Mapping[str, np.ndarray] = field(default_factory=dict)
+    groups: tuple[str, ...] | None = None
 
     def __getattr__(self, name: str):
         # A declared signal reads as an attribute (None when the table has none of it).
@@ -184,6 +189,7 @@ class LossTable:
             request_ids=tuple(self.request_ids[int(i)] for i in columns),
             tasks=None if self.tasks is None else tuple(self.tasks[int(i)] for i in columns),
             strata=None if self.strata is None else tuple(self.strata[int(i)] for i in columns),
+            groups=None if self.groups is None else tuple(self.groups[int(i)] for i in columns),
             loss=cut(self.loss),
             memory=cut(self.memory),
             kv_retained_actual=cut(self.kv_retained_actual),
@@ -365,6 +371,8 @@ def records_sha256(table: LossTable) -> str:
                 digest.update(_hash_block(s, values, order, table.policies, digest))
     if table.strata is not None:  # hashed only when present: a table without strata hashes as if they did not exist
         digest.update(json.dumps(["stratum", list(table.strata)]).encode("utf-8"))
+    if table.groups is not None:  # likewise: a table without groups hashes as before the column existed
+        digest.update(json.dumps(["group", list(table.groups)]).encode("utf-8"))
     # The own-hash signals, each only when present.
     for s in RECORDED:
         values = table.signals.get(s.name)
@@ -532,6 +540,7 @@ def _build(columns: dict, source: str, where) -> LossTable:
     at = _row_layout(request_ids, policy_names, source, where)
     tasks = _request_tasks(columns["task"], at.request_codes, at.universe, source, where)
     strata = _request_tasks(columns["stratum"], at.request_codes, at.universe, source, where, column="stratum")
+    groups = _request_groups(columns["group"], at.request_codes, at.universe, source, where)
     loss, kv, memory, actual = _fractions(columns, at, source, where)
     parsed = {s.name: _parse_signal(s, columns[s.name], at, source, where) for s in RECORDED if columns[s.name] is not None}
 
@@ -580,6 +589,7 @@ def _build(columns: dict, source: str, where) -> LossTable:
         source=source,
         strata=strata,
         signals=signals,
+        groups=groups,
     )
 
 
@@ -726,6 +736,22 @@ def _request_tasks(values, request_codes, universe, source, where, column: str =
         )
     names = [str(v) for v in task_map]
     return tuple(names[int(c)] if c >= 0 else None for c in high)
+
+
+def _request_groups(values, request_codes, universe, source, where) -> tuple[str, ...] | None:
+    """One context group per request (:func:`_request_tasks` of the ``group`` column); with the
+    column present, a request none of whose rows names its group is an error: a missing group
+    would silently make it a context of its own."""
+    groups = _request_tasks(values, request_codes, universe, source, where, column="group")
+    if groups is None:
+        return None
+    if None in groups:
+        missing = universe[groups.index(None)]
+        raise CertkvError(
+            f"{source}: request {missing!r} has no group while other requests have one; give every request "
+            "its context group (or drop the group column)"
+        )
+    return tuple(g for g in groups if g is not None)
 
 
 def _check_unique_pairs(pol, req, n_req, rows, policies, universe, source, where) -> None:

@@ -24,7 +24,7 @@ from certkv.core.coverage import Coverage
 from certkv.core.file_format import check_format_version
 from certkv.core.pilot import PilotInfo
 from certkv.core.procedures import Procedure
-from certkv.core.spec import CertificationSpec, GateSettings
+from certkv.core.spec import CertificationSpec, GateSettings, GroupingConfig
 from certkv.errors import CertkvError, format_validation_error
 
 #: The layout of ``operating_point.json`` (:mod:`certkv.core.file_format`): a reader takes this
@@ -68,7 +68,11 @@ class ContractSummary(BaseModel):
     >>> from certkv.core.spec import CertificationSpec
     >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
     >>> ContractSummary.of(spec)
-    ContractSummary(tolerance=0.0, risk=0.1, confidence=0.9, procedure='fixed_sequence', utility=None, kv_cost='kv_retained')
+    ContractSummary(tolerance=0.0, risk=0.1, confidence=0.9, procedure='fixed_sequence', utility=None,
+                    kv_cost='kv_retained', grouping=None)
+
+    ``grouping`` is the grouped measure the risk bounds and how it was tested
+    (:mod:`certkv.core.grouped`), null when requests are the sampling unit.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -78,13 +82,14 @@ class ContractSummary(BaseModel):
     procedure: Procedure
     utility: str | None = None
     kv_cost: str = "kv_retained"  # what mean_kv_retained averages: the nominal share, or a generation's peak / KV-time
+    grouping: GroupingConfig | None = None
 
     @classmethod
     def of(cls, spec: CertificationSpec) -> ContractSummary:
         """The contract terms a result reports, taken from the spec it was computed under."""
         return cls(
             tolerance=spec.tolerance, risk=spec.risk, confidence=spec.confidence, procedure=spec.procedure,
-            utility=spec.utility, kv_cost=spec.kv_cost,
+            utility=spec.utility, kv_cost=spec.kv_cost, grouping=spec.grouping,
         )
 
 
@@ -116,6 +121,12 @@ class CandidateResult(BaseModel):
     ``p_value <= level`` ⇔ ``risk_upper_bound <= ε``. ``mean_kv_retained`` is the mean KV fraction
     actually used (the memory column; gated fallbacks count 1.0).
 
+    Under a grouped spec (:mod:`certkv.core.grouped`) ``n`` and ``violations`` still count
+    questions (requests), ``n_contexts`` counts the contexts, ``grouped_risk`` is the contract's
+    measure estimated on them, and ``p_value`` and ``risk_upper_bound`` are the grouped ones (a
+    Hoeffding–Bentkus bound, or Clopper–Pearson over contexts for ``any_question``); both
+    grouped fields are null otherwise.
+
     Examples
     --------
     >>> from certkv.core.certify import certify
@@ -146,6 +157,8 @@ class CandidateResult(BaseModel):
     per_task: dict[str, TaskBreakdown] = Field(default_factory=dict)
     gate: GateSettings | None = None
     gated_share: float = 0.0
+    n_contexts: int | None = None
+    grouped_risk: float | None = None
 
 
 class SequenceResult(BaseModel):
@@ -227,6 +240,10 @@ class OperatingPoint(BaseModel):
     empirical_risk: float
     risk_upper_bound: float
     p_value: float | None
+    n_contexts: int | None = None
+    """Contexts of the certification requests under a grouped spec (null otherwise), with
+    ``grouped_risk``, the chosen candidate's grouped measure on them (:class:`CandidateResult`)."""
+    grouped_risk: float | None = None
     candidates: list[CandidateResult]
     sequences: list[SequenceResult]
     per_task: dict[str, TaskBreakdown] = Field(default_factory=dict)
@@ -288,9 +305,10 @@ class OperatingPoint(BaseModel):
         data = self.model_dump(mode="json")
         if data.get("reason") is None:
             data.pop("reason", None)
-        for key in ("pilot", "coverage", "strata"):
+        for key in ("pilot", "coverage", "strata", *_GROUPED_KEYS):
             if data.get(key) is None:
                 data.pop(key, None)
+        _drop_null_grouping(data)
         if self.strata is not None:  # one version per file: the stratum entries carry none of their own
             data["strata"]["entries"] = {
                 name: {k: v for k, v in op.to_dict().items() if k != "format_version"} for name, op in self.strata.entries.items()
@@ -304,6 +322,21 @@ class OperatingPoint(BaseModel):
         """Write atomically (temporary file in the same folder, then rename): a reader never
         sees a half-written operating point, even if the process is killed mid-write."""
         return write_text_atomic(path, self.to_json())
+
+
+#: Fields only a grouped certificate fills; a point without grouping writes none of them.
+_GROUPED_KEYS = ("n_contexts", "grouped_risk")
+
+
+def _drop_null_grouping(data: dict) -> None:
+    """Leave the grouped fields out of a point's dict where they are null (its contract's
+    ``grouping`` and each candidate's counts), so that files without grouping keep their layout."""
+    if data.get("contract", {}).get("grouping", 0) is None:
+        data["contract"].pop("grouping")
+    for candidate in data.get("candidates", []):
+        for key in _GROUPED_KEYS:
+            if candidate.get(key, 0) is None:
+                candidate.pop(key)
 
 
 class StrataResult(BaseModel):

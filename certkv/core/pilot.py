@@ -116,9 +116,16 @@ def pilot_size(n_requests: int, share: float) -> int:
     return int(round(share * n_requests))
 
 
-def draw_pilot(request_ids: Sequence[str], share: float, seed: int = 0, min_certification: int = MIN_CERTIFICATION) -> PilotSplit:
+def draw_pilot(
+    request_ids: Sequence[str],
+    share: float,
+    seed: int = 0,
+    min_certification: int = MIN_CERTIFICATION,
+    groups: Sequence[str] | None = None,
+) -> PilotSplit:
     """Draw the pilot: rank `request_ids` by ``sha256(f"{seed}:{request_id}")`` (hex) and take the
-    first ``round(share · R)``; the rest certify.
+    first ``round(share · R)``; the rest certify. With `groups` (each request's context group, a
+    grouped spec's), whole contexts are drawn instead (:func:`draw_pilot_groups`).
 
     Deterministic and independent of any loss or signal. Raises a one-line error when the pilot
     would be empty or leave fewer than `min_certification` certification requests.
@@ -135,6 +142,8 @@ def draw_pilot(request_ids: Sequence[str], share: float, seed: int = 0, min_cert
     share = float(share)
     if not 0.0 < share < 1.0:
         raise CertkvError(f"gate.pilot: the pilot share must be strictly between 0 and 1, got {share!r}")
+    if groups is not None:
+        return draw_pilot_groups(request_ids, groups, share, seed, min_certification)
     ids = list(request_ids)
     n = len(ids)
     n_pilot = pilot_size(n, share)
@@ -153,6 +162,42 @@ def draw_pilot(request_ids: Sequence[str], share: float, seed: int = 0, min_cert
     ranked = sorted(range(n), key=lambda i: (keys[i], ids[i]))
     pilot = np.sort(np.asarray(ranked[:n_pilot], dtype=np.int64))
     rest = np.sort(np.asarray(ranked[n_pilot:], dtype=np.int64))
+    return PilotSplit(share, int(seed), tuple(ids[int(i)] for i in pilot), tuple(ids[int(i)] for i in rest), pilot, rest)
+
+
+def draw_pilot_groups(
+    request_ids: Sequence[str], groups: Sequence[str], share: float, seed: int = 0, min_certification: int = MIN_CERTIFICATION
+) -> PilotSplit:
+    """Draw a grouped pilot: rank the distinct `groups` by ``sha256(f"{seed}:{group}")`` and take
+    the first ``round(share · G)`` contexts, every request of them; the rest certify. A context is
+    never split between the pilot and the certification requests, since its questions are not
+    independent of each other.
+
+    Deterministic, independent of any loss or signal; one-line errors as :func:`draw_pilot`.
+
+    Examples
+    --------
+    >>> ids = [f"r{i}" for i in range(400)]
+    >>> split = draw_pilot_groups(ids, [f"doc{i // 4}" for i in range(400)], share=0.25, seed=0)
+    >>> len(split.pilot_ids), len(split.certification_ids)  # 25 of 100 contexts, 4 questions each
+    (100, 300)
+    >>> len({int(r[1:]) // 4 for r in split.pilot_ids})  # whole contexts
+    25
+    """
+    ids, labels = list(request_ids), list(groups)
+    names = sorted(set(labels))
+    n_pilot_groups = pilot_size(len(names), share)
+    ranked = sorted(names, key=lambda g: (hashlib.sha256(f"{seed}:{g}".encode()).hexdigest(), g))
+    chosen = set(ranked[:n_pilot_groups])
+    in_pilot = np.fromiter((g in chosen for g in labels), dtype=bool, count=len(labels))
+    pilot, rest = np.flatnonzero(in_pilot), np.flatnonzero(~in_pilot)
+    if n_pilot_groups < 1:
+        raise CertkvError(f"gate.pilot: a pilot share of {share:g} of {len(names)} contexts draws no context; raise gate.pilot")
+    if rest.size < min_certification:
+        raise CertkvError(
+            f"gate.pilot: a pilot share of {share:g} leaves {rest.size} of {len(ids)} requests (whole contexts) to certify, "
+            f"fewer than {min_certification}; lower gate.pilot or calibrate more contexts"
+        )
     return PilotSplit(share, int(seed), tuple(ids[int(i)] for i in pilot), tuple(ids[int(i)] for i in rest), pilot, rest)
 
 
@@ -289,7 +334,8 @@ def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
     """
     if spec.pilot is None:
         raise CertkvError("this spec has no pilot (gate.pilot); nothing to resolve")
-    split = draw_pilot(table.request_ids, spec.pilot.share, spec.pilot.seed, spec.pilot.min_certification)
+    groups = table.groups if spec.grouping is not None else None
+    split = draw_pilot(table.request_ids, spec.pilot.share, spec.pilot.seed, spec.pilot.min_certification, groups=groups)
     pilot = table.take_requests(split.pilot_columns, source=f"{table.source} (pilot)")
     certification = table.take_requests(split.certification_columns)
     notes = [
@@ -448,6 +494,7 @@ __all__ = [
     "PilotSplit",
     "apply_pilot",
     "draw_pilot",
+    "draw_pilot_groups",
     "fit_learned_gate",
     "is_unresolved",
     "pilot_size",

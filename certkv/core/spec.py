@@ -344,6 +344,42 @@ class StrataConfig(BaseModel):
         return value
 
 
+class GroupingConfig(BaseModel):
+    """Certify over context groups: the calibration requests that share a context (the loss
+    table's ``group`` column) are one sampling unit, the context (:mod:`certkv.core.grouped`).
+
+    ``measure`` is the risk the guarantee bounds:
+
+    * ``per_context``: the mean over contexts of the share of that context's questions violated
+      (each context counts once, however many questions it has);
+    * ``per_question``: the share of all questions violated when contexts are drawn as in
+      calibration (each question counts once: E[k_g] / E[n_g]);
+    * ``any_question``: the share of contexts with at least one violated question.
+
+    ``bound`` is how the two mean measures are tested: ``hoeffding_bentkus`` (the default; tight
+    when a context's questions fail together) or ``betting`` (a variance-adaptive betting test,
+    far tighter when they are nearly independent). ``any_question`` is always the exact binomial
+    over contexts.
+
+    Examples
+    --------
+    >>> GroupingConfig().measure, GroupingConfig().bound
+    ('per_context', 'hoeffding_bentkus')
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    measure: Literal["per_context", "per_question", "any_question"] = "per_context"
+    bound: Literal["hoeffding_bentkus", "betting"] = "hoeffding_bentkus"
+
+    @model_validator(mode="after")
+    def _bound_of_a_mean(self) -> GroupingConfig:
+        if self.measure == "any_question" and self.bound != "hoeffding_bentkus":
+            raise ValueError(
+                "any_question is tested exactly (binomial over contexts); bound applies to per_context and per_question"
+            )
+        return self
+
+
 class CandidateInfo(BaseModel):
     """What deploying a candidate needs beyond its press and retention: the ungated base policy,
     the press's kwargs and the gate (null for an ungated candidate). ``pilot_gate`` is the
@@ -399,6 +435,13 @@ class CertificationSpec(BaseModel):
     query_aware: bool = Field(default=False, description="the question was prefilled with the context (protocol.query_aware)")
     pilot: PilotConfig | None = Field(default=None, description="the pilot split (gate.pilot of a contract)")
     strata: StrataConfig | None = Field(default=None, description="certify each stratum on its own (strata:)")
+    grouping: GroupingConfig | None = Field(
+        default=None, description="certify over context groups (requests.group_by: context); null: requests are the unit"
+    )
+    independent_requests: bool = Field(
+        default=False,
+        description="requests that share a context are certified as independent (requests.group_by: request)",
+    )
     utility: str | None = Field(
         default=None, description="the contract's utility, recorded so that live answers are scored as calibration scored them"
     )
@@ -413,6 +456,14 @@ class CertificationSpec(BaseModel):
         allow_inf_nan=False,
         description="relative widening of the calibrated context-length range the runtime serves (coverage.context_margin)",
     )
+
+    @model_validator(mode="after")
+    def _one_sampling_unit(self) -> CertificationSpec:
+        if self.grouping is not None and self.independent_requests:
+            raise ValueError(
+                "grouping and independent_requests exclude each other; requests.group_by is either context or request"
+            )
+        return self
 
     @field_validator("sequences")
     @classmethod
@@ -468,6 +519,7 @@ __all__ = [
     "CertificationSpec",
     "GateChoice",
     "GateSettings",
+    "GroupingConfig",
     "LearnedGate",
     "PilotConfig",
     "StrataConfig",

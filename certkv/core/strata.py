@@ -34,6 +34,7 @@ import numpy as np
 
 from certkv.core.binomial import binomial_p_value
 from certkv.core.coverage import merge_coverage
+from certkv.core.grouped import grouped_promise
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import (
     ContractSummary,
@@ -158,8 +159,35 @@ def split_strata(table: LossTable, spec: CertificationSpec) -> tuple[Certificati
     for s, name in enumerate(names):
         columns = np.flatnonzero(codes == s)
         sub = table.take_requests(columns, source=f"{table.source} [{by} {name}]")
-        out.append((name, sub, too_small_reason(columns.size, per_stratum, need)))
+        why = too_small_reason(columns.size, per_stratum, need) or too_few_contexts(sub.groups, per_stratum, need)
+        out.append((name, sub, why))
     return per_stratum, out
+
+
+def too_few_contexts(groups: Sequence[str] | None, spec: CertificationSpec, need: int) -> str | None:
+    """Under a grouped `spec`, why a stratum whose requests have context `groups` cannot certify
+    anything: fewer certification contexts (after a pilot's) than the `need`
+    (:func:`fewest_requests`) that a zero-violation certificate needs. With no violation the
+    grouped p-value over m contexts is (1 − ε)^m, the binomial one over m requests, so the count
+    carries over. None when it can, or without grouping.
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]], grouping={})
+    >>> print(too_few_contexts([f"doc{i // 8}" for i in range(400)], spec, need=fewest_requests(spec)))
+    50 certification contexts, fewer than the 59 that certifying anything at ε = 0.05 and confidence 0.95 needs with
+    zero violations
+    """
+    if spec.grouping is None or groups is None:
+        return None
+    n_contexts = len(set(groups))
+    n_cert = n_contexts - (pilot_size(n_contexts, spec.pilot.share) if spec.pilot is not None else 0)
+    if n_cert >= need:
+        return None
+    return (
+        f"{n_cert} certification contexts, fewer than the {need} that certifying anything at "
+        f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations"
+    )
 
 
 def with_stratum_coverage(entry: OperatingPoint, by: str, name: str) -> OperatingPoint:
@@ -194,6 +222,11 @@ def stratum_guarantee(spec: CertificationSpec, by: str, name: str, fallback: boo
     """
     if fallback:
         return f"Nothing was certified for {by} {name!r}; its requests are answered from the full cache."
+    if spec.grouping is not None:
+        return (
+            f"With probability ≥ {spec.confidence:.12g} over the calibration draw, for {by} {name!r} under this policy: "
+            f"{grouped_promise(spec.grouping.measure, spec.risk, spec.tolerance)}."
+        )
     return (
         f"With probability ≥ {spec.confidence:.12g} over the calibration draw, at most {spec.risk * 100:g}% of "
         f"{by} {name!r} requests lose more than {float(spec.tolerance)} utility under this policy."
@@ -212,17 +245,20 @@ def strata_guarantee(spec: CertificationSpec, per_stratum: CertificationSpec, by
     (True, True)
     """
     eps, tau = f"{spec.risk * 100:g}%", float(spec.tolerance)
+    grouped = "" if spec.grouping is None else (
+        f" Each stratum's share is over its contexts: {grouped_promise(spec.grouping.measure, spec.risk, spec.tolerance)}."
+    )
     if spec.strata is not None and spec.strata.simultaneous:
         return (
             f"With probability ≥ {spec.confidence:g} over the calibration draw, for every one of the {n_strata} "
             f"{by} strata at once, at most {eps} of that stratum's requests lose more than {tau} utility under "
             f"its policy (each stratum certified at confidence {per_stratum.confidence:.12g}), so the mix of "
-            f"calibrated strata loses more than {tau} on at most {eps} too. Requests of another {by} are "
+            f"calibrated strata loses more than {tau} on at most {eps} too.{grouped} Requests of another {by} are "
             "answered from the full cache."
         )
     return (
         f"For each of the {n_strata} {by} strata on its own: with probability ≥ {spec.confidence:g} over the "
-        f"calibration draw, at most {eps} of its requests lose more than {tau} utility under its policy. The "
+        f"calibration draw, at most {eps} of its requests lose more than {tau} utility under its policy.{grouped} The "
         f"guarantees are per stratum (the chance that some stratum's fails may exceed {spec.delta:g}; set "
         f"strata.simultaneous for a joint guarantee). Requests of another {by} are answered from the full cache."
     )
@@ -341,6 +377,7 @@ def stratified_point(entries: dict[str, OperatingPoint], spec: CertificationSpec
         empirical_risk=violations / n if n else 0.0,
         risk_upper_bound=max(op.risk_upper_bound for op in ops),
         p_value=None,
+        n_contexts=None if any(op.n_contexts is None for op in ops) else sum(op.n_contexts or 0 for op in ops),
         candidates=[],
         sequences=[],
         per_task=_pooled_tasks(ops, spec.risk),
@@ -381,7 +418,8 @@ def _task_counts(sub: LossTable, spec: CertificationSpec) -> dict[str, TaskBreak
     if spec.pilot is not None:  # the certification requests only, as every other entry counts them
         n_pilot = pilot_size(sub.n_requests, spec.pilot.share)
         if 1 <= n_pilot < sub.n_requests:
-            split = draw_pilot(sub.request_ids, spec.pilot.share, spec.pilot.seed, min_certification=1)
+            groups = sub.groups if spec.grouping is not None else None
+            split = draw_pilot(sub.request_ids, spec.pilot.share, spec.pilot.seed, min_certification=1, groups=groups)
             tasks = [tasks[int(i)] for i in split.certification_columns]
     names = [t if t is not None else "(no task)" for t in tasks]
     return {t: TaskBreakdown(n=names.count(t), violations=0, rate=0.0, exceeds_risk=False) for t in sorted(set(names))}
@@ -402,6 +440,7 @@ __all__ = [
     "stratum_guarantee",
     "stratum_labels",
     "stratum_spec",
+    "too_few_contexts",
     "too_small_reason",
     "with_stratum_coverage",
 ]

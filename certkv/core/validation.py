@@ -31,6 +31,12 @@ split: split i splits every stratum, and its test risk is the strata's test viol
 test requests (:class:`ValidationResult`). A stratum too small to split or to draw its pilot gets
 the full cache on every split, with that reason in its note, instead of an error; one whose
 calibration half is too small to certify anything says so (certkv falls back on every split there).
+
+A grouped spec (``grouping:``) is split by context: each split's calibration half is a random
+share of the contexts, every question of a context on the same side, and certkv decides on it
+with the grouped p-values (:mod:`certkv.core.grouped`); empirical thresholding takes the
+cheapest candidate whose calibration estimate of the measure is ≤ ε, and a split's test risk is
+the measure on its test contexts. ``n_calibration`` and ``n_test`` then count contexts.
 """
 
 from __future__ import annotations
@@ -42,9 +48,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
+from scipy.stats import binom
 
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
-from certkv.core.certify import candidate_rows, check_inputs, decide, prepare, select_candidates
+from certkv.core.certify import candidate_rows, check_inputs, check_sampling_unit, decide, prepare, select_candidates
+from certkv.core.grouped import Groups, betting_p_value, group_values, hoeffding_bentkus_p_value
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import ContractSummary
 from certkv.core.pilot import PilotInfo, pilot_size
@@ -166,6 +174,11 @@ class SplitOutcomes:
     index: np.ndarray
     k_test: np.ndarray
     used_kv: np.ndarray
+    test_risk: np.ndarray | None = None
+    """Grouped splits only: each split's test risk (the measure on its test contexts; 0 for the
+    full cache) and its weight when strata are pooled (test contexts, or test questions for
+    ``per_question``). Null for splits by request, whose risk is ``k_test / n_test``."""
+    test_weight: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -246,11 +259,22 @@ def validate(
     {'p@0.50': 20}
     """
     check_inputs(table, spec)
+    check_sampling_unit(table, spec)
     n_splits, calibration_fraction = _check_settings(n_splits, calibration_fraction)
     if spec.strata is not None:
         return _validate_stratified(table, spec, n_splits, calibration_fraction, seed)
     run = run_splits(table, spec, n_splits, calibration_fraction, seed)
-    return _result(run, spec, n_splits, calibration_fraction, seed, POOLED_NOTE)
+    return _result(run, spec, n_splits, calibration_fraction, seed, POOLED_NOTE + _grouped_note(spec))
+
+
+def _grouped_note(spec: CertificationSpec) -> str:
+    """What a grouped validation's sizes and risks count ("" when the spec is not grouped)."""
+    if spec.grouping is None:
+        return ""
+    return (
+        f" Split by context ({spec.grouping.measure}): n_calibration and n_test count contexts, and a split's "
+        "test risk is the grouped measure on its test contexts."
+    )
 
 
 def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int) -> SplitRun:
@@ -272,6 +296,8 @@ def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibra
     """
     table, spec, resolution = prepare(table, spec)
     rows = candidate_rows(table, spec)
+    if spec.grouping is not None:
+        return _run_grouped_splits(table, spec, rows, resolution, n_splits, calibration_fraction, seed)
     violations = violation_mask(table.loss[rows], spec.tolerance).T.astype(float)  # (R, C)
     memory = np.ascontiguousarray(table.memory[rows].T)  # (R, C)
     n_requests = table.n_requests
@@ -297,6 +323,68 @@ def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibra
             parts[method].append((index, *_score(index, k_test, mem_test)))
     outcomes = {m: SplitOutcomes(*(np.concatenate(column) for column in zip(*parts[m]))) for m in METHODS}
     return SplitRun(n_requests, n_cal, n_test, [table.policies[r] for r in rows], resolution, outcomes)
+
+
+def _run_grouped_splits(
+    table: LossTable, spec: CertificationSpec, rows: np.ndarray, resolution, n_splits: int, calibration_fraction: float, seed: int
+) -> SplitRun:
+    """:func:`run_splits` of a grouped spec: the contexts are split (module docstring)."""
+    assert spec.grouping is not None and table.groups is not None  # prepare checked the sampling unit
+    measure = spec.grouping.measure
+    groups = Groups.of(table.groups)
+    k_groups = groups.counts(violation_mask(table.loss[rows], spec.tolerance)).T.astype(float)  # (G, C)
+    values = group_values(k_groups.T, groups.sizes, measure, spec.risk).T  # (G, C)
+    memory = groups.sums(table.memory[rows]).T  # (G, C) memory summed per context
+    sizes = groups.sizes.astype(float)
+    g_cal, g_test = _halves(groups.n_groups, calibration_fraction)
+    if g_cal < 1 or g_test < 1:
+        raise CertkvError(
+            f"calibration_fraction {calibration_fraction} leaves {g_cal} calibration and {g_test} test contexts out of "
+            f"{groups.n_groups}; both halves need at least one context"
+        )
+    rng = np.random.default_rng(seed)
+    parts: dict[str, list] = {m: [] for m in METHODS}
+    for size in _blocks(n_splits):
+        cal = calibration_masks(rng, size, groups.n_groups, g_cal)
+        halves = [_grouped_half(mask, k_groups, values, memory, sizes, measure) for mask in (cal, 1.0 - cal)]
+        (k_cal, est_cal, mem_cal, mean_cal), (k_test, est_test, mem_test, _) = halves
+        p = _grouped_split_p(spec, cal, values, mean_cal, g_cal)
+        _, pick = decide(p, mem_cal, k_cal, spec)
+        empirical = select_candidates(est_cal <= spec.risk + VIOLATION_EPS, mem_cal, k_cal)
+        picks = {"certkv": pick, "empirical_thresholding": empirical}
+        weight = (1.0 - cal) @ sizes if measure == "per_question" else np.full(size, float(g_test))
+        for method, index in picks.items():
+            k, used = _score(index, k_test, mem_test)
+            risk = np.where(index < 0, 0.0, np.take_along_axis(est_test, np.maximum(index, 0)[:, None], axis=1)[:, 0])
+            parts[method].append((index, k, used, risk, weight))
+    outcomes = {m: SplitOutcomes(*(np.concatenate(column) for column in zip(*parts[m]))) for m in METHODS}
+    return SplitRun(groups.n_groups, g_cal, g_test, [table.policies[r] for r in rows], resolution, outcomes)
+
+
+def _grouped_split_p(
+    spec: CertificationSpec, cal: np.ndarray, values: np.ndarray, mean_cal: np.ndarray, g_cal: int
+) -> np.ndarray:
+    """The grouped p-values of every candidate on every split's calibration contexts (`cal`: (S, G)
+    masks, `values`: the (G, C) per-context statistic, `mean_cal`: its (S, C) calibration means),
+    as :func:`certkv.core.grouped.grouped_p_values` computes them on those contexts alone."""
+    assert spec.grouping is not None
+    if spec.grouping.measure == "any_question":
+        return binom.cdf(np.rint(mean_cal * g_cal), g_cal, spec.risk)
+    if spec.grouping.bound == "betting":  # each split's calibration contexts in table order, as certify takes them
+        columns = np.flatnonzero(cal.ravel() > 0).reshape(cal.shape[0], g_cal) % cal.shape[1]
+        return betting_p_value(np.swapaxes(values[columns], 1, 2), spec.risk)
+    return hoeffding_bentkus_p_value(mean_cal, g_cal, spec.risk)
+
+
+def _grouped_half(mask, k_groups, values, memory, sizes, measure):
+    """One half of grouped splits, `mask` (S, G) marking its contexts: its question violations
+    (S, C) as integers, its estimate of the measure, its mean memory per question and the mean
+    of the per-context statistic the p-value reads."""
+    questions = mask @ sizes  # (S,)
+    k = np.rint(mask @ k_groups).astype(np.int64)
+    mean = (mask @ values) / mask.sum(axis=1, keepdims=True)
+    estimate = k / questions[:, None] if measure == "per_question" else mean
+    return k, estimate, (mask @ memory) / questions[:, None], mean
 
 
 def stratum_seed(seed: int, stratum: str) -> int:
@@ -374,7 +462,8 @@ def _result(
 ) -> ValidationResult:
     """The ValidationResult of one table's splits."""
     methods = {
-        m: _summarise(m, out.k_test, run.n_test, out.used_kv, out.index < 0, _chosen(out.index, run.names), spec.risk)
+        m: _summarise(m, out.k_test, run.n_test, out.used_kv, out.index < 0, _chosen(out.index, run.names), spec.risk,
+                      test_risk=out.test_risk)
         for m, out in run.outcomes.items()
     }
     return ValidationResult(
@@ -435,13 +524,27 @@ def _pool(
 def _pool_method(method: str, runs: dict[str, SplitRun], n_test: int, risk: float) -> MethodResult:
     """One method's pooled MethodResult (definitions in :class:`ValidationResult`)."""
     k_test = sum(run.outcomes[method].k_test for run in runs.values())
+    test_risk = _pooled_test_risk([run.outcomes[method] for run in runs.values()], [run.n_test for run in runs.values()])
     used_kv = sum(run.n_test * run.outcomes[method].used_kv for run in runs.values()) / n_test
     fallback = sum(run.n_test * (run.outcomes[method].index < 0) for run in runs.values()) / n_test
     chosen: dict[str, int] = {}
     for name, run in runs.items():
         for policy, count in _chosen(run.outcomes[method].index, run.names).items():
             chosen[f"{name}:{policy}"] = count
-    return _summarise(method, k_test, n_test, used_kv, fallback, chosen, risk)
+    return _summarise(method, k_test, n_test, used_kv, fallback, chosen, risk, test_risk=test_risk)
+
+
+def _pooled_test_risk(outcomes: list[SplitOutcomes], n_tests: list[int]) -> np.ndarray | None:
+    """Grouped strata pooled split by split: each stratum's test risk weighted by its test
+    contexts (test questions for per_question), a stratum answered from the full cache at 0 with
+    its test count; None when no stratum's splits are grouped."""
+    if all(out.test_risk is None for out in outcomes):
+        return None
+    weights = [
+        out.test_weight if out.test_weight is not None else np.full(len(out.index), float(n)) for out, n in zip(outcomes, n_tests)
+    ]
+    risks = [out.test_risk if out.test_risk is not None else np.zeros(len(out.index)) for out in outcomes]
+    return sum(w * r for w, r in zip(weights, risks)) / sum(weights)
 
 
 def empirical_eligible(k: npt.ArrayLike, n: int, risk: float) -> np.ndarray:
@@ -523,14 +626,18 @@ def _chosen(index, names) -> dict[str, int]:
     return {(REFERENCE_POLICY if i < 0 else names[int(i)]): int(c) for i, c in zip(labels, counts)}
 
 
-def _summarise(method, k_test, n_test, used_kv, fallback, chosen, risk) -> MethodResult:
+def _summarise(method, k_test, n_test, used_kv, fallback, chosen, risk, test_risk=None) -> MethodResult:
     """A MethodResult from per-split integer test violations out of `n_test`, per-split mean memory and
-    fallback share (0/1 for one table, a share of test requests when pooled over strata)."""
+    fallback share (0/1 for one table, a share of test requests when pooled over strata); grouped
+    splits give their per-split `test_risk` instead, compared with ε directly."""
     # Lazy: statsmodels pulls in pandas, which `certkv report` (ValidationResult from validation.json) need not pay.
     from statsmodels.stats.proportion import proportion_confint
 
-    exceed = k_test > risk * n_test + VIOLATION_EPS  # integer count vs ε·n: no float ratio
-    test_risk = k_test / n_test if n_test else np.zeros(len(k_test))
+    if test_risk is None:
+        exceed = k_test > risk * n_test + VIOLATION_EPS  # integer count vs ε·n: no float ratio
+        test_risk = k_test / n_test if n_test else np.zeros(len(k_test))
+    else:
+        exceed = test_risk > risk + VIOLATION_EPS
     count = int(exceed.sum())
     total = len(k_test)
     low, high = proportion_confint(count, total, alpha=0.05, method="beta")
