@@ -61,7 +61,7 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 #: Optional top-level features; the canonical JSON omits each while unset (Contract.canonical_json).
 _LATER_KEYS = ("order", "strata", "coverage", "kv_cost")
 #: Optional keys of ``requests:``, omitted the same way while unset.
-_LATER_REQUEST_KEYS = ("group_by", "group_measure")
+_LATER_REQUEST_KEYS = ("group_by", "group_measure", "group_bound")
 
 
 def _error(message: str) -> PydanticCustomError:
@@ -93,6 +93,11 @@ class RequestsSpec(_Strict):
         default=None,
         description="with group_by: context, what ε bounds: the share of a context's questions violated (each "
         "context weighted equally; default), the share of all questions, or the share of contexts with any violation",
+    )
+    group_bound: Literal["betting", "hoeffding_bentkus"] | None = Field(
+        default=None,
+        description="with group_by: context, how a per_context or per_question measure is tested: a betting test "
+        "(default; tight when a context's questions are nearly independent) or Hoeffding–Bentkus (worst-case variance)",
     )
 
     @field_validator("source")
@@ -128,8 +133,11 @@ class RequestsSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_grouping(self) -> RequestsSpec:
-        if self.group_measure is not None and self.group_by != "context":
-            raise _error("requests.group_measure applies only with requests.group_by: context; remove it or group by context")
+        for key in ("group_measure", "group_bound"):
+            if getattr(self, key) is not None and self.group_by != "context":
+                raise _error(f"requests.{key} applies only with requests.group_by: context; remove it or group by context")
+        if self.group_bound is not None and self.group_measure == "any_question":
+            raise _error("requests.group_bound applies to per_context and per_question; any_question is tested exactly")
         return self
 
     @property

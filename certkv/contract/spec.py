@@ -131,7 +131,8 @@ def _grouping(contract: Contract) -> dict[str, Any]:
     the user's statement that questions sharing a context are independent; nothing when unset (the
     spec keys are left out, so a contract without grouping gives the spec it always gave)."""
     if contract.requests.group_by == "context":
-        return {"grouping": {"measure": contract.requests.measure}}
+        bound = {} if contract.requests.group_bound is None else {"bound": contract.requests.group_bound}
+        return {"grouping": {"measure": contract.requests.measure, **bound}}
     if contract.requests.group_by == "request":
         return {"independent_requests": True}
     return {}

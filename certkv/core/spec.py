@@ -356,28 +356,21 @@ class GroupingConfig(BaseModel):
       calibration (each question counts once: E[k_g] / E[n_g]);
     * ``any_question``: the share of contexts with at least one violated question.
 
-    ``bound`` is how the two mean measures are tested: ``hoeffding_bentkus`` (the default; tight
-    when a context's questions fail together) or ``betting`` (a variance-adaptive betting test,
-    far tighter when they are nearly independent). ``any_question`` is always the exact binomial
-    over contexts.
+    ``bound`` is how the two mean measures are tested: ``betting`` (the default; a
+    variance-adaptive betting test, about as tight as the per-request binomial when a context's
+    questions are nearly independent) or ``hoeffding_bentkus`` (which assumes the worst variance:
+    never tighter than the binomial over contexts, conservative otherwise). ``any_question`` is
+    always the exact binomial over contexts: its ``bound`` is not read.
 
     Examples
     --------
     >>> GroupingConfig().measure, GroupingConfig().bound
-    ('per_context', 'hoeffding_bentkus')
+    ('per_context', 'betting')
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     measure: Literal["per_context", "per_question", "any_question"] = "per_context"
-    bound: Literal["hoeffding_bentkus", "betting"] = "hoeffding_bentkus"
-
-    @model_validator(mode="after")
-    def _bound_of_a_mean(self) -> GroupingConfig:
-        if self.measure == "any_question" and self.bound != "hoeffding_bentkus":
-            raise ValueError(
-                "any_question is tested exactly (binomial over contexts); bound applies to per_context and per_question"
-            )
-        return self
+    bound: Literal["hoeffding_bentkus", "betting"] = "betting"
 
 
 class CandidateInfo(BaseModel):

@@ -108,3 +108,20 @@ def test_the_natural_english_variant_asks_each_needle_with_its_answer_prefix():
     for r in requests:
         assert r.answer_prefix.startswith("The special magic number for") and r.answers[0] in r.context
         assert r.group == "ruler_multi_question-s2-000000" and r.task == "ruler_multi_question"
+
+
+def test_group_by_becomes_the_certification_specs_grouping(tmp_path):
+    from certkv.contract.loading import load_contract
+    from certkv.contract.spec import certification_spec
+
+    def spec(grouping: str):
+        return certification_spec(load_contract(_contract(tmp_path, "builtin:multi_question", grouping)))
+
+    assert spec("  group_by: context\n").grouping.model_dump() == {"measure": "per_context", "bound": "betting"}
+    chosen = spec("  group_by: context\n  group_measure: per_question\n  group_bound: hoeffding_bentkus\n")
+    assert chosen.grouping.model_dump() == {"measure": "per_question", "bound": "hoeffding_bentkus"}
+    independent = spec("  group_by: request\n")
+    assert independent.grouping is None and independent.independent_requests
+    with pytest.raises(CertkvError, match="group_bound applies to per_context and per_question"):
+        load_contract(_contract(tmp_path, "builtin:multi_question", "  group_by: context\n  group_measure: any_question\n"
+                                "  group_bound: betting\n"))
