@@ -55,8 +55,12 @@ def check_grouping(requests: Sequence[Request], group_by: str | None) -> list[st
         largest = max(sizes.values())
         raise CertkvError(
             f"requests share contexts: the context of request {first.id!r} is asked {sizes[repeated[0]]} times "
-            f"({len(repeated)} contexts repeat, up to {largest} questions each), and questions on one context fail "
+            f"({_repeats(len(repeated))}, up to {largest} questions each), and questions on one context fail "
             "together; set requests.group_by: context in the contract to certify per context, or "
             "requests.group_by: request to treat them as independent"
         )
     return None
+
+
+def _repeats(count: int) -> str:
+    return "1 context repeats" if count == 1 else f"{count} contexts repeat"

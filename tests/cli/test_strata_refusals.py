@@ -34,7 +34,7 @@ CONTRACT = {
 def test_calibrate_refuses_requests_without_their_stratum(tmp_path, lines, match, capsys):
     requests = tmp_path / "requests.jsonl"
     requests.write_text("".join(
-        json.dumps({"id": f"r{i}", "context": "some context", "question": "q?", "answers": ["a"], **extra}) + "\n"
+        json.dumps({"id": f"r{i}", "context": f"context {i}", "question": "q?", "answers": ["a"], **extra}) + "\n"
         for i, extra in enumerate(lines)))
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(CONTRACT, sort_keys=False))
