@@ -277,15 +277,19 @@ def run_replicas(options: ReplicaOptions, *, replicas: int, host: str, port: int
 
 
 def _wait_for_stop() -> None:
-    """Block until SIGTERM or SIGINT arrives."""
+    """Block until SIGTERM or SIGINT arrives (Python's handlers, set after ``ray.init``: they replace
+    the handlers Ray's driver installs, which would end the process before the replicas drain)."""
     import signal
+    import threading
 
-    stops = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    stop = threading.Event()
+    old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        signal.sigwait(stops)
+        while not stop.wait(3600):
+            pass
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _cause(exc: BaseException) -> str:

@@ -173,3 +173,14 @@ def test_the_client_refuses_what_one_monitor_refuses(tmp_path):
     ticket = client.record("all", evicted=True, shadowed=False)
     with pytest.raises(CertkvError, match="not a pending shadow"):
         client.complete(ticket, True)
+
+
+def test_replica_flags_are_checked_in_one_line_before_ray_starts(tmp_path, capsys):
+    from conftest import run_main
+
+    op = _point().write_json(tmp_path / "op.json")
+    for args, needle in ((["--ray-address", "auto"], "--ray-address needs --replicas"),
+                         (["--replicas", "0"], "--replicas must be at least 1")):
+        code = run_main("serve", str(op), *args)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (args, lines)
