@@ -822,8 +822,10 @@ def replicas(data: dict) -> str:
         f"{thr['replicas_1']['requests']} requests from 4 concurrent clients through Ray Serve's proxy, shadow rate "
         "0.05): 1 replica "
         f"{num(one['requests_per_second'], 2)} requests/s, {mon['replicas']} replicas {num(two['requests_per_second'], 2)} "
-        f"requests/s, **{times(thr['speedup'])}**. The replicas, the proxy, the shadows and the clients share the two "
-        f"cores (this process tree used {num(one['ours_cores'], 2)} and {num(two['ours_cores'], 2)} cores; other "
+        f"requests/s, **{times(thr['speedup'])}** (target 1.6× where the cores allow). The replicas, the proxy, the "
+        "shadows and the clients share the two cores, so a second replica adds no processor here: the target needs a "
+        "core (or an accelerator) per replica beside the proxy and the clients (this process tree used "
+        f"{num(one['ours_cores'], 2)} and {num(two['ours_cores'], 2)} cores; other "
         f"processes {num(one['others_cores'], 2)} and {num(two['others_cores'], 2)}).",
         f"A replica killed under load ({kill['concurrent_clients']} concurrent clients, every evicted answer shadowed, "
         f"the kill after {kill['killed_after_answers']} of {kill['requests']} answers): {kill['ok']} answered, failed: "

@@ -10,8 +10,12 @@ across replicas.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from conftest import run_main
+from test_shadow import _pair, _write_contract
 
 from certkv.core.monitor import RiskMonitor
 from certkv.errors import CertkvError
@@ -38,12 +42,7 @@ def _point(risk=RISK):
 
 def _rows(request_id: str, violated: bool) -> list[dict]:
     """A shadow's record pair in the store's format (a full row and the base policy's row)."""
-    loss = 1.0 if violated else 0.0
-    common = {"request_id": request_id, "task": None, "utility_full": 1.0, "utility_name": "agreement"}
-    return [{**common, "policy": "full", "press": "full", "kv_retained": 1.0, "utility": 1.0, "loss": 0.0,
-             "answer": "a", "memory": 1.0},
-            {**common, "policy": "snapkv@0.50", "press": "snapkv", "kv_retained": 0.5, "utility": 1.0 - loss,
-             "loss": loss, "answer": "b" if violated else "a", "memory": 0.5}]
+    return _pair(request_id, "t", "snapkv@0.50", 0.5, loss=float(violated))
 
 
 class _Holder:
@@ -126,6 +125,15 @@ def test_two_replicas_feed_one_test_that_restarts_from_its_store(tmp_path):
     with ShadowStore(tmp_path / "shadow", op) as store:
         assert store.count() == shadows == final["all"]["shadowed"]
         assert {r["request_id"][:2] for r in store.records()} == {"ra", "rb"}
+    # ... and they re-certify: the live violations are the verdicts the one test counted
+    csv = tmp_path / "live.csv"
+    assert run_main("export", str(tmp_path / "shadow"), "-o", str(csv)) == 0
+    contract = _write_contract(tmp_path, policies=[{"press": "snapkv", "kv_retained": [0.5]}],
+                               store=str(tmp_path / "unused"))
+    (tmp_path / "requests.jsonl").write_text("")
+    assert run_main("certify", str(contract), "--records", str(csv), "-o", str(tmp_path / "op.json")) == 0
+    result = json.loads((tmp_path / "op.json").read_text())
+    assert result["n"] == shadows and result["candidates"][0]["violations"] == final["all"]["violations"]
 
 
 def test_a_drift_seen_by_two_replicas_trips_the_one_test_and_both_switch(tmp_path):
@@ -176,8 +184,6 @@ def test_the_client_refuses_what_one_monitor_refuses(tmp_path):
 
 
 def test_replica_flags_are_checked_in_one_line_before_ray_starts(tmp_path, capsys):
-    from conftest import run_main
-
     op = _point().write_json(tmp_path / "op.json")
     for args, needle in ((["--ray-address", "auto"], "--ray-address needs --replicas"),
                          (["--replicas", "0"], "--replicas must be at least 1")):
