@@ -136,13 +136,26 @@ def stream_deltas(op: OperatingPoint, shadow_rate: float) -> dict[str, float]:
     return {name: s["delta"] for name, s in new_risk_monitor(op, shadow_rate).snapshot().items()}
 
 
-def actor_sender(handle: Any, timeout: float):
-    """:data:`~certkv.serve.monitor_client.Send` through the shared monitor's actor `handle`:
-    one call, waited for at most `timeout` seconds (then the client serves on and retries)."""
+def actor_sender(name: str, timeout: float):
+    """:data:`~certkv.serve.monitor_client.Send` through the shared monitor actor called `name`: one
+    call, waited for at most `timeout` seconds (then the client serves on and retries). The actor is
+    looked up at the first call and again after a call finds it dead, so a replica can start before
+    the monitor and reaches a monitor started anew under the same name."""
     import ray
+    from ray.exceptions import RayActorError
+
+    from certkv.serve.shared_monitor import NAMESPACE
+
+    found: list[Any] = []
 
     def send(replica: str, events: list) -> dict:
-        return ray.get(handle.apply.remote(replica, events), timeout=timeout)
+        if not found:
+            found.append(ray.get_actor(name, namespace=NAMESPACE))
+        try:
+            return ray.get(found[0].apply.remote(replica, events), timeout=timeout)
+        except RayActorError:
+            found.clear()
+            raise
 
     return send
 
@@ -165,14 +178,13 @@ def build_replica_service(options: ReplicaOptions, name: str, send=None) -> Repl
     client = runner = None
     if options.shadow_rate > 0:
         if send is None:
-            import ray
+            from certkv.serve.shared_monitor import monitor_actor_name
 
-            from certkv.serve.shared_monitor import NAMESPACE, monitor_actor_name
-
-            send = actor_sender(ray.get_actor(monitor_actor_name(op), namespace=NAMESPACE), options.monitor_timeout)
+            send = actor_sender(monitor_actor_name(op), options.monitor_timeout)
         client = SharedMonitorClient(send, risk=op.contract.risk, shadow_rate=options.shadow_rate,
                                      streams=stream_deltas(op, options.shadow_rate), replica=name, seed=options.seed,
                                      poll_seconds=options.poll_seconds)
+        client.flush()  # start from the monitor's state (a tripped stream answers from the full cache at once)
         if op.is_stratified or not op.fallback:
             runner = ReplicaShadowRunner(runtime, client)
     service = ReplicaService(runtime, client, runner, None, Metrics(),  # type: ignore[arg-type]

@@ -197,3 +197,21 @@ def _status(client, r) -> int:
         return exc.status_code
     except openai.APIConnectionError:
         return 0
+
+
+def test_replicas_serve_on_without_the_monitor_and_send_their_events_later(deployment, requests):
+    """The monitor gone for good (not restarted by Ray): the replicas answer and keep their events; an
+    operator starts the monitor anew, it replays its journal, and every answer of the outage reaches it."""
+    from certkv.serve.shared_monitor import monitor_actor
+
+    ray, client = deployment["ray"], _client(deployment["url"])
+    _quiet(deployment, replicas=1)
+    before = ray.get(deployment["monitor"].snapshot.remote())["all"]
+    ray.kill(deployment["monitor"], no_restart=True)
+    outage = [_ask(client, requests[i % len(requests)]) for i in range(6)]
+    assert all(info["decision"]["reason"] == "monitor" for _, info, _ in outage)  # still tripped, as last heard
+    monitor = monitor_actor(deployment["op"], deployment["store"], 1.0)
+    deployment["monitor"] = monitor
+    state = _until(lambda: (s := ray.get(monitor.snapshot.remote())["all"])["requests"] >= before["requests"] + 6
+                   and s, "the outage's events to reach the new monitor")
+    assert state["requests"] == before["requests"] + 6 and state["tripped_after"] == before["tripped_after"]
