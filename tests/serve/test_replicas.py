@@ -42,8 +42,13 @@ def deployment(tmp_path_factory):
     op = _point(risk=0.01).model_copy(update={"policy": "snapkv@0.10", "base_policy": "snapkv@0.10",
                                               "kv_retained": 0.1, "mean_kv_retained": 0.1})
     op_path = op.write_json(root / "operating_point.json")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # the replicas inherit it
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the replicas inherit it from the cluster started here
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    if offline is None:
+        del os.environ["HF_HUB_OFFLINE"]
+    else:
+        os.environ["HF_HUB_OFFLINE"] = offline
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -190,3 +190,24 @@ def test_replica_flags_are_checked_in_one_line_before_ray_starts(tmp_path, capsy
         code = run_main("serve", str(op), *args)
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and needle in lines[0], (args, lines)
+
+
+def test_a_stratified_point_shares_one_stream_per_stratum_and_one_store_each(tmp_path):
+    from certkv.core.operating_point import StrataResult
+
+    entries = {task: _point() for task in ("multi_key", "single_needle")}
+    op = _point().model_copy(update={"policy": "stratified", "base_policy": "stratified",
+                                     "strata": StrataResult(by="task", simultaneous=False, confidence=CONFIDENCE,
+                                                            entries=entries)})
+    monitor = SharedMonitor(op, tmp_path / "shadow", RATE)
+    client = SharedMonitorClient(lambda r, e: monitor.apply(r, e), risk=RISK, shadow_rate=RATE,
+                                 streams={"multi_key": DELTA, "single_needle": DELTA}, replica="ra", start=False)
+    for i, task in enumerate(["multi_key", "single_needle", "single_needle"]):
+        ticket = client.record(task, evicted=True, shadowed=True)
+        client.complete(ticket, i == 2, rows=_pair(f"ra-req-{i}", task, "snapkv@0.50", 0.5, loss=float(i == 2)))
+    assert client.flush() and client.flush()  # the second sends nothing and applies nothing
+    state = monitor.snapshot()
+    assert (state["multi_key"]["shadowed"], state["single_needle"]["shadowed"]) == (1, 2)
+    assert state["single_needle"]["violations"] == 1 and client.snapshot()["single_needle"]["violations"] == 1
+    assert [len(monitor.store.records(t)) for t in ("multi_key", "single_needle")] == [2, 4]
+    monitor.close()
