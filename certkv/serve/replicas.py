@@ -266,7 +266,11 @@ def run_replicas(options: ReplicaOptions, *, replicas: int, host: str, port: int
         raise CertkvError('--replicas needs Ray Serve, an optional extra: pip install "certkv[ray]"') from None
     from certkv.serve.shared_monitor import NAMESPACE, monitor_actor_name
 
-    ray.init(address=ray_address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
+    try:
+        ray.init(address=ray_address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
+    except (ConnectionError, RuntimeError) as exc:
+        raise CertkvError(f"cannot join the Ray cluster at --ray-address {ray_address} ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0]}); check the address and that this node may join it") from None
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(replica_app(options, num_replicas=replicas), name=APP_NAME, route_prefix="/", blocking=False)
