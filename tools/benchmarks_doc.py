@@ -846,6 +846,58 @@ def ray_scaling(data: dict) -> str:
     ])
 
 
+def _waits(q: dict) -> str:
+    return f"{'—' if q['median'] is None else format(q['median'], ',')} / {'—' if q['p90'] is None else format(q['p90'], ',')}"
+
+
+def replicas(data: dict) -> str:
+    mon, thr, kill = data["monitor"], data["throughput"], data["kill"]
+    rows = []
+    for s in (k for k in mon if k[0].isdigit()):
+        c = mon[s]
+        rows.append([f"s = {s}", f"{pct(c['no_drift']['one_monitor'])} / {pct(c['no_drift']['shared'])} / "
+                     f"{pct(c['no_drift']['per_replica'])}", f"{pct(c['edge_of_null']['one_monitor'])} / "
+                     f"{pct(c['edge_of_null']['shared'])} / {pct(c['edge_of_null']['per_replica'])}",
+                     _waits(c["drift"]["one_monitor"]), f"{_waits(c['drift']['shared'])} "
+                     f"({times(c['drift']['shared_over_one'])})", _waits(c["drift"]["per_replica_first"]),
+                     f"{_waits(c['drift']['per_replica_every'])} ({times(c['drift']['per_replica_every_over_one'])})"])
+    one, two = thr["replicas_1"], thr[f"replicas_{mon['replicas']}"]
+    failed = ", ".join(f"{n} × {'connection error' if c == '0' else c}" for c, n in kill["failed_by_status"].items())
+    m = data["machine"]
+    return "\n\n".join([
+        "## Replicas on Ray Serve",
+        command("python benchmarks/replicas.py"),
+        f"`certkv serve --replicas`: {mon['replicas']} replicas serve one deployment's traffic, alternating requests "
+        f"(ε = {mon['risk']:g}, δ = {mon['delta']:g}, {mon['streams']} streams per cell, seed {mon['seed']}). *One "
+        "monitor* sees all traffic, each verdict before the next request (the reference); *shared* is the shared "
+        f"monitor, `RiskMonitor` over all traffic with each verdict applied {mon['lag']} requests after its request; "
+        "*per replica* is one monitor per replica on its half, each at δ, as separate `certkv serve` processes. "
+        f"False switches: the share of streams of {mon['requests']:,} requests in which a monitor switched, at a true "
+        "rate of ε/2 and at ε (the edge of the null). Drift: a rate of 2ε from the start; median / p90 requests of "
+        "the deployment until the switch (per replica: the first replica, and every replica), and the ratio of "
+        "medians to one monitor's.",
+        table(["shadow rate", "false switches at ε/2: one / shared / per replica",
+               "at ε: one / shared / per replica", "drift: one monitor", "drift: shared (÷ one)",
+               "drift: first replica", "drift: every replica (÷ one)"], rows),
+        f"Throughput on this {m['cpus']}-core machine (model `{m['model']}` on {m['device']}, "
+        f"{m['threads_per_replica']} torch thread per replica, Ray {m['ray']}, torch {m['torch']}; "
+        f"{thr['replicas_1']['requests']} requests from 4 concurrent clients through Ray Serve's proxy, shadow rate "
+        "0.05): 1 replica "
+        f"{num(one['requests_per_second'], 2)} requests/s, {mon['replicas']} replicas {num(two['requests_per_second'], 2)} "
+        f"requests/s, **{times(thr['speedup'])}** (target 1.6× where the cores allow). The replicas, the proxy, the "
+        "shadows and the clients share the two cores, so a second replica adds no processor here: the target needs a "
+        "core (or an accelerator) per replica beside the proxy and the clients (this process tree used "
+        f"{num(one['ours_cores'], 2)} and {num(two['ours_cores'], 2)} cores; other "
+        f"processes {num(one['others_cores'], 2)} and {num(two['others_cores'], 2)}).",
+        f"A replica killed under load ({kill['concurrent_clients']} concurrent clients, every evicted answer shadowed, "
+        f"the kill after {kill['killed_after_answers']} of {kill['requests']} answers): {kill['ok']} answered, failed: "
+        f"{failed or 'none'}; the monitor applied {kill['verdicts_applied']} verdicts and the store holds "
+        f"{kill['records_stored']} record pairs (**{kill['lost_records']} lost**); {kill['pending_for_good']} shadows "
+        "drawn on the killed replica stay pending for good (counted at their worst value). See "
+        "[scaling](scaling.md#serving-on-ray-replicas-and-one-shared-monitor).",
+    ])
+
+
 def serve_load(data: dict) -> str:
     load, seq = data["load"], data["sequential"]
     bad = ", ".join(f"{kind} {'/'.join(sorted(codes))}" for kind, codes in load["malformed_status"].items())
@@ -1285,6 +1337,7 @@ SECTIONS = {
     "grouped_coverage": grouped_coverage,
     "monitor_quality": monitor_quality,
     "ray_scaling": ray_scaling,
+    "replicas": replicas,
     "serve_load": serve_load,
     "capacity": capacity,
     "capacity_long": capacity_long,

@@ -49,6 +49,8 @@ def serve(
     prompt_lookup: bool = typer.Option(True, "--prompt-lookup/--no-prompt-lookup", help="verify several greedy "
                                        "tokens per forward where an answer copies its context (same answers); off: "
                                        "one token per request per forward"),
+    replicas: int | None = typer.Option(None, "--replicas", help="N replicas on Ray Serve, one shared live monitor"),
+    ray_address: str | None = typer.Option(None, "--ray-address", help="with --replicas: a Ray cluster (auto, HOST:PORT)"),
 ) -> None:
     """Serve OPERATING_POINT over HTTP (OpenAI-shaped /v1/completions and /v1/chat/completions)."""
     from certkv.core.operating_point import load_operating_point
@@ -67,6 +69,8 @@ def serve(
     _check_shadow_rate(shadow_rate)
     api_key = _api_key(api_key_env)
     op = load_operating_point(operating_point)
+    if replicas is not None or ray_address is not None:
+        return _serve_replicas(replicas, ray_address, operating_point, dict(locals()))
     sock = _bound_socket(host, port)
     try:
         _run(sock, op, operating_point, model=model, host=host, port=port, shadow_rate=shadow_rate, api_key=api_key,
@@ -75,6 +79,27 @@ def serve(
              kv_budget_mb=kv_budget_mb, access_log=access_log, prompt_lookup=prompt_lookup)
     finally:
         sock.close()
+
+
+#: The options of `serve` every replica of ``--replicas`` gets (:class:`certkv.serve.replicas.ReplicaOptions`).
+_REPLICA_OPTIONS = ("model", "device", "shadow_rate", "seed", "max_queue", "timeout", "kv_budget", "kv_budget_mb",
+                    "prompt_lookup", "api_key", "max_body_bytes", "drain_seconds")
+
+
+def _serve_replicas(replicas: int | None, ray_address: str | None, operating_point: Path, given: dict) -> None:
+    """``--replicas N`` (and ``--ray-address``): the deployment on Ray Serve (:mod:`certkv.serve.replicas`), from
+    `given`, the checked options of :func:`serve`."""
+    if replicas is None:
+        raise CertkvError("--ray-address needs --replicas N (the replicas to start on that cluster)")
+    if replicas < 1:
+        raise CertkvError(f"--replicas must be at least 1, got {replicas}")
+    from certkv.serve.replicas import ReplicaOptions, run_replicas
+
+    host, port, store = given["host"], given["port"], given["shadow_store"]
+    config = ReplicaOptions(operating_point=str(operating_point), shadow_store=None if store is None else str(store),
+                            **{k: given[k] for k in _REPLICA_OPTIONS})
+    run_replicas(config, replicas=replicas, host=host, port=port, ray_address=ray_address,
+                 echo=lambda line: typer.echo(line, err=True))
 
 
 def _check_shadow_rate(shadow_rate: float) -> None:

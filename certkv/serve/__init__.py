@@ -6,6 +6,9 @@ and question), :mod:`certkv.serve.responses` (typed response shapes), :mod:`cert
 scheduler, the live monitor and its shadows around one model), :mod:`certkv.serve.metrics`
 (Prometheus metrics, prefixed ``certkv_``), :mod:`certkv.serve.routes` (the endpoints),
 :mod:`certkv.serve.streaming` (server-sent events), :mod:`certkv.serve.middleware` (API key, body
-limit) and :mod:`certkv.serve.app` (the ASGI app that puts them together). Nothing here is imported
-by the rest of certkv except the ``serve`` command.
+limit) and :mod:`certkv.serve.app` (the ASGI app that puts them together). ``certkv serve --replicas``
+adds :mod:`certkv.serve.replicas` (the Ray Serve deployment), :mod:`certkv.serve.shared_monitor`
+(the one monitor of every replica, a Ray actor), :mod:`certkv.serve.monitor_client` (a replica's side
+of it) and :mod:`certkv.serve.monitor_journal` (what restores it). Nothing here is imported by the rest
+of certkv except the ``serve`` command.
 """

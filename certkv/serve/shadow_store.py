@@ -225,6 +225,11 @@ class ShadowStore:
         with self._lock:
             self._store(strata.pop()).write_request(ids.pop(), rows)
 
+    def has(self, request_id: str, stratum: str | None = None) -> bool:
+        """Whether `request_id`'s pair is already in `stratum`'s store (a pooled point: the one store)."""
+        with self._lock:
+            return self._store(stratum)._present(str(request_id))
+
     def count(self) -> int:
         """Shadowed requests recorded (each one full row plus one deployed-policy row)."""
         with self._lock:
