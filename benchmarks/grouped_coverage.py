@@ -122,6 +122,15 @@ class Layout:
         """Each measure of every candidate on the whole table (C,)."""
         return {m: np.asarray(grouped_estimate(self.k.T, self.n, m)) for m in MEASURES}
 
+    def design_effect(self) -> np.ndarray:
+        """Per candidate (C,): the variance of a context's violation count over what independent
+        questions at the table's rate would give, Σ n_g p (1 − p) / G; 1 for independent questions,
+        above 1 when a context's questions fail together (NaN for a rate of 0 or 1)."""
+        p = self.k.sum(axis=0) / self.n.sum()
+        independent = self.n.mean() * p * (1 - p)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(independent > 0, self.k.var(axis=0) / independent, np.nan)
+
 
 def resample_block(layout: Layout, spec: CertificationSpec, idx: np.ndarray, truth: dict) -> dict[str, dict[str, np.ndarray]]:
     """Certify draws `idx` (B, G) of contexts, naively and grouped: per reading, the (B, C)
@@ -183,6 +192,7 @@ def coverage(table: LossTable, spec: CertificationSpec, resamples: int, seed: in
     return {
         "true_risk": {names[c]: {m: float(truth[m][c]) for m in MEASURES} for c in range(len(names))},
         "level": {names[c]: float(levels[c]) for c in range(len(names))},
+        "design_effect": {names[c]: None if np.isnan(d) else float(d) for c, d in enumerate(layout.design_effect())},
         "readings": readings,
         "certified": certified_on_whole(table, spec),
     }
@@ -290,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "source": "synthetic" if args.synthetic else args.records.name,
         "command": "python benchmarks/grouped_coverage.py "
-        + ("--synthetic" if args.synthetic else f"--records {args.records.name}"),
+        + ("--synthetic" if args.synthetic else f"--records {args.records.name}")
+        + "".join(f" --{name} {getattr(args, name):g}" for name in ("risk", "confidence", "tolerance")
+                  if getattr(args, name) != p.get_default(name)),
         **describe(table), "risk": args.risk, "confidence": args.confidence, "tolerance": args.tolerance,
         "resamples": args.resamples, "seed": args.seed, "sequences": spec.sequences,
         "tables": {

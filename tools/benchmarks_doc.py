@@ -705,9 +705,9 @@ def strata_quality(data: dict) -> str:
     return "\n\n".join(parts)
 
 
-GROUPED_READINGS = (("naive", "naive (per request)"), ("per_question", "per_question"),
-                    ("per_question+betting", "per_question, betting"), ("per_context", "per_context"),
-                    ("per_context+betting", "per_context, betting"), ("any_question", "any_question"))
+GROUPED_READINGS = (("naive", "naive (per request)"), ("per_question", "per_question, Hoeffding–Bentkus"),
+                    ("per_question+betting", "per_question (betting)"), ("per_context", "per_context, Hoeffding–Bentkus"),
+                    ("per_context+betting", "per_context (betting)"), ("any_question", "any_question"))
 
 
 def grouped_candidates(t: dict) -> list[list[str]]:
@@ -715,7 +715,9 @@ def grouped_candidates(t: dict) -> list[list[str]]:
     rows = []
     for policy, true in t["true_risk"].items():
         r = t["readings"]
-        rows.append([f"`{policy}`", pct(true["per_question"], 2), pct(true["per_context"], 2), pct(true["any_question"], 1),
+        effect = t.get("design_effect", {}).get(policy)
+        rows.append([f"`{policy}`", pct(true["per_question"], 2), "—" if effect is None else f"{effect:.2f}",
+                     pct(true["any_question"], 1),
                      pct(1 - t["level"][policy]), *[pct(r[k]["candidates"][policy]["coverage"]) for k, _ in GROUPED_READINGS],
                      pct(r["naive"]["candidates"][policy]["certified_above_risk"])])
     return rows
@@ -738,7 +740,9 @@ def grouped_coverage(data: dict) -> str:
         origin = ("a generated clustered table (`--synthetic`: each context's difficulty scales every candidate's "
                   "violation rate, so its questions fail together), not a calibration")
     else:
-        origin = f"the loss table `{data['source']}` (records hash `{data['records_sha256'][:12]}`)"
+        origin = (f"the loss table `{data['source']}` (records hash `{data['records_sha256'][:12]}`; a calibration of "
+                  "`contracts/embedded_multi_question.yaml`, written by `certkv export contracts/runs/embedded_multi_question "
+                  "--format jsonl -o records.jsonl`)")
     sizes = (f"{q['min']} questions each" if q["min"] == q["max"]
              else f"{q['min']}–{q['max']} questions each, {q['mean']:.1f} on average")
     return "\n\n".join([
@@ -750,12 +754,14 @@ def grouped_coverage(data: dict) -> str:
         f"confidence {data['confidence']:g}, τ = {data['tolerance']:g}, one fixed sequence per press: *naive* treats "
         "every question as an independent request (the binomial certificate without grouping); the grouped readings "
         "sample contexts (`requests.group_by: context`, each `requests.group_measure`; the two mean measures "
-        "under the default Hoeffding–Bentkus bound and under `betting`). A candidate's true risk is the measure on "
+        "under the default betting test and under `hoeffding_bentkus`). A candidate's true risk is the measure on "
         "the whole table (naive is held to the per-question share, which is what it claims). Coverage is the share "
         "of draws whose test at the candidate's level does not reject its true risk, i.e. whose upper bound is at "
         "least the true risk; a valid test covers at least the target 1 − level. A candidate that never violates "
-        "is covered by any bound.",
-        table(["candidate", "true per-question", "true per-context", "true any-question", "target",
+        "is covered by any bound. With 8 questions on every context the per-context and per-question risks are "
+        "equal; the design effect is the variance of a context's violation count over what independent questions "
+        "at the same rate would give (1: independent; above 1: a context's questions fail together).",
+        table(["candidate", "true per-question", "design effect", "true any-question", "target",
                *[f"{label} coverage" for _, label in GROUPED_READINGS], "naive certified above ε"],
               grouped_candidates(data["tables"]["clustered"])),
         "The chosen point: the share of draws whose choice has a true risk ≤ ε (the full cache always has), "
