@@ -26,4 +26,4 @@ def test_grouped_coverage_on_a_synthetic_clustered_table(tmp_path):
         assert abs(whole[reading]["mean_kv_retained"] - whole["naive"]["mean_kv_retained"]) <= 0.1
     section = benchmarks_doc.grouped_coverage(data)
     assert section.startswith("## Grouped certificates") and "--synthetic" in section
-    assert f"{data['resamples']} draws" in section and "`synthetic@0.20`" in section and "per_context, betting" in section
+    assert f"{data['resamples']} draws" in section and "`synthetic@0.20`" in section and "per_context (betting)" in section
