@@ -30,8 +30,13 @@ at once, and interleaves them:
   and restarted from the beginning later, so a live request waits at most the decode step in
   progress for their memory.
 
-KV in use (the reservations of jobs between steps, and every row's allocated cache) is sampled
-after every admission and every decode step; :attr:`Scheduler.peak_kv` is the largest sample,
+* **Kept contexts** (``--prefix-cache-mib``, :mod:`certkv.runtime.prefix_cache`) count against
+  the budget: a context is kept only where the budget leaves room beside the jobs in flight, and
+  the admission policy evicts kept contexts (least recently used first) before a job would wait
+  for their slots.
+
+KV in use (the reservations of jobs between steps, every row's allocated cache, and the kept
+contexts) is sampled after every admission and every decode step; :attr:`Scheduler.peak_kv` is the largest sample,
 never more than the budget.
 """
 
@@ -55,6 +60,7 @@ from certkv.serve import admission
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from certkv.runtime.prefix_cache import PrefixCache
     from certkv.runtime.steps import Step, TokenListener
 
 log = logging.getLogger("certkv.serve")
@@ -115,15 +121,21 @@ class Scheduler:
         Whether a row verifies the prompt-lookup proposals its path seeds (several greedy tokens
         per forward where the answer copies its context; answers are the same either way). Off:
         one token per row per forward, as a generation that copies nothing decodes.
+    prefix_cache : PrefixCache or None
+        The runtime's kept compressed contexts, counted against `budget` (module docstring).
     """
 
-    def __init__(self, model: PreTrainedModel, budget: int | None = None, *, prompt_lookup: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, budget: int | None = None, *, prompt_lookup: bool = True,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise CertkvError(f"the KV budget must be a positive number of token slots, got {budget!r}")
         self.model = model
         self.budget = budget
         self.prompt_lookup = prompt_lookup
         self.batch = RaggedBatch(model)
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None and budget is not None:
+            prefix_cache.limit = lambda: budget - admission.in_use(self._holding)
         self._inbox: collections.deque[_Job] = collections.deque()
         self._waiting: list[_Job] = []
         self._holding: set[_Job] = set()
@@ -221,7 +233,8 @@ class Scheduler:
         return not jobs or (self._deadline is not None and time.monotonic() > self._deadline)
 
     def _in_use(self) -> float:
-        return admission.in_use(self._holding)
+        cached = self.prefix_cache.slots if self.prefix_cache is not None else 0.0
+        return admission.in_use(self._holding) + cached
 
     def _sample(self) -> None:
         self.kv_in_use = self._in_use()
@@ -232,10 +245,13 @@ class Scheduler:
         cancelled while they waited, preempt shadows, admit one job and run it to its next step."""
         if not self._waiting:
             return
-        plan = admission.plan(self._waiting, self._holding, self.budget)
+        prefix = self.prefix_cache
+        plan = admission.plan(self._waiting, self._holding, self.budget, prefix.slots if prefix is not None else 0.0)
         for job in plan.drop:  # its caller gave up while it waited
             self._waiting.remove(job)
             job.steps.close()
+        if plan.evict and prefix is not None:
+            prefix.evict_slots(plan.evict)
         for job in plan.preempt:
             self._preempt(job)
         chosen = plan.admit
