@@ -5,8 +5,8 @@ compressed before the question exists, so what the press keeps of a context (per
 keys and values, (1, H_kv, n_kept, d)) is the same for every question asked of it. kvpress feeds
 the question at positions continuing from the *uncompressed* context length, so an entry also
 records that length (its context's token count). :class:`PrefixCache` keeps such entries, keyed
-by the operating point's stratum and the context's exact token ids (a dict of the ids' tuple:
-Python compares the whole key on a hash match, so two contexts that collide never share an entry),
+by the operating point's stratum and the context's exact token ids (:func:`context_key`: a hash
+match is followed by a comparison of the whole key, so two contexts never share an entry),
 under a byte budget with least-recently-used eviction. A later question on a cached context skips
 the prefill and the compression: the entry is copied into the question's own cache (the entry
 itself is never written to), and the question is decoded from the copy exactly as from the kept
@@ -21,15 +21,20 @@ cannot use the cache at all is :func:`bypass_reason`.
 
 Under ``certkv serve --kv-budget`` the entries count against the budget: :attr:`PrefixCache.limit`
 (set by the scheduler) says how many token slots the budget leaves the cache, and the scheduler
-evicts entries before it keeps a request waiting (:mod:`certkv.serve.admission`). Eviction never
-frees memory a request uses: a decoding request holds its own copy, and a request waiting for its
-KV holds no reference to the entry it found (it looks the entry up again once admitted, and
-prefills the context if it was evicted meanwhile), so what the cache counts is what it holds.
+evicts entries before it keeps a request waiting (:mod:`certkv.serve.admission`). A request waits
+for its KV with a :class:`PrefixReserve`: the copy of its context's entry when one is kept, its
+prefill otherwise, read afresh whenever the admission policy looks (a question that arrived before
+its context was kept needs only the copy once it is). Eviction never frees memory a request uses:
+a decoding request holds its own copy, and a waiting one holds no reference to an entry (it looks
+its context up once admitted, and reserves its prefill if the entry was evicted meanwhile), so what
+the cache counts is what it holds.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from certkv.errors import CertkvError
+from certkv.runtime.steps import Reserve
 
 if TYPE_CHECKING:
     from kvpress import BasePress
@@ -45,8 +51,9 @@ if TYPE_CHECKING:
     from certkv.core.spec import GateSettings
     from certkv.engine.ragged_decode import RowCache
 
-#: An entry's key: (the runtime's namespace, its stratum's name or "", the context's token ids).
-Key = tuple[str, tuple[int, ...]]
+#: An entry's key (:func:`context_key`): (the runtime's namespace, its stratum's name or "", the
+#: context's token ids as int64 bytes).
+Key = tuple[str, bytes]
 
 
 @dataclass(eq=False)
@@ -98,6 +105,18 @@ def entry_from_full(full_keys: list[torch.Tensor], full_values: list[torch.Tenso
     return PrefixEntry(context_length, keys, values, keys[0].shape[2] / context_length, agreement_drop)
 
 
+def context_key(namespace: str, context_ids: list[int]) -> Key:
+    """The exact key of a context: the ids as int64 bytes (whose hash Python computes once and caches;
+    a dict compares the whole key on a hash match, so two contexts never share an entry).
+
+    Examples
+    --------
+    >>> context_key("", [1, 2]) == context_key("", [1, 2]), context_key("", [1, 2]) == context_key("", [1, 3])
+    (True, False)
+    """
+    return namespace, array("q", context_ids).tobytes()
+
+
 class PrefixCache:
     """Compressed contexts under a budget of `mib` MiB, least recently used evicted first (module docstring).
 
@@ -112,20 +131,16 @@ class PrefixCache:
         self._lock = threading.RLock()
         self.hits = self.misses = self.evictions = self.refused = 0
         self.bytes = 0
+        self.slots = 0.0
+        """Token slots the kept entries hold (what they count against a KV budget)."""
         self.limit: Callable[[], float] | None = None
         """The token slots the KV budget leaves the cache in all (the scheduler's; None: no KV budget)."""
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    @property
-    def slots(self) -> float:
-        with self._lock:
-            return sum(e.slots for e in self._entries.values())
-
-    def lookup(self, namespace: str, context_ids: list[int]) -> PrefixEntry | None:
-        """The entry of this context (marked most recently used), or None; counts nothing."""
-        key = (namespace, tuple(context_ids))
+    def lookup(self, key: Key) -> PrefixEntry | None:
+        """The entry of `key` (:func:`context_key`), marked most recently used, or None; counts nothing."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -140,11 +155,10 @@ class PrefixCache:
             else:
                 self.misses += 1
 
-    def put(self, namespace: str, context_ids: list[int], entry: PrefixEntry) -> bool:
-        """Keep `entry` for this context, evicting least recently used entries to make room under the
-        byte budget and the KV budget's :attr:`limit`; False (nothing evicted, nothing kept) when it
-        cannot fit even alone."""
-        key = (namespace, tuple(context_ids))
+    def put(self, key: Key, entry: PrefixEntry) -> bool:
+        """Keep `entry` under `key`, evicting least recently used entries to make room under the byte
+        budget and the KV budget's :attr:`limit`; False (nothing evicted, nothing kept) when it cannot
+        fit even alone."""
         with self._lock:
             if key in self._entries:
                 return True
@@ -158,6 +172,7 @@ class PrefixCache:
                 self._evict_one()
             self._entries[key] = entry
             self.bytes += entry.nbytes
+            self.slots += entry.slots
             return True
 
     def evict_slots(self, slots: float) -> float:
@@ -173,6 +188,7 @@ class PrefixCache:
         """Drop the least recently used entry; its slots."""
         _, entry = self._entries.popitem(last=False)
         self.bytes -= entry.nbytes
+        self.slots = max(0.0, self.slots - entry.slots) if self._entries else 0.0
         self.evictions += 1
         return entry.slots
 
@@ -184,11 +200,25 @@ class PrefixScope:
     cache: PrefixCache
     namespace: str = ""
 
-    def lookup(self, context_ids: list[int]) -> PrefixEntry | None:
-        return self.cache.lookup(self.namespace, context_ids)
+    def key(self, context_ids: list[int]) -> Key:
+        return context_key(self.namespace, context_ids)
 
-    def put(self, context_ids: list[int], entry: PrefixEntry) -> bool:
-        return self.cache.put(self.namespace, context_ids, entry)
+
+class PrefixReserve(Reserve):
+    """The reservation of a request that may find its context kept: while it waits, its
+    :attr:`slots` are a copy of the kept entry and its room when one is kept (looked up afresh each
+    time the admission policy reads them, which also marks the entry recently used), else `miss`
+    (its prefill's). :attr:`granted` is the value last read: what the scheduler admitted it with."""
+
+    def __init__(self, cache: PrefixCache, key: Key, room: int, miss: int) -> None:
+        self.cache, self.key, self.room, self.miss = cache, key, room, miss
+        self.granted = miss
+
+    @property
+    def slots(self) -> int:  # type: ignore[override]  # read afresh, never assigned
+        entry = self.cache.lookup(self.key)
+        self.granted = self.miss if entry is None else min(self.miss, math.ceil(entry.slots) + self.room)
+        return self.granted
 
 
 def bypass_reason(query_aware: bool, press: BasePress | None, single_prefill: bool, gate: GateSettings) -> str | None:
@@ -217,4 +247,5 @@ def bypass_reason(query_aware: bool, press: BasePress | None, single_prefill: bo
     return None
 
 
-__all__ = ["PrefixCache", "PrefixEntry", "PrefixScope", "bypass_reason", "entry_from_full", "entry_from_row"]
+__all__ = ["PrefixCache", "PrefixEntry", "PrefixReserve", "PrefixScope", "bypass_reason", "context_key", "entry_from_full",
+           "entry_from_row"]

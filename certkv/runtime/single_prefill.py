@@ -37,7 +37,6 @@ The full-cache answer is always decoded as calibration decodes it
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -55,7 +54,7 @@ from certkv.engine.scoring import is_fast_path_press
 from certkv.presses.poisson_selection import Selection
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.full_path import decode_from_full, full_answer_steps, prefill_slots
-from certkv.runtime.prefix_cache import PrefixEntry, PrefixScope, entry_from_full, entry_from_row
+from certkv.runtime.prefix_cache import PrefixCache, PrefixEntry, PrefixReserve, PrefixScope, entry_from_full, entry_from_row
 from certkv.runtime.steps import Decode, PathAnswer, Reserve, Step, Steps, run_alone
 from certkv.signals.agreement import AgreementRecorder
 from certkv.signals.lookahead import evicted_mass, lookahead_probe
@@ -100,21 +99,24 @@ class SinglePrefillPath:
         other keeps its compressed cache there for later questions."""
         model, gate, stop_ids = self.model, self.gate, self.stop_ids
         n_ctx, room = len(enc.context_ids), len(enc.question_ids) + max_new
-        if prefix is not None and prefix.lookup(enc.context_ids) is not None:
-            cached = yield from self._cached_steps(prefix, enc, max_new, signals, lean, reserved=False)
-            if cached is not None:
-                return cached  # else evicted while the request waited for its KV: prefilled below
         pruner = LayerPruner(n_ctx, room) if lean and self.prunes() else None
-        yield Reserve(self.reservation(enc, max_new, pruned=pruner is not None))
-        if prefix is not None:  # a request admitted while this one waited may have kept the context
-            cached = yield from self._cached_steps(prefix, enc, max_new, signals, lean, reserved=True)
-            if cached is not None:
-                return cached
+        miss = self.reservation(enc, max_new, pruned=pruner is not None)
+        key = prefix.key(enc.context_ids) if prefix is not None else None
+        if prefix is None or key is None:
+            yield Reserve(miss)
+        else:
+            reserve = PrefixReserve(prefix.cache, key, room, miss)
+            yield reserve
+            entry = prefix.cache.lookup(key)
+            if entry is not None:
+                return (yield from self._cached_steps(prefix.cache, entry, enc, max_new, signals, lean))
             prefix.cache.count(hit=False)
+            if reserve.granted < miss:  # admitted to copy an entry evicted since: the prefill's KV
+                yield Reserve(miss)
         seconds: dict[str, float] = {}
         cache, selection = self._prefill(enc, signals, seconds, pruner)
-        if prefix is not None:
-            prefix.put(enc.context_ids, self._entry(enc, cache, selection, signals, pruner))
+        if prefix is not None and key is not None:
+            prefix.cache.put(key, self._entry(enc, cache, selection, signals, pruner))
         tag = None if prefix is None else "miss"
         reason = gate.pre_decode_reason(signals)
         t = time.perf_counter()
@@ -136,41 +138,26 @@ class SinglePrefillPath:
         seconds["escalation"] = time.perf_counter() - t
         return PathAnswer(ids, reason, signals, seconds, escalated=True, prefix=tag)
 
-    def _cached_steps(self, prefix: PrefixScope, enc: EncodedRequest, max_new: int, signals: dict[str, Any],
-                      lean: bool, *, reserved: bool) -> Generator[Step, None, PathAnswer | None]:
-        """The answer from the context's kept compressed cache (:mod:`certkv.runtime.prefix_cache`), or
-        None (nothing done, nothing counted) when none is kept once the request holds its KV.
-
-        No prefill: the question is decoded from a copy of the entry, behind the same gates. The
-        agreement drop is the one the context's prefill recorded; a pre-decode gate that fires, and an
-        escalation, answer from a fresh full prefill, as a lean request whose full cache is gone does.
-        `reserved`: the request already holds a prefill's reservation, which covers the copy; else it
-        reserves the copy and looks the entry up again once admitted (it holds no reference meanwhile,
-        so eviction frees what it counts)."""
+    def _cached_steps(self, cache: PrefixCache, entry: PrefixEntry, enc: EncodedRequest, max_new: int,
+                      signals: dict[str, Any], lean: bool) -> Steps:
+        """The answer from the context's kept compressed cache `entry` (:mod:`certkv.runtime.prefix_cache`),
+        once the request holds its KV: no prefill, the question decoded from a copy of the entry,
+        behind the same gates. The agreement drop is the one the context's prefill recorded; a
+        pre-decode gate that fires, and an escalation, answer from a fresh full prefill, as a lean
+        request whose full cache is gone does."""
         model, gate, stop_ids = self.model, self.gate, self.stop_ids
-        entry = prefix.lookup(enc.context_ids)
-        if entry is None:
-            return None
+        cache.count(hit=True)
         if gate.needs_agreement:
             signals["agreement_drop"] = entry.agreement_drop
         seconds: dict[str, float] = {}
         t = time.perf_counter()
         reason = gate.pre_decode_reason(signals)
         if reason is not None:
-            prefix.cache.count(hit=True)
             ids = yield from full_answer_steps(model, enc, max_new, stop_ids)
             seconds["decode"] = time.perf_counter() - t
             return PathAnswer(ids, reason, signals, seconds, prefix="hit")
-        if not reserved:
-            slots, entry = math.ceil(entry.slots) + len(enc.question_ids) + max_new, None
-            yield Reserve(slots)
-            entry = prefix.lookup(enc.context_ids)
-            if entry is None:
-                return None
-        prefix.cache.count(hit=True)
         job, kept = self._entry_decode(entry, enc, max_new, lean), entry.kept  # the question's own copy
-        entry = None  # the copy is all the decode holds
-        t = time.perf_counter()
+        del entry  # the copy is all the decode holds
         yield job
         assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
         seconds["decode"] = time.perf_counter() - t

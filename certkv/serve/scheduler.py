@@ -247,6 +247,8 @@ class Scheduler:
             return
         prefix = self.prefix_cache
         plan = admission.plan(self._waiting, self._holding, self.budget, prefix.slots if prefix is not None else 0.0)
+        chosen = plan.admit
+        granted = chosen.slots if chosen is not None else 0.0  # read once: a kept context's copy, or its prefill
         for job in plan.drop:  # its caller gave up while it waited
             self._waiting.remove(job)
             job.steps.close()
@@ -254,10 +256,9 @@ class Scheduler:
             prefix.evict_slots(plan.evict)
         for job in plan.preempt:
             self._preempt(job)
-        chosen = plan.admit
         if chosen is not None:
             self._waiting.remove(chosen)
-            chosen.held = chosen.slots
+            chosen.held = granted
             self._holding.add(chosen)
             self._sample()
             self._advance(chosen)
