@@ -86,6 +86,24 @@ def test_no_budget_admits_the_first_in_order():
     assert plan(jobs, [Job(held=10**9)], budget=None).admit is jobs[0]
 
 
+def test_kept_contexts_are_evicted_just_enough_and_before_any_shadow_is_preempted():
+    shadow, live = Job(held=30, shadow=True, seq=1), Job(slots=50, seq=2)
+    # 20 held + 40 kept + 30 shadow = 90: the live job fits once 40 kept slots go, no shadow preempted
+    step = plan([live], [Job(held=20, seq=0), shadow], budget=100, cached=40)
+    assert step.admit is live and step.preempt == [] and step.evict == pytest.approx(40.0)
+    # only part of the kept slots is needed
+    step = plan([Job(slots=20, seq=2)], [Job(held=20, seq=0)], budget=100, cached=70)
+    assert step.evict == pytest.approx(10.0) and step.admit is not None
+    # nothing to evict when it fits beside them
+    assert plan([Job(slots=10, seq=2)], [Job(held=20, seq=0)], budget=100, cached=70).evict == 0.0
+    # not enough with every kept context gone: then shadows are preempted, the kept slots still evicted
+    step = plan([Job(slots=60, seq=2)], [Job(held=20, seq=0), shadow], budget=100, cached=40)
+    assert step.preempt == [shadow] and step.evict == pytest.approx(20.0)
+    # a shadow may evict kept contexts too (they are only a cache), but never while a live job waits
+    lone = Job(slots=50, shadow=True, seq=3)
+    assert plan([lone], [], budget=100, cached=90).evict == pytest.approx(40.0)
+
+
 @dataclass(eq=False)
 class SimJob(Job):
     steps_left: int = 0
