@@ -36,7 +36,7 @@ import math
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -175,18 +175,29 @@ class PrefixCache:
             self.slots += entry.slots
             return True
 
-    def evict_slots(self, slots: float) -> float:
-        """Evict least recently used entries until `slots` token slots are free (or none is left); the
-        slots freed."""
+    def evict_slots(self, slots: float, spare: Collection[Key] = ()) -> float:
+        """Evict least recently used entries until `slots` token slots are free, those under a key in
+        `spare` (contexts waiting requests will copy) only once no other is left; the slots freed."""
         freed = 0.0
         with self._lock:
-            while freed < slots and self._entries:
-                freed += self._evict_one()
+            for key in [k for k in self._entries if k not in spare] + [k for k in self._entries if k in spare]:
+                if freed >= slots:
+                    break
+                freed += self._evict(key)
         return freed
+
+    def wanted_slots(self, keys: Collection[Key]) -> float:
+        """Slots of the kept entries under `keys` (each counted once)."""
+        with self._lock:
+            return sum(self._entries[k].slots for k in set(keys) if k in self._entries)
 
     def _evict_one(self) -> float:
         """Drop the least recently used entry; its slots."""
-        _, entry = self._entries.popitem(last=False)
+        return self._evict(next(iter(self._entries)))
+
+    def _evict(self, key: Key) -> float:
+        """Drop the entry under `key`; its slots."""
+        entry = self._entries.pop(key)
         self.bytes -= entry.nbytes
         self.slots = max(0.0, self.slots - entry.slots) if self._entries else 0.0
         self.evictions += 1
@@ -208,17 +219,24 @@ class PrefixReserve(Reserve):
     """The reservation of a request that may find its context kept: while it waits, its
     :attr:`slots` are a copy of the kept entry and its room when one is kept (looked up afresh each
     time the admission policy reads them, which also marks the entry recently used), else `miss`
-    (its prefill's). :attr:`granted` is the value last read: what the scheduler admitted it with."""
+    (its prefill's). :attr:`granted` is the value last read: what the scheduler admitted it with;
+    :attr:`prefills` whether no entry was kept then."""
 
     def __init__(self, cache: PrefixCache, key: Key, room: int, miss: int) -> None:
         self.cache, self.key, self.room, self.miss = cache, key, room, miss
-        self.granted = miss
+        self.granted, self.found = miss, False
 
     @property
     def slots(self) -> int:  # type: ignore[override]  # read afresh, never assigned
         entry = self.cache.lookup(self.key)
+        self.found = entry is not None
         self.granted = self.miss if entry is None else min(self.miss, math.ceil(entry.slots) + self.room)
         return self.granted
+
+    @property
+    def prefills(self) -> bool:  # type: ignore[override]
+        """Whether the request prefills once admitted: no entry was kept when :attr:`slots` was last read."""
+        return not self.found
 
 
 def bypass_reason(query_aware: bool, press: BasePress | None, single_prefill: bool, gate: GateSettings) -> str | None:

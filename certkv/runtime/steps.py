@@ -49,9 +49,13 @@ TokenListener = Callable[[list[int], int | None], None]
 
 @dataclass
 class Reserve:
-    """The path is about to allocate KV: it will hold at most `slots` token slots until its next step."""
+    """The path is about to allocate KV: it will hold at most `slots` token slots until its next step.
+
+    `prefills`: whether that step runs a prefill (False: it only copies a kept compressed context,
+    :mod:`certkv.runtime.prefix_cache`, which a scheduler may admit beside a prefill)."""
 
     slots: int
+    prefills: bool = True
 
 
 @dataclass

@@ -14,8 +14,9 @@ objects and no model. The policy reads:
   lets waiting jobs in at once (the scheduler gives slots back when a row finishes; decoding-time
   presses decode alone, outside the batch, and free their reservation when their answer ends);
 * the **budget** in token slots (None: unlimited);
-* the slots the prefix cache's kept compressed contexts hold (``cached``, all of them evictable:
-  no request holds a reference to one, :mod:`certkv.runtime.prefix_cache`).
+* the slots the prefix cache's kept compressed contexts hold (``cached``; no request holds a
+  reference to one, :mod:`certkv.runtime.prefix_cache`), of which ``wanted`` are contexts a waiting
+  job will copy.
 
 and returns a :class:`Plan`: the cancelled jobs to drop, the kept contexts to evict (in slots), the
 shadows in flight to preempt, and the one job to admit (or none). Its rules:
@@ -28,9 +29,11 @@ shadows in flight to preempt, and the one job to admit (or none). Its rules:
 4. Shadows never hold KV a live job waits for: when the first live job does not fit, shadows in
    flight are preempted, newest first, until it fits (or none is left: the live job then waits
    for live jobs alone); and no shadow is admitted while a live job waits.
-5. Kept contexts count against the budget but never keep a job waiting: a job fits when it fits
-   once every kept context is evicted, and the plan evicts (least recently used first, by the
-   scheduler) just the slots it needs. Shadows are preempted only when that is not enough.
+5. Kept contexts count against the budget, and the plan evicts (least recently used first, by the
+   scheduler) just the slots a job needs, before any shadow is preempted. A context a waiting job
+   will copy is evicted only when nothing is in flight (nothing else would ever free its slots):
+   otherwise the job waits for the jobs in flight, which decode a few tokens and end, rather than
+   turn the waiting job's cheap copy into a prefill.
 """
 
 from __future__ import annotations
@@ -107,9 +110,10 @@ def in_use(holding: Collection[HeldJob]) -> float:
     return sum(job.held for job in holding)
 
 
-def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None, cached: float = 0.0) -> Plan[W, H]:
-    """The next admission under `budget`, beside `cached` slots of kept contexts (module docstring
-    for the rules).
+def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None, cached: float = 0.0,
+         wanted: float = 0.0) -> Plan[W, H]:
+    """The next admission under `budget`, beside `cached` slots of kept contexts of which waiting
+    jobs will copy `wanted` (module docstring for the rules).
 
     Examples
     --------
@@ -130,9 +134,10 @@ def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None, cache
     if not queue:
         return result
     used = in_use(holding) + cached
+    evictable = cached - wanted if holding else cached
 
-    def fits(slots: float) -> bool:  # once every kept context is evicted
-        return budget is None or used - cached + slots <= budget
+    def fits(slots: float) -> bool:  # once every evictable kept context is evicted
+        return budget is None or used - evictable + slots <= budget
 
     first = queue[0]
     if not first.shadow and not fits(first.slots):

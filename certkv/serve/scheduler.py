@@ -7,8 +7,9 @@ at once, and interleaves them:
 
 * **Admission.** A job that yields ``Reserve(slots)`` waits until ``slots`` fit in what the jobs
   in flight leave of the budget (token slots, :mod:`certkv.engine.ragged_decode`); then it runs on
-  (its prefill, its gates) up to its next step. At most one job is admitted per iteration, between
-  two batched decode steps, so a prefill delays the batch by one prefill at most. Who goes next is
+  (its prefill, its gates) up to its next step. At most one job that prefills is admitted per
+  iteration, between two batched decode steps, so a prefill delays the batch by one prefill at
+  most (jobs that only copy a kept context, :mod:`certkv.runtime.prefix_cache`, may join it too). Who goes next is
   decided by :mod:`certkv.serve.admission` (a pure policy, tested without a model): a job already
   in flight that asks again (an escalation's second prefill), then live requests first come first
   served, then shadows. A job whose reservation alone exceeds the budget fails with
@@ -32,8 +33,8 @@ at once, and interleaves them:
 
 * **Kept contexts** (``--prefix-cache-mib``, :mod:`certkv.runtime.prefix_cache`) count against
   the budget: a context is kept only where the budget leaves room beside the jobs in flight, and
-  the admission policy evicts kept contexts (least recently used first) before a job would wait
-  for their slots.
+  the admission policy evicts kept contexts (least recently used first, those a waiting job will
+  copy last) before a job waits for their slots or a shadow is preempted.
 
 KV in use (the reservations of jobs between steps, every row's allocated cache, and the kept
 contexts) is sampled after every admission and every decode step; :attr:`Scheduler.peak_kv` is the largest sample,
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from certkv.engine.ragged_decode import RaggedBatch, Row, RowCache
 from certkv.errors import CertkvError
+from certkv.runtime.prefix_cache import PrefixReserve
 from certkv.runtime.steps import Decode, Reserve
 from certkv.serve import admission
 
@@ -221,7 +223,7 @@ class Scheduler:
                     break
             for job in fresh:
                 self._advance(job)
-            self._admit_one()
+            self._admit()
             self._decode_step()
         self._abandon_shadows()
 
@@ -240,28 +242,45 @@ class Scheduler:
         self.kv_in_use = self._in_use()
         self.peak_kv = max(self.peak_kv, self.kv_in_use)
 
-    def _admit_one(self) -> None:
+    def _admit(self) -> None:
+        """Admit jobs (:meth:`_admit_one`) until one that prefills is admitted or none is: a job that
+        only copies a kept context (:attr:`~certkv.runtime.steps.Reserve.prefills` false) delays the
+        batch by no prefill, so any number of them may join it between two decode steps."""
+        while self._waiting:
+            prefilled = self._admit_one()
+            if prefilled is None or prefilled:
+                return
+
+    def _admit_one(self) -> bool | None:
         """Carry out the admission policy's plan (:func:`certkv.serve.admission.plan`): drop the jobs
-        cancelled while they waited, preempt shadows, admit one job and run it to its next step."""
+        cancelled while they waited, preempt shadows, admit one job and run it to its next step;
+        whether that job was admitted to prefill (None: nobody was admitted)."""
         if not self._waiting:
-            return
+            return None
         prefix = self.prefix_cache
-        plan = admission.plan(self._waiting, self._holding, self.budget, prefix.slots if prefix is not None else 0.0)
+        wanted = {j.step.key for j in self._waiting if isinstance(j.step, PrefixReserve)} if prefix else set()
+        cached = (prefix.slots, prefix.wanted_slots(wanted)) if prefix is not None else (0.0, 0.0)
+        plan = admission.plan(self._waiting, self._holding, self.budget, *cached)
         chosen = plan.admit
         granted = chosen.slots if chosen is not None else 0.0  # read once: a kept context's copy, or its prefill
         for job in plan.drop:  # its caller gave up while it waited
             self._waiting.remove(job)
             job.steps.close()
         if plan.evict and prefix is not None:
-            prefix.evict_slots(plan.evict)
+            prefix.evict_slots(plan.evict, spare=wanted)
         for job in plan.preempt:
             self._preempt(job)
-        if chosen is not None:
-            self._waiting.remove(chosen)
-            chosen.held = granted
-            self._holding.add(chosen)
-            self._sample()
-            self._advance(chosen)
+        if chosen is None:
+            return None
+        reserve = chosen.step
+        assert isinstance(reserve, Reserve)  # a waiting job waits with its reservation
+        prefills = reserve.prefills  # read before the job runs on (a kept context's copy, or a prefill)
+        self._waiting.remove(chosen)
+        chosen.held = granted
+        self._holding.add(chosen)
+        self._sample()
+        self._advance(chosen)
+        return prefills
 
     def _preempt(self, job: _Job) -> None:
         """Free a shadow's KV and restart it from the beginning (it waits for admission again)."""

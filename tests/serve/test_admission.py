@@ -104,6 +104,17 @@ def test_kept_contexts_are_evicted_just_enough_and_before_any_shadow_is_preempte
     assert plan([lone], [], budget=100, cached=90).evict == pytest.approx(40.0)
 
 
+def test_a_context_a_waiting_job_will_copy_is_evicted_only_when_nothing_is_in_flight():
+    first = Job(slots=50, seq=2)
+    # 30 of the 60 kept slots are wanted: evicting the other 30 is not enough while a job decodes
+    step = plan([first], [Job(held=25, seq=0)], budget=100, cached=60, wanted=30)
+    assert step.admit is None and step.evict == 0.0
+    assert plan([first], [Job(held=10, seq=0)], budget=100, cached=60, wanted=30).evict == pytest.approx(20.0)
+    # nothing in flight would ever free them: then wanted contexts go too
+    step = plan([first], [], budget=100, cached=80, wanted=70)
+    assert step.admit is first and step.evict == pytest.approx(30.0)
+
+
 @dataclass(eq=False)
 class SimJob(Job):
     steps_left: int = 0
