@@ -66,11 +66,7 @@ def serve(
         raise CertkvError(f"--max-queue must be at least 1, got {max_queue}")
     if not timeout > 0:
         raise CertkvError(f"--timeout must be positive seconds, got {timeout}")
-    from certkv.serve.kv_budget import check_flags
-
-    check_flags(kv_budget, kv_budget_mb)
-    if not (prefix_cache_mib >= 0 and math.isfinite(prefix_cache_mib)):
-        raise CertkvError(f"--prefix-cache-mib must be a non-negative number of MiB (0: off), got {prefix_cache_mib}")
+    _check_memory_flags(kv_budget, kv_budget_mb, prefix_cache_mib)
     if max_body_bytes < 1024:
         raise CertkvError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
     _check_shadow_rate(shadow_rate)
@@ -85,6 +81,15 @@ def serve(
              prefix_cache_mib=prefix_cache_mib)
     finally:
         sock.close()
+
+
+def _check_memory_flags(kv_budget: int | None, kv_budget_mb: float | None, prefix_cache_mib: float) -> None:
+    """One line naming the flag when ``--kv-budget``, ``--kv-budget-mb`` or ``--prefix-cache-mib`` is unusable."""
+    from certkv.serve.kv_budget import check_flags
+
+    check_flags(kv_budget, kv_budget_mb)
+    if not (prefix_cache_mib >= 0 and math.isfinite(prefix_cache_mib)):
+        raise CertkvError(f"--prefix-cache-mib must be a non-negative number of MiB (0: off), got {prefix_cache_mib}")
 
 
 def _prefix_cache(op: OperatingPoint, mib: float) -> PrefixCache | None:
