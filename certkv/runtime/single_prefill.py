@@ -101,10 +101,11 @@ class SinglePrefillPath:
         n_ctx, room = len(enc.context_ids), len(enc.question_ids) + max_new
         pruner = LayerPruner(n_ctx, room) if lean and self.prunes() else None
         miss = self.reservation(enc, max_new, pruned=pruner is not None)
-        key = prefix.key(enc.context_ids) if prefix is not None else None
-        if prefix is None or key is None:
+        key = None
+        if prefix is None:
             yield Reserve(miss)
         else:
+            key = prefix.key(enc.context_ids)
             reserve = PrefixReserve(prefix.cache, key, room, miss)
             yield reserve
             entry = prefix.cache.lookup(key)
