@@ -1,23 +1,27 @@
 """Compress once, answer many: throughput of a question-agnostic point with and without its prefix cache.
 
 Traffic with several questions per context (8 by default): multi_key haystacks of the embedded
-model, each asked that many of its keys, the questions of one context sent one after another,
-closed loop at concurrency 32 through the official ``openai`` client. The same operating point
-is served by two real ``certkv serve`` processes under the same ``--kv-budget``, side by side in
-one run: one with ``--prefix-cache-mib`` (a later question on a kept context skips its prefill and
-compression), one without. The point is question-agnostic (``query_aware: false``): SnapKV keeping
-half the cache by default (an ungated fixed point, as ``benchmarks/capacity.py`` builds them), or
-any operating point given with ``--point``.
+model (2,048 tokens by default, its longest: a prefill of a few hundred tokens costs this tiny
+model less than the request's HTTP round trip, which reuse cannot save), each asked that many of
+its keys, the questions of one context sent one after another, closed loop at concurrency 32
+through the official ``openai`` client. The same operating point is served by two real ``certkv
+serve`` processes under the same ``--kv-budget``, side by side in one run: one with
+``--prefix-cache-mib`` (a later question on a kept context skips its prefill and compression), one
+without; a pair per budget (``--budget-shares``: 8 and 4 times the largest request's full prefill
+reservation), since the kept contexts count against it. The point is question-agnostic
+(``query_aware: false``): SnapKV keeping half the cache by default (an ungated fixed point, as
+``benchmarks/capacity.py`` builds them), or any operating point given with ``--point``.
 
-Both servers run with ``--shadow-rate 0``: the live monitor's seeded shadows could switch one
+Every server runs with ``--shadow-rate 0``: the live monitor's seeded shadows could switch one
 server to the full cache and not the other, and the comparison is of one operating point's answers.
 Each pass sends fresh contexts (a context kept by one pass would make the next pass's questions
-hits that no new traffic would have); passes alternate between the two servers. Reported: the
-median pass throughput of each, their ratio (target ≥ 3× with reuse), whether every answer is the
-same with and without reuse, and the prefix cache's hits, misses and evictions from ``/metrics``.
+hits that no new traffic would have); passes alternate between the servers. Reported: the median
+pass throughput of each, the ratio with and without reuse at each budget (target ≥ 3× at the first),
+whether every answer is the same with and without reuse, and the prefix cache's hits, misses and
+evictions from ``/metrics``.
 Writes ``benchmarks/results/prefix_cache.json`` and prints a table::
 
-    python benchmarks/prefix_cache.py                   # ~4 minutes on 2 CPU cores
+    python benchmarks/prefix_cache.py                   # ~2 minutes on 2 CPU cores
     python benchmarks/prefix_cache.py --contexts 8 --repeats 1   # a quick look
 """
 
@@ -117,15 +121,27 @@ def arguments() -> argparse.Namespace:
                         "half the cache, ungated)")
     parser.add_argument("--contexts", type=int, default=16, help="contexts per pass")
     parser.add_argument("--questions", type=int, default=8, help="questions per context")
-    parser.add_argument("--context-length", type=int, default=512)
+    parser.add_argument("--context-length", type=int, default=2048, help="tokens per context (the embedded model's "
+                        "longest; shorter ones cost the server less than their HTTP round trip)")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--budget-share", type=float, default=4.0, help="--kv-budget of both servers, in multiples "
-                        "of the largest request's full prefill reservation")
-    parser.add_argument("--prefix-cache-mib", type=float, default=64.0)
+    parser.add_argument("--budget-shares", type=float, nargs="+", default=[8.0, 4.0], help="--kv-budget of both "
+                        "servers, in multiples of the largest request's full prefill reservation; a pair of servers "
+                        "per budget, the first is the one the target is read at")
+    parser.add_argument("--prefix-cache-mib", type=float, default=256.0)
     parser.add_argument("--repeats", type=int, default=3, help="passes per server (median throughput)")
     parser.add_argument("--seed", type=int, default=4242)
     parser.add_argument("--output", type=Path, default=RESULT)
     return parser.parse_args()
+
+
+def compare(runs: dict[str, dict], budget: int, share: float, expected: int) -> dict:
+    """One budget's pair of runs, their throughput ratio (median against median, and pass by pass) and
+    whether every one of the `expected` answers is the same with and without reuse."""
+    answers = {name: run.pop("answers") for name, run in runs.items()}
+    paired = [r / n for r, n in zip(runs["reuse"]["throughput_each_rps"], runs["no_reuse"]["throughput_each_rps"])]
+    return {"slots": budget, "share": share, "runs": runs,
+            "ratio": runs["reuse"]["throughput_rps"] / runs["no_reuse"]["throughput_rps"], "ratio_each": paired,
+            "answers_equal": answers["reuse"] == answers["no_reuse"] and len(answers["reuse"]) == expected}
 
 
 def main() -> None:
@@ -142,15 +158,15 @@ def main() -> None:
               for k in range(args.repeats)]
     warm = traffic(1, 8, args.context_length, args.seed)
     largest = largest_reservation([r for p in passes for r in p], point.max_new_tokens or 8)
-    budget = round(args.budget_share * largest)
+    budgets = {f"{share:g}": round(share * largest) for share in args.budget_shares}
     t0 = time.perf_counter()
     plain = ("--shadow-rate", "0")  # no monitor: its seeded shadows would switch the two servers at different times
     reuse = (*plain, "--prefix-cache-mib", f"{args.prefix_cache_mib:g}")
-    servers = {"no_reuse": Server("no_reuse", op_path, budget, args.concurrency, work, extra=plain),
-               "reuse": Server("reuse", op_path, budget, args.concurrency, work, extra=reuse)}
+    servers = {f"{name}@{key}": Server(name, op_path, slots, args.concurrency, work, extra=extra)
+               for key, slots in budgets.items() for name, extra in (("no_reuse", plain), ("reuse", reuse))}
     runs = measure(servers, passes, warm, args.concurrency)
-    answers = {name: run.pop("answers") for name, run in runs.items()}
-    ratio = runs["reuse"]["throughput_rps"] / runs["no_reuse"]["throughput_rps"]
+    results = {key: compare({name: runs[f"{name}@{key}"] for name in ("no_reuse", "reuse")}, slots,
+                            float(key), sum(map(len, passes))) for key, slots in budgets.items()}
     result = {
         "benchmark": "prefix_cache",
         "command": "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]),
@@ -161,25 +177,25 @@ def main() -> None:
         "traffic": {"task": "multi_key", "contexts_per_pass": args.contexts, "questions_per_context": args.questions,
                     "context_length": args.context_length, "concurrency": args.concurrency, "seed": args.seed,
                     "passes": args.repeats, "shadow_rate": 0.0},
-        "budget": {"slots": budget, "largest_prefill_reservation": largest, "share": args.budget_share,
-                   "prefix_cache_mib": args.prefix_cache_mib},
-        "runs": runs, "ratio": ratio, "target": 3.0,
-        "answers_equal": answers["reuse"] == answers["no_reuse"] and len(answers["reuse"]) == sum(map(len, passes)),
+        "largest_prefill_reservation": largest, "prefix_cache_mib": args.prefix_cache_mib,
+        "budgets": results, "target": 3.0, "target_at": next(iter(budgets)),
         "wall_seconds": time.perf_counter() - t0,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{point.policy}, {args.questions} questions on each of {args.contexts} contexts of {args.context_length} "
-          f"tokens per pass, concurrency {args.concurrency}, --kv-budget {budget} for both")
-    print(f"{'server':<10}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'hits':>7}{'misses':>8}{'evicted':>9}{'peak KV':>9}")
-    for name, r in runs.items():
-        c = r["prefix_cache"]
-        print(f"{name:<10}{r['throughput_rps']:>8.2f}{r['latency_p50_s'] * 1e3:>9.0f}{r['latency_p99_s'] * 1e3:>9.0f}"
-              f"{c['hits']:>7.0f}{c['misses']:>8.0f}{c['evictions']:>9.0f}{r['kv_peak']:>9.0f}")
-    paired = [r / n for r, n in zip(runs["reuse"]["throughput_each_rps"], runs["no_reuse"]["throughput_each_rps"])]
-    print(f"reuse / no reuse: {ratio:.2f}x (target >= 3x; pass by pass {', '.join(f'{x:.2f}x' for x in paired)}); "
-          f"answers equal: {result['answers_equal']}")
-    print(f"wrote {args.output} ({result['wall_seconds']:.0f} s)")
+          f"tokens per pass, concurrency {args.concurrency}; the same --kv-budget with and without reuse")
+    print(f"{'server':<10}{'budget':>8}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'hits':>7}{'misses':>8}{'evicted':>9}"
+          f"{'peak KV':>9}")
+    for key, b in results.items():
+        for name, r in b["runs"].items():
+            c = r["prefix_cache"]
+            print(f"{name:<10}{b['slots']:>8}{r['throughput_rps']:>8.2f}{r['latency_p50_s'] * 1e3:>9.0f}"
+                  f"{r['latency_p99_s'] * 1e3:>9.0f}{c['hits']:>7.0f}{c['misses']:>8.0f}{c['evictions']:>9.0f}"
+                  f"{r['kv_peak']:>9.0f}")
+        print(f"  at {key}x: reuse / no reuse {b['ratio']:.2f}x (pass by pass "
+              f"{', '.join(f'{x:.2f}x' for x in b['ratio_each'])}); answers equal: {b['answers_equal']}")
+    print(f"target >= 3x at {result['target_at']}x; wrote {args.output} ({result['wall_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

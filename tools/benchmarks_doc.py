@@ -916,39 +916,44 @@ def capacity(data: dict) -> str:
 
 def prefix_cache(data: dict) -> str:
     """Compress once, answer many: the same point and KV budget with and without the prefix cache."""
-    traffic, budget, point = data["traffic"], data["budget"], data["point"]
-    rows = []
-    for name, label in (("no_reuse", "without reuse"), ("reuse", f"--prefix-cache-mib {budget['prefix_cache_mib']:g}")):
-        r = data["runs"][name]
-        c = r["prefix_cache"]
-        rows.append([label, num(r["throughput_rps"], 2), ", ".join(num(x, 2) for x in r["throughput_each_rps"]),
-                     f"{seconds(r['latency_p50_s'])} / {seconds(r['latency_p99_s'])}",
-                     f"{c['hits']:,.0f} / {c['misses']:,.0f} / {c['evictions']:,.0f}", f"{r['kv_peak']:,.0f}"])
-    reached = data["ratio"] >= data["target"]
-    paired = [r / n for r, n in zip(data["runs"]["reuse"]["throughput_each_rps"],
-                                    data["runs"]["no_reuse"]["throughput_each_rps"])]
+    traffic, point, at = data["traffic"], data["point"], data["target_at"]
+    rows, ratios = [], []
+    for key, b in data["budgets"].items():
+        for name, label in (("no_reuse", "without reuse"), ("reuse", "with reuse")):
+            r = b["runs"][name]
+            c = r["prefix_cache"]
+            counts = "—" if name == "no_reuse" else f"{c['hits']:,.0f} / {c['misses']:,.0f} / {c['evictions']:,.0f}"
+            rows.append([f"{key}× = {b['slots']:,}", label, num(r["throughput_rps"], 2),
+                         ", ".join(num(x, 2) for x in r["throughput_each_rps"]),
+                         f"{seconds(r['latency_p50_s'])} / {seconds(r['latency_p99_s'])}", counts, f"{r['kv_peak']:,.0f}"])
+        ratios.append([f"{key}×", times(b["ratio"]), ", ".join(times(x) for x in b["ratio_each"]),
+                       str(b["answers_equal"])])
+    reached = data["budgets"][at]["ratio"] >= data["target"]
     kind = "an ungated fixed point outside any certificate" if point["fixed"] else "the operating point given"
     return "\n\n".join([
         "## Prefix reuse: compress once, answer many",
         command(data["command"]),
         f"`certkv serve` on the embedded model, `{point['policy']}` ({kind}, question-agnostic: the context is "
         f"compressed before the question exists), {traffic['questions_per_context']} questions about each of "
-        f"{traffic['contexts_per_pass']} fresh multi_key contexts of {traffic['context_length']} tokens per pass, "
+        f"{traffic['contexts_per_pass']} fresh multi_key contexts of {traffic['context_length']:,} tokens per pass, "
         f"the questions of a context one after another, closed loop at concurrency {traffic['concurrency']} through "
-        f"the official `openai` client; {traffic['passes']} passes per server, alternating; no shadows and no "
-        "monitor (`--shadow-rate 0`: its seeded shadows could switch one server to the full cache and not the "
-        "other). Both servers run under the same `--kv-budget` of "
-        f"{budget['slots']:,} token slots ({budget['share']:g}× the largest request's full prefill reservation), "
-        "which the kept contexts count against. Throughput is the median pass's; hits, misses and evictions are "
-        "the `certkv_prefix_cache_*` counters over the timed passes.",
-        table(["server", "req/s", "each pass", "latency p50 / p99", "hits / misses / evictions", "peak KV"], rows),
-        f"Reuse serves {times(data['ratio'])} the throughput without it, median against median (target ≥ "
-        f"{times(data['target'])}: {'reached' if reached else 'not reached'}); pass by pass, each reuse pass against "
-        f"the pass without reuse run just before it: {', '.join(times(x) for x in paired)}. Every answer is the "
-        f"same with and without reuse: {data['answers_equal']}. A hit skips the prefill and the compression and "
-        "decodes from a copy of the kept context, so what remains per question is its decode; how the cache keys, "
-        "counts and evicts: "
-        "[serving](serving.md#prefix-reuse-compress-once-answer-many).",
+        f"the official `openai` client; {traffic['passes']} passes per server, the servers alternating; no shadows "
+        "and no monitor (`--shadow-rate 0`: its seeded shadows could switch one server to the full cache and not "
+        "the other). Each budget has a pair of servers, one with `--prefix-cache-mib "
+        f"{data['prefix_cache_mib']:g}` and one without, under the same `--kv-budget`, given in multiples of the "
+        f"largest request's full prefill reservation ({data['largest_prefill_reservation']:,} token slots); the "
+        "kept contexts count against it. Throughput is the median pass's; hits, misses and evictions are the "
+        "`certkv_prefix_cache_*` counters over the timed passes.",
+        table(["budget (slots)", "server", "req/s", "each pass", "latency p50 / p99", "hits / misses / evictions",
+               "peak KV"], rows),
+        table(["budget", "with ÷ without reuse", "pass by pass", "answers equal"], ratios),
+        f"The target (≥ {times(data['target'])} at {at}×) is {'reached' if reached else 'not reached'}; pass by "
+        "pass compares each reuse pass with the pass without reuse run just before it. A hit skips the prefill and "
+        "the compression and decodes from a copy of the kept context, so what remains per question is its decode "
+        "and its HTTP round trip. A question whose context was not kept (the budget left no room beside the requests "
+        "in flight) or was evicted to make room prefills it again: the misses beyond one per context, more under "
+        "the tighter budget. "
+        "How the cache keys, counts and evicts: [serving](serving.md#prefix-reuse-compress-once-answer-many).",
     ])
 
 
