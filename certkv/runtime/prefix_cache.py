@@ -135,6 +135,8 @@ class PrefixCache:
         """Token slots the kept entries hold (what they count against a KV budget)."""
         self.limit: Callable[[], float] | None = None
         """The token slots the KV budget leaves the cache in all (the scheduler's; None: no KV budget)."""
+        self.kv_budget: int | None = None
+        """The scheduler's KV budget in token slots (None: none), which no reservation may exceed."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -155,14 +157,15 @@ class PrefixCache:
             else:
                 self.misses += 1
 
-    def put(self, key: Key, entry: PrefixEntry) -> bool:
+    def put(self, key: Key, entry: PrefixEntry, reserved: float = 0.0) -> bool:
         """Keep `entry` under `key`, evicting least recently used entries to make room under the byte
-        budget and the KV budget's :attr:`limit`; False (nothing evicted, nothing kept) when it cannot
+        budget and the KV budget's :attr:`limit` (plus `reserved`: slots the keeping request reserved
+        for it, :attr:`PrefixReserve.kept_room`); False (nothing evicted, nothing kept) when it cannot
         fit even alone."""
         with self._lock:
             if key in self._entries:
                 return True
-            limit = self.limit() if self.limit is not None else None
+            limit = self.limit() + reserved if self.limit is not None else None
             if entry.nbytes > self.capacity_bytes or (limit is not None and entry.slots > limit):
                 self.refused += 1
                 return False
@@ -219,24 +222,35 @@ class PrefixReserve(Reserve):
     """The reservation of a request that may find its context kept: while it waits, its
     :attr:`slots` are a copy of the kept entry and its room when one is kept (looked up afresh each
     time the admission policy reads them, which also marks the entry recently used), else `miss`
-    (its prefill's). :attr:`granted` is the value last read: what the scheduler admitted it with;
-    :attr:`prefills` whether no entry was kept then."""
+    (its prefill's) plus `keep` (the entry it will keep, so that keeping it never crowds out the
+    requests in flight; within the cache's :attr:`PrefixCache.kv_budget`). :attr:`granted` is the
+    value last read: what the scheduler admitted it with; :attr:`prefills` whether no entry was
+    kept then."""
 
-    def __init__(self, cache: PrefixCache, key: Key, room: int, miss: int) -> None:
-        self.cache, self.key, self.room, self.miss = cache, key, room, miss
+    def __init__(self, cache: PrefixCache, key: Key, room: int, miss: int, keep: int = 0) -> None:
+        self.cache, self.key, self.room, self.miss, self.keep = cache, key, room, miss, keep
         self.granted, self.found = miss, False
 
     @property
     def slots(self) -> int:  # type: ignore[override]  # read afresh, never assigned
         entry = self.cache.lookup(self.key)
         self.found = entry is not None
-        self.granted = self.miss if entry is None else min(self.miss, math.ceil(entry.slots) + self.room)
+        if entry is not None:
+            self.granted = min(self.miss, math.ceil(entry.slots) + self.room)
+        else:
+            budget = self.cache.kv_budget
+            self.granted = max(self.miss, min(self.miss + self.keep, budget if budget is not None else self.miss + self.keep))
         return self.granted
 
     @property
     def prefills(self) -> bool:  # type: ignore[override]
         """Whether the request prefills once admitted: no entry was kept when :attr:`slots` was last read."""
         return not self.found
+
+    @property
+    def kept_room(self) -> int:
+        """Slots of the reservation granted for the entry a prefill will keep (0 for a copy)."""
+        return 0 if self.found else max(0, self.granted - self.miss)
 
 
 def bypass_reason(query_aware: bool, press: BasePress | None, single_prefill: bool, gate: GateSettings) -> str | None:

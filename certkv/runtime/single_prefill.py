@@ -101,12 +101,12 @@ class SinglePrefillPath:
         n_ctx, room = len(enc.context_ids), len(enc.question_ids) + max_new
         pruner = LayerPruner(n_ctx, room) if lean and self.prunes() else None
         miss = self.reservation(enc, max_new, pruned=pruner is not None)
-        key = None
+        key, reserved = None, 0
         if prefix is None:
             yield Reserve(miss)
         else:
             key = prefix.key(enc.context_ids)
-            reserve = PrefixReserve(prefix.cache, key, room, miss)
+            reserve = PrefixReserve(prefix.cache, key, room, miss, keep=compute_n_kept(n_ctx, self.press.compression_ratio))
             yield reserve
             entry = prefix.cache.lookup(key)
             if entry is not None:
@@ -114,10 +114,11 @@ class SinglePrefillPath:
             prefix.cache.count(hit=False)
             if reserve.granted < miss:  # admitted to copy an entry evicted since: the prefill's KV
                 yield Reserve(miss)
+            reserved = reserve.kept_room
         seconds: dict[str, float] = {}
         cache, selection = self._prefill(enc, signals, seconds, pruner)
         if prefix is not None and key is not None:
-            prefix.cache.put(key, self._entry(enc, cache, selection, signals, pruner))
+            prefix.cache.put(key, self._entry(enc, cache, selection, signals, pruner), reserved)
         tag = None if prefix is None else "miss"
         reason = gate.pre_decode_reason(signals)
         t = time.perf_counter()

@@ -138,6 +138,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         if prefix_cache is not None and budget is not None:
             prefix_cache.limit = lambda: budget - admission.in_use(self._holding)
+            prefix_cache.kv_budget = budget
         self._inbox: collections.deque[_Job] = collections.deque()
         self._waiting: list[_Job] = []
         self._holding: set[_Job] = set()
