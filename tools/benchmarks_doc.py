@@ -929,6 +929,17 @@ def prefix_cache(data: dict) -> str:
         ratios.append([f"{key}×", times(b["ratio"]), ", ".join(times(x) for x in b["ratio_each"]),
                        str(b["answers_equal"])])
     reached = data["budgets"][at]["ratio"] >= data["target"]
+    contexts = traffic["contexts_per_pass"] * traffic["passes"]
+    if all(b["runs"]["reuse"]["prefix_cache"]["misses"] <= contexts for b in data["budgets"].values()):
+        misses = "Under every budget each context was prefilled once, by its first question. "
+    else:
+        misses = ("A question whose context was evicted before it was asked prefills it again: the misses beyond one "
+                  f"per context (of the {contexts}). ")
+    unbound = ""
+    if all(b["runs"]["no_reuse"]["kv_peak"] < 0.9 * b["slots"] for b in data["budgets"].values()):
+        unbound = ("Without reuse the budget never binds (its peak KV stays well below it): the prefills, one admitted "
+                   "between two decode steps, take the processor; with reuse the kept contexts fill what the budget "
+                   "leaves. ")
     kind = "an ungated fixed point outside any certificate" if point["fixed"] else "the operating point given"
     return "\n\n".join([
         "## Prefix reuse: compress once, answer many",
@@ -950,10 +961,8 @@ def prefix_cache(data: dict) -> str:
         f"The target (≥ {times(data['target'])} at {at}×) is {'reached' if reached else 'not reached'}; pass by "
         "pass compares each reuse pass with the pass without reuse run just before it. A hit skips the prefill and "
         "the compression and decodes from a copy of the kept context, so what remains per question is its decode "
-        "and its HTTP round trip. A question whose context was not kept (the budget left no room beside the requests "
-        "in flight) or was evicted to make room prefills it again: the misses beyond one per context, more under "
-        "the tighter budget. "
-        "How the cache keys, counts and evicts: [serving](serving.md#prefix-reuse-compress-once-answer-many).",
+        "and its HTTP round trip. " + misses + unbound
+        + "How the cache keys, counts and evicts: [serving](serving.md#prefix-reuse-compress-once-answer-many).",
     ])
 
 
