@@ -1034,6 +1034,58 @@ def capacity(data: dict) -> str:
     ])
 
 
+def prefix_cache(data: dict) -> str:
+    """Compress once, answer many: the same point and KV budget with and without the prefix cache."""
+    traffic, point, at = data["traffic"], data["point"], data["target_at"]
+    rows, ratios = [], []
+    for key, b in data["budgets"].items():
+        for name, label in (("no_reuse", "without reuse"), ("reuse", "with reuse")):
+            r = b["runs"][name]
+            c = r["prefix_cache"]
+            counts = "—" if name == "no_reuse" else f"{c['hits']:,.0f} / {c['misses']:,.0f} / {c['evictions']:,.0f}"
+            rows.append([f"{key}× = {b['slots']:,}", label, num(r["throughput_rps"], 2),
+                         ", ".join(num(x, 2) for x in r["throughput_each_rps"]),
+                         f"{seconds(r['latency_p50_s'])} / {seconds(r['latency_p99_s'])}", counts, f"{r['kv_peak']:,.0f}"])
+        ratios.append([f"{key}×", times(b["ratio"]), ", ".join(times(x) for x in b["ratio_each"]),
+                       str(b["answers_equal"])])
+    reached = data["budgets"][at]["ratio"] >= data["target"]
+    contexts = traffic["contexts_per_pass"] * traffic["passes"]
+    if all(b["runs"]["reuse"]["prefix_cache"]["misses"] <= contexts for b in data["budgets"].values()):
+        misses = "Under every budget each context was prefilled once, by its first question. "
+    else:
+        misses = ("A question whose context was evicted before it was asked prefills it again: the misses beyond one "
+                  f"per context (of the {contexts}). ")
+    unbound = ""
+    if all(b["runs"]["no_reuse"]["kv_peak"] < 0.9 * b["slots"] for b in data["budgets"].values()):
+        unbound = ("Without reuse the budget never binds (its peak KV stays well below it): the prefills, one admitted "
+                   "between two decode steps, take the processor; with reuse the kept contexts fill what the budget "
+                   "leaves. ")
+    kind = "an ungated fixed point outside any certificate" if point["fixed"] else "the operating point given"
+    return "\n\n".join([
+        "## Prefix reuse: compress once, answer many",
+        command(data["command"]),
+        f"`certkv serve` on the embedded model, `{point['policy']}` ({kind}, question-agnostic: the context is "
+        f"compressed before the question exists), {traffic['questions_per_context']} questions about each of "
+        f"{traffic['contexts_per_pass']} fresh multi_key contexts of {traffic['context_length']:,} tokens per pass, "
+        f"the questions of a context one after another, closed loop at concurrency {traffic['concurrency']} through "
+        f"the official `openai` client; {traffic['passes']} passes per server, the servers alternating; no shadows "
+        "and no monitor (`--shadow-rate 0`: its seeded shadows could switch one server to the full cache and not "
+        "the other). Each budget has a pair of servers, one with `--prefix-cache-mib "
+        f"{data['prefix_cache_mib']:g}` and one without, under the same `--kv-budget`, given in multiples of the "
+        f"largest request's full prefill reservation ({data['largest_prefill_reservation']:,} token slots); the "
+        "kept contexts count against it. Throughput is the median pass's; hits, misses and evictions are the "
+        "`certkv_prefix_cache_*` counters over the timed passes.",
+        table(["budget (slots)", "server", "req/s", "each pass", "latency p50 / p99", "hits / misses / evictions",
+               "peak KV"], rows),
+        table(["budget", "with ÷ without reuse", "pass by pass", "answers equal"], ratios),
+        f"The target (≥ {times(data['target'])} at {at}×) is {'reached' if reached else 'not reached'}; pass by "
+        "pass compares each reuse pass with the pass without reuse run just before it. A hit skips the prefill and "
+        "the compression and decodes from a copy of the kept context, so what remains per question is its decode "
+        "and its HTTP round trip. " + misses + unbound
+        + "How the cache keys, counts and evicts: [serving](serving.md#prefix-reuse-compress-once-answer-many).",
+    ])
+
+
 def capacity_long_reading(data: dict, runs: dict) -> str:
     """What the long-generation capacity figures say, read from them."""
     ratios, solo, n = data["ratios"], data["in_process_seconds"], data["traffic"]["requests"]
@@ -1347,6 +1399,7 @@ SECTIONS = {
     "serve_load": serve_load,
     "capacity": capacity,
     "capacity_long": capacity_long,
+    "prefix_cache": prefix_cache,
     "streaming": streaming,
     "press_league": press_league,
     "press_alternatives": press_alternatives,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from pathlib import Path
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     import uvicorn
 
     from certkv.core.operating_point import OperatingPoint
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+    from certkv.runtime.prefix_cache import PrefixCache
 
 
 def serve(
@@ -51,6 +54,10 @@ def serve(
                                        "one token per request per forward"),
     replicas: int | None = typer.Option(None, "--replicas", help="N replicas on Ray Serve, one shared live monitor"),
     ray_address: str | None = typer.Option(None, "--ray-address", help="with --replicas: a Ray cluster (auto, HOST:PORT)"),
+    prefix_cache_mib: float = typer.Option(0.0, "--prefix-cache-mib", metavar="MIB", help="keep compressed "
+                                           "contexts for later questions on them (a question-agnostic point), up to "
+                                           "this many MiB, least recently used evicted first; counted in "
+                                           "--kv-budget; 0: off"),
 ) -> None:
     """Serve OPERATING_POINT over HTTP (OpenAI-shaped /v1/completions and /v1/chat/completions)."""
     from certkv.core.operating_point import load_operating_point
@@ -61,9 +68,7 @@ def serve(
         raise CertkvError(f"--max-queue must be at least 1, got {max_queue}")
     if not timeout > 0:
         raise CertkvError(f"--timeout must be positive seconds, got {timeout}")
-    from certkv.serve.kv_budget import check_flags
-
-    check_flags(kv_budget, kv_budget_mb)
+    _check_memory_flags(kv_budget, kv_budget_mb, prefix_cache_mib)
     if max_body_bytes < 1024:
         raise CertkvError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
     _check_shadow_rate(shadow_rate)
@@ -76,14 +81,15 @@ def serve(
         _run(sock, op, operating_point, model=model, host=host, port=port, shadow_rate=shadow_rate, api_key=api_key,
              max_queue=max_queue, timeout=timeout, shadow_store=shadow_store, seed=seed,
              max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, device=device, kv_budget=kv_budget,
-             kv_budget_mb=kv_budget_mb, access_log=access_log, prompt_lookup=prompt_lookup)
+             kv_budget_mb=kv_budget_mb, access_log=access_log, prompt_lookup=prompt_lookup,
+             prefix_cache_mib=prefix_cache_mib)
     finally:
         sock.close()
 
 
 #: The options of `serve` every replica of ``--replicas`` gets (:class:`certkv.serve.replicas.ReplicaOptions`).
 _REPLICA_OPTIONS = ("model", "device", "shadow_rate", "seed", "max_queue", "timeout", "kv_budget", "kv_budget_mb",
-                    "prompt_lookup", "api_key", "max_body_bytes", "drain_seconds")
+                    "prompt_lookup", "prefix_cache_mib", "api_key", "max_body_bytes", "drain_seconds")
 
 
 def _serve_replicas(replicas: int | None, ray_address: str | None, operating_point: Path, given: dict) -> None:
@@ -100,6 +106,34 @@ def _serve_replicas(replicas: int | None, ray_address: str | None, operating_poi
                             **{k: given[k] for k in _REPLICA_OPTIONS})
     run_replicas(config, replicas=replicas, host=host, port=port, ray_address=ray_address,
                  echo=lambda line: typer.echo(line, err=True))
+def _check_memory_flags(kv_budget: int | None, kv_budget_mb: float | None, prefix_cache_mib: float) -> None:
+    """One line naming the flag when ``--kv-budget``, ``--kv-budget-mb`` or ``--prefix-cache-mib`` is unusable."""
+    from certkv.serve.kv_budget import check_flags
+
+    check_flags(kv_budget, kv_budget_mb)
+    if not (prefix_cache_mib >= 0 and math.isfinite(prefix_cache_mib)):
+        raise CertkvError(f"--prefix-cache-mib must be a non-negative number of MiB (0: off), got {prefix_cache_mib}")
+
+
+def _prefix_cache(op: OperatingPoint, mib: float) -> PrefixCache | None:
+    """The prefix cache of ``--prefix-cache-mib`` (None: 0, off)."""
+    if mib == 0:
+        return None
+    from certkv.runtime.prefix_cache import PrefixCache
+
+    return PrefixCache(mib)
+
+
+def _check_prefix_cache(runtime: CertifiedRuntime) -> None:
+    """``--prefix-cache-mib`` on a point no request of which can reuse a compressed context is one line
+    (exit 2); strata that bypass it while others use it are named on stderr at start."""
+    if runtime.prefix_cache is None:
+        return
+    refusal = runtime.prefix_cache_refusal()
+    if refusal is not None:
+        raise CertkvError(f"--prefix-cache-mib: {refusal}; serve it without the flag")
+    for name, why in runtime.prefix_bypassed().items():
+        typer.echo(f"certkv serve: stratum {name} answers without the prefix cache: {why}", err=True)
 
 
 def _check_shadow_rate(shadow_rate: float) -> None:
@@ -141,7 +175,8 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, model: str, host: str, port: int,
          shadow_rate: float, api_key: str | None, max_queue: int, timeout: float, shadow_store: Path | None, seed: int,
          max_body_bytes: int, drain_seconds: float, device: str, kv_budget: int | None = None,
-         kv_budget_mb: float | None = None, access_log: bool = False, prompt_lookup: bool = True) -> None:
+         kv_budget_mb: float | None = None, access_log: bool = False, prompt_lookup: bool = True,
+         prefix_cache_mib: float = 0.0) -> None:
     """Load the model, build the service and serve on the bound socket until SIGTERM/SIGINT."""
     import logging
 
@@ -158,7 +193,8 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     loaded, tokenizer = load_model(model, device=device)
-    runtime = CertifiedRuntime(loaded, tokenizer, op)
+    runtime = CertifiedRuntime(loaded, tokenizer, op, prefix_cache=_prefix_cache(op, prefix_cache_mib))
+    _check_prefix_cache(runtime)
     budget = budget_slots(loaded, kv_budget, kv_budget_mb)
     streams = None
     if op.strata is not None:  # a stratified point: one monitor stream per stratum
@@ -190,7 +226,9 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
                             lifespan="on", access_log=access_log, loop="auto", http="auto")
     shadows = f"shadow rate {shadow_rate:g}, store {store_path}" if monitor is not None else "no shadows, no monitor"
     kv = "unlimited" if budget is None else f"{budget} token slots"
-    typer.echo(f"certkv serve: {op.policy} on http://{host}:{port} (model {model}, {shadows}, KV budget {kv})", err=True)
+    prefix = f", prefix cache {prefix_cache_mib:g} MiB" if runtime.prefix_cache is not None else ""
+    typer.echo(f"certkv serve: {op.policy} on http://{host}:{port} (model {model}, {shadows}, KV budget {kv}{prefix})",
+               err=True)
     server_class(config).run(sockets=[sock])
 
 

@@ -52,6 +52,7 @@ from certkv.runtime.decision import Decision
 from certkv.runtime.decoding_path import DecodingPath
 from certkv.runtime.full_path import full_answer_steps
 from certkv.runtime.pipeline import PipelinePath
+from certkv.runtime.prefix_cache import PrefixScope, bypass_reason
 from certkv.runtime.single_prefill import SinglePrefillPath
 from certkv.runtime.steps import PathAnswer, run_alone
 
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from kvpress import BasePress
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from certkv.runtime.prefix_cache import PrefixCache
     from certkv.runtime.steps import Step
 
 
@@ -88,6 +90,10 @@ class RuntimeAnswer:
     """Tokens of the encoded context (what the coverage envelope and ``context_tokens`` count)."""
     question_tokens: int = 0
     """Tokens of the encoded question fed after it."""
+    prefix_cache: str | None = None
+    """``hit``: decoded from the context's kept compressed cache, no prefill; ``miss``: prefilled, and
+    its compressed cache kept for later questions; None: no prefix cache used
+    (:mod:`certkv.runtime.prefix_cache`)."""
 
 
 class CertifiedRuntime:
@@ -108,6 +114,12 @@ class CertifiedRuntime:
     max_new_tokens : int, optional
         The calibrated decode length by default; another length is refused, since the
         certificate covers answers of the calibrated length only.
+    prefix_cache : PrefixCache, optional
+        Keep each context's compressed cache for later questions on it
+        (:class:`~certkv.runtime.prefix_cache.PrefixCache`): a question-agnostic point on the
+        engine's single-prefill path then prefills and compresses a context once, with the same
+        answers. A point that cannot use it (:attr:`prefix_bypass` says why) answers as without it;
+        :meth:`prefix_cache_refusal` says when no part of the point can.
 
     A stratified operating point deploys one runtime per stratum (:attr:`strata`), each its
     stratum's certified policy; `press` cannot be passed for it. A fallback operating point
@@ -131,6 +143,7 @@ class CertifiedRuntime:
         press: BasePress | None = None,
         max_new_tokens: int | None = None,
         query_aware: bool | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if isinstance(operating_point, dict):
             try:
@@ -152,9 +165,13 @@ class CertifiedRuntime:
             if press is not None:
                 raise CertkvError("a stratified operating point deploys each stratum's own press; pass no press object")
             self.strata = {
-                name: CertifiedRuntime(model, tokenizer, entry, max_new_tokens=max_new_tokens, query_aware=query_aware)
+                name: CertifiedRuntime(model, tokenizer, entry, max_new_tokens=max_new_tokens, query_aware=query_aware,
+                                       prefix_cache=prefix_cache)
                 for name, entry in operating_point.strata.entries.items()
             }
+            for name, runtime in self.strata.items():  # each stratum's compressed contexts are its own
+                if runtime.prefix is not None:
+                    runtime.prefix.namespace = name
         self.gate = (operating_point.gate or GateSettings()).deployable()
         self.threshold = self.gate.agreement_drop
         self.bound = self.gate.certificate
@@ -166,6 +183,14 @@ class CertifiedRuntime:
             self.press = self._build_press() if press is None else self._checked(press)
             self.single_prefill = self._on_single_prefill(self.press)
             self.path = self._answering_path(model)
+        self.prefix_cache = prefix_cache
+        """The compressed contexts kept across questions (:mod:`certkv.runtime.prefix_cache`; None: off)."""
+        self.prefix_bypass = None if operating_point.is_stratified else bypass_reason(
+            self.query_aware, self.press, self.single_prefill, self.gate)
+        """Why this point's requests never use the prefix cache (None: they do; a stratified point: per stratum)."""
+        self.prefix: PrefixScope | None = None
+        if prefix_cache is not None and self.prefix_bypass is None and not operating_point.is_stratified:
+            self.prefix = PrefixScope(prefix_cache)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -361,7 +386,10 @@ class CertifiedRuntime:
         else:
             clear_states(self.model)
             try:
-                answered = yield from self.path.steps(run, self.max_new_tokens, signals, lean=lean)
+                if self.prefix is not None and isinstance(self.path, SinglePrefillPath):
+                    answered = yield from self.path.steps(run, self.max_new_tokens, signals, lean=lean, prefix=self.prefix)
+                else:
+                    answered = yield from self.path.steps(run, self.max_new_tokens, signals, lean=lean)
             finally:
                 clear_states(self.model)
         seconds = dict(answered.seconds, total=time.perf_counter() - t0)
@@ -372,7 +400,25 @@ class CertifiedRuntime:
             seconds,
             len(enc.context_ids),
             len(enc.question_ids),
+            answered.prefix,
         )
+
+    def prefix_cache_refusal(self) -> str | None:
+        """Why no request of this point can use a prefix cache (None: some can); one line naming the
+        point. A stratified point is refused only when none of its strata can use one."""
+        if self.strata:
+            reasons = {name: rt.prefix_bypass for name, rt in self.strata.items()}
+            if all(reasons.values()):
+                return "no stratum of the operating point can reuse a compressed context: " + "; ".join(
+                    f"{name}: {why}" for name, why in reasons.items())
+            return None
+        return None if self.prefix_bypass is None else f"{self.policy} cannot reuse a compressed context: {self.prefix_bypass}"
+
+    def prefix_bypassed(self) -> dict[str, str]:
+        """Per stratum (a pooled point: its policy) whose requests bypass the prefix cache, why."""
+        if self.strata:
+            return {name: rt.prefix_bypass for name, rt in self.strata.items() if rt.prefix_bypass is not None}
+        return {} if self.prefix_bypass is None else {self.policy: self.prefix_bypass}
 
     def _full_cache_reason(self, context_tokens: int, run: EncodedRequest, stratum: str | None) -> tuple[str | None, str | None]:
         """(reason, detail) for which the full cache must answer a request whose context has

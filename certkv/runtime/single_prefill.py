@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from kvpress.utils import compute_n_kept
 
-from certkv.engine.batched_decode import decode_candidates, padded_cache
+from certkv.engine.batched_decode import decode_candidates, padded_cache, reserved_layer_class
 from certkv.engine.engine import is_probabilistic_press
 from certkv.engine.full_cache import prefill_full
 from certkv.engine.layer_pruning import LayerPruner, pruned_peak_slots
@@ -54,6 +54,7 @@ from certkv.engine.scoring import is_fast_path_press
 from certkv.presses.poisson_selection import Selection
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.full_path import decode_from_full, full_answer_steps, prefill_slots
+from certkv.runtime.prefix_cache import PrefixCache, PrefixEntry, PrefixReserve, PrefixScope, entry_from_full, entry_from_row
 from certkv.runtime.steps import Decode, PathAnswer, Reserve, Step, Steps, run_alone
 from certkv.signals.agreement import AgreementRecorder
 from certkv.signals.lookahead import evicted_mass, lookahead_probe
@@ -90,34 +91,109 @@ class SinglePrefillPath:
         measured) is filled with what the gate read."""
         return run_alone(self.steps(enc, max_new, signals))
 
-    def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
+    def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False,
+              prefix: PrefixScope | None = None) -> Steps:
         """The answer as steps (module docstring); `lean` frees the full cache before the evicted decode,
-        layer by layer during the prefill when no gate reads the full cache (:meth:`prunes`)."""
+        layer by layer during the prefill when no gate reads the full cache (:meth:`prunes`). With a
+        `prefix` cache, a context kept there is answered from it (:meth:`_cached_steps`), and any
+        other keeps its compressed cache there for later questions."""
         model, gate, stop_ids = self.model, self.gate, self.stop_ids
         n_ctx, room = len(enc.context_ids), len(enc.question_ids) + max_new
         pruner = LayerPruner(n_ctx, room) if lean and self.prunes() else None
-        yield Reserve(self.reservation(enc, max_new, pruned=pruner is not None))
+        miss = self.reservation(enc, max_new, pruned=pruner is not None)
+        key, reserved = None, 0
+        if prefix is None:
+            yield Reserve(miss)
+        else:
+            key = prefix.key(enc.context_ids)
+            reserve = PrefixReserve(prefix.cache, key, room, miss, keep=compute_n_kept(n_ctx, self.press.compression_ratio))
+            yield reserve
+            entry = prefix.cache.lookup(key)
+            if entry is not None:
+                return (yield from self._cached_steps(prefix.cache, entry, enc, max_new, signals, lean))
+            prefix.cache.count(hit=False)
+            if reserve.granted < miss:  # admitted to copy an entry evicted since: the prefill's KV
+                yield Reserve(miss)
+            reserved = reserve.kept_room
         seconds: dict[str, float] = {}
         cache, selection = self._prefill(enc, signals, seconds, pruner)
+        if prefix is not None and key is not None:
+            prefix.cache.put(key, self._entry(enc, cache, selection, signals, pruner), reserved)
+        tag = None if prefix is None else "miss"
         reason = gate.pre_decode_reason(signals)
         t = time.perf_counter()
         if reason is not None:
             ids = yield from decode_from_full(model, cache, enc, max_new, stop_ids)
             seconds["decode"] = time.perf_counter() - t
-            return PathAnswer(ids, reason, signals, seconds)
+            return PathAnswer(ids, reason, signals, seconds, prefix=tag)
         row = pruner.row() if pruner is not None else None
         ids, logprobs, kept, certificate = yield from self._evicted_steps(enc, cache, selection, max_new, lean, row)
         seconds["decode"] = time.perf_counter() - t
         reason = gate.post_decode_reason(signals, logprobs, certificate)
         if reason is None:
-            return PathAnswer(ids, None, signals, seconds, kept=kept)
+            return PathAnswer(ids, None, signals, seconds, kept=kept, prefix=tag)
         t = time.perf_counter()
         if cache.layers:  # held to the end: the full answer from it
             ids = yield from decode_from_full(model, cache, enc, max_new, stop_ids)
         else:  # lean: freed before the decode, prefilled again
             ids = yield from full_answer_steps(model, enc, max_new, stop_ids)
         seconds["escalation"] = time.perf_counter() - t
-        return PathAnswer(ids, reason, signals, seconds, escalated=True)
+        return PathAnswer(ids, reason, signals, seconds, escalated=True, prefix=tag)
+
+    def _cached_steps(self, cache: PrefixCache, entry: PrefixEntry, enc: EncodedRequest, max_new: int,
+                      signals: dict[str, Any], lean: bool) -> Steps:
+        """The answer from the context's kept compressed cache `entry` (:mod:`certkv.runtime.prefix_cache`),
+        once the request holds its KV: no prefill, the question decoded from a copy of the entry,
+        behind the same gates. The agreement drop is the one the context's prefill recorded; a
+        pre-decode gate that fires, and an escalation, answer from a fresh full prefill, as a lean
+        request whose full cache is gone does."""
+        model, gate, stop_ids = self.model, self.gate, self.stop_ids
+        cache.count(hit=True)
+        if gate.needs_agreement:
+            signals["agreement_drop"] = entry.agreement_drop
+        seconds: dict[str, float] = {}
+        t = time.perf_counter()
+        reason = gate.pre_decode_reason(signals)
+        if reason is not None:
+            ids = yield from full_answer_steps(model, enc, max_new, stop_ids)
+            seconds["decode"] = time.perf_counter() - t
+            return PathAnswer(ids, reason, signals, seconds, prefix="hit")
+        job, kept = self._entry_decode(entry, enc, max_new, lean), entry.kept  # the question's own copy
+        del entry  # the copy is all the decode holds
+        yield job
+        assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
+        seconds["decode"] = time.perf_counter() - t
+        reason = gate.post_decode_reason(signals, job.logprobs, None)
+        if reason is None:
+            return PathAnswer(job.ids, None, signals, seconds, kept=kept, prefix="hit")
+        t = time.perf_counter()
+        ids = yield from full_answer_steps(model, enc, max_new, stop_ids)
+        seconds["escalation"] = time.perf_counter() - t
+        return PathAnswer(ids, reason, signals, seconds, escalated=True, prefix="hit")
+
+    def _entry_decode(self, entry: PrefixEntry, enc: EncodedRequest, max_new: int, lean: bool) -> Decode:
+        """The :class:`Decode` of `enc`'s question over a copy of `entry`: lean, a row the scheduler
+        batches (what :func:`~certkv.engine.ragged_decode.gather_row` would have built); otherwise decoded
+        alone as :func:`evicted_decode` decodes (the one-row batch :func:`padded_cache` would have built)."""
+        n_ctx, final = len(enc.context_ids), not self.gate.post_decode
+        question, context = list(enc.question_ids), list(enc.context_ids)
+        if lean:
+            return Decode(entry.row(len(question) + max_new), question, n_ctx, max_new, self.stop_ids, solo=None,
+                          lookup_ids=context, want_logprobs=True, final=final)
+        batch, mask = one_row_batch(entry.keys, entry.values, reserve=len(question) + 4 * max_new)
+        model, stop_ids = self.model, self.stop_ids
+        return Decode(None, question, n_ctx, max_new, stop_ids, batchable=False, final=final,
+                      solo=lambda: decode_kept(model, batch, mask, enc, max_new, stop_ids))
+
+    def _entry(self, enc: EncodedRequest, cache: DynamicCache, selection: KeptSelection, signals: dict[str, Any],
+               pruner: LayerPruner | None) -> PrefixEntry:
+        """The compressed context a prefill just chose, copied out for the prefix cache (the full cache,
+        or the rows a pruned prefill gathered, left as they are)."""
+        n_ctx, drop = len(enc.context_ids), signals.get("agreement_drop")
+        if pruner is not None:
+            return entry_from_row(pruner.row(), n_ctx, drop)
+        keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+        return entry_from_full(keys, values, list(selection), n_ctx, drop)
 
     def prunes(self) -> bool:
         """Whether a lean run prunes its prefill layer by layer (:mod:`certkv.engine.layer_pruning`):
@@ -231,22 +307,49 @@ def evicted_decode(
     if probabilistic:
         (result,) = decode_probabilistic(model, cache, [selection], enc.question_ids, n_ctx, max_new, stop_ids)
         return result.token_ids, result.logprobs, result.kept_fraction, result.certificate_max
-    logprobs: list = [None]
     reserve = len(enc.question_ids) + 4 * max_new
     batch, mask, lengths = padded_cache(cache, [selection], n_ctx, reserve=reserve)
+    ids, logprobs = decode_kept(model, batch, mask, enc, max_new, stop_ids)
+    return ids, logprobs, lengths[0] / n_ctx, None
+
+
+def decode_kept(
+    model: PreTrainedModel, batch: DynamicCache, mask: torch.Tensor, enc: EncodedRequest, max_new: int,
+    stop_ids: set[int],
+) -> tuple[list[int], list[float] | None]:
+    """(ids, per-token log p) of `enc`'s question decoded alone over `batch`, a one-row cache of kept
+    entries with its (1, n_kept) 0/1 `mask` (:func:`padded_cache`, :func:`one_row_batch`), positions
+    continuing from the uncompressed context length."""
+    logprobs: list = [None]
     (ids,) = decode_candidates(
         model,
         batch,
         mask,
         enc.question_ids,
         [],
-        n_ctx,
+        len(enc.context_ids),
         max_new,
         stop_ids,
         context_ids=enc.context_ids,
         logprobs=logprobs,
     )
-    return ids, logprobs[0], lengths[0] / n_ctx, None
+    return ids, logprobs[0]
+
+
+def one_row_batch(keys: list[torch.Tensor], values: list[torch.Tensor], reserve: int) -> tuple[DynamicCache, torch.Tensor]:
+    """Kept entries, (1, H_kv, n_kept, d) per layer, copied into the one-row batch cache that
+    :func:`padded_cache` builds for one candidate (its buffers, `reserve` slots of room, its mask)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for k, v in zip(keys, values):
+        n = k.shape[2]
+        batch_keys = k.new_empty((1, k.shape[1], n + reserve, k.shape[3]))
+        batch_values = v.new_empty((1, v.shape[1], n + reserve, v.shape[3]))
+        batch_keys[:, :, :n].copy_(k)
+        batch_values[:, :, :n].copy_(v)
+        cache.layers.append(reserved_layer_class()(batch_keys, batch_values, n))
+    return cache, torch.ones((1, keys[0].shape[2]), dtype=torch.long, device=keys[0].device)
 
 
 def lookahead_heads(

@@ -49,9 +49,13 @@ TokenListener = Callable[[list[int], int | None], None]
 
 @dataclass
 class Reserve:
-    """The path is about to allocate KV: it will hold at most `slots` token slots until its next step."""
+    """The path is about to allocate KV: it will hold at most `slots` token slots until its next step.
+
+    `prefills`: whether that step runs a prefill (False: it only copies a kept compressed context,
+    :mod:`certkv.runtime.prefix_cache`, which a scheduler may admit beside a prefill)."""
 
     slots: int
+    prefills: bool = True
 
 
 @dataclass
@@ -109,7 +113,9 @@ class PathAnswer:
     :data:`certkv.core.signals.SIGNALS`); `seconds` per phase (``prefill``, ``probe``, ``decode``,
     ``escalation``, ``recompute``); `recomputed_at` the decoding step a recompute gate restarted
     the answer on the full cache at; `kv_peak` / `kv_time` a decoding-time press's measured KV
-    (:mod:`certkv.core.kv_cost`; None where the path did not measure it)."""
+    (:mod:`certkv.core.kv_cost`; None where the path did not measure it); `prefix` "hit" when the
+    answer was decoded from a kept compressed context, "miss" when the path kept its own for later
+    questions (:mod:`certkv.runtime.prefix_cache`), None when no prefix cache was asked."""
 
     ids: list[int]
     reason: str | None
@@ -120,6 +126,7 @@ class PathAnswer:
     recomputed_at: int | None = None
     kv_peak: float | None = None
     kv_time: float | None = None
+    prefix: str | None = None
 
     @property
     def mode(self) -> str:

@@ -13,10 +13,13 @@ objects and no model. The policy reads:
   in the batch its row's allocated cache), read afresh at every plan: a job whose holding shrinks
   lets waiting jobs in at once (the scheduler gives slots back when a row finishes; decoding-time
   presses decode alone, outside the batch, and free their reservation when their answer ends);
-* the **budget** in token slots (None: unlimited).
+* the **budget** in token slots (None: unlimited);
+* the slots the prefix cache's kept compressed contexts hold (``cached``; no request holds a
+  reference to one, :mod:`certkv.runtime.prefix_cache`), of which ``wanted`` are contexts a waiting
+  job will copy.
 
-and returns a :class:`Plan`: the cancelled jobs to drop, the shadows in flight to preempt, and the
-one job to admit (or none). Its rules:
+and returns a :class:`Plan`: the cancelled jobs to drop, the kept contexts to evict (in slots), the
+shadows in flight to preempt, and the one job to admit (or none). Its rules:
 
 1. Waiting jobs are served in :func:`order`: a live job already in flight that asks again, then
    live jobs first come first served, then shadows.
@@ -26,6 +29,11 @@ one job to admit (or none). Its rules:
 4. Shadows never hold KV a live job waits for: when the first live job does not fit, shadows in
    flight are preempted, newest first, until it fits (or none is left: the live job then waits
    for live jobs alone); and no shadow is admitted while a live job waits.
+5. Kept contexts count against the budget, and the plan evicts (least recently used first, by the
+   scheduler) just the slots a job needs, before any shadow is preempted. A context a waiting job
+   will copy is evicted only when nothing is in flight (nothing else would ever free its slots):
+   otherwise the job waits for the jobs in flight, which decode a few tokens and end, rather than
+   turn the waiting job's cheap copy into a prefill.
 """
 
 from __future__ import annotations
@@ -73,12 +81,14 @@ H = TypeVar("H", bound=HeldJob)
 
 @dataclass
 class Plan(Generic[W, H]):
-    """What the scheduler does next: drop `drop` (cancelled while waiting), preempt `preempt`
-    (shadows in flight, their KV freed), then admit `admit` (None: nobody fits or may go)."""
+    """What the scheduler does next: drop `drop` (cancelled while waiting), evict `evict` token slots
+    of kept contexts, preempt `preempt` (shadows in flight, their KV freed), then admit `admit`
+    (None: nobody fits or may go)."""
 
     drop: list[W] = field(default_factory=list)
     preempt: list[H] = field(default_factory=list)
     admit: W | None = None
+    evict: float = 0.0
 
 
 def order(job: WaitingJob) -> tuple[int, int]:
@@ -100,8 +110,10 @@ def in_use(holding: Collection[HeldJob]) -> float:
     return sum(job.held for job in holding)
 
 
-def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None) -> Plan[W, H]:
-    """The next admission under `budget` (module docstring for the rules).
+def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None, cached: float = 0.0,
+         wanted: float = 0.0) -> Plan[W, H]:
+    """The next admission under `budget`, beside `cached` slots of kept contexts of which waiting
+    jobs will copy `wanted` (module docstring for the rules).
 
     Examples
     --------
@@ -111,6 +123,9 @@ def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None) -> Pl
     >>> step = plan([live], [Job(held=30, shadow=False, seq=0), shadow], budget=100)
     >>> step.preempt == [shadow], step.admit is live
     (True, True)
+    >>> step = plan([live], [Job(held=30, shadow=False, seq=0)], budget=100, cached=40)
+    >>> step.admit is live, step.evict
+    (True, 30.0)
     """
     result: Plan[W, H] = Plan()
     queue: list[W] = []
@@ -118,10 +133,11 @@ def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None) -> Pl
         (result.drop if job.cancelled else queue).append(job)
     if not queue:
         return result
-    used = in_use(holding)
+    used = in_use(holding) + cached
+    evictable = cached - wanted if holding else cached
 
-    def fits(slots: float) -> bool:
-        return budget is None or used + slots <= budget
+    def fits(slots: float) -> bool:  # once every evictable kept context is evicted
+        return budget is None or used - evictable + slots <= budget
 
     first = queue[0]
     if not first.shadow and not fits(first.slots):
@@ -133,6 +149,7 @@ def plan(waiting: Sequence[W], holding: Collection[H], budget: int | None) -> Pl
     for job in queue:  # in order: live jobs first, so a shadow is reached only when none waits
         if fits(job.slots):
             result.admit = job
+            result.evict = 0.0 if budget is None else max(0.0, float(used + job.slots - budget))
             return result
         if not job.shadow:
             return result  # live jobs are admitted in order

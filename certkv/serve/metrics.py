@@ -67,6 +67,7 @@ class Metrics:
                                         "(live and shadow)", registry=r)
         self.decode_steps = Counter("certkv_decode_steps", "Batched decode steps run", registry=r)
         self._steps_seen = 0
+        self._prefix_metrics(r)
         self.m_enabled = Gauge("certkv_monitor_enabled", "1 when a live monitor watches the deployed risk; 0 "
                                "under --shadow-rate 0 (no shadows: nothing watches it)", registry=r)
         labels = ["stream"]
@@ -78,6 +79,37 @@ class Metrics:
         self.m_evalue = Gauge("certkv_monitor_e_value", "The monitor's test martingale", labels, registry=r)
         self.m_tripped = Gauge("certkv_monitor_tripped", "1 once the stream's monitor tripped (full cache "
                                "until restart)", labels, registry=r)
+
+    def _prefix_metrics(self, r: Any) -> None:
+        """The prefix cache's (``--prefix-cache-mib``): counters synced from its own at each scrape."""
+        from prometheus_client import Counter, Gauge
+
+        self.prefix_hits = Counter("certkv_prefix_cache_hits", "Questions answered from a kept compressed "
+                                   "context (no prefill)", registry=r)
+        self.prefix_misses = Counter("certkv_prefix_cache_misses", "Questions that prefilled their context and "
+                                     "kept its compressed cache", registry=r)
+        self.prefix_evictions = Counter("certkv_prefix_cache_evictions", "Kept contexts evicted (least recently "
+                                        "used first, for the cache's MiB or the KV budget)", registry=r)
+        self.prefix_bytes = Gauge("certkv_prefix_cache_bytes", "Bytes of kept compressed contexts", registry=r)
+        self.prefix_entries = Gauge("certkv_prefix_cache_entries", "Kept compressed contexts", registry=r)
+        self.prefix_slots = Gauge("certkv_prefix_cache_slots", "KV token slots the kept contexts hold (counted in "
+                                  "certkv_kv_in_use_slots)", registry=r)
+        self.prefix_budget = Gauge("certkv_prefix_cache_budget_bytes", "The prefix cache's budget "
+                                   "(--prefix-cache-mib; 0: off)", registry=r)
+        self._prefix_seen = (0, 0, 0)
+
+    def _refresh_prefix(self, cache: Any) -> None:
+        if cache is None:
+            return
+        counts = (cache.hits, cache.misses, cache.evictions)
+        for counter, now, seen in zip((self.prefix_hits, self.prefix_misses, self.prefix_evictions), counts,
+                                      self._prefix_seen):
+            counter.inc(now - seen)
+        self._prefix_seen = counts
+        self.prefix_bytes.set(cache.bytes)
+        self.prefix_entries.set(len(cache))
+        self.prefix_slots.set(cache.slots)
+        self.prefix_budget.set(cache.capacity_bytes)
 
     def observe_answer(self, route: str, decision: Decision, seconds: float, waited: float) -> None:
         """Count one answered request; `decision` is its runtime Decision (reason, gate kind, retention)."""
@@ -104,6 +136,7 @@ class Metrics:
         steps = scheduler.steps
         self.decode_steps.inc(steps - self._steps_seen)
         self._steps_seen = steps
+        self._refresh_prefix(getattr(scheduler, "prefix_cache", None))
         self.m_enabled.set(0.0 if service.monitor is None else 1.0)
         for stream, s in service.monitor_snapshot().items():
             self.m_requests.labels(stream).set(s["requests"])

@@ -60,6 +60,7 @@ class ReplicaOptions(BaseModel):
     kv_budget: int | None = Field(None, ge=1)
     kv_budget_mb: float | None = Field(None, gt=0)
     prompt_lookup: bool = True
+    prefix_cache_mib: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     api_key: str | None = None
     max_body_bytes: int = Field(4 << 20, ge=1024)
     drain_seconds: float = Field(30.0, ge=0)
@@ -174,7 +175,10 @@ def build_replica_service(options: ReplicaOptions, name: str, send=None) -> Repl
     torch.set_num_threads(options.threads)
     op = options.point()
     loaded, tokenizer = load_model(options.model, device=options.device)
-    runtime = CertifiedRuntime(loaded, tokenizer, op)
+    runtime = CertifiedRuntime(loaded, tokenizer, op, prefix_cache=_prefix_cache(options.prefix_cache_mib))
+    refusal = None if runtime.prefix_cache is None else runtime.prefix_cache_refusal()
+    if refusal is not None:
+        raise CertkvError(f"--prefix-cache-mib: {refusal}; serve it without the flag")
     client = runner = None
     if options.shadow_rate > 0:
         if send is None:
@@ -194,6 +198,16 @@ def build_replica_service(options: ReplicaOptions, name: str, send=None) -> Repl
     if client is not None:
         service.metrics.registry.register(_ClientCollector(client))
     return service
+
+
+def _prefix_cache(mib: float):
+    """Each replica's own prefix cache of ``--prefix-cache-mib`` (None: 0, off): kept contexts are
+    per process, like the KV budget they count against."""
+    if mib == 0:
+        return None
+    from certkv.runtime.prefix_cache import PrefixCache
+
+    return PrefixCache(mib)
 
 
 def _replica_asgi(service: ReplicaService, options: ReplicaOptions, name: str):

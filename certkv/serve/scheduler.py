@@ -7,8 +7,9 @@ at once, and interleaves them:
 
 * **Admission.** A job that yields ``Reserve(slots)`` waits until ``slots`` fit in what the jobs
   in flight leave of the budget (token slots, :mod:`certkv.engine.ragged_decode`); then it runs on
-  (its prefill, its gates) up to its next step. At most one job is admitted per iteration, between
-  two batched decode steps, so a prefill delays the batch by one prefill at most. Who goes next is
+  (its prefill, its gates) up to its next step. At most one job that prefills is admitted per
+  iteration, between two batched decode steps, so a prefill delays the batch by one prefill at
+  most (jobs that only copy a kept context, :mod:`certkv.runtime.prefix_cache`, may join it too). Who goes next is
   decided by :mod:`certkv.serve.admission` (a pure policy, tested without a model): a job already
   in flight that asks again (an escalation's second prefill), then live requests first come first
   served, then shadows. A job whose reservation alone exceeds the budget fails with
@@ -30,8 +31,13 @@ at once, and interleaves them:
   and restarted from the beginning later, so a live request waits at most the decode step in
   progress for their memory.
 
-KV in use (the reservations of jobs between steps, and every row's allocated cache) is sampled
-after every admission and every decode step; :attr:`Scheduler.peak_kv` is the largest sample,
+* **Kept contexts** (``--prefix-cache-mib``, :mod:`certkv.runtime.prefix_cache`) count against
+  the budget: a context is kept only where the budget leaves room beside the jobs in flight, and
+  the admission policy evicts kept contexts (least recently used first, those a waiting job will
+  copy last) before a job waits for their slots or a shadow is preempted.
+
+KV in use (the reservations of jobs between steps, every row's allocated cache, and the kept
+contexts) is sampled after every admission and every decode step; :attr:`Scheduler.peak_kv` is the largest sample,
 never more than the budget.
 """
 
@@ -49,12 +55,14 @@ from typing import TYPE_CHECKING, Any
 
 from certkv.engine.ragged_decode import RaggedBatch, Row, RowCache
 from certkv.errors import CertkvError
+from certkv.runtime.prefix_cache import PrefixReserve
 from certkv.runtime.steps import Decode, Reserve
 from certkv.serve import admission
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from certkv.runtime.prefix_cache import PrefixCache
     from certkv.runtime.steps import Step, TokenListener
 
 log = logging.getLogger("certkv.serve")
@@ -115,15 +123,22 @@ class Scheduler:
         Whether a row verifies the prompt-lookup proposals its path seeds (several greedy tokens
         per forward where the answer copies its context; answers are the same either way). Off:
         one token per row per forward, as a generation that copies nothing decodes.
+    prefix_cache : PrefixCache or None
+        The runtime's kept compressed contexts, counted against `budget` (module docstring).
     """
 
-    def __init__(self, model: PreTrainedModel, budget: int | None = None, *, prompt_lookup: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, budget: int | None = None, *, prompt_lookup: bool = True,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise CertkvError(f"the KV budget must be a positive number of token slots, got {budget!r}")
         self.model = model
         self.budget = budget
         self.prompt_lookup = prompt_lookup
         self.batch = RaggedBatch(model)
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None and budget is not None:
+            prefix_cache.limit = lambda: budget - admission.in_use(self._holding)
+            prefix_cache.kv_budget = budget
         self._inbox: collections.deque[_Job] = collections.deque()
         self._waiting: list[_Job] = []
         self._holding: set[_Job] = set()
@@ -209,7 +224,7 @@ class Scheduler:
                     break
             for job in fresh:
                 self._advance(job)
-            self._admit_one()
+            self._admit()
             self._decode_step()
         self._abandon_shadows()
 
@@ -221,30 +236,52 @@ class Scheduler:
         return not jobs or (self._deadline is not None and time.monotonic() > self._deadline)
 
     def _in_use(self) -> float:
-        return admission.in_use(self._holding)
+        cached = self.prefix_cache.slots if self.prefix_cache is not None else 0.0
+        return admission.in_use(self._holding) + cached
 
     def _sample(self) -> None:
         self.kv_in_use = self._in_use()
         self.peak_kv = max(self.peak_kv, self.kv_in_use)
 
-    def _admit_one(self) -> None:
+    def _admit(self) -> None:
+        """Admit jobs (:meth:`_admit_one`) until one that prefills is admitted or none is: a job that
+        only copies a kept context (:attr:`~certkv.runtime.steps.Reserve.prefills` false) delays the
+        batch by no prefill, so any number of them may join it between two decode steps."""
+        while self._waiting:
+            prefilled = self._admit_one()
+            if prefilled is None or prefilled:
+                return
+
+    def _admit_one(self) -> bool | None:
         """Carry out the admission policy's plan (:func:`certkv.serve.admission.plan`): drop the jobs
-        cancelled while they waited, preempt shadows, admit one job and run it to its next step."""
+        cancelled while they waited, preempt shadows, admit one job and run it to its next step;
+        whether that job was admitted to prefill (None: nobody was admitted)."""
         if not self._waiting:
-            return
-        plan = admission.plan(self._waiting, self._holding, self.budget)
+            return None
+        prefix = self.prefix_cache
+        wanted = {j.step.key for j in self._waiting if isinstance(j.step, PrefixReserve)} if prefix else set()
+        cached = (prefix.slots, prefix.wanted_slots(wanted)) if prefix is not None else (0.0, 0.0)
+        plan = admission.plan(self._waiting, self._holding, self.budget, *cached)
+        chosen = plan.admit
+        granted = chosen.slots if chosen is not None else 0.0  # read once: a kept context's copy, or its prefill
         for job in plan.drop:  # its caller gave up while it waited
             self._waiting.remove(job)
             job.steps.close()
+        if plan.evict and prefix is not None:
+            prefix.evict_slots(plan.evict, spare=wanted)
         for job in plan.preempt:
             self._preempt(job)
-        chosen = plan.admit
-        if chosen is not None:
-            self._waiting.remove(chosen)
-            chosen.held = chosen.slots
-            self._holding.add(chosen)
-            self._sample()
-            self._advance(chosen)
+        if chosen is None:
+            return None
+        reserve = chosen.step
+        assert isinstance(reserve, Reserve)  # a waiting job waits with its reservation
+        prefills = reserve.prefills  # read before the job runs on (a kept context's copy, or a prefill)
+        self._waiting.remove(chosen)
+        chosen.held = granted
+        self._holding.add(chosen)
+        self._sample()
+        self._advance(chosen)
+        return prefills
 
     def _preempt(self, job: _Job) -> None:
         """Free a shadow's KV and restart it from the beginning (it waits for admission again)."""

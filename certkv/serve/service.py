@@ -128,7 +128,8 @@ class Service:
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
-        self.scheduler = Scheduler(runtime.model, kv_budget, prompt_lookup=prompt_lookup)
+        self.scheduler = Scheduler(runtime.model, kv_budget, prompt_lookup=prompt_lookup,
+                                   prefix_cache=runtime.prefix_cache)
         self.stratified = runtime.operating_point.is_stratified
         self._ids = itertools.count(1)
         self._tripped_logged: set[str] = set()

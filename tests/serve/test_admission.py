@@ -86,6 +86,35 @@ def test_no_budget_admits_the_first_in_order():
     assert plan(jobs, [Job(held=10**9)], budget=None).admit is jobs[0]
 
 
+def test_kept_contexts_are_evicted_just_enough_and_before_any_shadow_is_preempted():
+    shadow, live = Job(held=30, shadow=True, seq=1), Job(slots=50, seq=2)
+    # 20 held + 40 kept + 30 shadow = 90: the live job fits once 40 kept slots go, no shadow preempted
+    step = plan([live], [Job(held=20, seq=0), shadow], budget=100, cached=40)
+    assert step.admit is live and step.preempt == [] and step.evict == pytest.approx(40.0)
+    # only part of the kept slots is needed
+    step = plan([Job(slots=20, seq=2)], [Job(held=20, seq=0)], budget=100, cached=70)
+    assert step.evict == pytest.approx(10.0) and step.admit is not None
+    # nothing to evict when it fits beside them
+    assert plan([Job(slots=10, seq=2)], [Job(held=20, seq=0)], budget=100, cached=70).evict == 0.0
+    # not enough with every kept context gone: then shadows are preempted, the kept slots still evicted
+    step = plan([Job(slots=60, seq=2)], [Job(held=20, seq=0), shadow], budget=100, cached=40)
+    assert step.preempt == [shadow] and step.evict == pytest.approx(20.0)
+    # a shadow may evict kept contexts too (they are only a cache), but never while a live job waits
+    lone = Job(slots=50, shadow=True, seq=3)
+    assert plan([lone], [], budget=100, cached=90).evict == pytest.approx(40.0)
+
+
+def test_a_context_a_waiting_job_will_copy_is_evicted_only_when_nothing_is_in_flight():
+    first = Job(slots=50, seq=2)
+    # 30 of the 60 kept slots are wanted: evicting the other 30 is not enough while a job decodes
+    step = plan([first], [Job(held=25, seq=0)], budget=100, cached=60, wanted=30)
+    assert step.admit is None and step.evict == 0.0
+    assert plan([first], [Job(held=10, seq=0)], budget=100, cached=60, wanted=30).evict == pytest.approx(20.0)
+    # nothing in flight would ever free them: then wanted contexts go too
+    step = plan([first], [], budget=100, cached=80, wanted=70)
+    assert step.admit is first and step.evict == pytest.approx(30.0)
+
+
 @dataclass(eq=False)
 class SimJob(Job):
     steps_left: int = 0

@@ -1,10 +1,11 @@
 """`certkv serve` end to end: real server processes on loopback ports, talked to over HTTP.
 
 Five servers start together (one module fixture): A deploys snapkv@0.5 (API key, queue of 1,
-small body limit, every evicted answer shadowed), B snapkv@0.1 with a tiny ε (its answers drift
-from the full cache's: the monitor trips), C held at a test hook (its scheduler takes no job until
-the test releases it: a queue of one that fills, 503, and a request past its timeout, 504), D a
-stratified point, Q a query-aware point with its access log on.
+small body limit, every evicted answer shadowed, a prefix cache of compressed contexts), B
+snapkv@0.1 with a tiny ε (its answers drift from the full cache's: the monitor trips), C held at a
+test hook (its scheduler takes no job until the test releases it: a queue of one that fills, 503,
+and a request past its timeout, 504), D a stratified point, Q a query-aware point with its access
+log on.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def requests():
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     a = _Server(root / "a", _operating_point(0.5, 0.5), "--shadow-rate", "1.0", "--api-key-env", "CERTKV_TEST_KEY",
-                "--max-queue", "1", "--max-body-bytes", "20000", "--timeout", "60")
+                "--max-queue", "1", "--max-body-bytes", "20000", "--timeout", "60", "--prefix-cache-mib", "2")
     b = _Server(root / "b", _operating_point(0.1, 0.01, 0.9), "--shadow-rate", "1.0", "--seed", "3")
     c = _Server(root / "c", _operating_point(0.5, 0.5), "--max-queue", "1", "--timeout", "1", held=True)
     d = _Server(root / "d", _stratified(0.5, 0.5), "--shadow-rate", "1.0")
@@ -154,6 +155,44 @@ def test_completion_equals_the_runtime_in_process(servers, requests, embedded):
         plain = httpx.post(a.url + "/v1/completions", json={"prompt": r.context + r.question}, headers=AUTH,
                            timeout=60).json()
         assert plain["choices"][0]["text"] == expect.answer
+
+
+def _metric(text: str, name: str) -> float:
+    import re
+
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_repeated_contexts_are_answered_from_the_prefix_cache_as_in_process(servers, embedded):
+    """Three questions about each of two multi_key haystacks, through the official client: the first
+    prefills its context (a miss), the next two are decoded from the kept compressed context (hits in
+    /metrics), and every answer is the uncached in-process runtime's."""
+    import random
+
+    import openai
+
+    from certkv.requests.builtin_tasks import multi_key
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    a = servers["a"]
+    runtime = CertifiedRuntime(*embedded, a.op_path)
+    samples = [multi_key(random.Random(seed), 256) for seed in (1, 2)]
+    traffic = [(s.context, q) for s in samples for q, _ in s.qa[:3]]
+    client = openai.OpenAI(base_url=a.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    before = httpx.get(a.url + "/metrics", headers=AUTH).text
+    for context, question in traffic:
+        out = client.completions.create(model="embedded", prompt="", extra_body={"context": context,
+                                                                                 "question": question})
+        assert out.choices[0].text == runtime.generate(context, question).answer, question
+    after = httpx.get(a.url + "/metrics", headers=AUTH).text
+    counted = {name: _metric(after, name) - _metric(before, name)
+               for name in ("certkv_prefix_cache_hits_total", "certkv_prefix_cache_misses_total")}
+    assert counted == {"certkv_prefix_cache_hits_total": 4, "certkv_prefix_cache_misses_total": 2}
+    assert _metric(after, "certkv_prefix_cache_budget_bytes") == 2 * 2**20
+    assert 0 < _metric(after, "certkv_prefix_cache_bytes") <= 2 * 2**20
+    assert "prefix cache 2 MiB" in a.output()
 
 
 def test_an_answer_prefix_opens_the_answer_as_in_process(servers, requests, embedded):
