@@ -62,15 +62,8 @@ def serve(
     """Serve OPERATING_POINT over HTTP (OpenAI-shaped /v1/completions and /v1/chat/completions)."""
     from certkv.core.operating_point import load_operating_point
 
-    if not 1 <= port <= 65535:
-        raise CertkvError(f"--port must be in 1-65535, got {port}")
-    if max_queue < 1:
-        raise CertkvError(f"--max-queue must be at least 1, got {max_queue}")
-    if not timeout > 0:
-        raise CertkvError(f"--timeout must be positive seconds, got {timeout}")
+    _check_limits(port, max_queue, timeout, max_body_bytes)
     _check_memory_flags(kv_budget, kv_budget_mb, prefix_cache_mib)
-    if max_body_bytes < 1024:
-        raise CertkvError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
     _check_shadow_rate(shadow_rate)
     api_key = _api_key(api_key_env)
     op = load_operating_point(operating_point)
@@ -106,6 +99,18 @@ def _serve_replicas(replicas: int | None, ray_address: str | None, operating_poi
                             **{k: given[k] for k in _REPLICA_OPTIONS})
     run_replicas(config, replicas=replicas, host=host, port=port, ray_address=ray_address,
                  echo=lambda line: typer.echo(line, err=True))
+def _check_limits(port: int, max_queue: int, timeout: float, max_body_bytes: int) -> None:
+    """One line naming the flag when ``--port``, ``--max-queue``, ``--timeout`` or ``--max-body-bytes`` is out of range."""
+    if not 1 <= port <= 65535:
+        raise CertkvError(f"--port must be in 1-65535, got {port}")
+    if max_queue < 1:
+        raise CertkvError(f"--max-queue must be at least 1, got {max_queue}")
+    if not timeout > 0:
+        raise CertkvError(f"--timeout must be positive seconds, got {timeout}")
+    if max_body_bytes < 1024:
+        raise CertkvError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
+
+
 def _check_memory_flags(kv_budget: int | None, kv_budget_mb: float | None, prefix_cache_mib: float) -> None:
     """One line naming the flag when ``--kv-budget``, ``--kv-budget-mb`` or ``--prefix-cache-mib`` is unusable."""
     from certkv.serve.kv_budget import check_flags
