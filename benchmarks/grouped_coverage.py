@@ -45,7 +45,7 @@ import numpy as np
 from scipy.stats import binom
 
 from certkv.core.certify import certify, decide
-from certkv.core.grouped import MEASURES, Groups, grouped_estimate, grouped_p_values
+from certkv.core.grouped import MEASURES, Groups, context_order_key, grouped_estimate, grouped_p_values
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
 from certkv.core.procedures import candidate_levels
 from certkv.core.spec import CertificationSpec
@@ -241,7 +241,10 @@ def self_check(table: LossTable, spec: CertificationSpec, seed: int) -> None:
     layout = Layout(table, spec)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, layout.groups.n_groups, size=(3, layout.groups.n_groups))
-    block = resample_block(layout, spec, idx, layout.truth())
+    # certify bets over the contexts in context_order_key order of their names (f"{slot:06d}" in
+    # resampled_table), so the vectorised check takes each draw's contexts in that order too
+    order = sorted(range(layout.groups.n_groups), key=lambda slot: context_order_key(f"{slot:06d}"))
+    block = resample_block(layout, spec, idx[:, order], layout.truth())
     for b in range(3):
         sub = resampled_table(table, layout, idx[b])
         for reading in READINGS:
@@ -254,8 +257,8 @@ def self_check(table: LossTable, spec: CertificationSpec, seed: int) -> None:
 
 
 def resampled_table(table: LossTable, layout: Layout, draw: np.ndarray) -> LossTable:
-    """The LossTable of one draw of contexts (a context drawn twice appears twice, renamed); the
-    group names sort in the drawn order, the order a betting test takes the contexts in."""
+    """The LossTable of one draw of contexts (a context drawn twice appears twice, renamed by its
+    slot in the draw)."""
     rows = []
     for slot, g in enumerate(draw):
         for r in np.flatnonzero(layout.groups.codes == g):

@@ -418,6 +418,9 @@ def _count_and_decide(table: LossTable, spec: CertificationSpec) -> _Counts:
         bounds = np.array([clopper_pearson_upper(int(kj), n, 1.0 - float(lv)) for kj, lv in zip(k, levels)])
         return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds)
     bounds = np.asarray(grouped_upper_bound(k_groups, groups.sizes, measure, 1.0 - levels, bound=bound), dtype=float)
+    # the bound reports the decision: a test that certifies at ε bounds the risk by ε at most, also where
+    # the p-value is not monotone in ε′ and the bisection finds a larger ε′ (Hoeffding–Bentkus, per_question)
+    bounds = np.where(p <= levels, np.minimum(bounds, spec.risk), bounds)
     estimates = np.asarray(grouped_estimate(k_groups, groups.sizes, measure), dtype=float)
     return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds, groups.n_groups, estimates)
 

@@ -16,9 +16,9 @@ guarantee bounds is the contract's measure (:class:`~certkv.core.spec.GroupingCo
 * ``per_question``: the share of all questions violated, E[k_g] / E[n_g]. With N the largest
   context size of the table, W_g = (k_g + ε (N − n_g)) / N lies in [0, 1] and E[W] > ε exactly
   when E[k_g − ε n_g] > 0, i.e. when the ratio exceeds ε; the same Hoeffding–Bentkus p-value
-  tests it. N is read from the group sizes, which the request file fixes before any loss is
-  seen (how many questions each context gets is design, not outcome), so fixing it from the
-  table does not look at the evidence.
+  tests it. N is read from the group sizes before any loss is seen; the sizes are drawn with
+  the contexts, so this reading treats them as given and speaks of contexts of at most N
+  questions (the built-in multi-question tasks cap them at 8).
 
 Hoeffding–Bentkus holds for every distribution on [0, 1], the worst being a context that fails
 all or nothing, so it cannot profit from contexts whose questions fail nearly independently (the
@@ -49,6 +49,7 @@ References
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,16 +76,31 @@ BET_CAP = 0.75
 _BISECTIONS = 50  # halvings of [0, 1] for a bound: 2**-50, far below any reported digit
 
 
-@dataclass(frozen=True)
-class Groups:
-    """The context groups of a table's requests: sorted ``names`` (G,), each request's group
-    index ``codes`` (R,) and each group's question count ``sizes`` (G,).
+def context_order_key(name: str) -> str:
+    """The key contexts are ordered by: the sha256 of their name (salted), a pseudo-random order
+    fixed before any loss is read. The betting test's wealth depends on the order of its contexts,
+    and Ville's inequality needs an order independent of the losses; sorting by the names
+    themselves is not (names may follow the data: ``context-<sha>`` for single questions before
+    ``multi_question-…`` draws, or a user's document ids that run from easy to hard).
 
     Examples
     --------
-    >>> groups = Groups.of(["doc-b", "doc-a", "doc-b"])
+    >>> sorted(["doc-a", "doc-b", "doc-c"], key=context_order_key)
+    ['doc-c', 'doc-b', 'doc-a']
+    """
+    return hashlib.sha256(f"certkv-context-order:{name}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The context groups of a table's requests: ``names`` (G,) in :func:`context_order_key`
+    order, each request's group index ``codes`` (R,) and each group's question count ``sizes`` (G,).
+
+    Examples
+    --------
+    >>> groups = Groups.of(["doc-a", "doc-b", "doc-a"])
     >>> groups.names, groups.codes.tolist(), groups.sizes.tolist(), groups.n_groups
-    (('doc-a', 'doc-b'), [1, 0, 1], [1, 2], 2)
+    (('doc-b', 'doc-a'), [1, 0, 1], [1, 2], 2)
     >>> groups.counts(np.array([[True, False, True]])).tolist()  # k_g: violated questions per group
     [[0, 2]]
     >>> groups.sums([0.5, 0.25, 1.0]).tolist()
@@ -98,7 +114,7 @@ class Groups:
     @classmethod
     def of(cls, labels: Sequence[str]) -> Groups:
         """The groups of requests labelled `labels` (one group name per request)."""
-        names = tuple(sorted(set(labels)))
+        names = tuple(sorted(set(labels), key=lambda name: (context_order_key(name), name)))
         index = {name: g for g, name in enumerate(names)}
         codes = np.fromiter((index[label] for label in labels), dtype=np.int64, count=len(labels))
         return cls(names, codes, np.bincount(codes, minlength=len(names)).astype(np.int64))
@@ -216,7 +232,7 @@ def grouped_p_values(
     ``any_question``: the exact binomial P(Binomial(G, ε) ≤ #violated contexts) [1]_; the other
     measures: :func:`hoeffding_bentkus_p_value` of the mean of :func:`group_values` over the G
     contexts, or with ``bound="betting"`` :func:`betting_p_value` of those values, contexts in
-    the order given (the table's: sorted by group name, fixed before any loss).
+    the order given (the table's: :func:`context_order_key`, fixed before any loss).
 
     k : (..., G) violated questions per context; n : (G,) questions per context, or broadcast
     with `k`; risk : ε (scalar or (...)); n_max : N for ``per_question`` (default ``n.max()``).
@@ -442,6 +458,7 @@ __all__ = [
     "MEASURES",
     "Bound",
     "Groups",
+    "context_order_key",
     "Measure",
     "betting_p_value",
     "check_group_strata",

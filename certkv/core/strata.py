@@ -164,24 +164,53 @@ def split_strata(table: LossTable, spec: CertificationSpec) -> tuple[Certificati
     return per_stratum, out
 
 
-def too_few_contexts(groups: Sequence[str] | None, spec: CertificationSpec, need: int) -> str | None:
-    """Under a grouped `spec`, why a stratum whose requests have context `groups` cannot certify
-    anything: fewer certification contexts (after a pilot's) than the `need`
-    (:func:`fewest_requests`) that a zero-violation certificate needs. With no violation the
-    grouped p-value over m contexts is (1 − ε)^m, the binomial one over m requests, so the count
-    carries over. None when it can, or without grouping.
+def fewest_betting_contexts(spec: CertificationSpec) -> int:
+    """Fewest contexts with which the betting test certifies any candidate of `spec`: m such that m
+    contexts without a violation give a betting p-value ≤ the most generous level the procedure
+    gives a candidate (:func:`fewest_requests`'s level).
 
     Examples
     --------
     >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]], grouping={})
+    >>> fewest_betting_contexts(spec), fewest_requests(spec)  # the binomial needs 59
+    (91, 59)
+    """
+    from certkv.core.grouped import betting_p_value
+
+    level = float(candidate_levels(np.zeros(len(spec.candidates)), spec.lengths, spec.delta, spec.procedure).max())
+    m = fewest_requests(spec)
+    while float(betting_p_value(np.zeros(m), spec.risk)) > level:
+        m += 1
+    return m
+
+
+def too_few_contexts(groups: Sequence[str] | None, spec: CertificationSpec, need: int) -> str | None:
+    """Under a grouped `spec`, why a stratum whose requests have context `groups` cannot certify
+    anything: fewer certification contexts (after a pilot's) than the `need`
+    (:func:`fewest_requests`) that a zero-violation certificate needs. With no violation the
+    Hoeffding–Bentkus and any-question p-values over m contexts are (1 − ε)^m, the binomial one
+    over m requests, so the count carries over; the betting test, which learns its bets as it
+    goes, needs more (:func:`fewest_betting_contexts`) and is held to that. None when it can, or
+    without grouping.
+
+    Examples
+    --------
+    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]],
+    ...                          grouping={"bound": "hoeffding_bentkus"})
     >>> print(too_few_contexts([f"doc{i // 8}" for i in range(400)], spec, need=fewest_requests(spec)))
     50 certification contexts, fewer than the 59 that certifying anything at ε = 0.05 and confidence 0.95 needs with
+    zero violations
+    >>> betting = CertificationSpec.parse({**spec.model_dump(), "grouping": {}})  # the default test
+    >>> print(too_few_contexts([f"doc{i // 8}" for i in range(600)], betting, need=fewest_requests(betting)))
+    75 certification contexts, fewer than the 91 that certifying anything at ε = 0.05 and confidence 0.95 needs with
     zero violations
     """
     if spec.grouping is None or groups is None:
         return None
     n_contexts = len(set(groups))
     n_cert = n_contexts - (pilot_size(n_contexts, spec.pilot.share) if spec.pilot is not None else 0)
+    if spec.grouping.bound == "betting" and spec.grouping.measure != "any_question":
+        need = fewest_betting_contexts(spec)
     if n_cert >= need:
         return None
     return (
@@ -329,8 +358,8 @@ def full_cache_counts(sub: LossTable, spec: CertificationSpec) -> tuple[int, dic
     >>> n, per_task["a"].n, per_task["a"].violations  # the full cache loses nothing
     (6, 3, 0)
     """
-    n_cert = sub.n_requests - (pilot_size(sub.n_requests, spec.pilot.share) if spec.pilot is not None else 0)
-    return max(n_cert, 0), _task_counts(sub, spec)
+    columns = _certification_columns(sub, spec)
+    return len(columns), _task_counts(sub, spec, columns)
 
 
 def stratified_point(entries: dict[str, OperatingPoint], spec: CertificationSpec, per_stratum: CertificationSpec,
@@ -409,18 +438,26 @@ def _pooled_tasks(ops: list[OperatingPoint], risk: float) -> dict[str, TaskBreak
     return dict(sorted(per_task.items()))
 
 
-def _task_counts(sub: LossTable, spec: CertificationSpec) -> dict[str, TaskBreakdown]:
-    """Per-task request counts of a stratum answered from the full cache (0 violations), so that
-    the summary's per-task table still counts every certification request."""
+def _certification_columns(sub: LossTable, spec: CertificationSpec) -> np.ndarray:
+    """The columns of `sub` that certify: all of them, or those a pilot leaves when one can be
+    drawn (by whole contexts under grouping, so its size is counted in contexts)."""
+    every = np.arange(sub.n_requests)
+    if spec.pilot is None:
+        return every
+    groups = sub.groups if spec.grouping is not None else None
+    units = sub.n_requests if groups is None else len(set(groups))
+    if not 1 <= pilot_size(units, spec.pilot.share) < units:
+        return every
+    split = draw_pilot(sub.request_ids, spec.pilot.share, spec.pilot.seed, min_certification=1, groups=groups)
+    return np.asarray(split.certification_columns, dtype=np.int64)
+
+
+def _task_counts(sub: LossTable, spec: CertificationSpec, columns: np.ndarray) -> dict[str, TaskBreakdown]:
+    """Per-task request counts of a stratum answered from the full cache (0 violations), over its
+    certification `columns`, so that the summary's per-task table still counts every certification request."""
     if sub.tasks is None:
         return {}
-    tasks: Sequence[str | None] = sub.tasks
-    if spec.pilot is not None:  # the certification requests only, as every other entry counts them
-        n_pilot = pilot_size(sub.n_requests, spec.pilot.share)
-        if 1 <= n_pilot < sub.n_requests:
-            groups = sub.groups if spec.grouping is not None else None
-            split = draw_pilot(sub.request_ids, spec.pilot.share, spec.pilot.seed, min_certification=1, groups=groups)
-            tasks = [tasks[int(i)] for i in split.certification_columns]
+    tasks: Sequence[str | None] = [sub.tasks[int(i)] for i in columns]
     names = [t if t is not None else "(no task)" for t in tasks]
     return {t: TaskBreakdown(n=names.count(t), violations=0, rate=0.0, exceeds_risk=False) for t in sorted(set(names))}
 
@@ -432,6 +469,7 @@ def _codes(labels, names) -> np.ndarray:
 
 __all__ = [
     "fewest_requests",
+    "fewest_betting_contexts",
     "full_cache_counts",
     "pilot_shortfall",
     "split_strata",

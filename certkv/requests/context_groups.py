@@ -43,6 +43,7 @@ def check_grouping(requests: Sequence[Request], group_by: str | None) -> list[st
     """The requests' groups when the contract certifies per context (``group_by: context``), None
     otherwise; a one-line error when contexts repeat and the contract does not say how to certify
     them (``group_by`` unset)."""
+    _check_one_group_per_context(requests)
     if group_by == "context":
         return context_groups(requests)
     if group_by is not None:  # "request": the user's statement that questions are independent
@@ -60,6 +61,24 @@ def check_grouping(requests: Sequence[Request], group_by: str | None) -> list[st
             "requests.group_by: request to treat them as independent"
         )
     return None
+
+
+def _check_one_group_per_context(requests: Sequence[Request]) -> None:
+    """Requests with the same context text must carry the same ``group`` (or none): a group field
+    names contexts that identical text would not reveal, it must not split one context into
+    several groups and hide that its questions are asked together."""
+    first: dict[str, Request] = {}
+    for request in requests:
+        seen = first.setdefault(request.context, request)
+        if seen.group != request.group:
+            raise CertkvError(
+                f"requests {seen.id!r} and {request.id!r} share a context but not a group ({_group_text(seen)} and "
+                f"{_group_text(request)}); give requests that share a context one group, or none"
+            )
+
+
+def _group_text(request: Request) -> str:
+    return repr(request.group) if request.group else "none"
 
 
 def _repeats(count: int) -> str:

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from conftest import run_here
 from test_grouped import _betting_by_hand
+from test_grouped_certify import _betting_order
 
 from certkv.core.binomial import VIOLATION_EPS
 
@@ -50,7 +51,7 @@ def test_a_grouped_contract_calibrates_and_certifies_over_its_contexts(tmp_path,
             if r["policy"] == candidate["policy"]:
                 n[r["group"]] += 1
                 k[r["group"]] += r["loss"] > VIOLATION_EPS
-        shares = [k[g] / n[g] for g in sorted(n)]  # group-name order, as certify bets
+        shares = [k[g] / n[g] for g in sorted(n, key=_betting_order)]  # the order certify bets in
         assert candidate["p_value"] == pytest.approx(_betting_by_hand(shares, 0.3), rel=1e-9)
         assert candidate["n_contexts"] == len(n) and candidate["violations"] == sum(k.values())
         assert candidate["grouped_risk"] == pytest.approx(sum(shares) / len(shares))

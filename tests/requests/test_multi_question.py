@@ -125,3 +125,13 @@ def test_group_by_becomes_the_certification_specs_grouping(tmp_path):
     with pytest.raises(CertkvError, match="group_bound applies to per_context and per_question"):
         load_contract(_contract(tmp_path, "builtin:multi_question", "  group_by: context\n  group_measure: any_question\n"
                                 "  group_bound: betting\n"))
+
+
+def test_a_group_field_cannot_split_one_context_into_several_groups():
+    a = Request(id="a", context="The sky is blue.", question="q1", answers=["x"], group="g0")
+    b = a.model_copy(update={"id": "b", "group": "g1"})
+    c = a.model_copy(update={"id": "c", "group": ""})
+    for pair in ([a, b], [a, c]):
+        for group_by in (None, "context", "request"):
+            with pytest.raises(CertkvError, match="share a context but not a group"):
+                check_grouping(pair, group_by)
