@@ -258,14 +258,28 @@ def replica_app(options: ReplicaOptions, *, num_replicas: int = 1, ray_actor_opt
 
         actor = monitor_actor(options.point(), options.store_path(), options.shadow_rate)
         try:
-            ray.get(actor.snapshot.remote())  # started (and its journal replayed) before any replica sends
+            running = ray.get(actor.settings.remote())  # started (and its journal replayed) before any replica sends
         except ray.exceptions.RayActorError as exc:
             raise CertkvError(f"the shared monitor could not start: {_cause(exc)}") from None
+        _check_running_monitor(running, options)
     drain = options.timeout + options.drain_seconds + 10
     settings = {"num_replicas": num_replicas, "ray_actor_options": ray_actor_options or {"num_cpus": options.threads},
                 "graceful_shutdown_timeout_s": drain, "max_ongoing_requests": options.max_queue + 8,
                 **(deployment_options or {})}
     return serve.deployment(name="certkv", **settings)(serve.ingress()(CertkvReplica)).bind(options.model_dump())
+
+
+def _check_running_monitor(running: dict, options: ReplicaOptions) -> None:
+    """One line when the operating point's monitor, already running from an earlier deployment, was
+    started with another store or shadow rate than `options` (replicas would shadow at one rate
+    while it tests at another)."""
+    wanted = {"store_path": str(options.store_path().resolve()), "shadow_rate": options.shadow_rate}
+    if running["shadow_rate"] != wanted["shadow_rate"] or Path(running["store_path"]).resolve() != Path(wanted["store_path"]):
+        raise CertkvError(
+            f"the shared monitor of this operating point is already running with shadow rate {running['shadow_rate']:g} "
+            f"and store {running['store_path']}; serve with those (--shadow-rate, --shadow-store) or stop it first "
+            "(ray.kill of the actor named in docs/scaling.md)"
+        )
 
 
 def run_replicas(options: ReplicaOptions, *, replicas: int, host: str, port: int, ray_address: str | None,

@@ -127,6 +127,11 @@ class SharedMonitor:
         """The monitor's state per stream (:meth:`RiskMonitor.snapshot`)."""
         return self.monitor.snapshot()
 
+    def settings(self) -> dict[str, Any]:
+        """What this monitor was started with: its store folder and shadow rate. A detached monitor
+        outlives the deployment that started it, so a new deployment checks that it matches."""
+        return {"store_path": str(self.journal.path.parent), "shadow_rate": self.monitor.shadow_rate}
+
     def acknowledged(self) -> dict[str, int]:
         """Per replica, the highest event ``seq`` applied (restored ones included)."""
         return dict(self._acked)

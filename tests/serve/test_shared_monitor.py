@@ -211,3 +211,19 @@ def test_a_stratified_point_shares_one_stream_per_stratum_and_one_store_each(tmp
     assert state["single_needle"]["violations"] == 1 and client.snapshot()["single_needle"]["violations"] == 1
     assert [len(monitor.store.records(t)) for t in ("multi_key", "single_needle")] == [2, 4]
     monitor.close()
+
+
+def test_a_new_deployment_refuses_a_running_monitor_started_with_another_rate_or_store(tmp_path):
+    """A detached monitor outlives the deployment that started it: the next one checks its settings."""
+    from certkv.serve.replicas import ReplicaOptions, _check_running_monitor
+
+    op_path = tmp_path / "op.json"
+    op_path.write_text(json.dumps(_point().to_dict()))
+    monitor = SharedMonitor(_point(), (tmp_path / "shadow").resolve(), RATE)
+    running = monitor.settings()
+    monitor.close()
+    same = ReplicaOptions(operating_point=str(op_path), shadow_rate=RATE, shadow_store=str(tmp_path / "shadow"))
+    _check_running_monitor(running, same)  # the same settings: served on
+    for other in ({"shadow_rate": 0.2}, {"shadow_store": str(tmp_path / "elsewhere")}):
+        with pytest.raises(CertkvError, match="already running with shadow rate 0.5"):
+            _check_running_monitor(running, same.model_copy(update=other))
