@@ -273,8 +273,8 @@ def _check_running_monitor(running: dict, options: ReplicaOptions) -> None:
     """One line when the operating point's monitor, already running from an earlier deployment, was
     started with another store or shadow rate than `options` (replicas would shadow at one rate
     while it tests at another)."""
-    wanted = {"store_path": str(options.store_path().resolve()), "shadow_rate": options.shadow_rate}
-    if running["shadow_rate"] != wanted["shadow_rate"] or Path(running["store_path"]).resolve() != Path(wanted["store_path"]):
+    store = Path(options.store_path()).resolve()
+    if running["shadow_rate"] != options.shadow_rate or Path(running["store_path"]).resolve() != store:
         raise CertkvError(
             f"the shared monitor of this operating point is already running with shadow rate {running['shadow_rate']:g} "
             f"and store {running['store_path']}; serve with those (--shadow-rate, --shadow-store) or stop it first "
