@@ -48,11 +48,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
-from scipy.stats import binom
 
 from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
 from certkv.core.certify import candidate_rows, check_inputs, check_sampling_unit, decide, prepare, select_candidates
-from certkv.core.grouped import Groups, betting_p_value, group_values, hoeffding_bentkus_p_value
+from certkv.core.grouped import Groups, group_values, grouped_p_values
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import ContractSummary
 from certkv.core.pilot import PilotInfo, pilot_size
@@ -347,8 +346,8 @@ def _run_grouped_splits(
     for size in _blocks(n_splits):
         cal = calibration_masks(rng, size, groups.n_groups, g_cal)
         halves = [_grouped_half(mask, k_groups, values, memory, sizes, measure) for mask in (cal, 1.0 - cal)]
-        (k_cal, est_cal, mem_cal, mean_cal), (k_test, est_test, mem_test, _) = halves
-        p = _grouped_split_p(spec, cal, values, mean_cal, g_cal)
+        (k_cal, est_cal, mem_cal), (k_test, est_test, mem_test) = halves
+        p = _grouped_split_p(spec, cal, k_groups, groups.sizes, g_cal)
         _, pick = decide(p, mem_cal, k_cal, spec)
         empirical = select_candidates(est_cal <= spec.risk + VIOLATION_EPS, mem_cal, k_cal)
         picks = {"certkv": pick, "empirical_thresholding": empirical}
@@ -361,30 +360,25 @@ def _run_grouped_splits(
     return SplitRun(groups.n_groups, g_cal, g_test, [table.policies[r] for r in rows], resolution, outcomes)
 
 
-def _grouped_split_p(
-    spec: CertificationSpec, cal: np.ndarray, values: np.ndarray, mean_cal: np.ndarray, g_cal: int
-) -> np.ndarray:
-    """The grouped p-values of every candidate on every split's calibration contexts (`cal`: (S, G)
-    masks, `values`: the (G, C) per-context statistic, `mean_cal`: its (S, C) calibration means),
-    as :func:`certkv.core.grouped.grouped_p_values` computes them on those contexts alone."""
+def _grouped_split_p(spec: CertificationSpec, cal: np.ndarray, k_groups: np.ndarray, sizes: np.ndarray, g_cal: int) -> np.ndarray:
+    """The grouped p-values (S, C) of every candidate on every split's calibration contexts (`cal`:
+    (S, G) masks, `k_groups`: (G, C) violated questions per context, `sizes`: (G,) questions per
+    context): :func:`certkv.core.grouped.grouped_p_values` on each split's contexts, taken in the
+    Groups order as certify takes them (``per_question``'s N: the whole table's largest context)."""
     assert spec.grouping is not None
-    if spec.grouping.measure == "any_question":
-        return binom.cdf(np.rint(mean_cal * g_cal), g_cal, spec.risk)
-    if spec.grouping.bound == "betting":  # each split's calibration contexts in table order, as certify takes them
-        columns = np.flatnonzero(cal.ravel() > 0).reshape(cal.shape[0], g_cal) % cal.shape[1]
-        return betting_p_value(np.swapaxes(values[columns], 1, 2), spec.risk)
-    return hoeffding_bentkus_p_value(mean_cal, g_cal, spec.risk)
+    columns = np.flatnonzero(cal.ravel() > 0).reshape(cal.shape[0], g_cal) % cal.shape[1]  # (S, g_cal)
+    k = np.swapaxes(k_groups[columns], 1, 2)  # (S, C, g_cal)
+    return grouped_p_values(k, sizes[columns][:, None, :], spec.grouping.measure, spec.risk, n_max=int(sizes.max()),
+                            bound=spec.grouping.bound)
 
 
 def _grouped_half(mask, k_groups, values, memory, sizes, measure):
     """One half of grouped splits, `mask` (S, G) marking its contexts: its question violations
-    (S, C) as integers, its estimate of the measure, its mean memory per question and the mean
-    of the per-context statistic the p-value reads."""
+    (S, C) as integers, its estimate of the measure and its mean memory per question."""
     questions = mask @ sizes  # (S,)
     k = np.rint(mask @ k_groups).astype(np.int64)
-    mean = (mask @ values) / mask.sum(axis=1, keepdims=True)
-    estimate = k / questions[:, None] if measure == "per_question" else mean
-    return k, estimate, (mask @ memory) / questions[:, None], mean
+    estimate = k / questions[:, None] if measure == "per_question" else (mask @ values) / mask.sum(axis=1, keepdims=True)
+    return k, estimate, (mask @ memory) / questions[:, None]
 
 
 def stratum_seed(seed: int, stratum: str) -> int:
