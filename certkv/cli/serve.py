@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     import uvicorn
 
     from certkv.core.operating_point import OperatingPoint
-    from certkv.runtime.certified_runtime import CertifiedRuntime
-    from certkv.runtime.prefix_cache import PrefixCache
 
 
 def serve(
@@ -120,27 +118,6 @@ def _check_memory_flags(kv_budget: int | None, kv_budget_mb: float | None, prefi
         raise CertkvError(f"--prefix-cache-mib must be a non-negative number of MiB (0: off), got {prefix_cache_mib}")
 
 
-def _prefix_cache(op: OperatingPoint, mib: float) -> PrefixCache | None:
-    """The prefix cache of ``--prefix-cache-mib`` (None: 0, off)."""
-    if mib == 0:
-        return None
-    from certkv.runtime.prefix_cache import PrefixCache
-
-    return PrefixCache(mib)
-
-
-def _check_prefix_cache(runtime: CertifiedRuntime) -> None:
-    """``--prefix-cache-mib`` on a point no request of which can reuse a compressed context is one line
-    (exit 2); strata that bypass it while others use it are named on stderr at start."""
-    if runtime.prefix_cache is None:
-        return
-    refusal = runtime.prefix_cache_refusal()
-    if refusal is not None:
-        raise CertkvError(f"--prefix-cache-mib: {refusal}; serve it without the flag")
-    for name, why in runtime.prefix_bypassed().items():
-        typer.echo(f"certkv serve: stratum {name} answers without the prefix cache: {why}", err=True)
-
-
 def _check_shadow_rate(shadow_rate: float) -> None:
     """--shadow-rate in [0, 1]: 0 turns the monitor off, anything else is the monitor's own rate."""
     if shadow_rate == 0:
@@ -190,7 +167,7 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
     from certkv.model.loading import load_model
     from certkv.runtime.certified_runtime import CertifiedRuntime
     from certkv.serve.app import create_app
-    from certkv.serve.kv_budget import budget_slots
+    from certkv.serve.kv_budget import budget_slots, check_prefix_cache, prefix_cache_of
     from certkv.serve.metrics import Metrics
     from certkv.serve.service import Service
     from certkv.serve.shadow import ShadowRunner
@@ -198,8 +175,9 @@ def _run(sock: socket.socket, op: OperatingPoint, operating_point: Path, *, mode
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     loaded, tokenizer = load_model(model, device=device)
-    runtime = CertifiedRuntime(loaded, tokenizer, op, prefix_cache=_prefix_cache(op, prefix_cache_mib))
-    _check_prefix_cache(runtime)
+    runtime = CertifiedRuntime(loaded, tokenizer, op, prefix_cache=prefix_cache_of(prefix_cache_mib))
+    for name, why in check_prefix_cache(runtime).items():
+        typer.echo(f"certkv serve: stratum {name} answers without the prefix cache: {why}", err=True)
     budget = budget_slots(loaded, kv_budget, kv_budget_mb)
     streams = None
     if op.strata is not None:  # a stratified point: one monitor stream per stratum

@@ -5,6 +5,8 @@ so it takes ``2 × layers × kv_heads × head_dim × bytes per element`` bytes o
 1 KiB for the embedded model (2 layers, 2 KV heads of 32) in float32, 22.5 KiB for SmolLM2-135M (30 layers, 3 KV heads of
 64) in bfloat16. The scheduler admits, holds and frees slots; this module converts an operator's
 megabytes into them, with the model's own shapes, so both flags mean the same memory.
+``--prefix-cache-mib`` keeps compressed contexts inside that budget (:mod:`certkv.runtime.prefix_cache`);
+the server and every replica build it and check it against their point here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from certkv.errors import CertkvError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+    from certkv.runtime.prefix_cache import PrefixCache
 
 
 def bytes_per_slot(model: PreTrainedModel) -> int:
@@ -49,3 +54,24 @@ def budget_slots(model: PreTrainedModel, tokens: int | None, megabytes: float | 
         raise CertkvError(f"--kv-budget-mb {megabytes:g} holds less than one token of this model's KV "
                           f"({per} bytes a token); raise it")
     return slots
+
+
+def prefix_cache_of(mib: float) -> PrefixCache | None:
+    """``--prefix-cache-mib``'s cache (None: 0, off); each server process, each replica, keeps its own."""
+    if mib == 0:
+        return None
+    from certkv.runtime.prefix_cache import PrefixCache
+
+    return PrefixCache(mib)
+
+
+def check_prefix_cache(runtime: CertifiedRuntime) -> dict[str, str]:
+    """One line (a CertkvError) when ``--prefix-cache-mib`` is set on a point no request of which can
+    reuse a compressed context; otherwise the strata (a pooled point: its policy) that bypass the
+    cache, with why (empty without a cache)."""
+    if runtime.prefix_cache is None:
+        return {}
+    refusal = runtime.prefix_cache_refusal()
+    if refusal is not None:
+        raise CertkvError(f"--prefix-cache-mib: {refusal}; serve it without the flag")
+    return runtime.prefix_bypassed()

@@ -168,17 +168,15 @@ def build_replica_service(options: ReplicaOptions, name: str, send=None) -> Repl
 
     from certkv.model.loading import load_model
     from certkv.runtime.certified_runtime import CertifiedRuntime
-    from certkv.serve.kv_budget import budget_slots
+    from certkv.serve.kv_budget import budget_slots, check_prefix_cache, prefix_cache_of
     from certkv.serve.metrics import Metrics
     from certkv.serve.monitor_client import ReplicaShadowRunner, SharedMonitorClient
 
     torch.set_num_threads(options.threads)
     op = options.point()
     loaded, tokenizer = load_model(options.model, device=options.device)
-    runtime = CertifiedRuntime(loaded, tokenizer, op, prefix_cache=_prefix_cache(options.prefix_cache_mib))
-    refusal = None if runtime.prefix_cache is None else runtime.prefix_cache_refusal()
-    if refusal is not None:
-        raise CertkvError(f"--prefix-cache-mib: {refusal}; serve it without the flag")
+    runtime = CertifiedRuntime(loaded, tokenizer, op, prefix_cache=prefix_cache_of(options.prefix_cache_mib))
+    check_prefix_cache(runtime)
     client = runner = None
     if options.shadow_rate > 0:
         if send is None:
@@ -198,16 +196,6 @@ def build_replica_service(options: ReplicaOptions, name: str, send=None) -> Repl
     if client is not None:
         service.metrics.registry.register(_ClientCollector(client))
     return service
-
-
-def _prefix_cache(mib: float):
-    """Each replica's own prefix cache of ``--prefix-cache-mib`` (None: 0, off): kept contexts are
-    per process, like the KV budget they count against."""
-    if mib == 0:
-        return None
-    from certkv.runtime.prefix_cache import PrefixCache
-
-    return PrefixCache(mib)
 
 
 def _replica_asgi(service: ReplicaService, options: ReplicaOptions, name: str):
