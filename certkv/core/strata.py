@@ -124,7 +124,7 @@ def fewest_requests(spec: CertificationSpec) -> int:
     >>> n, round(0.95 ** n, 4), round(0.95 ** (n - 1), 4)  # the first n with (1 − ε)^n ≤ δ
     (45, 0.0994, 0.1047)
     """
-    level = float(candidate_levels(np.zeros(len(spec.candidates)), spec.lengths, spec.delta, spec.procedure).max())
+    level = _most_generous_level(spec)
     n = max(1, math.ceil(math.log(level) / math.log1p(-spec.risk)))
     while n > 1 and binomial_p_value(0, n - 1, spec.risk) <= level:  # float rounding at the ceiling
         n -= 1
@@ -164,6 +164,12 @@ def split_strata(table: LossTable, spec: CertificationSpec) -> tuple[Certificati
     return per_stratum, out
 
 
+def _most_generous_level(spec: CertificationSpec) -> float:
+    """The largest level `spec`'s procedure gives any candidate (δ/m for fixed_sequence, δ/N for
+    bonferroni and Holm's first step, δ for pilot_ordered)."""
+    return float(candidate_levels(np.zeros(len(spec.candidates)), spec.lengths, spec.delta, spec.procedure).max())
+
+
 def fewest_betting_contexts(spec: CertificationSpec) -> int:
     """Fewest contexts with which the betting test certifies any candidate of `spec`: m such that m
     contexts without a violation give a betting p-value ≤ the most generous level the procedure
@@ -177,7 +183,7 @@ def fewest_betting_contexts(spec: CertificationSpec) -> int:
     """
     from certkv.core.grouped import betting_p_value
 
-    level = float(candidate_levels(np.zeros(len(spec.candidates)), spec.lengths, spec.delta, spec.procedure).max())
+    level = _most_generous_level(spec)
     m = fewest_requests(spec)
     while float(betting_p_value(np.zeros(m), spec.risk)) > level:
         m += 1
