@@ -2,9 +2,11 @@
 
 Score-based presses (plain kvpress ScorerPress subclasses) take the fast path: their top-k indices
 are recorded during the single full prefill (:mod:`certkv.engine.scoring`) and their answers are
-decoded together (:mod:`certkv.engine.batched_decode`). Any other press (wrappers, threshold or
-decoding-time presses) runs through kvpress's own context manager with a prefill of its own: correct,
-slower, and labelled ``path="pipeline"`` in the records.
+decoded together (:mod:`certkv.engine.batched_decode`). Decoding-time presses whose choices survive
+a batched forward decode together as rows drafted by the full answer (:mod:`certkv.engine.decoding_rows`);
+any other press (wrappers, threshold presses, the rest of the decoding-time ones) runs through
+kvpress's own context manager with a prefill of its own. Both are labelled ``path="pipeline"`` in
+the records: each answer is its own generation, timed on its own.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from certkv.core.kv_cost import kv_cost, prefill_press_held
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, padded_cache
+from certkv.engine.decoding_rows import batchable_decoding_press, decode_rows, prefilled_row, run_of
 from certkv.engine.decoding_run import is_decoding_press, run_decoding
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
@@ -195,8 +198,10 @@ class Engine:
         # Decoded from kept entries gathered out of the full cache: kvpress's scorers, chosen in the
         # prefill, and the response-aware presses, chosen right after it.
         self.gathered = self.fast + self.response_aware
-        # Compress while decoding: each decodes on its own, as kvpress's pipeline does (decoding_run).
+        # Compress while decoding: rows of one batch drafted by the full answer where the press's
+        # choices survive it (decoding_rows), else each on its own as kvpress's pipeline does (decoding_run).
         self.decoding = [c for c in self.candidates if is_decoding_press(c.press)]
+        self.decoding_rows = [c for c in self.decoding if batchable_decoding_press(c.press)]
         self.slow = [
             c for c in self.candidates
             if c not in self.gathered and c not in self.decoding and not is_probabilistic_press(c.press)
@@ -274,18 +279,22 @@ class Engine:
         full.set_confidence(full_logprobs[0])
 
         answers: dict[str, CandidateAnswer] = {}
+        self._decoding_rows_answers(prefilled.cache, enc, draft, answers)  # from the intact full prefill
+        t2a = time.perf_counter()
+        seconds["candidates_decoding"] = t2a - t2
         verify: dict[str, float] = {}
         reserve = len(enc.question_ids) + 4 * self.max_new_tokens
         self._fast_answers(prefilled, draft, reserve, answers, verify)
         self._probabilistic_answers(prefilled, reserve, answers)
         t3 = time.perf_counter()
-        seconds["candidates_fast"] = t3 - t2 - prefilled.mass_seconds
+        seconds["candidates_fast"] = t3 - t2a - prefilled.mass_seconds
         seconds["lookahead"] += prefilled.mass_seconds  # the probe and every candidate's evicted mass
         seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
         for c in self.slow:
             answers[c.policy] = self._run_pipeline(c, enc, context_tensor(self.model, enc.context_ids))
         for c in self.decoding:
-            answers[c.policy] = self._run_decoding(c, enc)
+            if c not in self.decoding_rows:
+                answers[c.policy] = self._run_decoding(c, enc)
         seconds["candidates_pipeline"] = time.perf_counter() - t3
         _set_generation_costs(full, answers.values(), n_ctx, len(enc.question_ids))
         return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
@@ -445,6 +454,20 @@ class Engine:
         cost = kv_cost(run.held, n_ctx, n_q)
         answer.kv_peak, answer.kv_time = cost.peak, cost.time
         return answer
+
+    def _decoding_rows_answers(self, full, enc: EncodedRequest, draft: list[int], answers: dict) -> None:
+        """The batchable decoding-time candidates' answers into `answers`, decoded together as rows
+        drafted by the full answer (:mod:`certkv.engine.decoding_rows`); `full` is the request's full
+        prefill, whose context entries the candidates that do not compress prefills start from."""
+        if not self.decoding_rows:
+            return
+        t0 = time.perf_counter()
+        rows = [prefilled_row(self.model, c.press, enc, self.max_new_tokens, self.stop_ids, full=full, draft=draft)
+                for c in self.decoding_rows]
+        decode_rows(self.model, [row for row, _ in rows])
+        seconds = (time.perf_counter() - t0) / len(rows)  # the batch's time, shared evenly
+        for c, (row, kept) in zip(self.decoding_rows, rows):
+            answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
 
     def _run_decoding(self, c: PressCandidate, enc: EncodedRequest) -> CandidateAnswer:
         """A decoding-time press's own generation (:func:`certkv.engine.decoding_run.run_decoding`);

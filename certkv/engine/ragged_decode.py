@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AttentionInterface
 
+from certkv.engine.decoding_compression import DecodingCompression
 from certkv.engine.prompt_lookup import PromptLookup
 from certkv.model.attention import _grouped_matmul_attention, _sdpa, use_attention
 from certkv.model.generation import chosen_logprobs
@@ -89,6 +90,14 @@ class RowLayer:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def keep(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold only `keys` / `values` (1, H_kv, n, d), a decoding-time press's choice among the
+        filled entries (:mod:`certkv.engine.decoding_compression`), at the front of the buffers."""
+        n = keys.shape[2]
+        self._keys[:, :, :n].copy_(keys)
+        self._values[:, :, :n].copy_(values)
+        self.length = n
+
 
 class RowCache:
     """One request's cache, one :class:`RowLayer` per model layer."""
@@ -137,7 +146,10 @@ class Row:
     `question_ids` are fed first, at positions from `position` (kvpress's: the uncompressed
     context length, or the pruned length for presses that continue from it); `lookup_ids` seed
     the prompt-lookup proposals (None: plain greedy, one token per step). `answer` and
-    `logprobs` fill as the row decodes; `done` once it has stopped."""
+    `logprobs` fill as the row decodes; `done` once it has stopped. `draft`, when given, is
+    proposed while the answer follows it (calibration's full-cache answer), prompt lookup after.
+    `compression`: the row's decoding-time press books (None: its cache only grows); a forward
+    then feeds no further than the press's next compression event, which follows it."""
 
     cache: RowCache
     question_ids: list[int]
@@ -148,6 +160,10 @@ class Row:
     want_logprobs: bool = False
     answer: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)
+    """Per answer token, the entries (mean over layers) held after the forward that chose it."""
+    draft: list[int] | None = None
+    compression: DecodingCompression | None = None
     tag: Any = None
     """The caller's handle on the row (the scheduler's request)."""
     _lookup: PromptLookup | None = None
@@ -167,8 +183,20 @@ class Row:
         """The tokens to feed next and the position of the first."""
         if not self.answer:
             return list(self.question_ids), self.position
-        proposal = self._lookup.propose(self.answer, self.max_new_tokens - len(self.answer)) if self._lookup else []
-        return [self.answer[-1], *proposal], self.position + len(self.question_ids) + len(self.answer) - 1
+        budget = self.max_new_tokens - len(self.answer)
+        if self.compression is not None:
+            budget = min(budget, self.compression.room() - 1)
+        return [self.answer[-1], *self._propose(budget)], self.position + len(self.question_ids) + len(self.answer) - 1
+
+    def _propose(self, budget: int) -> list[int]:
+        """Up to `budget` tokens to try after the pending one: the draft's while the answer follows
+        it, else prompt lookup's (none for a plainly greedy row)."""
+        if budget <= 0:
+            return []
+        n = len(self.answer)
+        if self.draft is not None and self.draft[:n] == self.answer and len(self.draft) > n:
+            return self.draft[n : n + budget]
+        return self._lookup.propose(self.answer, budget) if self._lookup else []
 
 
 #: The rows of the forward in progress and how many tokens each feeds (read by the attention).
@@ -274,7 +302,7 @@ class RaggedBatch:
             inputs[b, : len(tokens)] = torch.as_tensor(tokens, device=device)
             positions[b] = torch.arange(first, first + width, device=device)
         lengths = [[layer.length for layer in row.cache.layers] for row in rows]
-        with torch.no_grad(), use_attention(model, NAME), _forward_rows(rows, fed):
+        with torch.no_grad(), use_attention(model, NAME), _forward_rows(rows, fed), _capturing(model, rows, fed):
             hidden = model.model(
                 input_ids=inputs,
                 position_ids=positions,
@@ -295,10 +323,15 @@ class RaggedBatch:
         chosen = tokens.tolist()
         finished, at = [], 0
         for b, row in enumerate(rows):
-            taken = 1 if not row.answer else fed[b]
-            _accept(row, chosen[at : at + taken], logprobs[at : at + taken] if logprobs is not None else None,
-                    feeds[b][0][1:], lengths[b])
+            first = not row.answer
+            taken = 1 if first else fed[b]
+            before = sum(lengths[b]) / len(lengths[b])
+            kept = _accept(row, chosen[at : at + taken], logprobs[at : at + taken] if logprobs is not None else None,
+                           feeds[b][0][1:], lengths[b])
             at += taken
+            compressed = row.compression is not None and row.compression.confirm(
+                model, row.cache.layers, kept, feeds[b][1], question=first)
+            _note_held(row, before, kept, first, compressed)
             if row.done:
                 finished.append(row)
         for row in finished:
@@ -306,16 +339,17 @@ class RaggedBatch:
         return finished
 
 
-def _accept(row: Row, choices: list[int], logprobs: list[float] | None, proposal: list[int], lengths: list[int]) -> None:
+def _accept(row: Row, choices: list[int], logprobs: list[float] | None, proposal: list[int], lengths: list[int]) -> int:
     """Append to `row` the greedy `choices` its forward confirmed (with their `logprobs` when
     wanted) and crop its cache back to its `lengths` per layer before the forward plus the fed
     tokens that stay: on its first forward one token, afterwards the pending token's choice and
-    each proposal token the greedy choice agreed with (decode_candidates's acceptance)."""
+    each proposal token the greedy choice agreed with (decode_candidates's acceptance). Returns
+    how many fed tokens stay (the whole question on the first forward)."""
     if len(row.answer) == 0:
         row.answer.append(choices[0])
         if row.want_logprobs and logprobs is not None:
             row.logprobs.append(logprobs[0])
-        return
+        return len(row.question_ids)
     accepted = 0
     for i, token in enumerate(choices):
         row.answer.append(token)
@@ -326,6 +360,43 @@ def _accept(row: Row, choices: list[int], logprobs: list[float] | None, proposal
             break
     # The pending token and the confirmed proposal tokens stay; the rest are dropped.
     row.cache.crop([n + accepted for n in lengths])
+    return accepted
+
+
+def _note_held(row: Row, before: float, kept: int, first: bool, compressed: bool) -> None:
+    """Append to ``row.held`` the entries (mean over layers) the cache held after the forward that
+    chose each token this step settled, as the pipeline's one forward per token leaves them: the
+    cache before this step plus the fed tokens up to that token's, or, after a compression event
+    (always this step's last token), what the press kept."""
+    after = sum(layer.length for layer in row.cache.layers) / len(row.cache.layers)
+    settled = 1 if first else kept
+    for i in range(settled):
+        last = i == settled - 1
+        row.held.append(after if last and compressed else before + (kept if first else i + 1))
+
+
+@contextmanager
+def _capturing(model: PreTrainedModel, rows: Sequence[Row], fed: Sequence[int]) -> Iterator[None]:
+    """Within the block, each attention layer hands its input hidden states (B, T, hidden) to the
+    rows that compress while decoding (their own first fed[b] positions), as kvpress's hook reads them."""
+    compressing = [(b, row.compression) for b, row in enumerate(rows) if row.compression is not None]
+    if not compressing:
+        yield
+        return
+
+    def keep_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = kwargs["hidden_states"]
+        for b, compression in compressing:
+            compression.capture(module.layer_idx, hidden[b : b + 1, : fed[b]])
+
+    from certkv.model.layers import attention_modules
+
+    handles = [m.register_forward_pre_hook(keep_inputs, with_kwargs=True) for m in attention_modules(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def gather_row(full_cache: DynamicCache, selection: Sequence[torch.Tensor | None], context_length: int, room: int) -> RowCache:

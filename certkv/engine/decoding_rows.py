@@ -1,0 +1,105 @@
+"""Decoding-time candidates as rows of one ragged batch: drafted, chunked between compression events.
+
+kvpress's pipeline decodes a decoding-time press one token per forward, one candidate at a time.
+Calibration needs every candidate's own greedy generation, and most of it is the full cache's
+answer: a candidate follows it until its first departure. So each candidate becomes a
+:class:`~certkv.engine.ragged_decode.Row` of one batch, its compression kept by
+:class:`~certkv.engine.decoding_compression.DecodingCompression`, and every forward feeds a row its
+pending token plus the full answer's next tokens (prompt lookup after a departure), never past the
+row's next compression event. A chunk the greedy choice confirms is the pipeline's steps up to that
+event; the first token it rejects is where the row's own answer goes on.
+
+Only presses whose choices do not hinge on float rounding decode this way
+(:func:`batchable_decoding_press`: StreamingLLM's positions and TOVA's attention). A scorer such
+as K-norm ranks keys by their norm, and a token that recurs in a context and an answer has the
+same key up to RoPE's rounding at the first layer: which copy it keeps is decided by the last bit
+of a projection, and a batched or chunked projection computes other last bits than the
+pipeline's one-token forward (measured: 5 of 8 K-norm generations departed when chunked, none
+when fed token by token). Those presses, and certkv's probabilistic decoding press, decode alone
+(:func:`certkv.engine.decoding_run.run_decoding`).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvpress import PrefillDecodingPress, StreamingLLMPress, TOVAPress
+from transformers import DynamicCache
+
+from certkv.engine.decoding_compression import DecodingCompression, decoding_press_of
+from certkv.engine.decoding_run import DecodingRun, compresses_prefill
+from certkv.engine.ragged_decode import RaggedBatch, Row, RowCache, gather_layer, gather_row
+from certkv.model.window_queries import capturing_window_queries
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from transformers import PreTrainedModel
+
+    from certkv.model.generation import EncodedRequest
+
+#: Scorers whose decoding-time choices survive a batched or chunked forward (module docstring).
+ROUNDING_SAFE_SCORERS = (StreamingLLMPress, TOVAPress)
+
+
+def batchable_decoding_press(press: Any) -> bool:
+    """Whether `press` is a kvpress decoding press (alone or behind ``PrefillDecodingPress``) whose
+    scorer's choices do not hinge on float rounding, so it decodes as a row of a ragged batch."""
+    inner = decoding_press_of(press)
+    if inner is None or not isinstance(inner.base_press, ROUNDING_SAFE_SCORERS):
+        return False
+    return not isinstance(press, PrefillDecodingPress) or press.prefilling_press is None or isinstance(
+        press.prefilling_press, ROUNDING_SAFE_SCORERS)
+
+
+def prefilled_row(model: PreTrainedModel, press: Any, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],
+                  full: DynamicCache | None = None, draft: list[int] | None = None,
+                  lookup: bool = True) -> tuple[Row, float]:
+    """One request under a decoding-time `press` as a ragged row, its prefill done; returns the row
+    and the entries its prefill left (the context, unless the press compresses prefills too).
+
+    The prefill is kvpress's: under the press's context manager when the press compresses
+    prefills (its prefilling half), else the full context — copied out of `full`, a full prefill's
+    cache holding at least the context, (1, H_kv, ≥ n_ctx, d) per layer, when one is given.
+    The row feeds the question at the context's length (the pipeline's positions); `draft` is
+    proposed while the answer follows it, prompt lookup after (`lookup`).
+    """
+    n_ctx = len(enc.context_ids)
+    room = len(enc.question_ids) + max_new_tokens + 1
+    if full is not None and not compresses_prefill(press):
+        cache = RowCache([gather_layer(layer.keys, layer.values, None, n_ctx, room) for layer in full.layers])
+    else:
+        own = DynamicCache()
+        context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)
+        with torch.no_grad(), press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
+            model.model(input_ids=context, past_key_values=own)
+        cache = gather_row(own, [None] * len(own.layers), max(layer.keys.shape[2] for layer in own.layers), room)
+    inner = decoding_press_of(press)
+    row = Row(cache, list(enc.question_ids), n_ctx, max_new_tokens, stop_ids,
+              lookup_ids=list(enc.context_ids) if lookup else None, want_logprobs=True, draft=draft,
+              compression=DecodingCompression(inner) if inner is not None else None)
+    kept = sum(layer.length for layer in cache.layers) / len(cache.layers)
+    return row, kept
+
+
+def decode_rows(model: PreTrainedModel, rows: Sequence[Row]) -> int:
+    """Decode `rows` together to their ends; returns the batched forwards it took."""
+    batch = RaggedBatch(model)
+    for row in rows:
+        batch.add(row)
+    forwards = 0
+    while batch.rows:
+        batch.step()
+        forwards += 1
+    return forwards
+
+
+def run_of(row: Row, prefill_kept: float) -> DecodingRun:
+    """A decoded row as the :class:`~certkv.engine.decoding_run.DecodingRun` the solo decode gives."""
+    return DecodingRun(token_ids=list(row.answer), logprobs=list(row.logprobs), held=list(row.held),
+                       prefill_kept=prefill_kept)
+
+
+__all__ = ["ROUNDING_SAFE_SCORERS", "batchable_decoding_press", "decode_rows", "prefilled_row", "run_of"]

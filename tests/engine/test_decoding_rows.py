@@ -1,0 +1,105 @@
+"""Decoding-time presses as rows of one ragged batch, drafted and chunked between compression
+events (certkv/engine/decoding_rows.py): every row's generation and the KV it held after each
+token are those of kvpress's hooks decoding it alone, one token a forward (run_decoding, itself
+checked against kvpress's pipeline in test_decoding_presses.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+N_REQUESTS = 2
+MAX_NEW = 80
+
+
+def _presses():
+    from kvpress import (
+        CompressionRatioDecodingPress,
+        DecodingPress,
+        KnormPress,
+        PrefillDecodingPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
+
+    return {
+        "streaming@0.5/8": CompressionRatioDecodingPress(StreamingLLMPress(), target_compression_ratio=0.5,
+                                                         compression_interval=8),
+        # a short buffer: kvpress scores on the last 2 steps only
+        "tova@0.4/5/buffer2": CompressionRatioDecodingPress(TOVAPress(), target_compression_ratio=0.4,
+                                                            compression_interval=5, hidden_states_buffer_size=2),
+        # a fixed target below the question's length: kvpress compresses at the question's forward too
+        "streaming/target12/3": DecodingPress(StreamingLLMPress(), compression_interval=3, target_size=12),
+        "prefill-streaming+tova": PrefillDecodingPress(
+            prefilling_press=StreamingLLMPress(compression_ratio=0.5),
+            decoding_press=CompressionRatioDecodingPress(TOVAPress(), target_compression_ratio=0.3,
+                                                         compression_interval=7)),
+        "knorm@0.5/8": CompressionRatioDecodingPress(KnormPress(), target_compression_ratio=0.5,
+                                                     compression_interval=8),
+    }
+
+
+@pytest.fixture(scope="module")
+def requests(embedded_recite):
+    from certkv.model.generation import encode_request
+    from certkv.requests.request_set import generate_requests
+
+    _, tokenizer = embedded_recite
+    drawn = generate_requests("recite", N_REQUESTS, seed=77)
+    return [encode_request(tokenizer, r.context, r.question, r.answer_prefix) for r in drawn]
+
+
+def test_batchable_presses_decode_as_alone(embedded_recite, requests):
+    import torch
+    from transformers import DynamicCache
+
+    from certkv.engine.decoding_rows import batchable_decoding_press, decode_rows, prefilled_row
+    from certkv.engine.decoding_run import run_decoding
+    from certkv.model.generation import greedy_decode, stop_token_ids
+
+    model, _ = embedded_recite
+    presses = {name: p for name, p in _presses().items() if batchable_decoding_press(p)}
+    assert set(presses) == {"streaming@0.5/8", "tova@0.4/5/buffer2", "streaming/target12/3", "prefill-streaming+tova"}
+    stops, events = stop_token_ids(model), 0
+    for enc in requests:
+        full = DynamicCache()
+        with torch.no_grad():
+            model.model(input_ids=torch.as_tensor(enc.context_ids).view(1, -1), past_key_values=full)
+        draft = greedy_decode(model, full, enc.question_ids, len(enc.context_ids), MAX_NEW)
+        full.crop(len(enc.context_ids))
+        rows = {name: prefilled_row(model, p, enc, MAX_NEW, stops, full=full, draft=draft) for name, p in presses.items()}
+        forwards = decode_rows(model, [row for row, _ in rows.values()])
+        for name, press in presses.items():
+            alone = run_decoding(model, press, enc, MAX_NEW)
+            row, kept = rows[name]
+            assert row.answer == alone.token_ids, name
+            assert row.held == pytest.approx(alone.held), name
+            assert kept == pytest.approx(alone.prefill_kept), name
+            assert row.logprobs == pytest.approx(alone.logprobs, abs=1e-4), name
+            events += row.compression.events
+        # drafted chunks: far fewer forwards than tokens
+        assert forwards < max(len(row.answer) for row, _ in rows.values())
+    assert events > 20
+
+
+def test_a_rounding_sensitive_scorer_decodes_alone(embedded_recite):
+    from certkv.engine.decoding_rows import batchable_decoding_press
+
+    assert not batchable_decoding_press(_presses()["knorm@0.5/8"])
+
+
+def test_a_forward_cannot_run_past_an_event(embedded_recite, requests):
+    from kvpress import CompressionRatioDecodingPress, StreamingLLMPress
+
+    from certkv.engine.decoding_compression import DecodingCompression
+    from certkv.engine.decoding_rows import prefilled_row
+    from certkv.model.generation import stop_token_ids
+
+    model, _ = embedded_recite
+    press = CompressionRatioDecodingPress(StreamingLLMPress(), target_compression_ratio=0.5, compression_interval=4)
+    row, _ = prefilled_row(model, press, requests[0], 8, stop_token_ids(model))
+    books = row.compression
+    assert isinstance(books, DecodingCompression) and books.room() == 4
+    books.confirm(model, row.cache.layers, len(requests[0].question_ids), row.position, question=True)
+    assert books.room() == 3
+    with pytest.raises(RuntimeError, match="past its row's compression event"):
+        books.confirm(model, row.cache.layers, 4, row.position + 20, question=False)
