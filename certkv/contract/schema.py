@@ -320,6 +320,7 @@ class LearnedGateSpec(QuantileGate):
 
 #: Optional `gate:` features and their unset values; the canonical JSON omits each at it (Gate.hashed_dump).
 _LATER_GATE_KEYS = {"pilot": None, "confidence": None, "lookahead": None, "learned": None, "recompute": None,
+                    "certificate_recompute": None,
                     "lookahead_tokens": LOOKAHEAD_TOKENS}
 
 
@@ -332,7 +333,9 @@ class Gate(_Strict):
     ``confidence``, ``lookahead``, ``learned`` and ``recompute`` list quantiles whose thresholds
     the ``pilot`` share of the requests places (so they need a pilot); ``lookahead_tokens`` is the
     probe's A. ``recompute`` restarts a generation on the full cache as soon as one of its tokens'
-    probability falls below the threshold (docs/long-generations.md).
+    probability falls below the threshold, ``certificate_recompute`` as soon as a decoding step's
+    survey-variance certificate exceeds the bound (certkv's probabilistic_decoding press;
+    docs/long-generations.md).
     """
 
     pilot: float | None = None
@@ -345,6 +348,7 @@ class Gate(_Strict):
     lookahead: QuantileGate | None = None
     learned: LearnedGateSpec | None = None
     recompute: QuantileGate | None = None
+    certificate_recompute: QuantileGate | None = None
     lookahead_tokens: int = Field(default=LOOKAHEAD_TOKENS, ge=1, le=64)
 
     @model_validator(mode="before")
@@ -552,6 +556,14 @@ class Contract(_Strict):
                     "gate.recompute restarts a generation that a decoding-time press is compressing, and no "
                     "policy entry compresses while decoding; add one (e.g. compression_ratio_decoding) or remove "
                     "gate.recompute"
+                )
+        if gate is not None and gate.certificate_recompute is not None and policies is not None:
+            if not any(press_registry.produces_certificates(p.press) and press_registry.compresses_while_decoding(p.press)
+                       for p in policies):
+                raise _error(
+                    "gate.certificate_recompute restarts a generation on its decoding steps' certificates, which "
+                    "only certkv's probabilistic_decoding press records, and no policy entry uses it; add one or "
+                    "remove gate.certificate_recompute"
                 )
         if gate is None or not gate.certificate or policies is None:
             return gate

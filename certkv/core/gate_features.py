@@ -53,6 +53,7 @@ GATE_PARTS = {
     "certificate": ("certificate_max", np.greater),
     "confidence": ("confidence_min", np.less),
     "recompute": ("confidence_min", np.less),
+    "certificate_recompute": ("certificate_max", np.greater),
     "lookahead": ("lookahead_mass", np.greater),
     "learned": ("learned_score", np.greater),
 }

@@ -24,6 +24,13 @@ rather than decoded again: conservative, never optimistic. So
     loss_i      = 0 where confidence_min_agreeing_i < r; 1 where restarted_i otherwise; else the base's
     memory_i    = 1.0 where restarted_i (the restart prefills everything again), else the base's
 
+A certificate recompute gate (bound b, certkv's probabilistic decoding press) restarts the same way
+at the first token whose decoding step's survey-variance certificate is > b, and is counted the same
+way from the largest step certificate over the whole answer and up to its first departure:
+restarted_i = certificate_max_i > b, in time where certificate_max_agreeing_i > b. With both parts
+set, the restart comes at the first token either fires on, in time where either fires up to the
+departure.
+
 with the base's nominal kv_retained and press. The thresholds are pre-registered in the contract
 (each setting is a candidate of its own, tested like any other), or placed on a pilot split that
 never certifies (:mod:`certkv.core.pilot`), so nothing here is tuned on the certification data.
@@ -149,12 +156,14 @@ def gated_mask(
     learned: LearnedGate | None = None,
     learned_threshold: float | None = None,
     recompute: float | None = None,
+    certificate_recompute: float | None = None,
 ) -> np.ndarray:
     """Boolean (R,) mask of the requests the gate sends to the full cache.
 
-    Fires where agreement_drop < `agreement_drop`, certificate_max > `certificate`,
-    confidence_min < `confidence` or < `recompute`, lookahead_mass > `lookahead`, or the `learned`
-    score > `learned_threshold` (each part off when None). A signal the gate needs but the records lack
+    Fires where agreement_drop < `agreement_drop`, certificate_max > `certificate` or >
+    `certificate_recompute`, confidence_min < `confidence` or < `recompute`, lookahead_mass >
+    `lookahead`, or the `learned` score > `learned_threshold` (each part off when None). A signal
+    the gate needs but the records lack
     (NaN) is a one-line error: silently treating a missing signal as "not gated" would certify a
     gate that was never observed.
 
@@ -174,6 +183,7 @@ def gated_mask(
         ("lookahead", lookahead),
         ("agreement_drop", agreement_drop),
         ("certificate", certificate),
+        ("certificate_recompute", certificate_recompute),
     ):
         if threshold is None:
             continue
@@ -236,16 +246,26 @@ def _expand(table: LossTable, wanted: list[_Wanted]) -> LossTable:
     )
 
 
+#: Each restarting gate part: the signal over the whole answer and the one up to its first departure.
+_RESTARTS = {"recompute": ("confidence_min", "confidence_min_agreeing"),
+             "certificate_recompute": ("certificate_max", "certificate_max_agreeing")}
+
+
 def _late_restarts(table: LossTable, row: int, name: str, g: GateSettings) -> np.ndarray:
-    """(R,) bool: the requests `g`'s recompute part restarts after their first departure from the
-    full-KV answer (all False without a recompute part): counted as violated."""
-    if g.recompute is None:
-        return np.zeros(table.n_requests, dtype=bool)
+    """(R,) bool: the requests `g`'s restarting parts restart after their first departure from the
+    full-KV answer (all False without one): counted as violated. A restart comes at the first
+    token any part fires on, so it is in time where some part fires up to the departure."""
+    restarted = np.zeros(table.n_requests, dtype=bool)
+    in_time = np.zeros(table.n_requests, dtype=bool)
     who = _who(table, row, name)
     signals = table.signals_of(row)
-    lowest = check_signal(table, signals.get("confidence_min"), "confidence_min", who)
-    agreeing = check_signal(table, signals.get("confidence_min_agreeing"), "confidence_min_agreeing", who)
-    return np.asarray(fires("recompute", lowest, g.recompute) & ~fires("recompute", agreeing, g.recompute), dtype=bool)
+    for part, (whole, agreeing) in _RESTARTS.items():
+        threshold = getattr(g, part)
+        if threshold is None:
+            continue
+        restarted |= fires(part, check_signal(table, signals.get(whole), whole, who), threshold)
+        in_time |= fires(part, check_signal(table, signals.get(agreeing), agreeing, who), threshold)
+    return restarted & ~in_time
 
 
 def _mask_of(table: LossTable, row: int, name: str, g: GateSettings) -> np.ndarray:
@@ -261,6 +281,7 @@ def _mask_of(table: LossTable, row: int, name: str, g: GateSettings) -> np.ndarr
         learned=g.learned,
         learned_threshold=g.learned_threshold,
         recompute=g.recompute,
+        certificate_recompute=g.certificate_recompute,
     )
 
 
@@ -275,8 +296,9 @@ def _to_derive(table: LossTable, name: str, base: str, g: GateSettings) -> bool:
                 f"{base!r} and the gate signals; remove those rows (or rename the policy)"
             )
         if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead, done.learned_threshold,
-                done.recompute) != (base, g.agreement_drop, g.certificate, g.confidence, g.lookahead, g.learned_threshold,
-                                    g.recompute):
+                done.recompute, done.certificate_recompute) != (
+                base, g.agreement_drop, g.certificate, g.confidence, g.lookahead, g.learned_threshold, g.recompute,
+                g.certificate_recompute):
             raise CertkvError(f"{name!r} was derived with other gate settings; derive it from the records again")
         return False
     if base not in table:
@@ -300,6 +322,7 @@ def _gated_row(base: str, g: GateSettings, count: int, n_requests: int) -> Gated
         lookahead=None if g.lookahead is None else float(g.lookahead),
         learned_threshold=None if g.learned_threshold is None else float(g.learned_threshold),
         recompute=None if g.recompute is None else float(g.recompute),
+        certificate_recompute=None if g.certificate_recompute is None else float(g.certificate_recompute),
     )
 
 

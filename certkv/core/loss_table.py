@@ -73,7 +73,8 @@ class GatedRow:
     """How a gated row of a table was derived (by :func:`certkv.core.gated.derive_gated`): from
     `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`) or
     (confidence_min < `confidence`) or (lookahead_mass > `lookahead`) or (learned score >
-    `learned_threshold`) or a recompute restart (confidence_min < `recompute`);
+    `learned_threshold`) or a recompute restart (confidence_min < `recompute`, or certificate_max >
+    `certificate_recompute`);
     `gated_count` of the table's requests went to the full cache (`gated_share` of them).
 
     Examples
@@ -98,6 +99,7 @@ class GatedRow:
     lookahead: float | None = None
     learned_threshold: float | None = None
     recompute: float | None = None
+    certificate_recompute: float | None = None
 
 
 @dataclass(frozen=True, eq=False)

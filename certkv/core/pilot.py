@@ -23,7 +23,9 @@ the share q of the pilot's most suspicious requests to the full cache:
 * lookahead: t_q = (1 − q)-quantile of the pilot's ``lookahead_mass`` (full cache when > t_q);
 * learned: t_q = (1 − q)-quantile of the pilot's learned scores (full cache when > t_q);
 * recompute: r_q = q-quantile of the pilot's ``confidence_min`` (a generation restarts on the full
-  cache at its first token whose probability is < r_q).
+  cache at its first token whose probability is < r_q);
+* certificate recompute: b_q = (1 − q)-quantile of the pilot's ``certificate_max`` (a generation
+  restarts at its first token whose step certificate is > b_q).
 
 Quantiles are numpy's default (linear interpolation). Torch-free: numpy and scikit-learn.
 """
@@ -385,6 +387,9 @@ def _resolve_candidate(
     if gate.pilot_kind in ("confidence", "recompute"):  # both read the lowest token probability
         values = check_signal(pilot, _row(pilot.confidence_min, row), "confidence_min", who)
         settings = settings.model_copy(update={gate.pilot_kind: signal_quantile(values, gate.quantile)})
+    elif gate.pilot_kind == "certificate_recompute":  # the largest step certificate of the whole answer
+        values = check_signal(pilot, _row(pilot.certificate_max, row), "certificate_max", who)
+        settings = settings.model_copy(update={"certificate_recompute": signal_quantile(values, 1.0 - gate.quantile)})
     elif gate.pilot_kind == "lookahead":
         values = check_signal(pilot, _row(pilot.lookahead_mass, row), "lookahead_mass", who)
         settings = settings.model_copy(update={"lookahead": signal_quantile(values, 1.0 - gate.quantile)})
@@ -452,7 +457,8 @@ def is_unresolved(info: CandidateInfo) -> bool:
     """
     g = info.gate
     return info.pilot_gate is not None and (
-        g is None or (g.confidence is None and g.lookahead is None and g.learned is None and g.recompute is None)
+        g is None or (g.confidence is None and g.lookahead is None and g.learned is None and g.recompute is None
+                      and g.certificate_recompute is None)
     )
 
 

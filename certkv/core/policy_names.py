@@ -6,8 +6,8 @@ a gated candidate appends its gate, each value written by ``format(x, "g")``:
 ``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``
 (``probabilistic@0.30+drop-0.05+cert0.02``); a gate whose threshold the pilot places at a
 pre-registered quantile q names the quantile: ``<base>+confq<q>`` (confidence),
-``<base>+lookq<q>`` (lookahead mass), ``<base>+learnq<q>`` (learned score) or ``<base>+recq<q>``
-(recompute mid-generation), e.g.
+``<base>+lookq<q>`` (lookahead mass), ``<base>+learnq<q>`` (learned score), ``<base>+recq<q>``
+(recompute mid-generation) or ``<base>+recc<q>`` (recompute on the step certificate), e.g.
 ``snapkv@0.70+confq0.1``. ``full`` names the full cache, the reference every
 candidate is compared with; it is never a candidate.
 
@@ -36,9 +36,10 @@ REFERENCE_POLICY = "full"
 #: The top-level policy of a stratified operating point: each stratum deploys its own.
 STRATIFIED_POLICY = "stratified"
 
-_GATE_MARKERS = ("+drop", "+cert", "+confq", "+lookq", "+learnq", "+recq")
+_GATE_MARKERS = ("+drop", "+cert", "+confq", "+lookq", "+learnq", "+recq", "+recc")
 #: Name suffix of each pilot gate kind (followed by the quantile).
-PILOT_GATE_MARKERS = {"confidence": "+confq", "lookahead": "+lookq", "learned": "+learnq", "recompute": "+recq"}
+PILOT_GATE_MARKERS = {"confidence": "+confq", "lookahead": "+lookq", "learned": "+learnq", "recompute": "+recq",
+                      "certificate_recompute": "+recc"}
 _RETENTION = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 _AT_RETENTION = re.compile(r"@[0-9]+(?:\.[0-9]+)?")
 
@@ -75,9 +76,9 @@ def gated_policy_name(
 ) -> str:
     """``<base>+drop<t>``, ``<base>+cert<b>`` or ``<base>+drop<t>+cert<b>``; `base` when ungated.
 
-    With `pilot_kind` (confidence, lookahead, learned or recompute) and its `quantile`:
-    ``<base>+confq<q>``, ``<base>+lookq<q>``, ``<base>+learnq<q>`` or ``<base>+recq<q>`` (never
-    combined with the others).
+    With `pilot_kind` (confidence, lookahead, learned, recompute or certificate_recompute) and its
+    `quantile`: ``<base>+confq<q>``, ``<base>+lookq<q>``, ``<base>+learnq<q>``, ``<base>+recq<q>``
+    or ``<base>+recc<q>`` (never combined with the others).
 
     Examples
     --------
@@ -155,9 +156,9 @@ def is_gated_policy(name: str) -> bool:
 
 
 #: Gate kinds whose thresholds are placed on a pilot split, at pre-registered quantiles.
-PilotGateKind = Literal["confidence", "lookahead", "learned", "recompute"]
+PilotGateKind = Literal["confidence", "lookahead", "learned", "recompute", "certificate_recompute"]
 #: The pilot gate kinds in sequence order.
-PILOT_GATE_KINDS: tuple[PilotGateKind, ...] = ("confidence", "lookahead", "learned", "recompute")
+PILOT_GATE_KINDS: tuple[PilotGateKind, ...] = ("confidence", "lookahead", "learned", "recompute", "certificate_recompute")
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,8 @@ class GateChoice:
         # A spec read from JSON builds these too (CandidateInfo.pilot_gate): refuse what the
         # contract's grid can never produce, in one line, before the pilot reads it.
         if (self.pilot_kind is None) != (self.quantile is None):
-            raise ValueError("a pilot gate needs both pilot_kind (confidence, lookahead, learned or recompute) and its quantile")
+            raise ValueError("a pilot gate needs both pilot_kind (confidence, lookahead, learned, recompute or "
+                             "certificate_recompute) and its quantile")
         if self.quantile is not None and not 0.0 < self.quantile < 1.0:
             raise ValueError(f"a pilot gate's quantile must lie strictly between 0 and 1, got {self.quantile}")
 
@@ -266,7 +268,8 @@ def gate_choices(
     """Every gate setting an entry is tested under, in sequence order: ungated, each threshold t,
     then (`certificates`: its press produces certificates) each bound b and each pair (t, b),
     thresholds outer, then the `pilot` settings as given, the recompute ones only for an entry
-    that compresses while `decoding` (only a decoding-time press's generation can be restarted).
+    that compresses while `decoding` (only a decoding-time press's generation can be restarted),
+    the certificate recompute ones only for an entry that does both.
 
     Examples
     --------
@@ -277,12 +280,18 @@ def gate_choices(
     >>> recompute = [GateChoice(pilot_kind="recompute", quantile=0.1)]
     >>> len(gate_choices(pilot=recompute)), len(gate_choices(pilot=recompute, decoding=True))
     (1, 2)
+    >>> by_certificate = [GateChoice(pilot_kind="certificate_recompute", quantile=0.1)]
+    >>> [c.name("p@0.50") for c in gate_choices(pilot=by_certificate, certificates=True, decoding=True)]
+    ['p@0.50', 'p@0.50+recc0.1']
+    >>> len(gate_choices(pilot=by_certificate, decoding=True))  # a decoding press without certificates
+    1
     """
     choices = [GateChoice()] + [GateChoice(agreement_drop=t) for t in agreement_drop]
     if certificates:
         choices += [GateChoice(certificate=b) for b in certificate]
         choices += [GateChoice(agreement_drop=t, certificate=b) for t in agreement_drop for b in certificate]
-    return (*choices, *(c for c in pilot if decoding or c.pilot_kind != "recompute"))
+    restartable = {"recompute": decoding, "certificate_recompute": decoding and certificates}
+    return (*choices, *(c for c in pilot if restartable.get(str(c.pilot_kind), True)))
 
 
 def candidates(entries: Iterable[PolicyEntry]) -> list[Candidate]:

@@ -138,6 +138,11 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("confidence_min_agreeing", per="candidate", kind="scalar", phase="post_decode",
            recorder="the answer's token log-probabilities against the full-KV answer (certkv.engine.engine)",
            doc="lowest token probability up to the answer's first departure from the full-KV answer"),
+    Signal("certificate_max_agreeing", per="candidate", kind="scalar", phase="post_decode",
+           recorder="the probabilistic decoding press's per-step certificates against the full-KV answer "
+                    "(certkv.engine.engine)",
+           doc="largest step certificate up to the answer's first departure from the full-KV answer",
+           minimum=0.0, minimum_why="a certificate is a standard deviation (≥ 0)"),
     Signal("logprob_mean", per="candidate", kind="scalar", phase="post_decode",
            recorder="the answer's own token log-probabilities (certkv.core.gate_features.answer_confidence)",
            doc="mean log-probability of the evicted answer's tokens", feature_group="confidence"),

@@ -75,7 +75,9 @@ class GateSettings(BaseModel):
     * ``learned`` with ``learned_threshold``: its logistic score > t (before the decode, or after
       it when the model reads a confidence feature: :attr:`post_decode`);
     * ``recompute``: while the evicted answer decodes, its first token whose probability is < r
-      makes the runtime restart on the full cache from the tokens before it (:meth:`recomputes`).
+      makes the runtime restart on the full cache from the tokens before it (:meth:`recomputes`);
+    * ``certificate_recompute``: the same restart at the first token whose decoding step's
+      survey-variance certificate is > b (certkv's probabilistic decoding press).
 
     null: that part is off. ``quantile`` is the pre-registered pilot quantile a confidence,
     lookahead or learned threshold was placed at (null for fixed thresholds; while it is set and
@@ -110,6 +112,7 @@ class GateSettings(BaseModel):
     learned: LearnedGate | None = None
     learned_threshold: float | None = None
     recompute: float | None = None
+    certificate_recompute: float | None = None
     quantile: float | None = None
     lookahead_tokens: int = Field(default=LOOKAHEAD_TOKENS, ge=1)
 
@@ -124,6 +127,9 @@ class GateSettings(BaseModel):
         for name, value, low, high, what in checks:
             if value is not None and not (low <= value <= high):
                 raise ValueError(f"{name} {value!r} is outside [{low:g}, {high:g}]; it is {what}")
+        if self.certificate_recompute is not None and not 0.0 <= self.certificate_recompute < math.inf:
+            raise ValueError(f"certificate_recompute {self.certificate_recompute!r} is not a finite bound ≥ 0; "
+                             "it is a certificate (a standard deviation)")
         if self.quantile is not None and not 0.0 < self.quantile < 1.0:
             raise ValueError(f"quantile {self.quantile!r} is outside (0, 1)")
         if (self.learned is None) != (self.learned_threshold is None):
@@ -135,9 +141,9 @@ class GateSettings(BaseModel):
     @property
     def kind(self) -> str:
         """``agreement_drop``, ``certificate``, ``agreement_drop+certificate``, ``confidence``,
-        ``lookahead`` or ``learned``: the parts that are set ("" while a pilot gate is unresolved,
-        and for the ungated ``GateSettings()``)."""
-        named = ("agreement_drop", "certificate", "confidence", "lookahead", "recompute")
+        ``lookahead``, ``recompute``, ``certificate_recompute`` or ``learned``: the parts that are
+        set ("" while a pilot gate is unresolved, and for the ungated ``GateSettings()``)."""
+        named = ("agreement_drop", "certificate", "confidence", "lookahead", "recompute", "certificate_recompute")
         parts = [k for k in named if getattr(self, k) is not None]
         if self.learned is not None:
             parts.append("learned")
@@ -177,6 +183,18 @@ class GateSettings(BaseModel):
         (True, False, False)
         """
         return self.recompute is not None and bool(fires("recompute", math.exp(logprob), self.recompute))
+
+    @property
+    def restarts(self) -> bool:
+        """Whether a part restarts a generation mid-decode (``recompute``, ``certificate_recompute``),
+        which only a decoding-time press's path can do.
+
+        Examples
+        --------
+        >>> GateSettings(certificate_recompute=0.02).restarts, GateSettings(confidence=0.2).restarts
+        (True, False)
+        """
+        return self.recompute is not None or self.certificate_recompute is not None
 
     @property
     def learned_post_decode(self) -> bool:
@@ -397,7 +415,8 @@ class CandidateInfo(BaseModel):
     @classmethod
     def _pilot_gate_has_a_kind(cls, value: GateChoice | None) -> GateChoice | None:
         if value is not None and value.pilot_kind is None:
-            raise ValueError("pilot_gate needs pilot_kind (confidence, lookahead or learned) and its quantile")
+            raise ValueError("pilot_gate needs pilot_kind (confidence, lookahead, learned, recompute or "
+                             "certificate_recompute) and its quantile")
         return value
 
 

@@ -11,8 +11,12 @@ question and the greedy answer under the press. Tests compare the answers with t
 token for token.
 
 Besides the answer, the run keeps what a long generation's gates and budgets read, step by step:
-each generated token's log p and the KV entries the cache holds after each forward
-(:mod:`certkv.core.kv_cost`).
+each generated token's log p, the KV entries the cache holds after each forward
+(:mod:`certkv.core.kv_cost`) and, under certkv's probabilistic decoding press, the survey-variance
+certificate of the forward that chose each token (0 before the press first samples). Each is
+read as soon as its token is chosen, so a recompute trigger on either (token probability below r,
+certificate above b) stops the run before the token is kept: calibration and the runtime read the
+same numbers the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from kvpress import DecodingPress, PrefillDecodingPress
 from transformers import DynamicCache
 
+from certkv.core.gate_features import fires
 from certkv.model.generation import greedy_decode
 from certkv.model.window_queries import capturing_window_queries
 from certkv.presses.hajek_state import clear_states
@@ -47,7 +52,8 @@ class DecodingRun:
     ``prefill_kept``: the entries the prefill left (the context, unless the press compresses
     prefills too); ``stopped_at``: where a recompute trigger stopped the run (None: it finished);
     ``certificate_max``: the largest survey-variance certificate of the run's steps under certkv's
-    probabilistic decoding press (None under any other press).
+    probabilistic decoding press (None under any other press); ``certificates``: under that press,
+    per kept token the certificate of the forward that chose it (empty under any other press).
     """
 
     token_ids: list[int]
@@ -56,6 +62,7 @@ class DecodingRun:
     prefill_kept: float = 0.0
     stopped_at: int | None = None
     certificate_max: float | None = None
+    certificates: list[float] = field(default_factory=list)
 
 
 def is_decoding_press(press: Any) -> bool:
@@ -77,30 +84,36 @@ def run_decoding(
     max_new_tokens: int,
     stop_below: float | None = None,
     on_token: Callable[[list[int]], None] | None = None,
+    stop_above: float | None = None,
 ) -> DecodingRun:
     """Prefill `enc`'s context and decode its answer under `press`, as kvpress's pipeline does.
 
     Positions continue from the context's length (the pipeline's convention); the press's state
     (its buffers and step counts) is reset when each context manager exits, so runs are independent.
     `stop_below`: stop as soon as a generated token's probability falls below it (the recompute
-    gate's trigger); that token is not kept, and ``DecodingRun.stopped_at`` says where it stood.
+    gate's trigger); `stop_above`: stop as soon as the certificate of the forward that chose a
+    token exceeds it (the certificate recompute's trigger; certkv's probabilistic decoding press
+    only). The token that fires is not kept, and ``DecodingRun.stopped_at`` says where it stood.
     `on_token` is called with the answer so far after each token is kept (what a server streams).
     """
+    probabilistic = isinstance(press, ProbabilisticDecodingPress)
+    if stop_above is not None and not probabilistic:
+        raise ValueError(f"stop_above watches the probabilistic decoding press's certificate; {type(press).__name__} has none")
     context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)
     cache = DynamicCache()
-    held = press.entries_held if isinstance(press, ProbabilisticDecodingPress) else _entries_held
+    held = press.entries_held if probabilistic else _entries_held
     try:
         with torch.no_grad():
             with press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
                 model.model(input_ids=context, past_key_values=cache)
             run = DecodingRun(token_ids=[], prefill_kept=held(cache))
+            watch = _Watch(stop_below, stop_above, _StepCertificates(press, model) if probabilistic else None)
             with press(model):
-                _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, stop_below, held,
-                        on_token)
-                if isinstance(press, ProbabilisticDecodingPress):
+                _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, watch, held, on_token)
+                if probabilistic:
                     run.certificate_max = press.certificate_max(model)
     finally:
-        if isinstance(press, ProbabilisticDecodingPress):  # its Hájek states outlive its blocks
+        if probabilistic:  # its Hájek states outlive its blocks
             clear_states(model)
     return run
 
@@ -121,8 +134,8 @@ def finish_on_full_cache(model: PreTrainedModel, enc: EncodedRequest, prefix: li
     run = DecodingRun(token_ids=list(prefix), prefill_kept=float(context.shape[1]))
     with torch.no_grad():
         model.model(input_ids=context, past_key_values=cache)
-        _decode(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, None, _entries_held,
-                on_token)
+        _decode(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, _Watch(),
+                _entries_held, on_token)
     return run
 
 
@@ -131,21 +144,58 @@ def _entries_held(cache: DynamicCache) -> float:
     return sum(layer.keys.shape[-2] for layer in cache.layers) / len(cache.layers)
 
 
-def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, stop_below, held,
+@dataclass
+class _StepCertificates:
+    """Reads, after each forward under `press`, the certificate of the step it recorded: the
+    largest over the steps recorded since the last read (one per forward once the press has
+    sampled), 0 when none was (nothing sampled yet: the attention is exact)."""
+
+    press: ProbabilisticDecodingPress
+    model: PreTrainedModel
+    read: int = 0
+
+    def __call__(self) -> float:
+        new = self.press.certificates_since(self.model, self.read)
+        self.read += len(new)
+        return max(new, default=0.0)
+
+
+@dataclass
+class _Watch:
+    """What a decode checks per chosen token: its probability against `stop_below`, and the
+    certificate `certificate` reads against `stop_above` (None: that part off; `certificate`
+    also records the certificates when no bound is set)."""
+
+    stop_below: float | None = None
+    stop_above: float | None = None
+    certificate: Callable[[], float] | None = None
+
+    def stops(self, logprob: float, certificate: float | None) -> bool:
+        """Whether the token stops the run: certification's comparisons (:func:`fires`)."""
+        if self.stop_below is not None and self.stop_below > 0 and logprob < math.log(self.stop_below):
+            return True
+        return certificate is not None and self.stop_above is not None and bool(
+            fires("certificate_recompute", certificate, self.stop_above))
+
+
+def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, watch: _Watch, held,
             on_token: Callable[[list[int]], None] | None = None) -> None:
     """Greedy decoding into `run` by :func:`greedy_decode` (forward for forward as kvpress's
-    pipeline decodes), keeping per token its log p and the entries `held` counts in the cache after
-    the forward that chose it; a token whose probability is below `stop_below` ends the run
-    without it (``run.stopped_at``). `max_new_tokens` counts the tokens `run` already holds."""
-    floor = math.log(stop_below) if stop_below is not None and stop_below > 0 else -math.inf
+    pipeline decodes), keeping per token its log p, the entries `held` counts in the cache after
+    the forward that chose it and (`watch` reading them) its step's certificate; a token on which
+    `watch` fires ends the run without it (``run.stopped_at``). `max_new_tokens` counts the tokens
+    `run` already holds."""
 
     def keep(token: int, logprob: float) -> bool:
-        if logprob < floor:
+        certificate = watch.certificate() if watch.certificate is not None else None
+        if watch.stops(logprob, certificate):
             run.stopped_at = len(run.token_ids)
             return False
         run.token_ids.append(token)
         run.logprobs.append(logprob)
         run.held.append(held(cache))
+        if certificate is not None:
+            run.certificates.append(certificate)
         if on_token is not None:
             on_token(run.token_ids)
         return True

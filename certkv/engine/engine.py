@@ -82,6 +82,8 @@ class CandidateAnswer:
     ``confidence_min_agreeing``: the lowest token probability up to and including the first token
     where the answer departs from the full-KV answer (over all of it when it never does): a
     recompute gate that fires there restarts on the full cache before anything wrong was produced.
+    ``certificate_max_agreeing``: the same for the largest step certificate (``certificates``: per
+    token, certkv's probabilistic decoding press only).
     """
 
     policy: str
@@ -101,6 +103,8 @@ class CandidateAnswer:
     kv_time: float | None = None
     logprobs: list[float] | None = None
     confidence_min_agreeing: float | None = None
+    certificates: list[float] | None = None
+    certificate_max_agreeing: float | None = None
 
     def set_confidence(self, logprobs: Sequence[float] | None) -> None:
         """Record the answer's confidence signals from its per-token log p (None: not known)."""
@@ -117,6 +121,8 @@ class CandidateAnswer:
             diverged = min(len(self.token_ids), len(full_ids))  # a prefix of the other: the next token
         upto = self.logprobs[: diverged + 1]
         self.confidence_min_agreeing = answer_confidence(upto)[0] if upto else None
+        if self.certificates is not None:
+            self.certificate_max_agreeing = max(self.certificates[: diverged + 1], default=0.0)
 
     def set_lookahead(self, heads: list[float] | None) -> None:
         self.lookahead_heads = heads
@@ -451,6 +457,7 @@ class Engine:
         )
         answer.set_confidence(run.logprobs)
         answer.certificate_max = run.certificate_max  # certkv's probabilistic decoding press only
+        answer.certificates = run.certificates if run.certificate_max is not None else None
         cost = kv_cost(run.held, n_ctx, n_q)
         answer.kv_peak, answer.kv_time = cost.peak, cost.time
         return answer

@@ -19,7 +19,10 @@ decoded since the last event (the prefill's last context queries at the prefill)
 entry standing in for 1/π entries of the full cache weighs that much, so the product π ends up
 proportional to the entry's own attention, as at the prefill. The certificate each step records
 is the prefill press's (the linearised survey standard error, with the compound π): the largest
-over a generation is the candidate's ``certificate_max``, the gate signal.
+over a generation is the candidate's ``certificate_max``, the gate signal. It changes at every
+step (each forward's queries read the sampled entries differently), not only at events, so a
+trigger that watches it reads each step's as soon as it is decoded
+(:meth:`ProbabilisticDecodingPress.certificates_since`).
 
 Layout. Within each (batch row, KV head) the kept entries stay in ascending position (so "first"
 and "last" keep their meaning event after event), π = 1 entries and sampled ones interleaved: the
@@ -225,6 +228,18 @@ class ProbabilisticDecodingPress(BasePress):
         (0 when nothing was sampled), batch row 0 (the decode runs one request)."""
         rows = certificate_steps(model)
         return max(rows[0], default=0.0) if rows else 0.0
+
+    def certificates_since(self, model: PreTrainedModel, start: int) -> list[float]:
+        """The certificates of the steps recorded from step `start` on, oldest first, batch row 0.
+
+        A step is a forward under a sampled cache: none is recorded before the first event (a
+        press that does not compress the prefill holds the exact prompt until then), then one per
+        forward, the question's first. Reading after each forward computes that step's
+        certificate at once (a handful of kernel calls for all layers together) instead of in a
+        batch of pending steps: what a mid-generation trigger pays to decide before the next token.
+        """
+        rows = certificate_steps(model, start)
+        return list(rows[0]) if rows else []
 
 
 def slot_weights(state: HajekState | None, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:

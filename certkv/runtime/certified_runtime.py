@@ -198,10 +198,15 @@ class CertifiedRuntime:
         """The path the certified press answers through: its single prefill, kvpress's hooks, or a
         decode under a decoding-time press; a gate a path cannot apply is a one-line error."""
         assert self.press is not None  # only called for a point with a press
-        if self.gate.recompute is not None and not is_decoding_press(self.press):
+        if self.gate.restarts and not is_decoding_press(self.press):
             raise CertkvError(
                 f"the operating point's recompute gate restarts a generation mid-decode, which only a "
                 f"decoding-time press's path does; {self.policy!r} is not one"
+            )
+        if self.gate.certificate_recompute is not None and not isinstance(self.press, ProbabilisticDecodingPress):
+            raise CertkvError(
+                f"the operating point's certificate recompute gate reads each decoding step's certificate, which "
+                f"only certkv's probabilistic_decoding press records; {self.policy!r} does not use it"
             )
         if self.single_prefill:
             return SinglePrefillPath(model, self.press, self.gate, self.policy, self.stop_ids)

@@ -66,6 +66,8 @@ class Decision:
     confidence_min: float | None = None
     #: Lowest token probability up to the answer's first departure from the full-KV answer.
     confidence_min_agreeing: float | None = None
+    #: Largest step certificate up to the answer's first departure from the full-KV answer.
+    certificate_max_agreeing: float | None = None
     #: Mean log-probability of the evicted answer's tokens.
     logprob_mean: float | None = None
     #: Max over (layer, KV head) of lookahead_heads.

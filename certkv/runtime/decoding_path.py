@@ -15,6 +15,9 @@ The gate:
   (:func:`certkv.engine.decoding_run.finish_on_full_cache`). The decision says where
   (``recomputed_at``); certification counted such a request exactly as this runs it
   (:mod:`certkv.core.gated`).
+* ``certificate_recompute`` (bound b, certkv's probabilistic decoding press): the same restart at
+  the first token whose decoding step's survey-variance certificate is > b, read after each
+  forward as calibration read it.
 * a post-decode part (confidence; the certificate bound for certkv's probabilistic decoding
   press, whose run records its largest certificate) escalates the finished answer to the full cache.
 
@@ -63,7 +66,8 @@ class DecodingPath:
         runs: list[DecodingRun] = []
 
         def solo() -> tuple[list[int], list[float] | None]:
-            run = run_decoding(self.model, self.press, enc, max_new, stop_below=self.gate.recompute, on_token=job.tell)
+            run = run_decoding(self.model, self.press, enc, max_new, stop_below=self.gate.recompute, on_token=job.tell,
+                               stop_above=self.gate.certificate_recompute)
             runs.append(run)
             return run.token_ids, run.logprobs
 

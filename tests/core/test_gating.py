@@ -524,8 +524,8 @@ def test_certify_cli_on_a_csv_with_signals(gated_store, tmp_path, capsys):
     assert {"base_policy", "press_kwargs", "gate", "gated_share"} <= set(data)
     assert data["base_policy"] == data["policy"].split("+", 1)[0]
     assert set(data["gate"]) == {"agreement_drop", "certificate", "agreement_window", "agreement_top_k", "agreement_split",
-                                 "confidence", "lookahead", "learned", "learned_threshold", "recompute", "quantile",
-                                 "lookahead_tokens"}
+                                 "confidence", "lookahead", "learned", "learned_threshold", "recompute", "certificate_recompute",
+                                 "quantile", "lookahead_tokens"}
     assert 0 < data["gated_share"] < 1 and data["mean_kv_retained"] > data["kv_retained"]
     assert all("gated_share" in c for c in data["candidates"])
     assert "gated" in printed and "δ split over 9 sequences" in printed

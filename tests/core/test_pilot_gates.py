@@ -574,7 +574,7 @@ def test_report_command_on_a_pilot_store(pilot_store, tmp_path, capsys):
         ({"pilot_kind": "confidence", "quantile": 1.5}, "strictly between 0 and 1, got 1.5"),
         ({"pilot_kind": "lookahead", "quantile": 0.0}, "strictly between 0 and 1, got 0.0"),
         ({"pilot_kind": "nope", "quantile": 0.2},
-         "pilot_kind: Input should be 'confidence', 'lookahead', 'learned' or 'recompute'"),
+         "pilot_kind: Input should be 'confidence', 'lookahead', 'learned', 'recompute' or 'certificate_recompute'"),
         ({}, "pilot_gate needs pilot_kind"),
     ],
 )

@@ -127,3 +127,62 @@ def test_registry_names_it_a_certified_decoding_press():
         registry.build_press("probabilistic_decoding", 0.6, {"compression_interval": 0})
     with pytest.raises(ValueError, match="compress_prefill"):
         ProbabilisticDecodingPress(compress_prefill="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("compress_prefill", [True, False])
+def test_each_token_carries_its_step_certificate_and_a_bound_stops_before_it(embedded_recite, compress_prefill):
+    """run_decoding reads each step's certificate as its token is chosen: the numbers a decode under
+    the press that nobody watches reduces once at the end, one per token, 0 before the press first
+    samples (without compress_prefill the prompt is held whole until the event at the 4th forward).
+    stop_above stops at the first token whose certificate exceeds it, keeping exactly those before."""
+    from contextlib import nullcontext
+
+    from transformers import DynamicCache
+
+    from certkv.engine.decoding_run import compresses_prefill, run_decoding
+    from certkv.model.generation import greedy_decode
+    from certkv.model.window_queries import capturing_window_queries
+    from certkv.presses.hajek_attention import certificate_steps
+    from certkv.presses.hajek_state import clear_states
+    from certkv.presses.probabilistic_decoding import ProbabilisticDecodingPress
+
+    model, _ = embedded_recite
+    enc = _recite(embedded_recite, 1)[0]
+    press = ProbabilisticDecodingPress(compression_ratio=0.5, compression_interval=4, seed=1,
+                                       compress_prefill=compress_prefill)
+    run = run_decoding(model, press, enc, 40)
+    cache = DynamicCache()
+    try:
+        with torch.no_grad():
+            with press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
+                model.model(input_ids=torch.tensor([enc.context_ids]), past_key_values=cache)
+            with press(model):
+                ids = greedy_decode(model, cache, enc.question_ids, len(enc.context_ids), 40)
+                steps = certificate_steps(model)[0]
+    finally:
+        clear_states(model)
+    assert ids == run.token_ids and len(run.certificates) == len(ids)
+    unsampled = 0 if compress_prefill else 4
+    assert len(steps) == len(ids) - unsampled and all(c > 0 for c in steps)
+    assert run.certificates == pytest.approx([0.0] * unsampled + steps, rel=1e-5, abs=1e-7)
+    assert run.certificate_max == max(run.certificates)
+    # a bound between the running maximum and the last new record: the first token over it is that
+    # record (the question's forward, max over its positions, may hold the largest one: then token 0)
+    records = [t for t, c in enumerate(run.certificates) if c > max(run.certificates[:t], default=0.0)]
+    k = records[-1]
+    assert k >= unsampled
+    bound = (max(run.certificates[:k], default=0.0) + run.certificates[k]) / 2
+    stopped = run_decoding(model, press, enc, 40, stop_above=bound)
+    assert stopped.stopped_at == k and stopped.token_ids == run.token_ids[:k]
+    assert stopped.certificates == run.certificates[:k] and stopped.logprobs == run.logprobs[:k]
+    assert run_decoding(model, press, enc, 40, stop_above=run.certificate_max).stopped_at is None
+
+
+def test_only_the_probabilistic_press_has_a_certificate_to_stop_on(embedded_recite):
+    from certkv.engine.decoding_run import run_decoding
+    from certkv.presses.registry import build_press
+
+    model, _ = embedded_recite
+    press = build_press("compression_ratio_decoding", 0.6, {"base_press": "knorm", "compression_interval": 4})
+    with pytest.raises(ValueError, match="stop_above watches the probabilistic decoding press's certificate"):
+        run_decoding(model, press, _recite(embedded_recite, 1)[0], 8, stop_above=0.1)
