@@ -71,8 +71,8 @@ class DecodingCompression:
     the steps since the last event (every layer compresses at the same steps); `buffer` holds per
     layer the buffered steps' inputs, a list of (1, tokens, hidden) tensors, at most the press's
     ``hidden_states_buffer_size`` of them; `pending` a forward's inputs until :meth:`confirm`.
-    `events` counts the compressions so far; `every_step`: the press's target is a single token,
-    so kvpress compresses at every step.
+    `events` counts the compressions so far; `every_step`: the press's target at the next token's
+    position is a single token, so kvpress compresses at that step whatever its count.
     """
 
     press: DecodingPress
@@ -106,8 +106,8 @@ class DecodingCompression:
         if question:
             steps = {i: [h[:, :confirmed]] for i, h in pending.items()}
             last = first_position + confirmed - 1
-            # kvpress's second trigger, a step feeding at least the target; a token step does when
-            # the target is one token, from the first step on (the target never shrinks as tokens come)
+            # kvpress's second trigger, a step feeding at least the target: a token step does while
+            # the target at its position is one token (re-read after every step: it grows with them)
             self.every_step = self._target(last + 1) <= 1
             event = self.steps + 1 >= self.press.compression_interval or confirmed >= self._target(last)
             event_positions = list(range(first_position, first_position + confirmed))
@@ -117,6 +117,7 @@ class DecodingCompression:
                 raise RuntimeError("a forward ran past its row's compression event; feed at most room() tokens")
             event = self.every_step or self.steps + confirmed >= self.press.compression_interval
             event_positions = [first_position + confirmed - 1]
+            self.every_step = self._target(first_position + confirmed) <= 1
         n_steps = len(next(iter(steps.values()), [None]))
         if not event:
             for i, layer_steps in steps.items():
@@ -134,12 +135,18 @@ class DecodingCompression:
         return int(self.press._resolve_target_size({"position_ids": torch.tensor([[last_position]])}))
 
     def _trimmed(self, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The last ``hidden_states_buffer_size`` of `steps` (none when it is 0), as kvpress trims
+        its buffer after every step; each step's inputs are (1, tokens, hidden)."""
         size = self.press.hidden_states_buffer_size
         return steps[-size:] if size > 0 else []
 
     def _compress(self, model: PreTrainedModel, layers: Sequence[CompressibleLayer], positions: list[int]) -> None:
-        """Every layer through the press's ``compress``, on the buffer of the steps since the last
-        event, with the event step's `positions` (their ids and rotary embeddings), then a fresh buffer."""
+        """Every layer through the press's ``compress``, then a fresh buffer.
+
+        Each layer's scorer gets the buffered steps' inputs concatenated, (1, tokens, hidden), the
+        layer's keys and values (1, H_kv, n, d), and the event step's `positions` as kvpress's hook
+        sees them: ``position_ids`` (1, steps) and their rotary embeddings, each (1, steps, head_dim).
+        """
         from certkv.model.layers import attention_modules, decoder
 
         position_ids = torch.tensor([positions], device=model.device)

@@ -25,7 +25,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvpress import PrefillDecodingPress, StreamingLLMPress, TOVAPress
+from kvpress import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress, TOVAPress
 from transformers import DynamicCache
 
 from certkv.engine.decoding_compression import DecodingCompression, decoding_press_of
@@ -43,15 +43,20 @@ if TYPE_CHECKING:
 #: Scorers whose decoding-time choices survive a batched or chunked forward (module docstring).
 ROUNDING_SAFE_SCORERS = (StreamingLLMPress, TOVAPress)
 
+#: The kvpress decoding presses whose books :class:`DecodingCompression` keeps. Exact types: a
+#: subclass (CAM's merging press, say) keeps books of its own in its hook.
+BOOKKEPT_DECODING_PRESSES = (DecodingPress, CompressionRatioDecodingPress)
+
 
 def batchable_decoding_press(press: Any) -> bool:
-    """Whether `press` is a kvpress decoding press (alone or behind ``PrefillDecodingPress``) whose
-    scorer's choices do not hinge on float rounding, so it decodes as a row of a ragged batch."""
-    inner = decoding_press_of(press)
-    if inner is None or not isinstance(inner.base_press, ROUNDING_SAFE_SCORERS):
+    """Whether `press` is one of kvpress's decoding presses (alone or as the decoding half of a
+    ``PrefillDecodingPress``, whose prefill runs kvpress's own hook) with a scorer whose choices do
+    not hinge on float rounding, so it decodes as a row of a ragged batch. Types are matched
+    exactly: a subclass may compress differently."""
+    if type(press) not in (*BOOKKEPT_DECODING_PRESSES, PrefillDecodingPress):
         return False
-    return not isinstance(press, PrefillDecodingPress) or press.prefilling_press is None or isinstance(
-        press.prefilling_press, ROUNDING_SAFE_SCORERS)
+    inner = decoding_press_of(press)
+    return inner is not None and type(inner) in BOOKKEPT_DECODING_PRESSES and type(inner.base_press) in ROUNDING_SAFE_SCORERS
 
 
 def prefilled_row(model: PreTrainedModel, press: Any, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],
@@ -102,4 +107,5 @@ def run_of(row: Row, prefill_kept: float) -> DecodingRun:
                        prefill_kept=prefill_kept)
 
 
-__all__ = ["ROUNDING_SAFE_SCORERS", "batchable_decoding_press", "decode_rows", "prefilled_row", "run_of"]
+__all__ = ["BOOKKEPT_DECODING_PRESSES", "ROUNDING_SAFE_SCORERS", "batchable_decoding_press", "decode_rows", "prefilled_row",
+           "run_of"]

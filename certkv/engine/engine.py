@@ -6,7 +6,7 @@ decoded together (:mod:`certkv.engine.batched_decode`). Decoding-time presses wh
 a batched forward decode together as rows drafted by the full answer (:mod:`certkv.engine.decoding_rows`);
 any other press (wrappers, threshold presses, the rest of the decoding-time ones) runs through
 kvpress's own context manager with a prefill of its own. Both are labelled ``path="pipeline"`` in
-the records: each answer is its own generation, timed on its own.
+the records: each answer is its own generation (a drafted row's seconds are its batch's, shared evenly).
 """
 
 from __future__ import annotations
@@ -465,16 +465,24 @@ class Engine:
     def _decoding_rows_answers(self, full, enc: EncodedRequest, draft: list[int], answers: dict) -> None:
         """The batchable decoding-time candidates' answers into `answers`, decoded together as rows
         drafted by the full answer (:mod:`certkv.engine.decoding_rows`); `full` is the request's full
-        prefill, whose context entries the candidates that do not compress prefills start from."""
+        prefill, whose context entries the candidates that do not compress prefills start from.
+
+        A row is allocated at most its whole prompt and answer, so the rows decoded at once are
+        capped by `max_batch_bytes` as the fast path's batches are; each row's time is its batch's
+        shared evenly (a row is not timed on its own)."""
         if not self.decoding_rows:
             return
-        t0 = time.perf_counter()
-        rows = [prefilled_row(self.model, c.press, enc, self.max_new_tokens, self.stop_ids, full=full, draft=draft)
-                for c in self.decoding_rows]
-        decode_rows(self.model, [row for row, _ in rows])
-        seconds = (time.perf_counter() - t0) / len(rows)  # the batch's time, shared evenly
-        for c, (row, kept) in zip(self.decoding_rows, rows):
-            answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
+        per_row = _bytes_per_token(full) * (len(enc.context_ids) + len(enc.question_ids) + self.max_new_tokens + 1)
+        size = max(1, self.max_batch_bytes // max(1, per_row))
+        for start in range(0, len(self.decoding_rows), size):
+            group = self.decoding_rows[start : start + size]
+            t0 = time.perf_counter()
+            rows = [prefilled_row(self.model, c.press, enc, self.max_new_tokens, self.stop_ids, full=full, draft=draft)
+                    for c in group]
+            decode_rows(self.model, [row for row, _ in rows])
+            seconds = (time.perf_counter() - t0) / len(rows)
+            for c, (row, kept) in zip(group, rows):
+                answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
 
     def _run_decoding(self, c: PressCandidate, enc: EncodedRequest) -> CandidateAnswer:
         """A decoding-time press's own generation (:func:`certkv.engine.decoding_run.run_decoding`);

@@ -1,0 +1,110 @@
+"""kvpress's decoding-press books as certkv keeps them per row (certkv/engine/decoding_compression.py):
+what the scorer is handed at each compression event — its layer, the buffered hidden states, the
+cache — and when, against kvpress's own hook decoding one token a forward. The scorer here records
+its inputs, so buffer sizes and intervals that StreamingLLM and TOVA would not notice are checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+MAX_NEW = 40
+
+
+def _recording_scorer(name: str = "StreamingLLMPress"):
+    import kvpress
+
+    @dataclass
+    class Recording(getattr(kvpress, name)):  # type: ignore[misc]
+        """The scorer, noting per call the layer, the buffered hidden states' shape and sum, the
+        cache length it was handed and the last position seen."""
+
+        calls: list = field(default_factory=list)
+
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            self.calls.append((module.layer_idx, tuple(hidden_states.shape), float(hidden_states.sum()), keys.shape[2],
+                               int(kwargs["position_ids"].max())))
+            return super().score(module, hidden_states, keys, values, attentions, kwargs)
+
+    return Recording
+
+
+@pytest.fixture(scope="module")
+def request_(embedded_recite):
+    from certkv.model.generation import encode_request
+    from certkv.requests.request_set import generate_requests
+
+    _, tokenizer = embedded_recite
+    (r,) = generate_requests("recite", 1, seed=5)
+    return encode_request(tokenizer, r.context, r.question, r.answer_prefix)
+
+
+def _both(model, enc, make_press):
+    """The scorer's calls and the run under kvpress's hooks, then as a drafted, chunked row."""
+    from certkv.engine.decoding_rows import decode_rows, prefilled_row
+    from certkv.engine.decoding_run import run_decoding
+    from certkv.model.generation import stop_token_ids
+
+    alone_press = make_press()
+    alone = run_decoding(model, alone_press, enc, MAX_NEW)
+    row_press = make_press()
+    row, _ = prefilled_row(model, row_press, enc, MAX_NEW, stop_token_ids(model), draft=alone.token_ids)
+    decode_rows(model, [row])
+    return alone_press.base_press.calls, alone, row_press.base_press.calls, row
+
+
+@pytest.mark.parametrize(("interval", "buffer"), [(1, 0), (3, 1), (5, 2), (8, 256)])
+def test_the_scorer_is_handed_what_kvpress_hands_it(embedded_recite, request_, interval, buffer):
+    from kvpress import CompressionRatioDecodingPress
+
+    model, _ = embedded_recite
+    scorer = _recording_scorer()
+
+    def make():
+        return CompressionRatioDecodingPress(scorer(), target_compression_ratio=0.4, compression_interval=interval,
+                                             hidden_states_buffer_size=buffer)
+
+    want, alone, got, row = _both(model, request_, make)
+    assert row.answer == alone.token_ids and row.held == pytest.approx(alone.held)
+    assert len(want) >= 2  # an event that evicted: one call per layer
+    assert [c[:2] + c[3:] for c in got] == [c[:2] + c[3:] for c in want]
+    assert [c[2] for c in got] == pytest.approx([c[2] for c in want], rel=1e-4, abs=1e-3)
+
+
+def test_a_one_token_target_compresses_every_step_until_it_grows(embedded_recite, request_):
+    """kvpress also compresses at a step feeding at least the target: while the ratio's target is one
+    token, every step; from the step it reaches two, every interval again."""
+    from kvpress import CompressionRatioDecodingPress
+
+    model, _ = embedded_recite
+    seen = len(request_.context_ids) + len(request_.question_ids)
+    ratio = 1 - 2 / (seen + 12)  # the target reaches two tokens at the 12th answer token
+    scorer = _recording_scorer("TOVAPress")  # StreamingLLM needs more entries than its 4 sinks
+    want, alone, got, row = _both(model, request_, lambda: CompressionRatioDecodingPress(
+        scorer(), target_compression_ratio=ratio, compression_interval=8))
+    assert row.answer == alone.token_ids and row.held == pytest.approx(alone.held)
+    assert [c[3:] for c in got] == [c[3:] for c in want]
+    held = alone.held
+    assert held[5] == held[6] == 1 and max(held[15:]) > 2  # compressed at every step, then not
+
+
+def test_only_presses_whose_books_certkv_keeps_decode_as_rows():
+    """A subclass of kvpress's decoding press keeps books of its own in its hook (CAM merges what it
+    evicts), so it decodes alone; the prefilling half of the wrapper may be any press."""
+    from kvpress import (
+        CAMPress,
+        CompressionRatioDecodingPress,
+        PrefillDecodingPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
+
+    from certkv.engine.decoding_rows import batchable_decoding_press
+
+    assert not batchable_decoding_press(CAMPress(StreamingLLMPress()))
+    tova = CompressionRatioDecodingPress(TOVAPress(), target_compression_ratio=0.5, compression_interval=8)
+    assert batchable_decoding_press(tova)
+    assert batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5), decoding_press=tova))
+    assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5)))
