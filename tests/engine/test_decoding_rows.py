@@ -74,7 +74,7 @@ def test_batchable_presses_decode_as_alone(embedded_recite, requests):
             assert row.answer == alone.token_ids, name
             assert row.held == pytest.approx(alone.held), name
             assert kept == pytest.approx(alone.prefill_kept), name
-            assert row.logprobs == pytest.approx(alone.logprobs, abs=1e-4), name
+            assert row.logprobs == pytest.approx(alone.logprobs, abs=1e-3), name
             events += row.compression.events
         # drafted chunks: far fewer forwards than tokens
         assert forwards < max(len(row.answer) for row, _ in rows.values())
