@@ -103,3 +103,39 @@ def test_a_forward_cannot_run_past_an_event(embedded_recite, requests):
     assert books.room() == 3
     with pytest.raises(RuntimeError, match="past its row's compression event"):
         books.confirm(model, row.cache.layers, 4, row.position + 20, question=False)
+
+
+def test_a_row_gives_slots_back_and_never_outgrows_its_first_allocation(embedded_recite, requests):
+    """Each compression event cuts the row's buffers to what it can still need; the first
+    allocation (its decode's peak) is never outgrown, and it matches the bound worked out by hand."""
+    from certkv.engine.decoding_rows import prefilled_row, row_slots
+    from certkv.engine.ragged_decode import RaggedBatch
+    from certkv.model.generation import stop_token_ids
+
+    model, _ = embedded_recite
+    enc, max_new = requests[0], 32
+    n, q = len(enc.context_ids), len(enc.question_ids)
+    # by hand: a ratio press keeps half of what it has seen at each event, every 8 steps
+    # (question = one step): grows to n+q+7, then at most the target at the longest answer + 8
+    hand = {"streaming@0.5/8": min(n + q + max_new, max(n + q + 7, int((n + q + max_new) * 0.5) + 8)),
+            # a fixed target of 12 below the question's length: compressed at the question's forward
+            "streaming/target12/3": min(n + q + max_new, max(n + q, 12 + 3))}
+    presses = {name: p for name, p in _presses().items() if name in hand}
+    rows = {name: prefilled_row(model, p, enc, max_new, stop_token_ids(model))[0] for name, p in presses.items()}
+    batch = RaggedBatch(model)
+    slots, layers = {}, model.config.num_hidden_layers
+    for name, row in rows.items():
+        assert row.cache.slots == hand[name], name
+        assert row_slots(model, presses[name], enc, max_new) == hand[name] + -(-max(n, hand[name]) // layers)
+        batch.add(row)
+        slots[name] = [row.cache.slots]
+    while batch.rows:
+        batch.step()
+        for name, row in rows.items():
+            slots[name].append(row.cache.slots)
+    for name, row in rows.items():
+        seen = slots[name]
+        assert all(b <= a for a, b in zip(seen, seen[1:])), name  # never grown
+        assert max(row.held) <= seen[0], name
+        assert seen[-1] < seen[0], name  # slots given back
+        assert row.compression.events > 1, name
