@@ -202,19 +202,17 @@ class Row:
         return [self.answer[-1], *self._propose(budget)], self.position + len(self.question_ids) + len(self.answer) - 1
 
     def most_held(self) -> list[int]:
-        """Per layer, the most entries the cache may hold from now to the answer's end
-        (:meth:`~certkv.engine.decoding_compression.DecodingCompression.most_held`; without a
-        decoding-time press, what it holds plus every token still to feed)."""
+        """Per layer, the most entries the cache of a row under a decoding-time press may hold from
+        now to the answer's end (:meth:`~certkv.engine.decoding_compression.DecodingCompression.most_held`)."""
+        books = self.compression
+        if books is None:
+            raise ValueError("only a row under a decoding-time press shrinks; this one only grows")
+        if not self.answer:
+            return [books.first_peak(layer.length, len(self.question_ids), self.max_new_tokens, self.position)
+                    for layer in self.cache.layers]
         to_feed = self.max_new_tokens - len(self.answer) + 1
-        if not self.answer:
-            to_feed += len(self.question_ids) - 1
-        if self.compression is None:
-            return [layer.length + to_feed for layer in self.cache.layers]
-        if not self.answer:
-            return [self.compression.first_peak(layer.length, len(self.question_ids), self.max_new_tokens,
-                                                self.position) for layer in self.cache.layers]
         last = self.position + len(self.question_ids) + self.max_new_tokens - 1
-        return [self.compression.most_held(layer.length, to_feed, last) for layer in self.cache.layers]
+        return [books.most_held(layer.length, to_feed, last) for layer in self.cache.layers]
 
     def give_back(self) -> None:
         """Cut each layer's buffers to :meth:`most_held` (after a compression event: the press's
