@@ -52,8 +52,9 @@ def test_batchable_presses_decode_as_alone(embedded_recite, requests):
     import torch
     from transformers import DynamicCache
 
-    from certkv.engine.decoding_rows import batchable_decoding_press, decode_rows, prefilled_row
+    from certkv.engine.decoding_rows import batchable_decoding_press, prefilled_row
     from certkv.engine.decoding_run import run_decoding
+    from certkv.engine.ragged_decode import RaggedBatch
     from certkv.model.generation import greedy_decode, stop_token_ids
 
     model, _ = embedded_recite
@@ -67,8 +68,17 @@ def test_batchable_presses_decode_as_alone(embedded_recite, requests):
         draft = greedy_decode(model, full, enc.question_ids, len(enc.context_ids), MAX_NEW)
         full.crop(len(enc.context_ids))
         rows = {name: prefilled_row(model, p, enc, MAX_NEW, stops, full=full, draft=draft) for name, p in presses.items()}
-        forwards = decode_rows(model, [row for row, _ in rows.values()])
+        batch, slots, forwards = RaggedBatch(model), {name: [row.cache.slots] for name, (row, _) in rows.items()}, 0
+        for row, _ in rows.values():
+            batch.add(row)
+        while batch.rows:
+            batch.step()
+            forwards += 1
+            for name, (row, _) in rows.items():
+                slots[name].append(row.cache.slots)
         for name, press in presses.items():
+            # its first allocation (its decode's peak) never outgrown, cut at events
+            assert all(b <= a for a, b in zip(slots[name], slots[name][1:])), name
             alone = run_decoding(model, press, enc, MAX_NEW)
             row, kept = rows[name]
             assert row.answer == alone.token_ids, name
