@@ -197,11 +197,13 @@ def test_a_live_request_preempts_a_decoding_shadow(embedded, requests):
 DECODING_KWARGS = {"base_press": "streaming_llm", "compression_interval": 8}
 
 
-def test_a_decoding_time_point_decodes_in_the_batch_and_gives_slots_back(embedded_recite):
+@pytest.mark.parametrize("prompt_lookup", [True, False], ids=["lookup", "no_lookup"])
+def test_a_decoding_time_point_decodes_in_the_batch_and_gives_slots_back(embedded_recite, prompt_lookup):
     """A batchable decoding-time point (StreamingLLM keeping half of what it has seen, every 8
     steps): its requests decode as rows of one batch, with the in-process runtime's answers and
     held KV; each reserves its decode's peak, and the budget lets the third in only once the rows
-    in flight have given slots back at a compression event (no request has finished by then)."""
+    in flight have given slots back at a compression event (no request has finished by then).
+    Without prompt lookup (``--no-prompt-lookup``) a row feeds one token a forward: the same answers."""
     from certkv.engine.decoding_rows import row_slots
     from certkv.model.generation import encode_request
     from certkv.requests.request_set import generate_requests
@@ -220,7 +222,7 @@ def test_a_decoding_time_point_decodes_in_the_batch_and_gives_slots_back(embedde
     assert all(c < r < prefill_slots(runtime.model, e, 48) for c, r, e in zip(first, reserved, encs))
     budget = first[0] + first[1] + reserved[2] - 1  # the third fits only once the others hold less
     assert reserved[1] + first[0] <= budget
-    scheduler = Scheduler(runtime.model, budget)
+    scheduler = Scheduler(runtime.model, budget, prompt_lookup=prompt_lookup)
     futures, admitted = [], []
 
     def noted_on_admission(steps):
@@ -246,7 +248,8 @@ def test_a_decoding_time_point_decodes_in_the_batch_and_gives_slots_back(embedde
         a, b = want.decision, got.decision
         assert (b.mode, b.reason, b.kv_retained_actual) == ("evicted", None, a.kv_retained_actual)
         assert b.confidence_min == pytest.approx(a.confidence_min, rel=1e-4)
-    assert scheduler.peak_rows >= 2 and scheduler.steps < max(len(a.token_ids) for a in alone)
+    longest = max(len(a.token_ids) for a in alone)
+    assert scheduler.peak_rows >= 2 and (scheduler.steps < longest if prompt_lookup else scheduler.steps >= longest)
     given_back, finished = admitted[0]
     assert given_back > 0 and finished == 0, admitted
     assert 0 < scheduler.peak_kv <= budget
