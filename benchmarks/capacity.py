@@ -223,6 +223,7 @@ class Server:
             "mean_kv_retained": statistics.fmean(r["decision"]["kv_retained_actual"] for r in ok) if ok else None,
             "decisions": dict(sorted(modes.items())),
             "kv_peak": kv["peak"], "max_batch": kv["max_batch"], "decode_steps": kv["decode_steps"],
+            "given_back": kv.get("given_back", 0.0),
             "tokens_per_decode_step": (sum(r["tokens"] for r in ok) / kv["decode_steps"]) if kv["decode_steps"] else None,
             "server_cpu_per_wall_s": sum(rep["server_cpu"] for rep in self.repeats) / wall,
             "client_cpu_per_wall_s": sum(rep["client_cpu"] for rep in self.repeats) / wall,

@@ -14,9 +14,11 @@ all ungated (fixed, outside any certificate: the benchmark measures when tokens 
   prefills (certkv's pipeline path), then batched and decoded plainly greedy, as kvpress's pipeline
   decodes: one token per batched step;
 * ``decoding``: kvpress's ``CompressionRatioDecodingPress`` (StreamingLLM scorer, every 8 steps to
-  80% of the tokens seen), decoded alone under the press, one token per forward, as calibrated;
+  80% of the tokens seen), decoded as a row of the batch (its scorer's choices survive a batched
+  forward), with prompt-lookup proposals up to each compression event: at most 8 tokens a forward;
 * ``decoding_recompute``: the same press behind the recompute gate (p < 0.3 restarts on the full
-  cache, announced in the stream): gated, reported beside, not part of the target;
+  cache, announced in the stream), decoded alone under the press, one token per forward, as
+  calibrated: gated, reported beside, not part of the target;
 * ``full_no_lookup``, ``snapkv_half_no_lookup``: ``full`` and ``snapkv_half`` served with
   ``--no-prompt-lookup``: one token per batched step, as an answer that copies nothing decodes.
 

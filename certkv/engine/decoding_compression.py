@@ -130,6 +130,41 @@ class DecodingCompression:
         self._compress(model, layers, event_positions)
         return True
 
+    def most_held(self, length: int, to_feed: int, last_position: int, to_event: int | None = None,
+                  interval: int | None = None) -> int:
+        """The most entries a layer holding `length` now may hold from here to the answer's end.
+
+        `to_feed`: the most tokens the row may still feed (each token step one; a forward's
+        rejected proposals are fed before they are cropped, so count one more than the answer's
+        tokens left); `last_position`: the position of the last token it could feed; `to_event`:
+        tokens fed before the next event (default :meth:`room`); `interval`: the most steps between
+        two events (default the press's). Until that event the layer grows by what is fed; an event
+        cuts it to the press's target (kvpress keeps exactly the target, or all when fewer), after
+        which it grows by at most one interval before the next. Targets never shrink as positions grow, so the bound is
+
+            min(length + to_feed, max(length + min(to_event, to_feed), target(last_position) + interval))
+
+        — for ``CompressionRatioDecodingPress`` the target at the longest answer plus one interval,
+        for ``DecodingPress`` its ``target_size`` plus one interval, unless the answer ends first.
+        """
+        if interval is None:  # a one-token target compresses every step only until it grows: not one
+            interval = self.press.compression_interval
+        to_event = self.room() if to_event is None else to_event
+        grown = length + min(to_event, to_feed)
+        return min(length + to_feed, max(grown, self._target(last_position) + interval))
+
+    def first_peak(self, prefill_kept: int, question: int, max_new_tokens: int, position: int) -> int:
+        """:meth:`most_held` before the question is fed: a layer holding `prefill_kept` entries,
+        a question of `question` tokens fed from `position` (one step, an event when it reaches the
+        target or the interval is one step), then up to `max_new_tokens` answer tokens (books as
+        :meth:`confirm` keeps them)."""
+        last_question, every = position + question - 1, self.press.compression_interval
+        at_question = every <= 1 or question >= self._target(last_question)
+        to_event = question if at_question else question + every - 1
+        interval = max(1, every)
+        last = position + question + max_new_tokens - 1
+        return self.most_held(prefill_kept, question + max_new_tokens, last, to_event=to_event, interval=interval)
+
     def _target(self, last_position: int) -> int:
         """The press's target size when the last token seen sits at `last_position`."""
         return int(self.press._resolve_target_size({"position_ids": torch.tensor([[last_position]])}))

@@ -21,11 +21,13 @@ when fed token by token). Those presses, and certkv's probabilistic decoding pre
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from kvpress import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress, TOVAPress
+from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 
 from certkv.engine.decoding_compression import DecodingCompression, decoding_press_of
@@ -72,21 +74,62 @@ def prefilled_row(model: PreTrainedModel, press: Any, enc: EncodedRequest, max_n
     proposed while the answer follows it, prompt lookup after (`lookup`).
     """
     n_ctx = len(enc.context_ids)
-    room = len(enc.question_ids) + max_new_tokens + 1
+    inner = decoding_press_of(press)
+    books = DecodingCompression(inner) if inner is not None else None
     if full is not None and not compresses_prefill(press):
+        room = _room(books, n_ctx, enc, max_new_tokens)
         cache = RowCache([gather_layer(layer.keys, layer.values, None, n_ctx, room) for layer in full.layers])
     else:
         own = DynamicCache()
         context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)
         with torch.no_grad(), press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
             model.model(input_ids=context, past_key_values=own)
-        cache = gather_row(own, [None] * len(own.layers), max(layer.keys.shape[2] for layer in own.layers), room)
-    inner = decoding_press_of(press)
+        kept_max = max(layer.keys.shape[2] for layer in own.layers)
+        cache = gather_row(own, [None] * len(own.layers), kept_max, _room(books, kept_max, enc, max_new_tokens))
     row = Row(cache, list(enc.question_ids), n_ctx, max_new_tokens, stop_ids,
               lookup_ids=list(enc.context_ids) if lookup else None, want_logprobs=True, draft=draft,
-              compression=DecodingCompression(inner) if inner is not None else None)
+              compression=books)
     kept = sum(layer.length for layer in cache.layers) / len(cache.layers)
     return row, kept
+
+
+def _room(books: DecodingCompression | None, kept: int, enc: EncodedRequest, max_new_tokens: int) -> int:
+    """Free slots a row of `kept` prefill entries is allocated: up to its decode's peak
+    (:meth:`~certkv.engine.decoding_compression.DecodingCompression.first_peak`), not the whole
+    question and answer (one more slot: a forward's rejected proposals sit there until cropped)."""
+    room = len(enc.question_ids) + max_new_tokens + 1
+    if books is None:
+        return room
+    return min(room, books.first_peak(kept, len(enc.question_ids), max_new_tokens, len(enc.context_ids)) - kept)
+
+
+def prefill_kept(press: Any, n_ctx: int) -> int:
+    """The entries per layer a prefill of `n_ctx` context tokens leaves under a batchable `press`
+    (:func:`batchable_decoding_press`): all of them, unless its prefilling half (a kvpress scorer)
+    keeps its share."""
+    if isinstance(press, PrefillDecodingPress) and press.prefilling_press is not None:
+        return compute_n_kept(n_ctx, press.prefilling_press.compression_ratio)
+    return n_ctx
+
+
+def row_slots(model: PreTrainedModel, press: Any, enc: EncodedRequest, max_new_tokens: int) -> int:
+    """The token slots one request under a batchable `press` holds at its peak, from its prefill
+    to its answer's end: what ``certkv serve`` reserves for it before the prefill.
+
+    The row is allocated its decode's peak, c = :meth:`~certkv.engine.decoding_compression.
+    DecodingCompression.first_peak` of the prefill's kept entries k (kvpress's prefill: a
+    prefilling press cuts each layer to k as soon as the layer is computed). Before that, the
+    prefill holds the kept layers and one full layer of n context entries; then it is copied into
+    the row's buffers one layer at a time, each source layer freed as it is copied. Either way
+    at most c + max(n, c) / L slots (L layers): c plus one layer's worth.
+    """
+    n_ctx, question = len(enc.context_ids), len(enc.question_ids)
+    kept = prefill_kept(press, n_ctx)
+    inner = decoding_press_of(press)
+    peak = kept + question + max_new_tokens + 1
+    if inner is not None:
+        peak = min(peak, DecodingCompression(inner).first_peak(kept, question, max_new_tokens, n_ctx))
+    return peak + math.ceil(max(n_ctx, peak) / model.config.num_hidden_layers)
 
 
 def decode_rows(model: PreTrainedModel, rows: Sequence[Row]) -> int:
@@ -107,5 +150,5 @@ def run_of(row: Row, prefill_kept: float) -> DecodingRun:
                        prefill_kept=prefill_kept)
 
 
-__all__ = ["BOOKKEPT_DECODING_PRESSES", "ROUNDING_SAFE_SCORERS", "batchable_decoding_press", "decode_rows", "prefilled_row",
-           "run_of"]
+__all__ = ["BOOKKEPT_DECODING_PRESSES", "ROUNDING_SAFE_SCORERS", "batchable_decoding_press", "decode_rows", "prefill_kept",
+           "prefilled_row", "row_slots", "run_of"]

@@ -90,6 +90,14 @@ class RowLayer:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def fit(self, capacity: int) -> None:
+        """Cut the buffers down to `capacity` slots (never below the filled ones), freeing the rest:
+        a row whose decoding-time press compressed gives back what it can no longer need."""
+        capacity = max(capacity, self.length)
+        if capacity < self.capacity:
+            self._keys = self._keys[:, :, :capacity].clone()
+            self._values = self._values[:, :, :capacity].clone()
+
     def keep(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold only `keys` / `values` (1, H_kv, n, d), a decoding-time press's choice among the
         filled entries (:mod:`certkv.engine.decoding_compression`), at the front of the buffers."""
@@ -174,6 +182,11 @@ class Row:
         if self.lookup_ids is not None:
             self._lookup = PromptLookup(list(self.lookup_ids) + list(self.question_ids))
 
+    def plain(self) -> None:
+        """Decode plainly greedy from now on: no prompt-lookup proposals (the same answer, one
+        token a forward)."""
+        self.lookup_ids, self._lookup = None, None
+
     @property
     def done(self) -> bool:
         """Whether the row's answer is complete (the decoders' shared rule)."""
@@ -187,6 +200,25 @@ class Row:
         if self.compression is not None:
             budget = min(budget, self.compression.room() - 1)
         return [self.answer[-1], *self._propose(budget)], self.position + len(self.question_ids) + len(self.answer) - 1
+
+    def most_held(self) -> list[int]:
+        """Per layer, the most entries the cache of a row under a decoding-time press may hold from
+        now to the answer's end (:meth:`~certkv.engine.decoding_compression.DecodingCompression.most_held`)."""
+        books = self.compression
+        if books is None:
+            raise ValueError("only a row under a decoding-time press shrinks; this one only grows")
+        if not self.answer:
+            return [books.first_peak(layer.length, len(self.question_ids), self.max_new_tokens, self.position)
+                    for layer in self.cache.layers]
+        to_feed = self.max_new_tokens - len(self.answer) + 1
+        last = self.position + len(self.question_ids) + self.max_new_tokens - 1
+        return [books.most_held(layer.length, to_feed, last) for layer in self.cache.layers]
+
+    def give_back(self) -> None:
+        """Cut each layer's buffers to :meth:`most_held` (after a compression event: the press's
+        target and one interval, or what is left to feed)."""
+        for layer, most in zip(self.cache.layers, self.most_held()):
+            layer.fit(most)
 
     def _propose(self, budget: int) -> list[int]:
         """Up to `budget` tokens to try after the pending one: the draft's while the answer follows
@@ -332,6 +364,8 @@ class RaggedBatch:
             compressed = row.compression is not None and row.compression.confirm(
                 model, row.cache.layers, kept, feeds[b][1], question=first)
             _note_held(row, before, kept, first, compressed)
+            if compressed and not row.done:
+                row.give_back()
             if row.done:
                 finished.append(row)
         for row in finished:

@@ -4,8 +4,14 @@ A decoding-time press (kvpress's ``CompressionRatioDecodingPress``, ``PrefillDec
 compresses the cache while the answer is decoded, through hooks on every attention layer, so the
 answer is decoded alone under the press, as calibration decoded it
 (:func:`certkv.engine.decoding_run.run_decoding`): the forwards, and so the tokens, are the
-store's. In ``certkv serve`` such a decode is not batchable (the press's hooks would compress every
-row of a batch): the scheduler runs it between batched steps.
+store's. In ``certkv serve`` a press whose choices survive a batched forward (StreamingLLM's,
+TOVA's: :func:`~certkv.engine.decoding_rows.batchable_decoding_press`) decodes as a row of the
+batch instead, behind no recompute threshold: the row keeps kvpress's books itself, compresses
+once tokens are confirmed, and gives slots back at each event (:mod:`certkv.engine.decoding_rows`,
+the same tokens and held KV); it reserves its peak, not the whole prefill and answer
+(:func:`~certkv.engine.decoding_rows.row_slots`). Any other decode (K-norm's choices hinge on
+rounding; certkv's probabilistic press; a recompute gate) is not batchable (the press's hooks
+would compress every row of a batch): the scheduler runs it alone between batched steps.
 
 The gate:
 
@@ -28,13 +34,15 @@ full prefill this path never holds; the runtime refuses them for a decoding-time
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from certkv.core.kv_cost import kv_cost
+from certkv.engine.decoding_rows import batchable_decoding_press, prefilled_row, row_slots, run_of
 from certkv.engine.decoding_run import DecodingRun, finish_on_full_cache, run_decoding
 from certkv.runtime.full_path import full_answer_steps, prefill_slots
-from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
+from certkv.runtime.steps import Decode, PathAnswer, Reserve, Step, Steps, run_alone
 
 if TYPE_CHECKING:
     from kvpress import BasePress
@@ -58,23 +66,12 @@ class DecodingPath:
         return run_alone(self.steps(enc, max_new, signals))
 
     def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
-        """The answer as steps (module docstring); `lean` changes nothing here (the decode is solo).
-        Behind no post-decode part the press's tokens are the answer's as decoded (``final``: a
-        listener hears each one), and a recompute restart keeps them."""
-        yield Reserve(prefill_slots(self.model, enc, max_new))
+        """The answer as steps (module docstring); `lean` (``certkv serve``'s scheduler) decodes a
+        batchable press as a row of the batch (:meth:`rows`), any other decode is solo. Behind no
+        post-decode part the press's tokens are the answer's as decoded (``final``: a listener
+        hears each one), and a recompute restart keeps them."""
         t0 = time.perf_counter()
-        runs: list[DecodingRun] = []
-
-        def solo() -> tuple[list[int], list[float] | None]:
-            run = run_decoding(self.model, self.press, enc, max_new, stop_below=self.gate.recompute, on_token=job.tell,
-                               stop_above=self.gate.certificate_recompute)
-            runs.append(run)
-            return run.token_ids, run.logprobs
-
-        job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, self.stop_ids, solo=solo,
-                     want_logprobs=True, batchable=False, final=not self.gate.post_decode)
-        yield job
-        run = runs[0]
+        run = yield from (self._row_steps(enc, max_new) if lean and self.rows() else self._solo_steps(enc, max_new))
         seconds = {"decode": time.perf_counter() - t0}
         kept = run.prefill_kept / len(enc.context_ids)
         if run.stopped_at is not None:
@@ -87,6 +84,42 @@ class DecodingPath:
         ids = yield from full_answer_steps(self.model, enc, max_new, self.stop_ids)
         seconds["escalation"] = time.perf_counter() - t
         return PathAnswer(ids, reason, signals, seconds, escalated=True)
+
+    def rows(self) -> bool:
+        """Whether a lean run decodes as a row of ``certkv serve``'s batch: a press whose choices
+        survive a batched forward (:func:`~certkv.engine.decoding_rows.batchable_decoding_press`),
+        behind no recompute threshold (its restart is decided token by token, alone)."""
+        no_restart = self.gate.recompute is None and self.gate.certificate_recompute is None
+        return no_restart and batchable_decoding_press(self.press)
+
+    def _solo_steps(self, enc: EncodedRequest, max_new: int) -> Generator[Step, None, DecodingRun]:
+        """The decode alone under kvpress's hooks (:func:`run_decoding`), within a reservation of
+        the whole prefill, question and answer."""
+        yield Reserve(prefill_slots(self.model, enc, max_new))
+        runs: list[DecodingRun] = []
+
+        def solo() -> tuple[list[int], list[float] | None]:
+            run = run_decoding(self.model, self.press, enc, max_new, stop_below=self.gate.recompute, on_token=job.tell,
+                               stop_above=self.gate.certificate_recompute)
+            runs.append(run)
+            return run.token_ids, run.logprobs
+
+        job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, self.stop_ids, solo=solo,
+                     want_logprobs=True, batchable=False, final=not self.gate.post_decode)
+        yield job
+        return runs[0]
+
+    def _row_steps(self, enc: EncodedRequest, max_new: int) -> Generator[Step, None, DecodingRun]:
+        """The decode as a row of the scheduler's batch (:func:`~certkv.engine.decoding_rows.prefilled_row`):
+        reserved at its peak (:func:`~certkv.engine.decoding_rows.row_slots`), compressed by the row's
+        own books as tokens are confirmed, its slots given back at each event; the same tokens and
+        held KV as :func:`run_decoding`."""
+        yield Reserve(row_slots(self.model, self.press, enc, max_new))
+        row, kept = prefilled_row(self.model, self.press, enc, max_new, self.stop_ids)
+        job = Decode(row.cache, list(enc.question_ids), row.position, max_new, self.stop_ids, solo=None,
+                     lookup_ids=list(enc.context_ids), want_logprobs=True, final=not self.gate.post_decode, row=row)
+        yield job
+        return run_of(row, kept)
 
     def _recompute(self, enc, run: DecodingRun, max_new: int, signals: dict, seconds: dict, kept: float) -> Steps:
         """Finish `run`, stopped by the recompute trigger, on a fresh full cache: one more solo

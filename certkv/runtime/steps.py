@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
-    from certkv.engine.ragged_decode import RowCache
+    from certkv.engine.ragged_decode import Row, RowCache
 
 #: Told, on the runner's thread, (the answer's tokens so far, the count of them a recompute gate kept
 #: when it restarted the answer on the full cache, None before any restart) each time a final
@@ -72,7 +72,11 @@ class Decode:
     `final` (module docstring): its tokens are the answer's as decoded; `restarted_at` is set on the
     decode that finishes an answer a recompute gate restarted after its first `restarted_at`
     tokens (its `ids` include them); `listener` is the runner's (None: nobody listens), and a
-    `solo` function that decodes token by token tells it through :meth:`tell`.
+    `solo` function that decodes token by token tells it through :meth:`tell`. `row`: the
+    :class:`~certkv.engine.ragged_decode.Row` over `cache` when the path built it (a decoding-time
+    press's, with the books that compress it as it decodes and give its slots back at each event):
+    the scheduler batches it as it is (prompt lookup dropped where the server runs without), and
+    the path reads what it held from it.
     """
 
     cache: DynamicCache | RowCache | None
@@ -87,6 +91,7 @@ class Decode:
     final: bool = False
     restarted_at: int | None = None
     listener: TokenListener | None = None
+    row: Row | None = None
     ids: list[int] | None = None
     logprobs: list[float] | None = None
 

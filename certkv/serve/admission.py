@@ -11,8 +11,8 @@ objects and no model. The policy reads:
   caller gave up (``cancelled``);
 * the jobs **in flight**, each with the slots it ``held`` now (its reservation, or once it decodes
   in the batch its row's allocated cache), read afresh at every plan: a job whose holding shrinks
-  lets waiting jobs in at once (the scheduler gives slots back when a row finishes; decoding-time
-  presses decode alone, outside the batch, and free their reservation when their answer ends);
+  lets waiting jobs in at once (the scheduler gives slots back when a row finishes, and when a
+  decoding-time press compresses a row mid-answer);
 * the **budget** in token slots (None: unlimited);
 * the slots the prefix cache's kept compressed contexts hold (``cached``; no request holds a
   reference to one, :mod:`certkv.runtime.prefix_cache`), of which ``wanted`` are contexts a waiting

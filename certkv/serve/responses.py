@@ -193,7 +193,8 @@ class QueueState(BaseModel):
 
 class KVState(BaseModel):
     """The scheduler's KV in token slots (``budget`` null: unlimited); ``peak`` is sampled after every
-    admission and decode step; ``max_batch`` is the most requests one decode step advanced."""
+    admission and decode step; ``max_batch`` is the most requests one decode step advanced;
+    ``given_back`` the slots rows gave back mid-answer at a decoding-time press's compression events."""
 
     budget: int | None
     in_use: float
@@ -202,6 +203,7 @@ class KVState(BaseModel):
     admissions_waiting: int
     decode_steps: int
     max_batch: int
+    given_back: float = 0.0
 
 
 class ShadowCounts(BaseModel):

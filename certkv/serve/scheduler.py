@@ -17,8 +17,12 @@ at once, and interleaves them:
 * **Batched decoding.** A ``Decode`` joins the :class:`~certkv.engine.ragged_decode.RaggedBatch`
   (its cache taken over as a :class:`~certkv.engine.ragged_decode.RowCache` with room for its
   question and answer) and from then on holds exactly that cache's slots; one forward per
-  iteration advances every row, and a finished row's job resumes (its post-decode gate). A
-  ``Decode`` that cannot batch (certkv's probabilistic press) is decoded alone at once.
+  iteration advances every row, and a finished row's job resumes (its post-decode gate). A row
+  under a decoding-time press (``Decode.compression``) gives slots back at each compression event
+  (its buffers cut to what it can still need, :meth:`~certkv.engine.ragged_decode.Row.give_back`),
+  and its job then holds that much less: waiting jobs may be admitted at the next plan. A
+  ``Decode`` that cannot batch (certkv's probabilistic press, K-norm's decoding press) is decoded
+  alone at once.
 * **Tokens as decoded.** A job submitted with ``on_tokens`` (a
   :data:`~certkv.runtime.steps.TokenListener`) hears, on the worker thread, the answer so far of
   each of its ``final`` decodes: after every batched step that added tokens to its row, and after
@@ -153,6 +157,8 @@ class Scheduler:
         """Batched decode steps run."""
         self.peak_rows = 0
         """Most requests one decode step advanced together."""
+        self.given_back = 0.0
+        """Token slots rows gave back mid-answer, at their decoding-time press's compression events."""
         self.before_step: Callable[[], None] | None = None
         """Called on the worker before each batched decode step (a test hook: it may block)."""
         self._thread = threading.Thread(target=self._loop, name="certkv-scheduler", daemon=True)
@@ -328,16 +334,25 @@ class Scheduler:
                     step.ids, step.logprobs = step.solo()
                     step.tell(step.ids)  # a solo decode that told nothing as it went is heard whole
                     continue
-                room = len(step.question_ids) + step.max_new_tokens
-                cache = step.cache if isinstance(step.cache, RowCache) else RowCache.adopt(step.cache, room)
-                row = Row(cache, step.question_ids, step.position, step.max_new_tokens, step.stop_ids,
-                          lookup_ids=step.lookup_ids if self.prompt_lookup else None, want_logprobs=step.want_logprobs, tag=job)
-                job.row, job.held = row, cache.slots
+                row = step.row if step.row is not None else self._row(step)
+                if not self.prompt_lookup:
+                    row.plain()
+                row.tag = job
+                job.row, job.held = row, row.cache.slots
                 self._holding.add(job)
                 self.batch.add(row)
                 self._sample()
                 return
             raise TypeError(f"an answering path yielded {type(step).__name__}, not Reserve or Decode")
+
+    @staticmethod
+    def _row(step: Decode) -> Row:
+        """A batched decode's row: its cache taken over with room for its question and answer."""
+        room = len(step.question_ids) + step.max_new_tokens
+        assert step.cache is not None  # a batchable decode carries its cache
+        cache = step.cache if isinstance(step.cache, RowCache) else RowCache.adopt(step.cache, room)
+        return Row(cache, step.question_ids, step.position, step.max_new_tokens, step.stop_ids,
+                   lookup_ids=step.lookup_ids, want_logprobs=step.want_logprobs)
 
     def _finish(self, job: _Job) -> None:
         self._holding.discard(job)
@@ -359,6 +374,10 @@ class Scheduler:
                 _resolve(self._drop(row).future, error=exc)
             return
         self.steps += 1
+        for row, _ in rows:  # a decoding-time press's event gave slots back (Row.give_back)
+            if row.compression is not None and row.tag.row is row:
+                self.given_back += row.tag.held - row.cache.slots
+                row.tag.held = row.cache.slots
         self._sample()
         for row, before in rows:  # the new tokens leave before any finished job resumes
             if len(row.answer) > before:

@@ -52,8 +52,9 @@ def test_batchable_presses_decode_as_alone(embedded_recite, requests):
     import torch
     from transformers import DynamicCache
 
-    from certkv.engine.decoding_rows import batchable_decoding_press, decode_rows, prefilled_row
+    from certkv.engine.decoding_rows import batchable_decoding_press, prefilled_row
     from certkv.engine.decoding_run import run_decoding
+    from certkv.engine.ragged_decode import RaggedBatch
     from certkv.model.generation import greedy_decode, stop_token_ids
 
     model, _ = embedded_recite
@@ -67,8 +68,17 @@ def test_batchable_presses_decode_as_alone(embedded_recite, requests):
         draft = greedy_decode(model, full, enc.question_ids, len(enc.context_ids), MAX_NEW)
         full.crop(len(enc.context_ids))
         rows = {name: prefilled_row(model, p, enc, MAX_NEW, stops, full=full, draft=draft) for name, p in presses.items()}
-        forwards = decode_rows(model, [row for row, _ in rows.values()])
+        batch, slots, forwards = RaggedBatch(model), {name: [row.cache.slots] for name, (row, _) in rows.items()}, 0
+        for row, _ in rows.values():
+            batch.add(row)
+        while batch.rows:
+            batch.step()
+            forwards += 1
+            for name, (row, _) in rows.items():
+                slots[name].append(row.cache.slots)
         for name, press in presses.items():
+            # its first allocation (its decode's peak) never outgrown, cut at events
+            assert all(b <= a for a, b in zip(slots[name], slots[name][1:])), name
             alone = run_decoding(model, press, enc, MAX_NEW)
             row, kept = rows[name]
             assert row.answer == alone.token_ids, name
@@ -103,3 +113,46 @@ def test_a_forward_cannot_run_past_an_event(embedded_recite, requests):
     assert books.room() == 3
     with pytest.raises(RuntimeError, match="past its row's compression event"):
         books.confirm(model, row.cache.layers, 4, row.position + 20, question=False)
+
+
+def test_a_row_gives_slots_back_and_never_outgrows_its_first_allocation(embedded_recite, requests):
+    """Each compression event cuts the row's buffers to what it can still need; the first
+    allocation (its decode's peak) is never outgrown, and it matches the bound worked out by hand."""
+    from certkv.engine.decoding_rows import prefilled_row, row_slots
+    from certkv.engine.ragged_decode import RaggedBatch
+    from certkv.model.generation import stop_token_ids
+
+    model, _ = embedded_recite
+    enc, max_new = requests[0], 24
+    n, q = len(enc.context_ids), len(enc.question_ids)
+    k = int(n * (1 - 0.5))  # the prefill's kept half, as kvpress counts it
+    # by hand: a ratio press keeps half of what it has seen at each event, every 8 steps
+    # (question = one step): grows to n+q+7, then at most the target at the longest answer + 8
+    hand = {"streaming@0.5/8": min(n + q + max_new, max(n + q + 7, int((n + q + max_new) * 0.5) + 8)),
+            # a fixed target of 12 below the question's length: compressed at the question's forward
+            "streaming/target12/3": min(n + q + max_new, max(n + q, 12 + 3)),
+            # StreamingLLM keeps half of the context as it is prefilled; TOVA keeps 70% every 7 steps after
+            "prefill-streaming+tova": min(k + q + max_new, max(k + q + 6, int((n + q + max_new) * 0.7) + 7))}
+    presses = {name: p for name, p in _presses().items() if name in hand}
+    rows = {name: prefilled_row(model, p, enc, max_new, stop_token_ids(model))[0] for name, p in presses.items()}
+    batch = RaggedBatch(model)
+    slots, layers = {}, model.config.num_hidden_layers
+    for name, row in rows.items():
+        assert row.cache.slots == hand[name], name
+        assert row_slots(model, presses[name], enc, max_new) == hand[name] + -(-max(n, hand[name]) // layers)
+        batch.add(row)
+        slots[name] = [row.cache.slots]
+    while batch.rows:
+        batch.step()
+        for name, row in rows.items():
+            slots[name].append(row.cache.slots)
+    for name, row in rows.items():
+        seen = slots[name]
+        assert all(b <= a for a, b in zip(seen, seen[1:])), name  # never grown
+        assert max(row.held) <= seen[0], name
+        assert row.compression.events > 1, name
+    for name in ("streaming@0.5/8", "streaming/target12/3"):  # slots given back
+        assert slots[name][-1] < slots[name][0], name
+    # TOVA's target (70% of every position seen) stays above what the halved prefill leaves: nothing
+    # to give back, and its first allocation is its whole question and answer
+    assert slots["prefill-streaming+tova"][-1] == slots["prefill-streaming+tova"][0] == k + q + max_new

@@ -81,6 +81,39 @@ def test_decoding_time_compression_frees_slots_for_a_waiting_job():
     assert plan([waiting], [decoding], budget=100).admit is waiting
 
 
+def _decode_time_rows(reserve: float, allocated: float, after_event: float, budget: int, steps: int = 6,
+                      n: int = 8) -> int:
+    """Jobs as a decoding-time row lives under the scheduler: admitted with its peak reservation,
+    holding its row's allocation once prefilled, cut at its first compression event (its second
+    decode step) to what it can still need, done after `steps` steps; one admission per tick
+    before each batched step. Returns the most rows decoded at once; the budget is never exceeded."""
+    waiting = [Job(slots=reserve, seq=i) for i in range(n)]
+    holding: dict[Job, int] = {}  # a job in flight: its decode steps so far
+    most = 0
+    while waiting or holding:
+        job = plan(waiting, list(holding), budget).admit
+        if job is not None:
+            waiting.remove(job)
+            job.held = job.slots
+            assert sum(j.held for j in holding) + job.held <= budget
+            job.held, holding[job] = allocated, 0  # prefilled: its row's buffers, the prefill's copy gone
+        most = max(most, len(holding))
+        for job in list(holding):  # one batched step
+            holding[job] += 1
+            if holding[job] == 2:
+                job.held = after_event
+            if holding[job] == steps:
+                del holding[job]
+        assert sum(j.held for j in holding) <= budget
+    return most
+
+
+def test_decoding_time_rows_giving_slots_back_decode_more_at_once():
+    # a row reserves 50 (its peak and one layer of copying), holds 40 once prefilled, 20 after an event
+    assert _decode_time_rows(50, 40, 40, budget=100) == 2
+    assert _decode_time_rows(50, 40, 20, budget=100) == 3
+
+
 def test_no_budget_admits_the_first_in_order():
     jobs = [Job(slots=10**9, seq=2), Job(slots=1, shadow=True, seq=1)]
     assert plan(jobs, [Job(held=10**9)], budget=None).admit is jobs[0]

@@ -192,3 +192,64 @@ def test_a_live_request_preempts_a_decoding_shadow(embedded, requests):
     assert live_answer.token_ids == runtime.generate(live_request.context, live_request.question).token_ids
     assert shadow_answer.token_ids == runtime.generate(shadow_request.context, shadow_request.question).token_ids
     assert 0 < scheduler.peak_kv <= budget
+
+
+DECODING_KWARGS = {"base_press": "streaming_llm", "compression_interval": 8}
+
+
+@pytest.mark.parametrize("prompt_lookup", [True, False], ids=["lookup", "no_lookup"])
+def test_a_decoding_time_point_decodes_in_the_batch_and_gives_slots_back(embedded_recite, prompt_lookup):
+    """A batchable decoding-time point (StreamingLLM keeping half of what it has seen, every 8
+    steps): its requests decode as rows of one batch, with the in-process runtime's answers and
+    held KV; each reserves its decode's peak, and the budget lets the third in only once the rows
+    in flight have given slots back at a compression event (no request has finished by then).
+    Without prompt lookup (``--no-prompt-lookup``) a row feeds one token a forward: the same answers."""
+    from certkv.engine.decoding_rows import row_slots
+    from certkv.model.generation import encode_request
+    from certkv.requests.request_set import generate_requests
+    from certkv.runtime.full_path import prefill_slots
+    from certkv.serve.scheduler import Scheduler
+
+    runtime = _runtime(embedded_recite, "compression_ratio_decoding", 0.5, press_kwargs=DECODING_KWARGS,
+                       max_new_tokens=48)
+    recitations = generate_requests("recite", 3, seed=31)
+    alone = [runtime.generate(r.context, r.question) for r in recitations]
+    encs = [encode_request(runtime.tokenizer, r.context, r.question, r.answer_prefix) for r in recitations]
+    reserved = [row_slots(runtime.model, runtime.press, e, 48) for e in encs]
+    # by hand: a row is allocated n + q + 7 (the question and 7 tokens before the first event)
+    first = [len(e.context_ids) + len(e.question_ids) + 7 for e in encs]
+    # below the full cache's reservation (the whole prefill, question and answer, and one layer)
+    assert all(c < r < prefill_slots(runtime.model, e, 48) for c, r, e in zip(first, reserved, encs))
+    budget = first[0] + first[1] + reserved[2] - 1  # the third fits only once the others hold less
+    assert reserved[1] + first[0] <= budget
+    scheduler = Scheduler(runtime.model, budget, prompt_lookup=prompt_lookup)
+    futures, admitted = [], []
+
+    def noted_on_admission(steps):
+        value = yield next(steps)  # the reservation: resumed once admitted, before its prefill
+        admitted.append((scheduler.given_back, sum(f.done() for f in futures)))
+        while True:
+            try:
+                step = steps.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value = yield step
+
+    for i, r in enumerate(recitations):
+        steps = runtime.answer_steps(r.context, r.question, lean=True)
+        futures.append(scheduler.submit(noted_on_admission(steps) if i == 2 else steps))
+    scheduler.start()
+    try:
+        served = [f.result(timeout=300) for f in futures]
+    finally:
+        scheduler.shutdown()
+    for want, got in zip(alone, served):
+        assert got.token_ids == want.token_ids
+        a, b = want.decision, got.decision
+        assert (b.mode, b.reason, b.kv_retained_actual) == ("evicted", None, a.kv_retained_actual)
+        assert b.confidence_min == pytest.approx(a.confidence_min, rel=1e-4)
+    longest = max(len(a.token_ids) for a in alone)
+    assert scheduler.peak_rows >= 2 and (scheduler.steps < longest if prompt_lookup else scheduler.steps >= longest)
+    given_back, finished = admitted[0]
+    assert given_back > 0 and finished == 0, admitted
+    assert 0 < scheduler.peak_kv <= budget

@@ -1,12 +1,16 @@
-"""`certkv serve` deploying a decoding-time point behind a recompute gate on long generations (the
-embedded-recite model reciting its context's records, 30-60 words), through the official `openai` client:
-every answer and decision is the in-process runtime's."""
+"""`certkv serve` deploying decoding-time points on long generations (the embedded-recite model
+reciting its context's records, 30-60 words), through the official `openai` client: behind a
+recompute gate (decoded alone), and ungated on a batchable press (rows of one batch, giving slots
+back as they compress); every answer and decision is the in-process runtime's."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
+import httpx
 import pytest
 from test_runtime_decoding import _point
-from test_serve import _Server
+from test_serve import _Server, _wait_for
 
 from certkv.requests.request_set import generate_requests
 
@@ -56,3 +60,55 @@ def test_decoding_point_served_as_in_process(server, embedded_recite):
             before = "".join(c.choices[0].text for c in stream[: events[0][0]])
             assert want.answer.startswith(before) and before, "the press's tokens streamed before the restart"
     assert reasons == {None, "recompute"}, "the requests must cover kept and restarted generations"
+
+
+@pytest.fixture(scope="module")
+def held_server(tmp_path_factory):
+    # StreamingLLM keeping half of the tokens seen, every 8 steps, ungated: batchable
+    kwargs = {"base_press": "streaming_llm", "compression_interval": 8}
+    point = _point(None).model_copy(update={
+        "press_kwargs": kwargs, "kv_retained": 0.5, "mean_kv_retained": 0.5,
+        "policy": "compression_ratio_decoding@0.50", "base_policy": "compression_ratio_decoding@0.50",
+        "max_new_tokens": 140})
+    s = _Server(tmp_path_factory.mktemp("serve_decoding_rows"), point, "--shadow-rate", "0", "--model",
+                "embedded-recite", held=True)
+    try:
+        yield s.wait(), point
+    finally:
+        s.stop()
+
+
+def test_a_batchable_decoding_point_answers_concurrent_recitations_together(held_server, embedded_recite):
+    """Held, the server queues three recitations; released, they decode as rows of one batch (the
+    /health counters: more than one row a step, slots given back at compression events) and each
+    answer is the in-process runtime's, which decodes alone under kvpress's hooks."""
+    import openai
+
+    from certkv.runtime.certified_runtime import CertifiedRuntime
+
+    s, point = held_server
+    runtime = CertifiedRuntime(*embedded_recite, point)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    requests = generate_requests("recite", 3, seed=79)  # answers of 43-74 tokens under this press
+
+    def ask(r):
+        return client.completions.create(model="embedded-recite", prompt="", max_tokens=140,
+                                         extra_body={"context": r.context, "question": r.question})
+
+    def depth():
+        return httpx.get(s.url + "/health", timeout=10).json()["queue"]["depth"]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = []
+        for k, r in enumerate(requests, 1):
+            futures.append(pool.submit(ask, r))
+            _wait_for(lambda k=k: depth() == k, f"{k} requests to wait in the held queue")
+        s.release()
+        outs = [f.result() for f in futures]
+    for r, out in zip(requests, outs):
+        want = runtime.generate(r.context, r.question)
+        assert len(want.token_ids) >= 32  # a long generation: four compression events at least
+        assert out.choices[0].text == want.answer, r.id
+        assert out.model_extra["certkv"]["decision"]["mode"] == "evicted"
+    kv = httpx.get(s.url + "/health", timeout=10).json()["kv"]
+    assert kv["max_batch"] >= 2 and kv["given_back"] > 0, kv
