@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 N_REQUESTS = 2
-MAX_NEW = 80
+MAX_NEW = 64
 
 
 def _presses():
