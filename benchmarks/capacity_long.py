@@ -68,12 +68,14 @@ NO_MONITOR = ("--shadow-rate", "0")
 NO_LOOKUP = "--no-prompt-lookup"
 
 
-def points() -> dict:
+def points(interval: int = DECODING_KWARGS["compression_interval"]) -> dict:
+    """The full cache, a half-KV prefill point and a decoding-time point compressing every `interval` steps."""
     common = {"query_aware": False, "max_new_tokens": MAX_NEW}
     return {
         "full": fixed_point(1.0, **common),
         "half": fixed_point(0.5, press="streaming_llm", **common),
-        "decoding": fixed_point(0.5, press="compression_ratio_decoding", press_kwargs=DECODING_KWARGS,
+        "decoding": fixed_point(0.5, press="compression_ratio_decoding",
+                                press_kwargs={**DECODING_KWARGS, "compression_interval": interval},
                                 label="streaming_decoding", **common),
     }
 
@@ -155,13 +157,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="closed-loop passes per server (median throughput)")
     parser.add_argument("--seed", type=int, default=4141, help="seeds the fresh requests (the contract used 4040)")
     parser.add_argument("--output", type=Path, default=RESULT)
+    parser.add_argument("--decoding-interval", type=int, default=DECODING_KWARGS["compression_interval"],
+                        help="the decoding-time point's compression interval: a chunk of prompt-lookup tokens never "
+                             "runs past a compression event")
     args = parser.parse_args()
 
     from certkv.requests.request_set import generate_requests
 
     t_start = time.perf_counter()
     requests = generate_requests({"recite": 1.0}, n=args.requests, seed=args.seed, context_length=CONTEXT)
-    ops = points()
+    ops = points(args.decoding_interval)
     work = Path(tempfile.mkdtemp(prefix="capacity_long_"))
     paths = {name: op.write_json(work / f"{name}.json") for name, op in ops.items()}
     largest = largest_reservation(requests, MAX_NEW, MODEL)
@@ -178,7 +183,7 @@ def main() -> None:
                     "max_new_tokens": MAX_NEW, "requests": len(requests), "concurrency": args.concurrency,
                     "repeats": args.repeats},
         "budget": {"largest_full_reservation": largest, "share": args.budget_share, "slots": budget},
-        "decoding_press_kwargs": DECODING_KWARGS, "server_flags": list(NO_MONITOR),
+        "decoding_press_kwargs": ops["decoding"].press_kwargs, "server_flags": list(NO_MONITOR),
         "in_process_seconds": {name: a["seconds"] for name, a in alone.items()},
         "points": runs, "ratios": ratios, "wall_seconds": time.perf_counter() - t_start,
     }

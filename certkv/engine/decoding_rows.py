@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kvpress import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress, StreamingLLMPress, TOVAPress
+from kvpress.presses.scorer_press import ScorerPress
 from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 
@@ -54,8 +55,15 @@ def batchable_decoding_press(press: Any) -> bool:
     """Whether `press` is one of kvpress's decoding presses (alone or as the decoding half of a
     ``PrefillDecodingPress``, whose prefill runs kvpress's own hook) with a scorer whose choices do
     not hinge on float rounding, so it decodes as a row of a ragged batch. Types are matched
-    exactly: a subclass may compress differently."""
+    exactly: a subclass may compress differently. The wrapper's prefilling half, if any, must be a
+    scorer keeping the same share of every layer (ScorerPress's own ``compress``), which a row's
+    allocation (:func:`prefill_kept`) assumes; PyramidKV's per-layer budgets or AdaKV's masks
+    decode alone."""
     if type(press) not in (*BOOKKEPT_DECODING_PRESSES, PrefillDecodingPress):
+        return False
+    prefilling = getattr(press, "prefilling_press", None)
+    if prefilling is not None and (not isinstance(prefilling, ScorerPress) or type(prefilling).compress
+                                   is not ScorerPress.compress):
         return False
     inner = decoding_press_of(press)
     return inner is not None and type(inner) in BOOKKEPT_DECODING_PRESSES and type(inner.base_press) in ROUNDING_SAFE_SCORERS

@@ -96,6 +96,7 @@ def test_only_presses_whose_books_certkv_keeps_decode_as_rows():
         CAMPress,
         CompressionRatioDecodingPress,
         PrefillDecodingPress,
+        PyramidKVPress,
         SnapKVPress,
         StreamingLLMPress,
         TOVAPress,
@@ -108,3 +109,5 @@ def test_only_presses_whose_books_certkv_keeps_decode_as_rows():
     assert batchable_decoding_press(tova)
     assert batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5), decoding_press=tova))
     assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5)))
+    # a prefill keeping a different share per layer does not fit a row's one allocation
+    assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=PyramidKVPress(0.5), decoding_press=tova))
