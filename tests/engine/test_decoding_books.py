@@ -54,7 +54,7 @@ def _both(model, enc, make_press):
     return alone_press.base_press.calls, alone, row_press.base_press.calls, row
 
 
-@pytest.mark.parametrize(("interval", "buffer"), [(1, 0), (3, 1), (5, 2), (8, 256)])
+@pytest.mark.parametrize(("interval", "buffer"), [(1, 0), (3, 1), (5, 2)])  # (8, 256): test_decoding_rows
 def test_the_scorer_is_handed_what_kvpress_hands_it(embedded_recite, request_, interval, buffer):
     from kvpress import CompressionRatioDecodingPress
 
