@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from kvpress import DecodingPress, PrefillDecodingPress
 
+from certkv.model.layers import attention_modules, decoder
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -182,8 +184,6 @@ class DecodingCompression:
         layer's keys and values (1, H_kv, n, d), and the event step's `positions` as kvpress's hook
         sees them: ``position_ids`` (1, steps) and their rotary embeddings, each (1, steps, head_dim).
         """
-        from certkv.model.layers import attention_modules, decoder
-
         position_ids = torch.tensor([positions], device=model.device)
         modules = attention_modules(model)
         probe = next(iter(self.buffer.values()))[0] if self.buffer else None

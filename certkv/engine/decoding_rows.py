@@ -131,12 +131,10 @@ def row_slots(model: PreTrainedModel, press: Any, enc: EncodedRequest, max_new_t
     the row's buffers one layer at a time, each source layer freed as it is copied. Either way
     at most c + max(n, c) / L slots (L layers): c plus one layer's worth.
     """
-    n_ctx, question = len(enc.context_ids), len(enc.question_ids)
+    n_ctx = len(enc.context_ids)
     kept = prefill_kept(press, n_ctx)
     inner = decoding_press_of(press)
-    peak = kept + question + max_new_tokens + 1
-    if inner is not None:
-        peak = min(peak, DecodingCompression(inner).first_peak(kept, question, max_new_tokens, n_ctx))
+    peak = kept + _room(DecodingCompression(inner) if inner is not None else None, kept, enc, max_new_tokens)
     return peak + math.ceil(max(n_ctx, peak) / model.config.num_hidden_layers)
 
 

@@ -39,6 +39,7 @@ from certkv.engine.decoding_compression import DecodingCompression
 from certkv.engine.prompt_lookup import PromptLookup
 from certkv.model.attention import _grouped_matmul_attention, _sdpa, use_attention
 from certkv.model.generation import chosen_logprobs
+from certkv.model.layers import attention_modules
 from certkv.model.stopping import is_finished
 
 if TYPE_CHECKING:
@@ -422,8 +423,6 @@ def _capturing(model: PreTrainedModel, rows: Sequence[Row], fed: Sequence[int]) 
         hidden = kwargs["hidden_states"]
         for b, compression in compressing:
             compression.capture(module.layer_idx, hidden[b : b + 1, : fed[b]])
-
-    from certkv.model.layers import attention_modules
 
     handles = [m.register_forward_pre_hook(keep_inputs, with_kwargs=True) for m in attention_modules(model)]
     try:

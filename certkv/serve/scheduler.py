@@ -18,7 +18,7 @@ at once, and interleaves them:
   (its cache taken over as a :class:`~certkv.engine.ragged_decode.RowCache` with room for its
   question and answer) and from then on holds exactly that cache's slots; one forward per
   iteration advances every row, and a finished row's job resumes (its post-decode gate). A row
-  under a decoding-time press (``Decode.compression``) gives slots back at each compression event
+  under a decoding-time press (``Row.compression``) gives slots back at each compression event
   (its buffers cut to what it can still need, :meth:`~certkv.engine.ragged_decode.Row.give_back`),
   and its job then holds that much less: waiting jobs may be admitted at the next plan. A
   ``Decode`` that cannot batch (certkv's probabilistic press, K-norm's decoding press) is decoded
