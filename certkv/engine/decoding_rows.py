@@ -9,14 +9,14 @@ pending token plus the full answer's next tokens (prompt lookup after a departur
 row's next compression event. A chunk the greedy choice confirms is the pipeline's steps up to that
 event; the first token it rejects is where the row's own answer goes on.
 
-Only presses whose choices do not hinge on float rounding decode this way
-(:func:`batchable_decoding_press`: StreamingLLM's positions and TOVA's attention). A scorer such
-as K-norm ranks keys by their norm, and a token that recurs in a context and an answer has the
-same key up to RoPE's rounding at the first layer: which copy it keeps is decided by the last bit
-of a projection, and a batched or chunked projection computes other last bits than the
-pipeline's one-token forward (measured: 5 of 8 K-norm generations departed when chunked, none
-when fed token by token). Those presses, and certkv's probabilistic decoding press, decode alone
-(:func:`certkv.engine.decoding_run.run_decoding`).
+Only presses whose choices a batched or chunked forward leaves as the pipeline's decode rows
+(:func:`batchable_decoding_press`): StreamingLLM's positions and TOVA's attention scores change
+with float rounding only where two scores nearly tie, which the tests find nowhere. K-norm ranks
+keys by norm, and a token that recurs in a context and its answer has first-layer keys of exactly
+equal norm, told apart by rounding alone: its rows get the pipeline's first-layer key bits
+(:mod:`certkv.engine.first_layer_keys`), so it decodes as a row on models whose first key
+projection certkv can reshape. certkv's probabilistic decoding press, which draws at random at
+every step, decodes alone (:func:`certkv.engine.decoding_run.run_decoding`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from transformers import DynamicCache
 
 from certkv.engine.decoding_compression import DecodingCompression, decoding_press_of
 from certkv.engine.decoding_run import DecodingRun, compresses_prefill
+from certkv.engine.first_layer_keys import first_layer_key_projection, ranks_by_key_norm
 from certkv.engine.ragged_decode import RaggedBatch, Row, RowCache, gather_layer, gather_row
 from certkv.model.window_queries import capturing_window_queries
 
@@ -51,10 +52,12 @@ ROUNDING_SAFE_SCORERS = (StreamingLLMPress, TOVAPress)
 BOOKKEPT_DECODING_PRESSES = (DecodingPress, CompressionRatioDecodingPress)
 
 
-def batchable_decoding_press(press: Any) -> bool:
+def batchable_decoding_press(press: Any, model: PreTrainedModel) -> bool:
     """Whether `press` is one of kvpress's decoding presses (alone or as the decoding half of a
-    ``PrefillDecodingPress``, whose prefill runs kvpress's own hook) with a scorer whose choices do
-    not hinge on float rounding, so it decodes as a row of a ragged batch. Types are matched
+    ``PrefillDecodingPress``, whose prefill runs kvpress's own hook) with a scorer whose choices
+    survive a ragged forward on `model` (:data:`ROUNDING_SAFE_SCORERS`, or a key-norm scorer when
+    `model`'s first key projection can be given the pipeline's bits), so it decodes as a row of a
+    ragged batch. Types are matched
     exactly: a subclass may compress differently. The wrapper's prefilling half, if any, must be a
     scorer keeping the same share of every layer (ScorerPress's own ``compress``), which a row's
     allocation (:func:`prefill_kept`) assumes; PyramidKV's per-layer budgets or AdaKV's masks
@@ -66,7 +69,11 @@ def batchable_decoding_press(press: Any) -> bool:
                                    is not ScorerPress.compress):
         return False
     inner = decoding_press_of(press)
-    return inner is not None and type(inner) in BOOKKEPT_DECODING_PRESSES and type(inner.base_press) in ROUNDING_SAFE_SCORERS
+    if inner is None or type(inner) not in BOOKKEPT_DECODING_PRESSES:
+        return False
+    if ranks_by_key_norm(inner):
+        return first_layer_key_projection(model) is not None
+    return type(inner.base_press) in ROUNDING_SAFE_SCORERS
 
 
 def prefilled_row(model: PreTrainedModel, press: Any, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],

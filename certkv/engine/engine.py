@@ -207,7 +207,7 @@ class Engine:
         # Compress while decoding: rows of one batch drafted by the full answer where the press's
         # choices survive it (decoding_rows), else each on its own as kvpress's pipeline does (decoding_run).
         self.decoding = [c for c in self.candidates if is_decoding_press(c.press)]
-        self.decoding_rows = [c for c in self.decoding if batchable_decoding_press(c.press)]
+        self.decoding_rows = [c for c in self.decoding if batchable_decoding_press(c.press, model)]
         self.slow = [
             c for c in self.candidates
             if c not in self.gathered and c not in self.decoding and not is_probabilistic_press(c.press)

@@ -36,6 +36,7 @@ import torch
 from transformers import AttentionInterface
 
 from certkv.engine.decoding_compression import DecodingCompression
+from certkv.engine.first_layer_keys import pipeline_first_layer_keys
 from certkv.engine.prompt_lookup import PromptLookup
 from certkv.model.attention import _grouped_matmul_attention, _sdpa, use_attention
 from certkv.model.generation import chosen_logprobs
@@ -335,7 +336,8 @@ class RaggedBatch:
             inputs[b, : len(tokens)] = torch.as_tensor(tokens, device=device)
             positions[b] = torch.arange(first, first + width, device=device)
         lengths = [[layer.length for layer in row.cache.layers] for row in rows]
-        with torch.no_grad(), use_attention(model, NAME), _forward_rows(rows, fed), _capturing(model, rows, fed):
+        with (torch.no_grad(), use_attention(model, NAME), _forward_rows(rows, fed), _capturing(model, rows, fed),
+              pipeline_first_layer_keys(model, rows, fed)):
             hidden = model.model(
                 input_ids=inputs,
                 position_ids=positions,

@@ -5,12 +5,13 @@ compresses the cache while the answer is decoded, through hooks on every attenti
 answer is decoded alone under the press, as calibration decoded it
 (:func:`certkv.engine.decoding_run.run_decoding`): the forwards, and so the tokens, are the
 store's. In ``certkv serve`` a press whose choices survive a batched forward (StreamingLLM's,
-TOVA's: :func:`~certkv.engine.decoding_rows.batchable_decoding_press`) decodes as a row of the
+TOVA's, K-norm's given the pipeline's first-layer key bits:
+:func:`~certkv.engine.decoding_rows.batchable_decoding_press`) decodes as a row of the
 batch instead, behind no recompute threshold: the row keeps kvpress's books itself, compresses
 once tokens are confirmed, and gives slots back at each event (:mod:`certkv.engine.decoding_rows`,
 the same tokens and held KV); it reserves its peak, not the whole prefill and answer
-(:func:`~certkv.engine.decoding_rows.row_slots`). Any other decode (K-norm's choices hinge on
-rounding; certkv's probabilistic press; a recompute gate) is not batchable (the press's hooks
+(:func:`~certkv.engine.decoding_rows.row_slots`). Any other decode (certkv's probabilistic
+press, which draws at random every step; a recompute gate) is not batchable (the press's hooks
 would compress every row of a batch): the scheduler runs it alone between batched steps.
 
 The gate:
@@ -90,7 +91,7 @@ class DecodingPath:
         survive a batched forward (:func:`~certkv.engine.decoding_rows.batchable_decoding_press`),
         behind no recompute threshold (its restart is decided token by token, alone)."""
         no_restart = self.gate.recompute is None and self.gate.certificate_recompute is None
-        return no_restart and batchable_decoding_press(self.press)
+        return no_restart and batchable_decoding_press(self.press, self.model)
 
     def _solo_steps(self, enc: EncodedRequest, max_new: int) -> Generator[Step, None, DecodingRun]:
         """The decode alone under kvpress's hooks (:func:`run_decoding`), within a reservation of

@@ -89,7 +89,7 @@ def test_a_one_token_target_compresses_every_step_until_it_grows(embedded_recite
     assert held[5] == held[6] == 1 and max(held[15:]) > 2  # compressed at every step, then not
 
 
-def test_only_presses_whose_books_certkv_keeps_decode_as_rows():
+def test_only_presses_whose_books_certkv_keeps_decode_as_rows(embedded):
     """A subclass of kvpress's decoding press keeps books of its own in its hook (CAM merges what it
     evicts), so it decodes alone; the prefilling half of the wrapper may be any press."""
     from kvpress import (
@@ -104,10 +104,11 @@ def test_only_presses_whose_books_certkv_keeps_decode_as_rows():
 
     from certkv.engine.decoding_rows import batchable_decoding_press
 
-    assert not batchable_decoding_press(CAMPress(StreamingLLMPress()))
+    model, _ = embedded
+    assert not batchable_decoding_press(CAMPress(StreamingLLMPress()), model)
     tova = CompressionRatioDecodingPress(TOVAPress(), target_compression_ratio=0.5, compression_interval=8)
-    assert batchable_decoding_press(tova)
-    assert batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5), decoding_press=tova))
-    assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5)))
+    assert batchable_decoding_press(tova, model)
+    assert batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5), decoding_press=tova), model)
+    assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5)), model)
     # a prefill keeping a different share per layer does not fit a row's one allocation
-    assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=PyramidKVPress(0.5), decoding_press=tova))
+    assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=PyramidKVPress(0.5), decoding_press=tova), model)

@@ -58,8 +58,8 @@ def test_batchable_presses_decode_as_alone(embedded_recite, requests):
     from certkv.model.generation import greedy_decode, stop_token_ids
 
     model, _ = embedded_recite
-    presses = {name: p for name, p in _presses().items() if batchable_decoding_press(p)}
-    assert set(presses) == {"streaming@0.5/8", "tova@0.4/5/buffer2", "streaming/target12/3", "prefill-streaming+tova"}
+    presses = {name: p for name, p in _presses().items() if batchable_decoding_press(p, model)}
+    assert set(presses) == set(_presses())
     stops, events = stop_token_ids(model), 0
     for enc in requests:
         full = DynamicCache()
@@ -91,10 +91,71 @@ def test_batchable_presses_decode_as_alone(embedded_recite, requests):
     assert events > 20
 
 
-def test_a_rounding_sensitive_scorer_decodes_alone(embedded_recite):
-    from certkv.engine.decoding_rows import batchable_decoding_press
+def test_key_norm_rows_get_the_pipelines_first_layer_keys(embedded_recite, requests):
+    """A K-norm row's first-layer keys, bit for bit, are those of kvpress's pipeline: the question
+    projected in a forward of its own, each answer token in a forward of one (first_layer_keys.py),
+    though the row shares its forwards with another row and is fed drafted chunks."""
+    import torch
+    from kvpress import CompressionRatioDecodingPress, KnormPress, StreamingLLMPress
+    from transformers import DynamicCache
 
-    assert not batchable_decoding_press(_presses()["knorm@0.5/8"])
+    from certkv.engine.decoding_rows import prefilled_row
+    from certkv.engine.ragged_decode import RaggedBatch
+    from certkv.model.generation import greedy_decode, stop_token_ids
+
+    model, _ = embedded_recite
+    enc, max_new = requests[1], 24
+    n_ctx, q = len(enc.context_ids), len(enc.question_ids)
+    full = DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=torch.as_tensor(enc.context_ids).view(1, -1), past_key_values=full)
+    draft = greedy_decode(model, full, enc.question_ids, n_ctx, max_new)
+    full.crop(n_ctx)
+    # no compression event within max_new tokens: the keys stay where the forwards put them
+    knorm = CompressionRatioDecodingPress(KnormPress(), target_compression_ratio=0.5, compression_interval=64)
+    streaming = CompressionRatioDecodingPress(StreamingLLMPress(), target_compression_ratio=0.5, compression_interval=64)
+    row, _ = prefilled_row(model, knorm, enc, max_new, stop_token_ids(model), full=full, draft=draft)
+    other, _ = prefilled_row(model, streaming, enc, max_new, stop_token_ids(model), full=full, draft=draft)
+    batch = RaggedBatch(model)
+    batch.add(row)
+    batch.add(other)
+    while batch.rows:
+        batch.step()
+    assert row.answer == draft and len(row.answer) == max_new
+
+    pipeline = DynamicCache()  # the pipeline's forwards: context, question, then one token each
+    with torch.no_grad():
+        model.model(input_ids=torch.as_tensor(enc.context_ids).view(1, -1), past_key_values=pipeline)
+        feeds = [list(enc.question_ids)] + [[t] for t in row.answer[:-1]]
+        start = n_ctx
+        for ids in feeds:
+            positions = torch.arange(start, start + len(ids)).view(1, -1)
+            model.model(input_ids=torch.as_tensor(ids).view(1, -1), position_ids=positions, past_key_values=pipeline)
+            start += len(ids)
+    expected = pipeline.layers[0].keys
+    assert torch.equal(row.cache.layers[0].keys, expected)
+    assert row.cache.layers[0].keys.shape[2] == n_ctx + q + max_new - 1
+
+
+def test_a_key_norm_press_decodes_alone_where_the_key_projection_is_not_plain(embedded_recite):
+    import copy
+
+    import torch
+
+    from certkv.engine.decoding_rows import batchable_decoding_press
+    from certkv.model.layers import attention_modules
+
+    class ScaledLinear(torch.nn.Linear):
+        pass
+
+    model, _ = embedded_recite
+    press = _presses()["knorm@0.5/8"]
+    assert batchable_decoding_press(press, model)
+    other = copy.deepcopy(model)
+    first = attention_modules(other)[0]
+    first.k_proj = ScaledLinear(first.k_proj.in_features, first.k_proj.out_features, bias=False)
+    assert not batchable_decoding_press(press, other)
+    assert batchable_decoding_press(_presses()["streaming@0.5/8"], other)
 
 
 def test_a_forward_cannot_run_past_an_event(embedded_recite, requests):
