@@ -1337,12 +1337,14 @@ def _decoding_rows_cost(t: dict) -> str:
     if "rows_speedup" not in t:
         return ("A decoding-time candidate costs its own generation in both; certkv shares the prefill and the "
                 "full answer's draft among the prefill-time candidates only.")
-    return (f"Of those, the {t['decoding_rows']} decoding-time candidates whose scorer survives a batched forward "
-            f"decode as one batch drafted by the full answer: {seconds(t['rows_certkv_seconds'])} a request "
-            f"against {seconds(t['rows_kvpress_seconds'])} for kvpress's pipeline on them, "
-            f"**{times(t['rows_speedup'])}**. The {t['decoding_alone']} K-norm ones decode alone, one token a "
-            "forward, as kvpress does ([why](long-generations.md#calibration-cost)); prefill-time candidates share "
-            "the request's one prefill and the full answer's draft.")
+    alone = t["decoding_alone"]
+    alone_text = (f"The {alone} others (certkv's probabilistic decoding press, or a press keeping books of its own) "
+                  "decode alone, one token a forward, as kvpress does ([why](long-generations.md#calibration-cost)); " if alone else
+                  "No decoding-time candidate decodes alone; ")
+    return (f"Of those, the {t['decoding_rows']} decoding-time candidates decode as one batch drafted by the full "
+            f"answer: {seconds(t['rows_certkv_seconds'])} a request against {seconds(t['rows_kvpress_seconds'])} for "
+            f"kvpress's pipeline on them, **{times(t['rows_speedup'])}**. " + alone_text
+            + "prefill-time candidates share the request's one prefill and the full answer's draft.")
 
 
 def streaming(data: dict) -> str:
