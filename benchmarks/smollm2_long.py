@@ -112,6 +112,17 @@ def certified(contract, records_file: Path | None, allow_incomplete: bool) -> di
     }
 
 
+def calibration_timing(contract, n: int, previous: Path) -> dict | None:
+    """certkv's engine against kvpress's pipeline once per candidate on the first `n` requests
+    (``benchmarks/long_generation.py``'s ``timing``, one thread); with n = 0 the timing of the
+    `previous` results file, if any, so that a preview of the store keeps its measured cost."""
+    if n > 0:
+        from long_generation import timing  # benchmarks/ is the script's folder, on sys.path
+
+        return {**timing(contract, n), "command": f"python benchmarks/smollm2_long.py --timing-requests {n}"}
+    return json.loads(previous.read_text()).get("timing") if previous.exists() else None
+
+
 def main() -> None:
     from certkv.calibration.store import CalibrationStore
     from certkv.contract.loading import load_contract
@@ -120,6 +131,9 @@ def main() -> None:
     p.add_argument("--contract", default=str(CONTRACT))
     p.add_argument("--out", default=str(RESULTS / "smollm2_long.json"))
     p.add_argument("--allow-incomplete", action="store_true", help="a preview of an unfinished store (no guarantee)")
+    p.add_argument("--timing-requests", type=int, default=0,
+                   help="also time the engine against kvpress's pipeline on this many requests (loads the model; "
+                        "0 keeps the timing of the last results file)")
     args = p.parse_args()
     t0 = time.perf_counter()
     contract = load_contract(Path(args.contract))
@@ -152,6 +166,7 @@ def main() -> None:
         "candidates": per_candidate(rows, contract.tolerance),
         "certified": certificates,
         "benchmark_seconds": time.perf_counter() - t0,
+        "timing": calibration_timing(contract, args.timing_requests, Path(args.out)),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

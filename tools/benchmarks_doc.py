@@ -258,7 +258,16 @@ def smollm2_long(data: dict) -> str:
         table(["task", f"`{u}`: point", "k/n", "bound", "mean KV", f"`{s}`: point", "k/n", "bound", "mean KV"], prow),
         *[f"Not certified under `{name}`: {c['error']}" for name, c in ((u, cert["task_utility"]), (s, cert["strict_utility"]))
           if c.get("error")],
+        *([_smollm2_timing(data["timing"])] if data.get("timing") else []),
     ])
+
+
+def _smollm2_timing(t: dict) -> str:
+    """The SmolLM2 long contract's calibration cost against kvpress's pipeline, measured in one run."""
+    return (f"Calibration cost (`{t['command']}`, one thread; the first {t['requests']} requests, {t['candidates']} "
+            f"decoded candidates): certkv's engine {seconds(t['certkv_seconds'])} a request against kvpress's pipeline "
+            f"once per candidate and for the full cache {seconds(t['kvpress_seconds'])}, **{times(t['speedup'])}** "
+            f"faster (target 5×). " + _decoding_rows_cost(t))
 
 
 def eviction_spread(data: dict) -> str:
@@ -1338,9 +1347,9 @@ def _decoding_rows_cost(t: dict) -> str:
         return ("A decoding-time candidate costs its own generation in both; certkv shares the prefill and the "
                 "full answer's draft among the prefill-time candidates only.")
     alone = t["decoding_alone"]
-    alone_text = (f"The {alone} others (certkv's probabilistic decoding press, or a press keeping books of its own) "
-                  "decode alone, one token a forward, as kvpress does ([why](long-generations.md#calibration-cost)); " if alone else
-                  "No decoding-time candidate decodes alone; ")
+    alone_text = ("No decoding-time candidate decodes alone; " if not alone else
+                  f"The {alone} others (certkv's probabilistic decoding press, or a press keeping books of its own) "
+                  "decode alone, one token a forward, as kvpress does ([why](long-generations.md#calibration-cost)); ")
     return (f"Of those, the {t['decoding_rows']} decoding-time candidates decode as one batch drafted by the full "
             f"answer: {seconds(t['rows_certkv_seconds'])} a request against {seconds(t['rows_kvpress_seconds'])} for "
             f"kvpress's pipeline on them, **{times(t['rows_speedup'])}**. " + alone_text

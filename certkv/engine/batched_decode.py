@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from certkv.engine.prompt_lookup import PromptLookup
+from certkv.engine.prompt_lookup import PromptLookup, ProposalLength
 from certkv.model.attention import NAME, attention_row_groups, register, use_attention
 from certkv.model.generation import chosen_logprobs
 from certkv.model.stopping import is_finished
@@ -211,7 +211,9 @@ def decode_candidates(
     `context_ids` (the uncompressed context) feeds prompt-lookup proposals for rows that leave the
     draft: retrieval answers are mostly copied from the context, so a proposal is usually accepted
     whole and a row finishes in one or two batched forwards instead of one forward per token.
-    Proposals only save forwards; every accepted token is the row's own greedy choice.
+    Proposals only save forwards; every accepted token is the row's own greedy choice. Each row's
+    proposal length follows its acceptance (:class:`~certkv.engine.prompt_lookup.ProposalLength`):
+    a row that writes its own text is not fed a long proposal it will reject every forward.
 
     `timings`, when given, accumulates the seconds of the verifying forward under ``"verify"``:
     every row must at least read the question and an answer over its own cache, so that forward is
@@ -232,9 +234,14 @@ def decode_candidates(
         if timings is not None:
             timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t0
         lookup = PromptLookup(list(context_ids or []) + list(question_ids))
+        lengths = {r: ProposalLength() for r in state.active}
         while state.active:
-            proposals = {r: lookup.propose(state.answers[r], max_new_tokens - len(state.answers[r])) for r in state.active}
+            proposals = {r: lookup.propose(state.answers[r], lengths[r].cap(max_new_tokens - len(state.answers[r])))
+                         for r in state.active}
+            before = {r: len(state.answers[r]) for r in state.active}
             state.step(proposals)
+            for r, proposal in proposals.items():  # the pending token's choice, then the confirmed proposal tokens
+                lengths[r].update(len(proposal), len(state.answers[r]) - before[r] - 1)
     if logprobs is not None:
         logprobs[:] = state.logprobs
     return state.answers

@@ -33,8 +33,6 @@ from certkv.model.layers import attention_modules
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from certkv.engine.ragged_decode import Row
-
 #: Scorers that rank keys by their norm: exact only with the pipeline's first-layer key bits.
 KEY_NORM_SCORERS = (KnormPress,)
 
@@ -54,12 +52,12 @@ def first_layer_key_projection(model: PreTrainedModel) -> torch.nn.Linear | None
 
 
 @contextmanager
-def pipeline_first_layer_keys(model: PreTrainedModel, rows: Sequence[Row], fed: Sequence[int]) -> Iterator[None]:
-    """Within the block (one ragged forward feeding fed[b] tokens to rows[b]), the first layer's
-    key projection gives the rows whose decoding press ranks keys by norm the pipeline's bits
-    (module docstring); the other rows keep the batched product's. No-op when no row needs it."""
-    exact = [b for b, row in enumerate(rows) if row.compression is not None and ranks_by_key_norm(row.compression.press)]
-    if not exact:
+def pipeline_first_layer_keys(model: PreTrainedModel, rows: Sequence[tuple[slice, bool]]) -> Iterator[None]:
+    """Within the block (one ragged forward over a packed sequence), the first layer's key
+    projection gives the pipeline's bits (module docstring) to `rows`: for each row whose decoding
+    press ranks keys by norm, where its tokens sit in the packed sequence and whether they are its
+    question (its first forward). The other tokens keep the batched product's. No-op for no rows."""
+    if not rows:
         yield
         return
     projection = first_layer_key_projection(model)
@@ -68,13 +66,12 @@ def pipeline_first_layer_keys(model: PreTrainedModel, rows: Sequence[Row], fed: 
                            "a key-norm decoding press must decode alone on it")
 
     def as_the_pipeline(module: torch.nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        hidden, out = args[0], out.clone()  # hidden (B, T, d) → out (B, T, d_kv)
-        for b in exact:
-            n = fed[b]
-            spans = [(0, n)] if not rows[b].answer else [(j, j + 1) for j in range(n)]
-            for start, end in spans:
-                alone = hidden[b : b + 1, start:end].clone()  # its own (1, t, d) tensor, as the pipeline feeds it
-                out[b, start:end] = torch.nn.functional.linear(alone, module.weight, module.bias)[0]
+        hidden, out = args[0], out.clone()  # hidden (1, T, d) → out (1, T, d_kv)
+        for span, question in rows:
+            pieces = [span] if question else [slice(j, j + 1) for j in range(span.start, span.stop)]
+            for piece in pieces:
+                alone = hidden[:, piece].clone()  # its own (1, t, d) tensor, as the pipeline feeds it
+                out[:, piece] = torch.nn.functional.linear(alone, module.weight, module.bias)
         return out
 
     handle = projection.register_forward_hook(as_the_pipeline)

@@ -2,10 +2,13 @@
 
 :func:`certkv.engine.batched_decode.decode_candidates` feeds each row that leaves the draft a
 proposal from here; retrieval answers are mostly copied from the context, so a proposal is usually
-accepted whole. Kept apart from the decoding itself so that it can be tested without the model stack.
+accepted whole. :class:`ProposalLength` sizes each row's proposals by what it accepted before.
+Kept apart from the decoding itself so that it can be tested without the model stack.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class PromptLookup:
@@ -44,4 +47,40 @@ class PromptLookup:
         return []
 
 
-__all__ = ["PromptLookup"]
+@dataclass
+class ProposalLength:
+    """How many tokens a row's next prompt-lookup proposal may hold, following its acceptance.
+
+    Every proposed token costs compute in the forward that verifies it, accepted or not (and, in a
+    padded batch, a cache slot each later forward attends over). A row copying its context has its
+    proposals accepted whole; a row writing its own text, or one that has left the draft and finds
+    only one-token matches, has them rejected at once. So the length doubles after a proposal
+    accepted whole and drops to one more than was accepted (at least `least`) after one rejected
+    part-way. The proposal tokens change how many forwards an answer takes, never the answer.
+
+    Examples
+    --------
+    >>> length = ProposalLength(size=8, least=4)
+    >>> length.cap(100), length.cap(5)
+    (8, 5)
+    >>> length.update(proposed=8, accepted=8); length.size
+    16
+    >>> length.update(proposed=16, accepted=1); length.size
+    4
+    """
+
+    size: int = 16
+    least: int = 4
+
+    def cap(self, budget: int) -> int:
+        """The longest proposal to make now, within `budget` (the tokens the answer may still take)."""
+        return max(0, min(budget, self.size))
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """Record that `accepted` of a proposal's `proposed` tokens were confirmed (no-op for an empty one)."""
+        if proposed <= 0:
+            return
+        self.size = 2 * self.size if accepted >= proposed else max(self.least, accepted + 1)
+
+
+__all__ = ["PromptLookup", "ProposalLength"]

@@ -4,7 +4,9 @@
 Their caches differ in everything: length, which entries were kept, the position the question
 starts at. Padding them to one width would spend on padding the memory that eviction freed, so
 each request keeps its own cache (:class:`RowCache`: per layer one (1, H_kv, capacity, d) buffer,
-filled to its length) and only the projections and MLPs run batched. Attention runs once per row,
+filled to its length) and only the projections and MLPs run batched, over the rows' fed tokens
+packed one row after another into one (1, T) sequence (:func:`packed_spans`), so a row fed one
+token costs one token's work beside a row fed sixteen. Attention runs once per row,
 over that row's keys alone (:func:`ragged_attention`, registered with transformers' attention
 interface under :data:`NAME`): the same shapes and the same kernel choice as the one-row decode of
 :func:`certkv.engine.batched_decode.decode_candidates`, so that each row's answer is that of the
@@ -12,7 +14,8 @@ runtime decoding it alone.
 
 Decoding follows ``decode_candidates`` with an empty draft, row by row: a row's first forward feeds
 its question (positions from the row's ``position``), then each step feeds the row's pending token
-plus a prompt-lookup proposal (:class:`~certkv.engine.prompt_lookup.PromptLookup`; none for a row
+plus a prompt-lookup proposal (:class:`~certkv.engine.prompt_lookup.PromptLookup`, as long as the
+row's acceptance so far warrants: :class:`~certkv.engine.prompt_lookup.ProposalLength`; none for a row
 decoded plainly greedy, as kvpress's pipeline decodes); the tokens its greedy choice confirms stay
 in its cache, the rest are cropped away. A row stops by the decoders' shared rule, kvpress's
 (:func:`certkv.model.stopping.is_finished`: after ``max_new_tokens`` tokens, or after a stop token
@@ -30,14 +33,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AttentionInterface
 
 from certkv.engine.decoding_compression import DecodingCompression
-from certkv.engine.first_layer_keys import pipeline_first_layer_keys
-from certkv.engine.prompt_lookup import PromptLookup
+from certkv.engine.first_layer_keys import pipeline_first_layer_keys, ranks_by_key_norm
+from certkv.engine.prompt_lookup import PromptLookup, ProposalLength
 from certkv.model.attention import _grouped_matmul_attention, _sdpa, use_attention
 from certkv.model.generation import chosen_logprobs
 from certkv.model.layers import attention_modules
@@ -177,6 +181,9 @@ class Row:
     tag: Any = None
     """The caller's handle on the row (the scheduler's request)."""
     _lookup: PromptLookup | None = None
+    _length: ProposalLength = field(default_factory=ProposalLength)
+    _looked_up: int = 0
+    """The length of the last prompt-lookup proposal fed (0 when the draft proposed, or none)."""
 
     def __post_init__(self) -> None:
         if not self.question_ids:
@@ -228,28 +235,46 @@ class Row:
         if budget <= 0:
             return []
         n = len(self.answer)
+        self._looked_up = 0
         if self.draft is not None and self.draft[:n] == self.answer and len(self.draft) > n:
             return self.draft[n : n + budget]
-        return self._lookup.propose(self.answer, budget) if self._lookup else []
+        proposal = self._lookup.propose(self.answer, self._length.cap(budget)) if self._lookup else []
+        self._looked_up = len(proposal)
+        return proposal
+
+    def accepted(self, confirmed: int) -> None:
+        """Record that `confirmed` tokens of the last proposal were accepted (sizes the next
+        prompt-lookup proposal: :class:`~certkv.engine.prompt_lookup.ProposalLength`)."""
+        self._length.update(self._looked_up, confirmed)
 
 
-#: The rows of the forward in progress and how many tokens each feeds (read by the attention).
-_FORWARD: ContextVar[tuple[Sequence[Row], Sequence[int]] | None] = ContextVar("certkv_ragged_forward", default=None)
+#: The rows of the forward in progress and where each one's fed tokens sit in the packed sequence
+#: (read by the attention).
+_FORWARD: ContextVar[tuple[Sequence[Row], Sequence[slice]] | None] = ContextVar("certkv_ragged_forward", default=None)
+
+
+def packed_spans(fed: Sequence[int]) -> list[slice]:
+    """Where each row's `fed` tokens sit in a ragged forward's one packed sequence, in row order.
+
+    >>> packed_spans([3, 1, 2])
+    [slice(0, 3, None), slice(3, 4, None), slice(4, 6, None)]
+    """
+    ends = list(accumulate(fed))
+    return [slice(end - n, end) for n, end in zip(fed, ends)]
 
 
 class _RowsCache:
-    """What the model sees as its cache during a ragged forward: ``update`` writes each row's real
-    new entries into its own :class:`RowCache` (the padding columns of shorter feeds are never
-    stored); the attention reads the rows back (:func:`ragged_attention`)."""
+    """What the model sees as its cache during a ragged forward: ``update`` writes each row's new
+    entries into its own :class:`RowCache`; the attention reads the rows back (:func:`ragged_attention`)."""
 
-    def __init__(self, rows: Sequence[Row], fed: Sequence[int]) -> None:
-        self.rows, self.fed = rows, fed
+    def __init__(self, rows: Sequence[Row], spans: Sequence[slice]) -> None:
+        self.rows, self.spans = rows, spans
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`key_states` / `value_states` (B, H_kv, T, d): row b's first fed[b] columns are its own."""
-        for b, (row, n) in enumerate(zip(self.rows, self.fed)):
-            row.cache.layers[layer_idx].append(key_states[b : b + 1, :, :n], value_states[b : b + 1, :, :n])
+        """`key_states` / `value_states` (1, H_kv, T, d), the packed sequence: row b's are at spans[b]."""
+        for row, span in zip(self.rows, self.spans):
+            row.cache.layers[layer_idx].append(key_states[:, :, span], value_states[:, :, span])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -260,32 +285,39 @@ def ragged_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface function: each row's queries (query (B, H, T, d); row b's
-    first fed[b] positions are real) over that row's own keys and values, causal within its new
-    tokens. `key` / `value` (what the cache's ``update`` returned) are ignored. Returns (B, T, H, d)
-    with zeros at the padding positions, and no weights.
+    """transformers attention-interface function: each row's queries (query (1, H, T, d), the packed
+    sequence; row b's at spans[b]) over that row's own keys and values, causal within its new
+    tokens. `key` / `value` (what the cache's ``update`` returned) are ignored. Returns (1, T, H, d)
+    and no weights.
 
     Per row this is :func:`certkv.model.attention.gqa_sdpa_attention` on a one-row batch: grouped
     matmuls for at most 4 float32 queries on CPU, sdpa otherwise, with an additive mask."""
     state = _FORWARD.get()
     if state is None:
         raise RuntimeError(f"the {NAME} attention runs only inside a ragged batch's forward")
-    rows, fed = state
+    rows, spans = state
     layer_idx = module.layer_idx
-    out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+    out = query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
     on_cpu = query.device.type == "cpu"
-    for b, (row, n) in enumerate(zip(rows, fed)):
+    for row, span in zip(rows, spans):
         layer = row.cache.layers[layer_idx]
         k, v = layer.keys, layer.values
-        q = query[b : b + 1, :, :n]
-        k_len = k.shape[2]
-        allowed = torch.ones(n, k_len, dtype=torch.bool, device=query.device).tril(k_len - n)
-        mask = torch.zeros((1, 1, n, k_len), dtype=query.dtype, device=query.device)
-        mask.masked_fill_(~allowed.view(1, 1, n, k_len), float("-inf"))
+        q = query[:, :, span]
+        n, k_len = q.shape[2], k.shape[2]
         gqa = k.shape[1] != q.shape[1]
         attend = _grouped_matmul_attention if on_cpu and q.dtype == torch.float32 and n <= 4 else _sdpa
-        out[b, :n] = attend(q, k, v, mask, dropout, scaling, False, gqa)[0].transpose(0, 1)
+        # one query sees every key: the grouped matmuls' additive mask would be all zeros (adding it
+        # changes no bit), so none is built
+        mask = None if n == 1 and attend is _grouped_matmul_attention else _causal_mask(n, k_len, query)
+        out[0, span] = attend(q, k, v, mask, dropout, scaling, False, gqa)[0].transpose(0, 1)
     return out, None
+
+
+def _causal_mask(n: int, k_len: int, query: torch.Tensor) -> torch.Tensor:
+    """The additive mask (1, 1, n, k_len) of n new queries over k_len keys, the last n their own."""
+    allowed = torch.ones(n, k_len, dtype=torch.bool, device=query.device).tril(k_len - n)
+    mask = torch.zeros((1, 1, n, k_len), dtype=query.dtype, device=query.device)
+    return mask.masked_fill_(~allowed.view(1, 1, n, k_len), float("-inf"))
 
 
 def register() -> None:
@@ -295,8 +327,8 @@ def register() -> None:
 
 
 @contextmanager
-def _forward_rows(rows: Sequence[Row], fed: Sequence[int]) -> Iterator[None]:
-    token = _FORWARD.set((rows, fed))
+def _forward_rows(rows: Sequence[Row], spans: Sequence[slice]) -> Iterator[None]:
+    token = _FORWARD.set((rows, spans))
     try:
         yield
     finally:
@@ -326,32 +358,26 @@ class RaggedBatch:
         if not self.rows:
             return []
         model, rows = self.model, list(self.rows)
-        device = model.device
         feeds = [row.feed() for row in rows]
         fed = [len(tokens) for tokens, _ in feeds]
-        width = max(fed)
-        inputs = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-        positions = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-        for b, (tokens, first) in enumerate(feeds):
-            inputs[b, : len(tokens)] = torch.as_tensor(tokens, device=device)
-            positions[b] = torch.arange(first, first + width, device=device)
+        spans = packed_spans(fed)
+        inputs, positions = _packed(feeds, model.device)
         lengths = [[layer.length for layer in row.cache.layers] for row in rows]
-        with (torch.no_grad(), use_attention(model, NAME), _forward_rows(rows, fed), _capturing(model, rows, fed),
-              pipeline_first_layer_keys(model, rows, fed)):
+        with (torch.no_grad(), use_attention(model, NAME), _forward_rows(rows, spans), _capturing(model, rows, spans),
+              pipeline_first_layer_keys(model, _key_norm_rows(rows, spans))):
             hidden = model.model(
                 input_ids=inputs,
                 position_ids=positions,
-                past_key_values=_RowsCache(rows, fed),
-                cache_position=torch.arange(width, device=device),
+                past_key_values=_RowsCache(rows, spans),
+                cache_position=torch.arange(inputs.shape[1], device=model.device),
                 use_cache=True,
             ).last_hidden_state
         # The logits a row needs: after its question's last token on its first forward, after
         # every fed token afterwards (the pending token's, then each proposal token's).
-        picks = [(b, j) for b, row in enumerate(rows) for j in ([fed[b] - 1] if not row.answer else range(fed[b]))]
-        index_b = torch.as_tensor([b for b, _ in picks], device=device)
-        index_j = torch.as_tensor([j for _, j in picks], device=device)
+        picks = [j for row, span in zip(rows, spans)
+                 for j in ([span.stop - 1] if not row.answer else range(span.start, span.stop))]
         with torch.no_grad():
-            logits = model.get_output_embeddings()(hidden[index_b, index_j])
+            logits = model.get_output_embeddings()(hidden[0, torch.as_tensor(picks, device=model.device)])
         tokens = logits.argmax(-1)
         wanted = any(row.want_logprobs for row in rows)
         logprobs = chosen_logprobs(logits, tokens).tolist() if wanted else None
@@ -376,6 +402,23 @@ class RaggedBatch:
         return finished
 
 
+def _key_norm_rows(rows: Sequence[Row], spans: Sequence[slice]) -> list[tuple[slice, bool]]:
+    """The rows whose decoding press ranks keys by norm: where their tokens sit, and whether they
+    are their question (:func:`~certkv.engine.first_layer_keys.pipeline_first_layer_keys`)."""
+    return [(span, not row.answer) for row, span in zip(rows, spans)
+            if row.compression is not None and ranks_by_key_norm(row.compression.press)]
+
+
+def _packed(feeds: Sequence[tuple[list[int], int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's fed tokens and their positions, one row after another: (1, T) input ids and
+    (1, T) position ids. Packed, not padded: the projections and MLPs, most of a forward's work,
+    run over the tokens fed and no padding (rows feed 1 to ``compression_interval`` or more)."""
+    ids = [token for tokens, _ in feeds for token in tokens]
+    positions = [first + i for tokens, first in feeds for i in range(len(tokens))]
+    return (torch.as_tensor(ids, dtype=torch.long, device=device).view(1, -1),
+            torch.as_tensor(positions, dtype=torch.long, device=device).view(1, -1))
+
+
 def _accept(row: Row, choices: list[int], logprobs: list[float] | None, proposal: list[int], lengths: list[int]) -> int:
     """Append to `row` the greedy `choices` its forward confirmed (with their `logprobs` when
     wanted) and crop its cache back to its `lengths` per layer before the forward plus the fed
@@ -395,6 +438,7 @@ def _accept(row: Row, choices: list[int], logprobs: list[float] | None, proposal
         accepted = i + 1
         if row.done or i >= len(proposal) or token != proposal[i]:
             break
+    row.accepted(accepted - 1)  # the pending token's choice, then the confirmed proposal tokens
     # The pending token and the confirmed proposal tokens stay; the rest are dropped.
     row.cache.crop([n + accepted for n in lengths])
     return accepted
@@ -413,18 +457,19 @@ def _note_held(row: Row, before: float, kept: int, first: bool, compressed: bool
 
 
 @contextmanager
-def _capturing(model: PreTrainedModel, rows: Sequence[Row], fed: Sequence[int]) -> Iterator[None]:
-    """Within the block, each attention layer hands its input hidden states (B, T, hidden) to the
-    rows that compress while decoding (their own first fed[b] positions), as kvpress's hook reads them."""
-    compressing = [(b, row.compression) for b, row in enumerate(rows) if row.compression is not None]
+def _capturing(model: PreTrainedModel, rows: Sequence[Row], spans: Sequence[slice]) -> Iterator[None]:
+    """Within the block, each attention layer hands its input hidden states (1, T, hidden), the
+    packed sequence, to the rows that compress while decoding (their own spans[b]), as kvpress's
+    hook reads them."""
+    compressing = [(span, row.compression) for row, span in zip(rows, spans) if row.compression is not None]
     if not compressing:
         yield
         return
 
     def keep_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = kwargs["hidden_states"]
-        for b, compression in compressing:
-            compression.capture(module.layer_idx, hidden[b : b + 1, : fed[b]])
+        for span, compression in compressing:
+            compression.capture(module.layer_idx, hidden[:, span])
 
     handles = [m.register_forward_pre_hook(keep_inputs, with_kwargs=True) for m in attention_modules(model)]
     try:

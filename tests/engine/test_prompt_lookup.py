@@ -1,4 +1,5 @@
-"""Prompt-lookup proposals: the indexed search equals a plain scan of the whole history."""
+"""Prompt-lookup proposals: the indexed search equals a plain scan of the whole history; a row's proposal
+length follows what it accepted."""
 
 from __future__ import annotations
 
@@ -34,3 +35,20 @@ def test_proposes_the_value_that_followed_the_key():
     assert lookup.propose([5, 1], 2) == [8, 3]
     assert lookup.propose([42], 3) == []
     assert lookup.propose([9, 9], 2) == [5, 1], "falls back to the 1-gram when the 2-gram is unseen"
+
+
+def test_a_proposal_grows_while_accepted_whole_and_shrinks_once_rejected():
+    from certkv.engine.prompt_lookup import ProposalLength
+
+    length = ProposalLength(size=4, least=2)
+    sizes = []
+    for accepted_whole in (True, True, True, False, False, True):
+        proposed = length.cap(1000)
+        sizes.append(proposed)
+        length.update(proposed, proposed if accepted_whole else 0)
+    assert sizes == [4, 8, 16, 32, 2, 2]
+    assert length.cap(3) == 3  # never past the tokens the answer may still take
+    length.update(proposed=3, accepted=2)  # rejected part-way: one more than it accepted
+    assert length.size == 3
+    length.update(proposed=0, accepted=0)  # nothing was proposed: nothing learnt
+    assert length.size == 3
