@@ -1350,10 +1350,13 @@ def _decoding_rows_cost(t: dict) -> str:
     alone_text = ("No decoding-time candidate decodes alone; " if not alone else
                   f"The {alone} others (certkv's probabilistic decoding press, or a press keeping books of its own) "
                   "decode alone, one token a forward, as kvpress does ([why](long-generations.md#calibration-cost)); ")
-    return (f"Of those, the {t['decoding_rows']} decoding-time candidates decode as one batch drafted by the full "
+    prefill = t.get("prefill_rows", 0)
+    members = (f"{t['decoding_rows']} decoding-time candidates" if not prefill else
+               f"{t['decoding_rows']} decoding-time candidates and the {prefill} prefill-time ones beside them")
+    return (f"Of those, the {members} decode as rows of one batch drafted by the full "
             f"answer: {seconds(t['rows_certkv_seconds'])} a request against {seconds(t['rows_kvpress_seconds'])} for "
             f"kvpress's pipeline on them, **{times(t['rows_speedup'])}**. " + alone_text
-            + "prefill-time candidates share the request's one prefill and the full answer's draft.")
+            + "every candidate shares the request's one prefill and the full answer's draft.")
 
 
 def streaming(data: dict) -> str:

@@ -29,6 +29,7 @@ from certkv.engine.decoding_rows import batchable_decoding_press, decode_rows, p
 from certkv.engine.decoding_run import is_decoding_press, run_decoding
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
+from certkv.engine.ragged_decode import Row, RowCache, gather_layer
 from certkv.engine.scoring import is_fast_path_press
 from certkv.model.generation import encode_request, for_protocol, greedy_decode, stop_token_ids
 from certkv.model.layers import attention_modules
@@ -213,6 +214,12 @@ class Engine:
             if c not in self.gathered and c not in self.decoding and not is_probabilistic_press(c.press)
         ]
 
+    @property
+    def row_candidates(self) -> list[PressCandidate]:
+        """The candidates a request decodes as rows of one ragged batch (:meth:`_decoding_rows_answers`):
+        the batchable decoding-time ones and, beside them, the gathered ones; none without the former."""
+        return [*self.decoding_rows, *self.gathered] if self.decoding_rows else []
+
     def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[PressCandidate]]:
         """Fast candidates grouped into padded batches, longest kept caches first.
 
@@ -285,7 +292,7 @@ class Engine:
         full.set_confidence(full_logprobs[0])
 
         answers: dict[str, CandidateAnswer] = {}
-        self._decoding_rows_answers(prefilled.cache, enc, draft, answers)  # from the intact full prefill
+        self._decoding_rows_answers(prefilled, draft, answers)  # from the intact full prefill
         t2a = time.perf_counter()
         seconds["candidates_decoding"] = t2a - t2
         verify: dict[str, float] = {}
@@ -359,11 +366,12 @@ class Engine:
                 prefilled.select_seconds[policy] = seconds[key] / len(policies)
 
     def _fast_answers(self, prefilled: _Prefilled, draft: list[int], reserve: int, answers: dict, verify: dict) -> None:
-        """The fast candidates' answers into `answers`, decoded in padded batches from the full answer's draft."""
+        """The fast candidates' answers into `answers`, decoded in padded batches from the full
+        answer's draft (none left to do when they decoded as rows: :meth:`_decoding_rows_answers`)."""
+        if self.decoding_rows:
+            return
         enc, n_ctx, by_candidate = prefilled.enc, prefilled.n_ctx, prefilled.by_candidate
-        kept = {
-            c.policy: n_ctx if by_candidate[c.policy][0] is None else by_candidate[c.policy][0].shape[2] for c in self.gathered
-        }
+        kept = {c.policy: _kept_entries(by_candidate[c.policy], n_ctx) for c in self.gathered}
         for chunk in self._chunks(prefilled.cache, kept, reserve):
             batch, mask, lengths = padded_cache(
                 prefilled.cache, [by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve, pool=self._pool
@@ -384,12 +392,7 @@ class Engine:
             )
             del batch
             for c, length, ids, lp in zip(chunk, lengths, token_lists, chunk_logprobs):
-                answer = answers[c.policy] = CandidateAnswer(
-                    c.policy, c.press_name, c.kv_retained, length / n_ctx, self._decode(ids), ids, "fast",
-                    seconds=prefilled.select_seconds.get(c.policy, 0.0),
-                )
-                answer.set_confidence(lp)
-                prefilled.set_lookahead(answer, by_candidate[c.policy])
+                answers[c.policy] = self._gathered_answer(c, prefilled, ids, lp, length)
 
     def _probabilistic_answers(self, prefilled: _Prefilled, reserve: int, answers: dict) -> None:
         """The probabilistic candidates' answers into `answers`, each decoded from its sample of the full cache."""
@@ -462,27 +465,58 @@ class Engine:
         answer.kv_peak, answer.kv_time = cost.peak, cost.time
         return answer
 
-    def _decoding_rows_answers(self, full, enc: EncodedRequest, draft: list[int], answers: dict) -> None:
+    def _decoding_rows_answers(self, prefilled: _Prefilled, draft: list[int], answers: dict) -> None:
         """The batchable decoding-time candidates' answers into `answers`, decoded together as rows
-        drafted by the full answer (:mod:`certkv.engine.decoding_rows`); `full` is the request's full
-        prefill, whose context entries the candidates that do not compress prefills start from.
+        drafted by the full answer (:mod:`certkv.engine.decoding_rows`), from the request's intact
+        full prefill (whose context entries the candidates that do not compress prefills start from).
+
+        The gathered (prefill-time) candidates of such a request join the same rows, each from its
+        kept entries of the full prefill: a long answer that leaves the draft decodes for many
+        forwards, and in one batch each forward reads the weights once for every candidate.
 
         A row is allocated at most its whole prompt and answer, so the rows decoded at once are
-        capped by `max_batch_bytes` as the fast path's batches are; each row's time is its batch's
-        shared evenly (a row is not timed on its own)."""
+        capped by `max_batch_bytes` as the fast path's batches are; each decoding-time row's time is
+        its batch's shared evenly (a row is not timed on its own)."""
         if not self.decoding_rows:
             return
+        enc, full = prefilled.enc, prefilled.cache
+        members = self.row_candidates
         per_row = _bytes_per_token(full) * (len(enc.context_ids) + len(enc.question_ids) + self.max_new_tokens + 1)
         size = max(1, self.max_batch_bytes // max(1, per_row))
-        for start in range(0, len(self.decoding_rows), size):
-            group = self.decoding_rows[start : start + size]
+        for start in range(0, len(members), size):
+            group = members[start : start + size]
             t0 = time.perf_counter()
-            rows = [prefilled_row(self.model, c.press, enc, self.max_new_tokens, self.stop_ids, full=full, draft=draft)
-                    for c in group]
+            rows = [self._row(c, prefilled, draft) for c in group]
             decode_rows(self.model, [row for row, _ in rows])
             seconds = (time.perf_counter() - t0) / len(rows)
             for c, (row, kept) in zip(group, rows):
-                answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
+                if c in self.gathered:
+                    answers[c.policy] = self._gathered_answer(c, prefilled, row.answer, row.logprobs, kept)
+                else:
+                    answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
+
+    def _row(self, c: PressCandidate, prefilled: _Prefilled, draft: list[int]) -> tuple[Row, float]:
+        """Candidate `c` of a request as a ragged row drafted by the full answer, and the entries
+        its prefill left: a decoding-time press's own prefill, or a gathered candidate's kept entries."""
+        enc, full = prefilled.enc, prefilled.cache
+        if c not in self.gathered:
+            return prefilled_row(self.model, c.press, enc, self.max_new_tokens, self.stop_ids, full=full, draft=draft)
+        selection = prefilled.by_candidate[c.policy]
+        room = len(enc.question_ids) + self.max_new_tokens + 1
+        cache = RowCache([gather_layer(layer.keys, layer.values, kept, prefilled.n_ctx, room)
+                          for layer, kept in zip(full.layers, selection)])
+        row = Row(cache, list(enc.question_ids), prefilled.n_ctx, self.max_new_tokens, self.stop_ids,
+                  lookup_ids=list(enc.context_ids), want_logprobs=True, draft=draft)
+        return row, float(_kept_entries(selection, prefilled.n_ctx))
+
+    def _gathered_answer(self, c: PressCandidate, prefilled: _Prefilled, ids: list[int], logprobs: list[float],
+                         kept: float) -> CandidateAnswer:
+        """A gathered candidate's answer: `ids` with their `logprobs`, from `kept` entries of the context."""
+        answer = CandidateAnswer(c.policy, c.press_name, c.kv_retained, kept / prefilled.n_ctx, self._decode(ids), ids,
+                                 "fast", seconds=prefilled.select_seconds.get(c.policy, 0.0))
+        answer.set_confidence(logprobs)
+        prefilled.set_lookahead(answer, prefilled.by_candidate[c.policy])
+        return answer
 
     def _run_decoding(self, c: PressCandidate, enc: EncodedRequest) -> CandidateAnswer:
         """A decoding-time press's own generation (:func:`certkv.engine.decoding_run.run_decoding`);
@@ -503,6 +537,12 @@ def _set_generation_costs(full: CandidateAnswer, answers, n_ctx: int, n_question
             cost = kv_cost(prefill_press_held(answer.kv_retained_actual * n_ctx, n_question, steps), n_ctx, n_question)
             answer.kv_peak, answer.kv_time = cost.peak, cost.time
         answer.set_agreement_with(full.token_ids)
+
+
+def _kept_entries(selection, n_ctx: int) -> int:
+    """The context entries a gathered candidate's `selection` keeps, as its first layer counts them
+    (the kept fraction a record reports): all `n_ctx` when it keeps the layer whole (None)."""
+    return n_ctx if selection[0] is None else selection[0].shape[2]
 
 
 def _bytes_per_token(cache) -> int:
