@@ -1348,7 +1348,7 @@ def _decoding_rows_cost(t: dict) -> str:
                 "full answer's draft among the prefill-time candidates only.")
     alone = t["decoding_alone"]
     alone_text = ("No decoding-time candidate decodes alone; " if not alone else
-                  f"The {alone} others (certkv's probabilistic decoding press, or a press keeping books of its own) "
+                  f"The {alone} others (presses whose choices or books certkv cannot keep per row) "
                   "decode alone, one token a forward, as kvpress does ([why](long-generations.md#calibration-cost)); ")
     prefill = t.get("prefill_rows", 0)
     members = (f"{t['decoding_rows']} decoding-time candidates" if not prefill else
@@ -1356,7 +1356,8 @@ def _decoding_rows_cost(t: dict) -> str:
     return (f"Of those, the {members} decode as rows of one batch drafted by the full "
             f"answer: {seconds(t['rows_certkv_seconds'])} a request against {seconds(t['rows_kvpress_seconds'])} for "
             f"kvpress's pipeline on them, **{times(t['rows_speedup'])}**. " + alone_text
-            + "every candidate shares the request's one prefill and the full answer's draft.")
+            + "prefill-time candidates decode from the request's one prefill, and every row follows the full answer's "
+            "draft while it agrees with it.")
 
 
 def streaming(data: dict) -> str:

@@ -145,7 +145,7 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
             **_answer_signals(full, full_row=True),
         }
     ]
-    n_fast = sum(1 for c in result.candidates if c.path == "fast") or 1
+    n_fast = sum(1 for c in result.candidates if c.path == "fast" and not c.own_seconds) or 1
     fast_share = seconds.get("candidates_fast", 0.0) / n_fast
     for cand in result.candidates:
         utility = score(contract.utility, cand.answer, answers, full.answer)
@@ -163,9 +163,10 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
                 ),
                 "path": cand.path,
                 **_generation_cost(cand, contract.cost_measure),
-                # A fast candidate: its share of the batched decodes, plus its own scoring when it is
-                # response-aware (chosen after the prefill; CandidateAnswer.seconds, 0 otherwise).
-                "seconds": cand.seconds if cand.path == "pipeline" else fast_share + cand.seconds,
+                # A fast candidate: its share of the batched decodes (already in its seconds when it
+                # decoded as a row), plus its own scoring when it is response-aware (chosen after the
+                # prefill; CandidateAnswer.seconds, 0 otherwise).
+                "seconds": cand.seconds if cand.path == "pipeline" or cand.own_seconds else fast_share + cand.seconds,
                 **on_every_row,
                 **_answer_signals(cand),
             }

@@ -14,8 +14,8 @@ Only presses whose choices a batched or chunked forward leaves as the pipeline's
 with float rounding only where two scores nearly tie, which the tests find nowhere. K-norm ranks
 keys by norm, and a token that recurs in a context and its answer has first-layer keys of exactly
 equal norm, told apart by rounding alone: its rows get the pipeline's first-layer key bits
-(:mod:`certkv.engine.first_layer_keys`), so it decodes as a row on models whose first key
-projection certkv can reshape. certkv's probabilistic decoding press, which draws at random at
+(:mod:`certkv.engine.first_layer_keys`), so it decodes as a row on the CPU, on models whose first
+key projection certkv can reshape. certkv's probabilistic decoding press, which draws at random at
 every step, decodes alone (:func:`certkv.engine.decoding_run.run_decoding`).
 """
 
@@ -56,7 +56,7 @@ def batchable_decoding_press(press: Any, model: PreTrainedModel) -> bool:
     """Whether `press` is one of kvpress's decoding presses (alone or as the decoding half of a
     ``PrefillDecodingPress``, whose prefill runs kvpress's own hook) with a scorer whose choices
     survive a ragged forward on `model` (:data:`ROUNDING_SAFE_SCORERS`, or a key-norm scorer when
-    `model`'s first key projection can be given the pipeline's bits), so it decodes as a row of a
+    `model` runs on the CPU and its first key projection can be given the pipeline's bits), so it decodes as a row of a
     ragged batch. Types are matched
     exactly: a subclass may compress differently. The wrapper's prefilling half, if any, must be a
     scorer keeping the same share of every layer (ScorerPress's own ``compress``), which a row's
@@ -71,8 +71,8 @@ def batchable_decoding_press(press: Any, model: PreTrainedModel) -> bool:
     inner = decoding_press_of(press)
     if inner is None or type(inner) not in BOOKKEPT_DECODING_PRESSES:
         return False
-    if ranks_by_key_norm(inner):
-        return first_layer_key_projection(model) is not None
+    if ranks_by_key_norm(inner):  # CPU only: first_layer_keys.py
+        return model.device.type == "cpu" and first_layer_key_projection(model) is not None
     return type(inner.base_press) in ROUNDING_SAFE_SCORERS
 
 

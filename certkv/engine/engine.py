@@ -3,7 +3,8 @@
 Score-based presses (plain kvpress ScorerPress subclasses) take the fast path: their top-k indices
 are recorded during the single full prefill (:mod:`certkv.engine.scoring`) and their answers are
 decoded together (:mod:`certkv.engine.batched_decode`). Decoding-time presses whose choices survive
-a batched forward decode together as rows drafted by the full answer (:mod:`certkv.engine.decoding_rows`);
+a batched forward decode together as rows drafted by the full answer (:mod:`certkv.engine.decoding_rows`),
+and a request that has such presses decodes its fast-path candidates as rows of the same batch;
 any other press (wrappers, threshold presses, the rest of the decoding-time ones) runs through
 kvpress's own context manager with a prefill of its own. Both are labelled ``path="pipeline"`` in
 the records: each answer is its own generation (a drafted row's seconds are its batch's, shared evenly).
@@ -85,6 +86,9 @@ class CandidateAnswer:
     recompute gate that fires there restarts on the full cache before anything wrong was produced.
     ``certificate_max_agreeing``: the same for the largest step certificate (``certificates``: per
     token, certkv's probabilistic decoding press only).
+    ``own_seconds``: ``seconds`` already holds a fast candidate's share of the decode it took part
+    in (a gathered candidate decoded as a row beside decoding-time ones); otherwise its share of the
+    request's batched fast decodes (``candidates_fast``) is added when it is recorded.
     """
 
     policy: str
@@ -106,6 +110,7 @@ class CandidateAnswer:
     confidence_min_agreeing: float | None = None
     certificates: list[float] | None = None
     certificate_max_agreeing: float | None = None
+    own_seconds: bool = False
 
     def set_confidence(self, logprobs: Sequence[float] | None) -> None:
         """Record the answer's confidence signals from its per-token log p (None: not known)."""
@@ -294,13 +299,14 @@ class Engine:
         answers: dict[str, CandidateAnswer] = {}
         self._decoding_rows_answers(prefilled, draft, answers)  # from the intact full prefill
         t2a = time.perf_counter()
-        seconds["candidates_decoding"] = t2a - t2
+        rows_mass = prefilled.mass_seconds  # the evicted mass of gathered candidates decoded as rows
+        seconds["candidates_decoding"] = t2a - t2 - rows_mass
         verify: dict[str, float] = {}
         reserve = len(enc.question_ids) + 4 * self.max_new_tokens
         self._fast_answers(prefilled, draft, reserve, answers, verify)
         self._probabilistic_answers(prefilled, reserve, answers)
         t3 = time.perf_counter()
-        seconds["candidates_fast"] = t3 - t2a - prefilled.mass_seconds
+        seconds["candidates_fast"] = t3 - t2a - (prefilled.mass_seconds - rows_mass)
         seconds["lookahead"] += prefilled.mass_seconds  # the probe and every candidate's evicted mass
         seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
         for c in self.slow:
@@ -491,7 +497,7 @@ class Engine:
             seconds = (time.perf_counter() - t0) / len(rows)
             for c, (row, kept) in zip(group, rows):
                 if c in self.gathered:
-                    answers[c.policy] = self._gathered_answer(c, prefilled, row.answer, row.logprobs, kept)
+                    answers[c.policy] = self._gathered_answer(c, prefilled, row.answer, row.logprobs, kept, seconds)
                 else:
                     answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
 
@@ -510,10 +516,13 @@ class Engine:
         return row, float(_kept_entries(selection, prefilled.n_ctx))
 
     def _gathered_answer(self, c: PressCandidate, prefilled: _Prefilled, ids: list[int], logprobs: list[float],
-                         kept: float) -> CandidateAnswer:
-        """A gathered candidate's answer: `ids` with their `logprobs`, from `kept` entries of the context."""
+                         kept: float, decode_seconds: float | None = None) -> CandidateAnswer:
+        """A gathered candidate's answer: `ids` with their `logprobs`, from `kept` entries of the
+        context; `decode_seconds`, its share of the rows' decode when it decoded as a row (else its
+        share of the padded fast decodes is added when recorded: ``CandidateAnswer.own_seconds``)."""
+        select = prefilled.select_seconds.get(c.policy, 0.0)
         answer = CandidateAnswer(c.policy, c.press_name, c.kv_retained, kept / prefilled.n_ctx, self._decode(ids), ids,
-                                 "fast", seconds=prefilled.select_seconds.get(c.policy, 0.0))
+                                 "fast", seconds=select + (decode_seconds or 0.0), own_seconds=decode_seconds is not None)
         answer.set_confidence(logprobs)
         prefilled.set_lookahead(answer, prefilled.by_candidate[c.policy])
         return answer

@@ -232,10 +232,10 @@ class Row:
     def _propose(self, budget: int) -> list[int]:
         """Up to `budget` tokens to try after the pending one: the draft's while the answer follows
         it, else prompt lookup's (none for a plainly greedy row)."""
+        self._looked_up = 0
         if budget <= 0:
             return []
         n = len(self.answer)
-        self._looked_up = 0
         if self.draft is not None and self.draft[:n] == self.answer and len(self.draft) > n:
             return self.draft[n : n + budget]
         proposal = self._lookup.propose(self.answer, self._length.cap(budget)) if self._lookup else []
@@ -291,7 +291,8 @@ def ragged_attention(
     and no weights.
 
     Per row this is :func:`certkv.model.attention.gqa_sdpa_attention` on a one-row batch: grouped
-    matmuls for at most 4 float32 queries on CPU, sdpa otherwise, with an additive mask."""
+    matmuls for at most 4 float32 queries on CPU, sdpa otherwise, with an additive mask (none for
+    one query on the grouped matmuls, where it would be all zeros)."""
     state = _FORWARD.get()
     if state is None:
         raise RuntimeError(f"the {NAME} attention runs only inside a ragged batch's forward")

@@ -21,8 +21,9 @@ at once, and interleaves them:
   under a decoding-time press (``Row.compression``) gives slots back at each compression event
   (its buffers cut to what it can still need, :meth:`~certkv.engine.ragged_decode.Row.give_back`),
   and its job then holds that much less: waiting jobs may be admitted at the next plan. A
-  ``Decode`` that cannot batch (certkv's probabilistic press, K-norm's decoding press) is decoded
-  alone at once.
+  ``Decode`` that cannot batch (certkv's probabilistic press; K-norm's decoding press off the CPU
+  or on a fused key projection: :func:`~certkv.engine.decoding_rows.batchable_decoding_press`) is
+  decoded alone at once.
 * **Tokens as decoded.** A job submitted with ``on_tokens`` (a
   :data:`~certkv.runtime.steps.TokenListener`) hears, on the worker thread, the answer so far of
   each of its ``final`` decodes: after every batched step that added tokens to its row, and after

@@ -117,8 +117,8 @@ def test_key_norm_rows_get_the_pipelines_first_layer_keys(embedded_recite, reque
     row, _ = prefilled_row(model, knorm, enc, max_new, stop_token_ids(model), full=full, draft=draft)
     other, _ = prefilled_row(model, streaming, enc, max_new, stop_token_ids(model), full=full, draft=draft)
     batch = RaggedBatch(model)
+    batch.add(other)  # the K-norm row second: its tokens sit past another row's in the packed sequence
     batch.add(row)
-    batch.add(other)
     while batch.rows:
         batch.step()
     assert row.answer == draft and len(row.answer) == max_new
@@ -217,3 +217,31 @@ def test_a_row_gives_slots_back_and_never_outgrows_its_first_allocation(embedded
     # TOVA's target (70% of every position seen) stays above what the halved prefill leaves: nothing
     # to give back, and its first allocation is its whole question and answer
     assert slots["prefill-streaming+tova"][-1] == slots["prefill-streaming+tova"][0] == k + q + max_new
+
+
+def test_prefill_time_candidates_decode_as_rows_and_are_timed_once(embedded_recite, requests):
+    """Beside a decoding-time candidate, a prefill-time one decodes as a row of the same batch: its
+    answer is the padded fast path's, and its seconds hold its share of the rows' decode, so no
+    phase of the request's time comes out negative (the probe's evicted-mass time counted once)."""
+    from kvpress import CompressionRatioDecodingPress, SnapKVPress, StreamingLLMPress
+
+    from certkv.engine.engine import Engine, PressCandidate
+
+    model, tokenizer = embedded_recite
+    snapkv = PressCandidate("snapkv@0.50", SnapKVPress(compression_ratio=0.5), "snapkv", 0.5)
+    decoding = PressCandidate("streaming_dec@0.50", CompressionRatioDecodingPress(
+        StreamingLLMPress(), target_compression_ratio=0.5, compression_interval=8), "compression_ratio_decoding", 0.5)
+    together = Engine(model, tokenizer, [snapkv, decoding], max_new_tokens=MAX_NEW, lookahead_tokens=4)
+    alone = Engine(model, tokenizer, [snapkv], max_new_tokens=MAX_NEW, lookahead_tokens=4)
+    assert together.row_candidates == [decoding, snapkv] and alone.row_candidates == []
+    from certkv.requests.request_set import generate_requests
+
+    for request in generate_requests("recite", 2, seed=77):
+        result = together.run(request.context, request.question, request.answer_prefix)
+        padded = alone.run(request.context, request.question, request.answer_prefix)
+        assert all(v >= 0 for v in result.seconds.values()), result.seconds
+        row, fast = result.candidates[0], padded.candidates[0]
+        assert row.policy == fast.policy == "snapkv@0.50"
+        assert row.token_ids == fast.token_ids and row.kv_retained_actual == fast.kv_retained_actual
+        assert row.lookahead_mass == pytest.approx(fast.lookahead_mass)
+        assert row.own_seconds and row.seconds > 0 and not fast.own_seconds

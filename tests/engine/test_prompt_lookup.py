@@ -52,3 +52,21 @@ def test_a_proposal_grows_while_accepted_whole_and_shrinks_once_rejected():
     assert length.size == 3
     length.update(proposed=0, accepted=0)  # nothing was proposed: nothing learnt
     assert length.size == 3
+
+
+def test_a_row_learns_only_from_lookup_proposals_it_was_fed():
+    """A row's proposal length learns from what it was fed: a feed with no proposal (no budget
+    left) teaches it nothing, however long the proposal before it was."""
+    from certkv.engine.ragged_decode import Row, RowCache
+
+    prompt = list(range(100, 160))
+    row = Row(RowCache([]), question_ids=[9], position=0, max_new_tokens=40, stop_ids=set(), lookup_ids=prompt)
+    row.answer = [100, 101]
+    tokens, _ = row.feed()
+    assert len(tokens) == 1 + 16  # the pending token and a proposal of the default length
+    row.accepted(16)
+    assert row._length.size == 32
+    row.max_new_tokens = len(row.answer)  # no budget left: the pending token alone
+    assert row.feed()[0] == [101]
+    row.accepted(0)
+    assert row._length.size == 32
