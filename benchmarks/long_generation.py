@@ -98,7 +98,8 @@ def recompute_gate(contract, rows, point: dict) -> list[dict]:
 
 def timing(contract, n: int) -> dict:
     """certkv's engine (every candidate) against kvpress's pipeline once per candidate and for the
-    full cache, on the first `n` requests, in one process. Also the part of each: the candidates
+    full cache, on the first `n` requests, in one process; and against its exact floor (the full
+    answer's prefill and decode, plus :func:`verify_floor_seconds`). Also the part of each: the candidates
     certkv decodes as rows of one drafted batch (the batchable decoding-time ones and the
     prefill-time ones beside them: the engine's ``candidates_decoding`` seconds) against kvpress's
     pipeline for those candidates alone."""
@@ -112,10 +113,13 @@ def timing(contract, n: int) -> dict:
     engine, tok, _ = load_engine(contract, "cpu")
     pipe = pipeline("kv-press-text-generation", model=engine.model, tokenizer=tok, device="cpu")
     requests = contract.load_requests()[:n]
-    certkv_s, kvpress_s, rows_certkv, rows_kvpress = [], [], [], []
+    certkv_s, kvpress_s, rows_certkv, rows_kvpress, floor_s = [], [], [], [], []
     for request in requests:
         t0 = time.perf_counter()
         result = engine.run(request.context, request.question, request.answer_prefix)
+        certkv_s.append(time.perf_counter() - t0)
+        floor_s.append(result.seconds["prefill"] + result.seconds["full_decode"]
+                       + verify_floor_seconds(engine, request, result))
         t1 = time.perf_counter()
         question = request.question + ("\n" + request.answer_prefix if request.answer_prefix else "")
         pipe(request.context, question=question, max_new_tokens=engine.max_new_tokens)
@@ -125,7 +129,6 @@ def timing(contract, n: int) -> dict:
             pipe(request.context, question=question, press=c.press, max_new_tokens=engine.max_new_tokens)
             in_rows += time.perf_counter() - t if c in engine.row_candidates else 0.0
         t2 = time.perf_counter()
-        certkv_s.append(t1 - t0)
         kvpress_s.append(t2 - t1)
         rows_certkv.append(result.seconds.get("candidates_decoding", 0.0))
         rows_kvpress.append(in_rows)
@@ -134,7 +137,32 @@ def timing(contract, n: int) -> dict:
             "decoding_rows": len(engine.decoding_rows), "decoding_alone": len(engine.decoding) - len(engine.decoding_rows),
             "prefill_rows": len(engine.row_candidates) - len(engine.decoding_rows),
             "rows_certkv_seconds": float(np.mean(rows_certkv)), "rows_kvpress_seconds": float(np.mean(rows_kvpress)),
-            "rows_speedup": float(np.sum(rows_kvpress) / max(np.sum(rows_certkv), 1e-9))}
+            "rows_speedup": float(np.sum(rows_kvpress) / max(np.sum(rows_certkv), 1e-9)),
+            "floor_seconds": float(np.mean(floor_s)), "over_floor": float(np.sum(certkv_s) / np.sum(floor_s))}
+
+
+def verify_floor_seconds(engine, request, result) -> float:
+    """The exact floor's verifying part of one request: every row candidate fed, as a row of one
+    batch, the answer it gave as its draft, so that each forward confirms all it may (the question,
+    then its answer up to each compression event) from the request's full prefill. Any calibrator
+    that reports each candidate's own greedy answer does at least this work, beside the full
+    answer's prefill and decode (``result.seconds``). Uses the engine's own row builder; meant for
+    contracts whose candidates all decode as rows (both long-generation contracts)."""
+    from certkv.engine.decoding_rows import decode_rows
+    from certkv.model.generation import encode_request, for_protocol
+
+    enc = for_protocol(encode_request(engine.tokenizer, request.context, request.question, request.answer_prefix),
+                       engine.query_aware)
+    prefilled, _ = engine._prefill(enc)
+    engine._select(prefilled)
+    own = {answer.policy: answer.token_ids for answer in result.candidates}
+    t0 = time.perf_counter()
+    rows = [engine._row(c, prefilled, own[c.policy])[0] for c in engine.row_candidates]
+    decode_rows(engine.model, rows)
+    seconds = time.perf_counter() - t0
+    if any(row.answer != own[c.policy] for row, c in zip(rows, engine.row_candidates)):
+        raise RuntimeError(f"{request.id}: a candidate fed its own answer as its draft answered otherwise")
+    return seconds
 
 
 def _shown(path: Path) -> str:
