@@ -29,6 +29,7 @@ must cover.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
 
 NAME = "certkv_ragged"
+
+logger = logging.getLogger(__name__)
 
 
 class RowLayer:
@@ -83,9 +86,13 @@ class RowLayer:
         return self._values[:, :, : self.length]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write (1, H_kv, n, d) new entries after the filled slots (growing when out of room)."""
+        """Write (1, H_kv, n, d) new entries after the filled slots. Out of room, the buffers grow,
+        and a warning says so: a row is allocated all it can need (``certkv serve`` reserves that
+        much of its KV budget), so growing means some reservation was too small."""
         end = self.length + keys.shape[2]
         if end > self.capacity:
+            logger.warning("a decoding row's layer outgrew its allocation (%d > %d slots): the KV budget "
+                           "reserved too little for it", end, self.capacity)
             self._keys = torch.cat([self.keys, keys], dim=2)
             self._values = torch.cat([self.values, values], dim=2)
         else:

@@ -112,3 +112,26 @@ def test_only_presses_whose_books_certkv_keeps_decode_as_rows(embedded):
     assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5)), model)
     # a prefill keeping a different share per layer does not fit a row's one allocation
     assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=PyramidKVPress(0.5), decoding_press=tova), model)
+
+
+def test_a_row_layer_that_outgrows_its_allocation_keeps_every_entry_and_says_so(caplog):
+    """Growing past the allocation means a KV reservation was too small: the entries are kept
+    (nothing lost), and a warning makes the under-reservation visible."""
+    import logging
+
+    import torch
+
+    from certkv.engine.ragged_decode import RowLayer
+
+    keys, values = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    layer = RowLayer.holding(keys, values, room=1)
+    more_k, more_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+    with caplog.at_level(logging.WARNING, logger="certkv.engine.ragged_decode"):
+        layer.append(more_k, more_v)
+    assert not caplog.records  # within its room
+    extra_k, extra_v = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
+    with caplog.at_level(logging.WARNING, logger="certkv.engine.ragged_decode"):
+        layer.append(extra_k, extra_v)
+    assert "outgrew its allocation (6 > 4 slots)" in caplog.text
+    assert torch.equal(layer.keys, torch.cat([keys, more_k, extra_k], dim=2))
+    assert torch.equal(layer.values, torch.cat([values, more_v, extra_v], dim=2))
