@@ -142,12 +142,14 @@ def timing(contract, n: int) -> dict:
 
 
 def verify_floor_seconds(engine, request, result) -> float:
-    """The exact floor's verifying part of one request: every row candidate fed, as a row of one
-    batch, the answer it gave as its draft, so that each forward confirms all it may (the question,
-    then its answer up to each compression event) from the request's full prefill. Any calibrator
-    that reports each candidate's own greedy answer does at least this work, beside the full
-    answer's prefill and decode (``result.seconds``). Uses the engine's own row builder; meant for
-    contracts whose candidates all decode as rows (both long-generation contracts)."""
+    """The verifying part of the exact floor of certkv's scheme, for one request: every row
+    candidate fed, as a row of one batch, the answer it gave as its draft, so that each forward
+    confirms all the scheme lets it (its question, then its answer up to each compression event)
+    from the request's full prefill. With the full answer's prefill and decode
+    (``result.seconds``) this is what drafting could at best leave: a verifier free to feed a
+    question and its answer in one forward would save one forward a batch. Uses the engine's own
+    row builder; meant for contracts whose candidates all decode as rows (both long-generation
+    contracts)."""
     from certkv.engine.decoding_rows import decode_rows
     from certkv.model.generation import encode_request, for_protocol
 

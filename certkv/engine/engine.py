@@ -3,11 +3,13 @@
 Score-based presses (plain kvpress ScorerPress subclasses) take the fast path: their top-k indices
 are recorded during the single full prefill (:mod:`certkv.engine.scoring`) and their answers are
 decoded together (:mod:`certkv.engine.batched_decode`). Decoding-time presses whose choices survive
-a batched forward decode together as rows drafted by the full answer (:mod:`certkv.engine.decoding_rows`),
-and a request that has such presses decodes its fast-path candidates as rows of the same batch;
+a batched forward decode together as rows drafted by the full answer (:mod:`certkv.engine.decoding_rows`);
 any other press (wrappers, threshold presses, the rest of the decoding-time ones) runs through
 kvpress's own context manager with a prefill of its own. Both are labelled ``path="pipeline"`` in
-the records: each answer is its own generation (a drafted row's seconds are its batch's, shared evenly).
+the records: each answer is its own generation (a drafted row's seconds are its batch's, shared
+evenly). A request that has such decoding-time presses decodes its gathered candidates (fast-path
+and response-aware) as rows of the same batch, still labelled ``path="fast"``, each with its share
+of the batch's time.
 """
 
 from __future__ import annotations
@@ -76,9 +78,11 @@ class CandidateAnswer:
     on the context entries this candidate evicts (:func:`certkv.signals.lookahead.evicted_mass`),
     ``lookahead_mass`` its maximum; None when the engine runs no probe, for the full cache, and on
     the pipeline path (kvpress prunes there, the kept indices are not known).
-    ``seconds``: on the pipeline path the candidate's whole run; on the fast path its share of the
-    scoring a response-aware press does after the prefill (0 for the others, whose cost is their
-    share of the batched decodes, ``Result.seconds["candidates_fast"]``).
+    ``seconds``: on the pipeline path the candidate's whole run (a decoding-time row: its share of
+    its batch's); on the fast path its share of the scoring a response-aware press does after the
+    prefill (0 for the others, whose cost is their share of the batched decodes,
+    ``Result.seconds["candidates_fast"]``), plus, when it decoded as a row (``own_seconds``), its
+    share of the rows' batch.
     ``kv_peak`` / ``kv_time``: the generation's KV relative to the full cache's
     (:mod:`certkv.core.kv_cost`); ``logprobs``: each generated token's log p (None: not known).
     ``confidence_min_agreeing``: the lowest token probability up to and including the first token
@@ -481,8 +485,8 @@ class Engine:
         forwards, and in one batch each forward reads the weights once for every candidate.
 
         A row is allocated at most its whole prompt and answer, so the rows decoded at once are
-        capped by `max_batch_bytes` as the fast path's batches are; each decoding-time row's time is
-        its batch's shared evenly (a row is not timed on its own)."""
+        capped by `max_batch_bytes` as the fast path's batches are; each row's time is its batch's
+        shared evenly (a row is not timed on its own)."""
         if not self.decoding_rows:
             return
         enc, full = prefilled.enc, prefilled.cache

@@ -62,6 +62,7 @@ class RowLayer:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         self._keys, self._values, self.length = keys, values, length
+        self._outgrown = False
 
     @classmethod
     def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> RowLayer:
@@ -91,14 +92,22 @@ class RowLayer:
         much of its KV budget), so growing means some reservation was too small."""
         end = self.length + keys.shape[2]
         if end > self.capacity:
-            logger.warning("a decoding row's layer outgrew its allocation (%d > %d slots): the KV budget "
-                           "reserved too little for it", end, self.capacity)
-            self._keys = torch.cat([self.keys, keys], dim=2)
-            self._values = torch.cat([self.values, values], dim=2)
-        else:
-            self._keys[:, :, self.length : end] = keys
-            self._values[:, :, self.length : end] = values
+            if not self._outgrown:  # once per layer: every later forward would say it again
+                logger.warning("a decoding row's layer outgrew its allocation (%d > %d slots): the KV budget "
+                               "reserved too little for it", end, self.capacity)
+                self._outgrown = True
+            self._grow(end + max(keys.shape[2], self.capacity // 4))
+        self._keys[:, :, self.length : end] = keys
+        self._values[:, :, self.length : end] = values
         self.length = end
+
+    def _grow(self, capacity: int) -> None:
+        """New buffers of `capacity` slots holding the filled ones (spare room, so the next appends fit)."""
+        keys, values = self.keys, self.values
+        self._keys = keys.new_empty((*keys.shape[:2], capacity, keys.shape[3]))
+        self._values = values.new_empty((*values.shape[:2], capacity, values.shape[3]))
+        self._keys[:, :, : self.length] = keys
+        self._values[:, :, : self.length] = values
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)

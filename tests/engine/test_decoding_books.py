@@ -135,3 +135,8 @@ def test_a_row_layer_that_outgrows_its_allocation_keeps_every_entry_and_says_so(
     assert "outgrew its allocation (6 > 4 slots)" in caplog.text
     assert torch.equal(layer.keys, torch.cat([keys, more_k, extra_k], dim=2))
     assert torch.equal(layer.values, torch.cat([values, more_v, extra_v], dim=2))
+    caplog.clear()
+    for _ in range(5):  # it says so once: later forwards over the grown buffers stay quiet
+        with caplog.at_level(logging.WARNING, logger="certkv.engine.ragged_decode"):
+            layer.append(more_k, more_v)
+    assert not caplog.records and layer.length == 11 and torch.equal(layer.keys[:, :, -1:], more_k)

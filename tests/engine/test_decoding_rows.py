@@ -219,10 +219,11 @@ def test_a_row_gives_slots_back_and_never_outgrows_its_first_allocation(embedded
     assert slots["prefill-streaming+tova"][-1] == slots["prefill-streaming+tova"][0] == k + q + max_new
 
 
-def test_prefill_time_candidates_decode_as_rows_and_are_timed_once(embedded_recite, requests):
+def test_prefill_time_candidates_decode_as_rows_and_are_timed_once(embedded_recite):
     """Beside a decoding-time candidate, a prefill-time one decodes as a row of the same batch: its
-    answer is the padded fast path's, and its seconds hold its share of the rows' decode, so no
-    phase of the request's time comes out negative (the probe's evicted-mass time counted once)."""
+    answer is the padded fast path's, and its seconds hold its share of the rows' decode: the rows'
+    shares fit in the decode's window, and no phase of the request's time comes out negative (the
+    probe's evicted-mass time is taken out of the window that spent it, once)."""
     from kvpress import CompressionRatioDecodingPress, SnapKVPress, StreamingLLMPress
 
     from certkv.engine.engine import Engine, PressCandidate
@@ -240,6 +241,9 @@ def test_prefill_time_candidates_decode_as_rows_and_are_timed_once(embedded_reci
         result = together.run(request.context, request.question, request.answer_prefix)
         padded = alone.run(request.context, request.question, request.answer_prefix)
         assert all(v >= 0 for v in result.seconds.values()), result.seconds
+        # the rows' shares are timed inside the rows' window, apart from the evicted-mass time it subtracts
+        rows_seconds = sum(c.seconds for c in result.candidates)
+        assert 0 < rows_seconds <= result.seconds["candidates_decoding"] + 1e-9
         row, fast = result.candidates[0], padded.candidates[0]
         assert row.policy == fast.policy == "snapkv@0.50"
         assert row.token_ids == fast.token_ids and row.kv_retained_actual == fast.kv_retained_actual
