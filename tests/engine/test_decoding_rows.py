@@ -137,7 +137,7 @@ def test_key_norm_rows_get_the_pipelines_first_layer_keys(embedded_recite, reque
     assert row.cache.layers[0].keys.shape[2] == n_ctx + q + max_new - 1
 
 
-def test_a_key_norm_press_decodes_alone_where_the_key_projection_is_not_plain(embedded_recite):
+def test_a_key_norm_press_decodes_alone_off_the_cpu_or_where_the_key_projection_is_not_plain(embedded_recite):
     import copy
 
     import torch
@@ -156,6 +156,10 @@ def test_a_key_norm_press_decodes_alone_where_the_key_projection_is_not_plain(em
     first.k_proj = ScaledLinear(first.k_proj.in_features, first.k_proj.out_features, bias=False)
     assert not batchable_decoding_press(press, other)
     assert batchable_decoding_press(_presses()["streaming@0.5/8"], other)
+    # off the CPU (here the meta device: no data, only the device type) K-norm decodes alone
+    elsewhere = copy.deepcopy(model).to("meta")
+    assert not batchable_decoding_press(press, elsewhere)
+    assert batchable_decoding_press(_presses()["streaming@0.5/8"], elsewhere)
 
 
 def test_a_forward_cannot_run_past_an_event(embedded_recite, requests):
