@@ -9,7 +9,7 @@ pending token plus the full answer's next tokens (prompt lookup after a departur
 row's next compression event. A chunk the greedy choice confirms is the pipeline's steps up to that
 event; the first token it rejects is where the row's own answer goes on.
 
-Only presses whose choices a batched or chunked forward leaves as the pipeline's decode rows
+Only presses whose choices survive a batched or chunked forward decode as rows
 (:func:`batchable_decoding_press`): StreamingLLM's positions and TOVA's attention scores change
 with float rounding only where two scores nearly tie, which the tests find nowhere. K-norm ranks
 keys by norm, and a token that recurs in a context and its answer has first-layer keys of exactly
