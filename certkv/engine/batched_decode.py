@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,6 +110,14 @@ def _pooled(pool: BufferPool | None, key: Hashable, shape: tuple[int, ...], like
     return buf[:numel].view(shape)
 
 
+def kept_count(selection: Sequence[torch.Tensor | None], context_length: int) -> int:
+    """The context entries a candidate's `selection` keeps, as its first layer counts them (what
+    its kept fraction reports): `selection[layer]` its kept indices (1, kv_heads, n_kept), or None
+    for the whole `context_length`."""
+    first = selection[0]
+    return context_length if first is None else first.shape[2]
+
+
 def padded_cache(
     full_cache: DynamicCache,
     selections: list[list[torch.Tensor | None]],
@@ -131,7 +139,7 @@ def padded_cache(
     layer_class = reserved_layer_class()
     n = len(selections)
     n_layers = len(selections[0])
-    lengths: list[int] = [context_length if sel[0] is None else sel[0].shape[2] for sel in selections]
+    lengths: list[int] = [kept_count(sel, context_length) for sel in selections]
     width = max(lengths)
     device = full_cache.layers[0].keys.device
     cache = DynamicCache()

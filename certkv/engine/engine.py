@@ -27,7 +27,7 @@ from certkv.core.gate_features import answer_confidence
 from certkv.core.kv_cost import kv_cost, prefill_press_held
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
-from certkv.engine.batched_decode import decode_candidates, padded_cache
+from certkv.engine.batched_decode import decode_candidates, kept_count, padded_cache
 from certkv.engine.decoding_rows import batchable_decoding_press, decode_rows, prefilled_row, run_of
 from certkv.engine.decoding_run import is_decoding_press, run_decoding
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
@@ -381,7 +381,7 @@ class Engine:
         if self.decoding_rows:
             return
         enc, n_ctx, by_candidate = prefilled.enc, prefilled.n_ctx, prefilled.by_candidate
-        kept = {c.policy: _kept_entries(by_candidate[c.policy], n_ctx) for c in self.gathered}
+        kept = {c.policy: kept_count(by_candidate[c.policy], n_ctx) for c in self.gathered}
         for chunk in self._chunks(prefilled.cache, kept, reserve):
             batch, mask, lengths = padded_cache(
                 prefilled.cache, [by_candidate[c.policy] for c in chunk], n_ctx, reserve=reserve, pool=self._pool
@@ -517,7 +517,7 @@ class Engine:
                           for layer, kept in zip(full.layers, selection)])
         row = Row(cache, list(enc.question_ids), prefilled.n_ctx, self.max_new_tokens, self.stop_ids,
                   lookup_ids=list(enc.context_ids), want_logprobs=True, draft=draft)
-        return row, float(_kept_entries(selection, prefilled.n_ctx))
+        return row, float(kept_count(selection, prefilled.n_ctx))
 
     def _gathered_answer(self, c: PressCandidate, prefilled: _Prefilled, ids: list[int], logprobs: list[float],
                          kept: float, decode_seconds: float | None = None) -> CandidateAnswer:
@@ -550,12 +550,6 @@ def _set_generation_costs(full: CandidateAnswer, answers, n_ctx: int, n_question
             cost = kv_cost(prefill_press_held(answer.kv_retained_actual * n_ctx, n_question, steps), n_ctx, n_question)
             answer.kv_peak, answer.kv_time = cost.peak, cost.time
         answer.set_agreement_with(full.token_ids)
-
-
-def _kept_entries(selection, n_ctx: int) -> int:
-    """The context entries a gathered candidate's `selection` keeps, as its first layer counts them
-    (the kept fraction a record reports): all `n_ctx` when it keeps the layer whole (None)."""
-    return n_ctx if selection[0] is None else selection[0].shape[2]
 
 
 def _bytes_per_token(cache) -> int:

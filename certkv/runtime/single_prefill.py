@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from kvpress.utils import compute_n_kept
 
-from certkv.engine.batched_decode import decode_candidates, padded_cache, reserved_layer_class
+from certkv.engine.batched_decode import decode_candidates, kept_count, padded_cache, reserved_layer_class
 from certkv.engine.engine import is_probabilistic_press
 from certkv.engine.full_cache import prefill_full
 from certkv.engine.layer_pruning import LayerPruner, pruned_peak_slots
@@ -273,8 +273,7 @@ class SinglePrefillPath:
             yield Decode(None, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=solo, batchable=False,
                          final=not self.gate.post_decode)
             return out["ids"], out["logprobs"], out["kept"], out["certificate"]
-        first = cast("torch.Tensor | None", selection[0])  # not probabilistic: a layer's kept indices
-        kept = (n_ctx if first is None else first.shape[2]) / n_ctx
+        kept = kept_count(cast("list[torch.Tensor | None]", selection), n_ctx) / n_ctx  # not probabilistic
         if row is None:
             row = gather_row(cache, selection, n_ctx, len(enc.question_ids) + max_new)  # empties `cache`
         job = Decode(row, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=None,
