@@ -11,7 +11,10 @@ decoding and prefill-time presses) and writes, torch-free:
    output's end, τ = 0), its mean ROUGE-L against the full output, and the KV it held: peak and
    KV-time, each over the full cache's;
 3. the certified point per task under the task utility and under the strict utility (the same
-   records, each candidate's loss rescored; the strict contract is a comparison, never deployed).
+   records, each candidate's loss rescored; the strict contract is a comparison, never deployed);
+4. per task and utility, each recompute-gated candidate of the certificate: its signal's AUC for
+   the requests its base breaks and the shares it restarts, on the pilot and certification split,
+   and its mean KV beside the best ungated certified point's.
 
 An unfinished store gives a preview (``--allow-incomplete``): the JSON says how many of the
 contract's requests it holds, and the certificates of a preview promise nothing. Calibrate first,
@@ -82,20 +85,27 @@ def per_candidate(rows: list[dict], tolerance: float) -> dict:
     return cells
 
 
-def strict_records(rows: list[dict], path: Path) -> None:
+def strict_rows(rows: list[dict]) -> list[dict]:
     """The store's rows with each loss rescored under the strict utility (1 − prefix agreement;
-    the full cache agrees with itself): a loss table `certify_contract` reads like a store's."""
+    the full cache agrees with itself)."""
     full = {r["request_id"]: r["answer"] for r in rows if r["policy"] == REFERENCE_POLICY}
+    out = []
+    for r in rows:
+        loss = 1.0 - prefix_agreement(r["answer"], full[r["request_id"]])
+        out.append({**r, "utility": 1.0 - loss, "utility_full": 1.0, "loss": loss})
+    return out
+
+
+def write_records(rows: list[dict], path: Path) -> None:
+    """`rows` as a JSON-lines loss table that `certify_contract` reads like a store's."""
     with path.open("w", encoding="utf-8") as fh:
-        for r in rows:
-            loss = 1.0 - prefix_agreement(r["answer"], full[r["request_id"]])
-            fh.write(json.dumps({**r, "utility": 1.0 - loss, "utility_full": 1.0, "loss": loss}) + "\n")
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def certified(contract, records_file: Path | None, allow_incomplete: bool) -> dict:
-    """The certified point per task (the contract's strata) and pooled (a comparison); what
-    refused to certify instead (a loss table read from a file is never a preview: too few requests
-    for the pilot is an error there)."""
+def certified(contract, records_file: Path | None, allow_incomplete: bool, rows: list[dict]) -> dict:
+    """The certified point per task (the contract's strata) and pooled (a comparison), with each
+    task's recompute gates (:func:`recompute_per_task`); what refused to certify instead (a loss
+    table read from a file is never a preview: too few requests for the pilot is an error there)."""
     from smollm2_ruler import entry_summary
 
     from certkv.calibration.certification import certify_contract_with_comparison
@@ -104,12 +114,32 @@ def certified(contract, records_file: Path | None, allow_incomplete: bool) -> di
     try:
         evidence, op, pooled = certify_contract_with_comparison(contract, records_file, allow_incomplete=allow_incomplete)
     except CertkvError as exc:
-        return {"strata": {}, "pooled": None, "incomplete": allow_incomplete, "error": str(exc)}
+        return {"strata": {}, "pooled": None, "incomplete": allow_incomplete, "error": str(exc), "recompute": {}}
+    entries = op.strata.entries if op.strata else {}
     return {
-        "strata": {name: entry_summary(e) for name, e in (op.strata.entries.items() if op.strata else [])},
+        "strata": {name: entry_summary(e) for name, e in entries.items()},
         "pooled": entry_summary(pooled) if pooled is not None else None,
         "incomplete": bool(evidence.incomplete),
+        "recompute": recompute_per_task(contract, rows, {name: e.to_dict() for name, e in entries.items()}),
     }
+
+
+def recompute_per_task(contract, rows: list[dict], entries: dict[str, dict]) -> dict[str, dict]:
+    """Per task whose stratum was certified (``candidates`` non-empty; a stratum too small to test
+    has none): each recompute-gated candidate's signal AUC for the requests its base breaks and the
+    shares it restarts, on the pilot and the certification split (``long_generation.recompute_gate``),
+    and ``best_ungated_kv``, the mean KV of the most aggressive ungated candidate that certified (1.0
+    when none did: the full cache), which a gated candidate's ``mean_memory`` saves against."""
+    from long_generation import recompute_gate  # benchmarks/ is the script's folder, on sys.path
+
+    out = {}
+    for task, entry in sorted(entries.items()):
+        if not entry.get("candidates"):
+            continue
+        ungated = [c["mean_kv_retained"] for c in entry["candidates"] if c["certified"] and not (c.get("gate") or {})]
+        out[task] = {"best_ungated_kv": min(ungated, default=1.0),
+                     "gates": recompute_gate(contract, [r for r in rows if r["task"] == task], entry)}
+    return out
 
 
 def calibration_timing(contract, n: int, previous: Path) -> dict | None:
@@ -141,10 +171,10 @@ def main() -> None:
         rows = list(store.records())
     strict = contract.model_copy(update={"utility": STRICT_UTILITY, "tolerance": 0.0})
     with tempfile.TemporaryDirectory() as tmp:
-        strict_file = Path(tmp) / "strict.jsonl"
-        strict_records(rows, strict_file)
-        certificates = {"task_utility": certified(contract, None, args.allow_incomplete),
-                        "strict_utility": certified(strict, strict_file, args.allow_incomplete)}
+        strict_file, rescored = Path(tmp) / "strict.jsonl", strict_rows(rows)
+        write_records(rescored, strict_file)
+        certificates = {"task_utility": certified(contract, None, args.allow_incomplete, rows),
+                        "strict_utility": certified(strict, strict_file, args.allow_incomplete, rescored)}
     out = {
         "contract": "contracts/smollm2_long.yaml",
         "model": contract.model,

@@ -258,8 +258,34 @@ def smollm2_long(data: dict) -> str:
         table(["task", f"`{u}`: point", "k/n", "bound", "mean KV", f"`{s}`: point", "k/n", "bound", "mean KV"], prow),
         *[f"Not certified under `{name}`: {c['error']}" for name, c in ((u, cert["task_utility"]), (s, cert["strict_utility"]))
           if c.get("error")],
+        *_smollm2_recompute(cert, u, s),
         *([_smollm2_timing(data["timing"])] if data.get("timing") else []),
     ])
+
+
+def _smollm2_recompute(cert: dict, u: str, s: str) -> list[str]:
+    """The recompute gates of each task's certificate, under both utilities (empty before any task
+    holds enough requests to test a candidate)."""
+    rows = []
+    for name, c in ((u, cert["task_utility"]), (s, cert["strict_utility"])):
+        for task, t in c.get("recompute", {}).items():
+            for g in t["gates"]:
+                pilot, cal = g["pilot"], g["certification"]
+                rows.append([f"`{name}`", task, f"`{g['policy']}`", num(g["threshold"]), num(pilot["auc"], 2),
+                             f"{pilot['broken']}/{pilot['n']}", pct(pilot["restarted"], 0), num(cal["auc"], 2),
+                             f"{cal['broken']}/{cal['n']}", pct(cal["restarted"], 0), pct(cal["restarted_late"], 0),
+                             "yes" if g["certified"] else "no", num(g["mean_memory"]), num(t["best_ungated_kv"])])
+    if not rows:
+        return []
+    return ["The recompute gate of each task's certificate, per base policy: its threshold on the lowest token "
+            "probability (placed on the task's pilot), the AUC of that probability for the requests the base breaks, "
+            "the base's broken requests and the share the gate restarts, on the pilot and on the certification split; "
+            "the share restarted after the first departure from the full answer (counted as violated); whether it "
+            "certified; its mean KV with restarts counted as the full cache's, beside the best ungated certified point's "
+            "(1.000: the full cache), which is what the gate saves against.",
+            table(["utility", "task", "candidate", "threshold", "AUC pilot", "broken pilot", "restarted pilot",
+                   "AUC cert.", "broken cert.", "restarted cert.", "restarted late", "certified", "mean KV",
+                   "best ungated KV"], rows)]
 
 
 def _smollm2_timing(t: dict) -> str:
