@@ -396,16 +396,15 @@ class RaggedBatch:
         with torch.no_grad():
             logits = model.get_output_embeddings()(hidden[0, torch.as_tensor(picks, device=model.device)])
         tokens = logits.argmax(-1)
-        wanted = any(row.want_logprobs for row in rows)
-        logprobs = chosen_logprobs(logits, tokens).tolist() if wanted else None
         chosen = tokens.tolist()
-        finished, at = [], 0
+        finished, at, appended = [], 0, []
         for b, row in enumerate(rows):
             first = not row.answer
             taken = 1 if first else fed[b]
             before = sum(lengths[b]) / len(lengths[b])
-            kept = _accept(row, chosen[at : at + taken], logprobs[at : at + taken] if logprobs is not None else None,
-                           feeds[b][0][1:], lengths[b])
+            had = len(row.answer)
+            kept = _accept(row, chosen[at : at + taken], feeds[b][0][1:], lengths[b])
+            appended.append((row, at, len(row.answer) - had))
             at += taken
             compressed = row.compression is not None and row.compression.confirm(
                 model, row.cache.layers, kept, feeds[b][1], question=first)
@@ -414,9 +413,26 @@ class RaggedBatch:
                 row.give_back()
             if row.done:
                 finished.append(row)
+        _append_logprobs(logits, tokens, appended)
         for row in finished:
             self.rows.remove(row)
         return finished
+
+
+def _append_logprobs(logits: torch.Tensor, tokens: torch.Tensor, appended: Sequence[tuple[Row, int, int]]) -> None:
+    """Each row that wants them gets the log p of the tokens its forward appended to its answer:
+    `appended` holds (row, its first pick in `logits` (P, vocab) and `tokens` (P,), how many it
+    appended). Only those picks are scored (:func:`chosen_logprobs`, float64 over the vocabulary):
+    a rejected proposal token's pick needs its argmax, never its log p."""
+    wanted = [(row, at, n) for row, at, n in appended if row.want_logprobs and n]
+    if not wanted:
+        return
+    index = torch.as_tensor([at + i for _, at, n in wanted for i in range(n)], device=logits.device)
+    values = chosen_logprobs(logits[index], tokens[index]).tolist()
+    start = 0
+    for row, _, n in wanted:
+        row.logprobs.extend(values[start : start + n])
+        start += n
 
 
 def _key_norm_rows(rows: Sequence[Row], spans: Sequence[slice]) -> list[tuple[slice, bool]]:
@@ -436,22 +452,18 @@ def _packed(feeds: Sequence[tuple[list[int], int]], device: torch.device) -> tup
             torch.as_tensor(positions, dtype=torch.long, device=device).view(1, -1))
 
 
-def _accept(row: Row, choices: list[int], logprobs: list[float] | None, proposal: list[int], lengths: list[int]) -> int:
-    """Append to `row` the greedy `choices` its forward confirmed (with their `logprobs` when
-    wanted) and crop its cache back to its `lengths` per layer before the forward plus the fed
-    tokens that stay: on its first forward one token, afterwards the pending token's choice and
-    each proposal token the greedy choice agreed with (decode_candidates's acceptance). Returns
-    how many fed tokens stay (the whole question on the first forward)."""
+def _accept(row: Row, choices: list[int], proposal: list[int], lengths: list[int]) -> int:
+    """Append to `row` the greedy `choices` its forward confirmed (their log p follow:
+    :func:`_append_logprobs`) and crop its cache back to its `lengths` per layer before the forward
+    plus the fed tokens that stay: on its first forward one token, afterwards the pending token's
+    choice and each proposal token the greedy choice agreed with (decode_candidates's acceptance).
+    Returns how many fed tokens stay (the whole question on the first forward)."""
     if len(row.answer) == 0:
         row.answer.append(choices[0])
-        if row.want_logprobs and logprobs is not None:
-            row.logprobs.append(logprobs[0])
         return len(row.question_ids)
     accepted = 0
     for i, token in enumerate(choices):
         row.answer.append(token)
-        if row.want_logprobs and logprobs is not None:
-            row.logprobs.append(logprobs[i])
         accepted = i + 1
         if row.done or i >= len(proposal) or token != proposal[i]:
             break
