@@ -78,22 +78,27 @@ def batchable_decoding_press(press: Any, model: PreTrainedModel) -> bool:
 
 def prefilled_row(model: PreTrainedModel, press: Any, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],
                   full: DynamicCache | None = None, draft: list[int] | None = None,
-                  lookup: bool = True) -> tuple[Row, float]:
+                  lookup: bool = True, selection: list[torch.Tensor] | None = None) -> tuple[Row, float]:
     """One request under a decoding-time `press` as a ragged row, its prefill done; returns the row
     and the entries its prefill left (the context, unless the press compresses prefills too).
 
     The prefill is kvpress's: under the press's context manager when the press compresses
-    prefills (its prefilling half), else the full context — copied out of `full`, a full prefill's
-    cache holding at least the context, (1, H_kv, ≥ n_ctx, d) per layer, when one is given.
-    The row feeds the question at the context's length (the pipeline's positions); `draft` is
-    proposed while the answer follows it, prompt lookup after (`lookup`).
+    prefills (its prefilling half), else the full context. With `full`, a full prefill's cache
+    holding at least the context, (1, H_kv, ≥ n_ctx, d) per layer, no prefill is run: the context
+    is copied out of it, or, for a press that compresses prefills, the entries its prefilling
+    scorer kept, `selection` (per layer (1, H_kv, n_kept) in kvpress's order, recorded in that
+    full prefill: a scorer's hook compresses a layer after its attention, so the pressed prefill's
+    kept entries are exactly these of the full one). The row feeds the question at the context's
+    length (the pipeline's positions); `draft` is proposed while the answer follows it, prompt
+    lookup after (`lookup`).
     """
     n_ctx = len(enc.context_ids)
     inner = decoding_press_of(press)
     books = DecodingCompression(inner) if inner is not None else None
-    if full is not None and not compresses_prefill(press):
-        room = _room(books, n_ctx, enc, max_new_tokens)
-        cache = RowCache([gather_layer(layer.keys, layer.values, None, n_ctx, room) for layer in full.layers])
+    if full is not None and (selection is not None or not compresses_prefill(press)):
+        kept_by_layer = selection if selection is not None else [None] * len(full.layers)
+        room = _room(books, max(n_ctx if k is None else k.shape[-1] for k in kept_by_layer), enc, max_new_tokens)
+        cache = RowCache([gather_layer(layer.keys, layer.values, k, n_ctx, room) for layer, k in zip(full.layers, kept_by_layer)])
     else:
         own = DynamicCache()
         context = torch.as_tensor(enc.context_ids, device=model.device).view(1, -1)

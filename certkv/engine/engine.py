@@ -176,6 +176,12 @@ class _Prefilled:
         self.mass_seconds += time.perf_counter() - tm
 
 
+def _prefilling_key(policy: str) -> str:
+    """Where a decoding-time row's prefilling scorer records its kept entries in the full prefill's
+    selections (beside the fast candidates', keyed by policy: ``#`` is in no policy name)."""
+    return f"{policy}#prefilling"
+
+
 class Engine:
     """Evaluates a fixed list of candidates on requests, one full prefill per request."""
 
@@ -218,6 +224,11 @@ class Engine:
         # choices survive it (decoding_rows), else each on its own as kvpress's pipeline does (decoding_run).
         self.decoding = [c for c in self.candidates if is_decoding_press(c.press)]
         self.decoding_rows = [c for c in self.decoding if batchable_decoding_press(c.press, model)]
+        # A row whose press also compresses prefills (a batchable one's prefilling half is a plain
+        # kvpress scorer) takes that scorer's kept entries from the request's one full prefill,
+        # recorded there beside the fast candidates' (prefilled_row).
+        self.prefilling_scorers = {_prefilling_key(c.policy): c.press.prefilling_press for c in self.decoding_rows
+                                   if getattr(c.press, "prefilling_press", None) is not None}
         self.slow = [
             c for c in self.candidates
             if c not in self.gathered and c not in self.decoding and not is_probabilistic_press(c.press)
@@ -328,7 +339,7 @@ class Engine:
         cache, by_candidate, sampled = prefill_full(
             self.model,
             enc.context_ids,
-            {c.policy: c.press for c in self.fast},
+            {**{c.policy: c.press for c in self.fast}, **self.prefilling_scorers},
             {c.policy: c.press for c in self.probabilistic},
             self.recorder,
             prefill_observers(c.press for c in self.response_aware),
@@ -510,7 +521,8 @@ class Engine:
         its prefill left: a decoding-time press's own prefill, or a gathered candidate's kept entries."""
         enc, full = prefilled.enc, prefilled.cache
         if c not in self.gathered:
-            return prefilled_row(self.model, c.press, enc, self.max_new_tokens, self.stop_ids, full=full, draft=draft)
+            return prefilled_row(self.model, c.press, enc, self.max_new_tokens, self.stop_ids, full=full, draft=draft,
+                                 selection=prefilled.by_candidate.get(_prefilling_key(c.policy)))
         selection = prefilled.by_candidate[c.policy]
         room = len(enc.question_ids) + self.max_new_tokens + 1
         cache = RowCache([gather_layer(layer.keys, layer.values, kept, prefilled.n_ctx, room)
