@@ -253,3 +253,38 @@ def test_prefill_time_candidates_decode_as_rows_and_are_timed_once(embedded_reci
         assert row.token_ids == fast.token_ids and row.kv_retained_actual == fast.kv_retained_actual
         assert row.lookahead_mass == pytest.approx(fast.lookahead_mass)
         assert row.own_seconds and row.seconds > 0 and not fast.own_seconds
+
+
+def test_a_row_that_compresses_its_prefill_takes_the_full_prefills_kept_entries(embedded_recite, requests):
+    """A row whose press also compresses prefills, built from the kept entries its prefilling
+    scorer recorded in the request's one full prefill (what the engine does), holds exactly the
+    keys and values of the row that ran kvpress's pressed prefill itself, and decodes as it does."""
+    import torch
+    from kvpress import CompressionRatioDecodingPress, KnormPress, PrefillDecodingPress, SnapKVPress, StreamingLLMPress
+
+    from certkv.engine.decoding_rows import prefilled_row
+    from certkv.engine.full_cache import prefill_full
+    from certkv.engine.ragged_decode import RaggedBatch
+    from certkv.model.generation import stop_token_ids
+
+    model, _ = embedded_recite
+    stops = stop_token_ids(model)
+    for prefilling in (SnapKVPress(compression_ratio=0.5, window_size=8), StreamingLLMPress(compression_ratio=0.4)):
+        press = PrefillDecodingPress(prefilling_press=prefilling, decoding_press=CompressionRatioDecodingPress(
+            KnormPress(), target_compression_ratio=0.5, compression_interval=8))
+        for enc in requests:
+            full, selections, _ = prefill_full(model, enc.context_ids, {"p#prefilling": prefilling})
+            shared, kept_shared = prefilled_row(model, press, enc, MAX_NEW, stops, full=full,
+                                                selection=selections["p#prefilling"])
+            own, kept_own = prefilled_row(model, press, enc, MAX_NEW, stops)
+            assert kept_shared == kept_own < len(enc.context_ids)
+            for a, b in zip(shared.cache.layers, own.cache.layers):
+                assert a.length == b.length
+                assert torch.equal(a.keys, b.keys)
+                assert torch.equal(a.values, b.values)
+            batch = RaggedBatch(model)
+            for row in (shared, own):
+                batch.add(row)
+            while batch.rows:
+                batch.step()
+            assert shared.answer == own.answer and shared.held == own.held
