@@ -98,10 +98,11 @@ def recompute_gate(contract, rows, point: dict) -> list[dict]:
 
 def timing(contract, n: int) -> dict:
     """certkv's engine (every candidate) against kvpress's pipeline once per candidate and for the
-    full cache, on the first `n` requests, in one process; and against its exact floor (the full
-    answer's prefill and decode, plus :func:`verify_floor_seconds`). Also the part of each: the candidates
-    certkv decodes as rows of one drafted batch (the batchable decoding-time ones and the
-    prefill-time ones beside them: the engine's ``candidates_decoding`` seconds) against kvpress's
+    full cache, on the first `n` requests, in one process; and against its exact floor (the
+    prefill, plus :func:`floor_decode_seconds`: the full answer's decode and every candidate's
+    verifying forwards). Also the part of each: the candidates certkv decodes as rows of one
+    drafted batch (the batchable decoding-time ones and the prefill-time ones beside them: the
+    engine's ``candidates_decoding`` seconds, the full answer's share apart) against kvpress's
     pipeline for those candidates alone."""
     import kvpress  # noqa: F401  (registers the pipeline)
     import torch
@@ -118,8 +119,7 @@ def timing(contract, n: int) -> dict:
         t0 = time.perf_counter()
         result = engine.run(request.context, request.question, request.answer_prefix)
         certkv_s.append(time.perf_counter() - t0)
-        floor_s.append(result.seconds["prefill"] + result.seconds["full_decode"]
-                       + verify_floor_seconds(engine, request, result))
+        floor_s.append(result.seconds["prefill"] + floor_decode_seconds(engine, request, result))
         t1 = time.perf_counter()
         question = request.question + ("\n" + request.answer_prefix if request.answer_prefix else "")
         pipe(request.context, question=question, max_new_tokens=engine.max_new_tokens)
@@ -138,19 +138,22 @@ def timing(contract, n: int) -> dict:
             "prefill_rows": len(engine.row_candidates) - len(engine.decoding_rows),
             "rows_certkv_seconds": float(np.mean(rows_certkv)), "rows_kvpress_seconds": float(np.mean(rows_kvpress)),
             "rows_speedup": float(np.sum(rows_kvpress) / max(np.sum(rows_certkv), 1e-9)),
-            "floor_seconds": float(np.mean(floor_s)), "over_floor": float(np.sum(certkv_s) / np.sum(floor_s))}
+            "floor_seconds": float(np.mean(floor_s)), "over_floor": float(np.sum(certkv_s) / np.sum(floor_s)),
+            "full_answer_row": bool(engine.decoding_rows)}
 
 
-def verify_floor_seconds(engine, request, result) -> float:
-    """The verifying part of the exact floor of certkv's scheme, for one request: every row
+def floor_decode_seconds(engine, request, result) -> float:
+    """The exact floor of certkv's scheme for one request, but its prefill (``result.seconds``):
+    the full answer decoded alone (speculatively, as the engine decodes it), then every row
     candidate fed, as a row of one batch, the answer it gave as its draft, so that each forward
     confirms all the scheme lets it (its question, then its answer up to each compression event)
-    from the request's full prefill. With the full answer's prefill and decode
-    (``result.seconds``) this is what drafting could at best leave: a verifier free to feed a
-    question and its answer in one forward would save one forward a batch. Uses the engine's own
-    row builder; meant for contracts whose candidates all decode as rows (both long-generation
-    contracts)."""
+    from the request's full prefill. This is what drafting could at best leave: a verifier free to
+    feed a question and its answer in one forward would save one forward a batch. (The engine
+    decodes the full answer as the first row of the candidates' batch, so its own seconds hold only
+    a share of it.) Uses the engine's own row builder; meant for contracts whose candidates all
+    decode as rows (both long-generation contracts)."""
     from certkv.engine.decoding_rows import decode_rows
+    from certkv.engine.full_cache import decode_full
     from certkv.model.generation import encode_request, for_protocol
 
     enc = for_protocol(encode_request(engine.tokenizer, request.context, request.question, request.answer_prefix),
@@ -159,6 +162,8 @@ def verify_floor_seconds(engine, request, result) -> float:
     engine._select(prefilled)
     own = {answer.policy: answer.token_ids for answer in result.candidates}
     t0 = time.perf_counter()
+    if decode_full(engine.model, prefilled.cache, enc, engine.max_new_tokens, engine.stop_ids) != result.full.token_ids:
+        raise RuntimeError(f"{request.id}: the full answer decoded alone differs from the engine's")
     rows = [engine._row(c, prefilled, own[c.policy])[0] for c in engine.row_candidates]
     decode_rows(engine.model, rows)
     seconds = time.perf_counter() - t0

@@ -303,19 +303,20 @@ class Engine:
         t1b = time.perf_counter()
         seconds["response_select"] = t1b - t1a
 
-        # The full-KV answer, decoded speculatively (prompt lookup); it then drafts for every candidate.
-        full_logprobs: list = [None]
-        draft = decode_full(self.model, prefilled.cache, enc, self.max_new_tokens, self.stop_ids, logprobs=full_logprobs)
-        t2 = time.perf_counter()
-        seconds["full_decode"] = t2 - t1b
-        full = CandidateAnswer(REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, self._decode(draft), draft, "full")
-        full.set_confidence(full_logprobs[0])
-
+        # The full-KV answer, decoded speculatively (prompt lookup); it drafts for every candidate.
+        # With decoding rows it is the first row of their batch, drafting them as it grows.
         answers: dict[str, CandidateAnswer] = {}
-        self._decoding_rows_answers(prefilled, draft, answers)  # from the intact full prefill
+        if self.decoding_rows:
+            draft, full_logprobs, seconds["full_decode"] = self._decoding_rows_answers(prefilled, answers)
+        else:
+            logprobs_out: list = [None]
+            draft = decode_full(self.model, prefilled.cache, enc, self.max_new_tokens, self.stop_ids, logprobs=logprobs_out)
+            full_logprobs, seconds["full_decode"] = logprobs_out[0], time.perf_counter() - t1b
+        full = CandidateAnswer(REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, self._decode(draft), draft, "full")
+        full.set_confidence(full_logprobs)
         t2a = time.perf_counter()
         rows_mass = prefilled.mass_seconds  # the evicted mass of gathered candidates decoded as rows
-        seconds["candidates_decoding"] = t2a - t2 - rows_mass
+        seconds["candidates_decoding"] = t2a - t1b - seconds["full_decode"] - rows_mass
         verify: dict[str, float] = {}
         reserve = len(enc.question_ids) + 4 * self.max_new_tokens
         self._fast_answers(prefilled, draft, reserve, answers, verify)
@@ -486,10 +487,17 @@ class Engine:
         answer.kv_peak, answer.kv_time = cost.peak, cost.time
         return answer
 
-    def _decoding_rows_answers(self, prefilled: _Prefilled, draft: list[int], answers: dict) -> None:
-        """The batchable decoding-time candidates' answers into `answers`, decoded together as rows
-        drafted by the full answer (:mod:`certkv.engine.decoding_rows`), from the request's intact
-        full prefill (whose context entries the candidates that do not compress prefills start from).
+    def _decoding_rows_answers(self, prefilled: _Prefilled, answers: dict) -> tuple[list[int], list[float], float]:
+        """The full answer, and the batchable decoding-time candidates' answers into `answers`,
+        decoded together as rows of one ragged batch (:mod:`certkv.engine.decoding_rows`) from the
+        request's intact full prefill (whose context entries the candidates that do not compress
+        prefills start from). Returns the full answer's ids, their log p and its share of the time.
+
+        The full answer is the first row (prompt lookup, as :func:`decode_full` decodes it) and
+        drafts the others as it grows: a candidate proposes its next tokens while it follows it,
+        prompt lookup otherwise. A long answer the lookup cannot draft takes a forward a token, and
+        a forward of few tokens costs about as much as its weights take to read, so the full answer's
+        forwards are shared with the candidates' instead of coming before them.
 
         The gathered (prefill-time) candidates of such a request join the same rows, each from its
         kept entries of the full prefill: a long answer that leaves the draft decodes for many
@@ -498,23 +506,34 @@ class Engine:
         A row is allocated at most its whole prompt and answer, so the rows decoded at once are
         capped by `max_batch_bytes` as the fast path's batches are; each row's time is its batch's
         shared evenly (a row is not timed on its own)."""
-        if not self.decoding_rows:
-            return
         enc, full = prefilled.enc, prefilled.cache
-        members = self.row_candidates
         per_row = _bytes_per_token(full) * (len(enc.context_ids) + len(enc.question_ids) + self.max_new_tokens + 1)
-        size = max(1, self.max_batch_bytes // max(1, per_row))
-        for start in range(0, len(members), size):
-            group = members[start : start + size]
+        size = max(2, self.max_batch_bytes // max(1, per_row))
+        lead, members = self._full_row(prefilled), self.row_candidates
+        groups = [members[: size - 1], *(members[i : i + size] for i in range(size - 1, len(members), size))]
+        lead_seconds = 0.0
+        for i, group in enumerate(groups):
             t0 = time.perf_counter()
-            rows = [self._row(c, prefilled, draft) for c in group]
-            decode_rows(self.model, [row for row, _ in rows])
-            seconds = (time.perf_counter() - t0) / len(rows)
+            rows = [self._row(c, prefilled, lead.answer) for c in group]
+            batch = [lead] * (i == 0) + [row for row, _ in rows]
+            decode_rows(self.model, batch)
+            seconds = (time.perf_counter() - t0) / len(batch)
+            lead_seconds = seconds if i == 0 else lead_seconds
             for c, (row, kept) in zip(group, rows):
                 if c in self.gathered:
                     answers[c.policy] = self._gathered_answer(c, prefilled, row.answer, row.logprobs, kept, seconds)
                 else:
                     answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
+        return lead.answer, lead.logprobs, lead_seconds
+
+    def _full_row(self, prefilled: _Prefilled) -> Row:
+        """The full-cache answer as a ragged row over a copy of the full prefill's context entries,
+        with prompt-lookup proposals (:func:`decode_full`'s answer, token for token)."""
+        enc, n_ctx = prefilled.enc, prefilled.n_ctx
+        room = len(enc.question_ids) + self.max_new_tokens + 1
+        cache = RowCache([gather_layer(layer.keys, layer.values, None, n_ctx, room) for layer in prefilled.cache.layers])
+        return Row(cache, list(enc.question_ids), n_ctx, self.max_new_tokens, self.stop_ids,
+                   lookup_ids=list(enc.context_ids), want_logprobs=True)
 
     def _row(self, c: PressCandidate, prefilled: _Prefilled, draft: list[int]) -> tuple[Row, float]:
         """Candidate `c` of a request as a ragged row drafted by the full answer, and the entries
