@@ -1381,7 +1381,8 @@ def _decoding_rows_cost(t: dict) -> str:
                f"{t['decoding_rows']} decoding-time candidates and the {prefill} prefill-time ones beside them")
     drafted = ("whose first row is the full answer, drafting the others as it grows (its share of the batch "
                "apart)" if t.get("full_answer_row") else "drafted by the full answer")
-    return (f"Of those, the {members} decode as rows of one batch {drafted}: {seconds(t['rows_certkv_seconds'])} a request against {seconds(t['rows_kvpress_seconds'])} for "
+    return (f"Of those, the {members} decode as rows of one batch {drafted}: "
+            f"{seconds(t['rows_certkv_seconds'])} a request against {seconds(t['rows_kvpress_seconds'])} for "
             f"kvpress's pipeline on them, **{times(t['rows_speedup'])}**. " + alone_text
             + "prefill-time candidates decode from the request's one prefill, and every row follows the full answer's "
             "draft while it agrees with it." + _over_floor(t))
