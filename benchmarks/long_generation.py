@@ -90,8 +90,8 @@ def recompute_gate(contract, rows, point: dict) -> list[dict]:
             restarted = low < threshold
             auc = float(roc_auc_score(broken, -low)) if 0 < broken.sum() < len(mine) else None
             entry[split] = {"n": len(mine), "broken": int(broken.sum()), "auc": auc,
-                            "restarted": float(restarted.mean()),
-                            "restarted_late": float((restarted & ~(agreeing < threshold)).mean())}
+                            "restarted": float(restarted.mean()) if mine else None,
+                            "restarted_late": float((restarted & ~(agreeing < threshold)).mean()) if mine else None}
         out.append(entry)
     return out
 
@@ -99,8 +99,8 @@ def recompute_gate(contract, rows, point: dict) -> list[dict]:
 def timing(contract, n: int) -> dict:
     """certkv's engine (every candidate) against kvpress's pipeline once per candidate and for the
     full cache, on the first `n` requests, in one process; and against its exact floor (the
-    prefill, plus :func:`floor_decode_seconds`: the full answer's decode and every candidate's
-    verifying forwards). Also the part of each: the candidates certkv decodes as rows of one
+    prefill, plus :func:`floor_decode_seconds`: the full answer's decode, and beside it every
+    candidate's verifying forwards). Also the part of each: the candidates certkv decodes as rows of one
     drafted batch (the batchable decoding-time ones and the prefill-time ones beside them: the
     engine's ``candidates_decoding`` seconds, the full answer's share apart) against kvpress's
     pipeline for those candidates alone."""
@@ -144,16 +144,14 @@ def timing(contract, n: int) -> dict:
 
 def floor_decode_seconds(engine, request, result) -> float:
     """The exact floor of certkv's scheme for one request, but its prefill (``result.seconds``):
-    the full answer decoded alone (speculatively, as the engine decodes it), then every row
-    candidate fed, as a row of one batch, the answer it gave as its draft, so that each forward
-    confirms all the scheme lets it (its question, then its answer up to each compression event)
-    from the request's full prefill. This is what drafting could at best leave: a verifier free to
-    feed a question and its answer in one forward would save one forward a batch. (The engine
-    decodes the full answer as the first row of the candidates' batch, so its own seconds hold only
-    a share of it.) Uses the engine's own row builder; meant for contracts whose candidates all
-    decode as rows (both long-generation contracts)."""
+    one batch of the full answer's row, decoded as the engine decodes it (prompt lookup: it is
+    not known yet), and every row candidate fed the answer it gave as its draft, so that each
+    forward confirms all the scheme lets it (its question, then its answer up to each compression
+    event) from the request's full prefill. This is what drafting could at best leave: a verifier
+    free to feed a question and its answer in one forward would save one forward a batch. Uses the
+    engine's own row builders; meant for contracts whose candidates all decode as rows (both
+    long-generation contracts). Raises when any answer differs from the engine's."""
     from certkv.engine.decoding_rows import decode_rows
-    from certkv.engine.full_cache import decode_full
     from certkv.model.generation import encode_request, for_protocol
 
     enc = for_protocol(encode_request(engine.tokenizer, request.context, request.question, request.answer_prefix),
@@ -162,11 +160,12 @@ def floor_decode_seconds(engine, request, result) -> float:
     engine._select(prefilled)
     own = {answer.policy: answer.token_ids for answer in result.candidates}
     t0 = time.perf_counter()
-    if decode_full(engine.model, prefilled.cache, enc, engine.max_new_tokens, engine.stop_ids) != result.full.token_ids:
-        raise RuntimeError(f"{request.id}: the full answer decoded alone differs from the engine's")
+    lead = engine._full_row(prefilled)
     rows = [engine._row(c, prefilled, own[c.policy])[0] for c in engine.row_candidates]
-    decode_rows(engine.model, rows)
+    decode_rows(engine.model, [lead, *rows])
     seconds = time.perf_counter() - t0
+    if lead.answer != result.full.token_ids:
+        raise RuntimeError(f"{request.id}: the full answer's row answered otherwise than the engine")
     if any(row.answer != own[c.policy] for row, c in zip(rows, engine.row_candidates)):
         raise RuntimeError(f"{request.id}: a candidate fed its own answer as its draft answered otherwise")
     return seconds

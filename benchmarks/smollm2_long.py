@@ -137,8 +137,10 @@ def recompute_per_task(contract, rows: list[dict], entries: dict[str, dict]) -> 
         if not entry.get("candidates"):
             continue
         ungated = [c["mean_kv_retained"] for c in entry["candidates"] if c["certified"] and not (c.get("gate") or {})]
-        out[task] = {"best_ungated_kv": min(ungated, default=1.0),
-                     "gates": recompute_gate(contract, [r for r in rows if r["task"] == task], entry)}
+        gates = recompute_gate(contract, [r for r in rows if r["task"] == task], entry)  # the strata are by task
+        if any(g["certification"]["n"] != entry["n"] for g in gates):
+            raise RuntimeError(f"task {task}: the records' certification split is not the certificate's {entry['n']} requests")
+        out[task] = {"best_ungated_kv": min(ungated, default=1.0), "gates": gates}
     return out
 
 

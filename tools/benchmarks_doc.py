@@ -1396,9 +1396,11 @@ def _over_floor(t: dict) -> str:
     """The long-generation timing against its exact floor, when measured."""
     if "over_floor" not in t:
         return ""
-    return (f" The exact floor of this drafting, the full answer's prefill and decode plus every candidate "
-            f"verifying its own answer as a row fed that answer as its draft (its question, then each forward up to "
-            f"its next compression event), is {seconds(t['floor_seconds'])} a request: certkv's engine takes "
+    what = ("the full answer's prefill, and one batch of its decode beside every candidate verifying its own answer"
+            if t.get("full_answer_row") else
+            "the full answer's prefill and decode plus every candidate verifying its own answer")
+    return (f" The exact floor of this drafting, {what} as a row fed that answer as its draft (its question, then "
+            f"each forward up to its next compression event), is {seconds(t['floor_seconds'])} a request: certkv's engine takes "
             f"**{times(t['over_floor'])}** of it (target ≤ {LONG_FLOOR_TARGET}×).")
 
 

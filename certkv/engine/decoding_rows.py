@@ -5,7 +5,8 @@ Calibration needs every candidate's own greedy generation, and most of it is the
 answer: a candidate follows it until its first departure. So each candidate becomes a
 :class:`~certkv.engine.ragged_decode.Row` of one batch, its compression kept by
 :class:`~certkv.engine.decoding_compression.DecodingCompression`, and every forward feeds a row its
-pending token plus the full answer's next tokens (prompt lookup after a departure), never past the
+pending token plus the full answer's next tokens (prompt lookup after a departure, or while the
+full answer, itself the batch's first row in the engine, has not got that far), never past the
 row's next compression event. A chunk the greedy choice confirms is the pipeline's steps up to that
 event; the first token it rejects is where the row's own answer goes on.
 

@@ -153,7 +153,8 @@ class RequestResult:
 @dataclass
 class _Prefilled:
     """One request in :meth:`Engine.run` after its single full prefill: the full cache, what each
-    fast candidate keeps of it (`by_candidate`) and each probabilistic candidate's sample
+    fast candidate keeps of it (`by_candidate`; also, under ``<policy>#prefilling``, what a decoding
+    row's prefilling scorer keeps) and each probabilistic candidate's sample
     (`sampled`); the lookahead probe (None: no probe) and the KV heads per layer; the time the
     candidates' evicted mass has taken so far (counted as lookahead); and per response-aware
     candidate its share of the scoring it shares with the retentions of its press
@@ -508,22 +509,29 @@ class Engine:
         shared evenly (a row is not timed on its own)."""
         enc, full = prefilled.enc, prefilled.cache
         per_row = _bytes_per_token(full) * (len(enc.context_ids) + len(enc.question_ids) + self.max_new_tokens + 1)
-        size = max(2, self.max_batch_bytes // max(1, per_row))
+        size = max(1, self.max_batch_bytes // max(1, per_row))
+        t0 = time.perf_counter()
         lead, members = self._full_row(prefilled), self.row_candidates
+        lead_seconds = time.perf_counter() - t0  # its copy of the context, then its share of the first batch
+        # the first batch holds the full answer and size − 1 candidates (none: it decodes alone)
         groups = [members[: size - 1], *(members[i : i + size] for i in range(size - 1, len(members), size))]
-        lead_seconds = 0.0
         for i, group in enumerate(groups):
             t0 = time.perf_counter()
             rows = [self._row(c, prefilled, lead.answer) for c in group]
+            t1 = time.perf_counter()
             batch = [lead] * (i == 0) + [row for row, _ in rows]
             decode_rows(self.model, batch)
-            seconds = (time.perf_counter() - t0) / len(batch)
-            lead_seconds = seconds if i == 0 else lead_seconds
+            share = (time.perf_counter() - t1) / len(batch)
+            if i == 0:
+                lead_seconds += share
+                lead.cache.layers.clear()  # its answer is all the later batches need
             for c, (row, kept) in zip(group, rows):
+                seconds = (t1 - t0) / len(rows) + share  # its share of the gathers, and of the decode
                 if c in self.gathered:
                     answers[c.policy] = self._gathered_answer(c, prefilled, row.answer, row.logprobs, kept, seconds)
                 else:
                     answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
+            del rows, batch  # the next batch's caches are gathered after these are gone
         return lead.answer, lead.logprobs, lead_seconds
 
     def _full_row(self, prefilled: _Prefilled) -> Row:

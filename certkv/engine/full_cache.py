@@ -49,8 +49,9 @@ def prefill_full(
 ) -> tuple[DynamicCache, dict[str, list[torch.Tensor | None]], dict[str, list[Selection | None]]]:
     """The one full prefill of a request: returns (cache, fast selections, probabilistic selections).
 
-    `fast` / `probabilistic` map a policy name to its press (the engine's scoring / selection
-    hooks record their kept entries per layer); `recorder` is an AgreementRecorder or None;
+    `fast` / `probabilistic` map a name (a policy's, or the engine's key for a decoding row's
+    prefilling scorer) to its press (the engine's scoring / selection hooks record their kept
+    entries per layer); `recorder` is an AgreementRecorder or None;
     `observers` are response-aware presses whose ``observe()`` records prompt-side statistics
     from this same forward (their ``select()`` follows, over the returned full cache).
     `pruner` (one `fast` press) keeps only that press's entries of each layer as soon as the layer

@@ -177,7 +177,8 @@ class Row:
     context length, or the pruned length for presses that continue from it); `lookup_ids` seed
     the prompt-lookup proposals (None: plain greedy, one token per step). `answer` and
     `logprobs` fill as the row decodes; `done` once it has stopped. `draft`, when given, is
-    proposed while the answer follows it (calibration's full-cache answer), prompt lookup after.
+    proposed while the answer follows it (calibration's full-cache answer, possibly a list still
+    growing: the full answer's own row in the same batch), prompt lookup after or beyond its end.
     `compression`: the row's decoding-time press books (None: its cache only grows); a forward
     then feeds no further than the press's next compression event, which follows it."""
 

@@ -1,7 +1,7 @@
 """The full-cache answer as steps (:mod:`certkv.runtime.steps`): one plain prefill, then its decode.
 
-Every path answers from the full cache the same way, as calibration's ``full`` record was decoded
-(:func:`certkv.engine.full_cache.decode_full`); this module gives that answer with a prefill of its
+Every path answers from the full cache the same way, :func:`certkv.engine.full_cache.decode_full`,
+whose answer is calibration's ``full`` record token for token; this module gives that answer with a prefill of its
 own (a fallback, a request outside the certificate, an override, an escalation whose full cache is
 gone) and from a full prefill a path already holds (:func:`decode_from_full`).
 """

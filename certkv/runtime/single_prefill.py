@@ -31,8 +31,9 @@ prefilled (:mod:`certkv.engine.layer_pruning`), so the full prefill never exists
 request reserves only that peak (:meth:`SinglePrefillPath.reservation`). The probabilistic press always holds its full
 cache: its Hájek decode is its own, unbatched.
 
-The full-cache answer is always decoded as calibration decodes it
-(:func:`certkv.engine.full_cache.decode_full`), so that it equals the store's ``full`` record.
+The full-cache answer is always decoded as :func:`certkv.engine.full_cache.decode_full` decodes it,
+which is the store's ``full`` record token for token (calibration decodes it so, or, beside
+decoding rows, as the first row of their batch: the same greedy answer, checked in the tests).
 """
 
 from __future__ import annotations

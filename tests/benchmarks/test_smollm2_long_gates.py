@@ -26,7 +26,7 @@ def _entry(certified_ungated: bool) -> dict:
     gated = {"policy": "p@0.50+recq0.1", "certified": True, "mean_kv_retained": 0.62, "gate": {"recompute": 0.05}}
     ungated = [{"policy": "p@0.70", "certified": certified_ungated, "mean_kv_retained": 0.7, "gate": None},
                {"policy": "p@0.90", "certified": True, "mean_kv_retained": 0.9, "gate": {}}]
-    return {"pilot": {"request_ids": ["a0", "a1"]}, "candidates": [*ungated, gated]}
+    return {"pilot": {"request_ids": ["a0", "a1"]}, "candidates": [*ungated, gated], "n": 6}
 
 
 def test_recompute_gates_per_task_count_what_the_records_say():
@@ -47,6 +47,8 @@ def test_recompute_gates_per_task_count_what_the_records_say():
     assert cert["restarted"] == 2 / 6 and cert["restarted_late"] == 1 / 6  # a4 restarted after it departed
     assert gate["pilot"]["auc"] == 1.0 and gate["pilot"]["restarted"] == 0.5
     assert smollm2_long.recompute_per_task(Contract(), _records(), {"a": _entry(False)})["a"]["best_ungated_kv"] == 0.9
+    with pytest.raises(RuntimeError, match="certification split"):
+        smollm2_long.recompute_per_task(Contract(), _records(), {"a": {**_entry(True), "n": 7}})
 
 
 def test_recompute_table_renders_each_task_and_utility():

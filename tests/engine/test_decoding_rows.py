@@ -238,12 +238,19 @@ def test_prefill_time_candidates_decode_as_rows_and_are_timed_once(embedded_reci
         StreamingLLMPress(), target_compression_ratio=0.5, compression_interval=8), "compression_ratio_decoding", 0.5)
     together = Engine(model, tokenizer, [snapkv, decoding], max_new_tokens=MAX_NEW, lookahead_tokens=4)
     alone = Engine(model, tokenizer, [snapkv], max_new_tokens=MAX_NEW, lookahead_tokens=4)
+    # room for one row a batch: the full answer decodes alone, then each candidate drafted by all of it
+    one_by_one = Engine(model, tokenizer, [snapkv, decoding], max_new_tokens=MAX_NEW, lookahead_tokens=4, max_batch_bytes=1)
     assert together.row_candidates == [decoding, snapkv] and alone.row_candidates == []
     from certkv.requests.request_set import generate_requests
 
     for request in generate_requests("recite", 2, seed=77):
         result = together.run(request.context, request.question, request.answer_prefix)
         padded = alone.run(request.context, request.question, request.answer_prefix)
+        single = one_by_one.run(request.context, request.question, request.answer_prefix)
+        # the full answer, decoded as the rows' first row, is decode_full's (the padded path's)
+        assert result.full.token_ids == padded.full.token_ids == single.full.token_ids
+        assert result.full.confidence_min == pytest.approx(padded.full.confidence_min, rel=1e-3)
+        assert [c.token_ids for c in single.candidates] == [c.token_ids for c in result.candidates]
         assert all(v >= 0 for v in result.seconds.values()), result.seconds
         # the rows' shares are timed inside the rows' window, apart from the evicted-mass time it subtracts
         rows_seconds = sum(c.seconds for c in result.candidates)
