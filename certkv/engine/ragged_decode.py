@@ -265,9 +265,11 @@ class Row:
         self._length.update(self._looked_up, confirmed)
 
 
-#: The rows of the forward in progress and where each one's fed tokens sit in the packed sequence
+#: The rows of the forward in progress, where each one's fed tokens sit in the packed sequence, and
+#: the causal masks built so far, by (new tokens, keys): every layer of a row needs the same one
 #: (read by the attention).
-_FORWARD: ContextVar[tuple[Sequence[Row], Sequence[slice]] | None] = ContextVar("certkv_ragged_forward", default=None)
+_FORWARD: ContextVar[tuple[Sequence[Row], Sequence[slice], dict[tuple[int, int], torch.Tensor]] | None] = ContextVar(
+    "certkv_ragged_forward", default=None)
 
 
 def packed_spans(fed: Sequence[int]) -> list[slice]:
@@ -313,7 +315,7 @@ def ragged_attention(
     state = _FORWARD.get()
     if state is None:
         raise RuntimeError(f"the {NAME} attention runs only inside a ragged batch's forward")
-    rows, spans = state
+    rows, spans, masks = state
     layer_idx = module.layer_idx
     out = query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
     on_cpu = query.device.type == "cpu"
@@ -326,7 +328,11 @@ def ragged_attention(
         attend = _grouped_matmul_attention if on_cpu and q.dtype == torch.float32 and n <= 4 else _sdpa
         # one query sees every key: the grouped matmuls' additive mask would be all zeros (adding it
         # changes no bit), so none is built
-        mask = None if n == 1 and attend is _grouped_matmul_attention else _causal_mask(n, k_len, query)
+        mask = None
+        if n > 1 or attend is not _grouped_matmul_attention:
+            mask = masks.get((n, k_len))
+            if mask is None:
+                mask = masks[n, k_len] = _causal_mask(n, k_len, query)
         out[0, span] = attend(q, k, v, mask, dropout, scaling, False, gqa)[0].transpose(0, 1)
     return out, None
 
@@ -346,7 +352,7 @@ def register() -> None:
 
 @contextmanager
 def _forward_rows(rows: Sequence[Row], spans: Sequence[slice]) -> Iterator[None]:
-    token = _FORWARD.set((rows, spans))
+    token = _FORWARD.set((rows, spans, {}))
     try:
         yield
     finally:
