@@ -378,10 +378,13 @@ class RaggedBatch:
         self.rows.remove(row)
 
     def step(self) -> list[Row]:
-        """One batched forward for every row; returns the rows that finished (removed from the batch)."""
+        """One batched forward for every row but those waiting for their draft (:meth:`_waiting`);
+        returns the rows that finished (removed from the batch)."""
         if not self.rows:
             return []
-        model, rows = self.model, list(self.rows)
+        growing = {id(row.answer) for row in self.rows}
+        model = self.model
+        rows = [row for row in self.rows if not _waiting(row, growing)] or list(self.rows)
         feeds = [row.feed() for row in rows]
         fed = [len(tokens) for tokens, _ in feeds]
         spans = packed_spans(fed)
@@ -440,6 +443,27 @@ def _append_logprobs(logits: torch.Tensor, tokens: torch.Tensor, appended: Seque
     for row, _, n in wanted:
         row.logprobs.extend(values[start : start + n])
         start += n
+
+
+#: A row that follows a draft still being decoded waits until the draft is this many tokens ahead
+#: of it (or reaches the row's next compression event, or its end).
+DRAFT_LEAD = 16
+
+
+def _waiting(row: Row, growing: set[int]) -> bool:
+    """Whether `row` skips this forward: its answer so far is its draft, and that draft is the
+    answer of a row still decoding in the batch (`growing`: ids of those answer lists) that is not
+    yet :data:`DRAFT_LEAD` tokens, the row's next compression event or its end ahead. Fed a token
+    a forward as the draft grows, the row would cost a forward's per-row work for every token;
+    waiting, it is fed the draft a chunk at a time, as when the draft is known (the same tokens:
+    the feeding never changes an answer)."""
+    draft, answer = row.draft, row.answer
+    if draft is None or not answer or id(draft) not in growing or draft[: len(answer)] != answer:
+        return False
+    budget = row.max_new_tokens - len(answer)
+    if row.compression is not None:
+        budget = min(budget, row.compression.room() - 1)
+    return len(draft) - len(answer) < min(DRAFT_LEAD, budget)
 
 
 def _key_norm_rows(rows: Sequence[Row], spans: Sequence[slice]) -> list[tuple[slice, bool]]:
