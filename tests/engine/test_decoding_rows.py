@@ -295,3 +295,28 @@ def test_a_row_that_compresses_its_prefill_takes_the_full_prefills_kept_entries(
             while batch.rows:
                 batch.step()
             assert shared.answer == own.answer and shared.held == own.held
+
+
+def test_a_row_waits_for_a_growing_draft_until_it_is_a_chunk_ahead():
+    """A row caught up with the answer of a row still decoding (the engine's full answer) skips
+    forwards until that draft is DRAFT_LEAD tokens, its budget, or the row's own departure away."""
+    from certkv.engine.ragged_decode import DRAFT_LEAD, Row, RowCache, _waiting
+
+    lead_answer = [5, 6, 7]
+    row = Row(RowCache([]), [1], 0, max_new_tokens=100, stop_ids=set(), draft=lead_answer)
+    growing = {id(lead_answer)}
+    assert not _waiting(row, growing)  # its question is fed first
+    row.answer = [5, 6, 7]
+    assert _waiting(row, growing)  # caught up
+    assert not _waiting(row, set())  # the draft's row is done: what there is, is all there will be
+    lead_answer.extend(range(10, 10 + DRAFT_LEAD - 1))
+    assert _waiting(row, growing)  # not a whole chunk ahead yet
+    lead_answer.append(99)
+    assert not _waiting(row, growing)  # a chunk ahead: fed it at once
+    row.answer = [5, 6, 8]
+    assert not _waiting(row, growing)  # departed: it goes on with its own proposals
+    near_end = Row(RowCache([]), [1], 0, max_new_tokens=5, stop_ids=set(), draft=[5, 6, 7, 8])
+    near_end.answer = [5, 6, 7]
+    assert _waiting(near_end, {id(near_end.draft)})  # 1 ahead, 2 left to decode
+    near_end.draft.append(9)
+    assert not _waiting(near_end, {id(near_end.draft)})  # the rest of its answer is there
