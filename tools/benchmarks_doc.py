@@ -244,7 +244,9 @@ def smollm2_long(data: dict) -> str:
         f"ε = {data['risk']}, δ = {data['delta']}; a recompute gate placed on a pilot of {pct(data['pilot'], 0)} of the "
         f"requests; candidates compared by their {data['kv_cost']} KV; certified per task. {status}",
         "The full cache's own quality on the calibrated requests (mean ROUGE-L against the recited text, the requests "
-        "under 0.5) and the engine's seconds per request, one thread, every candidate decoding its own answer:",
+        "under 0.5) and the engine's seconds per request, every candidate decoding its own answer, as the calibration "
+        "recorded them (one thread a worker, on a machine shared with other work, by every engine version that wrote "
+        "the store; the engine's cost now is the timing at the end of this section):",
         table(["task", "requests", f"full-cache {u}", "under 0.5", "seconds per request"], full_rows),
         f"Per candidate (per task: {' / '.join(tasks)}): the KV it held over the full cache's, at its peak and on "
         f"average over the decoding steps; the requests it breaks under `{u}` (its score more than τ below the full "
