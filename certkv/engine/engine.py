@@ -537,26 +537,27 @@ class Engine:
     def _full_row(self, prefilled: _Prefilled) -> Row:
         """The full-cache answer as a ragged row over a copy of the full prefill's context entries,
         with prompt-lookup proposals (:func:`decode_full`'s answer, token for token)."""
-        enc, n_ctx = prefilled.enc, prefilled.n_ctx
-        room = len(enc.question_ids) + self.max_new_tokens + 1
-        cache = RowCache([gather_layer(layer.keys, layer.values, None, n_ctx, room) for layer in prefilled.cache.layers])
-        return Row(cache, list(enc.question_ids), n_ctx, self.max_new_tokens, self.stop_ids,
-                   lookup_ids=list(enc.context_ids), want_logprobs=True)
+        return self._gathered_row(prefilled, [None] * len(prefilled.cache.layers), None)
 
     def _row(self, c: PressCandidate, prefilled: _Prefilled, draft: list[int]) -> tuple[Row, float]:
         """Candidate `c` of a request as a ragged row drafted by the full answer, and the entries
         its prefill left: a decoding-time press's own prefill, or a gathered candidate's kept entries."""
-        enc, full = prefilled.enc, prefilled.cache
         if c not in self.gathered:
-            return prefilled_row(self.model, c.press, enc, self.max_new_tokens, self.stop_ids, full=full, draft=draft,
+            return prefilled_row(self.model, c.press, prefilled.enc, self.max_new_tokens, self.stop_ids,
+                                 full=prefilled.cache, draft=draft,
                                  selection=prefilled.by_candidate.get(_prefilling_key(c.policy)))
         selection = prefilled.by_candidate[c.policy]
+        return self._gathered_row(prefilled, selection, draft), float(kept_count(selection, prefilled.n_ctx))
+
+    def _gathered_row(self, prefilled: _Prefilled, selection: list, draft: list[int] | None) -> Row:
+        """A row over the full prefill's context entries that `selection` keeps per layer (None: the
+        whole layer), room for the question and answer, prompt lookup after `draft` (None: none)."""
+        enc, n_ctx = prefilled.enc, prefilled.n_ctx
         room = len(enc.question_ids) + self.max_new_tokens + 1
-        cache = RowCache([gather_layer(layer.keys, layer.values, kept, prefilled.n_ctx, room)
-                          for layer, kept in zip(full.layers, selection)])
-        row = Row(cache, list(enc.question_ids), prefilled.n_ctx, self.max_new_tokens, self.stop_ids,
-                  lookup_ids=list(enc.context_ids), want_logprobs=True, draft=draft)
-        return row, float(kept_count(selection, prefilled.n_ctx))
+        cache = RowCache([gather_layer(layer.keys, layer.values, kept, n_ctx, room)
+                          for layer, kept in zip(prefilled.cache.layers, selection)])
+        return Row(cache, list(enc.question_ids), n_ctx, self.max_new_tokens, self.stop_ids,
+                   lookup_ids=list(enc.context_ids), want_logprobs=True, draft=draft)
 
     def _gathered_answer(self, c: PressCandidate, prefilled: _Prefilled, ids: list[int], logprobs: list[float],
                          kept: float, decode_seconds: float | None = None) -> CandidateAnswer:

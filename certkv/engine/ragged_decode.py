@@ -222,10 +222,21 @@ class Row:
         """The tokens to feed next and the position of the first."""
         if not self.answer:
             return list(self.question_ids), self.position
+        position = self.position + len(self.question_ids) + len(self.answer) - 1
+        return [self.answer[-1], *self._propose(self.proposal_budget())], position
+
+    def proposal_budget(self) -> int:
+        """How many tokens the next forward may feed after the pending one: what the answer may
+        still take, and no further than the press's next compression event."""
         budget = self.max_new_tokens - len(self.answer)
         if self.compression is not None:
             budget = min(budget, self.compression.room() - 1)
-        return [self.answer[-1], *self._propose(budget)], self.position + len(self.question_ids) + len(self.answer) - 1
+        return budget
+
+    def followed_draft(self) -> list[int] | None:
+        """The draft while the answer so far is its beginning (it proposes what follows), else None."""
+        draft = self.draft
+        return draft if draft is not None and draft[: len(self.answer)] == self.answer else None
 
     def most_held(self) -> list[int]:
         """Per layer, the most entries the cache of a row under a decoding-time press may hold from
@@ -252,9 +263,9 @@ class Row:
         self._looked_up = 0
         if budget <= 0:
             return []
-        n = len(self.answer)
-        if self.draft is not None and self.draft[:n] == self.answer and len(self.draft) > n:
-            return self.draft[n : n + budget]
+        n, draft = len(self.answer), self.followed_draft()
+        if draft is not None and len(draft) > n:
+            return draft[n : n + budget]
         proposal = self._lookup.propose(self.answer, self._length.cap(budget)) if self._lookup else []
         self._looked_up = len(proposal)
         return proposal
@@ -457,13 +468,10 @@ def _waiting(row: Row, growing: set[int]) -> bool:
     a forward as the draft grows, the row would cost a forward's per-row work for every token;
     waiting, it is fed the draft a chunk at a time, as when the draft is known (the same tokens:
     the feeding never changes an answer)."""
-    draft, answer = row.draft, row.answer
-    if draft is None or not answer or id(draft) not in growing or draft[: len(answer)] != answer:
+    draft = row.followed_draft()
+    if draft is None or not row.answer or id(draft) not in growing:
         return False
-    budget = row.max_new_tokens - len(answer)
-    if row.compression is not None:
-        budget = min(budget, row.compression.room() - 1)
-    return len(draft) - len(answer) < min(DRAFT_LEAD, budget)
+    return len(draft) - len(row.answer) < min(DRAFT_LEAD, row.proposal_budget())
 
 
 def _key_norm_rows(rows: Sequence[Row], spans: Sequence[slice]) -> list[tuple[slice, bool]]:
