@@ -127,9 +127,7 @@ def _served_by(table, entry, tolerance) -> np.ndarray:
     from certkv.core.gated import gated_mask
 
     base = table.index_of(entry.base_policy)
-    g = entry.gate
-    full = gated_mask(table, base, g.agreement_drop, g.certificate, entry.policy, confidence=g.confidence,
-                      lookahead=g.lookahead, learned=g.learned, learned_threshold=g.learned_threshold)
+    full = gated_mask(table, base, entry.gate, entry.policy)
     loss = np.where(full, 0.0, table.loss[base])
     return violation_mask(loss, tolerance)
 

@@ -46,8 +46,16 @@ from certkv.core.policy_names import (
     policy_name,
 )
 from certkv.core.procedures import Procedure, procedure_of
-from certkv.core.signals import FEATURE_GROUPS, reads_signal
-from certkv.core.spec import AGREEMENT_SPLIT, AGREEMENT_TOP_K, AGREEMENT_WINDOW, DEFAULT_MAX_NEW_TOKENS, LOOKAHEAD_TOKENS
+from certkv.core.signals import FEATURE_GROUPS
+from certkv.core.spec import (
+    AGREEMENT_SPLIT,
+    AGREEMENT_TOP_K,
+    AGREEMENT_WINDOW,
+    DEFAULT_MAX_NEW_TOKENS,
+    GATE_THRESHOLDS,
+    LOOKAHEAD_TOKENS,
+    gate_needs,
+)
 from certkv.errors import CertkvError
 from certkv.presses import registry as press_registry
 
@@ -406,13 +414,22 @@ class Gate(_Strict):
 
     @property
     def needs_agreement(self) -> bool:
-        """Calibration must record the agreement drop (a drop threshold, or a learned feature)."""
-        return bool(self.agreement_drop) or (self.learned is not None and reads_signal(self.learned.features, "agreement_drop"))
+        """Calibration must record the agreement drop (a drop threshold, or a learned feature;
+        :func:`certkv.core.spec.gate_needs`, the rule the runtime follows too)."""
+        return gate_needs("agreement_drop", self._set_parts(), self._learned_groups())
 
     @property
     def needs_lookahead(self) -> bool:
-        """Calibration must run the lookahead probe (a lookahead gate, or a learned feature)."""
-        return self.lookahead is not None or (self.learned is not None and reads_signal(self.learned.features, "lookahead_heads"))
+        """Calibration must run the lookahead probe (a lookahead gate, or a learned feature;
+        :func:`certkv.core.spec.gate_needs`)."""
+        return gate_needs("lookahead", self._set_parts(), self._learned_groups())
+
+    def _set_parts(self) -> list[str]:
+        """The gate parts some candidate of this block thresholds."""
+        return [part for part in GATE_THRESHOLDS if getattr(self, part, None)]
+
+    def _learned_groups(self) -> list[str]:
+        return [] if self.learned is None else list(self.learned.features)
 
     def pilot_choices(self) -> list[GateChoice]:
         """Every pilot gate setting, in sequence order: confidence quantiles, then lookahead, then

@@ -46,7 +46,7 @@ POST_DECODE_FEATURES = frozenset(
 
 #: Each gate part: the signal it reads and the side of its threshold that sends a request to the
 #: full cache. Certification (:func:`certkv.core.gated.gated_mask`) and the runtime
-#: (:meth:`certkv.core.spec.GateSettings.pre_decode_reason`) both decide through :func:`fires`, so they cannot
+#: (:func:`certkv.runtime.gating.pre_decode_reason`) both decide through :func:`fires`, so they cannot
 #: compare differently.
 GATE_PARTS = {
     "agreement_drop": ("agreement_drop", np.less),

@@ -50,7 +50,7 @@ from typing import NoReturn, cast
 import numpy as np
 import numpy.typing as npt
 
-from certkv.core.gate_features import GATE_PARTS, LearnedGate, feature_matrix, fires, learned_scores, needed_signals
+from certkv.core.gate_features import GATE_PARTS, feature_matrix, fires, learned_scores, needed_signals
 from certkv.core.loss_table import GatedRow, LossTable
 from certkv.core.signals import signal
 from certkv.core.spec import CertificationSpec, GateSettings
@@ -144,60 +144,39 @@ def check_signal(table: LossTable, values: npt.ArrayLike | None, column: str, wh
     return cast(np.ndarray, values)  # None only when there is no request to check (R = 0)
 
 
-def gated_mask(
-    table: LossTable,
-    base_row: int,
-    agreement_drop: float | None,
-    certificate: float | None,
-    policy: str = "",
-    *,
-    confidence: float | None = None,
-    lookahead: float | None = None,
-    learned: LearnedGate | None = None,
-    learned_threshold: float | None = None,
-    recompute: float | None = None,
-    certificate_recompute: float | None = None,
-) -> np.ndarray:
-    """Boolean (R,) mask of the requests the gate sends to the full cache.
+def gated_mask(table: LossTable, base_row: int, gate: GateSettings, policy: str = "") -> np.ndarray:
+    """Boolean (R,) mask of the requests `gate` sends to the full cache from base row `base_row`.
 
-    Fires where agreement_drop < `agreement_drop`, certificate_max > `certificate` or >
-    `certificate_recompute`, confidence_min < `confidence` or < `recompute`, lookahead_mass >
-    `lookahead`, or the `learned` score > `learned_threshold` (each part off when None). A signal
-    the gate needs but the records lack
-    (NaN) is a one-line error: silently treating a missing signal as "not gated" would certify a
-    gate that was never observed.
+    Fires where any set part of `gate` fires (:meth:`GateSettings.thresholds`, each through
+    :func:`~certkv.core.gate_features.fires`): agreement_drop < its threshold, certificate_max >
+    ``certificate`` or > ``certificate_recompute``, confidence_min < ``confidence`` or <
+    ``recompute``, lookahead_mass > ``lookahead``, or the ``learned`` score > ``learned_threshold``.
+    A signal the gate needs but the records lack (NaN) is a one-line error: silently treating a
+    missing signal as "not gated" would certify a gate that was never observed. `policy` names
+    the gated candidate in errors.
 
     Examples
     --------
     >>> from certkv.core.loss_table import LossTable
     >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0, "agreement_drop": drop}
     ...         for i, drop in enumerate([0.0, 0.3, 0.05])]
-    >>> gated_mask(LossTable.from_records(rows), base_row=0, agreement_drop=0.1, certificate=None).tolist()
+    >>> gated_mask(LossTable.from_records(rows), 0, GateSettings(agreement_drop=0.1)).tolist()
     [True, False, True]
     """
     who = _who(table, base_row, policy)
     mask = np.zeros(table.n_requests, dtype=bool)
-    for part, threshold in (
-        ("confidence", confidence),
-        ("recompute", recompute),
-        ("lookahead", lookahead),
-        ("agreement_drop", agreement_drop),
-        ("certificate", certificate),
-        ("certificate_recompute", certificate_recompute),
-    ):
-        if threshold is None:
-            continue
-        column = GATE_PARTS[part][0]
-        # a request signal is one value per request (every row shares it); a candidate's, the base row's
-        values = table.signals_of(base_row).get(column)
-        mask |= fires(part, check_signal(table, values, column, who), threshold)
-    if learned is not None:
-        if learned_threshold is None:
-            raise CertkvError(f"{policy or table.policies[base_row]!r}: a learned gate needs its threshold (learned_threshold)")
-        signals = table.signals_of(base_row)
-        for key in needed_signals(learned.features):
-            check_signal(table, signals.get(key), key, who)
-        mask |= fires("learned", learned_scores(learned, feature_matrix(signals, learned.features)), learned_threshold)
+    # a request signal is one value per request (every row shares it); a candidate's, the base row's
+    signals = table.signals_of(base_row)
+    for part, threshold in gate.thresholds().items():
+        if part == "learned":
+            assert gate.learned is not None  # the settings' validator: a learned threshold comes with its model
+            for key in needed_signals(gate.learned.features):
+                check_signal(table, signals.get(key), key, who)
+            values = learned_scores(gate.learned, feature_matrix(signals, gate.learned.features))
+        else:
+            column = GATE_PARTS[part][0]
+            values = check_signal(table, signals.get(column), column, who)
+        mask |= fires(part, values, threshold)
     return mask
 
 
@@ -225,14 +204,14 @@ def _expand(table: LossTable, wanted: list[_Wanted]) -> LossTable:
     if not wanted:
         return table
     base_rows = np.array([table.index_of(base) for _, base, _ in wanted], dtype=np.int64)
-    masks = np.stack([_mask_of(table, int(row), name, g) for row, (name, _, g) in zip(base_rows, wanted)])
+    masks = np.stack([gated_mask(table, int(row), g, name) for row, (name, _, g) in zip(base_rows, wanted)])
     late = np.stack([_late_restarts(table, int(row), name, g) for row, (name, _, g) in zip(base_rows, wanted)])
     actual = None
     if table.kv_retained_actual is not None:
         actual = np.vstack([table.kv_retained_actual, np.where(masks, 1.0, table.kv_retained_actual[base_rows])])
     gated_rows = dict(table.gated)
     for (name, base, g), count in zip(wanted, masks.sum(axis=1).tolist()):
-        gated_rows[name] = _gated_row(base, g, int(count), table.n_requests)
+        gated_rows[name] = GatedRow(base, g, int(count), int(count) / table.n_requests)
     return replace(
         table,
         policies=table.policies + tuple(name for name, _, _ in wanted),
@@ -260,29 +239,12 @@ def _late_restarts(table: LossTable, row: int, name: str, g: GateSettings) -> np
     who = _who(table, row, name)
     signals = table.signals_of(row)
     for part, (whole, agreeing) in _RESTARTS.items():
-        threshold = getattr(g, part)
+        threshold = g.thresholds().get(part)
         if threshold is None:
             continue
         restarted |= fires(part, check_signal(table, signals.get(whole), whole, who), threshold)
         in_time |= fires(part, check_signal(table, signals.get(agreeing), agreeing, who), threshold)
     return restarted & ~in_time
-
-
-def _mask_of(table: LossTable, row: int, name: str, g: GateSettings) -> np.ndarray:
-    """:func:`gated_mask` of `g` on base row `row`."""
-    return gated_mask(
-        table,
-        row,
-        g.agreement_drop,
-        g.certificate,
-        name,
-        confidence=g.confidence,
-        lookahead=g.lookahead,
-        learned=g.learned,
-        learned_threshold=g.learned_threshold,
-        recompute=g.recompute,
-        certificate_recompute=g.certificate_recompute,
-    )
 
 
 def _to_derive(table: LossTable, name: str, base: str, g: GateSettings) -> bool:
@@ -295,10 +257,7 @@ def _to_derive(table: LossTable, name: str, base: str, g: GateSettings) -> bool:
                 f"{table.source} has rows for {name!r}, a gated candidate that certkv derives from "
                 f"{base!r} and the gate signals; remove those rows (or rename the policy)"
             )
-        if (done.base_policy, done.agreement_drop, done.certificate, done.confidence, done.lookahead, done.learned_threshold,
-                done.recompute, done.certificate_recompute) != (
-                base, g.agreement_drop, g.certificate, g.confidence, g.lookahead, g.learned_threshold, g.recompute,
-                g.certificate_recompute):
+        if (done.base_policy, done.gate.thresholds()) != (base, g.thresholds()):
             raise CertkvError(f"{name!r} was derived with other gate settings; derive it from the records again")
         return False
     if base not in table:
@@ -309,21 +268,6 @@ def _to_derive(table: LossTable, name: str, base: str, g: GateSettings) -> bool:
     if not g.kind:
         raise CertkvError(f"{name!r} has no gate setting; it is not a gated candidate")
     return True
-
-
-def _gated_row(base: str, g: GateSettings, count: int, n_requests: int) -> GatedRow:
-    return GatedRow(
-        base_policy=base,
-        agreement_drop=None if g.agreement_drop is None else float(g.agreement_drop),
-        certificate=None if g.certificate is None else float(g.certificate),
-        gated_count=count,
-        gated_share=count / n_requests,
-        confidence=None if g.confidence is None else float(g.confidence),
-        lookahead=None if g.lookahead is None else float(g.lookahead),
-        learned_threshold=None if g.learned_threshold is None else float(g.learned_threshold),
-        recompute=None if g.recompute is None else float(g.recompute),
-        certificate_recompute=None if g.certificate_recompute is None else float(g.certificate_recompute),
-    )
 
 
 def _padded_signals(table: LossTable, n_new: int) -> dict[str, np.ndarray]:

@@ -59,6 +59,7 @@ import numpy as np
 
 from certkv.core.policy_names import REFERENCE_POLICY, parse_policy_name
 from certkv.core.signals import BY_NAME, RECORDED, Signal
+from certkv.core.spec import GateSettings
 from certkv.errors import CertkvError
 
 REQUIRED_COLUMNS = ("request_id", "policy", "kv_retained", "loss")
@@ -71,10 +72,7 @@ CANDIDATE_SIGNALS = tuple(s.name for s in RECORDED if s.per == "candidate" and s
 @dataclass(frozen=True)
 class GatedRow:
     """How a gated row of a table was derived (by :func:`certkv.core.gated.derive_gated`): from
-    `base_policy` with the gate (drop < `agreement_drop`) or (certificate > `certificate`) or
-    (confidence_min < `confidence`) or (lookahead_mass > `lookahead`) or (learned score >
-    `learned_threshold`) or a recompute restart (confidence_min < `recompute`, or certificate_max >
-    `certificate_recompute`);
+    `base_policy` behind `gate` (its settings, :class:`certkv.core.spec.GateSettings`);
     `gated_count` of the table's requests went to the full cache (`gated_share` of them).
 
     Examples
@@ -86,20 +84,14 @@ class GatedRow:
     >>> spec = CertificationSpec(tolerance=0.0, risk=0.5, confidence=0.9, sequences=[["p@0.50+drop0.1"]],
     ...     candidate_info={"p@0.50+drop0.1": CandidateInfo(base_policy="p@0.50", gate=GateSettings(agreement_drop=0.1))})
     >>> row = derive_gated(LossTable.from_records(rows), spec).gated["p@0.50+drop0.1"]
-    >>> row.base_policy, row.agreement_drop, row.gated_count, row.gated_share  # drops 0 and 0.05 are < 0.1
+    >>> row.base_policy, row.gate.agreement_drop, row.gated_count, row.gated_share  # drops 0 and 0.05 are < 0.1
     ('p@0.50', 0.1, 2, 0.5)
     """
 
     base_policy: str
-    agreement_drop: float | None
-    certificate: float | None
+    gate: GateSettings
     gated_count: int
     gated_share: float
-    confidence: float | None = None
-    lookahead: float | None = None
-    learned_threshold: float | None = None
-    recompute: float | None = None
-    certificate_recompute: float | None = None
 
 
 @dataclass(frozen=True, eq=False)

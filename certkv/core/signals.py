@@ -198,17 +198,6 @@ def group_signals(group: str) -> list[Signal]:
     return [s for s in SIGNALS if s.feature_group == group]
 
 
-def reads_signal(groups: Sequence[str], name: str) -> bool:
-    """Whether a learned gate over feature `groups` reads signal `name` (so calibration records it).
-
-    Examples
-    --------
-    >>> reads_signal(["confidence"], "logprob_mean"), reads_signal(["confidence"], "agreement_drop")
-    (True, False)
-    """
-    return any(s.name == name for g in groups for s in group_signals(g))
-
-
 def feature_signal(feature: str) -> Signal:
     """The signal an expanded learned-gate feature reads (``lookahead[3]`` → lookahead_heads).
 
@@ -278,7 +267,6 @@ __all__ = [
     "empty_signals",
     "feature_signal",
     "group_signals",
-    "reads_signal",
     "request_signals",
     "signal",
 ]

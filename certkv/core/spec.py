@@ -8,32 +8,27 @@ thresholds and a fitted :class:`~certkv.core.gate_features.LearnedGate` placed o
 
 A gate is three things: what the contract says (its validated ``gate:`` block, and per candidate
 a :class:`~certkv.core.policy_names.GateChoice`); what certification decides, every threshold placed
-(:class:`GateSettings`); and what the runtime applies: the same :class:`GateSettings`, through its
-methods (:meth:`GateSettings.pre_decode_reason`, :meth:`GateSettings.post_decode_reason`), which
-compare with :func:`~certkv.core.gate_features.fires`, the function certification derives the
-gated rows with. The agreement gate's signal settings and the lookahead probe's length default
-here, once, for the contract, the certificate and the runtime alike. Torch-free.
+(:class:`GateSettings`, a validated configuration and nothing more); and what the runtime does with
+those settings (:mod:`certkv.runtime.gating`), which compares with
+:func:`~certkv.core.gate_features.fires`, the function certification derives the gated rows with
+(:mod:`certkv.core.gated`). The gate's thresholds are named once, :data:`GATE_THRESHOLDS`, and so is
+the rule of which recorded signals a gate needs (:func:`gate_needs`), for a contract's gate block and
+a candidate's settings alike. The agreement gate's signal settings and the lookahead probe's length
+default here, once, for the contract, the certificate and the runtime alike. Torch-free.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from certkv.core.gate_features import (
-    GATE_PARTS,
-    POST_DECODE_FEATURES,
-    LearnedGate,
-    answer_confidence,
-    fires,
-    learned_score,
-    needed_signals,
-)
+from certkv.core.gate_features import POST_DECODE_FEATURES, LearnedGate, needed_signals
 from certkv.core.policy_names import REFERENCE_POLICY, GateChoice
 from certkv.core.procedures import Procedure
+from certkv.core.signals import signal
 from certkv.errors import CertkvError, format_validation_error
 
 #: The decode length a contract certifies unless it sets ``protocol.max_new_tokens``.
@@ -63,9 +58,44 @@ def delta_of(confidence: float) -> float:
     return round(1.0 - confidence, 12)
 
 
+#: The gate's thresholds, written once: each gate part (a key of
+#: :data:`certkv.core.gate_features.GATE_PARTS`, the comparison certification and the runtime share)
+#: and the :class:`GateSettings` field that holds its threshold. The order is :attr:`GateSettings.kind`'s.
+GATE_THRESHOLDS: dict[str, str] = {
+    "agreement_drop": "agreement_drop",
+    "certificate": "certificate",
+    "confidence": "confidence",
+    "lookahead": "lookahead",
+    "recompute": "recompute",
+    "certificate_recompute": "certificate_recompute",
+    "learned": "learned_threshold",
+}
+
+#: The gate parts whose signals need a recorder of their own (the agreement recorder in the
+#: prefill, the lookahead probe after it); each is also the learned-gate feature group that reads
+#: that recorder's signal (:data:`certkv.core.signals.FEATURE_GROUPS`).
+RecordedPart = Literal["agreement_drop", "lookahead"]
+
+
+def gate_needs(part: RecordedPart, thresholds: Collection[str], learned_groups: Collection[str]) -> bool:
+    """Whether a gate needs `part`'s recorder: the rule calibration (what a contract's gate block
+    records) and the runtime (what a candidate's gate measures) share. It does when `thresholds`
+    (the gate parts with a threshold, or threshold values, set) holds `part`, or its learned model
+    reads `part`'s feature group (`learned_groups`, the feature groups of its model; empty without one).
+
+    Examples
+    --------
+    >>> gate_needs("lookahead", ["lookahead"], []), gate_needs("agreement_drop", ["lookahead"], ["agreement_drop"])
+    (True, True)
+    >>> gate_needs("agreement_drop", ["confidence"], ["lookahead", "confidence"])
+    False
+    """
+    return part in thresholds or part in learned_groups
+
+
 class GateSettings(BaseModel):
-    """A gated candidate's gate, thresholds placed; a request goes to the full cache when any set
-    part fires:
+    """A gated candidate's gate, thresholds placed (:data:`GATE_THRESHOLDS`); a request goes to
+    the full cache when any set part fires:
 
     * ``agreement_drop``: its agreement drop < t (before the evicted decode);
     * ``certificate``: its survey-variance certificate > b (after the decode: escalation);
@@ -75,7 +105,7 @@ class GateSettings(BaseModel):
     * ``learned`` with ``learned_threshold``: its logistic score > t (before the decode, or after
       it when the model reads a confidence feature: :attr:`post_decode`);
     * ``recompute``: while the evicted answer decodes, its first token whose probability is < r
-      makes the runtime restart on the full cache from the tokens before it (:meth:`recomputes`);
+      makes the runtime restart on the full cache from the tokens before it;
     * ``certificate_recompute``: the same restart at the first token whose decoding step's
       survey-variance certificate is > b (certkv's probabilistic decoding press).
 
@@ -84,21 +114,15 @@ class GateSettings(BaseModel):
     the threshold is null, the gate is not resolved yet: :mod:`certkv.core.pilot`). The agreement
     signal's settings and the probe's ``lookahead_tokens`` are those it was calibrated under.
 
-    The same object is what the runtime applies: :meth:`pre_decode_reason` and
-    :meth:`post_decode_reason`. ``GateSettings()`` (every part off) is the gate of an ungated
-    point: it never fires.
+    A validated configuration: certification derives its gated rows from it
+    (:mod:`certkv.core.gated`) and the runtime applies it (:mod:`certkv.runtime.gating`).
+    ``GateSettings()`` (every part off) is the gate of an ungated point: it never fires.
 
     Examples
     --------
     >>> gate = GateSettings(agreement_drop=0.1)
-    >>> gate.kind, gate.needs_agreement, gate.post_decode
-    ('agreement_drop', True, False)
-    >>> signals = {"agreement_drop": 0.02}
-    >>> gate.pre_decode_reason(signals)
-    'gate'
-    >>> escalate = GateSettings(confidence=0.2)
-    >>> escalate.post_decode_reason(signals, logprobs=[-0.1, -2.0]), round(signals["confidence_min"], 3)
-    ('confidence', 0.135)
+    >>> gate.kind, gate.needs_agreement, gate.post_decode, gate.thresholds()
+    ('agreement_drop', True, False, {'agreement_drop': 0.1})
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -138,16 +162,23 @@ class GateSettings(BaseModel):
 
     # -- what it is ------------------------------------------------------------------------------
 
+    def thresholds(self) -> dict[str, float]:
+        """Each set part (a key of :data:`GATE_THRESHOLDS`) and its threshold, in
+        :data:`GATE_THRESHOLDS` order.
+
+        Examples
+        --------
+        >>> GateSettings(certificate=0.5, agreement_drop=-0.1).thresholds()
+        {'agreement_drop': -0.1, 'certificate': 0.5}
+        """
+        return {part: float(value) for part, field in GATE_THRESHOLDS.items() if (value := getattr(self, field)) is not None}
+
     @property
     def kind(self) -> str:
         """``agreement_drop``, ``certificate``, ``agreement_drop+certificate``, ``confidence``,
         ``lookahead``, ``recompute``, ``certificate_recompute`` or ``learned``: the parts that are
         set ("" while a pilot gate is unresolved, and for the ungated ``GateSettings()``)."""
-        named = ("agreement_drop", "certificate", "confidence", "lookahead", "recompute", "certificate_recompute")
-        parts = [k for k in named if getattr(self, k) is not None]
-        if self.learned is not None:
-            parts.append("learned")
-        return "+".join(parts)
+        return "+".join(self.thresholds())
 
     @property
     def is_placed(self) -> bool:
@@ -171,19 +202,6 @@ class GateSettings(BaseModel):
             return True
         return self.learned_pre_decode
 
-    def recomputes(self, logprob: float) -> bool:
-        """Whether the recompute part restarts a generation at a token of log-probability `logprob`
-        (:func:`certkv.core.gate_features.fires`, certification's comparison; False when it is off).
-
-        Examples
-        --------
-        >>> import math
-        >>> gate = GateSettings(recompute=0.3)
-        >>> gate.recomputes(math.log(0.2)), gate.recomputes(math.log(0.9)), GateSettings().recomputes(-9.0)
-        (True, False, False)
-        """
-        return self.recompute is not None and bool(fires("recompute", math.exp(logprob), self.recompute))
-
     @property
     def restarts(self) -> bool:
         """Whether a part restarts a generation mid-decode (``recompute``, ``certificate_recompute``),
@@ -206,116 +224,24 @@ class GateSettings(BaseModel):
         """Whether the gate has a learned model that scores before the evicted decode."""
         return self.learned is not None and not self.post_decode
 
-    # -- what the runtime measures -----------------------------------------------------------------
+    # -- what it needs recorded (:func:`gate_needs`) -----------------------------------------------
+
+    @property
+    def learned_groups(self) -> list[str]:
+        """The feature groups its learned model reads (empty without one)."""
+        if self.learned is None:
+            return []
+        return list(dict.fromkeys(str(signal(key).feature_group) for key in needed_signals(self.learned.features)))
 
     @property
     def needs_agreement(self) -> bool:
         """The prefill must record the agreement drop (a drop threshold, or a learned feature)."""
-        return self.agreement_drop is not None or (
-            self.learned is not None and "agreement_drop" in needed_signals(self.learned.features)
-        )
+        return gate_needs("agreement_drop", self.thresholds(), self.learned_groups)
 
     @property
     def needs_lookahead(self) -> bool:
         """The lookahead probe must run (a lookahead threshold, or a learned feature)."""
-        return self.lookahead is not None or (
-            self.learned is not None and "lookahead_heads" in needed_signals(self.learned.features)
-        )
-
-    @property
-    def agreement(self) -> dict[str, Any]:
-        """The agreement recorder's settings (window, top_k, split_divisor) the drop was calibrated under."""
-        return {"window": self.agreement_window, "top_k": self.agreement_top_k, "split_divisor": self.agreement_split}
-
-    def deployable(self) -> GateSettings:
-        """These settings, after checking that the runtime can apply them: a pilot gate whose
-        threshold is not placed yet is a one-line error (a learned model always has its threshold:
-        the validator refuses one without)."""
-        if not self.is_placed:
-            raise CertkvError(
-                f"the operating point's gate (pilot quantile {self.quantile}) has no threshold yet; "
-                "deploy the operating point `certkv certify` writes, which places it on the pilot"
-            )
-        return self
-
-    # -- what the runtime applies ------------------------------------------------------------------
-
-    def learned_score(self, signals: Mapping) -> float | None:
-        """The learned model's score of one request (:func:`certkv.core.gate_features.learned_score`,
-        the definition certification uses), or None when the gate has no learned model."""
-        if self.learned is None:
-            return None
-        return float(learned_score(self.learned, signals))
-
-    def before_decode(self, signals: Mapping) -> str | None:
-        """The reason to answer from the full cache before any evicted decode, or None.
-
-        `signals` holds ``agreement_drop``, ``lookahead_mass``, ``learned_score`` (those computed).
-        """
-        learned = self.learned_threshold if self.learned_pre_decode else None
-        return _first_firing(
-            signals,
-            (
-                ("agreement_drop", self.agreement_drop, "gate"),
-                ("lookahead", self.lookahead, "lookahead"),
-                ("learned", learned, "learned"),
-            ),
-        )
-
-    def after_decode(self, signals: Mapping) -> str | None:
-        """The reason to escalate an evicted answer to the full cache, or None.
-
-        `signals` holds ``certificate_max``, ``confidence_min`` and ``learned_score`` (those computed).
-        """
-        learned = self.learned_threshold if self.learned_post_decode else None
-        return _first_firing(
-            signals,
-            (
-                ("certificate", self.certificate, "certificate"),
-                ("confidence", self.confidence, "confidence"),
-                ("learned", learned, "learned"),
-            ),
-        )
-
-    def pre_decode_reason(self, signals: MutableMapping[str, Any]) -> str | None:
-        """Score the learned model when it reads only pre-decode signals (into
-        ``signals["learned_score"]``), then return why a pre-decode part sends the request to the
-        full cache, or None.
-
-        `signals` maps every signal name of :data:`certkv.core.signals.SIGNALS` to its value so far
-        (None: not measured); the path that answers the request fills it, and its Decision is built
-        from it once the answer is known."""
-        if self.learned_pre_decode:
-            signals["learned_score"] = self.learned_score(signals)
-        return self.before_decode(signals)
-
-    def post_decode_reason(
-        self, signals: MutableMapping[str, Any], logprobs: Sequence[float] | None, certificate: float | None = None
-    ) -> str | None:
-        """Record the evicted answer's signals in `signals` (its confidence from the per-token log
-        p, `logprobs`, None when not known; the certificate maximum; the learned score when the
-        model reads them) and return why a post-decode part escalates, or None. The one step every
-        runtime path shares."""
-        signals["confidence_min"], signals["logprob_mean"] = (None, None) if logprobs is None else answer_confidence(logprobs)
-        signals["certificate_max"] = certificate
-        if self.learned_post_decode:
-            signals["learned_score"] = self.learned_score(signals)
-        return self.after_decode(signals)
-
-
-def _first_firing(signals: Mapping, parts: Iterable[tuple[str, float | None, str]]) -> str | None:
-    """The decision reason of the first (part, threshold, reason) whose part fires, through
-    :func:`fires` (certification's own comparison); None when none does.
-
-    A signal the gate needs but could not read (None or NaN) fires: certification refuses records
-    without it, so nothing certified such a request, and the full cache answers it."""
-    for part, threshold, reason in parts:
-        if threshold is None:
-            continue
-        value = signals.get(GATE_PARTS[part][0])
-        if value is None or value != value or fires(part, value, threshold):
-            return reason
-    return None
+        return gate_needs("lookahead", self.thresholds(), self.learned_groups)
 
 
 class PilotConfig(BaseModel):
@@ -526,6 +452,7 @@ __all__ = [
     "AGREEMENT_TOP_K",
     "AGREEMENT_WINDOW",
     "DEFAULT_MAX_NEW_TOKENS",
+    "GATE_THRESHOLDS",
     "LOOKAHEAD_TOKENS",
     "CandidateInfo",
     "CertificationSpec",
@@ -536,4 +463,5 @@ __all__ = [
     "PilotConfig",
     "StrataConfig",
     "delta_of",
+    "gate_needs",
 ]

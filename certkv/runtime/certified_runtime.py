@@ -20,7 +20,7 @@ what is deployed is exactly what was certified:
    that read the lookahead probe are refused for it when the runtime is built.
 
 The gate's comparisons are those certification derived the gated records with
-(:class:`certkv.core.spec.GateSettings`, applied through its methods); the learned score is
+(:class:`certkv.core.spec.GateSettings`, applied by :mod:`certkv.runtime.gating`); the learned score is
 :func:`certkv.core.gate_features.learned_score`.
 Every answer comes with a :class:`Decision` record saying which cache answered, why, and the
 signals it was decided on; ``seconds`` gives the time of each phase (prefill, probe, decode,
@@ -51,6 +51,7 @@ from certkv.presses.response_aware import is_response_aware_press
 from certkv.runtime.decision import Decision
 from certkv.runtime.decoding_path import DecodingPath
 from certkv.runtime.full_path import full_answer_steps
+from certkv.runtime.gating import deployable
 from certkv.runtime.pipeline import PipelinePath
 from certkv.runtime.prefix_cache import PrefixScope, bypass_reason
 from certkv.runtime.single_prefill import SinglePrefillPath
@@ -172,7 +173,7 @@ class CertifiedRuntime:
             for name, runtime in self.strata.items():  # each stratum's compressed contexts are its own
                 if runtime.prefix is not None:
                     runtime.prefix.namespace = name
-        self.gate = (operating_point.gate or GateSettings()).deployable()
+        self.gate = deployable(operating_point.gate or GateSettings())
         self.threshold = self.gate.agreement_drop
         self.bound = self.gate.certificate
         self.press: BasePress | None = None

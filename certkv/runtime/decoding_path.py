@@ -43,6 +43,7 @@ from certkv.core.kv_cost import kv_cost
 from certkv.engine.decoding_rows import batchable_decoding_press, prefilled_row, row_slots, run_of
 from certkv.engine.decoding_run import DecodingRun, finish_on_full_cache, run_decoding
 from certkv.runtime.full_path import full_answer_steps, prefill_slots
+from certkv.runtime.gating import post_decode_reason
 from certkv.runtime.steps import Decode, PathAnswer, Reserve, Step, Steps, run_alone
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class DecodingPath:
         kept = run.prefill_kept / len(enc.context_ids)
         if run.stopped_at is not None:
             return (yield from self._recompute(enc, run, max_new, signals, seconds, kept))
-        reason = self.gate.post_decode_reason(signals, run.logprobs, run.certificate_max)
+        reason = post_decode_reason(self.gate, signals, run.logprobs, run.certificate_max)
         if reason is None:
             cost = kv_cost(run.held, len(enc.context_ids), len(enc.question_ids))
             return PathAnswer(run.token_ids, None, signals, seconds, kept=kept, kv_peak=cost.peak, kv_time=cost.time)

@@ -37,6 +37,7 @@ from certkv.engine.full_cache import context_tensor
 from certkv.model.generation import greedy_decode
 from certkv.model.window_queries import capturing_window_queries
 from certkv.runtime.full_path import full_answer_steps, prefill_slots
+from certkv.runtime.gating import agreement_settings, post_decode_reason, pre_decode_reason
 from certkv.runtime.steps import Decode, PathAnswer, Reserve, Steps, run_alone
 from certkv.signals.agreement import AgreementRecorder
 
@@ -67,7 +68,7 @@ class PipelinePath:
         n_ctx = len(enc.context_ids)
         yield Reserve(prefill_slots(model, enc, max_new))
         t0 = time.perf_counter()
-        recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
+        recorder = AgreementRecorder(**agreement_settings(gate)) if gate.needs_agreement else None
         cache = DynamicCache()
         with torch.no_grad():
             # The recorder's hooks are registered before the press's, so they run first on each layer
@@ -81,7 +82,7 @@ class PipelinePath:
         seconds = {"prefill": time.perf_counter() - t0}
         if recorder:
             signals["agreement_drop"] = recorder.drop()
-        reason = gate.pre_decode_reason(signals)
+        reason = pre_decode_reason(gate, signals)
         escalated = False
         if reason is None:
             t = time.perf_counter()
@@ -99,7 +100,7 @@ class PipelinePath:
             yield job
             assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
             seconds["decode"] = time.perf_counter() - t
-            reason = gate.post_decode_reason(signals, job.logprobs, None)
+            reason = post_decode_reason(gate, signals, job.logprobs, None)
             if reason is None:
                 return PathAnswer(job.ids, None, signals, seconds, kept=kept)
             escalated = True

@@ -55,6 +55,7 @@ from certkv.engine.scoring import is_fast_path_press
 from certkv.presses.poisson_selection import Selection
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.full_path import decode_from_full, full_answer_steps, prefill_slots
+from certkv.runtime.gating import agreement_settings, post_decode_reason, pre_decode_reason
 from certkv.runtime.prefix_cache import PrefixCache, PrefixEntry, PrefixReserve, PrefixScope, entry_from_full, entry_from_row
 from certkv.runtime.steps import Decode, PathAnswer, Reserve, Step, Steps, run_alone
 from certkv.signals.agreement import AgreementRecorder
@@ -121,7 +122,7 @@ class SinglePrefillPath:
         if prefix is not None and key is not None:
             prefix.cache.put(key, self._entry(enc, cache, selection, signals, pruner), reserved)
         tag = None if prefix is None else "miss"
-        reason = gate.pre_decode_reason(signals)
+        reason = pre_decode_reason(gate, signals)
         t = time.perf_counter()
         if reason is not None:
             ids = yield from decode_from_full(model, cache, enc, max_new, stop_ids)
@@ -130,7 +131,7 @@ class SinglePrefillPath:
         row = pruner.row() if pruner is not None else None
         ids, logprobs, kept, certificate = yield from self._evicted_steps(enc, cache, selection, max_new, lean, row)
         seconds["decode"] = time.perf_counter() - t
-        reason = gate.post_decode_reason(signals, logprobs, certificate)
+        reason = post_decode_reason(gate, signals, logprobs, certificate)
         if reason is None:
             return PathAnswer(ids, None, signals, seconds, kept=kept, prefix=tag)
         t = time.perf_counter()
@@ -154,7 +155,7 @@ class SinglePrefillPath:
             signals["agreement_drop"] = entry.agreement_drop
         seconds: dict[str, float] = {}
         t = time.perf_counter()
-        reason = gate.pre_decode_reason(signals)
+        reason = pre_decode_reason(gate, signals)
         if reason is not None:
             ids = yield from full_answer_steps(model, enc, max_new, stop_ids)
             seconds["decode"] = time.perf_counter() - t
@@ -164,7 +165,7 @@ class SinglePrefillPath:
         yield job
         assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
         seconds["decode"] = time.perf_counter() - t
-        reason = gate.post_decode_reason(signals, job.logprobs, None)
+        reason = post_decode_reason(gate, signals, job.logprobs, None)
         if reason is None:
             return PathAnswer(job.ids, None, signals, seconds, kept=kept, prefix="hit")
         t = time.perf_counter()
@@ -226,7 +227,7 @@ class SinglePrefillPath:
         model, gate, press = self.model, self.gate, self.press
         probabilistic, response_aware = is_probabilistic_press(press), is_response_aware_press(press)
         t0 = time.perf_counter()
-        recorder = AgreementRecorder(**gate.agreement) if gate.needs_agreement else None
+        recorder = AgreementRecorder(**agreement_settings(gate)) if gate.needs_agreement else None
         cache, fast_sel, sampled = prefill_full(
             model,
             enc.context_ids,

@@ -632,9 +632,11 @@ def test_fallback_has_no_gate():
 def test_the_runtime_gate_sends_a_request_whose_signal_is_missing_to_the_full_cache(missing):
     """Certification refuses records without a gate's signal, so the runtime must not let a request
     whose signal it could not read through as if the gate had not fired."""
-    pre = GateSettings(agreement_drop=0.1).deployable()
-    assert pre.before_decode({"agreement_drop": 0.5}) is None
-    assert pre.before_decode({"agreement_drop": missing}) == "gate"
-    post = GateSettings(confidence=0.2).deployable()
-    assert post.after_decode({"confidence_min": 0.9, "certificate_max": None}) is None
-    assert post.after_decode({"confidence_min": missing, "certificate_max": None}) == "confidence"
+    from certkv.runtime.gating import after_decode, before_decode, deployable
+
+    pre = deployable(GateSettings(agreement_drop=0.1))
+    assert before_decode(pre, {"agreement_drop": 0.5}) is None
+    assert before_decode(pre, {"agreement_drop": missing}) == "gate"
+    post = deployable(GateSettings(confidence=0.2))
+    assert after_decode(post, {"confidence_min": 0.9, "certificate_max": None}) is None
+    assert after_decode(post, {"confidence_min": missing, "certificate_max": None}) == "confidence"

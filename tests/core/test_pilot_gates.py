@@ -366,13 +366,13 @@ def test_post_and_pre_decode_kinds():
 def test_gated_masks_of_the_new_kinds(table):
     row = table.index_of("snapkv@0.70")
     conf = table.confidence_min[row]
-    np.testing.assert_array_equal(gated_mask(table, row, None, None, confidence=0.3), conf < 0.3)
+    np.testing.assert_array_equal(gated_mask(table, row, GateSettings(confidence=0.3)), conf < 0.3)
     mass = table.lookahead_mass[row]
-    np.testing.assert_array_equal(gated_mask(table, row, None, None, lookahead=0.25), mass > 0.25)
+    np.testing.assert_array_equal(gated_mask(table, row, GateSettings(lookahead=0.25)), mass > 0.25)
     features = expand_features(["lookahead", "context_length"], HEADS)
     model = fit_learned_gate(table.signals_of(row), features, table.loss[row] > 0)
     scores = learned_scores(model, np.column_stack([log_odds(table.lookahead_heads[row]), np.log(table.context_tokens)]))
-    np.testing.assert_array_equal(gated_mask(table, row, None, None, learned=model, learned_threshold=0.4),
+    np.testing.assert_array_equal(gated_mask(table, row, GateSettings(learned=model, learned_threshold=0.4)),
                                   scores > 0.4)
     spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["snapkv@0.70+x"]], candidate_info={
         "snapkv@0.70+x": CandidateInfo(base_policy="snapkv@0.70", gate=GateSettings(confidence=0.3))})
@@ -380,7 +380,7 @@ def test_gated_masks_of_the_new_kinds(table):
     g = out.index_of("snapkv@0.70+x")
     np.testing.assert_array_equal(out.loss[g], np.where(conf < 0.3, 0.0, table.loss[row]))
     np.testing.assert_array_equal(out.memory[g], np.where(conf < 0.3, 1.0, 0.7))
-    assert out.gated["snapkv@0.70+x"].confidence == 0.3
+    assert out.gated["snapkv@0.70+x"].gate.confidence == 0.3
 
 
 def test_a_table_without_the_signals_is_refused_with_the_recalibrate_hint(rows):

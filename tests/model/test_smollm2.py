@@ -246,9 +246,7 @@ def test_certified_runtime_equals_the_store(smol, calibrated):
             fired[request.id] = goes_full
         assert 0 < sum(fired.values()) < len(requests), f"{op.policy}: the threshold should split the requests"
         # the requests the runtime sent to the full cache are those certification derives as gated
-        derived = gated_mask(
-            table, table.policies.index(op.base_policy), gate.agreement_drop, gate.certificate, confidence=gate.confidence
-        )
+        derived = gated_mask(table, table.policies.index(op.base_policy), gate)
         assert dict(zip(table.request_ids, derived.tolist())) == fired, op.policy
         candidate = next((c for c in op.candidates if c.policy == op.policy), None)
         if candidate is not None:  # the certified candidate: its gated share is the runtime's

@@ -128,7 +128,7 @@ def test_recompute_gate_runs_as_certification_counted_it(calibrated, embedded):
             assert derived[request.id] == (0.0 if case == "early" else 1.0)
         if case == "early":
             assert out.answer == full["answer"], request.id
-    assert table.gated[f"{POLICY}+recq"].recompute == r
+    assert table.gated[f"{POLICY}+recq"].gate.recompute == r
 
 
 def test_a_recompute_gate_on_a_prefill_press_is_refused(embedded):

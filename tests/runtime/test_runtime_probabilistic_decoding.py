@@ -197,7 +197,7 @@ def test_certificate_recompute_runs_as_certification_counted_it(calibrated, embe
             assert out.answer == full["answer"], request.id
         else:  # the restart kept tokens the full cache would not have produced
             assert out.answer != full["answer"], request.id
-    assert table.gated[name].certificate_recompute == bound
+    assert table.gated[name].gate.certificate_recompute == bound
     assert table.gated[name].gated_count == sum(_case(rows[(q.id, DECODE_ONLY)], bound) != "kept" for q in requests)
 
 

@@ -329,10 +329,7 @@ def test_runtime_equals_the_store_for_every_gate_kind(signals_store, embedded):
         if gate:
             assert 0 < sum(fired.values()) < len(requests), f"{name}: the threshold should split the requests"
         # the requests the runtime sent to the full cache are those certification derives as gated
-        derived = gated_mask(table, table.policies.index(base_policy), gate.get("agreement_drop"),
-                             gate.get("certificate"), confidence=gate.get("confidence"),
-                             lookahead=gate.get("lookahead"), learned=gate.get("learned"),
-                             learned_threshold=gate.get("learned_threshold"))
+        derived = gated_mask(table, table.policies.index(base_policy), settings or GateSettings())
         assert dict(zip(table.request_ids, derived.tolist())) == fired, name
         assert_scheduler_matches(runtime, requests, budget=budget_for(runtime, requests), alone=answers,
                                  batching=press != "probabilistic" or bool(gate))
