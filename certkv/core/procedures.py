@@ -25,13 +25,13 @@ Each procedure is one small class (:class:`FixedSequence`, :class:`Bonferroni`, 
 :class:`PilotOrdered`) whose methods are the steps callers need: the certified mask, the level of
 each candidate and where each sequence stopped. :data:`REGISTRY` holds one of each by the names
 contracts use; the plain functions (:func:`certified_mask`, :func:`candidate_levels`,
-:func:`sequence_stops`, :func:`control_fwer`) look the name up and call the step, so a new
+:func:`sequence_stops`) look the name up and call the step, so a new
 procedure is one class here and a name in :data:`Procedure`.
 
 Layout: the vectorised steps take p-values of shape ``(..., N)`` where the last axis holds the
 candidates of all sequences concatenated in contract order, and ``lengths`` gives each sequence's
 length. The leading axes are free, so repeated-split validation runs the very same code on
-thousands of splits at once; :func:`control_fwer` is the friendly one-shot interface.
+thousands of splits at once.
 
 The overall scheme, one valid p-value per candidate turned into a certified set by a family-wise
 procedure, is the Learn-then-Test framework [1]_; the procedures are the classical ones: a
@@ -81,8 +81,8 @@ class SequenceStop:
 
     Examples
     --------
-    >>> result = control_fwer([[0.001, 0.01, 0.2]], 0.1, "fixed_sequence")
-    >>> result.sequences[0]
+    >>> flags = certified_mask([0.001, 0.01, 0.2], [3], 0.1, "fixed_sequence")
+    >>> sequence_stops(flags, [3], 0.1, "fixed_sequence")[0]
     SequenceStop(index=0, length=3, level=0.1, tested=3, certified=2, stopped_at=2)
     """
 
@@ -92,24 +92,6 @@ class SequenceStop:
     tested: int
     certified: int
     stopped_at: int | None
-
-
-@dataclass(frozen=True)
-class FwerResult:
-    """Per-candidate decisions (``certified[s][j]`` for position j of sequence s) and stops.
-
-    Examples
-    --------
-    >>> result = control_fwer([[0.001, 0.01, 0.2], [0.03, 0.06, 0.001]], 0.1, "holm")
-    >>> result.procedure, result.certified
-    ('holm', ((True, True, False), (True, False, True)))
-    """
-
-    procedure: str
-    delta: float
-    certified: tuple[tuple[bool, ...], ...]
-    levels: tuple[tuple[float, ...], ...]
-    sequences: tuple[SequenceStop, ...]
 
 
 def check_procedure(procedure: str) -> str:
@@ -415,72 +397,6 @@ def procedure_of(procedure: str) -> FwerProcedure:
 # ----------------------------------------------------------------------------- functions
 
 
-def fixed_sequence_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags under fixed-sequence testing with a δ/m split across m sequences (a prefix each).
-
-    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
-
-    References
-    ----------
-    Maurer, Hothorn & Lehmacher (1995); Westfall & Krishen (2001): the module's References.
-
-    Examples
-    --------
-    Two sequences of three candidates, most KV first, at δ = 0.1: each is tested at 0.05 and
-    stops at its first failure, so the second sequence never reaches its last candidate.
-
-    >>> p = [0.001, 0.01, 0.2, 0.03, 0.06, 0.001]
-    >>> fixed_sequence_mask(p, [3, 3], 0.1).tolist()
-    [True, True, False, True, False, False]
-
-    Leading axes are free: one row per validation split.
-
-    >>> fixed_sequence_mask([p, [0.2] * 6], [3, 3], 0.1).tolist()
-    [[True, True, False, True, False, False], [False, False, False, False, False, False]]
-    """
-    return REGISTRY["fixed_sequence"].mask(p, lengths, delta)
-
-
-def bonferroni_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags when each of the N candidates is tested at δ / N, in any order.
-
-    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
-
-    References
-    ----------
-    Dunn (1961): the module's References.
-
-    Examples
-    --------
-    The p-values of :func:`fixed_sequence_mask`'s example, each at 0.1 / 6: the last candidate
-    passes although its sequence stopped before it.
-
-    >>> bonferroni_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1).tolist()
-    [True, True, False, False, False, True]
-    """
-    return REGISTRY["bonferroni"].mask(p, lengths, delta)
-
-
-def holm_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float) -> np.ndarray:
-    """Certified flags under Holm's step-down procedure over all N candidates.
-
-    p : (..., N) float array of p-values, the candidates of all sequences concatenated on the last axis.
-
-    References
-    ----------
-    Holm (1979): the module's References.
-
-    Examples
-    --------
-    The same p-values: sorted, they meet 0.1/6, 0.1/5, 0.1/4 and 0.1/3, then 0.06 > 0.1/2 stops
-    the step-down. Holm certifies everything Bonferroni does, and here one more.
-
-    >>> holm_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1).tolist()
-    [True, True, False, True, False, True]
-    """
-    return REGISTRY["holm"].mask(p, lengths, delta)
-
-
 def certified_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float, procedure: str) -> np.ndarray:
     """Dispatch to the procedure named in the contract; shape ``(..., N)`` in, booleans out.
 
@@ -488,8 +404,27 @@ def certified_mask(p: npt.ArrayLike, lengths: Sequence[int], delta: float, proce
 
     Examples
     --------
-    >>> certified_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1, "fixed_sequence").tolist()
+    Two sequences of three candidates, most KV first, at δ = 0.1. Fixed-sequence testing tests
+    each at 0.05 and stops at its first failure, so the second sequence never reaches its last
+    candidate:
+
+    >>> p = [0.001, 0.01, 0.2, 0.03, 0.06, 0.001]
+    >>> certified_mask(p, [3, 3], 0.1, "fixed_sequence").tolist()
     [True, True, False, True, False, False]
+
+    Bonferroni tests each at 0.1 / 6: the last candidate passes although its sequence stopped
+    before it. Holm's step-down meets 0.1/6, 0.1/5, 0.1/4 and 0.1/3, then 0.06 > 0.1/2 stops it:
+    it certifies everything Bonferroni does, and here one more.
+
+    >>> certified_mask(p, [3, 3], 0.1, "bonferroni").tolist()
+    [True, True, False, False, False, True]
+    >>> certified_mask(p, [3, 3], 0.1, "holm").tolist()
+    [True, True, False, True, False, True]
+
+    Leading axes are free: one row per validation split.
+
+    >>> certified_mask([p, [0.2] * 6], [3, 3], 0.1, "fixed_sequence").tolist()
+    [[True, True, False, True, False, False], [False, False, False, False, False, False]]
     """
     return procedure_of(procedure).mask(p, lengths, delta)
 
@@ -523,65 +458,13 @@ def sequence_stops(certified_flat: np.ndarray, lengths: Sequence[int], delta: fl
 
     Examples
     --------
-    >>> flags = fixed_sequence_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1)
+    >>> flags = certified_mask([0.001, 0.01, 0.2, 0.03, 0.06, 0.001], [3, 3], 0.1, "fixed_sequence")
     >>> [(s.tested, s.certified, s.stopped_at) for s in sequence_stops(flags, [3, 3], 0.1, "fixed_sequence")]
     [(3, 2, 2), (2, 1, 1)]
     """
     lengths = check_lengths(lengths)
     delta = check_delta(delta)
     return procedure_of(procedure).stops(certified_flat, lengths, delta)
-
-
-def control_fwer(p_values: Sequence[Sequence[float]], delta: float, procedure: str) -> FwerResult:
-    """Decide which candidates are certified, controlling the family-wise error rate at δ.
-
-    ``p_values`` holds one list per sequence, each in the contract's test order (conservative
-    first). Returns per-candidate flags and levels in the same nested shape, and where each
-    sequence stopped.
-
-    Examples
-    --------
-    >>> result = control_fwer([[0.001, 0.01, 0.2], [0.03, 0.06, 0.001]], 0.1, "fixed_sequence")
-    >>> result.certified
-    ((True, True, False), (True, False, False))
-    >>> result.levels[0]
-    (0.05, 0.05, 0.05)
-    >>> [s.stopped_at for s in result.sequences]
-    [2, 1]
-    """
-    procedure = check_procedure(procedure)
-    delta = check_delta(delta)
-    lengths = check_lengths([len(seq) for seq in p_values])
-    flat = np.array([float(x) for seq in p_values for x in seq], dtype=float)
-    if not np.all(np.isfinite(flat)):
-        raise CertkvError("p-values must be finite numbers in [0, 1]")
-    proc = REGISTRY[procedure]
-    flags = proc.mask(flat, lengths, delta)
-    levels = proc.levels(flat, lengths, delta)
-    segments = _segments(lengths)
-    return FwerResult(
-        procedure=procedure,
-        delta=delta,
-        certified=tuple(tuple(bool(x) for x in flags[a:b]) for a, b in segments),
-        levels=tuple(tuple(float(x) for x in levels[a:b]) for a, b in segments),
-        sequences=proc.stops(flags, lengths, delta),
-    )
-
-
-def is_prefix(flags: Sequence[bool]) -> bool:
-    """True when the certified flags form a prefix (all True, then all False).
-
-    Examples
-    --------
-    >>> is_prefix([True, True, False]), is_prefix([True, False, True])
-    (True, False)
-    """
-    seen_false = False
-    for flag in flags:
-        if flag and seen_false:
-            return False
-        seen_false = seen_false or not flag
-    return True
 
 
 __all__ = [
@@ -594,15 +477,9 @@ __all__ = [
     "Holm",
     "PilotOrdered",
     "Procedure",
-    "FwerResult",
     "SequenceStop",
-    "bonferroni_mask",
     "candidate_levels",
     "certified_mask",
-    "control_fwer",
-    "fixed_sequence_mask",
-    "holm_mask",
-    "is_prefix",
     "procedure_of",
     "sequence_stops",
 ]

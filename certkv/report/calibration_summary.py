@@ -24,7 +24,7 @@ def candidate_summary(records: Iterable[Mapping[str, Any]], tolerance: float) ->
     """Per policy: n, mean utility, violation count and rate at `tolerance`, mean realised KV."""
     import numpy as np
 
-    from certkv.core.binomial import violation_mask
+    from certkv.core.binomial import count_violations
 
     by_policy: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for row in records:
@@ -32,7 +32,7 @@ def candidate_summary(records: Iterable[Mapping[str, Any]], tolerance: float) ->
     out = []
     for policy, rows in by_policy.items():
         losses = np.array([r["loss"] for r in rows], dtype=float)
-        k = int(violation_mask(losses, tolerance).sum())
+        k = count_violations(losses, tolerance)
         out.append(
             {
                 "policy": policy,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 from scipy.stats import binomtest
@@ -15,13 +17,13 @@ from certkv.core.binomial import (
     violation_mask,
 )
 from certkv.core.procedures import (
-    bonferroni_mask,
+    REGISTRY,
+    SequenceStop,
     candidate_levels,
     certified_mask,
-    control_fwer,
-    fixed_sequence_mask,
-    holm_mask,
-    is_prefix,
+    check_delta,
+    check_lengths,
+    check_procedure,
 )
 from certkv.errors import CertkvError
 
@@ -140,6 +142,48 @@ def test_bad_tolerance_is_rejected(tolerance):
 # ----------------------------------------------------------------------------- procedures
 
 
+@dataclass(frozen=True)
+class FwerResult:
+    """One decision of :func:`control_fwer`: per-candidate flags (``certified[s][j]`` for position
+    j of sequence s), levels, and where each sequence stopped."""
+
+    procedure: str
+    delta: float
+    certified: tuple[tuple[bool, ...], ...]
+    levels: tuple[tuple[float, ...], ...]
+    sequences: tuple[SequenceStop, ...]
+
+
+def control_fwer(p_values, delta: float, procedure: str) -> FwerResult:
+    """The procedures' steps on nested p-values (one list per sequence, in test order), the
+    decision in the same nested shape: the tests' one-shot view of certkv.core.procedures."""
+    procedure = check_procedure(procedure)
+    delta = check_delta(delta)
+    lengths = check_lengths([len(seq) for seq in p_values])
+    flat = np.array([float(x) for seq in p_values for x in seq], dtype=float)
+    if not np.all(np.isfinite(flat)):
+        raise CertkvError("p-values must be finite numbers in [0, 1]")
+    proc = REGISTRY[procedure]
+    flags, levels = proc.mask(flat, lengths, delta), proc.levels(flat, lengths, delta)
+    stops = np.cumsum(lengths)
+    segments = list(zip((stops - np.asarray(lengths)).tolist(), stops.tolist()))
+    return FwerResult(procedure=procedure, delta=delta,
+                      certified=tuple(tuple(bool(x) for x in flags[a:b]) for a, b in segments),
+                      levels=tuple(tuple(float(x) for x in levels[a:b]) for a, b in segments),
+                      sequences=proc.stops(flags, lengths, delta))
+
+
+def is_prefix(flags) -> bool:
+    """True when the certified flags form a prefix (all True, then all False)."""
+    seen_false = False
+    for flag in flags:
+        if flag and seen_false:
+            return False
+        seen_false = seen_false or not flag
+    return True
+
+
+
 def test_fixed_sequence_stops_at_first_failure_and_certifies_a_prefix():
     p = [[0.001, 0.01, 0.2, 0.001, 0.001]]  # the later small p-values must NOT be certified
     result = control_fwer(p, 0.05, "fixed_sequence")
@@ -172,7 +216,7 @@ def test_fixed_sequence_level_is_inclusive():
 def test_fixed_sequence_certified_set_is_always_a_prefix():
     rng = np.random.default_rng(1)
     p = rng.uniform(0, 0.1, size=(500, 9))
-    flags = fixed_sequence_mask(p, [4, 5], 0.05)
+    flags = certified_mask(p, [4, 5], 0.05, "fixed_sequence")
     for row in flags:
         assert is_prefix(row[:4]) and is_prefix(row[4:])
 
@@ -207,7 +251,7 @@ def test_holm_stops_stepping_down_at_the_first_failure():
 def test_holm_never_certifies_less_than_bonferroni():
     rng = np.random.default_rng(2)
     p = rng.uniform(0, 0.05, size=(2000, 6)) ** 2
-    holm, bonf = holm_mask(p, [3, 3], 0.05), bonferroni_mask(p, [3, 3], 0.05)
+    holm, bonf = certified_mask(p, [3, 3], 0.05, "holm"), certified_mask(p, [3, 3], 0.05, "bonferroni")
     assert np.all(holm >= bonf)
 
 
