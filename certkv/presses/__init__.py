@@ -21,7 +21,6 @@ _LAZY = {
     "BehaviorPreservingPress": ("certkv.presses.behavior_preserving", "BehaviorPreservingPress"),
     "ResponseAwarePress": ("certkv.presses.response_aware", "ResponseAwarePress"),
     "HajekState": ("certkv.presses.hajek_state", "HajekState"),
-    "inclusion_probabilities": ("certkv.presses.poisson_selection", "inclusion_probabilities"),
     "probabilistic_selection": ("certkv.presses.poisson_selection", "probabilistic_selection"),
     "kept_fraction": ("certkv.presses.hajek_state", "kept_fraction"),
     "hajek_attention": ("certkv.presses.hajek_attention", "hajek_attention"),

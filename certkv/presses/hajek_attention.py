@@ -336,13 +336,6 @@ def use_hajek_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         yield model
 
 
-def reset_certificates(model: PreTrainedModel) -> None:
-    """Empty every layer's certificate list, keeping the states (e.g. before answering again)."""
-    for module in attention_modules(model):
-        if getattr(module, CERT_ATTR, None):
-            setattr(module, CERT_ATTR, [])
-
-
 def certificate_steps(model: PreTrainedModel, start: int = 0) -> list[list[float]]:
     """Per batch row, per step (attention call after compression) from step `start` on, the max
     certificate over layers, KV heads and the step's query positions. Empty when nothing was

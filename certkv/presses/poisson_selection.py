@@ -6,7 +6,7 @@ own pruning and the engine's one-prefill path) and
 ``n_kept`` entries: the first ``n_sink``, the last ``window`` and the top-scored ``head_share`` of
 the rest are kept with π = 1 (:func:`head_priority`, :func:`head_count`); every other entry i is
 kept independently with probability π_i ∝ score_i, capped at 1 and re-normalised so that Σ π_i is
-the rest of the budget (:func:`inclusion_probabilities`). The draw (:func:`probabilistic_selection`)
+the rest of the budget (:func:`_capped_proportional`). The draw (:func:`probabilistic_selection`)
 returns a :class:`Selection`; :func:`pad_selection` pads it to a common width.
 """
 
@@ -19,37 +19,11 @@ from dataclasses import dataclass
 import torch
 
 
-def inclusion_probabilities(scores: torch.Tensor, budget: float | torch.Tensor) -> torch.Tensor:
-    """Poisson-sampling inclusion probabilities π ∝ score, capped at 1, summing to `budget`.
-
-    `scores` is a nonnegative, finite tensor of shape (..., n); `budget` a number or a tensor
-    broadcastable to ``scores.shape[:-1]``, clamped to [0, n]. Entries whose proportional share
-    reaches 1 are capped at 1 and the remaining budget is re-spread over the others, as if capping
-    round after round until no new entry is capped (computed in closed form: see
-    :func:`_capped_proportional`). If the positive scores cannot absorb the budget even when all
-    capped, the rest is spread uniformly over the zero-score entries, so Σ π = budget whenever
-    budget ≤ n. Otherwise an entry with score 0 gets π = 0. π is nondecreasing in the score
-    (min(1, c·score) for one c per row, except in the uniform spread). Computed in float64;
-    returned in the scores' dtype promoted to at least float32.
-    """
-    if scores.dim() < 1:
-        raise ValueError("scores must have at least one dimension (the entries)")
-    if not bool(torch.isfinite(scores).all()):
-        raise ValueError("scores must be finite to give inclusion probabilities")
-    if bool((scores < 0).any()):
-        raise ValueError("scores must be nonnegative to give inclusion probabilities")
-    out_dtype = torch.promote_types(scores.dtype, torch.float32)
-    s = scores.to(torch.float64)
-    n = s.shape[-1]
-    if n == 0:
-        return s.to(out_dtype)
-    b = torch.as_tensor(budget, dtype=torch.float64, device=s.device).expand(s.shape[:-1]).clamp(0, n)
-    return _capped_proportional(s, b).to(out_dtype)
-
-
 def _capped_proportional(s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """:func:`inclusion_probabilities` without its checks, for float64 `s` (..., n) that is already
-    known to be finite and nonnegative and `b` (...) in [0, n] (the selection's tail, made so).
+    """Poisson-sampling inclusion probabilities π ∝ score, capped at 1, summing to the budget `b`
+    (...) in [0, n], for float64 scores `s` (..., n) already known to be finite and nonnegative (the
+    selection's tail, made so). Entries whose proportional share reaches 1 are capped at 1 and the
+    remaining budget re-spread over the others.
 
     The answer is π_i = min(1, c·s_i) with the one c that makes Σ π = b. It is found in closed form
     rather than by capping round after round (each round a dozen small kernel calls): with the

@@ -15,7 +15,7 @@ count):
   and the top-scored entries, ``head_share`` of what is left of the budget;
 * a Poisson-sampled **tail**: every other entry i is kept independently with probability
   π_i ∝ score_i, capped at 1 and re-normalised so that Σ π_i is the rest of the budget
-  (:func:`inclusion_probabilities`). The expected kept count is exactly ``n_kept``; the realised
+  (:func:`~certkv.presses.poisson_selection.probabilistic_selection`). The expected kept count is exactly ``n_kept``; the realised
   count varies per request, layer and head.
 
 Storage (the decision the attention function relies on)

@@ -186,15 +186,8 @@ _WRAPS_SCORER = frozenset({
     "BlockPress", "ChunkPress", "KeyRerotationPress", "PerLayerCompressionPress", "DMSPress",
 })
 
-_REGISTRY: dict[str, PressInfo] = {
-    **{name: PressInfo(name, f"kvpress:{cls}", knob) for name, (cls, knob) in _KVPRESS.items()},
-    **{name: PressInfo(name, target, knob) for name, (target, knob) in _CERTKV.items()},
-}
-
-
-def kvpress_table() -> dict[str, str]:
-    """The static kvpress table as ``{name: class name}`` (used by the drift test)."""
-    return {name: cls for name, (cls, _) in _KVPRESS.items()}
+#: Every press a contract may name: the two static tables, registered at import (:func:`register_press`).
+_REGISTRY: dict[str, PressInfo] = {}
 
 
 def register_press(name: str, target: Any, *, knob: str | None = "compression_ratio", replace: bool = False) -> None:
@@ -211,6 +204,12 @@ def register_press(name: str, target: Any, *, knob: str | None = "compression_ra
     if name in _REGISTRY and not replace:
         raise CertkvError(f"press {name!r} is already registered; pass replace=True to override it")
     _REGISTRY[name] = PressInfo(name, target, knob)
+
+
+for _name, (_cls, _knob) in _KVPRESS.items():
+    register_press(_name, f"kvpress:{_cls}", knob=_knob)
+for _name, (_target, _knob) in _CERTKV.items():
+    register_press(_name, _target, knob=_knob)
 
 
 def known_presses() -> list[str]:
@@ -493,21 +492,3 @@ def build_press(spec: str | type, kv_retained: float, press_kwargs: Mapping[str,
     except (AttributeError, ValueError, AssertionError) as exc:
         raise CertkvError(f"press {name!r}: cannot set {knob}: {exc}") from None
     return press
-
-
-def is_score_based(spec: str | type | Any) -> bool:
-    """Whether a press ranks KV entries by a score and keeps the top-k with ScorerPress.compress.
-
-    Such presses can be evaluated on certkv's fast path: one full prefill yields every press's
-    scores, and each retention is a top-k of them. Imports kvpress (calibration time only).
-    """
-    from kvpress import ScorerPress
-
-    cls: type[Any]  # a press class: kvpress's compress() is looked up on it
-    if isinstance(spec, str):
-        cls = resolve_press_class(spec)
-    elif isinstance(spec, type):
-        cls = spec
-    else:
-        cls = type(spec)
-    return issubclass(cls, ScorerPress) and cls.compress is ScorerPress.compress

@@ -20,7 +20,6 @@ from certkv._lazy import lazy_getattr
 _LAZY = {
     "AgreementRecorder": ("certkv.signals.agreement", "AgreementRecorder"),
     "agreement_drop": ("certkv.signals.agreement", "agreement_drop"),
-    "layer_agreement": ("certkv.signals.agreement", "layer_agreement"),
     "layer_agreements": ("certkv.signals.agreement", "layer_agreements"),
     "layer_split": ("certkv.signals.agreement", "layer_split"),
     "answer_confidence": ("certkv.core.gate_features", "answer_confidence"),

@@ -56,13 +56,6 @@ def layer_agreements(weights: torch.Tensor, top_k: int) -> torch.Tensor:
     return jaccard[:, rows, cols].mean(dim=-1)
 
 
-def layer_agreement(weights: torch.Tensor, top_k: int) -> float:
-    """The layer's agreement as a float, for one request (batch size 1)."""
-    if weights.shape[0] != 1:
-        raise ValueError(f"layer_agreement takes one request; got batch size {weights.shape[0]} (use layer_agreements)")
-    return float(layer_agreements(weights, top_k)[0])
-
-
 def layer_split(n_layers: int, split_divisor: int = AGREEMENT_SPLIT) -> tuple[range, range]:
     """The first and last ⌊L / split_divisor⌋ layers (at least one each), as index ranges.
 

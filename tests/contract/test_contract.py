@@ -374,7 +374,8 @@ def kvpress():
 
 def test_registry_matches_kvpress(kvpress):
     """The static table must name every press kvpress exports, and only real classes."""
-    table = press_registry.kvpress_table()
+    table = {name: target.removeprefix("kvpress:") for name in press_registry.known_presses()
+             if isinstance(target := press_registry.press_info(name).target, str) and target.startswith("kvpress:")}
     exported = {
         name
         for name in kvpress.__all__
@@ -440,13 +441,24 @@ def test_build_press_nesting(kvpress):
         press_registry.build_press("snapkv", 0.0)
 
 
+def _is_score_based(cls) -> bool:
+    """A press class that ranks KV entries by a score and keeps the top-k with ScorerPress.compress:
+    the class-level form of the engine's fast-path rule (certkv.engine.scoring.is_fast_path_press)."""
+    from kvpress import ScorerPress
+
+    return issubclass(cls, ScorerPress) and cls.compress is ScorerPress.compress
+
+
 def test_score_based_classification(kvpress):
+    from certkv.engine.scoring import is_fast_path_press
+
     for name in ("snapkv", "streaming_llm", "knorm", "tova", "observed_attention", "random", "expected_attention",
                  "keydiff", "qfilter", "leverage"):
-        assert press_registry.is_score_based(name), name
+        assert _is_score_based(press_registry.resolve_press_class(name)), name
     for name in ("pyramidkv", "adakv", "chunkkv", "think", "finch", "kvzip"):
-        assert not press_registry.is_score_based(name), name
-    assert press_registry.is_score_based(kvpress.SnapKVPress(compression_ratio=0.5))
+        assert not _is_score_based(press_registry.resolve_press_class(name)), name
+    assert is_fast_path_press(kvpress.SnapKVPress(compression_ratio=0.5))
+    assert not is_fast_path_press(press_registry.build_press("pyramidkv", 0.5))
 
 
 def test_query_aware_is_a_protocol_and_must_be_a_boolean(tmp_path):

@@ -16,8 +16,29 @@ torch = pytest.importorskip("torch")
 # ---------------------------------------------------------------------------------------------
 
 
+
+def inclusion_probabilities(scores, budget):
+    """certkv's capped proportional inclusion probabilities (poisson_selection._capped_proportional) on
+    any scores: checked, in float64, with `budget` a number or a tensor broadcastable to the rows."""
+    import torch
+
+    from certkv.presses.poisson_selection import _capped_proportional
+
+    if scores.dim() < 1:
+        raise ValueError("scores must have at least one dimension (the entries)")
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("scores must be finite to give inclusion probabilities")
+    if bool((scores < 0).any()):
+        raise ValueError("scores must be nonnegative to give inclusion probabilities")
+    out_dtype = torch.promote_types(scores.dtype, torch.float32)
+    s = scores.to(torch.float64)
+    n = s.shape[-1]
+    if n == 0:
+        return s.to(out_dtype)
+    b = torch.as_tensor(budget, dtype=torch.float64, device=s.device).expand(s.shape[:-1]).clamp(0, n)
+    return _capped_proportional(s, b).to(out_dtype)
+
 def test_inclusion_probabilities_sum_range_monotone():
-    from certkv.presses.poisson_selection import inclusion_probabilities
 
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(3, 50, generator=g) ** 4 * 10  # skewed: the top entries get capped
@@ -81,7 +102,6 @@ def test_closed_form_capping_equals_capping_round_by_round():
 
 
 def test_inclusion_probabilities_zero_scores_and_bad_input():
-    from certkv.presses.poisson_selection import inclusion_probabilities
 
     s = torch.tensor([[0.0, 0.0, 1.0, 3.0]])
     torch.testing.assert_close(inclusion_probabilities(s, 1), torch.tensor([[0.0, 0.0, 0.25, 0.75]]))
@@ -381,8 +401,9 @@ def _answer(model, context, question, press=None, hajek=False, new_tokens=5):
     from transformers import DynamicCache
 
     from certkv.model.generation import greedy_decode
-    from certkv.presses.hajek_attention import reset_certificates, use_hajek_attention
-    from certkv.presses.hajek_state import clear_states
+    from certkv.presses.hajek_attention import use_hajek_attention
+    from certkv.presses.hajek_state import CERT_ATTR, clear_states
+    from certkv.presses.probabilistic import attention_modules
 
     clear_states(model)
     cache = DynamicCache()
@@ -402,7 +423,9 @@ def _answer(model, context, question, press=None, hajek=False, new_tokens=5):
         positions = torch.arange(n_ctx, n_ctx + len(question)).unsqueeze(0)
         logits = model(input_ids=q, past_key_values=cache, position_ids=positions).logits
         cache.crop(length)
-        reset_certificates(model)
+        for module in attention_modules(model):  # the prefill's certificates gone, the states kept
+            if getattr(module, CERT_ATTR, None):
+                setattr(module, CERT_ATTR, [])
         tokens = greedy_decode(model, cache, question, n_ctx, new_tokens)
     return tokens, logits
 

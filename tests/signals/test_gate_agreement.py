@@ -49,8 +49,17 @@ def _prefill_with_hooks(model, recorder, n_tokens=80):
     return [eager[i] for i in sorted(eager)], [windowed[i] for i in sorted(windowed)]
 
 
+
+def layer_agreement(weights, top_k: int) -> float:
+    """One request's layer agreement as a float (certkv.signals.agreement.layer_agreements of batch size 1)."""
+    from certkv.signals.agreement import layer_agreements
+
+    if weights.shape[0] != 1:
+        raise ValueError(f"layer_agreement takes one request; got batch size {weights.shape[0]} (use layer_agreements)")
+    return float(layer_agreements(weights, top_k)[0])
+
 def test_window_attention_equals_eager_and_drop_equals_direct(tiny_llama):
-    from certkv.signals.agreement import AgreementRecorder, agreement_drop, layer_agreement
+    from certkv.signals.agreement import AgreementRecorder, agreement_drop
 
     recorder = AgreementRecorder()
     assert (recorder.window, recorder.top_k, recorder.split_divisor) == (32, 32, 3)
@@ -84,8 +93,6 @@ def test_attach_observes_prefill_only(tiny_llama):
 
 
 def test_jaccard_identical_and_disjoint_sets():
-    from certkv.signals.agreement import layer_agreement
-
     k_len, k = 12, 4
     same = torch.zeros(1, 3, 2, k_len)
     same[..., :k] = 1.0  # every head's top-4 is {0, 1, 2, 3}
@@ -121,7 +128,7 @@ def test_layer_split():
 
 
 def test_bad_settings_raise_value_error():
-    from certkv.signals.agreement import AgreementRecorder, agreement_drop, layer_agreement
+    from certkv.signals.agreement import AgreementRecorder, agreement_drop
 
     with pytest.raises(ValueError, match="window"):
         AgreementRecorder(window=0)
