@@ -26,7 +26,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from certkv.engine.prompt_lookup import PromptLookup, ProposalLength
+from certkv.engine.prompt_lookup import PromptLookup
+from certkv.engine.speculation import Proposer, accept
 from certkv.model.attention import NAME, attention_row_groups, register, use_attention
 from certkv.model.generation import chosen_logprobs
 from certkv.model.stopping import is_finished
@@ -221,7 +222,8 @@ def decode_candidates(
     whole and a row finishes in one or two batched forwards instead of one forward per token.
     Proposals only save forwards; every accepted token is the row's own greedy choice. Each row's
     proposal length follows its acceptance (:class:`~certkv.engine.prompt_lookup.ProposalLength`):
-    a row that writes its own text is not fed a long proposal it will reject every forward.
+    a row that writes its own text is not fed a long proposal it will reject every forward. Both
+    the proposals and their acceptance are :mod:`certkv.engine.speculation`'s, as the ragged rows'.
 
     `timings`, when given, accumulates the seconds of the verifying forward under ``"verify"``:
     every row must at least read the question and an answer over its own cache, so that forward is
@@ -241,15 +243,10 @@ def decode_candidates(
         state.verify_draft(question_ids, draft)
         if timings is not None:
             timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t0
-        lookup = PromptLookup(list(context_ids or []) + list(question_ids))
-        lengths = {r: ProposalLength() for r in state.active}
+        lookup = PromptLookup(list(context_ids or []) + list(question_ids))  # one index, every row's proposals
+        proposers = {r: Proposer(lookup) for r in state.active}
         while state.active:
-            proposals = {r: lookup.propose(state.answers[r], lengths[r].cap(max_new_tokens - len(state.answers[r])))
-                         for r in state.active}
-            before = {r: len(state.answers[r]) for r in state.active}
-            state.step(proposals)
-            for r, proposal in proposals.items():  # the pending token's choice, then the confirmed proposal tokens
-                lengths[r].update(len(proposal), len(state.answers[r]) - before[r] - 1)
+            state.step(proposers)
     if logprobs is not None:
         logprobs[:] = state.logprobs
     return state.answers
@@ -321,14 +318,10 @@ class _Decoding:
             inputs, positions, torch.ones((self.n, len(fed)), dtype=self.mask.dtype, device=device), keep=keep
         )
         for row in range(self.n):
-            tokens: list[int] = []
-            for j, token in enumerate(choices[row]):
-                tokens.append(token)
-                if j >= len(draft) or token != draft[j] or self.finished(tokens):
-                    break
-            self.answers[row] = tokens
-            if logprobs is not None:
-                self.logprobs[row] = logprobs[row][: len(tokens)]
+            # The question's last token is the pending one, the draft its proposal.
+            tokens = self.answers[row]
+            kept, scored = (self.logprobs[row], logprobs[row]) if logprobs is not None else (None, None)
+            accept(tokens, choices[row], draft, self.max_new_tokens, self.stop_ids, kept, scored)
             # Slots the row saw: the question and the draft tokens it agreed with before its last token.
             self.mask[row, base + self.q_len + len(tokens) - 1 :] = 0
             if not self.finished(tokens):
@@ -345,8 +338,11 @@ class _Decoding:
         self.rows = list(self.active)
         self.groups = row_groups(self.mask)
 
-    def step(self, proposals: dict[int, list[int]]) -> None:
-        """Feed each active row its pending token plus a proposal; accept what its greedy choice confirms."""
+    def step(self, proposers: dict[int, Proposer]) -> None:
+        """Feed each active row its pending token plus its proposer's proposal; accept what its
+        greedy choice confirms (:func:`~certkv.engine.speculation.accept`)."""
+        proposals = {r: proposers[r].propose(self.answers[r], self.max_new_tokens - len(self.answers[r]))
+                     for r in self.active}
         self.compact()
         device = self.model.device
         size = len(self.rows)
@@ -367,14 +363,9 @@ class _Decoding:
         still = []
         for r in self.active:
             b = where[r]
-            accepted = 0
-            for i, token in enumerate(choices[b][: 1 + len(proposals[r])]):
-                self.answers[r].append(token)
-                if logprobs is not None:
-                    self.logprobs[r].append(logprobs[b][i])
-                accepted = i + 1
-                if self.finished(self.answers[r]) or i >= len(proposals[r]) or token != proposals[r][i]:
-                    break
+            kept, scored = (self.logprobs[r], logprobs[b]) if logprobs is not None else (None, None)
+            accepted = accept(self.answers[r], choices[b], proposals[r], self.max_new_tokens, self.stop_ids, kept, scored)
+            proposers[r].accepted(accepted - 1)  # the pending token's choice, then the confirmed proposal tokens
             # The pending token and the proposal tokens that were confirmed stay visible; the rest go.
             self.mask[b, base + accepted :] = 0
             if not self.finished(self.answers[r]):

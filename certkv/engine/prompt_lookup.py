@@ -1,8 +1,9 @@
 """Prompt-lookup proposals for speculative greedy decoding: plain python, no torch.
 
-:func:`certkv.engine.batched_decode.decode_candidates` feeds each row that leaves the draft a
-proposal from here; retrieval answers are mostly copied from the context, so a proposal is usually
-accepted whole. :class:`ProposalLength` sizes each row's proposals by what it accepted before.
+:class:`certkv.engine.speculation.Proposer` proposes from here to every speculative decoder's rows
+once they leave their draft (or have none); retrieval answers are mostly copied from the context,
+so a proposal is usually accepted whole. :class:`ProposalLength` sizes each row's proposals by
+what it accepted before.
 Kept apart from the decoding itself so that it can be tested without the model stack.
 """
 

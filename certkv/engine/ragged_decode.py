@@ -14,10 +14,11 @@ runtime decoding it alone.
 
 Decoding follows ``decode_candidates`` with an empty draft, row by row: a row's first forward feeds
 its question (positions from the row's ``position``), then each step feeds the row's pending token
-plus a prompt-lookup proposal (:class:`~certkv.engine.prompt_lookup.PromptLookup`, as long as the
-row's acceptance so far warrants: :class:`~certkv.engine.prompt_lookup.ProposalLength`; none for a row
-decoded plainly greedy, as kvpress's pipeline decodes); the tokens its greedy choice confirms stay
-in its cache, the rest are cropped away. A row stops by the decoders' shared rule, kvpress's
+plus a proposal (its draft's next tokens while it follows one, else prompt lookup's, as long as the
+row's acceptance so far warrants; none for a row decoded plainly greedy, as kvpress's pipeline
+decodes); the tokens its greedy choice confirms stay in its cache, the rest are cropped away. The
+proposals and their acceptance are ``decode_candidates``'s own, written once in
+:mod:`certkv.engine.speculation`. A row stops by the decoders' shared rule, kvpress's
 (:func:`certkv.model.stopping.is_finished`: after ``max_new_tokens`` tokens, or after a stop token
 but never on the first).
 
@@ -42,7 +43,8 @@ from transformers import AttentionInterface
 
 from certkv.engine.decoding_compression import DecodingCompression
 from certkv.engine.first_layer_keys import pipeline_first_layer_keys, ranks_by_key_norm
-from certkv.engine.prompt_lookup import PromptLookup, ProposalLength
+from certkv.engine.prompt_lookup import PromptLookup
+from certkv.engine.speculation import Proposer, accept, following
 from certkv.model.attention import _grouped_matmul_attention, _sdpa, use_attention
 from certkv.model.generation import chosen_logprobs
 from certkv.model.layers import attention_modules
@@ -197,21 +199,18 @@ class Row:
     compression: DecodingCompression | None = None
     tag: Any = None
     """The caller's handle on the row (the scheduler's request)."""
-    _lookup: PromptLookup | None = None
-    _length: ProposalLength = field(default_factory=ProposalLength)
-    _looked_up: int = 0
-    """The length of the last prompt-lookup proposal fed (0 when the draft proposed, or none)."""
+    _proposer: Proposer = field(default_factory=lambda: Proposer(None))
 
     def __post_init__(self) -> None:
         if not self.question_ids:
             raise ValueError("a row needs at least one question token to feed")
         if self.lookup_ids is not None:
-            self._lookup = PromptLookup(list(self.lookup_ids) + list(self.question_ids))
+            self._proposer.lookup = PromptLookup(list(self.lookup_ids) + list(self.question_ids))
 
     def plain(self) -> None:
         """Decode plainly greedy from now on: no prompt-lookup proposals (the same answer, one
         token a forward)."""
-        self.lookup_ids, self._lookup = None, None
+        self.lookup_ids, self._proposer.lookup = None, None
 
     @property
     def done(self) -> bool:
@@ -223,7 +222,7 @@ class Row:
         if not self.answer:
             return list(self.question_ids), self.position
         position = self.position + len(self.question_ids) + len(self.answer) - 1
-        return [self.answer[-1], *self._propose(self.proposal_budget())], position
+        return [self.answer[-1], *self._proposer.propose(self.answer, self.proposal_budget(), self.draft)], position
 
     def proposal_budget(self) -> int:
         """How many tokens the next forward may feed after the pending one: what the answer may
@@ -235,8 +234,7 @@ class Row:
 
     def followed_draft(self) -> list[int] | None:
         """The draft while the answer so far is its beginning (it proposes what follows), else None."""
-        draft = self.draft
-        return draft if draft is not None and draft[: len(self.answer)] == self.answer else None
+        return following(self.draft, self.answer)
 
     def most_held(self) -> list[int]:
         """Per layer, the most entries the cache of a row under a decoding-time press may hold from
@@ -257,23 +255,10 @@ class Row:
         for layer, most in zip(self.cache.layers, self.most_held()):
             layer.fit(most)
 
-    def _propose(self, budget: int) -> list[int]:
-        """Up to `budget` tokens to try after the pending one: the draft's while the answer follows
-        it, else prompt lookup's (none for a plainly greedy row)."""
-        self._looked_up = 0
-        if budget <= 0:
-            return []
-        n, draft = len(self.answer), self.followed_draft()
-        if draft is not None and len(draft) > n:
-            return draft[n : n + budget]
-        proposal = self._lookup.propose(self.answer, self._length.cap(budget)) if self._lookup else []
-        self._looked_up = len(proposal)
-        return proposal
-
     def accepted(self, confirmed: int) -> None:
         """Record that `confirmed` tokens of the last proposal were accepted (sizes the next
-        prompt-lookup proposal: :class:`~certkv.engine.prompt_lookup.ProposalLength`)."""
-        self._length.update(self._looked_up, confirmed)
+        prompt-lookup proposal: :meth:`~certkv.engine.speculation.Proposer.accepted`)."""
+        self._proposer.accepted(confirmed)
 
 
 #: The rows of the forward in progress, where each one's fed tokens sit in the packed sequence, and
@@ -495,17 +480,12 @@ def _accept(row: Row, choices: list[int], proposal: list[int], lengths: list[int
     """Append to `row` the greedy `choices` its forward confirmed (their log p follow:
     :func:`_append_logprobs`) and crop its cache back to its `lengths` per layer before the forward
     plus the fed tokens that stay: on its first forward one token, afterwards the pending token's
-    choice and each proposal token the greedy choice agreed with (decode_candidates's acceptance).
+    choice and each proposal token the greedy choice agreed with (:func:`~certkv.engine.speculation.accept`).
     Returns how many fed tokens stay (the whole question on the first forward)."""
     if len(row.answer) == 0:
         row.answer.append(choices[0])
         return len(row.question_ids)
-    accepted = 0
-    for i, token in enumerate(choices):
-        row.answer.append(token)
-        accepted = i + 1
-        if row.done or i >= len(proposal) or token != proposal[i]:
-            break
+    accepted = accept(row.answer, choices, proposal, row.max_new_tokens, row.stop_ids)
     row.accepted(accepted - 1)  # the pending token's choice, then the confirmed proposal tokens
     # The pending token and the confirmed proposal tokens stay; the rest are dropped.
     row.cache.crop([n + accepted for n in lengths])

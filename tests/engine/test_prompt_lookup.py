@@ -65,8 +65,8 @@ def test_a_row_learns_only_from_lookup_proposals_it_was_fed():
     tokens, _ = row.feed()
     assert len(tokens) == 1 + 16  # the pending token and a proposal of the default length
     row.accepted(16)
-    assert row._length.size == 32
+    assert row._proposer.length.size == 32
     row.max_new_tokens = len(row.answer)  # no budget left: the pending token alone
     assert row.feed()[0] == [101]
     row.accepted(0)
-    assert row._length.size == 32
+    assert row._proposer.length.size == 32
