@@ -234,12 +234,6 @@ class Server:
 
 
 def main() -> None:
-    if "--long" in sys.argv[1:]:
-        from capacity_long import main as long_main
-
-        sys.argv.remove("--long")
-        long_main()
-        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--demo-point", type=Path, default=DEMO_POINT, help="what `certkv demo` wrote")
     parser.add_argument("--requests", type=int, default=480, help="requests per run")

@@ -1,4 +1,7 @@
-"""Capacity under a KV budget on long generations: ``python benchmarks/capacity.py --long``.
+"""Capacity under a KV budget on long generations: ``python benchmarks/capacity_long.py``.
+
+It reuses
+:mod:`capacity`'s server and point helpers; :mod:`capacity` does not import it back.
 
 Where decoding holds memory for a hundred steps and more, does a point that keeps less KV serve
 more? The same traffic goes, closed loop through the official ``openai`` client at concurrency 32,
@@ -176,7 +179,7 @@ def main() -> None:
     runs, ratios = summarise(ops, servers, health, alone)
     result = {
         "benchmark": "capacity_long",
-        "command": "python " + " ".join(["benchmarks/capacity.py", "--long", *sys.argv[1:]]),
+        "command": "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         "traffic": {"model": MODEL, "task": "builtin:recite", "seed": args.seed, "context_length": list(CONTEXT),

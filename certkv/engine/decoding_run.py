@@ -184,7 +184,8 @@ def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run:
     pipeline decodes), keeping per token its log p, the entries `held` counts in the cache after
     the forward that chose it and (`watch` reading them) its step's certificate; a token on which
     `watch` fires ends the run without it (``run.stopped_at``). `max_new_tokens` counts the tokens
-    `run` already holds."""
+    `run` already holds. Not speculative (:mod:`certkv.engine.speculation`): under the press's hooks a
+    chunk of tokens would be one compression step, not the pipeline's one per token."""
 
     def keep(token: int, logprob: float) -> bool:
         certificate = watch.certificate() if watch.certificate is not None else None

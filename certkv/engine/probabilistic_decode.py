@@ -167,6 +167,9 @@ def decode_probabilistic(
     Every answer carries its tokens' log p (``ProbabilisticAnswer.logprobs``: ``logit_tok −
     logsumexp(logits)`` in float64 from the logits each token was chosen from); `logprobs`, when
     given (one slot per candidate), receives them too, as ``decode_candidates`` fills it.
+
+    One token a forward, not :mod:`certkv.engine.speculation`'s proposals: the Hájek attention records a
+    certificate per forward, and a row's maximum must be over the one-token forwards its answer takes.
     """
     if not selections:
         return []

@@ -110,6 +110,7 @@ def greedy_decode(model: PreTrainedModel, cache: Cache, question_ids: Sequence[i
     :func:`chosen_logprobs`). `keep`, when given, is called with each chosen token's id and log p
     before the token is kept; False ends the decode without it (a recompute gate's trigger, a
     decoding-time press's per-step bookkeeping: :mod:`certkv.engine.decoding_run`).
+    Not speculative (certkv.engine.speculation): it is kvpress's one-token-a-forward decode, the reference.
     """
     device = model.device
     q = torch.as_tensor(list(question_ids), device=device).view(1, -1)
