@@ -16,7 +16,11 @@ therefore splits its requests in two before any loss is read:
 The draw (:func:`draw_pilot`) ranks the request ids by ``sha256(f"{seed}:{request_id}")`` and takes
 the first ``round(p · R)``: it depends on the ids and the contract's seed only, never on a loss or
 a signal, so the pilot is independent of the certification requests' outcomes given the ids, and
-every command (certify, validate, report, export) draws the same one. A quantile q sends about
+every command (certify, validate, report, export) draws the same one. The spec's sampling unit
+draws it (:meth:`certkv.core.sampling_unit.SamplingUnit.draw_pilot`): requests, or whole contexts
+under grouping, so a context is never split between the pilot and the certification requests;
+:func:`draw_pilot`, :func:`draw_pilot_groups` and :class:`PilotSplit` live in
+:mod:`certkv.core.sampling_unit` and are re-exported here. A quantile q sends about
 the share q of the pilot's most suspicious requests to the full cache:
 
 * confidence: b_q = q-quantile of the pilot's ``confidence_min`` (escalate when < b_q);
@@ -32,7 +36,6 @@ Quantiles are numpy's default (linear interpolation). Torch-free: numpy and scik
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +49,9 @@ from certkv.core.gate_features import LearnedGate, expand_features, feature_matr
 from certkv.core.gated import check_signal, derive_gated
 from certkv.core.loss_table import LossTable
 from certkv.core.procedures import procedure_of
+from certkv.core.sampling_unit import MIN_CERTIFICATION, PilotSplit, draw_pilot, draw_pilot_groups, pilot_size, sampling_unit
 from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
 from certkv.errors import CertkvError
-
-#: The fewest certification requests a pilot may leave.
-MIN_CERTIFICATION = 100
 
 
 class PilotInfo(BaseModel):
@@ -74,133 +75,6 @@ class PilotInfo(BaseModel):
     n_pilot: int
     n_certification: int
     request_ids: list[str]
-
-
-@dataclass(frozen=True)
-class PilotSplit:
-    """The pilot and certification requests of a table: ids and their columns (increasing
-    indices into the table's sorted ``request_ids``).
-
-    Examples
-    --------
-    >>> split = draw_pilot([f"r{i}" for i in range(400)], share=0.25, seed=0)
-    >>> len(split.pilot_ids), len(split.certification_ids), split.share, split.seed
-    (100, 300, 0.25, 0)
-    >>> bool((split.pilot_columns[:-1] < split.pilot_columns[1:]).all())  # increasing table columns
-    True
-    """
-
-    share: float
-    seed: int
-    pilot_ids: tuple[str, ...]
-    certification_ids: tuple[str, ...]
-    pilot_columns: np.ndarray
-    certification_columns: np.ndarray
-
-    def info(self) -> PilotInfo:
-        return PilotInfo(
-            share=self.share,
-            seed=self.seed,
-            n_pilot=len(self.pilot_ids),
-            n_certification=len(self.certification_ids),
-            request_ids=list(self.pilot_ids),
-        )
-
-
-def pilot_size(n_requests: int, share: float) -> int:
-    """Requests the pilot takes out of `n_requests`: ``round(share · n_requests)``.
-
-    Examples
-    --------
-    >>> pilot_size(400, 0.25), pilot_size(10, 0.04)  # round(0.4) takes no request
-    (100, 0)
-    """
-    return int(round(share * n_requests))
-
-
-def draw_pilot(
-    request_ids: Sequence[str],
-    share: float,
-    seed: int = 0,
-    min_certification: int = MIN_CERTIFICATION,
-    groups: Sequence[str] | None = None,
-) -> PilotSplit:
-    """Draw the pilot: rank `request_ids` by ``sha256(f"{seed}:{request_id}")`` (hex) and take the
-    first ``round(share · R)``; the rest certify. With `groups` (each request's context group, a
-    grouped spec's), whole contexts are drawn instead (:func:`draw_pilot_groups`).
-
-    Deterministic and independent of any loss or signal. Raises a one-line error when the pilot
-    would be empty or leave fewer than `min_certification` certification requests.
-
-    Examples
-    --------
-    >>> split = draw_pilot([f"r{i}" for i in range(400)], share=0.25, seed=0)
-    >>> len(split.pilot_ids), len(split.certification_ids)
-    (100, 300)
-    >>> reordered = draw_pilot([f"r{i}" for i in reversed(range(400))], 0.25, 0)
-    >>> set(split.pilot_ids) == set(reordered.pilot_ids)  # the ids decide, not their order
-    True
-    """
-    share = float(share)
-    if not 0.0 < share < 1.0:
-        raise CertkvError(f"gate.pilot: the pilot share must be strictly between 0 and 1, got {share!r}")
-    if groups is not None:
-        return draw_pilot_groups(request_ids, groups, share, seed, min_certification)
-    ids = list(request_ids)
-    n = len(ids)
-    n_pilot = pilot_size(n, share)
-    n_cert = n - n_pilot
-    if n_cert < min_certification:
-        need = next(
-            r for r in range(min_certification, 100 * min_certification + 1) if r - pilot_size(r, share) >= min_certification
-        )
-        raise CertkvError(
-            f"gate.pilot: a pilot share of {share:g} leaves {n_cert} of {n} requests to certify, fewer than "
-            f"{min_certification}; lower gate.pilot or calibrate at least {need} requests"
-        )
-    if n_pilot < 1:
-        raise CertkvError(f"gate.pilot: a pilot share of {share:g} of {n} requests draws no pilot request; raise gate.pilot")
-    keys = [hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest() for rid in ids]
-    ranked = sorted(range(n), key=lambda i: (keys[i], ids[i]))
-    pilot = np.sort(np.asarray(ranked[:n_pilot], dtype=np.int64))
-    rest = np.sort(np.asarray(ranked[n_pilot:], dtype=np.int64))
-    return PilotSplit(share, int(seed), tuple(ids[int(i)] for i in pilot), tuple(ids[int(i)] for i in rest), pilot, rest)
-
-
-def draw_pilot_groups(
-    request_ids: Sequence[str], groups: Sequence[str], share: float, seed: int = 0, min_certification: int = MIN_CERTIFICATION
-) -> PilotSplit:
-    """Draw a grouped pilot: rank the distinct `groups` by ``sha256(f"{seed}:{group}")`` and take
-    the first ``round(share · G)`` contexts, every request of them; the rest certify. A context is
-    never split between the pilot and the certification requests, since its questions are not
-    independent of each other.
-
-    Deterministic, independent of any loss or signal; one-line errors as :func:`draw_pilot`.
-
-    Examples
-    --------
-    >>> ids = [f"r{i}" for i in range(400)]
-    >>> split = draw_pilot_groups(ids, [f"doc{i // 4}" for i in range(400)], share=0.25, seed=0)
-    >>> len(split.pilot_ids), len(split.certification_ids)  # 25 of 100 contexts, 4 questions each
-    (100, 300)
-    >>> len({int(r[1:]) // 4 for r in split.pilot_ids})  # whole contexts
-    25
-    """
-    ids, labels = list(request_ids), list(groups)
-    names = sorted(set(labels))
-    n_pilot_groups = pilot_size(len(names), share)
-    ranked = sorted(names, key=lambda g: (hashlib.sha256(f"{seed}:{g}".encode()).hexdigest(), g))
-    chosen = set(ranked[:n_pilot_groups])
-    in_pilot = np.fromiter((g in chosen for g in labels), dtype=bool, count=len(labels))
-    pilot, rest = np.flatnonzero(in_pilot), np.flatnonzero(~in_pilot)
-    if n_pilot_groups < 1:
-        raise CertkvError(f"gate.pilot: a pilot share of {share:g} of {len(names)} contexts draws no context; raise gate.pilot")
-    if rest.size < min_certification:
-        raise CertkvError(
-            f"gate.pilot: a pilot share of {share:g} leaves {rest.size} of {len(ids)} requests (whole contexts) to certify, "
-            f"fewer than {min_certification}; lower gate.pilot or calibrate more contexts"
-        )
-    return PilotSplit(share, int(seed), tuple(ids[int(i)] for i in pilot), tuple(ids[int(i)] for i in rest), pilot, rest)
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -315,7 +189,14 @@ class PilotResolution:
 
     @property
     def info(self) -> PilotInfo:
-        return self.split.info()
+        split = self.split
+        return PilotInfo(
+            share=split.share,
+            seed=split.seed,
+            n_pilot=len(split.pilot_ids),
+            n_certification=len(split.certification_ids),
+            request_ids=list(split.pilot_ids),
+        )
 
 
 def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
@@ -336,8 +217,7 @@ def resolve_pilot(table: LossTable, spec: CertificationSpec) -> PilotResolution:
     """
     if spec.pilot is None:
         raise CertkvError("this spec has no pilot (gate.pilot); nothing to resolve")
-    groups = table.groups if spec.grouping is not None else None
-    split = draw_pilot(table.request_ids, spec.pilot.share, spec.pilot.seed, spec.pilot.min_certification, groups=groups)
+    split = sampling_unit(spec).draw_pilot(table, spec.pilot.share, spec.pilot.seed, spec.pilot.min_certification)
     pilot = table.take_requests(split.pilot_columns, source=f"{table.source} (pilot)")
     certification = table.take_requests(split.certification_columns)
     notes = [
