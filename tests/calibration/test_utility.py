@@ -245,3 +245,60 @@ def test_label_free_loss_is_zero_for_the_full_output_and_bounded_otherwise(name)
         assert utility_full == 1.0 and 0.0 <= loss <= 1.0
         if name in ("prefix_agreement", "token_agreement"):  # no loss exactly when the words are the same
             assert (loss == 0.0) == (cand.split() == full.split())
+
+
+# -- ROUGE-L against the reference implementation --------------------------------------------------
+
+_WORDS = ("cat", "sat", "on", "mat", "the", "a", "dog", "Ran", "fast,", "home.", "7", "x-ray", "an", "It's")
+
+
+def _random_text(rng: random.Random) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 30)))
+
+
+class _SquadTokens:
+    """rouge-score's tokenizer interface over certkv's tokens (SQuAD-normalised words)."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return normalize_answer(text).split()
+
+
+@pytest.mark.slow  # rouge-score imports nltk: seconds
+def test_rouge_l_equals_rouge_score_on_thousands_of_pairs():
+    """certkv's ROUGE-L is the reference implementation's (Google's `rouge-score`: LCS F-measure,
+    β = 1) on certkv's tokens, to the last bit but rounding, over 3000 random pairs that repeat
+    words (long common subsequences), mix case and punctuation and sometimes normalise to nothing."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_SquadTokens())
+    rng = random.Random(20261207)
+    compared = 0
+    for _ in range(3000):
+        prediction, reference = _random_text(rng), _random_text(rng)
+        if not normalize_answer(prediction) or not normalize_answer(reference):
+            continue  # the documented difference: below
+        expected = scorer.score(reference, prediction)["rougeL"].fmeasure
+        assert rouge_l(prediction, reference) == pytest.approx(expected, rel=1e-12, abs=1e-12), (prediction, reference)
+        assert rouge_l_full(prediction, reference) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        compared += 1
+    assert compared > 2500
+    # Where one side normalises to no token both give 0; two empty outputs agree for certkv (1.0,
+    # the full cache's blank answer matched) where rouge-score scores 0.
+    assert rouge_l("the", "cat") == scorer.score("cat", "the")["rougeL"].fmeasure == 0.0
+    assert rouge_l("a", "the") == 1.0 and scorer.score("the", "a")["rougeL"].fmeasure == 0.0
+
+
+@pytest.mark.slow
+def test_rouge_l_equals_rouge_score_default_tokenizer_on_plain_words():
+    """On lowercase alphanumeric words without articles the two tokenisers agree, so certkv's
+    ROUGE-L is rouge-score's out of the box (no stemming) there."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    rng = random.Random(7)
+    plain = ("cat", "sat", "on", "mat", "dog", "ran", "fast", "home", "7", "42")
+    for _ in range(1000):
+        prediction = " ".join(rng.choice(plain) for _ in range(rng.randint(1, 25)))
+        reference = " ".join(rng.choice(plain) for _ in range(rng.randint(1, 25)))
+        expected = scorer.score(reference, prediction)["rougeL"].fmeasure
+        assert rouge_l(prediction, reference) == pytest.approx(expected, rel=1e-12, abs=1e-12)

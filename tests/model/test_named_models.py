@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import needs_smollm2
+from conftest import needs_smollm2, torch_threads
 
 from certkv.errors import CertkvError
 from certkv.model import named_models
@@ -266,7 +266,7 @@ def test_load_model_answers_a_needle_by_name(smollm2, monkeypatch):
 
     folder, _ = smollm2
     monkeypatch.setenv("CERTKV_CACHE", str(folder.parents[1]))
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(torch_threads())
     model, tokenizer = load_model("smollm2-135m", device="cpu")
     assert model.config.name_or_path == str(folder)
     fingerprint = model_fingerprint("smollm2-135m")

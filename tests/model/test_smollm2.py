@@ -21,7 +21,7 @@ import statistics
 
 import pytest
 import yaml
-from conftest import needs_smollm2
+from conftest import needs_smollm2, torch_threads
 
 pytestmark = needs_smollm2
 
@@ -47,7 +47,7 @@ def smol(smollm2):
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CERTKV_CACHE", str(folder.parents[1]))
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        torch.set_num_threads(torch_threads())
         try:
             yield load_model("smollm2-135m", device="cpu")
         finally:
