@@ -8,9 +8,10 @@ and, among the certified candidates, chooses the one that keeps the least KV cac
 candidate may be chosen because the guarantee is simultaneous). When nothing is certified it falls
 back to the full cache and says which candidate failed first and why. Gated candidates are derived
 first, in one step (:func:`prepare`), and a stratified spec is one pooled certificate per stratum
-(:func:`certify_stratified`). A grouped spec (``spec.grouping``) takes its p-values and bounds
-from the contexts instead (:mod:`certkv.core.grouped`); the violation counts stay integers over
-questions.
+(:func:`certify_stratified`). The p-values, bounds and words of the guarantee are the spec's
+sampling unit's (:func:`certkv.core.sampling_unit.sampling_unit`): exact binomial over requests,
+or over contexts under grouping (:mod:`certkv.core.grouped`), where the violation counts stay
+integers over questions.
 
 This module is torch-free: it imports numpy, scipy and pydantic only, so certificates can be
 computed and checked on machines without the model stack.
@@ -23,18 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from certkv.core.binomial import binomial_p_value, clopper_pearson_upper, violation_mask
+from certkv.core.binomial import violation_mask
 from certkv.core.coverage import Coverage, coverage_of
 from certkv.core.gated import derive_gated
-from certkv.core.grouped import (
-    Groups,
-    check_group_strata,
-    check_grouping,
-    grouped_estimate,
-    grouped_p_values,
-    grouped_promise,
-    grouped_upper_bound,
-)
 from certkv.core.loss_table import LossTable
 from certkv.core.loss_table import records_sha256 as _records_sha256
 from certkv.core.operating_point import (
@@ -49,6 +41,7 @@ from certkv.core.operating_point import (
 from certkv.core.pilot import PilotInfo, PilotResolution, apply_pilot
 from certkv.core.policy_names import REFERENCE_POLICY, is_gated_policy
 from certkv.core.procedures import candidate_levels, certified_mask, sequence_stops
+from certkv.core.sampling_unit import sampling_unit
 from certkv.core.spec import CertificationSpec
 from certkv.core.strata import (
     full_cache_counts,
@@ -163,7 +156,7 @@ def prepare(table: LossTable, spec: CertificationSpec) -> tuple[LossTable, Certi
     >>> table.n_requests, resolution.info.n_pilot  # the pilot's 50 requests never certify
     (150, 50)
     """
-    check_grouping(table, spec)
+    sampling_unit(spec).check(table)
     table, spec, resolution = apply_pilot(table, spec)
     return derive_gated(table, spec), spec, resolution
 
@@ -259,9 +252,9 @@ def check_inputs(table: LossTable, spec: CertificationSpec) -> None:
 
 
 def check_sampling_unit(table: LossTable, spec: CertificationSpec) -> None:
-    """One-line errors when the table's context groups and the spec disagree
-    (:func:`certkv.core.grouped.check_grouping`), or when a grouped, stratified spec meets a context
-    whose questions span two strata (:func:`certkv.core.grouped.check_group_strata`).
+    """One-line errors when the table's context groups and the spec's sampling unit disagree
+    (:meth:`certkv.core.sampling_unit.SamplingUnit.check`), or when a grouped, stratified spec meets a
+    context whose questions span two strata (:meth:`~certkv.core.sampling_unit.SamplingUnit.check_strata`).
 
     Examples
     --------
@@ -274,9 +267,10 @@ def check_sampling_unit(table: LossTable, spec: CertificationSpec) -> None:
     ...
     certkv.errors.CertkvError: records: the spec certifies over context groups but the records have no group column; ...
     """
-    check_grouping(table, spec)
-    if spec.grouping is not None and spec.strata is not None and table.groups is not None:
-        check_group_strata(table.groups, stratum_labels(table, spec.strata.by), spec.strata.by)
+    unit = sampling_unit(spec)
+    unit.check(table)
+    if spec.strata is not None:
+        unit.check_strata(table, spec.strata.by, stratum_labels)
 
 
 def certify_pooled(
@@ -380,8 +374,8 @@ def _too_small(
 class _Counts:
     """Per candidate (contract order): table row, violation flags per request, violation count k,
     mean KV retained, p-value, procedure level, certified flag and upper bound at 1 − level; the
-    chosen index (-1: fallback); under grouping the contexts' count and each candidate's grouped
-    estimate (None otherwise)."""
+    chosen index (-1: fallback); the fields the sampling unit adds to each candidate (under grouping
+    the contexts' count and the grouped estimate; none for requests)."""
 
     rows: np.ndarray
     violations: np.ndarray
@@ -392,37 +386,23 @@ class _Counts:
     flags: np.ndarray
     chosen: np.ndarray
     bounds: np.ndarray
-    n_contexts: int | None = None
-    estimates: np.ndarray | None = None
+    unit_fields: list[dict]
 
 
 def _count_and_decide(table: LossTable, spec: CertificationSpec) -> _Counts:
-    """Count violations as integers, take each p-value (exact binomial, or over contexts under
-    grouping) and apply the procedure; bound each candidate at its level."""
+    """Count violations as integers, take each p-value from the spec's sampling unit (exact
+    binomial, or over contexts under grouping) and apply the procedure; bound each candidate at its level."""
     rows = candidate_rows(table, spec)
     violations = violation_mask(table.loss[rows], spec.tolerance)
-    n = table.n_requests
     k = violations.sum(axis=1)
     mean_memory = table.memory[rows].mean(axis=1)
-    if spec.grouping is not None:
-        assert table.groups is not None  # check_grouping refused a grouped spec on a table without groups
-        groups = Groups.of(table.groups)
-        measure = spec.grouping.measure
-        k_groups, bound = groups.counts(violations), spec.grouping.bound
-        p = np.asarray(grouped_p_values(k_groups, groups.sizes, measure, spec.risk, bound=bound), dtype=float)
-    else:
-        p = np.array([binomial_p_value(int(kj), n, spec.risk) for kj in k])
+    unit = sampling_unit(spec)
+    counts = unit.tally(table, violations)
+    p = unit.p_values(counts, spec.risk)
     flags, chosen = decide(p, mean_memory, k, spec)
     levels = candidate_levels(p, spec.lengths, spec.delta, spec.procedure)
-    if spec.grouping is None:
-        bounds = np.array([clopper_pearson_upper(int(kj), n, 1.0 - float(lv)) for kj, lv in zip(k, levels)])
-        return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds)
-    bounds = np.asarray(grouped_upper_bound(k_groups, groups.sizes, measure, 1.0 - levels, bound=bound), dtype=float)
-    # the bound reports the decision: a test that certifies at ε bounds the risk by ε at most, also where
-    # the p-value is not monotone in ε′ and the bisection finds a larger ε′ (Hoeffding–Bentkus, per_question)
-    bounds = np.where(p <= levels, np.minimum(bounds, spec.risk), bounds)
-    estimates = np.asarray(grouped_estimate(k_groups, groups.sizes, measure), dtype=float)
-    return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds, groups.n_groups, estimates)
+    bounds = unit.upper_bounds(counts, p, levels, spec.risk)
+    return _Counts(rows, violations, k, mean_memory, p, levels, flags, chosen, bounds, unit.candidate_fields(counts))
 
 
 def _candidate_results(
@@ -430,15 +410,12 @@ def _candidate_results(
 ) -> list[CandidateResult]:
     """One result per candidate, in contract order: counts, bound at its level, per-task breakdown."""
     c = counts
-    results = [
+    return [
         _candidate_result(
             table, spec, c.rows[i], i, c.violations[i], c.p[i], c.levels[i], c.flags[i], c.mean_memory[i], task_names, task_codes
-        ).model_copy(update={"risk_upper_bound": float(c.bounds[i])})
+        ).model_copy(update={"risk_upper_bound": float(c.bounds[i]), **c.unit_fields[i]})
         for i in range(len(c.rows))
     ]
-    if c.estimates is None:
-        return results
-    return [r.model_copy(update={"n_contexts": c.n_contexts, "grouped_risk": float(e)}) for r, e in zip(results, c.estimates)]
 
 
 def _sequence_results(spec: CertificationSpec, flags: np.ndarray) -> list[SequenceResult]:
@@ -508,8 +485,8 @@ def _certified(spec: CertificationSpec, best: CandidateResult, notes: list[str],
 
 
 def guarantee_sentence(spec: CertificationSpec) -> str:
-    """The promise in words, with its scope: the calibration distribution, not each task; under
-    grouping, what its share counts (:func:`certkv.core.grouped.grouped_promise`).
+    """The promise in words, with its scope: the calibration distribution, not each task; what its
+    share counts is the sampling unit's (:meth:`certkv.core.sampling_unit.SamplingUnit.guarantee`).
 
     Examples
     --------
@@ -524,18 +501,7 @@ def guarantee_sentence(spec: CertificationSpec) -> str:
     weighted equally, contexts drawn as in calibration. This covers the calibration distribution (the declared task mix),
     not each task, context or question on its own.
     """
-    if spec.grouping is not None:
-        return (
-            f"With probability ≥ {spec.confidence:g} over the calibration draw, "
-            f"{grouped_promise(spec.grouping.measure, spec.risk, spec.tolerance)}. This covers the calibration "
-            "distribution (the declared task mix), not each task, context or question on its own."
-        )
-    return (
-        f"With probability ≥ {spec.confidence:g} over the calibration draw, at most "
-        f"{_percent(spec.risk)} of requests from the calibration distribution lose more than "
-        f"{float(spec.tolerance)} utility. This covers the calibration distribution (the declared "
-        "task mix), not each task or each request on its own."
-    )
+    return sampling_unit(spec).guarantee(spec)
 
 
 def _fallback(table, spec, candidates, task_names, task_codes, notes, common) -> OperatingPoint:
@@ -714,10 +680,6 @@ def _per_task(violated, task_names, task_codes, risk) -> dict[str, TaskBreakdown
     return out
 
 
-#: How a grouped mean measure was tested, in the notes.
-_TEST_NAMES = {"hoeffding_bentkus": "Hoeffding–Bentkus", "betting": "betting"}
-
-
 def _notes(table: LossTable, spec: CertificationSpec, task_names) -> list[str]:
     notes = []
     tested = set(spec.candidates)
@@ -727,13 +689,7 @@ def _notes(table: LossTable, spec: CertificationSpec, task_names) -> list[str]:
         notes.append(f"policies in the records but in no sequence were ignored: {shown}")
     if not task_names:
         notes.append("the records have no task column; no per-task breakdown")
-    if spec.grouping is not None and table.groups is not None:
-        notes.append(
-            f"certified over {len(set(table.groups))} contexts of {table.n_requests} requests ({spec.grouping.measure}, "
-            f"{_TEST_NAMES[spec.grouping.bound] if spec.grouping.measure != 'any_question' else 'binomial'}): "
-            "violations count questions, p-values and bounds come from the contexts"
-        )
-    return notes
+    return notes + sampling_unit(spec).notes(table)
 
 
 def _task_notes(best: CandidateResult) -> list[str]:
@@ -743,10 +699,6 @@ def _task_notes(best: CandidateResult) -> list[str]:
         for name, t in best.per_task.items()
         if t.exceeds_risk
     ]
-
-
-def _percent(risk: float) -> str:
-    return f"{risk * 100:g}%"
 
 
 __all__ = [

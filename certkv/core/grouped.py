@@ -50,7 +50,6 @@ References
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -60,8 +59,6 @@ import numpy.typing as npt
 from scipy.special import xlogy
 from scipy.stats import beta, binom
 
-from certkv.core.loss_table import LossTable
-from certkv.core.spec import CertificationSpec
 from certkv.errors import CertkvError
 
 #: What a grouped guarantee bounds (:class:`certkv.core.spec.GroupingConfig`).
@@ -391,44 +388,6 @@ def grouped_promise(measure: str, risk: float, tolerance: float) -> str:
     return promises[measure] + ", contexts drawn as in calibration"
 
 
-def check_grouping(table: LossTable, spec: CertificationSpec) -> None:
-    """One-line errors when the table's groups and the spec disagree: a grouped spec on records
-    without a ``group`` column, or records whose requests share contexts under a spec that neither
-    groups them nor declares them independent (``independent_requests``).
-
-    Examples
-    --------
-    >>> rows = [{"request_id": f"r{i}", "policy": "p@0.50", "kv_retained": 0.5, "loss": 0.0, "group": f"doc{i // 2}"}
-    ...         for i in range(4)]
-    >>> spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["p@0.50"]])
-    >>> check_grouping(LossTable.from_records(rows), spec)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    certkv.errors.CertkvError: records: requests share contexts (group 'doc0' has 2 requests: 'r0', 'r1'); set ...
-    >>> from certkv.core.spec import GroupingConfig
-    >>> check_grouping(LossTable.from_records(rows), spec.model_copy(update={"grouping": GroupingConfig()}))
-    """
-    if spec.grouping is not None:
-        if table.groups is None:
-            raise CertkvError(
-                f"{table.source}: the spec certifies over context groups but the records have no group column; "
-                "recalibrate so that every record carries its request's group, or set requests.group_by: request"
-            )
-        return
-    if table.groups is None or spec.independent_requests:
-        return
-    sizes = Counter(table.groups)
-    name = next((g for g in table.groups if sizes[g] > 1), None)
-    if name is not None:
-        size = sizes[name]
-        members = [r for r, g in zip(table.request_ids, table.groups) if g == name]
-        shown = ", ".join(repr(r) for r in members[:3]) + (f" and {size - 3} more" if size > 3 else "")
-        raise CertkvError(
-            f"{table.source}: requests share contexts (group {name!r} has {size} requests: {shown}); set "
-            "requests.group_by: context in the contract (or request to treat them as independent)"
-        )
-
-
 def check_group_strata(groups: Sequence[str], labels: Sequence[str], by: str) -> None:
     """A context group must lie in one stratum (a stratum certifies its own contexts): a one-line
     error names the first group whose requests span two `by` strata (`labels`, one per request).
@@ -462,7 +421,6 @@ __all__ = [
     "Measure",
     "betting_p_value",
     "check_group_strata",
-    "check_grouping",
     "group_values",
     "grouped_estimate",
     "grouped_p_values",
