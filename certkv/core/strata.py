@@ -27,14 +27,11 @@ the entries (:func:`split_strata`, :func:`stratified_point`); the certificates t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from certkv.core.binomial import binomial_p_value
 from certkv.core.coverage import merge_coverage
-from certkv.core.grouped import grouped_promise
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import (
     ContractSummary,
@@ -44,9 +41,9 @@ from certkv.core.operating_point import (
     certified_at,
     certkv_version,
 )
-from certkv.core.pilot import draw_pilot, pilot_size
+from certkv.core.pilot import pilot_size
 from certkv.core.policy_names import STRATIFIED_POLICY
-from certkv.core.procedures import candidate_levels
+from certkv.core.sampling_unit import fewest_betting_contexts, fewest_requests, sampling_unit
 from certkv.core.spec import CertificationSpec, delta_of
 from certkv.errors import CertkvError
 
@@ -106,37 +103,12 @@ def stratum_spec(spec: CertificationSpec, n_strata: int) -> CertificationSpec:
     return spec.model_copy(update={"strata": None, "confidence": confidence})
 
 
-def fewest_requests(spec: CertificationSpec) -> int:
-    """Fewest certification requests with which any candidate of `spec` can certify: n such that
-    zero violations give a p-value ``(1 − ε)^n`` ≤ the most generous level the procedure gives a
-    candidate (δ/m for fixed_sequence, δ/N for bonferroni and Holm's first step, δ for
-    pilot_ordered).
-
-    References
-    ----------
-    .. [1] C. J. Clopper and E. S. Pearson, "The use of confidence or fiducial limits illustrated in
-           the case of the binomial", Biometrika 26(4), 404–413, 1934 (the exact p-value at k = 0).
-
-    Examples
-    --------
-    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.9, sequences=[["p@0.50"]])
-    >>> n = fewest_requests(spec)
-    >>> n, round(0.95 ** n, 4), round(0.95 ** (n - 1), 4)  # the first n with (1 − ε)^n ≤ δ
-    (45, 0.0994, 0.1047)
-    """
-    level = _most_generous_level(spec)
-    n = max(1, math.ceil(math.log(level) / math.log1p(-spec.risk)))
-    while n > 1 and binomial_p_value(0, n - 1, spec.risk) <= level:  # float rounding at the ceiling
-        n -= 1
-    while binomial_p_value(0, n, spec.risk) > level:
-        n += 1
-    return n
-
-
 def split_strata(table: LossTable, spec: CertificationSpec) -> tuple[CertificationSpec, list[tuple[str, LossTable, str | None]]]:
     """The per-stratum spec (:func:`stratum_spec`) and, per stratum in sorted order, its name,
     its requests (pilot included) and why it is too small to certify anything (None when it is
-    not: :func:`too_small_reason`). :func:`certkv.core.certify.certify_stratified` certifies each.
+    not: :func:`too_small_reason`, then its sampling unit's
+    :meth:`~certkv.core.sampling_unit.SamplingUnit.shortfall`, too few contexts under grouping).
+    :func:`certkv.core.certify.certify_stratified` certifies each.
 
     Examples
     --------
@@ -154,75 +126,15 @@ def split_strata(table: LossTable, spec: CertificationSpec) -> tuple[Certificati
     names = sorted(set(labels))
     per_stratum = stratum_spec(spec, len(names))
     need = fewest_requests(per_stratum)
+    unit = sampling_unit(per_stratum)
     codes = _codes(labels, names)
     out = []
     for s, name in enumerate(names):
         columns = np.flatnonzero(codes == s)
         sub = table.take_requests(columns, source=f"{table.source} [{by} {name}]")
-        why = too_small_reason(columns.size, per_stratum, need) or too_few_contexts(sub.groups, per_stratum, need)
+        why = too_small_reason(columns.size, per_stratum, need) or unit.shortfall(sub, per_stratum)
         out.append((name, sub, why))
     return per_stratum, out
-
-
-def _most_generous_level(spec: CertificationSpec) -> float:
-    """The largest level `spec`'s procedure gives any candidate (δ/m for fixed_sequence, δ/N for
-    bonferroni and Holm's first step, δ for pilot_ordered)."""
-    return float(candidate_levels(np.zeros(len(spec.candidates)), spec.lengths, spec.delta, spec.procedure).max())
-
-
-def fewest_betting_contexts(spec: CertificationSpec) -> int:
-    """Fewest contexts with which the betting test certifies any candidate of `spec`: m such that m
-    contexts without a violation give a betting p-value ≤ the most generous level the procedure
-    gives a candidate (:func:`fewest_requests`'s level).
-
-    Examples
-    --------
-    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]], grouping={})
-    >>> fewest_betting_contexts(spec), fewest_requests(spec)  # the binomial needs 59
-    (91, 59)
-    """
-    from certkv.core.grouped import betting_p_value
-
-    level = _most_generous_level(spec)
-    m = fewest_requests(spec)
-    while float(betting_p_value(np.zeros(m), spec.risk)) > level:
-        m += 1
-    return m
-
-
-def too_few_contexts(groups: Sequence[str] | None, spec: CertificationSpec, need: int) -> str | None:
-    """Under a grouped `spec`, why a stratum whose requests have context `groups` cannot certify
-    anything: fewer certification contexts (after a pilot's) than the `need`
-    (:func:`fewest_requests`) that a zero-violation certificate needs. With no violation the
-    Hoeffding–Bentkus and any-question p-values over m contexts are (1 − ε)^m, the binomial one
-    over m requests, so the count carries over; the betting test, which learns its bets as it
-    goes, needs more (:func:`fewest_betting_contexts`) and is held to that. None when it can, or
-    without grouping.
-
-    Examples
-    --------
-    >>> spec = CertificationSpec(tolerance=0.0, risk=0.05, confidence=0.95, sequences=[["p@0.50"]],
-    ...                          grouping={"bound": "hoeffding_bentkus"})
-    >>> print(too_few_contexts([f"doc{i // 8}" for i in range(400)], spec, need=fewest_requests(spec)))
-    50 certification contexts, fewer than the 59 that certifying anything at ε = 0.05 and confidence 0.95 needs with
-    zero violations
-    >>> betting = CertificationSpec.parse({**spec.model_dump(), "grouping": {}})  # the default test
-    >>> print(too_few_contexts([f"doc{i // 8}" for i in range(600)], betting, need=fewest_requests(betting)))
-    75 certification contexts, fewer than the 91 that certifying anything at ε = 0.05 and confidence 0.95 needs with
-    zero violations
-    """
-    if spec.grouping is None or groups is None:
-        return None
-    n_contexts = len(set(groups))
-    n_cert = n_contexts - (pilot_size(n_contexts, spec.pilot.share) if spec.pilot is not None else 0)
-    if spec.grouping.bound == "betting" and spec.grouping.measure != "any_question":
-        need = fewest_betting_contexts(spec)
-    if n_cert >= need:
-        return None
-    return (
-        f"{n_cert} certification contexts, fewer than the {need} that certifying anything at "
-        f"ε = {spec.risk:g} and confidence {spec.confidence:.12g} needs with zero violations"
-    )
 
 
 def with_stratum_coverage(entry: OperatingPoint, by: str, name: str) -> OperatingPoint:
@@ -257,15 +169,7 @@ def stratum_guarantee(spec: CertificationSpec, by: str, name: str, fallback: boo
     """
     if fallback:
         return f"Nothing was certified for {by} {name!r}; its requests are answered from the full cache."
-    if spec.grouping is not None:
-        return (
-            f"With probability ≥ {spec.confidence:.12g} over the calibration draw, for {by} {name!r} under this policy: "
-            f"{grouped_promise(spec.grouping.measure, spec.risk, spec.tolerance)}."
-        )
-    return (
-        f"With probability ≥ {spec.confidence:.12g} over the calibration draw, at most {spec.risk * 100:g}% of "
-        f"{by} {name!r} requests lose more than {float(spec.tolerance)} utility under this policy."
-    )
+    return sampling_unit(spec).stratum_promise(spec, by, name)
 
 
 def strata_guarantee(spec: CertificationSpec, per_stratum: CertificationSpec, by: str, n_strata: int) -> str:
@@ -280,9 +184,7 @@ def strata_guarantee(spec: CertificationSpec, per_stratum: CertificationSpec, by
     (True, True)
     """
     eps, tau = f"{spec.risk * 100:g}%", float(spec.tolerance)
-    grouped = "" if spec.grouping is None else (
-        f" Each stratum's share is over its contexts: {grouped_promise(spec.grouping.measure, spec.risk, spec.tolerance)}."
-    )
+    grouped = sampling_unit(spec).strata_clause(spec)
     if spec.strata is not None and spec.strata.simultaneous:
         return (
             f"With probability ≥ {spec.confidence:g} over the calibration draw, for every one of the {n_strata} "
@@ -450,11 +352,11 @@ def _certification_columns(sub: LossTable, spec: CertificationSpec) -> np.ndarra
     every = np.arange(sub.n_requests)
     if spec.pilot is None:
         return every
-    groups = sub.groups if spec.grouping is not None else None
-    units = sub.n_requests if groups is None else len(set(groups))
+    unit = sampling_unit(spec)
+    units = unit.count(sub)
     if not 1 <= pilot_size(units, spec.pilot.share) < units:
         return every
-    split = draw_pilot(sub.request_ids, spec.pilot.share, spec.pilot.seed, min_certification=1, groups=groups)
+    split = unit.draw_pilot(sub, spec.pilot.share, spec.pilot.seed, min_certification=1)
     return np.asarray(split.certification_columns, dtype=np.int64)
 
 
@@ -484,7 +386,6 @@ __all__ = [
     "stratum_guarantee",
     "stratum_labels",
     "stratum_spec",
-    "too_few_contexts",
     "too_small_reason",
     "with_stratum_coverage",
 ]
