@@ -32,6 +32,8 @@ test requests (:class:`ValidationResult`). A stratum too small to split or to dr
 the full cache on every split, with that reason in its note, instead of an error; one whose
 calibration half is too small to certify anything says so (certkv falls back on every split there).
 
+Splits draw the spec's sampling unit (:mod:`certkv.core.sampling_unit`), through one loop whose
+per-split statistics the unit computes (:meth:`~certkv.core.sampling_unit.SamplingUnit.split_evidence`).
 A grouped spec (``grouping:``) is split by context: each split's calibration half is a random
 share of the contexts, every question of a context on the same side, and certkv decides on it
 with the grouped p-values (:mod:`certkv.core.grouped`); empirical thresholding takes the
@@ -46,16 +48,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
-from certkv.core.binomial import VIOLATION_EPS, binomial_p_value_table, violation_mask
+from certkv.core.binomial import VIOLATION_EPS
 from certkv.core.certify import candidate_rows, check_inputs, check_sampling_unit, decide, prepare, select_candidates
-from certkv.core.grouped import Groups, group_values, grouped_p_values
 from certkv.core.loss_table import LossTable
 from certkv.core.operating_point import ContractSummary
 from certkv.core.pilot import PilotInfo, pilot_size
 from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.sampling_unit import empirical_eligible, sampling_unit
 from certkv.core.spec import CertificationSpec
 from certkv.core.strata import fewest_requests, pilot_shortfall, stratum_labels, stratum_spec
 from certkv.errors import CertkvError
@@ -263,17 +264,7 @@ def validate(
     if spec.strata is not None:
         return _validate_stratified(table, spec, n_splits, calibration_fraction, seed)
     run = run_splits(table, spec, n_splits, calibration_fraction, seed)
-    return _result(run, spec, n_splits, calibration_fraction, seed, POOLED_NOTE + _grouped_note(spec))
-
-
-def _grouped_note(spec: CertificationSpec) -> str:
-    """What a grouped validation's sizes and risks count ("" when the spec is not grouped)."""
-    if spec.grouping is None:
-        return ""
-    return (
-        f" Split by context ({spec.grouping.measure}): n_calibration and n_test count contexts, and a split's "
-        "test risk is the grouped measure on its test contexts."
-    )
+    return _result(run, spec, n_splits, calibration_fraction, seed, POOLED_NOTE + sampling_unit(spec).validation_note())
 
 
 def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibration_fraction: float, seed: int) -> SplitRun:
@@ -295,90 +286,28 @@ def run_splits(table: LossTable, spec: CertificationSpec, n_splits: int, calibra
     """
     table, spec, resolution = prepare(table, spec)
     rows = candidate_rows(table, spec)
-    if spec.grouping is not None:
-        return _run_grouped_splits(table, spec, rows, resolution, n_splits, calibration_fraction, seed)
-    violations = violation_mask(table.loss[rows], spec.tolerance).T.astype(float)  # (R, C)
-    memory = np.ascontiguousarray(table.memory[rows].T)  # (R, C)
-    n_requests = table.n_requests
-    n_cal, n_test = _halves(n_requests, calibration_fraction)
+    unit = sampling_unit(spec)
+    n_units = unit.count(table)
+    n_cal, n_test = _halves(n_units, calibration_fraction)
     if n_cal < 1 or n_test < 1:
         raise CertkvError(
             f"calibration_fraction {calibration_fraction} leaves {n_cal} calibration and {n_test} "
-            f"test requests out of {n_requests}; both halves need at least one request"
+            f"test {unit.noun}s out of {n_units}; both halves need at least one {unit.noun}"
         )
-
+    block_of = unit.split_evidence(table, rows, spec, n_cal)
     rng = np.random.default_rng(seed)
-    p_table = binomial_p_value_table(n_cal, spec.risk)
     parts: dict[str, list] = {m: [] for m in METHODS}
     for size in _blocks(n_splits):
-        cal = calibration_masks(rng, size, n_requests, n_cal)
-        k_cal, k_test, mem_cal, mem_test = _split_statistics(cal, violations, memory)
-        _, pick = decide(p_table[k_cal], mem_cal, k_cal, spec)
+        block = block_of(calibration_masks(rng, size, n_units, n_cal))
+        _, pick = decide(block.p, block.mem_cal, block.k_cal, spec)
         picks = {
             "certkv": pick,
-            "empirical_thresholding": select_candidates(empirical_eligible(k_cal, n_cal, spec.risk), mem_cal, k_cal),
+            "empirical_thresholding": select_candidates(block.empirical, block.mem_cal, block.k_cal),
         }
         for method, index in picks.items():
-            parts[method].append((index, *_score(index, k_test, mem_test)))
+            parts[method].append(block.score(index))
     outcomes = {m: SplitOutcomes(*(np.concatenate(column) for column in zip(*parts[m]))) for m in METHODS}
-    return SplitRun(n_requests, n_cal, n_test, [table.policies[r] for r in rows], resolution, outcomes)
-
-
-def _run_grouped_splits(
-    table: LossTable, spec: CertificationSpec, rows: np.ndarray, resolution, n_splits: int, calibration_fraction: float, seed: int
-) -> SplitRun:
-    """:func:`run_splits` of a grouped spec: the contexts are split (module docstring)."""
-    assert spec.grouping is not None and table.groups is not None  # prepare checked the sampling unit
-    measure = spec.grouping.measure
-    groups = Groups.of(table.groups)
-    k_groups = groups.counts(violation_mask(table.loss[rows], spec.tolerance)).T.astype(float)  # (G, C)
-    values = group_values(k_groups.T, groups.sizes, measure, spec.risk).T  # (G, C)
-    memory = groups.sums(table.memory[rows]).T  # (G, C) memory summed per context
-    sizes = groups.sizes.astype(float)
-    g_cal, g_test = _halves(groups.n_groups, calibration_fraction)
-    if g_cal < 1 or g_test < 1:
-        raise CertkvError(
-            f"calibration_fraction {calibration_fraction} leaves {g_cal} calibration and {g_test} test contexts out of "
-            f"{groups.n_groups}; both halves need at least one context"
-        )
-    rng = np.random.default_rng(seed)
-    parts: dict[str, list] = {m: [] for m in METHODS}
-    for size in _blocks(n_splits):
-        cal = calibration_masks(rng, size, groups.n_groups, g_cal)
-        halves = [_grouped_half(mask, k_groups, values, memory, sizes, measure) for mask in (cal, 1.0 - cal)]
-        (k_cal, est_cal, mem_cal), (k_test, est_test, mem_test) = halves
-        p = _grouped_split_p(spec, cal, k_groups, groups.sizes, g_cal)
-        _, pick = decide(p, mem_cal, k_cal, spec)
-        empirical = select_candidates(est_cal <= spec.risk + VIOLATION_EPS, mem_cal, k_cal)
-        picks = {"certkv": pick, "empirical_thresholding": empirical}
-        weight = (1.0 - cal) @ sizes if measure == "per_question" else np.full(size, float(g_test))
-        for method, index in picks.items():
-            k, used = _score(index, k_test, mem_test)
-            risk = np.where(index < 0, 0.0, np.take_along_axis(est_test, np.maximum(index, 0)[:, None], axis=1)[:, 0])
-            parts[method].append((index, k, used, risk, weight))
-    outcomes = {m: SplitOutcomes(*(np.concatenate(column) for column in zip(*parts[m]))) for m in METHODS}
-    return SplitRun(groups.n_groups, g_cal, g_test, [table.policies[r] for r in rows], resolution, outcomes)
-
-
-def _grouped_split_p(spec: CertificationSpec, cal: np.ndarray, k_groups: np.ndarray, sizes: np.ndarray, g_cal: int) -> np.ndarray:
-    """The grouped p-values (S, C) of every candidate on every split's calibration contexts (`cal`:
-    (S, G) masks, `k_groups`: (G, C) violated questions per context, `sizes`: (G,) questions per
-    context): :func:`certkv.core.grouped.grouped_p_values` on each split's contexts, taken in the
-    Groups order as certify takes them (``per_question``'s N: the whole table's largest context)."""
-    assert spec.grouping is not None
-    columns = np.flatnonzero(cal.ravel() > 0).reshape(cal.shape[0], g_cal) % cal.shape[1]  # (S, g_cal)
-    k = np.swapaxes(k_groups[columns], 1, 2)  # (S, C, g_cal)
-    return grouped_p_values(k, sizes[columns][:, None, :], spec.grouping.measure, spec.risk, n_max=int(sizes.max()),
-                            bound=spec.grouping.bound)
-
-
-def _grouped_half(mask, k_groups, values, memory, sizes, measure):
-    """One half of grouped splits, `mask` (S, G) marking its contexts: its question violations
-    (S, C) as integers, its estimate of the measure and its mean memory per question."""
-    questions = mask @ sizes  # (S,)
-    k = np.rint(mask @ k_groups).astype(np.int64)
-    estimate = k / questions[:, None] if measure == "per_question" else (mask @ values) / mask.sum(axis=1, keepdims=True)
-    return k, estimate, (mask @ memory) / questions[:, None]
+    return SplitRun(n_units, n_cal, n_test, [table.policies[r] for r in rows], resolution, outcomes)
 
 
 def stratum_seed(seed: int, stratum: str) -> int:
@@ -541,19 +470,6 @@ def _pooled_test_risk(outcomes: list[SplitOutcomes], n_tests: list[int]) -> np.n
     return sum(w * r for w, r in zip(weights, risks)) / sum(weights)
 
 
-def empirical_eligible(k: npt.ArrayLike, n: int, risk: float) -> np.ndarray:
-    """Empirical thresholding's rule: calibration rate k/n ≤ ε (integer-safe comparison).
-
-    k : (n_splits, n_candidates) int array of calibration violation counts (any shape); the flags have its shape.
-
-    Examples
-    --------
-    >>> empirical_eligible([[0, 10, 11]], n=100, risk=0.1).tolist()  # k/n ≤ ε, 10/100 included
-    [[True, True, False]]
-    """
-    return np.asarray(k) <= risk * n + VIOLATION_EPS
-
-
 def calibration_masks(rng: np.random.Generator, n_splits: int, n_requests: int, n_cal: int) -> np.ndarray:
     """A (splits × requests) 0/1 float matrix; row s marks split s's calibration requests.
 
@@ -590,28 +506,6 @@ def _halves(n_requests: int, calibration_fraction: float) -> tuple[int, int]:
 def _blocks(n_splits: int):
     full, rest = divmod(n_splits, _BLOCK)
     return [_BLOCK] * full + ([rest] if rest else [])
-
-
-def _split_statistics(cal, violations, memory):
-    """Violation counts and mean memory of every candidate on both halves of every split."""
-    n_cal = cal[0].sum()
-    n_test = cal.shape[1] - n_cal
-    # Sums of 0/1 values below 2**53 are exact in float64; rint guards the conversion anyway.
-    k_cal = np.rint(cal @ violations).astype(np.int64)
-    k_test = np.rint(violations.sum(axis=0)).astype(np.int64) - k_cal
-    mem_sum_cal = cal @ memory
-    mem_cal = mem_sum_cal / n_cal
-    mem_test = (memory.sum(axis=0) - mem_sum_cal) / n_test
-    return k_cal, k_test, mem_cal, mem_test
-
-
-def _score(index, k_test, mem_test):
-    """Test violations and mean KV of the chosen candidate per split; fallback: 0 and 1.0."""
-    safe = np.maximum(index, 0)[:, None]
-    k = np.take_along_axis(k_test, safe, axis=1)[:, 0]
-    used = np.take_along_axis(mem_test, safe, axis=1)[:, 0]
-    fallback = index < 0
-    return np.where(fallback, 0, k), np.where(fallback, 1.0, used)
 
 
 def _chosen(index, names) -> dict[str, int]:
