@@ -130,10 +130,13 @@ class Scheduler:
         one token per row per forward, as a generation that copies nothing decodes.
     prefix_cache : PrefixCache or None
         The runtime's kept compressed contexts, counted against `budget` (module docstring).
+    before_step : callable or None
+        Called on the worker before each batched decode step (an observer of the decode's pace; it
+        may block, and the step waits for it).
     """
 
     def __init__(self, model: PreTrainedModel, budget: int | None = None, *, prompt_lookup: bool = True,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, before_step: Callable[[], None] | None = None) -> None:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise CertkvError(f"the KV budget must be a positive number of token slots, got {budget!r}")
         self.model = model
@@ -160,8 +163,7 @@ class Scheduler:
         """Most requests one decode step advanced together."""
         self.given_back = 0.0
         """Token slots rows gave back mid-answer, at their decoding-time press's compression events."""
-        self.before_step: Callable[[], None] | None = None
-        """Called on the worker before each batched decode step (a test hook: it may block)."""
+        self.before_step = before_step
         self._thread = threading.Thread(target=self._loop, name="certkv-scheduler", daemon=True)
 
     # -- the caller's side --------------------------------------------------------------------

@@ -17,14 +17,13 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from certkv.errors import CertkvError
 from certkv.runtime.steps import Decode
+from certkv.serve.answer_cut import finish_reason
 from certkv.serve.scheduler import BudgetExceeded, QueueFull, Scheduler, Stopping
 
 __all__ = ["BudgetExceeded", "QueueFull", "Served", "Service", "Stopping"]
@@ -41,46 +40,6 @@ if TYPE_CHECKING:
     from certkv.serve.shadow_store import ShadowStore
 
 log = logging.getLogger("certkv.serve")
-
-#: A test hook, out of users' way: no option sets it and no user documentation names it. When this
-#: environment variable holds the number of a file descriptor the server inherited (a pipe's read
-#: end), :meth:`Service.start` holds the scheduler's worker before its first job until the pipe's
-#: writer closes it. Requests submitted meanwhile wait in the queue, so a test fills the queue (503)
-#: and holds a request past ``--timeout`` (504) as events, not races (tests/serve/test_serve.py).
-HOLD_FD_VARIABLE = "CERTKV_TEST_HOLD_FD"
-
-#: A second test hook of the same kind: when set (a pipe's read end), the scheduler reads one byte
-#: from it before each batched decode step, and steps freely once the writer has closed it. A test
-#: lets a streamed answer decode one step at a time and sees its first tokens arrive while the rest
-#: is provably not decoded yet (tests/serve/test_streaming.py).
-STEP_FD_VARIABLE = "CERTKV_TEST_STEP_FD"
-
-
-def _hold_fd(value: str, variable: str = HOLD_FD_VARIABLE) -> int:
-    """The open file descriptor `variable` (a test hook) names, checked before the server starts
-    (one line otherwise: a held scheduler that never starts would look healthy and answer nothing)."""
-    try:
-        fd = int(value)
-        if fd <= 2:
-            raise ValueError("standard streams are not a hold pipe")
-        os.fstat(fd)
-    except (ValueError, OSError):
-        raise CertkvError(f"{variable}={value!r} is not an open pipe's file descriptor above 2; "
-                          "it is a test hook: unset it") from None
-    return fd
-
-
-def _stepper(fd: int, scheduler: Scheduler) -> Callable[[], None]:
-    """The scheduler's ``before_step`` for :data:`STEP_FD_VARIABLE`: one byte of pipe `fd` per
-    step, until its writer closes it (then the hook removes itself)."""
-
-    def before_step() -> None:
-        if not os.read(fd, 1):
-            os.close(fd)
-            scheduler.before_step = None
-
-    return before_step
-
 
 @dataclass
 class Served:
@@ -117,11 +76,14 @@ class Service:
     prompt_lookup : bool
         ``--prompt-lookup``: whether the batched decode verifies prompt-lookup proposals
         (:class:`~certkv.serve.scheduler.Scheduler`).
+    before_step : callable or None
+        The scheduler's observer of its batched decode steps (:class:`~certkv.serve.scheduler.Scheduler`).
     """
 
     def __init__(self, runtime: CertifiedRuntime, monitor: RiskMonitor | None, shadow_runner: ShadowRunner | None,
                  store: ShadowStore | None, metrics: Metrics, *, max_queue: int = 64,
-                 kv_budget: int | None = None, prompt_lookup: bool = True) -> None:
+                 kv_budget: int | None = None, prompt_lookup: bool = True,
+                 before_step: Callable[[], None] | None = None) -> None:
         self.runtime = runtime
         self.monitor = monitor
         self.shadow_runner = shadow_runner
@@ -129,7 +91,7 @@ class Service:
         self.metrics = metrics
         self.max_queue = max_queue
         self.scheduler = Scheduler(runtime.model, kv_budget, prompt_lookup=prompt_lookup,
-                                   prefix_cache=runtime.prefix_cache)
+                                   prefix_cache=runtime.prefix_cache, before_step=before_step)
         self.stratified = runtime.operating_point.is_stratified
         self._ids = itertools.count(1)
         self._tripped_logged: set[str] = set()
@@ -141,23 +103,8 @@ class Service:
     # -- the caller's side --------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the scheduler's worker: at once, or when a test releases it (:data:`HOLD_FD_VARIABLE`)."""
-        step = os.environ.pop(STEP_FD_VARIABLE, None)
-        if step is not None:
-            self.scheduler.before_step = _stepper(_hold_fd(step, STEP_FD_VARIABLE), self.scheduler)
-        hold = os.environ.pop(HOLD_FD_VARIABLE, None)  # popped: no child process inherits the hold
-        if hold is None:
-            self.scheduler.start()
-            return
-        fd = _hold_fd(hold)
-        log.warning("the scheduler is held until file descriptor %d is closed (%s, a test hook)", fd, HOLD_FD_VARIABLE)
-
-        def start_when_released() -> None:
-            with os.fdopen(fd, "rb") as pipe:
-                pipe.read()  # returns when the writer has closed its end
-            self.scheduler.start()
-
-        threading.Thread(target=start_when_released, name="certkv-test-hold", daemon=True).start()
+        """Start the scheduler's worker."""
+        self.scheduler.start()
 
     @property
     def kv_budget(self) -> int | None:
@@ -209,9 +156,6 @@ class Service:
         """Per monitor stream, its state (:meth:`RiskMonitor.snapshot`); empty without a monitor."""
         return {} if self.monitor is None else self.monitor.snapshot()
 
-    def tripped_streams(self) -> list[str]:
-        return [s for s, v in self.monitor_snapshot().items() if v["tripped"]]
-
     # -- a live request, as steps -------------------------------------------------------------
 
     def _live_steps(self, rid: str, context: str, question: str, stratum: str | None, answers: list[str] | None,
@@ -241,7 +185,7 @@ class Service:
                                               answer_prefix=answer_prefix))
         rt = self.runtime  # every stratum's runtime shares its model (stop tokens) and decode length
         ids = answer.token_ids
-        finish = "length" if len(ids) >= rt.max_new_tokens and not (ids and ids[-1] in rt.stop_ids) else "stop"
+        finish = finish_reason(ids, rt.max_new_tokens, rt.stop_ids)
         state = None if stream is None or monitor is None else monitor.snapshot()[stream]
         now = time.perf_counter()
         self._answered += 1

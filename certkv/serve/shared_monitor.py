@@ -132,10 +132,6 @@ class SharedMonitor:
         outlives the deployment that started it, so a new deployment checks that it matches."""
         return {"store_path": str(self.journal.path.parent), "shadow_rate": self.monitor.shadow_rate}
 
-    def acknowledged(self) -> dict[str, int]:
-        """Per replica, the highest event ``seq`` applied (restored ones included)."""
-        return dict(self._acked)
-
     def close(self) -> None:
         """Close the journal and the store (every applied batch is already committed)."""
         self.journal.close()

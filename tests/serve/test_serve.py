@@ -24,7 +24,9 @@ import pytest
 from conftest import REPO, run_main
 
 from certkv.requests.request_set import generate_requests
-from certkv.serve.service import HOLD_FD_VARIABLE
+
+#: Starts `certkv serve` with a test's hooks on its service (a held scheduler, a stepped one).
+LAUNCHER = REPO / "tests" / "serve" / "hooked_serve.py"
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -53,6 +55,13 @@ def _stratified(kv, risk):
                                                           entries=entries)})
 
 
+def launcher(env: dict, hook: str, fd: int) -> list[str]:
+    """The command that starts `certkv serve` with `hook` on pipe `fd` (:data:`LAUNCHER`); `env`
+    is made to find certkv from the launcher's folder."""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return [sys.executable, str(LAUNCHER), hook, str(fd)]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +70,7 @@ def _free_port() -> int:
 
 class _Server:
     """`certkv serve` in its own process; `held`: its scheduler takes no job until :meth:`release`
-    (the server's test hook, certkv.serve.service.HOLD_FD_VARIABLE: a pipe the server reads to its end)."""
+    (started by :data:`LAUNCHER` with ``--hold-fd``: a pipe the server reads to its end)."""
 
     def __init__(self, folder, op, *args, held=False):
         folder.mkdir(parents=True, exist_ok=True)
@@ -72,12 +81,12 @@ class _Server:
         self.log = open(folder / "server.log", "w+")  # noqa: SIM115
         env = dict(os.environ, HF_HUB_OFFLINE="1", CERTKV_TEST_KEY=KEY, PYTHONWARNINGS="ignore")
         hold, self._hold = (os.pipe() if held else (None, None))
-        if held:
-            env[HOLD_FD_VARIABLE] = str(hold)
+        command = [sys.executable, "-m", "certkv.cli.app"]
+        if hold is not None:
+            command = launcher(env, "--hold-fd", hold)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "certkv.cli.app", "serve", str(self.op_path), "--port", str(self.port),
-             "--shadow-store", str(self.store), *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            pass_fds=() if hold is None else (hold,))
+            [*command, "serve", str(self.op_path), "--port", str(self.port), "--shadow-store", str(self.store), *args],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=() if hold is None else (hold,))
         if hold is not None:
             os.close(hold)  # the server's copy alone is left: it reads until ours closes
 
@@ -549,13 +558,14 @@ def test_empty_prompt_and_empty_messages_beside_context_are_absent():
 def test_the_hold_hook_refuses_anything_but_an_open_pipe_in_one_line(value):
     """The test hook is checked before the scheduler starts: a value that is not an open file
     descriptor above the standard streams is one line, not a held scheduler that never starts."""
-    from certkv.errors import CertkvError
-    from certkv.serve.service import _hold_fd
+    from hooked_serve import pipe_fd
 
-    with pytest.raises(CertkvError, match=f"^{HOLD_FD_VARIABLE}={value!r} is not an open pipe's file descriptor"):
-        _hold_fd(value)
+    from certkv.errors import CertkvError
+
+    with pytest.raises(CertkvError, match=f"^--hold-fd={value!r} is not an open pipe's file descriptor"):
+        pipe_fd(value, "--hold-fd")
     read, write = os.pipe()
     try:
-        assert _hold_fd(str(read)) == read
+        assert pipe_fd(str(read), "--hold-fd") == read
     finally:
         os.close(read), os.close(write)

@@ -4,7 +4,7 @@ Scheduler level (no HTTP): a job's token listener hears its answer grow, step by
 job resumes; an evicted decode behind a post-decode gate is never heard (the gate may still throw
 it away), the full cache's answer it escalates to is; a recompute restart keeps what was heard and
 says where. Server level: a real ``certkv serve`` process whose scheduler takes one decode step per
-byte the test writes (the server's test hook, certkv.serve.service.STEP_FD_VARIABLE), driven by the
+byte the test writes (started by tests/serve/hooked_serve.py with ``--step-fd``), driven by the
 official ``openai`` client: the first chunk arrives while the server reports the request still
 decoding after one step, so it left before the answer ended (by event: with a replayed answer the
 chunk could not arrive before the test lets the decode go on).
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import httpx
 import pytest
 from conftest import REPO
 from test_runtime_decoding import _point as _decoding_point
-from test_serve import _free_port, _operating_point, _Server
+from test_serve import _free_port, _operating_point, _Server, launcher
 
 from certkv.requests.request_set import generate_requests
-from certkv.serve.service import STEP_FD_VARIABLE
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +187,7 @@ def test_a_failure_after_the_first_chunk_ends_the_stream_with_an_error_event(emb
 
 
 class _SteppedServer(_Server):
-    """test_serve's server, its scheduler stepping once per byte of a pipe (:data:`STEP_FD_VARIABLE`):
+    """test_serve's server, its scheduler stepping once per byte of a pipe (the launcher's ``--step-fd``):
     `step` is the pipe's write end; closing it lets the scheduler step freely."""
 
     def __init__(self, folder, op):
@@ -199,9 +197,9 @@ class _SteppedServer(_Server):
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(folder / "server.log", "w+")  # noqa: SIM115
         read, self.step = os.pipe()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", **{STEP_FD_VARIABLE: str(read)})
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "certkv.cli.app", "serve", str(self.op_path), "--port", str(self.port),
+            [*launcher(env, "--step-fd", read), "serve", str(self.op_path), "--port", str(self.port),
              "--shadow-store", str(self.store), "--timeout", "60"], cwd=REPO, env=env, stdout=self.log,
             stderr=subprocess.STDOUT, pass_fds=(read,))
         os.close(read)  # the server's copy alone is left
