@@ -15,9 +15,11 @@ left out).
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from certkv.model.stopping import ends_on_stop
 from certkv.serve.responses import ChatLogprobs, CompletionLogprobs, CutInfo, TokenLogprob
 
 if TYPE_CHECKING:
@@ -129,13 +131,30 @@ def completion_logprobs(texts: list[str], logprobs: list[float], tokens: int, te
     return CompletionLogprobs(tokens=[t for t, _ in pairs], token_logprobs=[lp for _, lp in pairs], text_offset=offsets)
 
 
-def logprob_tokens(cut: Cut, ids: list[int], stop_ids: set[int]) -> int:
+def finish_reason(ids: list[int], max_new_tokens: int, stop_ids: Container[int]) -> str:
+    """Why the certified answer `ids` ended, as OpenAI's ``finish_reason``: ``stop`` when it ended on
+    a stop token, ``length`` when it reached `max_new_tokens` otherwise. A stop token counts as the
+    decoders' one stopping rule counts it (:func:`certkv.model.stopping.ends_on_stop`): never the
+    first token, which decoding keeps and goes on from.
+
+    Examples
+    --------
+    >>> finish_reason([5, 2], 8, {2}), finish_reason([5, 6], 2, {2})
+    ('stop', 'length')
+    >>> finish_reason([2], 1, {2})  # a first stop token did not end the answer: the limit did
+    'length'
+    """
+    return "length" if len(ids) >= max_new_tokens and not ends_on_stop(ids, stop_ids) else "stop"
+
+
+def logprob_tokens(cut: Cut, ids: list[int], stop_ids: Container[int]) -> int:
     """How many tokens of the certified answer `ids` the log-probabilities cover: those the returned
-    text comes from, less an end-of-answer token (one of `stop_ids`: it has no text).
+    text comes from, less the stop token that ended the answer (:func:`~certkv.model.stopping.ends_on_stop`:
+    it has no text; a first token is never one).
 
     Examples
     --------
     >>> logprob_tokens(Cut("6386", 6, "stop"), [4, 11, 8, 13, 11, 2], {2})
     5
     """
-    return cut.tokens - (cut.info is None and bool(ids) and ids[-1] in stop_ids)
+    return cut.tokens - (cut.info is None and ends_on_stop(ids, stop_ids))

@@ -240,3 +240,16 @@ def test_fields_outside_the_certificate_are_one_line_422s_naming_them(server, cl
     body = httpx.post(server.url + "/v1/completions", json={"prompt": r.context + r.question, "temperature": 5},
                       timeout=10).json()["error"]
     assert body["param"] == "temperature" and json.dumps(body).count("\\n") == 0
+
+
+def test_finish_reason_and_logprobs_follow_the_decoders_stopping_rule():
+    """A stop token ends an answer, except as its first token (certkv.model.stopping: decoding keeps
+    it and goes on): such an answer ends by its length, and its first token is an answer token
+    whose log-probability is returned, not an end-of-answer token left out."""
+    from certkv.serve.answer_cut import Cut, finish_reason, logprob_tokens
+
+    assert finish_reason([5, 2], 8, {2}) == "stop" and finish_reason([2, 7, 2], 8, {2}) == "stop"
+    assert finish_reason([5, 6], 2, {2}) == "length" and finish_reason([2, 7], 2, {2}) == "length"
+    assert finish_reason([2], 1, {2}) == "length"  # the first token never stops an answer
+    assert logprob_tokens(Cut("", 1, "length"), [2], {2}) == 1
+    assert logprob_tokens(Cut("ab", 3, "stop"), [4, 5, 2], {2}) == 2
