@@ -28,6 +28,7 @@ from certkv.core.kv_cost import kv_cost, prefill_press_held
 from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, kept_count, padded_cache
+from certkv.engine.decode_reserve import decode_reserve
 from certkv.engine.decoding_rows import batchable_decoding_press, decode_rows, prefilled_row, run_of
 from certkv.engine.decoding_run import is_decoding_press, run_decoding
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
@@ -319,7 +320,7 @@ class Engine:
         rows_mass = prefilled.mass_seconds  # the evicted mass of gathered candidates decoded as rows
         seconds["candidates_decoding"] = t2a - t1b - seconds["full_decode"] - rows_mass
         verify: dict[str, float] = {}
-        reserve = len(enc.question_ids) + 4 * self.max_new_tokens
+        reserve = decode_reserve(len(enc.question_ids), self.max_new_tokens)
         self._fast_answers(prefilled, draft, reserve, answers, verify)
         self._probabilistic_answers(prefilled, reserve, answers)
         t3 = time.perf_counter()
