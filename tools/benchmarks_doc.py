@@ -1,11 +1,14 @@
-"""Writes docs/benchmarks.md from the measured results in benchmarks/results/*.json.
+"""Writes docs/benchmarks.md, and README.md's figures, from the measured results in benchmarks/results/*.json.
 
 Every figure on that page comes from a results file, next to the command that produces it, so a
 figure cannot drift from its measurement: ``tests/repo/test_docs.py`` regenerates the page and compares
-it with the committed one. Re-run a benchmark, then regenerate::
+it with the committed one. README.md's figure-bearing passages are generated blocks, each between
+``<!-- generated: NAME (tools/benchmarks_doc.py from benchmarks/results/….json) -->`` and
+``<!-- end generated -->`` (:data:`README_BLOCKS`); the prose around them is the README's own, and
+the same test holds each block to what its results files render. Re-run a benchmark, then regenerate::
 
-    python tools/benchmarks_doc.py            # rewrite docs/benchmarks.md
-    python tools/benchmarks_doc.py --check    # exit 1 when docs/benchmarks.md is out of date
+    python tools/benchmarks_doc.py            # rewrite docs/benchmarks.md and README.md's blocks
+    python tools/benchmarks_doc.py --check    # exit 1 when either is out of date
 
 The explanations between the tables are written here, once, and state no measured number; the
 numbers are formatted from the JSON. A results file this script has no section for still appears,
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -1468,7 +1472,98 @@ def streaming(data: dict) -> str:
     ])
 
 
+# ----------------------------------------------------------------------------- the demo
+
+#: How the README and this page name a press in prose.
+PRESS_NAMES = {"criticalkv": "CriticalKV", "snapkv": "SnapKV", "lorekv": "LORE-KV", "deferkv": "DeferKV",
+               "tova": "TOVA", "knorm": "K-norm", "streaming_llm": "StreamingLLM", "kvzip": "KVzip",
+               "probabilistic": "certkv's probabilistic press"}
+
+
+def press_name(press: str) -> str:
+    return PRESS_NAMES.get(press, f"`{press}`")
+
+
+def task_name(task: str, sep: str = "-") -> str:
+    """A task in prose: ``ruler_single_needle`` → single-needle (or "single needle" with ``sep=" "``)."""
+    return task.removeprefix("ruler_").replace("_", sep)
+
+
+def duration(wall: float) -> str:
+    """Wall seconds as minutes and seconds: 2 min 2 s."""
+    m, s = divmod(round(wall), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
+
+
+def idle(machine: dict) -> bool:
+    """Whether the machine was idle when the timing started (load average ≤ 0.5 over the minute before)."""
+    load = machine.get("load_average_1m_before")
+    return load is not None and load <= 0.5
+
+
+def demo_machine(data: dict) -> str:
+    """The machine the demo was timed on, in a few words: its cores, idle or busy (the load average is
+    on the benchmarks page), and the thread limit if one was set."""
+    m = data["machine"]
+    threads = m.get("omp_num_threads")
+    limit = "" if not threads else ", one thread" if threads == "1" else f", {threads} threads"
+    return f"{m['cpus']} {'idle' if idle(m) else 'busy'} cores{limit}"
+
+
+def demo_point(entry: dict) -> str:
+    """A stratum's certified point in prose: CriticalKV at 0.45, or the full cache."""
+    if entry["fallback"]:
+        return "the full cache (nothing certified)"
+    gated = f" behind its gate (`{entry['policy']}`)" if entry["gate"] else ""
+    return f"{press_name(entry['press'])} at {entry['kv_retained']:.2f}{gated}"
+
+
+def demo(data: dict) -> str:
+    """`certkv demo` as a user runs it: what it certifies per task, its validation, its wall clock."""
+    c, dep, pooled = data["contract"], data["deployed"], data["pooled"]
+    rows = [[task_name(t), f"`{e['policy']}`", f"{e['violations']}/{e['n']}", num(e["risk_upper_bound"]),
+             f"**{num(e['mean_kv_retained'])}**"] for t, e in data["strata"].items()]
+    if pooled is not None:
+        rows.append(["pooled (comparison)", f"`{pooled['policy']}`", f"{pooled['violations']}/{pooled['n']}",
+                     num(pooled["risk_upper_bound"]), num(pooled["mean_kv_retained"])])
+    val = data["validation"]
+
+    def vrow(label: str, v: dict) -> list[str]:
+        return [label, str(v["n_requests"]), pct(v["certkv"]["exceed_fraction"]), num(v["certkv"]["mean_kv_retained"]),
+                pct(v["empirical_thresholding"]["exceed_fraction"]), num(v["empirical_thresholding"]["mean_kv_retained"])]
+
+    vrows = [vrow(task_name(t), v) for t, v in val["strata"].items()] + [vrow("all tasks (pooled test halves)", val["pooled"])]
+    m = data["machine"]
+    return "\n\n".join([
+        "## The demo",
+        command(data["command"]),
+        f"`{data['demo_command']}` run as a user runs it (a fresh store in a temporary folder), timed from start to "
+        f"exit, then read from what it wrote: ε = {c['risk']:g}, τ = {c['tolerance']:g} (`{c['utility']}`), "
+        f"confidence {c['confidence']:g}, `{c['procedure']}`, certified per {c['strata_by']}. The README's demo "
+        "figures are these.",
+        "Certified point per task (violations on the task's certification requests, Clopper–Pearson upper bound, "
+        "mean KV retained), and the same records certified with the strata removed (a comparison the demo prints, "
+        "never deployed):",
+        table(["task", "certified", "violations k/n", "bound", "mean KV"], rows),
+        f"Deployed, weighted by requests: mean KV retained **{num(dep['mean_kv_retained'])}**, "
+        f"{pct(dep['kv_saved'])} of the KV cache saved.",
+        f"Validation: {val['pooled']['n_splits']} random splits of each task's certification requests; per method, "
+        "the share of splits whose choice breaks more than ε of the test half, and its mean KV retained "
+        "(empirical thresholding: the cheapest candidate whose calibration-half violation rate is ≤ ε).",
+        table(["task", "requests", "certkv over ε", "certkv mean KV", "empirical over ε", "empirical mean KV"], vrows),
+        f"Wall clock: **{duration(data['wall_s'])}** ({data['wall_s']:.0f} s) on {m['cpus']} cores, Python "
+        f"{m['python']}, " + (f"`OMP_NUM_THREADS={m['omp_num_threads']}`" if m.get("omp_num_threads")
+                             else "torch's default threads")
+        + f"; load average {m['load_average_1m_before']:.1f} over the minute before the start (the README calls "
+        f"the cores idle at 0.5 or less) and {m['load_average_1m_after']:.1f} at the end (the demo's own threads "
+        "included)." + ("" if idle(m) or not m.get("omp_num_threads") else
+                        " On cores shared with other work torch's default threads wait on each other at every "
+                        "operation; the demo was timed with one."),
+    ])
+
+
 SECTIONS = {
+    "demo": demo,
     "embedded_accuracy": embedded_accuracy,
     "smollm2_135m_accuracy": smollm2_accuracy,
     "smollm2_ruler": smollm2_ruler,
@@ -1520,6 +1615,203 @@ def generic(name: str, data) -> str:
     ])
 
 
+# ----------------------------------------------------------------------------- README.md's figures
+
+#: README.md's figure-bearing passages: each sits between a start marker naming its block and its
+#: results files and an end marker, and is exactly what its function renders from those files.
+README = ROOT / "README.md"
+README_WIDTH = 118  # README.md's prose is wrapped near this many characters
+END_MARKER = "<!-- end generated -->"
+_README_BLOCK = re.compile(r"<!-- generated: (\S+) \([^)]*\) -->(.*?)" + re.escape(END_MARKER), re.S)
+
+_SMALL = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+
+
+def one_in(share: float) -> str:
+    """A share as "one ... in N" words: 0.205 → five."""
+    n = round(1 / share)
+    return _SMALL.get(n, str(n))
+
+
+def readme_demo(demo: dict) -> str:
+    """The demo paragraph: per task what is certified and at what risk, the memory saved, the pooled
+    comparison, the validation against empirical thresholding, and how long the demo runs."""
+    c, dep, pooled, strata = demo["contract"], demo["deployed"], demo["pooled"], demo["strata"]
+    what = "a policy per task" if any(not e["fallback"] for e in strata.values()) else "nothing (the full cache)"
+    points = []
+    for i, (task, e) in enumerate(strata.items()):
+        label = task_name(task)
+        counts = (f"{e['violations']} violations in {e['n']}" if i == 0 else f"{e['violations']} in {e['n']}")
+        who = f"{label[0].upper()}{label[1:]} requests get" if i == 0 else f"{label} requests"
+        points.append(f"{who} {demo_point(e)} ({counts}, bound {num(e['risk_upper_bound'])})")
+    ungated = ", ungated" if all(not e["gate"] for e in strata.values()) else ""
+    pooled_text = "" if pooled is None else (
+        f", where one pooled certificate for the mix gives {num(pooled['mean_kv_retained'])}")
+    val = demo["validation"]["strata"]
+    ours = {t: v["certkv"]["exceed_fraction"] for t, v in val.items()}
+    if len(set(ours.values())) == 1:
+        ours_text = f"in {pct(next(iter(ours.values())))} of the splits of each task"
+    else:
+        ours_text = "in " + " and ".join(f"{pct(x)} ({task_name(t)})" for t, x in ours.items()) + " of the splits"
+    theirs = " and ".join(f"{pct(v['empirical_thresholding']['exceed_fraction'])} ({task_name(t)})"
+                          for t, v in val.items())
+    tau = "any utility" if c["tolerance"] == 0 else f"more than τ = {c['tolerance']:g} utility"
+    minutes = max(1, round(demo["wall_s"] / 60))
+    return (
+        f"**The demo certifies {what}: {pct(dep['kv_saved'])} of the KV cache saved.** The contract asks that at "
+        f"most ε = {pct(c['risk'], 0)} of each task's requests lose {tau} (τ = {c['tolerance']:g}, "
+        f"{c['utility'].replace('_', ' ')}) with confidence {c['confidence']:g}. Its presses were chosen on the "
+        "[certified press league](docs/benchmarks.md#certified-press-league), fresh requests of another seed: "
+        "CriticalKV, the press that certified the least KV there, on a ladder in 0.05 steps, beside certkv's "
+        f"probabilistic press. {', '.join(points)}{ungated}: mean KV retained {num(dep['mean_kv_retained'])}"
+        f"{pooled_text}. In the validation certkv's "
+        f"choice is over ε on a test half {ours_text}; empirical thresholding's in {theirs}. It runs in about "
+        f"{minutes} minute{'s' if minutes != 1 else ''} on {demo_machine(demo)}: {duration(demo['wall_s'])} "
+        "([benchmarks](docs/benchmarks.md#the-demo))."
+    )
+
+
+def readme_smollm2_ruler(data: dict) -> str:
+    """The real-model sentence: what SmolLM2's RULER contract certifies, its cheapest task, and the
+    break rate of SnapKV at its highest retention on that task."""
+    cert = data["certified"]
+    strata = cert["strata"]
+    presses = sorted({press_name(e["press"]) for e in strata.values() if not e["fallback"]})
+    who = f"{' and '.join(presses)} per task" if presses else "only the full cache"
+    task, e = min(strata.items(), key=lambda kv: kv[1]["mean_kv_retained"])
+    snap = [c for c in data["candidates"].values() if c["press"] == "snapkv"]
+    breaks = ""
+    if snap:
+        top = max(snap, key=lambda c: c["kv_retained"])
+        broken, answered = (int(x) for x in top["broken"][task].split("/"))
+        if broken / answered > data["risk"]:
+            breaks = (f", where SnapKV breaks {pct(broken / answered, 0)} of requests even at "
+                      f"{top['kv_retained']:g}")
+    return (
+        f"On it `{data['contract']}` ({data['requests']} requests) certifies {who}, mean KV retained "
+        f"{num(cert['stratified_mean_kv_retained'])}: {e['kv_retained']:.2f} on {task_name(task, ' ')} "
+        f"({e['violations']}/{e['n']}){breaks} "
+        "([benchmarks](docs/benchmarks.md#a-real-model-smollm2-135m-instruct-certified-on-ruler))."
+    )
+
+
+def readme_long_generations(embedded: dict, smollm2: dict) -> str:
+    """What the two long-generation contracts certify, and what their best candidate breaks."""
+    best = min(embedded["policies"], key=lambda p: p["violations"])
+    tasks = {}
+    for c in smollm2["candidates"].values():
+        cells = c["tasks"].values()
+        tasks[id(c)] = (sum(x["task_broken"] for x in cells), sum(x["n"] for x in cells))
+    broken, n = min(tasks.values(), key=lambda bn: bn[0] / bn[1])
+    full_embedded = embedded["chosen"]["fallback"]
+    full_smollm2 = all(e["fallback"] for e in smollm2["certified"]["task_utility"]["strata"].values())
+    smollm2_breaks = (f"one SmolLM2-135M recitation in {one_in(broken / n)}" if broken
+                      else "no SmolLM2-135M recitation")
+    breaks = (f"the best candidate breaks {best['violations']} of {best['n']} embedded recitations, and "
+              + smollm2_breaks)
+    if full_embedded and full_smollm2:
+        head = f"On both long contracts only the full cache certifies: {breaks}"
+    else:
+        ours = "only the full cache" if full_embedded else f"`{embedded['chosen']['policy']}`"
+        theirs = "only the full cache" if full_smollm2 else "a compressed point per task"
+        head = f"The embedded long contract certifies {ours}, the SmolLM2-135M one {theirs}; uncertified, {breaks}"
+    return f"{head} ([why](docs/long-generations.md))."
+
+
+def readme_grouped_coverage(data: dict) -> str:
+    """The grouped-certificate sentence: the default grouped reading's point against the per-request
+    bound's, and both bounds' worst coverage in resamples of the clustered table."""
+    t = data["tables"]["clustered"]
+    grouped, naive = t["certified"]["per_context+betting"], t["certified"]["naive"]
+    q = data["questions_per_context"]
+    per = f"{q['min']}" if q["min"] == q["max"] else f"{q['min']}–{q['max']}"
+    target = min(1 - level for level in t["level"].values())
+
+    def point(p: dict) -> str:
+        press, _, kv = p["policy"].partition("@")
+        return f"{press_name(press)} at {kv}" if kv else f"`{p['policy']}`"
+
+    return (
+        f"On `contracts/embedded_multi_question.yaml` ({data['n_contexts']} haystacks × {per} questions) it "
+        f"certifies {point(grouped)} where the per-request bound takes "
+        f"{naive['policy'].partition('@')[2] or point(naive)}; in resamples of that table the per-request bound "
+        f"covers a clustered candidate's risk in {pct(t['readings']['naive']['worst_coverage'], 0)} of draws (target "
+        f"{pct(target)}), the grouped one in {pct(t['readings']['per_context+betting']['worst_coverage'], 0)} "
+        "([benchmarks](docs/benchmarks.md#grouped-certificates-coverage-when-questions-share-a-context))."
+    )
+
+
+def readme_prefix_cache(data: dict) -> str:
+    """The prefix cache's throughput with reuse over without, at the budget of its target."""
+    b, traffic = data["budgets"][data["target_at"]], data["traffic"]
+    return (
+        f"{b['ratio']:.1f}× the throughput without reuse at one budget ({traffic['questions_per_context']} questions "
+        f"per {traffic['context_length']:,}-token context) "
+        "([serving](docs/serving.md#prefix-reuse-compress-once-answer-many))."
+    )
+
+
+#: Block name → (its results files, the function rendering it from them, in that order).
+README_BLOCKS = {
+    "demo": (("demo",), readme_demo),
+    "smollm2_ruler": (("smollm2_ruler",), readme_smollm2_ruler),
+    "long_generations": (("long_generation", "smollm2_long"), readme_long_generations),
+    "grouped_coverage": (("grouped_coverage",), readme_grouped_coverage),
+    "prefix_cache": (("prefix_cache",), readme_prefix_cache),
+}
+
+
+def readme_marker(name: str) -> str:
+    sources = ", ".join(f"benchmarks/results/{f}.json" for f in README_BLOCKS[name][0])
+    return f"<!-- generated: {name} (tools/benchmarks_doc.py from {sources}) -->"
+
+
+def wrap(text: str, width: int = README_WIDTH, offset: int = 0) -> str:
+    """`text` wrapped greedily at spaces to `width`, its first line starting at column `offset`
+    (after the prose before a block's marker; a first word that does not fit there starts a new
+    line). A link in parentheses stays on the line of the word before it: only that word must fit,
+    the link may run past the width, as the README's own lines do."""
+    lines: list[str] = []
+    line, used = "", offset
+    for word in text.replace(" ([", "\0([").split(" "):
+        fits = len(word.split("\0")[0])
+        if used + (1 if line else 0) + fits > width and (line or offset):
+            lines.append(line)
+            line, used = word, len(word)
+        else:
+            used += (1 if line else 0) + len(word)
+            line = f"{line} {word}" if line else word
+    lines.append(line)
+    return "\n".join(lines).replace("\0", " ")
+
+
+def readme_block(name: str, results: Path = RESULTS, offset: int = 0) -> str:
+    """One README block's text, wrapped, from its results files (`offset`: see :func:`wrap`)."""
+    files, render_block = README_BLOCKS[name]
+    data = [json.loads((Path(results) / f"{f}.json").read_text(encoding="utf-8")) for f in files]
+    return wrap(render_block(*data), offset=offset)
+
+
+def render_readme(readme: str, results: Path = RESULTS) -> str:
+    """`readme` with every generated block rewritten from the results. The markers take no width:
+    a block whose start marker follows prose on its line continues that line; a start marker alone
+    at the start of a line (a block that is a whole paragraph) is followed by a line break, since
+    Markdown reads the rest of a line that starts with a comment as part of the comment.
+    Raises ValueError when a block is missing, repeated or unknown."""
+    found = [m.group(1) for m in _README_BLOCK.finditer(readme)]
+    unknown = sorted(set(found) - set(README_BLOCKS))
+    missing = sorted(set(README_BLOCKS) - set(found))
+    repeated = sorted({n for n in found if found.count(n) > 1})
+    if unknown or missing or repeated:
+        raise ValueError(f"README.md's generated blocks: unknown {unknown}, missing {missing}, repeated {repeated}")
+    out, last = [], 0
+    for m in _README_BLOCK.finditer(readme):
+        prose = readme[readme.rfind("\n", 0, m.start()) + 1:m.start()]
+        text = readme_block(m.group(1), results, offset=len(prose))
+        out += [readme[last:m.start()], readme_marker(m.group(1)), "\n" if not prose else "", text, END_MARKER]
+        last = m.end()
+    return "".join(out + [readme[last:]])
+
 HEADER = """# Benchmarks
 
 <!-- Generated by `python tools/benchmarks_doc.py` from benchmarks/results/*.json; do not edit by hand. -->
@@ -1545,20 +1837,21 @@ def render(results: Path = RESULTS) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md differs from a regeneration")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when docs/benchmarks.md or README.md's generated blocks differ from a regeneration")
     args = p.parse_args(argv)
-    text = render()
+    outputs = {OUTPUT: render(), README: render_readme(README.read_text(encoding="utf-8"))}
     if args.check:
-        current = OUTPUT.read_text(encoding="utf-8") if OUTPUT.is_file() else ""
-        if current != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is out of date; run python tools/benchmarks_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-    OUTPUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUTPUT.relative_to(ROOT)}")
+        stale = [path for path, text in outputs.items()
+                 if (path.read_text(encoding="utf-8") if path.is_file() else "") != text]
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is out of date; run python tools/benchmarks_doc.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

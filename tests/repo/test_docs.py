@@ -42,6 +42,18 @@ def test_benchmarks_page_is_exactly_what_the_results_generate():
     )
 
 
+def test_readme_figures_are_exactly_what_the_results_generate():
+    doc = _benchmarks_doc()
+    committed = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"<!-- generated: (\S+) \(", committed)
+    assert sorted(blocks) == sorted(doc.README_BLOCKS), (
+        f"README.md's generated blocks are {blocks}, tools/benchmarks_doc.py renders {sorted(doc.README_BLOCKS)}"
+    )
+    assert committed == doc.render_readme(committed), (
+        "README.md's generated figures differ from benchmarks/results/*.json; run `python tools/benchmarks_doc.py`"
+    )
+
+
 def test_every_results_file_has_its_own_section():
     doc = _benchmarks_doc()
     names = {p.stem for p in (REPO / "benchmarks" / "results").glob("*.json")}
