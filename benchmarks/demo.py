@@ -9,16 +9,22 @@ over ε for certkv and for empirical thresholding), and the pooled comparison th
 the deployed point (the contract certified with its strata removed: never written by the demo, so
 certified again here from the demo's store, torch-free, and checked against the demo's printed line).
 
-These are the README's demo figures. Writes ``benchmarks/results/demo.json`` and prints a summary::
+These are the README's demo figures. Writes ``benchmarks/results/demo.json``, prints a summary and
+regenerates docs/benchmarks.md and README.md's generated blocks (``tools/benchmarks_doc.py``)::
 
     python benchmarks/demo.py            # ~3.5 minutes on 2 idle CPU cores
+    python benchmarks/demo.py --no-docs  # the results file only
 
-The load average is recorded before and after: the wall clock is only the demo's time on an idle
-machine when the load stayed low.
+The load average is recorded before and after, and OMP_NUM_THREADS when set: the wall clock is the
+demo's time on an idle machine only when the load before was low (the README says "idle" at a 1-minute
+load average of 0.5 or less). On cores shared with other work, torch's default threads wait on each
+other at every operation and the demo runs many times slower; ``OMP_NUM_THREADS=1 python
+benchmarks/demo.py`` measures it with one thread there, and says so.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -90,6 +96,10 @@ def pooled_comparison(folder: Path):
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--no-docs", action="store_true",
+                   help="do not regenerate docs/benchmarks.md and README.md's blocks from the new results")
+    args = p.parse_args()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="certkv-demo-bench-") as tmp:
         folder = Path(tmp) / "certkv-demo"
@@ -169,6 +179,8 @@ def main() -> None:
     if pooled is not None:
         print(f"pooled comparison: {pooled.policy}, mean KV retained {pooled.mean_kv_retained:.3f}")
     print(f"wrote {RESULT.relative_to(REPO)}")
+    if not args.no_docs:
+        subprocess.run([sys.executable, str(REPO / "tools" / "benchmarks_doc.py")], cwd=REPO, check=True)
     if checks:
         sys.exit("; ".join(checks))
 
