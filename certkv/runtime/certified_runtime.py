@@ -17,7 +17,11 @@ what is deployed is exactly what was certified:
    is decoded from the full cache, which still exists.
 3. Any other press runs through kvpress's own hooks, as calibration ran it
    (:mod:`certkv.runtime.pipeline`); its full-cache answers need a prefill of their own, and gates
-   that read the lookahead probe are refused for it when the runtime is built.
+   that read the lookahead probe are refused for it when the runtime is built. A decoding-time
+   press decodes under its own hooks (:mod:`certkv.runtime.decoding_path`).
+
+Every path answers behind its gate through the same flow (:mod:`certkv.runtime.gate_flow`); a
+path supplies only how its press's answer is decoded and where its full answer comes from.
 
 The gate's comparisons are those certification derived the gated records with
 (:class:`certkv.core.spec.GateSettings`, applied by :mod:`certkv.runtime.gating`); the learned score is
@@ -51,6 +55,7 @@ from certkv.presses.response_aware import is_response_aware_press
 from certkv.runtime.decision import Decision
 from certkv.runtime.decoding_path import DecodingPath
 from certkv.runtime.full_path import full_answer_steps
+from certkv.runtime.gate_flow import AnsweringPath
 from certkv.runtime.gating import deployable
 from certkv.runtime.pipeline import PipelinePath
 from certkv.runtime.prefix_cache import PrefixScope, bypass_reason
@@ -84,9 +89,10 @@ class RuntimeAnswer:
     token_ids: list[int]
     decision: Decision
     seconds: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase: ``prefill``, ``probe`` (lookahead), ``decode`` (the first answer decoded),
-    ``escalation`` (recomputing the full answer after the evicted path was taken; on the pipeline
-    path any full answer, its prefill included) and ``total``; a phase that did not run is absent."""
+    """Seconds per phase: ``prefill``, ``probe`` (lookahead), ``decode`` (the first answer decoded;
+    a full answer with a prefill of its own includes that prefill), ``escalation`` (recomputing the
+    full answer after the evicted path was taken), ``recompute`` (finishing an answer a recompute
+    gate restarted) and ``total``; a phase that did not run is absent."""
     context_tokens: int = 0
     """Tokens of the encoded context (what the coverage envelope and ``context_tokens`` count)."""
     question_tokens: int = 0
@@ -178,12 +184,9 @@ class CertifiedRuntime:
         self.bound = self.gate.certificate
         self.press: BasePress | None = None
         self.single_prefill = False
-        self.path: SinglePrefillPath | PipelinePath | DecodingPath | None = None
-        """The answering path of the certified press (None: fallback or stratified)."""
         if not operating_point.fallback and not operating_point.is_stratified:
             self.press = self._build_press() if press is None else self._checked(press)
             self.single_prefill = self._on_single_prefill(self.press)
-            self.path = self._answering_path(model)
         self.prefix_cache = prefix_cache
         """The compressed contexts kept across questions (:mod:`certkv.runtime.prefix_cache`; None: off)."""
         self.prefix_bypass = None if operating_point.is_stratified else bypass_reason(
@@ -192,12 +195,15 @@ class CertifiedRuntime:
         self.prefix: PrefixScope | None = None
         if prefix_cache is not None and self.prefix_bypass is None and not operating_point.is_stratified:
             self.prefix = PrefixScope(prefix_cache)
+        self.path: AnsweringPath | None = None if self.press is None else self._answering_path(model)
+        """The answering path of the certified press (None: fallback or stratified)."""
 
     # -- construction -------------------------------------------------------------------------
 
-    def _answering_path(self, model: PreTrainedModel) -> SinglePrefillPath | PipelinePath | DecodingPath:
-        """The path the certified press answers through: its single prefill, kvpress's hooks, or a
-        decode under a decoding-time press; a gate a path cannot apply is a one-line error."""
+    def _answering_path(self, model: PreTrainedModel) -> AnsweringPath:
+        """The path the certified press answers through: its single prefill (with the point's prefix
+        cache, if any), kvpress's hooks, or a decode under a decoding-time press; a gate a path cannot
+        apply is a one-line error."""
         assert self.press is not None  # only called for a point with a press
         if self.gate.restarts and not is_decoding_press(self.press):
             raise CertkvError(
@@ -210,7 +216,7 @@ class CertifiedRuntime:
                 f"only certkv's probabilistic_decoding press records; {self.policy!r} does not use it"
             )
         if self.single_prefill:
-            return SinglePrefillPath(model, self.press, self.gate, self.policy, self.stop_ids)
+            return SinglePrefillPath(model, self.press, self.gate, self.policy, self.stop_ids, prefix=self.prefix)
         if is_decoding_press(self.press):
             if self.gate.pre_decode:
                 raise CertkvError(
@@ -392,10 +398,7 @@ class CertifiedRuntime:
         else:
             clear_states(self.model)
             try:
-                if self.prefix is not None and isinstance(self.path, SinglePrefillPath):
-                    answered = yield from self.path.steps(run, self.max_new_tokens, signals, lean=lean, prefix=self.prefix)
-                else:
-                    answered = yield from self.path.steps(run, self.max_new_tokens, signals, lean=lean)
+                answered = yield from self.path.steps(run, self.max_new_tokens, signals, lean=lean)
             finally:
                 clear_states(self.model)
         seconds = dict(answered.seconds, total=time.perf_counter() - t0)

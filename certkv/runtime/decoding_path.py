@@ -30,21 +30,25 @@ The gate:
 
 Gates decided before the decode (agreement drop, lookahead, a learned model reading them) need the
 full prefill this path never holds; the runtime refuses them for a decoding-time press.
+
+The gates, the restart and the escalation are the one gate flow every path shares
+(:func:`~certkv.runtime.gate_flow.gate_flow`): this path starts a request with nothing (the press
+prefills as it decodes) and supplies the press's answer, stopped where a recompute part fires
+(:class:`PressDecode`); its full answer has a prefill of its own.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from certkv.core.kv_cost import kv_cost
 from certkv.engine.decoding_rows import batchable_decoding_press, prefilled_row, row_slots, run_of
-from certkv.engine.decoding_run import DecodingRun, finish_on_full_cache, run_decoding
-from certkv.runtime.full_path import full_answer_steps, prefill_slots
-from certkv.runtime.gating import post_decode_reason
-from certkv.runtime.steps import Decode, PathAnswer, Reserve, Step, Steps, run_alone
+from certkv.engine.decoding_run import DecodingRun, run_decoding
+from certkv.runtime.full_path import prefill_slots
+from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
+from certkv.runtime.steps import Decode, Reserve, Step
 
 if TYPE_CHECKING:
     from kvpress import BasePress
@@ -55,7 +59,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class DecodingPath:
+class DecodingPath(AnsweringPath):
     """Answer requests with a decoding-time `press`, behind `gate` (its recompute part included)."""
 
     model: PreTrainedModel
@@ -63,29 +67,14 @@ class DecodingPath:
     gate: GateSettings
     stop_ids: set[int]
 
-    def answer(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any]) -> PathAnswer:
-        """Answer `enc` in-process, as calibration did; `signals` is filled with what the gate read."""
-        return run_alone(self.steps(enc, max_new, signals))
-
-    def steps(self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], lean: bool = False) -> Steps:
-        """The answer as steps (module docstring); `lean` (``certkv serve``'s scheduler) decodes a
-        batchable press as a row of the batch (:meth:`rows`), any other decode is solo. Behind no
-        post-decode part the press's tokens are the answer's as decoded (``final``: a listener
-        hears each one), and a recompute restart keeps them."""
-        t0 = time.perf_counter()
-        run = yield from (self._row_steps(enc, max_new) if lean and self.rows() else self._solo_steps(enc, max_new))
-        seconds = {"decode": time.perf_counter() - t0}
-        kept = run.prefill_kept / len(enc.context_ids)
-        if run.stopped_at is not None:
-            return (yield from self._recompute(enc, run, max_new, signals, seconds, kept))
-        reason = post_decode_reason(self.gate, signals, run.logprobs, run.certificate_max)
-        if reason is None:
-            cost = kv_cost(run.held, len(enc.context_ids), len(enc.question_ids))
-            return PathAnswer(run.token_ids, None, signals, seconds, kept=kept, kv_peak=cost.peak, kv_time=cost.time)
-        t = time.perf_counter()
-        ids = yield from full_answer_steps(self.model, enc, max_new, self.stop_ids)
-        seconds["escalation"] = time.perf_counter() - t
-        return PathAnswer(ids, reason, signals, seconds, escalated=True)
+    def start(
+        self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], seconds: dict[str, float], lean: bool
+    ) -> Generator[Step, None, AnswerSource]:
+        """Nothing before the decode: the press prefills as it decodes, within the decode's own
+        reservation. `lean` (``certkv serve``'s scheduler) decodes a batchable press as a row of the
+        batch (:meth:`rows`); any other decode is solo."""
+        yield from ()
+        return PressDecode(self, enc, max_new, rows=lean and self.rows())
 
     def rows(self) -> bool:
         """Whether a lean run decodes as a row of ``certkv serve``'s batch: a press whose choices
@@ -94,54 +83,60 @@ class DecodingPath:
         no_restart = self.gate.recompute is None and self.gate.certificate_recompute is None
         return no_restart and batchable_decoding_press(self.press, self.model)
 
-    def _solo_steps(self, enc: EncodedRequest, max_new: int) -> Generator[Step, None, DecodingRun]:
+
+class PressDecode(AnswerSource):
+    """A request decoded under its decoding-time press, alone (:func:`run_decoding`) or, with `rows`,
+    as a row of the scheduler's batch. Behind no post-decode part the press's tokens are the
+    answer's as decoded (``final``: a listener hears each one), and a recompute restart keeps them."""
+
+    path: DecodingPath
+
+    def __init__(self, path: DecodingPath, enc: EncodedRequest, max_new: int, rows: bool) -> None:
+        super().__init__(path, enc, max_new)
+        self.rows = rows
+
+    def decode(self) -> Generator[Step, None, EvictedAnswer]:
+        """The press's answer, with the KV it held; stopped where a recompute part fired."""
+        enc = self.enc
+        run = yield from (self._row_steps() if self.rows else self._solo_steps())
+        n_ctx = len(enc.context_ids)
+        answer = EvictedAnswer(run.token_ids, run.logprobs, run.prefill_kept / n_ctx, run.certificate_max,
+                               stopped_at=run.stopped_at)
+        if run.stopped_at is None:
+            cost = kv_cost(run.held, n_ctx, len(enc.question_ids))
+            answer.kv_peak, answer.kv_time = cost.peak, cost.time
+        return answer
+
+    def _solo_steps(self) -> Generator[Step, None, DecodingRun]:
         """The decode alone under kvpress's hooks (:func:`run_decoding`), within a reservation of
         the whole prefill, question and answer."""
-        yield Reserve(prefill_slots(self.model, enc, max_new))
+        path, enc, max_new = self.path, self.enc, self.max_new
+        yield Reserve(prefill_slots(path.model, enc, max_new))
         runs: list[DecodingRun] = []
 
         def solo() -> tuple[list[int], list[float] | None]:
-            run = run_decoding(self.model, self.press, enc, max_new, stop_below=self.gate.recompute, on_token=job.tell,
-                               stop_above=self.gate.certificate_recompute)
+            run = run_decoding(path.model, path.press, enc, max_new, stop_below=path.gate.recompute, on_token=job.tell,
+                               stop_above=path.gate.certificate_recompute)
             runs.append(run)
             return run.token_ids, run.logprobs
 
-        job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, self.stop_ids, solo=solo,
-                     want_logprobs=True, batchable=False, final=not self.gate.post_decode)
+        job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, path.stop_ids, solo=solo,
+                     want_logprobs=True, batchable=False, final=self.final)
         yield job
         return runs[0]
 
-    def _row_steps(self, enc: EncodedRequest, max_new: int) -> Generator[Step, None, DecodingRun]:
+    def _row_steps(self) -> Generator[Step, None, DecodingRun]:
         """The decode as a row of the scheduler's batch (:func:`~certkv.engine.decoding_rows.prefilled_row`):
         reserved at its peak (:func:`~certkv.engine.decoding_rows.row_slots`), compressed by the row's
         own books as tokens are confirmed, its slots given back at each event; the same tokens and
         held KV as :func:`run_decoding`."""
-        yield Reserve(row_slots(self.model, self.press, enc, max_new))
-        row, kept = prefilled_row(self.model, self.press, enc, max_new, self.stop_ids)
-        job = Decode(row.cache, list(enc.question_ids), row.position, max_new, self.stop_ids, solo=None,
-                     lookup_ids=list(enc.context_ids), want_logprobs=True, final=not self.gate.post_decode, row=row)
+        path, enc, max_new = self.path, self.enc, self.max_new
+        yield Reserve(row_slots(path.model, path.press, enc, max_new))
+        row, kept = prefilled_row(path.model, path.press, enc, max_new, path.stop_ids)
+        job = Decode(row.cache, list(enc.question_ids), row.position, max_new, path.stop_ids, solo=None,
+                     lookup_ids=list(enc.context_ids), want_logprobs=True, final=self.final, row=row)
         yield job
         return run_of(row, kept)
 
-    def _recompute(self, enc, run: DecodingRun, max_new: int, signals: dict, seconds: dict, kept: float) -> Steps:
-        """Finish `run`, stopped by the recompute trigger, on a fresh full cache: one more solo
-        :class:`Decode` (within the request's reservation: the press's cache is gone by then),
-        final, that tells its listener where the restart kept the answer."""
-        t = time.perf_counter()
-        signals["confidence_min"], signals["logprob_mean"] = None, None  # the evicted answer was not finished
-        prefix = list(run.token_ids)
 
-        def solo() -> tuple[list[int], list[float] | None]:
-            job.tell(prefix)  # the restart is heard at once, before the full cache's first token
-            return finish_on_full_cache(self.model, enc, prefix, max_new, on_token=job.tell).token_ids, None
-
-        job = Decode(None, [*enc.question_ids, *prefix], len(enc.context_ids), max_new, self.stop_ids, solo=solo,
-                     batchable=False, final=True, restarted_at=run.stopped_at)
-        yield job
-        assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
-        seconds["recompute"] = time.perf_counter() - t
-        return PathAnswer(job.ids, "recompute", signals, seconds, kept=kept, escalated=True,
-                          recomputed_at=run.stopped_at)
-
-
-__all__ = ["DecodingPath"]
+__all__ = ["DecodingPath", "PressDecode"]

@@ -3,7 +3,8 @@
 Every path answers from the full cache the same way, :func:`certkv.engine.full_cache.decode_full`,
 whose answer is calibration's ``full`` record token for token; this module gives that answer with a prefill of its
 own (a fallback, a request outside the certificate, an override, an escalation whose full cache is
-gone) and from a full prefill a path already holds (:func:`decode_from_full`).
+gone), from a full prefill a path already holds (:func:`decode_from_full`), and after the tokens a
+recompute gate kept (:func:`restart_steps`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+from certkv.engine.decoding_run import finish_on_full_cache
 from certkv.engine.full_cache import decode_full, prefill_full
 from certkv.runtime.steps import Decode, Reserve
 
@@ -66,3 +68,23 @@ def full_answer_steps(
     if seconds is not None:
         seconds.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
     return ids
+
+
+def restart_steps(
+    model: PreTrainedModel, enc: EncodedRequest, kept: list[int], restarted_at: int, max_new_tokens: int, stop_ids: set[int]
+) -> Generator[Step, None, list[int]]:
+    """The answer a recompute gate restarted after its first `restarted_at` tokens, `kept`: the
+    context prefilled afresh with the full cache, the question and `kept` fed in one forward, the
+    answer finished on the full cache (:func:`~certkv.engine.decoding_run.finish_on_full_cache`),
+    as one solo, final :class:`Decode` within the request's reservation (the press's cache is gone by
+    then). Its listener hears the restart at once, then each token; the ids include `kept`."""
+
+    def solo() -> tuple[list[int], list[float] | None]:
+        job.tell(kept)  # the restart is heard at once, before the full cache's first token
+        return finish_on_full_cache(model, enc, kept, max_new_tokens, on_token=job.tell).token_ids, None
+
+    job = Decode(None, [*enc.question_ids, *kept], len(enc.context_ids), max_new_tokens, stop_ids, solo=solo,
+                 batchable=False, final=True, restarted_at=restarted_at)
+    yield job
+    assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
+    return job.ids

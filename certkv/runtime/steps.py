@@ -1,7 +1,7 @@
 """The steps of one answer: what an answering path asks of whoever runs it.
 
-An answering path (:class:`~certkv.runtime.single_prefill.SinglePrefillPath`,
-:class:`~certkv.runtime.pipeline.PipelinePath`, the full cache's
+An answer (an :class:`~certkv.runtime.gate_flow.AnsweringPath`'s behind its gate,
+:func:`~certkv.runtime.gate_flow.gate_flow`; the full cache's
 :func:`~certkv.runtime.full_path.full_answer_steps`) is written once, as a generator, and run two ways:
 
 * in-process, one request at a time (:func:`run_alone`, what :class:`CertifiedRuntime.generate`
