@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from certkv.core.signals import SIGNALS
-
 
 @dataclass
 class Decision:
@@ -90,10 +88,6 @@ class Decision:
         """The record as a dict in field order (lists copied): ``dataclasses.asdict`` without its
         deep copy, which costs a live server more than the rest of its response."""
         return {name: _copied(getattr(self, name)) for name in _FIELD_NAMES}
-
-    def signal_values(self) -> dict[str, Any]:
-        """The gate signals measured so far (None: not computed): what the runtime's gate reads."""
-        return {s.name: getattr(self, s.name) for s in SIGNALS}
 
 
 #: The fields in order, computed once (to_dict runs for every answer a server sends).
