@@ -482,8 +482,8 @@ def _accept(row: Row, choices: list[int], proposal: list[int], lengths: list[int
     plus the fed tokens that stay: on its first forward one token, afterwards the pending token's
     choice and each proposal token the greedy choice agreed with (:func:`~certkv.engine.speculation.accept`).
     Returns how many fed tokens stay (the whole question on the first forward)."""
-    if len(row.answer) == 0:
-        row.answer.append(choices[0])
+    if len(row.answer) == 0:  # the question's forward: its last position's choice, nothing proposed
+        accept(row.answer, choices, [], row.max_new_tokens, row.stop_ids)
         return len(row.question_ids)
     accepted = accept(row.answer, choices, proposal, row.max_new_tokens, row.stop_ids)
     row.accepted(accepted - 1)  # the pending token's choice, then the confirmed proposal tokens
