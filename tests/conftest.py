@@ -177,10 +177,32 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "model: loads a model or runs the engine (deselect with -m 'not model')")
 
 
+#: The test files that take longest (measured with ``--durations``), longest first. pytest-xdist hands
+#: whole files to the workers in collection order (``--dist loadfile --no-loadscope-reorder``), so
+#: these start first and no long file starts last and keeps one worker busy while the others idle. A
+#: stale list costs balance, never a test.
+LONGEST_FIRST = (
+    "e2e/test_ray.py",
+    "e2e/test_wheel_demo.py",
+    "signals/test_signals.py",
+    "model/test_named_models.py",
+    "model/test_smollm2.py",
+    "serve/test_serve.py",
+    "serve/test_replicas.py",
+    "e2e/test_calibrate_cli.py",
+    "e2e/test_interrupts.py",
+    "cli/test_cli_usage_errors.py",
+    "serve/test_openai_fields.py",
+    "serve/test_serve_decoding.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not _torch_free(item.path):
             item.add_marker(pytest.mark.model)
+    rank = {TESTS / name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest keep their order
 
 
 def _torch_free(path: Path) -> bool:
