@@ -263,7 +263,6 @@ class _SquadTokens:
         return normalize_answer(text).split()
 
 
-@pytest.mark.slow  # rouge-score imports nltk: seconds
 def test_rouge_l_equals_rouge_score_on_thousands_of_pairs():
     """certkv's ROUGE-L is the reference implementation's (Google's `rouge-score`: LCS F-measure,
     β = 1) on certkv's tokens, to the last bit but rounding, over 3000 random pairs that repeat
@@ -288,7 +287,6 @@ def test_rouge_l_equals_rouge_score_on_thousands_of_pairs():
     assert rouge_l("a", "the") == 1.0 and scorer.score("the", "a")["rougeL"].fmeasure == 0.0
 
 
-@pytest.mark.slow
 def test_rouge_l_equals_rouge_score_default_tokenizer_on_plain_words():
     """On lowercase alphanumeric words without articles the two tokenisers agree, so certkv's
     ROUGE-L is rouge-score's out of the box (no stemming) there."""
