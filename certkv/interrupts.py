@@ -11,7 +11,7 @@ What. :func:`interruptible` is entered once around a command (the CLI does it): 
 active, SIGINT raises :class:`KeyboardInterrupt` and SIGTERM raises :class:`Terminated` (a
 KeyboardInterrupt, so every cleanup that handles Ctrl-C handles it), except inside
 :func:`critical`: a signal that arrives there is held and raised the moment the outermost critical
-block ends, so a store transaction (begin, rows, commit or rollback) always runs to its end. The
+block ends, so a store transaction (begin, records, commit or rollback) always runs to its end. The
 exit code of an interrupted command is :func:`exit_code` (130 for SIGINT, 143 for SIGTERM).
 
 Nothing is installed at import; outside :func:`interruptible` (a library caller, a worker thread)

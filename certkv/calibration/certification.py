@@ -197,14 +197,14 @@ def _load_store(contract: Contract, store_path: Path, contract_label: str, allow
                 f"this one {contract.sha256()[:12]}); certify it with the contract it was calibrated for, "
                 "or recalibrate with `--new-store`"
             )
-        rows = store.records()
+        records = store.records()
         skipped = store.skipped()
         planned = store.meta().get("planned_requests")
-    if not rows:
+    if not records:
         extra = f" ({len(skipped)} requests were skipped)" if skipped else ""
         raise CertkvError(f"calibration store {store_path} has no records yet{extra}; {hint}")
     incomplete = None
-    done = len({r["request_id"] for r in rows}) + len(skipped)
+    done = len({r["request_id"] for r in records}) + len(skipped)
     if planned is not None and done < int(planned):
         incomplete = f"{done} of {planned} planned requests"
         if not allow_incomplete:
@@ -213,7 +213,7 @@ def _load_store(contract: Contract, store_path: Path, contract_label: str, allow
                 "(certifying a partial store and adding requests until something passes voids the "
                 "guarantee), or pass --allow-incomplete for a preview without guarantee"
             )
-    table = LossTable.from_records(rows, source=f"store {store_path}")
+    table = LossTable.from_records(records, source=f"store {store_path}")
     return ContractRecords(table, f"store {store_path}", records_sha256(table), store_path, True, skipped, incomplete)
 
 

@@ -1,8 +1,8 @@
 """`certkv calibrate --executor ray`: the calibration requests on Ray actors, the store written here.
 
 Roles. Each worker is a Ray actor that loads the model once (:func:`certkv.calibration.run.load_engine`)
-and turns the requests it is handed into their store rows with the very function a local run uses
-(:func:`certkv.calibration.run.calibrate_request`); rows travel back as plain dicts in a
+and turns the requests it is handed into their store records with the very function a local run uses
+(:func:`certkv.calibration.run.calibrate_request`); records travel back as plain dicts in a
 :class:`RequestOutcome`. The driver (this process, :class:`RayExecutor`) hands the requests still
 missing from the store to Ray's own actor pool (``ray.util.ActorPool``: one request per worker at a
 time, the next handed out the moment a result is fetched) from the moment the first worker has
@@ -111,12 +111,12 @@ class WorkerReport:
 
 @dataclass
 class RequestOutcome:
-    """One request's result from a worker (:meth:`CalibrationWorker.calibrate`): its store rows
+    """One request's result from a worker (:meth:`CalibrationWorker.calibrate`): its store records
     and skip reason (as :func:`certkv.calibration.run.calibrate_request` returns them) with the
     facts of the worker that computed them, or the error the request failed with."""
 
     request_id: str
-    rows: list | None = None
+    records: list | None = None
     skipped: str | None = None
     facts: dict = field(default_factory=dict)
     error: str | None = None
@@ -152,14 +152,14 @@ class CalibrationWorker:
         return os.getpid()
 
     def calibrate(self, request: Request) -> RequestOutcome:
-        """One request → its rows, skip reason and this worker's facts, or its error."""
+        """One request → its records, skip reason and this worker's facts, or its error."""
         if self.error is not None:
             return RequestOutcome(request.id, error=self.error)
         try:
-            rows, reason = calibrate_request(request, self.engine, self.tokenizer, self.contract, self.max_positions)
+            records, reason = calibrate_request(request, self.engine, self.tokenizer, self.contract, self.max_positions)
         except CertkvError as exc:
             return RequestOutcome(request.id, error=str(exc))
-        return RequestOutcome(request.id, rows, reason, self.facts)
+        return RequestOutcome(request.id, records, reason, self.facts)
 
 
 def _connect(ray, options: RayOptions) -> bool:
@@ -390,7 +390,7 @@ class _Driver:
         self._seen(index, pid)
         if outcome.request_id in self.written:  # a retried call whose first run also came back
             return False
-        self.record(outcome.request_id, outcome.rows, outcome.skipped)
+        self.record(outcome.request_id, outcome.records, outcome.skipped)
         self.written.add(outcome.request_id)
         return True
 

@@ -1,12 +1,12 @@
 """`certkv calibrate`: run every request under the full cache and every candidate, store the losses.
 
-The loop is resumable by construction: each request's rows (the full cache and every candidate)
+The loop is resumable by construction: each request's records (the full cache and every candidate)
 are written in one store transaction, requests already in the store are skipped on restart, and a
 request that cannot run is recorded as skipped with its reason, so the run goes on.
 
 One entry point, :func:`calibrate`, with the executor behind it: :class:`LocalExecutor` here, or
 :class:`certkv.calibration.ray_executor.RayExecutor`. The run opens the store with :func:`open_run`;
-every executor turns a request into its rows with :func:`calibrate_request` (on a model loaded once
+every executor turns a request into its records with :func:`calibrate_request` (on a model loaded once
 by :func:`load_engine`) and hands them to a :class:`Recorder`, which writes them with
 :func:`record_request`; on Ray the workers compute and this process alone writes.
 """
@@ -119,14 +119,14 @@ def skip_reason(request: Request, n_context: int, n_question: int, contract: Con
     return None
 
 
-def request_rows(request: Request, result: RequestResult, contract: Contract, computed: dict) -> list[dict]:
-    """Store rows for one request: the full cache first, then every candidate.
+def request_records(request: Request, result: RequestResult, contract: Contract, computed: dict) -> list[dict]:
+    """Store records for one request: the full cache first, then every candidate.
 
     The gate signals come from the declarations of :mod:`certkv.core.signals`: a request signal
     (the engine's ``result`` attribute, or one `computed` from the encoded request by
-    :func:`certkv.core.signals.request_signals`) goes on the full row, and on every row when it
-    has a store column of its own; a candidate signal goes on its answer's row (the full answer's
-    on the full row), a column always, an ``extra`` key when it was measured.
+    :func:`certkv.core.signals.request_signals`) goes on the full record, and on every record when it
+    has a store column of its own; a candidate signal goes on its answer's record (the full answer's
+    on the full record), a column always, an ``extra`` key when it was measured.
     """
     answers = request.answers
     full = result.full
@@ -134,24 +134,24 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
     seconds = result.seconds
     per_request = {s.name: getattr(result, s.name, None) for s in RECORDED if s.per == "request"}
     per_request.update(computed)
-    on_every_row = {k: v for k, v in per_request.items() if signal(k).store == "column"}
-    rows = [
+    on_every_record = {k: v for k, v in per_request.items() if signal(k).store == "column"}
+    records = [
         {
-            **_row_head(request, REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, utility_full, utility_full, full.answer),
+            **_record_head(request, REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, utility_full, utility_full, full.answer),
             "path": None,
             "seconds": seconds.get("prefill", 0.0) + seconds.get("full_decode", 0.0),
             "seconds_breakdown": seconds,
             **per_request,
-            **_answer_signals(full, full_row=True),
+            **_answer_signals(full, full_record=True),
         }
     ]
     n_fast = sum(1 for c in result.candidates if c.path == "fast" and not c.own_seconds) or 1
     fast_share = seconds.get("candidates_fast", 0.0) / n_fast
     for cand in result.candidates:
         utility = score(contract.utility, cand.answer, answers, full.answer)
-        rows.append(
+        records.append(
             {
-                **_row_head(
+                **_record_head(
                     request,
                     cand.policy,
                     cand.press,
@@ -167,33 +167,33 @@ def request_rows(request: Request, result: RequestResult, contract: Contract, co
                 # decoded as a row), plus its own scoring when it is response-aware (chosen after the
                 # prefill; CandidateAnswer.seconds, 0 otherwise).
                 "seconds": cand.seconds if cand.path == "pipeline" or cand.own_seconds else fast_share + cand.seconds,
-                **on_every_row,
+                **on_every_record,
                 **_answer_signals(cand),
             }
         )
     by = contract.strata.by if contract.strata is not None else "task"
     if by != "task":  # strata by a metadata key: the records carry its value (a `stratum` column)
-        for row in rows:
-            row["stratum"] = stratum_of(request, by)
+        for record in records:
+            record["stratum"] = stratum_of(request, by)
     if contract.requests.group_by == "context":  # the certificate's unit of sampling (certkv.core.grouped)
-        for row in rows:
-            row["group"] = group_of(request)
-    return rows
+        for record in records:
+            record["group"] = group_of(request)
+    return records
 
 
 def _generation_cost(answer: CandidateAnswer, measure: str) -> dict:
     """The answer's KV cost (peak and KV-time relative to the full cache's, an ``extra`` key each)
-    and, when the contract compares candidates by one of them, that one as the row's ``memory``."""
+    and, when the contract compares candidates by one of them, that one as the record's ``memory``."""
     out: dict[str, Any] = {"kv_peak": answer.kv_peak, "kv_time": answer.kv_time}
     if measure != "kv_retained":
         out["memory"] = answer.kv_peak if measure == "peak" else answer.kv_time
     return out
 
 
-def _row_head(
+def _record_head(
     request: Request, policy: str, press: str, kv: float, kv_actual: float, utility: float, utility_full: float, answer: str
 ) -> dict:
-    """The columns every store row starts with (loss = utility_full − utility)."""
+    """The columns every store record starts with (loss = utility_full − utility)."""
     return {
         "request_id": request.id,
         "task": request.task,
@@ -208,16 +208,16 @@ def _row_head(
     }
 
 
-def _answer_signals(answer: CandidateAnswer, *, full_row: bool = False) -> dict:
+def _answer_signals(answer: CandidateAnswer, *, full_record: bool = False) -> dict:
     """The candidate signals an answer measured: a store column always (None: not measured),
-    an ``extra`` key only when measured; the full row leaves out the columns (they describe an
+    an ``extra`` key only when measured; the full record leaves out the columns (they describe an
     evicted answer)."""
     out: dict[str, Any] = {}
     for s in RECORDED:
         if s.per != "candidate":
             continue
         value = getattr(answer, s.name, None)
-        if s.store == "column" and not full_row:
+        if s.store == "column" and not full_record:
             out[s.name] = value
         elif s.store == "extra" and value is not None:
             out[s.name] = value
@@ -241,15 +241,15 @@ class Recorder:
     summary: CalibrationSummary
     on_written: OnWritten | None = None
 
-    def __call__(self, request_id: str, rows: list[dict] | None, reason: str | None) -> None:
-        record_request(self.store, self.summary, request_id, rows, reason)
+    def __call__(self, request_id: str, records: list[dict] | None, reason: str | None) -> None:
+        record_request(self.store, self.summary, request_id, records, reason)
         if self.on_written is not None:
             self.on_written(self.summary, request_id)
 
 
 class Executor(Protocol):
     """Where a calibration's requests run: this process (:class:`LocalExecutor`) or Ray actors
-    (:class:`certkv.calibration.ray_executor.RayExecutor`). Both turn a request into its rows with
+    (:class:`certkv.calibration.ray_executor.RayExecutor`). Both turn a request into its records with
     :func:`calibrate_request` and hand them to the :class:`Recorder`, so the store they leave is the same."""
 
     #: "local" or "ray": the store binds the model's facts here (local) or from the workers' reports.
@@ -408,7 +408,7 @@ def load_engine(contract: Contract, device: str, dtype: str | None = None) -> tu
 def calibrate_request(
     request: Request, engine: Engine, tokenizer: PreTrainedTokenizerBase, contract: Contract, max_positions: int | None
 ) -> tuple[list[dict] | None, str | None]:
-    """Request → rows: ``(rows, None)``, the store rows of :func:`request_rows`, or ``(None, reason)``
+    """Request → records: ``(records, None)``, the store records of :func:`request_records`, or ``(None, reason)``
     when the request cannot run. The one per-request step of every executor; raises
     :class:`CertkvError` on a systematic press failure (a run must stop, not skip every request)."""
     enc = encode_request(tokenizer, request.context, request.question, request.answer_prefix)
@@ -428,19 +428,19 @@ def calibrate_request(
             f"a press failed on request {request.id!r}: {message}; fix the contract's presses "
             "(the requests stored so far are kept; rerun to resume)"
         ) from None
-    return request_rows(request, result, contract, request_signals(enc.context_ids, enc.question_ids)), None
+    return request_records(request, result, contract, request_signals(enc.context_ids, enc.question_ids)), None
 
 
 def record_request(
-    store: CalibrationStore, summary: CalibrationSummary, request_id: str, rows: list[dict] | None, reason: str | None
+    store: CalibrationStore, summary: CalibrationSummary, request_id: str, records: list[dict] | None, reason: str | None
 ) -> None:
-    """Write one request's outcome in one transaction (its rows, or its skip reason) and count it."""
+    """Write one request's outcome in one transaction (its records, or its skip reason) and count it."""
     t0 = time.perf_counter()
     if reason is not None:
         store.write_skipped(request_id, reason)
         summary.skipped[request_id] = reason
     else:
-        assert rows is not None  # calibrate_request returns rows or a skip reason
-        store.write_request(request_id, rows)
+        assert records is not None  # calibrate_request returns records or a skip reason
+        store.write_request(request_id, records)
         summary.calibrated += 1
     summary.write_seconds += time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """The calibration store: one SQLite database per contract at ``<store>/records.sqlite``.
 
 Durability. The database runs in WAL mode with ``synchronous=FULL`` and every request is written
-in ONE transaction holding all of its candidate rows (the full cache included). SQLite commits a
+in ONE transaction holding all of its candidate records (the full cache included). SQLite commits a
 WAL transaction by appending it to the log with a commit marker; FULL additionally fsyncs the log
 before the commit returns. So:
 
@@ -54,7 +54,7 @@ REWRITE = "certkv calibrate CONTRACT --new-store"
 #: What writes a shadow store (meta ``kind`` ``shadow``, :mod:`certkv.serve.shadow_store`) afresh.
 SHADOW_REWRITE = "certkv serve OPERATING_POINT --shadow-store NEW_FOLDER"
 
-#: Record columns in export order; anything else a row carries goes into `extra` (JSON).
+#: Record columns in export order; anything else a record carries goes into `extra` (JSON).
 COLUMNS = (
     "request_id",
     "task",
@@ -270,7 +270,7 @@ class CalibrationStore:
         return {r[0] for r in rows}
 
     def records(self) -> list[dict[str, Any]]:
-        """Every record row in write order; `extra` signals are merged into each dict."""
+        """Every record in write order; `extra` signals are merged into each dict."""
         out = []
         for row in self._conn.execute(f"SELECT {', '.join(COLUMNS)}, extra FROM records ORDER BY rowid"):
             rec = {c: row[c] for c in COLUMNS}
@@ -284,7 +284,7 @@ class CalibrationStore:
         return [{"request_id": r[0], "reason": r[1]} for r in rows]
 
     def count(self) -> int:
-        """Number of record rows (requests × candidates, full included)."""
+        """Number of records (requests × candidates, full included)."""
         return self._conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
 
     def request_count(self) -> int:
@@ -301,15 +301,15 @@ class CalibrationStore:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def write_request(self, request_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Record all candidate rows of one request in one transaction (all or nothing).
+    def write_request(self, request_id: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """Write all candidate records of one request in one transaction (all or nothing).
 
-        Each row needs policy, utility, utility_full, loss and answer; column keys fill columns and
-        any other key is kept in `extra`. The rows must cover ``full`` and every contract candidate
+        Each record needs policy, utility, utility_full, loss and answer; column keys fill columns and
+        any other key is kept in `extra`. The records must cover ``full`` and every contract candidate
         exactly once. A request already present is an error, never a duplicate.
         """
         request_id = str(request_id)
-        values = [self._row_values(request_id, row) for row in rows]
+        values = [self._record_values(request_id, record) for record in records]
         self._check_request(request_id, values)
         placeholders = ", ".join("?" for _ in range(len(COLUMNS) + 1))
         sql = f"INSERT INTO records ({', '.join(COLUMNS)}, extra) VALUES ({placeholders})"
@@ -328,20 +328,20 @@ class CalibrationStore:
             self._conn.execute("INSERT INTO skipped (request_id, reason) VALUES (?, ?)", (request_id, str(reason)))
 
     def _insert(self, sql: str, values: tuple) -> None:
-        """Insert one row inside the open transaction (a seam the crash test slows down)."""
+        """Insert one record inside the open transaction (a seam the crash test slows down)."""
         self._conn.execute(sql, values)
 
     def _present(self, request_id: str) -> bool:
         q = "SELECT 1 FROM records WHERE request_id = ? UNION ALL SELECT 1 FROM skipped WHERE request_id = ? LIMIT 1"
         return self._conn.execute(q, (request_id, request_id)).fetchone() is not None
 
-    def _row_values(self, request_id: str, row: Mapping[str, Any]) -> tuple:
-        missing = [k for k in _REQUIRED if row.get(k) is None]
+    def _record_values(self, request_id: str, record: Mapping[str, Any]) -> tuple:
+        missing = [k for k in _REQUIRED if record.get(k) is None]
         if missing:
-            raise CertkvError(f"request {request_id!r}: a record row lacks {', '.join(missing)}")
-        if "request_id" in row and str(row["request_id"]) != request_id:
-            raise CertkvError(f"request {request_id!r}: a row carries request_id {row['request_id']!r}")
-        rec: dict[str, Any] = {c: row.get(c) for c in COLUMNS}
+            raise CertkvError(f"request {request_id!r}: a record lacks {', '.join(missing)}")
+        if "request_id" in record and str(record["request_id"]) != request_id:
+            raise CertkvError(f"request {request_id!r}: a record carries request_id {record['request_id']!r}")
+        rec: dict[str, Any] = {c: record.get(c) for c in COLUMNS}
         rec["request_id"] = request_id
         for c in _REAL:
             if rec[c] is not None:
@@ -355,8 +355,8 @@ class CalibrationStore:
             raise CertkvError(f"request {request_id!r}, policy {rec['policy']!r}: loss {rec['loss']} != utility_full − utility")
         if rec["path"] not in (None, "fast", "pipeline"):
             raise CertkvError(f"request {request_id!r}: path must be 'fast' or 'pipeline', got {rec['path']!r}")
-        extra = {k: v for k, v in row.items() if k not in COLUMNS and k != "extra"}
-        extra.update(row.get("extra") or {})
+        extra = {k: v for k, v in record.items() if k not in COLUMNS and k != "extra"}
+        extra.update(record.get("extra") or {})
         try:
             extra_json = json.dumps(extra, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -364,37 +364,37 @@ class CalibrationStore:
         return (*(rec[c] for c in COLUMNS), extra_json)
 
     def _check_request(self, request_id: str, values: list[tuple]) -> None:
-        """The rows must be exactly the contract's candidates plus full, consistent with each other."""
+        """The records must be exactly the contract's candidates plus full, consistent with each other."""
         i_policy, i_press, i_kv, i_ufull = (COLUMNS.index(c) for c in ("policy", "press", "kv_retained", "utility_full"))
         policies = [v[i_policy] for v in values]
         dupes = sorted({p for p in policies if policies.count(p) > 1})
         if dupes:
             raise CertkvError(f"request {request_id!r}: policies {dupes} appear more than once")
         if REFERENCE_POLICY not in policies:
-            raise CertkvError(f"request {request_id!r}: the rows lack the full-cache policy {REFERENCE_POLICY!r}")
+            raise CertkvError(f"request {request_id!r}: the records lack the full-cache policy {REFERENCE_POLICY!r}")
         if len({v[i_ufull] for v in values}) != 1:
-            raise CertkvError(f"request {request_id!r}: rows disagree on utility_full")
+            raise CertkvError(f"request {request_id!r}: records disagree on utility_full")
         if self._expected is None:
             return
         unknown = sorted(set(policies) - set(self._expected) - {REFERENCE_POLICY})
         absent = [p for p in self._expected if p not in policies]
         if unknown or absent:
             raise CertkvError(
-                f"request {request_id!r}: rows must cover the contract's candidates exactly "
+                f"request {request_id!r}: records must cover the contract's candidates exactly "
                 f"(unknown: {unknown or 'none'}, missing: {absent or 'none'})"
             )
         for v in values:
             cand = self._expected.get(v[i_policy])
             if cand is not None and (v[i_press] != cand.press or v[i_kv] is None or abs(v[i_kv] - cand.kv_retained) > 1e-12):
                 raise CertkvError(
-                    f"request {request_id!r}: row {v[i_policy]!r} has press {v[i_press]!r} at kv_retained {v[i_kv]}, "
+                    f"request {request_id!r}: the record of {v[i_policy]!r} has press {v[i_press]!r} at kv_retained {v[i_kv]}, "
                     f"the contract says {cand.press!r} at {cand.kv_retained}"
                 )
 
     # -- export --------------------------------------------------------------------------------
 
     def export(self, path: str | Path, format: str | None = None) -> int:
-        """Write every record to CSV or JSONL atomically (temp file + rename); return the row count.
+        """Write every record to CSV or JSONL atomically (temp file + rename); return the record count.
 
         `format` defaults to the file suffix. CSV columns are the record columns then the extra
         signals, sorted; JSONL lines carry the same keys.
@@ -403,20 +403,20 @@ class CalibrationStore:
         fmt = (format or path.suffix.lstrip(".")).lower()
         if fmt not in ("csv", "jsonl"):
             raise CertkvError(f"export format must be csv or jsonl, got {fmt or 'none'!r}")
-        rows = self.records()
+        records = self.records()
         with atomic_write(path, newline="") as fh:
-            write_rows(rows, fh, fmt)
-        return len(rows)
+            write_records(records, fh, fmt)
+        return len(records)
 
 
-def write_rows(rows: list[dict[str, Any]], fh: IO[str], fmt: str) -> None:
-    """Write record dicts to an open text file as csv or jsonl."""
+def write_records(records: list[dict[str, Any]], fh: IO[str], fmt: str) -> None:
+    """Write record dicts to an open text file as csv or jsonl (one CSV row or JSONL line per record)."""
     if fmt == "jsonl":
-        for r in rows:
+        for r in records:
             fh.write(json.dumps(r, ensure_ascii=False) + "\n")
         return
-    extra_keys = sorted({k for r in rows for k in r} - set(COLUMNS))
+    extra_keys = sorted({k for r in records for k in r} - set(COLUMNS))
     writer = csv.DictWriter(fh, fieldnames=[*COLUMNS, *extra_keys], lineterminator="\n")
     writer.writeheader()
-    for r in rows:
+    for r in records:
         writer.writerow({k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in r.items()})

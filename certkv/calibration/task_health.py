@@ -4,7 +4,7 @@ A request's loss is ``utility(full) − utility(policy)``. On a task whose full-
 on every request, no eviction policy can lose anything, so its requests are never violated: they
 add to the certificate's n without testing eviction at all, and dilute the measured risk of the
 tasks that do test it. ``certkv calibrate`` warns about such tasks, read from the store's
-full-cache rows (nothing here knows which model fails which task).
+full-cache records (nothing here knows which model fails which task).
 """
 
 from __future__ import annotations

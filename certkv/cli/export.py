@@ -24,10 +24,10 @@ def export(
         None, "--output", "-o", help="Output file ('-' for stdout); default <store>/records.<format>."
     ),
 ) -> None:
-    """Export calibration records (one row per request × candidate) to CSV or JSONL."""
+    """Export calibration records (one per request × candidate) to CSV or JSONL."""
     import sys
 
-    from certkv.calibration.store import CalibrationStore, write_rows
+    from certkv.calibration.store import CalibrationStore, write_records
 
     folder = store
     if store.suffix.lower() in (".yaml", ".yml"):
@@ -37,7 +37,7 @@ def export(
     fmt = format.value
     with CalibrationStore.read(folder) as calib:
         if output is not None and str(output) == "-":
-            write_rows(calib.records(), sys.stdout, fmt)
+            write_records(calib.records(), sys.stdout, fmt)
             return
         target = output or folder / f"records.{fmt}"
         n = calib.export(target, fmt)

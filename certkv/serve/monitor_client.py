@@ -132,11 +132,11 @@ class SharedMonitorClient:
             self._push(Event("record", 0, self._ticket, stream, bool(evicted), bool(shadowed)))
             return self._ticket
 
-    def complete(self, ticket: int, violated: bool, rows: list[dict[str, Any]] | None = None) -> None:
+    def complete(self, ticket: int, violated: bool, records: list[dict[str, Any]] | None = None) -> None:
         """Buffer a shadow's verdict, with its record pair for the shared shadow store."""
         with self._lock:
             self._settle(ticket)
-            self._push(Event("verdict", 0, ticket, violated=bool(violated), rows=rows))
+            self._push(Event("verdict", 0, ticket, violated=bool(violated), records=records))
 
     def abandon(self, ticket: int) -> None:
         """Buffer that a shadow could not be scored (the monitor counts it as a violation)."""
@@ -261,13 +261,13 @@ class ReplicaShadowRunner(ShadowRunner):
     def run(self, job: ShadowJob, full: RuntimeAnswer | None = None) -> dict[str, Any]:
         job = dataclasses.replace(job, request_id=f"{self.client.replica}-{job.request_id}")
         try:
-            record = self._score(job, full)
+            outcome = self._score(job, full)
         except Exception as exc:
             self.client.abandon(job.ticket)
             log.error("shadow %s (abandoned): %s: %s", job.request_id, type(exc).__name__, exc)
             raise CertkvError(f"shadow {job.request_id} abandoned: {exc}") from exc
-        self.client.complete(job.ticket, record["violated"], rows=record["rows"])
-        return record
+        self.client.complete(job.ticket, outcome["violated"], records=outcome["records"])
+        return outcome
 
 
 __all__ = ["MAX_BATCH", "ReplicaShadowRunner", "Send", "SharedMonitorClient"]

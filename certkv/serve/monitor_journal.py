@@ -7,9 +7,9 @@ writes each batch of those calls here, in one transaction, before it applies the
 monitor replays the journal through a fresh ``RiskMonitor`` and holds the very state it had (the
 same e-values, bound, pending shadows and trip), not an estimate of it. The journal is
 ``<shadow store>/monitor.sqlite``, beside the records (``records.sqlite``) that ``certkv export``
-and ``certkv certify --records`` read; a record's rows are written to the records before its verdict
+and ``certkv certify --records`` read; a shadow's records are written to the store before its verdict
 is journaled, so a crash between the two leaves a verdict the replica sends again (its sequence
-number not acknowledged) and rows already present, never a verdict without rows.
+number not acknowledged) and records already present, never a verdict without records.
 
 Each replica numbers its events 1, 2, ...; the journal keeps (replica, seq) unique, and the monitor
 acknowledges the highest number it applied, so a batch sent twice (a timeout, then a retry) is
@@ -46,7 +46,7 @@ class Event:
     """One call a replica made on the shared monitor (plain data: it crosses processes).
 
     ``kind`` ``record``: a served request on ``stream`` (``evicted``, ``shadowed``), whose replica
-    ticket is ``ticket``; ``verdict``: the shadow of ``ticket`` completed (``violated``; ``rows``,
+    ticket is ``ticket``; ``verdict``: the shadow of ``ticket`` completed (``violated``; ``records``,
     its record pair for the shadow store, or None); ``abandon``: it could not be scored.
     """
 
@@ -57,7 +57,7 @@ class Event:
     evicted: bool = False
     shadowed: bool = False
     violated: bool = False
-    rows: list[dict[str, Any]] | None = field(default=None, repr=False)
+    records: list[dict[str, Any]] | None = field(default=None, repr=False)
 
 
 class MonitorJournal:

@@ -51,11 +51,11 @@ log = logging.getLogger("certkv.serve.shadow")
 
 #: The utility of a request without reference answers: the served answer against the full one.
 AGREEMENT = "agreement"
-#: Decision signals copied onto the deployed policy's row: the candidate signals of
-#: :mod:`certkv.core.signals` (the request signals go on both rows, or the full row, as calibration).
+#: Decision signals copied onto the deployed policy's record: the candidate signals of
+#: :mod:`certkv.core.signals` (the request signals go on both records, or the full record, as calibration).
 SIGNALS = tuple(s.name for s in DECLARED if s.per == "candidate")
 
-__all__ = ["AGREEMENT", "SIGNALS", "VIOLATION_EPS", "ShadowJob", "ShadowRunner", "shadow_rows"]
+__all__ = ["AGREEMENT", "SIGNALS", "VIOLATION_EPS", "ShadowJob", "ShadowRunner", "shadow_records"]
 
 
 @dataclass
@@ -89,7 +89,7 @@ class ShadowRunner:
         self.store = store
 
     def run(self, job: ShadowJob, full: RuntimeAnswer | None = None) -> dict[str, Any]:
-        """Shadow `job`; returns the record (loss, verdict, both answers, the rows written).
+        """Shadow `job`; returns its outcome (loss, verdict, both answers, the store records written).
 
         `full` is the request's full-cache answer when the caller computed it already (``certkv
         serve``'s scheduler, from :meth:`full_answer_steps`); by default it is computed here.
@@ -99,12 +99,12 @@ class ShadowRunner:
         """
         completed = False
         try:
-            record = self._score(job, full)
-            self.monitor.complete(job.ticket, record["violated"])
+            outcome = self._score(job, full)
+            self.monitor.complete(job.ticket, outcome["violated"])
             completed = True
             if self.store is not None:
-                self.store.write(record["rows"])
-            return record
+                self.store.write(outcome["records"])
+            return outcome
         except BaseException as exc:
             if not completed:
                 try:
@@ -172,7 +172,7 @@ class ShadowRunner:
         loss = utility_full - utility
         tau = entry.contract.tolerance
         violated = bool(violation_mask([loss], tau)[0])
-        rows = shadow_rows(job, entry, full_answer=full_answer, utility_name=utility_name,
+        records = shadow_records(job, entry, full_answer=full_answer, utility_name=utility_name,
                            utility_full=utility_full, utility=utility, context_tokens=context_tokens,
                            seconds=seconds, strata_by=top.strata.by if top.strata is not None else None)
         return {
@@ -182,15 +182,15 @@ class ShadowRunner:
             "violated": violated, "answer": served.answer, "full_answer": full_answer,
             "mode": decision.mode, "reason": decision.reason, "ticket": job.ticket,
             "queued_seconds": max(0.0, time.monotonic() - job.submitted),
-            "seconds": time.perf_counter() - t0, "rows": rows,
+            "seconds": time.perf_counter() - t0, "records": records,
         }
 
 
-def shadow_rows(job: ShadowJob, entry: OperatingPoint, *, full_answer: str, utility_name: str, utility_full: float,
-                utility: float, context_tokens: int, seconds: dict, strata_by: str | None = None
-                ) -> list[dict[str, Any]]:
-    """The record pair of one shadow (rule: :mod:`certkv.serve.shadow_store`): the ``full`` row
-    and the base policy's row carrying the served answer, its memory and the Decision's signals.
+def shadow_records(job: ShadowJob, entry: OperatingPoint, *, full_answer: str, utility_name: str, utility_full: float,
+                   utility: float, context_tokens: int, seconds: dict, strata_by: str | None = None
+                   ) -> list[dict[str, Any]]:
+    """The record pair of one shadow (rule: :mod:`certkv.serve.shadow_store`): the ``full`` record
+    and the base policy's record carrying the served answer, its memory and the Decision's signals.
     `entry` is the operating point that served it (its stratum's); `strata_by` the stratified
     point's ``strata.by`` (a key other than ``task`` adds a ``stratum`` column)."""
     d = job.served.decision
@@ -199,14 +199,14 @@ def shadow_rows(job: ShadowJob, entry: OperatingPoint, *, full_answer: str, util
         "request_id": job.request_id,
         "task": job.stratum,
         "utility_full": utility_full,
-        # a request signal with a store column is on every row, as calibration writes it
+        # a request signal with a store column is on every record, as calibration writes it
         **{s.name: getattr(d, s.name) for s in DECLARED if s.per == "request" and s.store == "column"},
         "utility_name": utility_name,
         "stream": job.stream,
     }
     if strata_by not in (None, "task"):
         common["stratum"] = job.stratum
-    full_row = {
+    full_record = {
         **common,
         "policy": REFERENCE_POLICY,
         "press": REFERENCE_POLICY,
@@ -219,7 +219,7 @@ def shadow_rows(job: ShadowJob, entry: OperatingPoint, *, full_answer: str, util
         "seconds": seconds.get("prefill", 0.0) + seconds.get("decode", 0.0) if seconds else None,
         "context_tokens": context_tokens,
     }
-    served_row = {
+    served_record = {
         **common,
         "policy": entry.base_policy,
         "press": entry.press,
@@ -239,5 +239,5 @@ def shadow_rows(job: ShadowJob, entry: OperatingPoint, *, full_answer: str, util
     for name in SIGNALS:
         value = getattr(d, name)
         if value is not None:
-            served_row[name] = value
-    return [full_row, served_row]
+            served_record[name] = value
+    return [full_record, served_record]

@@ -8,7 +8,7 @@ live traffic can be audited and re-certified with the tools that read calibratio
     certkv certify CONTRACT --records SHADOW_STORE/records.csv
 
 Format. A shadow store IS a calibration store (:class:`certkv.calibration.store.CalibrationStore`:
-the same ``records`` table, :data:`~certkv.calibration.store.COLUMNS`, row encoding, checks and
+the same ``records`` table, :data:`~certkv.calibration.store.COLUMNS`, record encoding, checks and
 export), bound in its ``meta`` table to an operating point instead of a contract: ``kind`` is
 ``shadow``, ``operating_point_sha256`` the hash of the deployed point's JSON, ``policy`` /
 ``base_policy`` what it deploys. ``contract_sha256`` (which ``CalibrationStore.read`` requires) is
@@ -18,13 +18,13 @@ Reopening the folder with the same operating point appends; with another one is 
 deployments' records would mix).
 
 Durability is the calibration store's: WAL, ``synchronous=FULL``, one transaction per shadow
-holding both of its rows, so a SIGKILL leaves whole shadows or none.
+holding both of its records, so a SIGKILL leaves whole shadows or none.
 
 The record rule (one pair per shadowed request)
 -----------------------------------------------
-* a ``full`` row: the full-cache answer, ``utility = utility_full``, loss 0, memory 1.0, the
+* a ``full`` record: the full-cache answer, ``utility = utility_full``, loss 0, memory 1.0, the
   request's ``context_tokens`` and signals;
-* a row for the deployed point's **base policy** (``op.base_policy``: the ungated candidate, e.g.
+* a record for the deployed point's **base policy** (``op.base_policy``: the ungated candidate, e.g.
   ``snapkv@0.50`` for ``snapkv@0.50+drop0.1``), with its press and nominal ``kv_retained`` (the
   candidate's, so the table is consistent), the served answer, ``utility``, ``utility_full``,
   ``loss = utility_full − utility``, ``memory`` = the retention of the cache that answered (1.0
@@ -35,22 +35,22 @@ The record rule (one pair per shadowed request)
   ``deployed_policy`` and the monitor's ``stream`` in ``extra``.
 
 Gated candidates are never read from a loss table: certkv derives them from their base
-candidate's rows and signals (:mod:`certkv.core.gated`). Recording under the base policy with the
+candidate's records and signals (:mod:`certkv.core.gated`). Recording under the base policy with the
 signals therefore lets a contract that lists the base policy certify it (ungated), and a
-contract with the deployed gate derive the gated candidate from the same rows. What the rows
+contract with the deployed gate derive the gated candidate from the same records. What the records
 estimate: the service only shadows *evicted* answers (a full-cache answer cannot violate), each
-with an independent coin, so the rows are a random sample of the evicted requests, and their
+with an independent coin, so the records are a random sample of the evicted requests, and their
 certificate bounds the violation rate among evicted requests, which is at least the deployed
 rate over all requests (a conservative reading of the deployment, never an optimistic one). A
 shadowed answer that came from the full cache (possible only when a caller shadows it on purpose)
-is recorded with loss 0 and memory 1.0, as the derived gated rows of calibration would be.
+is recorded with loss 0 and memory 1.0, as the derived gated records of calibration would be.
 
 Stratified operating points deploy a different policy per stratum, and a loss table must
 evaluate every policy on every request, so one table cannot hold them: the store then keeps one
 calibration-format store per stratum, ``<store>/<stratum>/records.sqlite`` (each bound to its
 stratum's operating point, certified by a contract listing that stratum's base policy), and
-``<store>/strata.json`` names them. Rows carry ``task`` = the stratum (and ``stratum`` too when the
-strata are not by task), as calibration rows do.
+``<store>/strata.json`` names them. Records carry ``task`` = the stratum (and ``stratum`` too when the
+strata are not by task), as calibration records do.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class ShadowStore:
         The store folder (created). A pooled operating point writes ``<path>/records.sqlite``; a
         stratified one ``<path>/<stratum>/records.sqlite`` per stratum that does not fall back.
     operating_point : OperatingPoint
-        The deployed point the rows are bound to.
+        The deployed point the records are bound to.
 
     Thread-safe: one lock serialises writes (the server writes from its worker thread).
     """
@@ -177,7 +177,7 @@ class ShadowStore:
             self.close()
             raise
 
-    # -- where rows go ----------------------------------------------------------------------
+    # -- where records go -------------------------------------------------------------------
 
     @property
     def strata(self) -> list[str]:
@@ -185,7 +185,7 @@ class ShadowStore:
         return [s for s in self._stores if s is not None]
 
     def folder(self, stratum: str | None = None) -> Path:
-        """The calibration-format store folder that `stratum`'s rows go to (``certkv export`` it)."""
+        """The calibration-format store folder that `stratum`'s records go to (``certkv export`` it)."""
         return self._store(stratum).path
 
     def _store(self, stratum: str | None) -> CalibrationStore:
@@ -201,29 +201,29 @@ class ShadowStore:
             )
         return self._stores[stratum]
 
-    def _stratum_of(self, row: Mapping[str, Any]) -> str | None:
+    def _stratum_of(self, record: Mapping[str, Any]) -> str | None:
         if self._by is None:
             return None
         key = "task" if self._by == "task" else "stratum"
-        return row.get(key, row.get("task"))
+        return record.get(key, record.get("task"))
 
     # -- writing / reading ------------------------------------------------------------------
 
-    def write(self, rows: list[Mapping[str, Any]]) -> None:
-        """Record the rows of ONE shadowed request (its ``full`` row and its base-policy row) in
-        one transaction: all or nothing. A request id already present is an error."""
-        if not rows:
-            raise CertkvError("a shadow record needs its rows (full and the deployed policy)")
-        ids = {str(r.get("request_id")) for r in rows}
-        if len(ids) != 1 or None in (r.get("request_id") for r in rows):
-            raise CertkvError(f"the rows of one shadow must share one request_id, got {sorted(ids)}")
-        strata = {self._stratum_of(r) for r in rows}
+    def write(self, records: list[Mapping[str, Any]]) -> None:
+        """Write the records of ONE shadowed request (its ``full`` record and its base-policy record)
+        in one transaction: all or nothing. A request id already present is an error."""
+        if not records:
+            raise CertkvError("a shadow needs its records (full and the deployed policy)")
+        ids = {str(r.get("request_id")) for r in records}
+        if len(ids) != 1 or None in (r.get("request_id") for r in records):
+            raise CertkvError(f"the records of one shadow must share one request_id, got {sorted(ids)}")
+        strata = {self._stratum_of(r) for r in records}
         if len(strata) != 1:
-            raise CertkvError(f"the rows of one shadow must share one stratum, got {sorted(map(str, strata))}")
-        if not any(r.get("policy") == REFERENCE_POLICY for r in rows):
-            raise CertkvError(f"a shadow record needs its {REFERENCE_POLICY!r} row")
+            raise CertkvError(f"the records of one shadow must share one stratum, got {sorted(map(str, strata))}")
+        if not any(r.get("policy") == REFERENCE_POLICY for r in records):
+            raise CertkvError(f"a shadow needs its {REFERENCE_POLICY!r} record")
         with self._lock:
-            self._store(strata.pop()).write_request(ids.pop(), rows)
+            self._store(strata.pop()).write_request(ids.pop(), records)
 
     def has(self, request_id: str, stratum: str | None = None) -> bool:
         """Whether `request_id`'s pair is already in `stratum`'s store (a pooled point: the one store)."""
@@ -231,17 +231,17 @@ class ShadowStore:
             return self._store(stratum)._present(str(request_id))
 
     def count(self) -> int:
-        """Shadowed requests recorded (each one full row plus one deployed-policy row)."""
+        """Shadowed requests recorded (each one full record plus one deployed-policy record)."""
         with self._lock:
             return sum(s.request_count() for s in self._stores.values())
 
     def records(self, stratum: str | None = None) -> list[dict[str, Any]]:
-        """The rows of `stratum`'s store (a pooled point: all rows), in write order."""
+        """The records of `stratum`'s store (a pooled point: all records), in write order."""
         with self._lock:
             return self._store(stratum).records()
 
     def export(self, path: str | Path, stratum: str | None = None, format: str | None = None) -> int:
-        """Write `stratum`'s rows (a pooled point: all) as CSV or JSONL; returns the row count."""
+        """Write `stratum`'s records (a pooled point: all) as CSV or JSONL; returns the record count."""
         with self._lock:
             return self._store(stratum).export(path, format)
 

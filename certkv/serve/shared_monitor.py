@@ -11,7 +11,7 @@ and read its state in the reply. On a Ray cluster it runs as one named actor
 (:func:`monitor_actor`), restarted by Ray when it dies; a restarted monitor replays its journal
 and is the same test, with nothing lost.
 
-Order within :meth:`SharedMonitor.apply`: the shadows' rows go to the store first (a pair already
+Order within :meth:`SharedMonitor.apply`: the shadows' records go to the store first (a pair already
 present is not written again), then the batch is journaled in one transaction, then applied to the
 monitor. The calls of one replica are applied in the order the replica made them (its ``seq``), so
 each shadow's bets are fixed, as in one process, before its verdict is applied; the calls of
@@ -112,8 +112,8 @@ class SharedMonitor:
         fresh = [e for e in sorted(events, key=lambda e: e.seq) if e.seq > last]
         valid = self._valid(replica, fresh)
         for event in valid:
-            if event.kind == "verdict" and event.rows:
-                self._write_rows(event.rows)
+            if event.kind == "verdict" and event.records:
+                self._write_records(event.records)
         if valid:
             self.journal.append(replica, valid)
         for event in valid:
@@ -168,16 +168,16 @@ class SharedMonitor:
         else:
             self.monitor.abandon(self._tickets.pop(key))
 
-    def _write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+    def _write_records(self, records: Sequence[Mapping[str, Any]]) -> None:
         """Write one shadow's pair unless it is there already; a failed write is logged and the
         verdict still applied (as in one process: the verdict keeps the deployment safe, the store
         is the audit trail)."""
         assert self.store is not None  # only a point with a store has shadows
-        first = rows[0]
+        first = records[0]
         stratum = first.get("stratum", first.get("task")) if self.operating_point.is_stratified else None
         try:
             if not self.store.has(str(first.get("request_id")), stratum):
-                self.store.write(list(rows))
+                self.store.write(list(records))
         except CertkvError as exc:
             log.error("shared monitor: shadow %s not written to the store (%s); its verdict stands",
                       first.get("request_id"), exc)

@@ -2,7 +2,7 @@
 
 The crash test SIGKILLs a writer repeatedly at hooks inside and between its transactions and
 checks that the resumed result equals an uninterrupted run exactly.
-Fake rows only: no model is loaded.
+Fake records only: no model is loaded.
 """
 
 from __future__ import annotations
@@ -37,24 +37,24 @@ CONTRACT = {
     ],
 }
 
-# Deterministic fake rows; the crash-test child builds the same rows from this source.
-FAKE_ROWS = '''
+# Deterministic fake records; the crash-test child builds the same records from this source.
+FAKE_RECORDS = '''
 from certkv.contract.spec import candidates
 
 
-def fake_rows(contract, i):
+def fake_records(contract, i):
     full = (i % 3) / 2
-    rows = [dict(policy="full", task="t%d" % (i % 2), press=None, kv_retained=1.0, kv_retained_actual=1.0,
-                 utility=full, utility_full=full, loss=0.0, answer="a%d" % i, path="fast", seconds=0.5)]
+    records = [dict(policy="full", task="t%d" % (i % 2), press=None, kv_retained=1.0, kv_retained_actual=1.0,
+                    utility=full, utility_full=full, loss=0.0, answer="a%d" % i, path="fast", seconds=0.5)]
     for j, c in enumerate(candidates(contract)):
         u = ((i + j) % 3) / 2
-        rows.append(dict(policy=c.policy, task="t%d" % (i % 2), press=c.press, kv_retained=c.kv_retained,
-                         kv_retained_actual=c.kv_retained - 0.01, utility=u, utility_full=full, loss=full - u,
-                         answer="a%d-%d" % (i, j), agreement_drop=0.1 * j, certificate_max=None,
-                         path="fast" if j % 2 else "pipeline", seconds=0.25, n_tokens=100 + i))
-    return rows
+        records.append(dict(policy=c.policy, task="t%d" % (i % 2), press=c.press, kv_retained=c.kv_retained,
+                            kv_retained_actual=c.kv_retained - 0.01, utility=u, utility_full=full, loss=full - u,
+                            answer="a%d-%d" % (i, j), agreement_drop=0.1 * j, certificate_max=None,
+                            path="fast" if j % 2 else "pipeline", seconds=0.25, n_tokens=100 + i))
+    return records
 '''
-exec(FAKE_ROWS)
+exec(FAKE_RECORDS)
 
 
 def make_contract(base: Path, **changes):
@@ -71,8 +71,8 @@ def contract(tmp_path):
 def test_create_write_read_resume(tmp_path, contract):
     store = CalibrationStore.open(tmp_path / "st", contract)
     assert store.done_request_ids() == set() and store.count() == 0
-    store.write_request("r0", fake_rows(contract, 0))
-    store.write_request("r1", fake_rows(contract, 1))
+    store.write_request("r0", fake_records(contract, 0))
+    store.write_request("r1", fake_records(contract, 1))
     store.write_skipped("r2", "context too long")
     assert store.done_request_ids() == {"r0", "r1", "r2"}
     assert store.count() == 2 * 5 and store.request_count() == 2
@@ -99,21 +99,21 @@ def test_create_write_read_resume(tmp_path, contract):
 
 def test_a_request_is_never_written_twice(tmp_path, contract):
     store = CalibrationStore.open(tmp_path / "st", contract)
-    store.write_request("r0", fake_rows(contract, 0))
+    store.write_request("r0", fake_records(contract, 0))
     with pytest.raises(CertkvError, match="already in store"):
-        store.write_request("r0", fake_rows(contract, 0))
+        store.write_request("r0", fake_records(contract, 0))
     with pytest.raises(CertkvError, match="already in store"):
         store.write_skipped("r0", "x")
     store.write_skipped("r1", "x")
     with pytest.raises(CertkvError, match="already in store"):
-        store.write_request("r1", fake_rows(contract, 1))
+        store.write_request("r1", fake_records(contract, 1))
     assert store.count() == 5
 
 
 @pytest.mark.parametrize("version", [None, "0", "2"])
 def test_a_store_of_another_format_version_is_refused_in_one_line(tmp_path, contract, version):
     store = CalibrationStore.open(tmp_path / "st", contract)
-    store.write_request("r0", fake_rows(contract, 0))
+    store.write_request("r0", fake_records(contract, 0))
     assert store.meta()["format_version"] == "1"
     store.close()
     file = db_path(tmp_path / "st")
@@ -138,27 +138,27 @@ def test_a_store_of_another_format_version_is_refused_in_one_line(tmp_path, cont
 
 def test_rows_must_match_the_contract(tmp_path, contract):
     store = CalibrationStore.open(tmp_path / "st", contract)
-    rows = fake_rows(contract, 0)
+    records = fake_records(contract, 0)
     with pytest.raises(CertkvError, match="missing: \\['knorm@0.50'\\]"):
-        store.write_request("r", rows[:-1])
+        store.write_request("r", records[:-1])
     with pytest.raises(CertkvError, match="unknown: \\['tova@0.50'\\]"):
-        store.write_request("r", rows + [dict(rows[-1], policy="tova@0.50")])
+        store.write_request("r", records + [dict(records[-1], policy="tova@0.50")])
     with pytest.raises(CertkvError, match="lack the full-cache policy"):
-        store.write_request("r", rows[1:])
+        store.write_request("r", records[1:])
     with pytest.raises(CertkvError, match="more than once"):
-        store.write_request("r", rows + [rows[1]])
+        store.write_request("r", records + [records[1]])
     with pytest.raises(CertkvError, match="loss .* != utility_full − utility"):
-        store.write_request("r", [rows[0], dict(rows[1], loss=0.5, utility=1.0, utility_full=1.0), *rows[2:]])
+        store.write_request("r", [records[0], dict(records[1], loss=0.5, utility=1.0, utility_full=1.0), *records[2:]])
     with pytest.raises(CertkvError, match="outside \\[0, 1\\]"):
-        store.write_request("r", [dict(rows[0], utility=2.0, utility_full=2.0, loss=0.0), *rows[1:]])
+        store.write_request("r", [dict(records[0], utility=2.0, utility_full=2.0, loss=0.0), *records[1:]])
     with pytest.raises(CertkvError, match="lacks answer"):
-        store.write_request("r", [dict(rows[0], answer=None), *rows[1:]])
+        store.write_request("r", [dict(records[0], answer=None), *records[1:]])
     with pytest.raises(CertkvError, match="the contract says 'snapkv' at 0.8"):
-        store.write_request("r", [rows[0], dict(rows[1], kv_retained=0.7), *rows[2:]])
+        store.write_request("r", [records[0], dict(records[1], kv_retained=0.7), *records[2:]])
     with pytest.raises(CertkvError, match="path must be"):
-        store.write_request("r", [dict(rows[0], path="slow"), *rows[1:]])
+        store.write_request("r", [dict(records[0], path="slow"), *records[1:]])
     with pytest.raises(CertkvError, match="disagree on utility_full"):
-        store.write_request("r", [rows[0], dict(rows[1], utility_full=0.9, loss=0.9 - rows[1]["utility"]), *rows[2:]])
+        store.write_request("r", [records[0], dict(records[1], utility_full=0.9, loss=0.9 - records[1]["utility"]), *records[2:]])
     assert store.count() == 0 and store.done_request_ids() == set()
 
 
@@ -175,16 +175,16 @@ def test_failure_inside_the_transaction_leaves_nothing(tmp_path, contract, monke
 
     monkeypatch.setattr(CalibrationStore, "_insert", failing)
     with pytest.raises(RuntimeError):
-        store.write_request("r0", fake_rows(contract, 0))
+        store.write_request("r0", fake_records(contract, 0))
     assert store.count() == 0 and store.done_request_ids() == set()
     monkeypatch.setattr(CalibrationStore, "_insert", original)
-    store.write_request("r0", fake_rows(contract, 0))  # the connection is usable again
+    store.write_request("r0", fake_records(contract, 0))  # the connection is usable again
     assert store.count() == 5
 
 
 def test_another_contract_is_refused_and_new_store_moves_aside(tmp_path, contract):
     with CalibrationStore.open(tmp_path / "st", contract) as store:
-        store.write_request("r0", fake_rows(contract, 0))
+        store.write_request("r0", fake_records(contract, 0))
     other = make_contract(tmp_path, risk=0.2)
     with pytest.raises(CertkvError) as info:
         CalibrationStore.open(tmp_path / "st", other)
@@ -203,7 +203,7 @@ def test_read_only_open_and_missing_store(tmp_path, contract):
     with pytest.raises(CertkvError, match="no calibration store at"):
         CalibrationStore.read(tmp_path / "nothing")
     with CalibrationStore.open(tmp_path / "st", contract) as store:
-        store.write_request("r0", fake_rows(contract, 0))
+        store.write_request("r0", fake_records(contract, 0))
     with CalibrationStore.read(tmp_path / "st") as ro:
         assert ro.count() == 5 and ro.meta()["contract_sha256"] == contract.sha256()
         with pytest.raises(sqlite3.OperationalError):
@@ -217,7 +217,7 @@ def test_read_only_open_and_missing_store(tmp_path, contract):
 def test_export_csv_and_jsonl(tmp_path, contract):
     with CalibrationStore.open(tmp_path / "st", contract) as store:
         for i in range(3):
-            store.write_request(f"r{i}", fake_rows(contract, i))
+            store.write_request(f"r{i}", fake_records(contract, i))
         recs = store.records()
         assert store.export(tmp_path / "out.csv") == 15
         assert store.export(tmp_path / "out.jsonl", "jsonl") == 15
@@ -241,17 +241,17 @@ CHILD = textwrap.dedent(
     from pathlib import Path
     from certkv.contract.loading import parse_contract
     from certkv.calibration.store import CalibrationStore
-    {fake_rows}
+    {fake_records}
     store_dir, n, at, nth = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     contract = parse_contract(json.loads(sys.argv[5]), "test", store_dir.parent)
 
     class HookedStore(CalibrationStore):
-        rows = 0
+        inserted = 0
 
-        def _insert(self, sql, values):  # SIGKILL at this run's nth row: inside its transaction
+        def _insert(self, sql, values):  # SIGKILL at this run's nth record: inside its transaction
             super()._insert(sql, values)
-            HookedStore.rows += 1
-            if at == "row" and HookedStore.rows == nth:
+            HookedStore.inserted += 1
+            if at == "record" and HookedStore.inserted == nth:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     store = HookedStore.open(store_dir, contract)
@@ -265,14 +265,14 @@ CHILD = textwrap.dedent(
         if i % 7 == 3:
             store.write_skipped(rid, "skipped %d" % i)
         else:
-            store.write_request(rid, fake_rows(contract, i))
+            store.write_request(rid, fake_records(contract, i))
         writes += 1
         if at == "write" and writes == nth:  # SIGKILL after this run's nth commit: between two
             os.kill(os.getpid(), signal.SIGKILL)
         print("wrote", rid, flush=True)
     print("finished", flush=True)
     """
-).replace("{fake_rows}", FAKE_ROWS)
+).replace("{fake_records}", FAKE_RECORDS)
 
 
 def _run_child(script: Path, store_dir: Path, n: int, at: str = "never", nth: int = 0) -> subprocess.Popen:
@@ -298,9 +298,9 @@ def _check_complete(store_dir: Path, contract) -> None:
         assert sorted(policies) == expected, rid
 
 
-# (hook, nth) per killed run, each resuming the last: a request is 5 rows, so the 3rd row is inside
-# the first transaction and the 10th the second's last row before its COMMIT; "write" kills between.
-KILLS = [("row", 3), ("write", 2), ("row", 10), ("write", 5), ("row", 1)]
+# (hook, nth) per killed run, each resuming the last: a request is 5 records, so the 3rd record is inside
+# the first transaction and the 10th the second's last record before its COMMIT; "write" kills between.
+KILLS = [("record", 3), ("write", 2), ("record", 10), ("write", 5), ("record", 1)]
 
 
 def test_sigkill_at_hooks_then_resume_equals_uninterrupted_run(tmp_path):
@@ -368,7 +368,7 @@ def test_cli_export_writes_files(tmp_path):
 
     contract = load_contract(tmp_path / "c.yaml")
     with CalibrationStore.open(contract.resolved_store_path(), contract) as store:
-        store.write_request("r0", fake_rows(contract, 0))
+        store.write_request("r0", fake_records(contract, 0))
     proc = _cli("export", str(tmp_path / "c.yaml"), "--format", "jsonl")  # contract -> its store
     assert proc.returncode == 0, proc.stderr
     assert len((tmp_path / "st" / "records.jsonl").read_text().splitlines()) == 5

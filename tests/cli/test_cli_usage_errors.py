@@ -112,9 +112,9 @@ SIGNALLED_CHILD = textwrap.dedent(
     write_request = CalibrationStore.write_request
     writes = 0
 
-    def hooked_write_request(self, request_id, rows):
+    def hooked_write_request(self, request_id, records):
         global writes
-        write_request(self, request_id, rows)
+        write_request(self, request_id, records)
         writes += 1
         if writes == nth:
             os.kill(os.getpid(), signum)

@@ -50,17 +50,17 @@ def build_gated_store(folder: Path, n: int = 400, seed: int = 5) -> Path:
         for i in range(n):
             drop = float(rng.uniform(-0.1, 0.1))
             task = ("needle", "counting", "multi_hop")[i % 3]
-            rows = [dict(policy="full", task=task, press=None, kv_retained=1.0, kv_retained_actual=1.0, utility=1.0,
-                         utility_full=1.0, loss=0.0, answer="a", agreement_drop=drop, certificate_max=None)]
+            records = [dict(policy="full", task=task, press=None, kv_retained=1.0, kv_retained_actual=1.0, utility=1.0,
+                            utility_full=1.0, loss=0.0, answer="a", agreement_drop=drop, certificate_max=None)]
             for c in candidates(contract):
                 rate = min(1.0, SLOPE[c.press] * (1.0 - c.kv_retained)) if drop < 0 else 0.0
                 bad = rng.random() < 2 * rate
                 cert = float(rng.uniform(1.5, 2.1)) if c.press == "probabilistic" else None
-                rows.append(dict(policy=c.policy, task=task, press=c.press, kv_retained=c.kv_retained,
-                                 kv_retained_actual=round(c.kv_retained - 0.003, 6), utility=0.0 if bad else 1.0,
-                                 utility_full=1.0, loss=1.0 if bad else 0.0, answer="b" if bad else "a",
-                                 agreement_drop=drop, certificate_max=cert))
-            store.write_request(f"r{i:04d}", rows)
+                records.append(dict(policy=c.policy, task=task, press=c.press, kv_retained=c.kv_retained,
+                                    kv_retained_actual=round(c.kv_retained - 0.003, 6), utility=0.0 if bad else 1.0,
+                                    utility_full=1.0, loss=1.0 if bad else 0.0, answer="b" if bad else "a",
+                                    agreement_drop=drop, certificate_max=cert))
+            store.write_request(f"r{i:04d}", records)
     return path
 
 
@@ -274,9 +274,9 @@ def test_calibration_summary_within_80_columns(tmp_path):
     with CalibrationStore.read(tmp_path / "store") as store:
         records = store.records()
     for policy in ["full", "streaming_llm@0.50", f"{label}@0.50", f"{label}@0.25"]:
-        rows = [r for r in records if r["policy"] == policy]
-        k = sum(r["loss"] > 0.0 for r in rows)
+        mine = [r for r in records if r["policy"] == policy]
+        k = sum(r["loss"] > 0.0 for r in mine)
         line = next(line for line in summary if line.split()[:1] == [policy])
-        assert line.split()[1:6] == [str(len(rows)), f"{np.mean([r['utility'] for r in rows]):.3f}", str(k),
-                                     f"{k / len(rows):.3f}", f"{np.mean([r['kv_retained_actual'] for r in rows]):.3f}"]
+        assert line.split()[1:6] == [str(len(mine)), f"{np.mean([r['utility'] for r in mine]):.3f}", str(k),
+                                     f"{k / len(mine):.3f}", f"{np.mean([r['kv_retained_actual'] for r in mine]):.3f}"]
     assert "3 requests calibrated now" in joined(res.stderr)

@@ -61,21 +61,21 @@ def write_contract(folder: Path, **changes) -> Path:
     return path
 
 
-def fake_rows(contract, i: int, rng) -> list[dict]:
-    """One request's rows: full plus every candidate; loss = utility_full − utility exactly."""
+def fake_records(contract, i: int, rng) -> list[dict]:
+    """One request's store records: full plus every candidate; loss = utility_full − utility exactly."""
     task_index = i % len(TASKS)
     task = TASKS[task_index]
     full = 1.0 if rng.random() < 0.9 else 0.0
-    rows = [dict(policy="full", task=task, press=None, kv_retained=1.0, kv_retained_actual=1.0,
-                 utility=full, utility_full=full, loss=0.0, answer="a")]
+    records = [dict(policy="full", task=task, press=None, kv_retained=1.0, kv_retained_actual=1.0,
+                    utility=full, utility_full=full, loss=0.0, answer="a")]
     for c in candidates(contract):
         violated = full == 1.0 and rng.random() < RATES[c.policy][task_index] / 0.9
         helped = full == 0.0 and rng.random() < 0.1  # eviction sometimes helps: a negative loss
         u = 0.0 if violated else (1.0 if helped else full)
-        rows.append(dict(policy=c.policy, task=task, press=c.press, kv_retained=c.kv_retained,
-                         kv_retained_actual=round(c.kv_retained - 0.004, 6), utility=u, utility_full=full,
-                         loss=full - u, answer="a" if u else "b"))
-    return rows
+        records.append(dict(policy=c.policy, task=task, press=c.press, kv_retained=c.kv_retained,
+                            kv_retained_actual=round(c.kv_retained - 0.004, 6), utility=u, utility_full=full,
+                            loss=full - u, answer="a" if u else "b"))
+    return records
 
 
 def build_store(folder: Path, n: int = N_REQUESTS, seed: int = 1, skip: int = 0) -> Path:
@@ -85,7 +85,7 @@ def build_store(folder: Path, n: int = N_REQUESTS, seed: int = 1, skip: int = 0)
     rng = np.random.default_rng(seed)
     with CalibrationStore.open(contract.resolved_store_path(), contract) as store:
         for i in range(n):
-            store.write_request(f"r{i:04d}", fake_rows(contract, i, rng))
+            store.write_request(f"r{i:04d}", fake_records(contract, i, rng))
         for j in range(skip):
             store.write_skipped(f"s{j}", "context longer than the model's window")
     return path

@@ -51,9 +51,9 @@ def _records(folder: Path) -> list[dict]:
     from certkv.calibration.store import CalibrationStore
 
     with CalibrationStore.read(folder / "store") as store:
-        rows = [{k: v for k, v in r.items() if k not in VOLATILE} for r in store.records()]
+        records = [{k: v for k, v in r.items() if k not in VOLATILE} for r in store.records()]
         skipped = store.skipped()
-    return sorted(rows, key=lambda r: (r["request_id"], r["policy"])), skipped
+    return sorted(records, key=lambda r: (r["request_id"], r["policy"])), skipped
 
 
 def _stored_requests(folder: Path) -> tuple[int, int]:
@@ -73,7 +73,7 @@ def _env():
 # `certkv calibrate CONTRACT --quiet`, as `python -m certkv.cli.app` runs it, but SIGKILLed (no
 # handler runs, no cleanup: a power cut) at a hook of the store's writing code, for the `nth`
 # request this run writes: "before" (the request computed, its transaction not begun), "inside"
-# (after the transaction's third row, uncommitted) or "after" (its COMMIT returned). The hooks wrap
+# (after the transaction's third record, uncommitted) or "after" (its COMMIT returned). The hooks wrap
 # the store's own methods, which run unchanged; the kill lands mid-run by construction.
 KILLED_CHILD = textwrap.dedent(
     """
@@ -83,23 +83,23 @@ KILLED_CHILD = textwrap.dedent(
 
     when, nth, contract = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     write_request, insert = CalibrationStore.write_request, CalibrationStore._insert
-    count = {"writes": 0, "rows": 0}
+    count = {"writes": 0, "records": 0}
 
     def kill(at):
         if count["writes"] == nth and when == at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def hooked_write_request(self, request_id, rows):
+    def hooked_write_request(self, request_id, records):
         count["writes"] += 1
-        count["rows"] = 0
+        count["records"] = 0
         kill("before")
-        write_request(self, request_id, rows)
+        write_request(self, request_id, records)
         kill("after")
 
     def hooked_insert(self, sql, values):
         insert(self, sql, values)
-        count["rows"] += 1
-        if count["rows"] == 3:
+        count["records"] += 1
+        if count["records"] == 3:
             kill("inside")
 
     CalibrationStore.write_request, CalibrationStore._insert = hooked_write_request, hooked_insert
@@ -140,7 +140,7 @@ def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path, mon
     got, got_skipped = _records(tmp_path / "killed")
     assert mid_run_kills >= 3, "the kills must land while calibration is writing requests"
     assert all(r["agreement_drop"] is not None for r in got)
-    if got != expected:  # name the first difference: a 5×16-row diff is unreadable
+    if got != expected:  # name the first difference: a diff of 5×16 records is unreadable
         diff = next((g, e) for g, e in zip(got, expected) if g != e)
         raise AssertionError(f"resumed records differ: {diff}")
     assert got_skipped == expected_skipped
@@ -154,8 +154,8 @@ def test_labelled_policies_calibrate_and_certify(tmp_path, capsys):
     ])
     path.write_text(yaml.safe_dump(labelled))
     assert run_main("calibrate", str(path), "--quiet", "--limit", "3") == 0, capsys.readouterr().err
-    rows, _ = _records(tmp_path)
-    assert {(r["policy"], r["press"]) for r in rows} == {
+    records, _ = _records(tmp_path)
+    assert {(r["policy"], r["press"]) for r in records} == {
         ("full", "full"), ("snap_wide@0.50", "snapkv"), ("snapkv@0.50", "snapkv")
     }
     # Three of the planned requests: certify refuses, a preview is labelled as such.

@@ -25,8 +25,8 @@ def calibrated(tmp_path_factory):
     contract = load_contract(folder / "contract.yaml")
     assert calibrate(contract, quiet=True).calibrated == N_REQUESTS
     with CalibrationStore.read(folder / "store") as store:
-        rows = store.records()
-    return contract, rows
+        records = store.records()
+    return contract, records
 
 
 def test_every_candidate_generates_as_kvpress_pipeline(calibrated, embedded_recite):
@@ -35,10 +35,10 @@ def test_every_candidate_generates_as_kvpress_pipeline(calibrated, embedded_reci
 
     from certkv.calibration.run import build_candidates
 
-    contract, rows = calibrated
+    contract, records = calibrated
     model, tokenizer = embedded_recite
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    answers = {(r["request_id"], r["policy"]): r["answer"] for r in rows}
+    answers = {(r["request_id"], r["policy"]): r["answer"] for r in records}
     lengths = []
     for request in contract.load_requests():
         assert not request.answer_prefix  # the recite question carries its answer's opening itself
@@ -53,11 +53,11 @@ def test_every_candidate_generates_as_kvpress_pipeline(calibrated, embedded_reci
 
 
 def test_records_carry_a_generation_s_cost_and_signals(calibrated):
-    contract, rows = calibrated
+    contract, records = calibrated
     assert contract.cost_measure == "peak"
-    for r in rows:
+    for r in records:
         if r["policy"] != "full":
             assert r["memory"] == r["kv_peak"] and 0 < r["kv_peak"] <= 1 and 0 < r["kv_time"] <= 1
             assert r["confidence_min_agreeing"] >= r["confidence_min"]
-    decoding = [r for r in rows if r["press"] == "compression_ratio_decoding"]
+    decoding = [r for r in records if r["press"] == "compression_ratio_decoding"]
     assert decoding and all(r["kv_time"] < 1 for r in decoding)

@@ -111,14 +111,14 @@ def _operating_point(query_aware: bool | None) -> dict:
     from certkv.core.loss_table import LossTable
     from certkv.core.spec import CertificationSpec
 
-    rows = []
+    records = []
     for i in range(200):
-        rows.append({"request_id": f"r{i}", "policy": "full", "kv_retained": 1.0, "loss": 0.0})
-        rows.append({"request_id": f"r{i}", "policy": "snapkv@0.50", "kv_retained": 0.5, "loss": 0.0})
+        records.append({"request_id": f"r{i}", "policy": "full", "kv_retained": 1.0, "loss": 0.0})
+        records.append({"request_id": f"r{i}", "policy": "snapkv@0.50", "kv_retained": 0.5, "loss": 0.0})
     protocol = {} if query_aware is None else {"query_aware": query_aware}
     spec = CertificationSpec(tolerance=0.0, risk=0.1, confidence=0.9, sequences=[["snapkv@0.50"]], max_new_tokens=8,
                              **protocol)
-    data = certify(LossTable.from_records(rows), spec).to_dict()
+    data = certify(LossTable.from_records(records), spec).to_dict()
     assert not data["fallback"]
     return data
 

@@ -1,4 +1,4 @@
-"""The seconds each store record carries (certkv/calibration/run.py ``request_rows``): a pipeline
+"""The seconds each store record carries (certkv/calibration/run.py ``request_records``): a pipeline
 candidate its own run, a gathered candidate decoded as a row its own share, a gathered candidate of
 the padded fast path its share of ``candidates_fast`` (split among those alone), the full cache its
 prefill and decode."""
@@ -10,7 +10,7 @@ from conftest import REPO
 
 
 def test_each_record_carries_its_own_seconds_once():
-    from certkv.calibration.run import request_rows
+    from certkv.calibration.run import request_records
     from certkv.contract.loading import load_contract
     from certkv.engine.engine import CandidateAnswer, RequestResult
     from certkv.requests.request_set import Request
@@ -27,9 +27,9 @@ def test_each_record_carries_its_own_seconds_once():
                     answer("snapkv@0.70", "fast", 0.01), answer("snapkv@0.30", "fast", 0.0)],
         seconds={"prefill": 0.1, "full_decode": 0.2, "candidates_decoding": 0.65, "candidates_fast": 0.3},
     )
-    rows = {row["policy"]: row["seconds"] for row in request_rows(request, result, contract, {})}
-    assert rows["full"] == pytest.approx(0.3)
-    assert rows["tova_decoding@0.50"] == pytest.approx(0.4)
-    assert rows["snapkv@0.50"] == pytest.approx(0.25)  # its share of the rows, not of candidates_fast
-    assert rows["snapkv@0.70"] == pytest.approx(0.15 + 0.01)  # half of candidates_fast, plus its own scoring
-    assert rows["snapkv@0.30"] == pytest.approx(0.15)
+    seconds = {record["policy"]: record["seconds"] for record in request_records(request, result, contract, {})}
+    assert seconds["full"] == pytest.approx(0.3)
+    assert seconds["tova_decoding@0.50"] == pytest.approx(0.4)
+    assert seconds["snapkv@0.50"] == pytest.approx(0.25)  # its share of the rows, not of candidates_fast
+    assert seconds["snapkv@0.70"] == pytest.approx(0.15 + 0.01)  # half of candidates_fast, plus its own scoring
+    assert seconds["snapkv@0.30"] == pytest.approx(0.15)

@@ -43,8 +43,8 @@ def calibrated(tmp_path_factory):
     assert contract.cost_measure == "peak"  # a decoding-time policy: candidates compare by peak KV
     assert calibrate(contract, quiet=True).calibrated == N_REQUESTS
     with CalibrationStore.read(folder / "store") as store:
-        rows = {(r["request_id"], r["policy"]): r for r in store.records()}
-    return contract, rows
+        records = {(r["request_id"], r["policy"]): r for r in store.records()}
+    return contract, records
 
 
 def _point(gate):
@@ -59,41 +59,41 @@ def _point(gate):
     )
 
 
-def _three_way_threshold(rows, ids) -> float:
+def _three_way_threshold(records, ids) -> float:
     """A threshold r that leaves some requests alone, restarts some before their first departure
     and some after it (the three cases), midway between recorded values."""
-    values = sorted({rows[(i, POLICY)][k] for i in ids for k in ("confidence_min", "confidence_min_agreeing")})
+    values = sorted({records[(i, POLICY)][k] for i in ids for k in ("confidence_min", "confidence_min_agreeing")})
     for low, high in zip(values, values[1:]):
         r = (low + high) / 2
-        cases = {_case(rows[(i, POLICY)], r) for i in ids}
+        cases = {_case(records[(i, POLICY)], r) for i in ids}
         if cases == {"kept", "early", "late"}:
             return r
     raise AssertionError(f"no threshold separates the three cases: {values}")
 
 
-def _case(row, r: float) -> str:
-    if row["confidence_min_agreeing"] < r:
+def _case(record, r: float) -> str:
+    if record["confidence_min_agreeing"] < r:
         return "early"
-    return "late" if row["confidence_min"] < r else "kept"
+    return "late" if record["confidence_min"] < r else "kept"
 
 
-def test_store_rows_carry_the_generation_cost(calibrated):
-    contract, rows = calibrated
-    for (_, policy), row in rows.items():
+def test_store_records_carry_the_generation_cost(calibrated):
+    contract, records = calibrated
+    for (_, policy), record in records.items():
         if policy == POLICY:
-            assert row["memory"] == row["kv_peak"] and 0 < row["kv_time"] < 1 and row["kv_peak"] <= 1
-            assert row["confidence_min_agreeing"] >= row["confidence_min"]
+            assert record["memory"] == record["kv_peak"] and 0 < record["kv_time"] < 1 and record["kv_peak"] <= 1
+            assert record["confidence_min_agreeing"] >= record["confidence_min"]
 
 
 def test_ungated_runtime_answers_are_the_store_s(calibrated, embedded):
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    contract, rows = calibrated
+    contract, records = calibrated
     model, tok = embedded
     runtime = CertifiedRuntime(model, tok, _point(None))
     for request in contract.load_requests():
         out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
-        assert out.answer == rows[(request.id, POLICY)]["answer"], request.id
+        assert out.answer == records[(request.id, POLICY)]["answer"], request.id
         assert out.decision.mode == "evicted" and out.decision.recomputed_at is None
 
 
@@ -105,18 +105,18 @@ def test_recompute_gate_runs_as_certification_counted_it(calibrated, embedded):
     from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    contract, rows = calibrated
+    contract, records = calibrated
     model, tok = embedded
     requests = contract.load_requests()
-    r = _three_way_threshold(rows, [q.id for q in requests])
+    r = _three_way_threshold(records, [q.id for q in requests])
     gate = GateSettings(recompute=r)
     spec = CertificationSpec(tolerance=0.0, risk=0.6, confidence=0.6, sequences=[[f"{POLICY}+recq"]],
                              candidate_info={f"{POLICY}+recq": CandidateInfo(base_policy=POLICY, gate=gate)})
-    table = derive_gated(LossTable.from_records(list(rows.values())), spec)
+    table = derive_gated(LossTable.from_records(list(records.values())), spec)
     derived = dict(zip(table.request_ids, table.loss[table.index_of(f"{POLICY}+recq")].tolist()))
     runtime = CertifiedRuntime(model, tok, _point(gate))
     for request in requests:
-        base, full = rows[(request.id, POLICY)], rows[(request.id, "full")]
+        base, full = records[(request.id, POLICY)], records[(request.id, "full")]
         out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
         d, case = out.decision, _case(base, r)
         if case == "kept":

@@ -50,8 +50,8 @@ def calibrated(tmp_path_factory):
     assert contract.cost_measure == "peak"  # it compresses while decoding
     assert calibrate(contract, quiet=True).calibrated == N_REQUESTS
     with CalibrationStore.read(folder / "store") as store:
-        rows = {(r["request_id"], r["policy"]): r for r in store.records()}
-    return contract, rows
+        records = {(r["request_id"], r["policy"]): r for r in store.records()}
+    return contract, records
 
 
 def _point(gate=None, policy: str = POLICY, kwargs=None):
@@ -68,33 +68,33 @@ def _point(gate=None, policy: str = POLICY, kwargs=None):
     )
 
 
-def test_rows_carry_the_certificate_and_a_bounded_peak(calibrated):
-    _, rows = calibrated
-    for (_, policy), row in rows.items():
+def test_records_carry_the_certificate_and_a_bounded_peak(calibrated):
+    _, records = calibrated
+    for (_, policy), record in records.items():
         if policy == POLICY:
-            assert row["certificate_max"] > 0  # every answer decoded over sampled entries
+            assert record["certificate_max"] > 0  # every answer decoded over sampled entries
             # sampled at the prefill: the peak stays well below the full cache's, which holds every token
-            assert row["memory"] == row["kv_peak"] and 0 < row["kv_peak"] < 0.9 and 0 < row["kv_time"] < 0.9
+            assert record["memory"] == record["kv_peak"] and 0 < record["kv_peak"] < 0.9 and 0 < record["kv_time"] < 0.9
 
 
 def test_runtime_answers_are_the_store_s(calibrated, embedded_recite):
     from certkv.model.generation import encode_request
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    contract, rows = calibrated
+    contract, records = calibrated
     model, tok = embedded_recite
     runtime = CertifiedRuntime(model, tok, _point())
     for request in contract.load_requests():
         out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
-        row = rows[(request.id, POLICY)]
-        assert out.answer == row["answer"], request.id
+        record = records[(request.id, POLICY)]
+        assert out.answer == record["answer"], request.id
         assert out.decision.mode == "evicted"
-        assert out.decision.certificate_max == pytest.approx(row["certificate_max"], rel=1e-5)
+        assert out.decision.certificate_max == pytest.approx(record["certificate_max"], rel=1e-5)
     # the path's own KV measurement is calibration's (the runtime answers through it)
     enc = encode_request(tok, request.context, request.question, request.answer_prefix)
     answer = runtime.path.answer(enc, MAX_NEW, {})
     assert (answer.kv_peak, answer.kv_time, answer.kept) == pytest.approx(
-        (row["kv_peak"], row["kv_time"], row["kv_retained_actual"]))
+        (record["kv_peak"], record["kv_time"], record["kv_retained_actual"]))
 
 
 def test_certificate_bound_escalates_as_certification_counted(calibrated, embedded_recite):
@@ -103,19 +103,19 @@ def test_certificate_bound_escalates_as_certification_counted(calibrated, embedd
     from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    contract, rows = calibrated
+    contract, records = calibrated
     model, tok = embedded_recite
     requests = contract.load_requests()
-    certificates = sorted(rows[(q.id, POLICY)]["certificate_max"] for q in requests)
+    certificates = sorted(records[(q.id, POLICY)]["certificate_max"] for q in requests)
     bound = (certificates[1] + certificates[2]) / 2  # two requests above it, two below
     gate = GateSettings(certificate=bound)
     spec = CertificationSpec(tolerance=0.0, risk=0.6, confidence=0.6, sequences=[[f"{POLICY}+cert"]],
                              candidate_info={f"{POLICY}+cert": CandidateInfo(base_policy=POLICY, gate=gate)})
-    table = derive_gated(LossTable.from_records(list(rows.values())), spec)
+    table = derive_gated(LossTable.from_records(list(records.values())), spec)
     assert table.gated[f"{POLICY}+cert"].gated_count == 2
     runtime = CertifiedRuntime(model, tok, _point(gate))
     for request in requests:
-        base, full = rows[(request.id, POLICY)], rows[(request.id, "full")]
+        base, full = records[(request.id, POLICY)], records[(request.id, "full")]
         out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
         escalated = base["certificate_max"] > bound
         assert out.decision.escalated is escalated, request.id
@@ -123,20 +123,20 @@ def test_certificate_bound_escalates_as_certification_counted(calibrated, embedd
         assert out.decision.reason == ("certificate" if escalated else None)
 
 
-def _case(row, bound: float) -> str:
+def _case(record, bound: float) -> str:
     """How certification counts a request under a certificate recompute at `bound`."""
-    if row["certificate_max_agreeing"] > bound:
+    if record["certificate_max_agreeing"] > bound:
         return "early"
-    return "late" if row["certificate_max"] > bound else "kept"
+    return "late" if record["certificate_max"] > bound else "kept"
 
 
-def _three_way_bound(rows, ids) -> float:
+def _three_way_bound(records, ids) -> float:
     """A bound midway between recorded certificates that leaves some request alone, restarts some
     before their first departure and some after it (the three cases)."""
-    values = sorted({rows[(i, DECODE_ONLY)][k] for i in ids for k in ("certificate_max", "certificate_max_agreeing")})
+    values = sorted({records[(i, DECODE_ONLY)][k] for i in ids for k in ("certificate_max", "certificate_max_agreeing")})
     for low, high in zip(values, values[1:]):
         bound = (low + high) / 2
-        if {_case(rows[(i, DECODE_ONLY)], bound) for i in ids} == {"kept", "early", "late"}:
+        if {_case(records[(i, DECODE_ONLY)], bound) for i in ids} == {"kept", "early", "late"}:
             return bound
     raise AssertionError(f"no bound separates the three cases: {values}")
 
@@ -148,7 +148,7 @@ def test_certificate_max_agreeing_is_the_largest_step_certificate_up_to_the_depa
     from certkv.model.generation import encode_request, full_kv_ids
     from certkv.presses.registry import build_press
 
-    contract, rows = calibrated
+    contract, records = calibrated
     model, tok = embedded_recite
     press = build_press("probabilistic_decoding", 0.8, DECODE_ONLY_KWARGS)
     later = 0
@@ -156,10 +156,10 @@ def test_certificate_max_agreeing_is_the_largest_step_certificate_up_to_the_depa
         enc = encode_request(tok, request.context, request.question, request.answer_prefix)
         run, full = run_decoding(model, press, enc, MAX_NEW), full_kv_ids(model, enc, MAX_NEW)
         departs = next((t for t, (a, b) in enumerate(zip(run.token_ids, full)) if a != b), min(len(run.token_ids), len(full)))
-        row = rows[(request.id, DECODE_ONLY)]
-        assert row["certificate_max_agreeing"] == pytest.approx(max(run.certificates[: departs + 1]), rel=1e-5)
-        assert row["certificate_max"] == pytest.approx(max(run.certificates), rel=1e-5)
-        later += row["certificate_max_agreeing"] < row["certificate_max"]
+        record = records[(request.id, DECODE_ONLY)]
+        assert record["certificate_max_agreeing"] == pytest.approx(max(run.certificates[: departs + 1]), rel=1e-5)
+        assert record["certificate_max"] == pytest.approx(max(run.certificates), rel=1e-5)
+        later += record["certificate_max_agreeing"] < record["certificate_max"]
     assert later > 0  # some answer's largest certificate comes after its departure
 
 
@@ -171,20 +171,20 @@ def test_certificate_recompute_runs_as_certification_counted_it(calibrated, embe
     from certkv.core.spec import CandidateInfo, CertificationSpec, GateSettings
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    contract, rows = calibrated
+    contract, records = calibrated
     model, tok = embedded_recite
     requests = contract.load_requests()
-    bound = _three_way_bound(rows, [q.id for q in requests])
+    bound = _three_way_bound(records, [q.id for q in requests])
     gate = GateSettings(certificate_recompute=bound)
     name = f"{DECODE_ONLY}+recc"
     spec = CertificationSpec(tolerance=0.0, risk=0.6, confidence=0.6, sequences=[[name]],
                              candidate_info={name: CandidateInfo(base_policy=DECODE_ONLY, gate=gate)})
-    table = derive_gated(LossTable.from_records(list(rows.values())), spec)
+    table = derive_gated(LossTable.from_records(list(records.values())), spec)
     derived = dict(zip(table.request_ids, table.loss[table.index_of(name)].tolist()))
     memory = dict(zip(table.request_ids, table.memory[table.index_of(name)].tolist()))
     runtime = CertifiedRuntime(model, tok, _point(gate, DECODE_ONLY, DECODE_ONLY_KWARGS))
     for request in requests:
-        base, full = rows[(request.id, DECODE_ONLY)], rows[(request.id, "full")]
+        base, full = records[(request.id, DECODE_ONLY)], records[(request.id, "full")]
         out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
         d, case = out.decision, _case(base, bound)
         if case == "kept":
@@ -198,7 +198,7 @@ def test_certificate_recompute_runs_as_certification_counted_it(calibrated, embe
         else:  # the restart kept tokens the full cache would not have produced
             assert out.answer != full["answer"], request.id
     assert table.gated[name].gate.certificate_recompute == bound
-    assert table.gated[name].gated_count == sum(_case(rows[(q.id, DECODE_ONLY)], bound) != "kept" for q in requests)
+    assert table.gated[name].gated_count == sum(_case(records[(q.id, DECODE_ONLY)], bound) != "kept" for q in requests)
 
 
 def test_a_certificate_recompute_needs_the_probabilistic_decoding_press(embedded_recite):

@@ -74,24 +74,24 @@ def calibrated(request, tmp_path_factory, embedded):
     summary = calibrate(contract, quiet=True)
     assert summary.calibrated == N_REQUESTS and not summary.skipped
     with CalibrationStore.read(folder / "store") as store:
-        rows = store.records()
-    drops = {r["request_id"]: r["agreement_drop"] for r in rows}.values()
-    certs = [r["certificate_max"] for r in rows if r["policy"] == "probabilistic@0.40"]
+        records = store.records()
+    drops = {r["request_id"]: r["agreement_drop"] for r in records}.values()
+    certs = [r["certificate_max"] for r in records if r["policy"] == "probabilistic@0.40"]
     threshold = min(DROPS, key=lambda t: abs(t - statistics.median(drops)))
     bound = min(BOUNDS, key=lambda b: abs(b - statistics.median(certs)))
-    return contract, rows, threshold, bound
+    return contract, records, threshold, bound
 
 
-def test_store_rows_carry_the_gate_signals(calibrated):
-    _, rows, _, _ = calibrated
+def test_store_records_carry_the_gate_signals(calibrated):
+    _, records, _, _ = calibrated
     by_request: dict[str, set] = {}
-    for r in rows:
+    for r in records:
         by_request.setdefault(r["request_id"], set()).add(r["agreement_drop"])
         if r["policy"] == "probabilistic@0.40":
             assert r["certificate_max"] > 0
         else:
             assert r["certificate_max"] is None
-    assert all(len(v) == 1 and None not in v for v in by_request.values()), "one drop per request, on every row"
+    assert all(len(v) == 1 and None not in v for v in by_request.values()), "one drop per request, on every record"
 
 
 def test_certified_runtime_reproduces_the_store(calibrated, embedded):
@@ -101,11 +101,11 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
     from certkv.requests.request_set import read_jsonl
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    contract, rows, threshold, bound = calibrated
+    contract, records, threshold, bound = calibrated
     model, tok = embedded
-    records = load_records(contract).table
-    op_all = certify(records, certification_spec(contract), contract_sha256=contract.sha256())
-    by_key = {(r["request_id"], r["policy"]): r for r in rows}
+    table = load_records(contract).table
+    op_all = certify(table, certification_spec(contract), contract_sha256=contract.sha256())
+    by_key = {(r["request_id"], r["policy"]): r for r in records}
     requests = read_jsonl(contract.resolved_requests_path())
     tested = 0
     spec = certification_spec(contract)
@@ -165,7 +165,7 @@ def test_certified_runtime_reproduces_the_store(calibrated, embedded):
 # and the runtime's answers, decisions and signals are checked against the store's records.
 
 SIGNAL_POLICIES = ("snapkv@0.30", "probabilistic@0.40")
-#: Signals recomputed by the runtime agree with the records to this (batched vs one-row decode).
+#: Signals recomputed by the runtime agree with the records to this (batched vs one-lane decode).
 SIGNAL_TOL = 1e-4
 
 
@@ -190,8 +190,8 @@ def signals_store(tmp_path_factory, embedded):
     summary = calibrate(contract, quiet=True)
     assert summary.calibrated == N_REQUESTS and not summary.skipped
     with CalibrationStore.read(folder / "store") as store:
-        rows = store.records()
-    return contract, {(r["request_id"], r["policy"]): r for r in rows}
+        records = store.records()
+    return contract, {(r["request_id"], r["policy"]): r for r in records}
 
 
 def _between(values: list[float], gap: float = 10 * SIGNAL_TOL) -> float:
@@ -205,9 +205,9 @@ def _between(values: list[float], gap: float = 10 * SIGNAL_TOL) -> float:
     return (ordered[i] + ordered[i - 1]) / 2
 
 
-def _record_signals(row: dict, full: dict) -> dict:
-    return {"lookahead_heads": row["lookahead_heads"], "confidence_min": row["confidence_min"],
-            "logprob_mean": row["logprob_mean"], "agreement_drop": row["agreement_drop"],
+def _record_signals(record: dict, full: dict) -> dict:
+    return {"lookahead_heads": record["lookahead_heads"], "confidence_min": record["confidence_min"],
+            "logprob_mean": record["logprob_mean"], "agreement_drop": record["agreement_drop"],
             "context_tokens": full["context_tokens"]}
 
 
@@ -224,15 +224,15 @@ def _learned_model(features: list[str], n_heads: int, seed: int):
                        coef=rng.normal(size=len(names)).tolist(), intercept=0.0)
 
 
-def _gates(rows: dict, requests) -> list[tuple[str, str, dict, str, bool]]:
+def _gates(records: dict, requests) -> list[tuple[str, str, dict, str, bool]]:
     """(name, base policy, gate dict, reason when it fires, whether it escalates), thresholds
     from the records; each gate splits the requests."""
     from certkv.core.gate_features import learned_score
 
     ids = [r.id for r in requests]
-    snap = [rows[(i, "snapkv@0.30")] for i in ids]
-    prob = [rows[(i, "probabilistic@0.40")] for i in ids]
-    full = [rows[(i, "full")] for i in ids]
+    snap = [records[(i, "snapkv@0.30")] for i in ids]
+    prob = [records[(i, "probabilistic@0.40")] for i in ids]
+    full = [records[(i, "full")] for i in ids]
     n_heads = len(snap[0]["lookahead_heads"])
     pre = _learned_model(["lookahead", "agreement_drop", "context_length"], n_heads, seed=1)
     post = _learned_model(["lookahead", "confidence", "context_length"], n_heads, seed=2)
@@ -252,15 +252,15 @@ def _gates(rows: dict, requests) -> list[tuple[str, str, dict, str, bool]]:
     ]
 
 
-def test_store_rows_carry_the_new_signals(signals_store, embedded):
-    contract, rows = signals_store
+def test_store_records_carry_the_new_signals(signals_store, embedded):
+    contract, records = signals_store
     model, _ = embedded
     n_heads = model.config.num_hidden_layers * model.config.num_key_value_heads
-    for (_, policy), row in rows.items():
-        assert 0 < row["confidence_min"] <= 1 and row["logprob_mean"] <= 0, row
+    for (_, policy), record in records.items():
+        assert 0 < record["confidence_min"] <= 1 and record["logprob_mean"] <= 0, record
         if policy in SIGNAL_POLICIES:
-            assert len(row["lookahead_heads"]) == n_heads
-            assert row["lookahead_mass"] == max(row["lookahead_heads"])
+            assert len(record["lookahead_heads"]) == n_heads
+            assert record["lookahead_mass"] == max(record["lookahead_heads"])
 
 
 def test_runtime_equals_the_store_for_every_gate_kind(signals_store, embedded):
@@ -275,11 +275,11 @@ def test_runtime_equals_the_store_for_every_gate_kind(signals_store, embedded):
     from certkv.requests.request_set import read_jsonl
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    contract, rows = signals_store
+    contract, records = signals_store
     model, tok = embedded
     requests = read_jsonl(contract.resolved_requests_path())
-    table = LossTable.from_records(list(rows.values()))
-    for name, base_policy, gate, reason, escalates in _gates(rows, requests):
+    table = LossTable.from_records(list(records.values()))
+    for name, base_policy, gate, reason, escalates in _gates(records, requests):
         press, kv = base_policy.split("@")
         settings = GateSettings(**gate) if gate else None
         op = OperatingPoint(
@@ -293,7 +293,7 @@ def test_runtime_equals_the_store_for_every_gate_kind(signals_store, embedded):
         runtime = CertifiedRuntime(model, tok, op)
         fired, answers = {}, []
         for request in requests:
-            full, base = rows[(request.id, "full")], rows[(request.id, base_policy)]
+            full, base = records[(request.id, "full")], records[(request.id, base_policy)]
             out = runtime.generate(request.context, request.question, answer_prefix=request.answer_prefix)
             answers.append(out)
             d = out.decision

@@ -1,8 +1,8 @@
 """calibrate → certify per stratum → CertifiedRuntime: each request is answered by its stratum's
 certified policy, exactly as calibrated, and requests outside the coverage envelope by the full cache.
 
-Requests carry a ``metadata.group`` label; the contract certifies per group, so the store rows
-record each request's stratum, the export carries it, and the runtime routes on it.
+Requests carry a ``metadata.group`` label; the contract certifies per group, so the store records
+carry each request's stratum, the export carries it, and the runtime routes on it.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def calibrated(tmp_path_factory, embedded):
     summary = calibrate(contract, quiet=True)
     assert summary.calibrated == N_REQUESTS
     with CalibrationStore.read(folder / "store") as store:
-        rows = store.records()
-    return contract, rows, requests
+        records = store.records()
+    return contract, records, requests
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +62,10 @@ def stratified(calibrated):
     return certify(load_records(contract).table, certification_spec(contract), contract_sha256=contract.sha256())
 
 
-def test_store_rows_record_each_requests_stratum(calibrated):
-    _, rows, requests = calibrated
+def test_store_records_carry_each_requests_stratum(calibrated):
+    _, records, requests = calibrated
     group = {r.id: r.metadata["group"] for r in requests}
-    assert all(row["stratum"] == group[row["request_id"]] for row in rows)
+    assert all(record["stratum"] == group[record["request_id"]] for record in records)
 
 
 def test_the_operating_point_is_certified_per_group(stratified):
@@ -77,8 +77,8 @@ def test_the_operating_point_is_certified_per_group(stratified):
 def test_runtime_answers_each_request_with_its_strata_policy(calibrated, stratified, embedded):
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    _, rows, requests = calibrated
-    by_key = {(r["request_id"], r["policy"]): r for r in rows}
+    _, records, requests = calibrated
+    by_key = {(r["request_id"], r["policy"]): r for r in records}
     runtime = CertifiedRuntime(*embedded, stratified)
     assert sorted(runtime.strata) == ["north", "south"]
     answers = []
@@ -104,8 +104,8 @@ def test_runtime_answers_each_request_with_its_strata_policy(calibrated, stratif
 def test_requests_outside_the_envelope_get_the_full_cache(calibrated, stratified, embedded):
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    _, rows, requests = calibrated
-    by_key = {(r["request_id"], r["policy"]): r for r in rows}
+    _, records, requests = calibrated
+    by_key = {(r["request_id"], r["policy"]): r for r in records}
     runtime = CertifiedRuntime(*embedded, stratified)
     request = requests[0]
     full = by_key[(request.id, "full")]["answer"]
@@ -150,7 +150,7 @@ def test_export_carries_the_stratum_and_certifies_the_same(calibrated, tmp_path)
 
     from certkv.core.loss_table import read_loss_table
 
-    contract, rows, _ = calibrated
+    contract, records, _ = calibrated
     path = contract.base_dir / "contract.yaml"
     out = tmp_path / "records.csv"
     assert run_main("export", str(path), "-o", str(out)) == 0

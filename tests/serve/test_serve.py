@@ -349,9 +349,9 @@ def test_shadows_land_in_the_store(servers):
     _wait_for(lambda: not httpx.get(a.url + "/health").json()["monitor"]["all"]["pending"], "every shadow to be scored")
     health = httpx.get(a.url + "/health").json()
     assert health["shadows"]["scored"] >= 3 and health["monitor"]["all"]["pending"] == 0
-    with sqlite3.connect(a.store / "records.sqlite") as db:  # WAL: the live server's rows are readable
-        rows = db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
-    assert rows >= health["shadows"]["scored"]
+    with sqlite3.connect(a.store / "records.sqlite") as db:  # WAL: the live server's records are readable
+        stored = db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+    assert stored >= health["shadows"]["scored"]
 
 
 def test_a_stratified_point_monitors_each_stratum(servers, requests):

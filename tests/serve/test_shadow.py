@@ -2,7 +2,7 @@
 
 A tiny contract is calibrated into a real store; an operating point built from its candidates
 serves every calibration request with CertifiedRuntime, and each evicted answer is shadowed. The
-shadow's full answer, utilities and loss must be the calibration store's row for that request and
+shadow's full answer, utilities and loss must be the calibration store's record for that request and
 policy; the monitor must get the verdict ``loss > τ``; a failing shadow abandons its ticket; the
 shadow store survives SIGKILLs (whole shadows or none) and its export certifies under a contract
 naming the deployed base policy, gated or not.
@@ -53,7 +53,7 @@ def _write_contract(folder: Path, *, policies: list[dict], gate: dict | None = N
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory, embedded):
-    """A calibrated store of snapkv@0.30 with an agreement-drop grid, and its rows by (id, policy)."""
+    """A calibrated store of snapkv@0.30 with an agreement-drop grid, and its records by (id, policy)."""
     from certkv.calibration.run import calibrate
     from certkv.calibration.store import CalibrationStore
     from certkv.contract.loading import load_contract
@@ -67,10 +67,10 @@ def calibrated(tmp_path_factory, embedded):
     summary = calibrate(contract, quiet=True)
     assert summary.calibrated == N_REQUESTS and not summary.skipped
     with CalibrationStore.read(folder / "store") as store:
-        rows = {(r["request_id"], r["policy"]): r for r in store.records()}
-    drops = [rows[(r, POLICY)]["agreement_drop"] for r, p in rows if p == POLICY]
+        records = {(r["request_id"], r["policy"]): r for r in store.records()}
+    drops = [records[(r, POLICY)]["agreement_drop"] for r, p in records if p == POLICY]
     threshold = min(DROPS, key=lambda t: abs(t - statistics.median(drops)))
-    return folder, read_jsonl(folder / "requests.jsonl"), rows, threshold
+    return folder, read_jsonl(folder / "requests.jsonl"), records, threshold
 
 
 def _operating_point(gate: dict | None = None):
@@ -130,7 +130,7 @@ def shadowed(calibrated, embedded, tmp_path_factory):
     """The ungated point served and shadowed into a shadow store (closed afterwards)."""
     from certkv.serve.shadow_store import ShadowStore
 
-    folder, requests, rows, _ = calibrated
+    folder, requests, records, _ = calibrated
     shadow_dir = tmp_path_factory.mktemp("live") / "shadows"
     monitor = StubMonitor()
     with ShadowStore(shadow_dir, _operating_point()) as store:
@@ -140,11 +140,11 @@ def shadowed(calibrated, embedded, tmp_path_factory):
 
 
 def test_shadow_loss_is_the_calibration_loss(calibrated, shadowed):
-    _, _, rows, _ = calibrated
+    _, _, records, _ = calibrated
     _, results, monitor = shadowed
     violations = 0
     for ticket, (request, served, record) in enumerate(results):
-        full, base = rows[(request.id, "full")], rows[(request.id, POLICY)]
+        full, base = records[(request.id, "full")], records[(request.id, POLICY)]
         assert served.answer == base["answer"]
         assert record["full_answer"] == full["answer"]
         assert record["utility_full"] == pytest.approx(full["utility"])
@@ -161,12 +161,12 @@ def test_without_references_the_loss_is_agreement(calibrated, embedded, tmp_path
     from certkv.calibration.utility import agreement
     from certkv.serve.shadow_store import ShadowStore
 
-    _, requests, rows, _ = calibrated
+    _, requests, records, _ = calibrated
     monitor = StubMonitor()
     with ShadowStore(tmp_path / "s", _operating_point()) as store:
         results = _serve_and_shadow(embedded, requests[:4], _operating_point(), store, monitor, answers=False)
     for request, _, record in results:
-        full, base = rows[(request.id, "full")], rows[(request.id, POLICY)]
+        full, base = records[(request.id, "full")], records[(request.id, POLICY)]
         assert record["utility_name"] == "agreement" and record["utility_full"] == 1.0
         assert record["loss"] == 1.0 - agreement(base["answer"], full["answer"])
 
@@ -174,7 +174,7 @@ def test_without_references_the_loss_is_agreement(calibrated, embedded, tmp_path
 def test_store_rows_follow_the_record_rule(calibrated, shadowed):
     from certkv.calibration.store import COLUMNS, CalibrationStore
 
-    _, _, rows, _ = calibrated
+    _, _, records, _ = calibrated
     shadow_dir, results, _ = shadowed
     with CalibrationStore.read(shadow_dir) as store:
         meta = store.meta()
@@ -184,25 +184,25 @@ def test_store_rows_follow_the_record_rule(calibrated, shadowed):
     assert len(live) == 2 * N_REQUESTS
     for request, served, _ in results:
         full, base = live[(request.id, "full")], live[(request.id, POLICY)]
-        calib = rows[(request.id, POLICY)]
+        calib = records[(request.id, POLICY)]
         for column in ("task", "utility", "utility_full", "loss", "answer", "press", "kv_retained"):
             assert base[column] == pytest.approx(calib[column]) if isinstance(calib[column], float) \
                 else base[column] == calib[column], column
         assert base["kv_retained_actual"] == pytest.approx(calib["kv_retained_actual"])
         assert base["memory"] == 0.3 and full["memory"] == 1.0 and full["loss"] == 0.0
-        assert full["context_tokens"] == rows[(request.id, "full")]["context_tokens"]
+        assert full["context_tokens"] == records[(request.id, "full")]["context_tokens"]
         assert base["deployed_policy"] == POLICY and base["mode"] == "evicted" and base["stream"] == "all"
         assert base["confidence_min"] == pytest.approx(served.decision.confidence_min)
         assert list(base)[: len(COLUMNS)] == list(COLUMNS)
 
 
 def test_gated_point_records_under_its_base_policy(calibrated, embedded, tmp_path):
-    """A gated point's shadows are rows of its base policy with the gate's signal; the requests the
+    """A gated point's shadows are records of its base policy with the gate's signal; the requests the
     gate sent to the full cache were not shadowed."""
     from certkv.core.operating_point import load_operating_point
     from certkv.serve.shadow_store import ShadowStore
 
-    folder, requests, rows, threshold = calibrated
+    folder, requests, records, threshold = calibrated
     op = _operating_point({"agreement_drop": threshold})
     monitor = StubMonitor()
     with ShadowStore(tmp_path / "gated", op) as store:
@@ -211,15 +211,15 @@ def test_gated_point_records_under_its_base_policy(calibrated, embedded, tmp_pat
     gated = [r for r, served, rec in results if rec is None]
     assert 0 < len(gated) < N_REQUESTS
     for request, served, record in results:
-        base = rows[(request.id, POLICY)]
+        base = records[(request.id, POLICY)]
         if record is None:
             assert served.decision.reason == "gate" and (request.id, POLICY) not in live
             continue
-        row = live[(request.id, POLICY)]
-        assert row["loss"] == pytest.approx(base["loss"]) and row["deployed_policy"] == op.policy
-        assert row["agreement_drop"] == pytest.approx(base["agreement_drop"], abs=1e-6)
-        assert live[(request.id, "full")]["agreement_drop"] == row["agreement_drop"]
-    # a contract with the deployed gate derives the gated candidate from the live rows: every
+        record = live[(request.id, POLICY)]
+        assert record["loss"] == pytest.approx(base["loss"]) and record["deployed_policy"] == op.policy
+        assert record["agreement_drop"] == pytest.approx(base["agreement_drop"], abs=1e-6)
+        assert live[(request.id, "full")]["agreement_drop"] == record["agreement_drop"]
+    # a contract with the deployed gate derives the gated candidate from the live records: every
     # shadowed request passed the gate, so it equals the base policy there
     csv = tmp_path / "gated.csv"
     assert run_main("export", str(tmp_path / "gated"), "-o", str(csv)) == 0
@@ -272,7 +272,7 @@ def test_the_real_monitor_completes_the_ticket(calibrated, embedded, tmp_path):
     from certkv.runtime.certified_runtime import CertifiedRuntime
     from certkv.serve.shadow import ShadowJob, ShadowRunner
 
-    _, requests, rows, _ = calibrated
+    _, requests, records, _ = calibrated
     model, tok = embedded
     runtime = CertifiedRuntime(model, tok, _operating_point())
     monitor = RiskMonitor(0.6, 0.4, 1.0)
@@ -285,7 +285,7 @@ def test_the_real_monitor_completes_the_ticket(calibrated, embedded, tmp_path):
                              served, ticket))
     snap = monitor.snapshot()["all"]
     assert snap["pending"] == 0 and snap["shadowed"] == 3
-    assert snap["violations"] == sum(rows[(r.id, POLICY)]["loss"] > 1e-9 for r in requests[:3])
+    assert snap["violations"] == sum(records[(r.id, POLICY)]["loss"] > 1e-9 for r in requests[:3])
 
 
 def test_export_certifies_under_a_contract_naming_the_base_policy(calibrated, shadowed, tmp_path):
@@ -369,13 +369,13 @@ CHILD = textwrap.dedent(
     from tests.serve.test_shadow import _pair
 
     folder, op = Path(sys.argv[1]), OperatingPoint.model_validate_json(sys.argv[2])
-    at, nth = sys.argv[3], int(sys.argv[4])  # SIGKILL after this run's nth "row" inserted or "write" committed
-    insert, rows = CalibrationStore._insert, [0]
+    at, nth = sys.argv[3], int(sys.argv[4])  # SIGKILL after this run's nth "record" inserted or "write" committed
+    insert, inserted = CalibrationStore._insert, [0]
 
-    def insert_then_hook(self, sql, values):  # a shadow is two rows in one transaction
+    def insert_then_hook(self, sql, values):  # a shadow is two records in one transaction
         insert(self, sql, values)
-        rows[0] += 1
-        if at == "row" and rows[0] == nth:
+        inserted[0] += 1
+        if at == "record" and inserted[0] == nth:
             os.kill(os.getpid(), signal.SIGKILL)
 
     CalibrationStore._insert = insert_then_hook
@@ -389,9 +389,9 @@ CHILD = textwrap.dedent(
         print("wrote", i, flush=True)
     """
 )
-# (hook, nth) per run: a row inserted is inside a transaction (the 5th: a shadow's first row; the
-# 8th: its last, before COMMIT), a write returned is between two.
-KILLS = [("row", 5), ("write", 3), ("row", 8), ("write", 2)]
+# (hook, nth) per run: a record inserted is inside a transaction (the 5th: a shadow's first record;
+# the 8th: its last, before COMMIT), a write returned is between two.
+KILLS = [("record", 5), ("write", 3), ("record", 8), ("write", 2)]
 
 
 def _stored_shadows(folder: Path) -> int:
@@ -423,8 +423,8 @@ def test_the_shadow_store_survives_sigkill(tmp_path):
         assert int(line.split()[1]) >= reported + 1
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == -signal.SIGKILL, err
-        # killed at its nth row: the shadows before that row's are committed; after its nth write: n
-        assert _stored_shadows(tmp_path / "s") == before + ((nth - 1) // 2 if at == "row" else nth), (at, nth)
+        # killed at its nth record: the shadows before that record's are committed; after its nth write: n
+        assert _stored_shadows(tmp_path / "s") == before + ((nth - 1) // 2 if at == "record" else nth), (at, nth)
         written = [int(x.split()[1]) for x in out.splitlines() if x.startswith("wrote")]
         reported = max([reported, *written])
     conn = sqlite3.connect(tmp_path / "s" / "records.sqlite")

@@ -4,7 +4,7 @@ Two replicas' clients feed one :class:`SharedMonitor`; its state must be exactly
 :class:`RiskMonitor` computes from the same calls in the order they were applied. A monitor closed
 (as a killed actor) and reopened on its store replays its journal into the same state, and a
 client that could not reach it meanwhile kept serving, kept its events and sends them once it can:
-nothing lost, nothing applied twice. The shadows' rows land in the one store, under ids unique
+nothing lost, nothing applied twice. The shadows' records land in the one store, under ids unique
 across replicas.
 """
 
@@ -40,8 +40,8 @@ def _point(risk=RISK):
     )
 
 
-def _rows(request_id: str, violated: bool) -> list[dict]:
-    """A shadow's record pair in the store's format (a full row and the base policy's row)."""
+def _records(request_id: str, violated: bool) -> list[dict]:
+    """A shadow's record pair in the store's format (a full record and the base policy's record)."""
     return _pair(request_id, "t", "snapkv@0.50", 0.5, loss=float(violated))
 
 
@@ -72,7 +72,7 @@ def _serve(client, reference, rng, n, p_violate, applied):
         applied.append(("record", client.replica, ticket, shadowed))
         if shadowed:
             violated = bool(rng.random() < p_violate)
-            client.complete(ticket, violated, rows=_rows(f"{client.replica}-req-{ticket}", violated))
+            client.complete(ticket, violated, records=_records(f"{client.replica}-req-{ticket}", violated))
             applied.append(("verdict", client.replica, ticket, violated))
 
 
@@ -204,7 +204,7 @@ def test_a_stratified_point_shares_one_stream_per_stratum_and_one_store_each(tmp
                                  streams={"multi_key": DELTA, "single_needle": DELTA}, replica="ra", start=False)
     for i, task in enumerate(["multi_key", "single_needle", "single_needle"]):
         ticket = client.record(task, evicted=True, shadowed=True)
-        client.complete(ticket, i == 2, rows=_pair(f"ra-req-{i}", task, "snapkv@0.50", 0.5, loss=float(i == 2)))
+        client.complete(ticket, i == 2, records=_pair(f"ra-req-{i}", task, "snapkv@0.50", 0.5, loss=float(i == 2)))
     assert client.flush() and client.flush()  # the second sends nothing and applies nothing
     state = monitor.snapshot()
     assert (state["multi_key"]["shadowed"], state["single_needle"]["shadowed"]) == (1, 2)
