@@ -25,13 +25,13 @@ with no budget, the machine's own ceiling. The servers run with ``--shadow-rate 
 monitor): both evicted points break many recitations, and a live monitor would rightly send them to
 the full cache mid-run, after which the run would measure the full cache under their names.
 
-The decoding-time point decodes as a row of the server's batch (StreamingLLM's choices survive a
-batched forward, :mod:`certkv.engine.decoding_rows`): it reserves its decode's peak (the context,
+The decoding-time point decodes as a lane of the server's batch (StreamingLLM's choices survive a
+batched forward, :mod:`certkv.engine.decoding_lanes`): it reserves its decode's peak (the context,
 the question and the tokens up to the first compression event) and gives slots back at each event,
 down to the press's target at the longest answer plus one interval.
 
 Recitations copy their context, so prompt lookup confirms many tokens per forward and an answer
-holds its KV for few forwards (a decoding-time row at most up to its next event, 8 tokens). Every
+holds its KV for few forwards (a decoding-time lane at most up to its next event, 8 tokens). Every
 point therefore runs a second time with ``--no-prompt-lookup`` (one token per request per forward,
 as a generation that copies nothing decodes), where memory binds.
 

@@ -100,7 +100,7 @@ def timing(contract, n: int) -> dict:
     """certkv's engine (every candidate) against kvpress's pipeline once per candidate and for the
     full cache, on the first `n` requests, in one process; and against its exact floor (the
     prefill, plus :func:`floor_decode_seconds`: the full answer's decode, and beside it every
-    candidate's verifying forwards). Also the part of each: the candidates certkv decodes as rows of one
+    candidate's verifying forwards). Also the part of each: the candidates certkv decodes as lanes of one
     drafted batch (the batchable decoding-time ones and the prefill-time ones beside them: the
     engine's ``candidates_decoding`` seconds, the full answer's share apart) against kvpress's
     pipeline for those candidates alone."""
@@ -114,7 +114,7 @@ def timing(contract, n: int) -> dict:
     engine, tok, _ = load_engine(contract, "cpu")
     pipe = pipeline("kv-press-text-generation", model=engine.model, tokenizer=tok, device="cpu")
     requests = contract.load_requests()[:n]
-    certkv_s, kvpress_s, rows_certkv, rows_kvpress, floor_s = [], [], [], [], []
+    certkv_s, kvpress_s, lanes_certkv, lanes_kvpress, floor_s = [], [], [], [], []
     for request in requests:
         t0 = time.perf_counter()
         result = engine.run(request.context, request.question, request.answer_prefix)
@@ -123,35 +123,36 @@ def timing(contract, n: int) -> dict:
         t1 = time.perf_counter()
         question = request.question + ("\n" + request.answer_prefix if request.answer_prefix else "")
         pipe(request.context, question=question, max_new_tokens=engine.max_new_tokens)
-        in_rows = 0.0
+        in_lanes = 0.0
         for c in engine.candidates:
             t = time.perf_counter()
             pipe(request.context, question=question, press=c.press, max_new_tokens=engine.max_new_tokens)
-            in_rows += time.perf_counter() - t if c in engine.row_candidates else 0.0
+            in_lanes += time.perf_counter() - t if c in engine.lane_candidates else 0.0
         t2 = time.perf_counter()
         kvpress_s.append(t2 - t1)
-        rows_certkv.append(result.seconds.get("candidates_decoding", 0.0))
-        rows_kvpress.append(in_rows)
+        lanes_certkv.append(result.seconds.get("candidates_decoding", 0.0))
+        lanes_kvpress.append(in_lanes)
     return {"requests": n, "candidates": len(engine.candidates), "certkv_seconds": float(np.mean(certkv_s)),
             "kvpress_seconds": float(np.mean(kvpress_s)), "speedup": float(np.sum(kvpress_s) / np.sum(certkv_s)),
-            "decoding_rows": len(engine.decoding_rows), "decoding_alone": len(engine.decoding) - len(engine.decoding_rows),
-            "prefill_rows": len(engine.row_candidates) - len(engine.decoding_rows),
-            "rows_certkv_seconds": float(np.mean(rows_certkv)), "rows_kvpress_seconds": float(np.mean(rows_kvpress)),
-            "rows_speedup": float(np.sum(rows_kvpress) / max(np.sum(rows_certkv), 1e-9)),
+            # the results file's keys say "rows" for the lanes of the drafted batch (kept: stored results use them)
+            "decoding_rows": len(engine.decoding_lanes), "decoding_alone": len(engine.decoding) - len(engine.decoding_lanes),
+            "prefill_rows": len(engine.lane_candidates) - len(engine.decoding_lanes),
+            "rows_certkv_seconds": float(np.mean(lanes_certkv)), "rows_kvpress_seconds": float(np.mean(lanes_kvpress)),
+            "rows_speedup": float(np.sum(lanes_kvpress) / max(np.sum(lanes_certkv), 1e-9)),
             "floor_seconds": float(np.mean(floor_s)), "over_floor": float(np.sum(certkv_s) / np.sum(floor_s)),
-            "full_answer_row": bool(engine.decoding_rows)}
+            "full_answer_row": bool(engine.decoding_lanes)}
 
 
 def floor_decode_seconds(engine, request, result) -> float:
     """The exact floor of certkv's scheme for one request, but its prefill (``result.seconds``):
-    one batch of the full answer's row, decoded as the engine decodes it (prompt lookup: it is
-    not known yet), and every row candidate fed the answer it gave as its draft, so that each
+    one batch of the full answer's lane, decoded as the engine decodes it (prompt lookup: it is
+    not known yet), and every lane candidate fed the answer it gave as its draft, so that each
     forward confirms all the scheme lets it (its question, then its answer up to each compression
     event) from the request's full prefill. This is what drafting could at best leave: a verifier
     free to feed a question and its answer in one forward would save one forward a batch. Uses the
-    engine's own row builders; meant for contracts whose candidates all decode as rows (both
+    engine's own lane builders; meant for contracts whose candidates all decode as lanes (both
     long-generation contracts). Raises when any answer differs from the engine's."""
-    from certkv.engine.decoding_rows import decode_rows
+    from certkv.engine.decoding_lanes import decode_lanes
     from certkv.model.generation import encode_request, for_protocol
 
     enc = for_protocol(encode_request(engine.tokenizer, request.context, request.question, request.answer_prefix),
@@ -160,13 +161,13 @@ def floor_decode_seconds(engine, request, result) -> float:
     engine._select(prefilled)
     own = {answer.policy: answer.token_ids for answer in result.candidates}
     t0 = time.perf_counter()
-    lead = engine._full_row(prefilled)
-    rows = [engine._row(c, prefilled, own[c.policy])[0] for c in engine.row_candidates]
-    decode_rows(engine.model, [lead, *rows])
+    lead = engine._full_lane(prefilled)
+    lanes = [engine._lane(c, prefilled, own[c.policy])[0] for c in engine.lane_candidates]
+    decode_lanes(engine.model, [lead, *lanes])
     seconds = time.perf_counter() - t0
     if lead.answer != result.full.token_ids:
-        raise RuntimeError(f"{request.id}: the full answer's row answered otherwise than the engine")
-    if any(row.answer != own[c.policy] for row, c in zip(rows, engine.row_candidates)):
+        raise RuntimeError(f"{request.id}: the full answer's lane answered otherwise than the engine")
+    if any(lane.answer != own[c.policy] for lane, c in zip(lanes, engine.lane_candidates)):
         raise RuntimeError(f"{request.id}: a candidate fed its own answer as its draft answered otherwise")
     return seconds
 

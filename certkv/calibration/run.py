@@ -164,7 +164,7 @@ def request_records(request: Request, result: RequestResult, contract: Contract,
                 "path": cand.path,
                 **_generation_cost(cand, contract.cost_measure),
                 # A fast candidate: its share of the batched decodes (already in its seconds when it
-                # decoded as a row), plus its own scoring when it is response-aware (chosen after the
+                # decoded as a lane), plus its own scoring when it is response-aware (chosen after the
                 # prefill; CandidateAnswer.seconds, 0 otherwise).
                 "seconds": cand.seconds if cand.path == "pipeline" or cand.own_seconds else fast_share + cand.seconds,
                 **on_every_record,

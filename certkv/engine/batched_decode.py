@@ -8,7 +8,7 @@ were kept. They are stacked into one padded batch (padding masked out) and answe
    position. A candidate that agrees with the draft everywhere has the draft as its answer.
 2. *Continue.* A candidate that diverges at position j keeps the draft's first j tokens, takes its
    own token j, and decodes on from there. The draft tokens it did not choose are masked out of its
-   cache, so each row attends to exactly the tokens of its own answer.
+   cache, so each lane attends to exactly the tokens of its own answer.
 
 Positions follow kvpress: `position_ids` continue from the uncompressed context length, the cache
 index from the (padded) pruned length. Stopping is the decoders' shared rule, kvpress's pipeline's
@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 
 from certkv.engine.prompt_lookup import PromptLookup
 from certkv.engine.speculation import Proposer, accept
-from certkv.model.attention import NAME, attention_row_groups, register, use_attention
+from certkv.model.attention import NAME, attention_lane_groups, register, use_attention
 from certkv.model.generation import chosen_logprobs
 from certkv.model.stopping import is_finished
 
@@ -54,23 +54,23 @@ class ReservedLayer(DynamicLayer):
         self._keys, self._values, self._length = keys, values, length
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
-    def select_rows(self, rows: list[int]) -> None:
-        """Keep only the batch rows `rows` (ascending), moved in place to the front.
+    def select_lanes(self, lanes: list[int]) -> None:
+        """Keep only the batch lanes `lanes` (ascending), moved in place to the front.
 
-        A compaction once most rows are done. Copying the kept rows into fresh tensors costs
+        A compaction once most lanes are done. Copying the kept lanes into fresh tensors costs
         more in page faults than the forwards it saves (tens of MB per layer at 2048 tokens);
-        moving them down within the buffer they already occupy allocates nothing, and rows
-        already in place are not copied at all (the finished rows' memory is not given back
+        moving them down within the buffer they already occupy allocates nothing, and lanes
+        already in place are not copied at all (the finished lanes' memory is not given back
         before the request ends).
         """
-        if any(a >= b for a, b in zip(rows, rows[1:])):
-            raise ValueError(f"select_rows needs strictly ascending rows, got {rows}")
+        if any(a >= b for a, b in zip(lanes, lanes[1:])):
+            raise ValueError(f"select_lanes needs strictly ascending lanes, got {lanes}")
         n = self._length
-        for to, row in enumerate(rows):
-            if row != to:  # to < row: the source has not been overwritten yet
-                self._keys[to, :, :n].copy_(self._keys[row, :, :n])
-                self._values[to, :, :n].copy_(self._values[row, :, :n])
-        self._keys, self._values = self._keys[: len(rows)], self._values[: len(rows)]
+        for to, lane in enumerate(lanes):
+            if lane != to:  # to < lane: the source has not been overwritten yet
+                self._keys[to, :, :n].copy_(self._keys[lane, :, :n])
+                self._values[to, :, :n].copy_(self._values[lane, :, :n])
+        self._keys, self._values = self._keys[: len(lanes)], self._values[: len(lanes)]
         self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
 
     def update(
@@ -133,9 +133,9 @@ def padded_cache(
     cache of shape (candidates, kv_heads, longest, head_dim) per layer with room for `reserve`
     more tokens, the 0/1 mask of real (non-padding) entries, and each candidate's kept count.
 
-    Rows are right-aligned: a row's kept entries end at slot ``longest`` and its padding comes
-    first, so the rows that keep at most n entries only need the keys from ``longest - n`` on —
-    one slice of the batch, which is how attention skips the padding (:func:`row_groups`).
+    Lanes are right-aligned: a lane's kept entries end at slot ``longest`` and its padding comes
+    first, so the lanes that keep at most n entries only need the keys from ``longest - n`` on —
+    one slice of the batch, which is how attention skips the padding (:func:`lane_groups`).
     """
     layer_class = reserved_layer_class()
     n = len(selections)
@@ -150,12 +150,12 @@ def padded_cache(
         # Index 0 fills padding and the reserved room; both are masked out or overwritten.
         n_heads, length, dim = keys.shape[1], keys.shape[2], keys.shape[3]
         idx = torch.zeros((n, n_heads, width + reserve), dtype=torch.long, device=device)
-        for row, sel in enumerate(selections):
+        for lane, sel in enumerate(selections):
             kept = sel[layer_idx]
             if kept is None:
-                idx[row, :, width - context_length : width] = torch.arange(context_length, device=device)
+                idx[lane, :, width - context_length : width] = torch.arange(context_length, device=device)
             else:
-                idx[row, :, width - kept.shape[2] : width] = kept[0]
+                idx[lane, :, width - kept.shape[2] : width] = kept[0]
         # Whole head_dim vectors are copied by index_select on (heads * length, dim) rows, much
         # faster than an element-wise gather with an index expanded over head_dim.
         flat = (idx + torch.arange(n_heads, device=device).view(1, -1, 1) * length).view(-1)
@@ -172,25 +172,25 @@ def padded_cache(
     return cache, valid, lengths
 
 
-def row_groups(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """Consecutive batch rows that share their first real slot, as (first row, end row, slot).
+def lane_groups(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """Consecutive batch lanes that share their first real slot, as (first lane, end lane, slot).
 
-    `mask` is the batch's (rows, slots) 0/1 mask of the cache slots each row sees.
+    `mask` is the batch's (lanes, slots) 0/1 mask of the cache slots each lane sees.
 
-    With right-aligned rows (:func:`padded_cache`) the slots before a row's first real one are
+    With right-aligned lanes (:func:`padded_cache`) the slots before a lane's first real one are
     padding for it; attention over each group's slice of the keys from that slot on computes the
     same outputs as attention over the whole padded width, without the padded part. None when
     grouping saves nothing (one group starting at slot 0).
     """
-    # The first 1 of each row; a row that keeps no context entry has its first 1 among the new
+    # The first 1 of each lane; a lane that keeps no context entry has its first 1 among the new
     # tokens, or none yet (argmax 0): both give a correct, merely unsliced, group.
     first = mask.argmax(dim=1).tolist()
     groups: list[tuple[int, int, int]] = []
-    for row, slot in enumerate(first):
+    for lane, slot in enumerate(first):
         if groups and groups[-1][2] == slot:
-            groups[-1] = (groups[-1][0], row + 1, slot)
+            groups[-1] = (groups[-1][0], lane + 1, slot)
         else:
-            groups.append((row, row + 1, slot))
+            groups.append((lane, lane + 1, slot))
     if len(groups) == 1 and groups[0][2] == 0:
         return None
     return groups
@@ -209,28 +209,28 @@ def decode_candidates(
     timings: dict[str, float] | None = None,
     logprobs: list[list[float]] | None = None,
 ) -> list[list[int]]:
-    """Greedy answers (token ids) of every row of a padded batch cache, verified against the `draft`.
+    """Greedy answers (token ids) of every lane of a padded batch cache, verified against the `draft`.
 
-    `cache` holds (rows, H_kv, slots, d) keys and values per layer; `mask` is its (rows, slots)
-    0/1 mask of the slots each row sees (:func:`padded_cache`).
+    `cache` holds (lanes, H_kv, slots, d) keys and values per layer; `mask` is its (lanes, slots)
+    0/1 mask of the slots each lane sees (:func:`padded_cache`).
 
     With an empty `draft` this is plain speculative greedy decoding with prompt-lookup proposals
-    (the engine answers the full cache this way: one row, every slot visible).
+    (the engine answers the full cache this way: one lane, every slot visible).
 
-    `context_ids` (the uncompressed context) feeds prompt-lookup proposals for rows that leave the
+    `context_ids` (the uncompressed context) feeds prompt-lookup proposals for lanes that leave the
     draft: retrieval answers are mostly copied from the context, so a proposal is usually accepted
-    whole and a row finishes in one or two batched forwards instead of one forward per token.
-    Proposals only save forwards; every accepted token is the row's own greedy choice. Each row's
+    whole and a lane finishes in one or two batched forwards instead of one forward per token.
+    Proposals only save forwards; every accepted token is the lane's own greedy choice. Each lane's
     proposal length follows its acceptance (:class:`~certkv.engine.prompt_lookup.ProposalLength`):
-    a row that writes its own text is not fed a long proposal it will reject every forward. Both
-    the proposals and their acceptance are :mod:`certkv.engine.speculation`'s, as the ragged rows'.
+    a lane that writes its own text is not fed a long proposal it will reject every forward. Both
+    the proposals and their acceptance are :mod:`certkv.engine.speculation`'s, as the ragged lanes'.
 
     `timings`, when given, accumulates the seconds of the verifying forward under ``"verify"``:
-    every row must at least read the question and an answer over its own cache, so that forward is
+    every lane must at least read the question and an answer over its own cache, so that forward is
     the part of the cost no exact calibrator can skip.
 
-    `logprobs`, when given (a list with one slot per row), receives in ``logprobs[row]`` the log p
-    of every token of that row's answer (python floats: ``logit_tok − logsumexp(logits)`` in
+    `logprobs`, when given (a list with one slot per lane), receives in ``logprobs[lane]`` the log p
+    of every token of that lane's answer (python floats: ``logit_tok − logsumexp(logits)`` in
     float64, from the logits the token was chosen from: the verifying forward's or a continuation
     round's). The answers themselves do not depend on it.
     """
@@ -243,7 +243,7 @@ def decode_candidates(
         state.verify_draft(question_ids, draft)
         if timings is not None:
             timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t0
-        lookup = PromptLookup(list(context_ids or []) + list(question_ids))  # one index, every row's proposals
+        lookup = PromptLookup(list(context_ids or []) + list(question_ids))  # one index, every lane's proposals
         proposers = {r: Proposer(lookup) for r in state.active}
         while state.active:
             state.step(proposers)
@@ -253,9 +253,9 @@ def decode_candidates(
 
 
 class _Decoding:
-    """The batch's decoding state: each row's answer so far and which cache slots it may see.
+    """The batch's decoding state: each lane's answer so far and which cache slots it may see.
 
-    Rows are candidates; ``self.rows[b]`` is the candidate held at batch position b. Once most rows
+    Lanes are candidates; ``self.lanes[b]`` is the candidate held at batch position b. Once most lanes
     have finished, the batch is compacted to the unfinished ones, so later forwards only pay for
     caches still being decoded.
     """
@@ -273,18 +273,18 @@ class _Decoding:
     ) -> None:
         self.model, self.cache, self.mask = model, cache, mask
         self.n = mask.shape[0]
-        self.rows = list(range(self.n))
+        self.lanes = list(range(self.n))
         self.q_len, self.context_length = q_len, context_length
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.answers: list[list[int]] = [[] for _ in range(self.n)]
-        # Per row, the log p of each answer token (kept only when asked for).
+        # Per lane, the log p of each answer token (kept only when asked for).
         self.with_logprobs = with_logprobs
         self.logprobs: list[list[float]] = [[] for _ in range(self.n)]
         self.active: list[int] = []
-        self.groups = row_groups(mask)  # attention skips each row's padding
+        self.groups = lane_groups(mask)  # attention skips each lane's padding
 
     def finished(self, tokens: list[int]) -> bool:
-        """Whether a row's answer `tokens` is complete (the decoders' shared rule)."""
+        """Whether a lane's answer `tokens` is complete (the decoders' shared rule)."""
         return is_finished(tokens, self.max_new_tokens, self.stop_ids)
 
     def _forward(
@@ -293,7 +293,7 @@ class _Decoding:
         """Greedy token after each fed position (after the last `keep` ones when keep > 0), and
         their log p (batch, positions) as nested lists, or None when not asked for."""
         self.mask = torch.cat([self.mask, new_mask], dim=1)
-        with torch.no_grad(), attention_row_groups(self.groups):
+        with torch.no_grad(), attention_lane_groups(self.groups):
             out = self.model(
                 input_ids=inputs,
                 past_key_values=self.cache,
@@ -306,7 +306,7 @@ class _Decoding:
         return tokens.tolist(), logprobs
 
     def verify_draft(self, question_ids: list[int], draft: list[int]) -> None:
-        """One teacher-forced forward of question + draft for every row; keep each row's agreeing prefix."""
+        """One teacher-forced forward of question + draft for every lane; keep each lane's agreeing prefix."""
         device = self.model.device
         fed = list(question_ids) + list(draft[:-1])
         inputs = torch.as_tensor(fed, device=device).view(1, -1).expand(self.n, -1)
@@ -317,40 +317,40 @@ class _Decoding:
         choices, logprobs = self._forward(
             inputs, positions, torch.ones((self.n, len(fed)), dtype=self.mask.dtype, device=device), keep=keep
         )
-        for row in range(self.n):
+        for lane in range(self.n):
             # The question's last token is the pending one, the draft its proposal.
-            tokens = self.answers[row]
-            kept, scored = (self.logprobs[row], logprobs[row]) if logprobs is not None else (None, None)
-            accept(tokens, choices[row], draft, self.max_new_tokens, self.stop_ids, kept, scored)
-            # Slots the row saw: the question and the draft tokens it agreed with before its last token.
-            self.mask[row, base + self.q_len + len(tokens) - 1 :] = 0
+            tokens = self.answers[lane]
+            kept, scored = (self.logprobs[lane], logprobs[lane]) if logprobs is not None else (None, None)
+            accept(tokens, choices[lane], draft, self.max_new_tokens, self.stop_ids, kept, scored)
+            # Slots the lane saw: the question and the draft tokens it agreed with before its last token.
+            self.mask[lane, base + self.q_len + len(tokens) - 1 :] = 0
             if not self.finished(tokens):
-                self.active.append(row)
+                self.active.append(lane)
 
     def compact(self) -> None:
-        """Drop finished rows from the batch when they are the majority."""
-        if 2 * len(self.active) > len(self.rows):
+        """Drop finished lanes from the batch when they are the majority."""
+        if 2 * len(self.active) > len(self.lanes):
             return
-        keep = [self.rows.index(r) for r in self.active]  # ascending: active keeps the rows' order
+        keep = [self.lanes.index(r) for r in self.active]  # ascending: active keeps the lanes' order
         for layer in self.cache.layers:
-            layer.select_rows(keep)
+            layer.select_lanes(keep)
         self.mask = self.mask.index_select(0, torch.as_tensor(keep, device=self.mask.device))
-        self.rows = list(self.active)
-        self.groups = row_groups(self.mask)
+        self.lanes = list(self.active)
+        self.groups = lane_groups(self.mask)
 
     def step(self, proposers: dict[int, Proposer]) -> None:
-        """Feed each active row its pending token plus its proposer's proposal; accept what its
+        """Feed each active lane its pending token plus its proposer's proposal; accept what its
         greedy choice confirms (:func:`~certkv.engine.speculation.accept`)."""
         proposals = {r: proposers[r].propose(self.answers[r], self.max_new_tokens - len(self.answers[r]))
                      for r in self.active}
         self.compact()
         device = self.model.device
-        size = len(self.rows)
+        size = len(self.lanes)
         width = 1 + max(len(proposals[r]) for r in self.active)
         inputs = torch.zeros((size, width), dtype=torch.long, device=device)
         positions = torch.zeros((size, width), dtype=torch.long, device=device)
         new_mask = torch.zeros((size, width), dtype=self.mask.dtype, device=device)
-        where = {r: b for b, r in enumerate(self.rows)}
+        where = {r: b for b, r in enumerate(self.lanes)}
         for r in self.active:
             b = where[r]
             fed = [self.answers[r][-1]] + proposals[r]

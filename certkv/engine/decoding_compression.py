@@ -1,4 +1,4 @@
-"""kvpress's decoding-time compression for one row of a ragged batch, applied once tokens are confirmed.
+"""kvpress's decoding-time compression for one lane of a ragged batch, applied once tokens are confirmed.
 
 kvpress's decoding presses (``DecodingPress`` and ``CompressionRatioDecodingPress``, alone or as
 the decoding half of ``PrefillDecodingPress``) work from a forward hook: each decoding forward is
@@ -7,13 +7,13 @@ one *step*; the hook buffers the layer's input hidden states of every step and, 
 and the layer's cache to the wrapped scorer press, which keeps its target. The pipeline feeds one
 token per step, so a step is a token.
 
-A ragged batch (:mod:`certkv.engine.ragged_decode`) feeds a row several tokens in one forward: its
+A ragged batch (:mod:`certkv.engine.ragged_decode`) feeds a lane several tokens in one forward: its
 pending token and proposals (prompt lookup, or a draft during calibration) of which only the first
 ones the greedy choice confirms stay. Running kvpress's hook there would count the forward as one
 step and compress a cache that may hold rejected tokens. :class:`DecodingCompression` keeps the
-same books per row and per layer instead, but after the forward, over the confirmed tokens only:
+same books per lane and per layer instead, but after the forward, over the confirmed tokens only:
 
-* :meth:`DecodingCompression.room` caps what a row may feed so that a forward never runs past the
+* :meth:`DecodingCompression.room` caps what a lane may feed so that a forward never runs past the
   next event (the tokens up to the event are exactly the pipeline's steps up to it);
 * :meth:`DecodingCompression.capture` keeps a forward's layer inputs, (1, fed, hidden) per layer;
 * :meth:`DecodingCompression.confirm` moves the confirmed tokens' inputs into the step buffer,
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 
 class CompressibleLayer(Protocol):
-    """One layer of one row's cache: keys and values (1, H_kv, n, d), replaced by :meth:`keep`."""
+    """One layer of one lane's cache: keys and values (1, H_kv, n, d), replaced by :meth:`keep`."""
 
     @property
     def keys(self) -> torch.Tensor: ...
@@ -66,10 +66,10 @@ def decoding_press_of(press: Any) -> DecodingPress | None:
 
 @dataclass
 class DecodingCompression:
-    """The decoding-time books of one row under a kvpress decoding press (module docstring).
+    """The decoding-time books of one lane under a kvpress decoding press (module docstring).
 
     `press` is the decoding press (:func:`decoding_press_of`); its ``compress`` is called, never
-    its hook, so its own state stays untouched and one press may serve many rows. `steps` counts
+    its hook, so its own state stays untouched and one press may serve many lanes. `steps` counts
     the steps since the last event (every layer compresses at the same steps); `buffer` holds per
     layer the buffered steps' inputs, a list of (1, tokens, hidden) tensors, at most the press's
     ``hidden_states_buffer_size`` of them; `pending` a forward's inputs until :meth:`confirm`.
@@ -85,7 +85,7 @@ class DecodingCompression:
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def room(self) -> int:
-        """How many tokens the row's next forward may feed: up to and including the next event's."""
+        """How many tokens the lane's next forward may feed: up to and including the next event's."""
         if self.every_step:
             return 1
         return max(1, self.press.compression_interval - self.steps)
@@ -116,7 +116,7 @@ class DecodingCompression:
         else:
             steps = {i: list(h[:, :confirmed].split(1, dim=1)) for i, h in pending.items()}
             if confirmed > self.room():
-                raise RuntimeError("a forward ran past its row's compression event; feed at most room() tokens")
+                raise RuntimeError("a forward ran past its lane's compression event; feed at most room() tokens")
             event = self.every_step or self.steps + confirmed >= self.press.compression_interval
             event_positions = [first_position + confirmed - 1]
             self.every_step = self._target(first_position + confirmed) <= 1
@@ -136,7 +136,7 @@ class DecodingCompression:
                   interval: int | None = None) -> int:
         """The most entries a layer holding `length` now may hold from here to the answer's end.
 
-        `to_feed`: the most tokens the row may still feed (each token step one; a forward's
+        `to_feed`: the most tokens the lane may still feed (each token step one; a forward's
         rejected proposals are fed before they are cropped, so count one more than the answer's
         tokens left); `last_position`: the position of the last token it could feed; `to_event`:
         tokens fed before the next event (default :meth:`room`); `interval`: the most steps between

@@ -3,12 +3,12 @@
 Score-based presses (plain kvpress ScorerPress subclasses) take the fast path: their top-k indices
 are recorded during the single full prefill (:mod:`certkv.engine.scoring`) and their answers are
 decoded together (:mod:`certkv.engine.batched_decode`). Decoding-time presses whose choices survive
-a batched forward decode together as rows drafted by the full answer (:mod:`certkv.engine.decoding_rows`);
+a batched forward decode together as lanes drafted by the full answer (:mod:`certkv.engine.decoding_lanes`);
 any other press (wrappers, threshold presses, the rest of the decoding-time ones) runs through
 kvpress's own context manager with a prefill of its own. Both are labelled ``path="pipeline"`` in
-the records: each answer is its own generation (a drafted row's seconds are its batch's, shared
+the records: each answer is its own generation (a drafted lane's seconds are its batch's, shared
 evenly). A request that has such decoding-time presses decodes its gathered candidates (fast-path
-and response-aware) as rows of the same batch, still labelled ``path="fast"``, each with its share
+and response-aware) as lanes of the same batch, still labelled ``path="fast"``, each with its share
 of the batch's time.
 """
 
@@ -29,11 +29,11 @@ from certkv.core.policy_names import REFERENCE_POLICY
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, kept_count, padded_cache
 from certkv.engine.decode_reserve import decode_reserve
-from certkv.engine.decoding_rows import batchable_decoding_press, decode_rows, prefilled_row, run_of
+from certkv.engine.decoding_lanes import batchable_decoding_press, decode_lanes, prefilled_lane, run_of
 from certkv.engine.decoding_run import is_decoding_press, run_decoding
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.probabilistic_decode import decode_probabilistic
-from certkv.engine.ragged_decode import Row, RowCache, gather_layer
+from certkv.engine.ragged_decode import Lane, LaneCache, gather_layer
 from certkv.engine.scoring import is_fast_path_press
 from certkv.model.generation import encode_request, for_protocol, greedy_decode, stop_token_ids
 from certkv.model.layers import attention_modules
@@ -79,11 +79,11 @@ class CandidateAnswer:
     on the context entries this candidate evicts (:func:`certkv.signals.lookahead.evicted_mass`),
     ``lookahead_mass`` its maximum; None when the engine runs no probe, for the full cache, and on
     the pipeline path (kvpress prunes there, the kept indices are not known).
-    ``seconds``: on the pipeline path the candidate's whole run (a decoding-time row: its share of
+    ``seconds``: on the pipeline path the candidate's whole run (a decoding-time lane: its share of
     its batch's); on the fast path its share of the scoring a response-aware press does after the
     prefill (0 for the others, whose cost is their share of the batched decodes,
-    ``Result.seconds["candidates_fast"]``), plus, when it decoded as a row (``own_seconds``), its
-    share of the rows' batch.
+    ``Result.seconds["candidates_fast"]``), plus, when it decoded as a lane (``own_seconds``), its
+    share of the lanes' batch.
     ``kv_peak`` / ``kv_time``: the generation's KV relative to the full cache's
     (:mod:`certkv.core.kv_cost`); ``logprobs``: each generated token's log p (None: not known).
     ``confidence_min_agreeing``: the lowest token probability up to and including the first token
@@ -92,7 +92,7 @@ class CandidateAnswer:
     ``certificate_max_agreeing``: the same for the largest step certificate (``certificates``: per
     token, certkv's probabilistic decoding press only).
     ``own_seconds``: ``seconds`` already holds a fast candidate's share of the decode it took part
-    in (a gathered candidate decoded as a row beside decoding-time ones); otherwise its share of the
+    in (a gathered candidate decoded as a lane beside decoding-time ones); otherwise its share of the
     request's batched fast decodes (``candidates_fast``) is added when it is recorded.
     """
 
@@ -155,7 +155,7 @@ class RequestResult:
 class _Prefilled:
     """One request in :meth:`Engine.run` after its single full prefill: the full cache, what each
     fast candidate keeps of it (`by_candidate`; also, under ``<policy>#prefilling``, what a decoding
-    row's prefilling scorer keeps) and each probabilistic candidate's sample
+    lane's prefilling scorer keeps) and each probabilistic candidate's sample
     (`sampled`); the lookahead probe (None: no probe) and the KV heads per layer; the time the
     candidates' evicted mass has taken so far (counted as lookahead); and per response-aware
     candidate its share of the scoring it shares with the retentions of its press
@@ -179,7 +179,7 @@ class _Prefilled:
 
 
 def _prefilling_key(policy: str) -> str:
-    """Where a decoding-time row's prefilling scorer records its kept entries in the full prefill's
+    """Where a decoding-time lane's prefilling scorer records its kept entries in the full prefill's
     selections (beside the fast candidates', keyed by policy: ``#`` is in no policy name)."""
     return f"{policy}#prefilling"
 
@@ -222,14 +222,14 @@ class Engine:
         # Decoded from kept entries gathered out of the full cache: kvpress's scorers, chosen in the
         # prefill, and the response-aware presses, chosen right after it.
         self.gathered = self.fast + self.response_aware
-        # Compress while decoding: rows of one batch drafted by the full answer where the press's
-        # choices survive it (decoding_rows), else each on its own as kvpress's pipeline does (decoding_run).
+        # Compress while decoding: lanes of one batch drafted by the full answer where the press's
+        # choices survive it (decoding_lanes), else each on its own as kvpress's pipeline does (decoding_run).
         self.decoding = [c for c in self.candidates if is_decoding_press(c.press)]
-        self.decoding_rows = [c for c in self.decoding if batchable_decoding_press(c.press, model)]
-        # A row whose press also compresses prefills (a batchable one's prefilling half is a plain
+        self.decoding_lanes = [c for c in self.decoding if batchable_decoding_press(c.press, model)]
+        # A lane whose press also compresses prefills (a batchable one's prefilling half is a plain
         # kvpress scorer) takes that scorer's kept entries from the request's one full prefill,
-        # recorded there beside the fast candidates' (prefilled_row).
-        self.prefilling_scorers = {_prefilling_key(c.policy): c.press.prefilling_press for c in self.decoding_rows
+        # recorded there beside the fast candidates' (prefilled_lane).
+        self.prefilling_scorers = {_prefilling_key(c.policy): c.press.prefilling_press for c in self.decoding_lanes
                                    if getattr(c.press, "prefilling_press", None) is not None}
         self.slow = [
             c for c in self.candidates
@@ -237,15 +237,15 @@ class Engine:
         ]
 
     @property
-    def row_candidates(self) -> list[PressCandidate]:
-        """The candidates a request decodes as rows of one ragged batch (:meth:`_decoding_rows_answers`):
+    def lane_candidates(self) -> list[PressCandidate]:
+        """The candidates a request decodes as lanes of one ragged batch (:meth:`_decoding_lanes_answers`):
         the batchable decoding-time ones and, beside them, the gathered ones; none without the former."""
-        return [*self.decoding_rows, *self.gathered] if self.decoding_rows else []
+        return [*self.decoding_lanes, *self.gathered] if self.decoding_lanes else []
 
     def _chunks(self, cache, kept: dict[str, int], reserve: int) -> list[list[PressCandidate]]:
         """Fast candidates grouped into padded batches, longest kept caches first.
 
-        Rows are padded to the longest cache of their batch, but attention skips the padding (rows
+        Lanes are padded to the longest cache of their batch, but attention skips the padding (lanes
         are right-aligned and attended in groups of equal length), so padding costs only memory
         and the gather: one batch is best (each forward reads every weight once). A batch closes
         once its padding would exceed `max_padding_bytes`, or its size `max_batch_bytes`.
@@ -266,10 +266,10 @@ class Engine:
         return chunks
 
     def _probabilistic_chunks(self, cache, width: int) -> list[list[PressCandidate]]:
-        """Probabilistic candidates in batches of at most `max_batch_bytes` (a row holds up to the
-        whole context: sampled rows are padded to the widest)."""
-        per_row = _bytes_per_token(cache) * width
-        size = max(1, self.max_batch_bytes // max(1, per_row))
+        """Probabilistic candidates in batches of at most `max_batch_bytes` (a lane holds up to the
+        whole context: sampled lanes are padded to the widest)."""
+        per_lane = _bytes_per_token(cache) * width
+        size = max(1, self.max_batch_bytes // max(1, per_lane))
         return [self.probabilistic[i : i + size] for i in range(0, len(self.probabilistic), size)]
 
     def precondition_failure(self, context_length: int) -> str | None:
@@ -306,10 +306,10 @@ class Engine:
         seconds["response_select"] = t1b - t1a
 
         # The full-KV answer, decoded speculatively (prompt lookup); it drafts for every candidate.
-        # With decoding rows it is the first row of their batch, drafting them as it grows.
+        # With decoding lanes it is the first lane of their batch, drafting them as it grows.
         answers: dict[str, CandidateAnswer] = {}
-        if self.decoding_rows:
-            draft, full_logprobs, seconds["full_decode"] = self._decoding_rows_answers(prefilled, answers)
+        if self.decoding_lanes:
+            draft, full_logprobs, seconds["full_decode"] = self._decoding_lanes_answers(prefilled, answers)
         else:
             logprobs_out: list = [None]
             draft = decode_full(self.model, prefilled.cache, enc, self.max_new_tokens, self.stop_ids, logprobs=logprobs_out)
@@ -317,20 +317,20 @@ class Engine:
         full = CandidateAnswer(REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, self._decode(draft), draft, "full")
         full.set_confidence(full_logprobs)
         t2a = time.perf_counter()
-        rows_mass = prefilled.mass_seconds  # the evicted mass of gathered candidates decoded as rows
-        seconds["candidates_decoding"] = t2a - t1b - seconds["full_decode"] - rows_mass
+        lanes_mass = prefilled.mass_seconds  # the evicted mass of gathered candidates decoded as lanes
+        seconds["candidates_decoding"] = t2a - t1b - seconds["full_decode"] - lanes_mass
         verify: dict[str, float] = {}
         reserve = decode_reserve(len(enc.question_ids), self.max_new_tokens)
         self._fast_answers(prefilled, draft, reserve, answers, verify)
         self._probabilistic_answers(prefilled, reserve, answers)
         t3 = time.perf_counter()
-        seconds["candidates_fast"] = t3 - t2a - (prefilled.mass_seconds - rows_mass)
+        seconds["candidates_fast"] = t3 - t2a - (prefilled.mass_seconds - lanes_mass)
         seconds["lookahead"] += prefilled.mass_seconds  # the probe and every candidate's evicted mass
         seconds["candidates_verify"] = verify.get("verify", 0.0)  # part of candidates_fast
         for c in self.slow:
             answers[c.policy] = self._run_pipeline(c, enc, context_tensor(self.model, enc.context_ids))
         for c in self.decoding:
-            if c not in self.decoding_rows:
+            if c not in self.decoding_lanes:
                 answers[c.policy] = self._run_decoding(c, enc)
         seconds["candidates_pipeline"] = time.perf_counter() - t3
         _set_generation_costs(full, answers.values(), n_ctx, len(enc.question_ids))
@@ -391,8 +391,8 @@ class Engine:
 
     def _fast_answers(self, prefilled: _Prefilled, draft: list[int], reserve: int, answers: dict, verify: dict) -> None:
         """The fast candidates' answers into `answers`, decoded in padded batches from the full
-        answer's draft (none left to do when they decoded as rows: :meth:`_decoding_rows_answers`)."""
-        if self.decoding_rows:
+        answer's draft (none left to do when they decoded as lanes: :meth:`_decoding_lanes_answers`)."""
+        if self.decoding_lanes:
             return
         enc, n_ctx, by_candidate = prefilled.enc, prefilled.n_ctx, prefilled.by_candidate
         kept = {c.policy: kept_count(by_candidate[c.policy], n_ctx) for c in self.gathered}
@@ -489,81 +489,81 @@ class Engine:
         answer.kv_peak, answer.kv_time = cost.peak, cost.time
         return answer
 
-    def _decoding_rows_answers(self, prefilled: _Prefilled, answers: dict) -> tuple[list[int], list[float], float]:
+    def _decoding_lanes_answers(self, prefilled: _Prefilled, answers: dict) -> tuple[list[int], list[float], float]:
         """The full answer, and the batchable decoding-time candidates' answers into `answers`,
-        decoded together as rows of one ragged batch (:mod:`certkv.engine.decoding_rows`) from the
+        decoded together as lanes of one ragged batch (:mod:`certkv.engine.decoding_lanes`) from the
         request's intact full prefill (whose context entries the candidates that do not compress
         prefills start from). Returns the full answer's ids, their log p and its share of the time.
 
-        The full answer is the first row (prompt lookup, as :func:`decode_full` decodes it) and
+        The full answer is the first lane (prompt lookup, as :func:`decode_full` decodes it) and
         drafts the others as it grows: a candidate proposes its next tokens while it follows it,
         prompt lookup otherwise. A long answer the lookup cannot draft takes a forward a token, and
         a forward of few tokens costs about as much as its weights take to read, so the full answer's
         forwards are shared with the candidates' instead of coming before them.
 
-        The gathered (prefill-time) candidates of such a request join the same rows, each from its
+        The gathered (prefill-time) candidates of such a request join the same lanes, each from its
         kept entries of the full prefill: a long answer that leaves the draft decodes for many
         forwards, and in one batch each forward reads the weights once for every candidate.
 
-        A row is allocated at most its whole prompt and answer, so the rows decoded at once are
-        capped by `max_batch_bytes` as the fast path's batches are; each row's time is its batch's
-        shared evenly (a row is not timed on its own)."""
+        A lane is allocated at most its whole prompt and answer, so the lanes decoded at once are
+        capped by `max_batch_bytes` as the fast path's batches are; each lane's time is its batch's
+        shared evenly (a lane is not timed on its own)."""
         enc, full = prefilled.enc, prefilled.cache
-        per_row = _bytes_per_token(full) * (len(enc.context_ids) + len(enc.question_ids) + self.max_new_tokens + 1)
-        size = max(1, self.max_batch_bytes // max(1, per_row))
+        per_lane = _bytes_per_token(full) * (len(enc.context_ids) + len(enc.question_ids) + self.max_new_tokens + 1)
+        size = max(1, self.max_batch_bytes // max(1, per_lane))
         t0 = time.perf_counter()
-        lead, members = self._full_row(prefilled), self.row_candidates
+        lead, members = self._full_lane(prefilled), self.lane_candidates
         lead_seconds = time.perf_counter() - t0  # its copy of the context, then its share of the first batch
         # the first batch holds the full answer and size − 1 candidates (none: it decodes alone)
         groups = [members[: size - 1], *(members[i : i + size] for i in range(size - 1, len(members), size))]
         for i, group in enumerate(groups):
             t0 = time.perf_counter()
-            rows = [self._row(c, prefilled, lead.answer) for c in group]
+            lanes = [self._lane(c, prefilled, lead.answer) for c in group]
             t1 = time.perf_counter()
-            batch = [lead] * (i == 0) + [row for row, _ in rows]
-            decode_rows(self.model, batch)
+            batch = [lead] * (i == 0) + [lane for lane, _ in lanes]
+            decode_lanes(self.model, batch)
             share = (time.perf_counter() - t1) / len(batch)
             if i == 0:
                 lead_seconds += share
                 lead.cache.layers.clear()  # its answer is all the later batches need
-            for c, (row, kept) in zip(group, rows):
-                seconds = (t1 - t0) / len(rows) + share  # its share of the gathers, and of the decode
+            for c, (lane, kept) in zip(group, lanes):
+                seconds = (t1 - t0) / len(lanes) + share  # its share of the gathers, and of the decode
                 if c in self.gathered:
-                    answers[c.policy] = self._gathered_answer(c, prefilled, row.answer, row.logprobs, kept, seconds)
+                    answers[c.policy] = self._gathered_answer(c, prefilled, lane.answer, lane.logprobs, kept, seconds)
                 else:
-                    answers[c.policy] = self._decoding_answer(c, enc, run_of(row, kept), seconds)
-            del rows, batch  # the next batch's caches are gathered after these are gone
+                    answers[c.policy] = self._decoding_answer(c, enc, run_of(lane, kept), seconds)
+            del lanes, batch  # the next batch's caches are gathered after these are gone
         return lead.answer, lead.logprobs, lead_seconds
 
-    def _full_row(self, prefilled: _Prefilled) -> Row:
-        """The full-cache answer as a ragged row over a copy of the full prefill's context entries,
+    def _full_lane(self, prefilled: _Prefilled) -> Lane:
+        """The full-cache answer as a ragged lane over a copy of the full prefill's context entries,
         with prompt-lookup proposals (:func:`decode_full`'s answer, token for token)."""
-        return self._gathered_row(prefilled, [None] * len(prefilled.cache.layers), None)
+        return self._gathered_lane(prefilled, [None] * len(prefilled.cache.layers), None)
 
-    def _row(self, c: PressCandidate, prefilled: _Prefilled, draft: list[int]) -> tuple[Row, float]:
-        """Candidate `c` of a request as a ragged row drafted by the full answer, and the entries
+    def _lane(self, c: PressCandidate, prefilled: _Prefilled, draft: list[int]) -> tuple[Lane, float]:
+        """Candidate `c` of a request as a ragged lane drafted by the full answer, and the entries
         its prefill left: a decoding-time press's own prefill, or a gathered candidate's kept entries."""
         if c not in self.gathered:
-            return prefilled_row(self.model, c.press, prefilled.enc, self.max_new_tokens, self.stop_ids,
-                                 full=prefilled.cache, draft=draft,
-                                 selection=prefilled.by_candidate.get(_prefilling_key(c.policy)))
+            return prefilled_lane(self.model, c.press, prefilled.enc, self.max_new_tokens, self.stop_ids,
+                                  full=prefilled.cache, draft=draft,
+                                  selection=prefilled.by_candidate.get(_prefilling_key(c.policy)))
         selection = prefilled.by_candidate[c.policy]
-        return self._gathered_row(prefilled, selection, draft), float(kept_count(selection, prefilled.n_ctx))
+        return self._gathered_lane(prefilled, selection, draft), float(kept_count(selection, prefilled.n_ctx))
 
-    def _gathered_row(self, prefilled: _Prefilled, selection: list, draft: list[int] | None) -> Row:
-        """A row over the full prefill's context entries that `selection` keeps per layer (None: the
+    def _gathered_lane(self, prefilled: _Prefilled, selection: list, draft: list[int] | None) -> Lane:
+        """A lane over the full prefill's context entries that `selection` keeps per layer (None: the
         whole layer), room for the question and answer, prompt lookup after `draft` (None: none)."""
         enc, n_ctx = prefilled.enc, prefilled.n_ctx
         room = len(enc.question_ids) + self.max_new_tokens + 1
-        cache = RowCache([gather_layer(layer.keys, layer.values, kept, n_ctx, room)
-                          for layer, kept in zip(prefilled.cache.layers, selection)])
-        return Row(cache, list(enc.question_ids), n_ctx, self.max_new_tokens, self.stop_ids,
-                   lookup_ids=list(enc.context_ids), want_logprobs=True, draft=draft)
+        cache = LaneCache([gather_layer(layer.keys, layer.values, kept, n_ctx, room)
+                           for layer, kept in zip(prefilled.cache.layers, selection)])
+        return Lane(cache, list(enc.question_ids), n_ctx, self.max_new_tokens, self.stop_ids,
+                    lookup_ids=list(enc.context_ids), want_logprobs=True, draft=draft)
 
     def _gathered_answer(self, c: PressCandidate, prefilled: _Prefilled, ids: list[int], logprobs: list[float],
                          kept: float, decode_seconds: float | None = None) -> CandidateAnswer:
         """A gathered candidate's answer: `ids` with their `logprobs`, from `kept` entries of the
-        context; `decode_seconds`, its share of the rows' decode when it decoded as a row (else its
+        context; `decode_seconds`, its share of the lanes' decode when it decoded as a lane (else its
         share of the padded fast decodes is added when recorded: ``CandidateAnswer.own_seconds``)."""
         select = prefilled.select_seconds.get(c.policy, 0.0)
         answer = CandidateAnswer(c.policy, c.press_name, c.kv_retained, kept / prefilled.n_ctx, self._decode(ids), ids,

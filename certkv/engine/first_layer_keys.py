@@ -7,15 +7,15 @@ keys of *equal* norm up to rounding, so which copy K-norm evicts is decided by t
 Those bits depend on the shape of the key projection's matrix product: on CPU a (1, d) × (d, d_kv)
 product and a (T, d) × (d, d_kv) one round 80–90 % of their entries differently (torch 2.13).
 kvpress's pipeline projects the question in one forward of its own and every answer token in a
-forward of one token; a ragged batch projects all its rows' tokens in one product.
+forward of one token; a ragged batch projects all its lanes' tokens in one product.
 
 So inside a ragged forward, :func:`pipeline_first_layer_keys` recomputes the first layer's key
-projection for the rows under such a press the way the pipeline shapes it: a row's question as one
+projection for the lanes under such a press the way the pipeline shapes it: a lane's question as one
 (1, q, d) product, every later token (pending token or proposal) as a (1, 1, d) one. The norm
 before it reduces each token's own vector and gives the same bits at any batch size on the CPU
 (tested). A GPU's reduction kernels may split that sum by the number of tokens, so off the CPU a
 key-norm press decodes alone until this is checked there
-(:func:`~certkv.engine.decoding_rows.batchable_decoding_press`). Deeper layers mix each
+(:func:`~certkv.engine.decoding_lanes.batchable_decoding_press`). Deeper layers mix each
 token with its own context, so their keys carry no such exact ties; their rounding matters no more
 than it does for TOVA's attention scores. Measured on the embedded recitation model (K-norm keeping 0.2,
 0.4 and 0.5 every 8 steps, 140 tokens): 16 of 24 generations (8 requests) departed from kvpress's
@@ -55,12 +55,12 @@ def first_layer_key_projection(model: PreTrainedModel) -> torch.nn.Linear | None
 
 
 @contextmanager
-def pipeline_first_layer_keys(model: PreTrainedModel, rows: Sequence[tuple[slice, bool]]) -> Iterator[None]:
+def pipeline_first_layer_keys(model: PreTrainedModel, lanes: Sequence[tuple[slice, bool]]) -> Iterator[None]:
     """Within the block (one ragged forward over a packed sequence), the first layer's key
-    projection gives the pipeline's bits (module docstring) to `rows`: for each row whose decoding
+    projection gives the pipeline's bits (module docstring) to `lanes`: for each lane whose decoding
     press ranks keys by norm, where its tokens sit in the packed sequence and whether they are its
-    question (its first forward). The other tokens keep the batched product's. No-op for no rows."""
-    if not rows:
+    question (its first forward). The other tokens keep the batched product's. No-op for no lanes."""
+    if not lanes:
         yield
         return
     projection = first_layer_key_projection(model)
@@ -70,7 +70,7 @@ def pipeline_first_layer_keys(model: PreTrainedModel, rows: Sequence[tuple[slice
 
     def as_the_pipeline(module: torch.nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
         hidden, out = args[0], out.clone()  # hidden (1, T, d) → out (1, T, d_kv)
-        for span, question in rows:
+        for span, question in lanes:
             pieces = [span] if question else [slice(j, j + 1) for j in range(span.start, span.stop)]
             for piece in pieces:
                 alone = hidden[:, piece].clone()  # its own (1, t, d) tensor, as the pipeline feeds it

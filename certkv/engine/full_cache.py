@@ -49,7 +49,7 @@ def prefill_full(
 ) -> tuple[DynamicCache, dict[str, list[torch.Tensor | None]], dict[str, list[Selection | None]]]:
     """The one full prefill of a request: returns (cache, fast selections, probabilistic selections).
 
-    `fast` / `probabilistic` map a name (a policy's, or the engine's key for a decoding row's
+    `fast` / `probabilistic` map a name (a policy's, or the engine's key for a decoding lane's
     prefilling scorer) to its press (the engine's scoring / selection hooks record their kept
     entries per layer); `recorder` is an AgreementRecorder or None;
     `observers` are response-aware presses whose ``observe()`` records prompt-side statistics
@@ -90,7 +90,7 @@ def decode_full(
 ) -> list[int]:
     """The full-cache answer from a full prefill's `cache`.
 
-    :func:`~certkv.engine.batched_decode.decode_candidates` over the full cache (one row, every
+    :func:`~certkv.engine.batched_decode.decode_candidates` over the full cache (one lane, every
     one of the n_ctx slots visible, no draft: speculative greedy decoding with prompt lookup); the
     cache is cropped back to the context first and afterwards, so it can serve again (the engine
     gathers every candidate's cache from it). `logprobs`, when given, is a one-element list that

@@ -7,8 +7,8 @@ full cache after its prefill (``certkv serve``'s lean run, with no gate that rea
 can drop each layer's evicted entries as soon as that layer is prefilled: a layer's cache is read
 by its own attention only, so the later layers compute the same. :class:`LayerPruner` does that
 from a forward hook that runs after the scoring hooks: it gathers the layer's kept entries into a
-:class:`~certkv.engine.ragged_decode.RowLayer` with room for the question and answer (the entries
-and order of :func:`~certkv.engine.ragged_decode.gather_row`, so the answer is the same) and
+:class:`~certkv.engine.ragged_decode.LaneLayer` with room for the question and answer (the entries
+and order of :func:`~certkv.engine.ragged_decode.gather_lane`, so the answer is the same) and
 empties the full layer.
 
 The KV held then peaks while the last layer is gathered: every layer's kept entries and room, plus
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpress.presses.base_press import is_prefilling
 
-from certkv.engine.ragged_decode import RowCache, RowLayer, gather_layer
+from certkv.engine.ragged_decode import LaneCache, LaneLayer, gather_layer
 from certkv.model.layers import attention_modules
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class LayerPruner:
     def __init__(self, context_length: int, room: int) -> None:
         self.context_length, self.room = context_length, room
         self.selection: list[Any] = []
-        self.layers: list[RowLayer] = []
+        self.layers: list[LaneLayer] = []
 
     def hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         """A forward hook on an attention module, registered after the scoring hooks."""
@@ -86,9 +86,9 @@ class LayerPruner:
             for handle in handles:
                 handle.remove()
 
-    def row(self) -> RowCache:
+    def lane(self) -> LaneCache:
         """The kept entries of every layer, once the prefill has run."""
-        return RowCache(self.layers)
+        return LaneCache(self.layers)
 
 
 __all__ = ["LayerPruner", "pruned_peak_slots"]

@@ -3,18 +3,18 @@
 A :class:`~certkv.presses.probabilistic.ProbabilisticPress` prunes layer *i* after layer *i*'s
 attention over the full context, like every kvpress press, so its selection of every layer can be
 computed from the engine's single full prefill (:func:`selection_hooks`) and each candidate's cache
-gathered afterwards. The candidates of one request are then decoded together, one batch row each,
-under the Hájek attention: each row's state carries its own log π and validity per slot, so rows
+gathered afterwards. The candidates of one request are then decoded together, one batch lane each,
+under the Hájek attention: each lane's state carries its own log π and validity per slot, so lanes
 with different kept counts share one padded width (padding slots get a −inf logit and weigh
 exactly 0, as the press's own padding does).
 
-The head/tail split of the batch state is the smallest head over its rows: the extra head slots
-of the other rows have π = 1, hence 1 − π = 0, and contribute nothing to the certificate sum, so
-each row's certificate is the one of its own split (up to float summation order).
+The head/tail split of the batch state is the smallest head over its lanes: the extra head slots
+of the other lanes have π = 1, hence 1 − π = 0, and contribute nothing to the certificate sum, so
+each lane's certificate is the one of its own split (up to float summation order).
 
 Decoding follows :func:`certkv.model.generation.greedy_decode` step for step (question feed, then one
-call per generated token but the last, each row ending by the decoders' shared rule,
-:func:`certkv.model.stopping.is_finished`), and each row's certificate maximum is taken over
+call per generated token but the last, each lane ending by the decoders' shared rule,
+:func:`certkv.model.stopping.is_finished`), and each lane's certificate maximum is taken over
 exactly the calls its own answer needed. That is what the
 runtime, which decodes one request at a time and escalates when any step's certificate exceeds
 the bound (checked every few steps and at the end), computes too: "escalated" ⇔
@@ -118,9 +118,9 @@ def _full_selection(n_heads: int, context_length: int, device: torch.device) -> 
 def gathered_cache(
     full_cache: DynamicCache, selections: Sequence[Sequence[Selection | None]], context_length: int
 ) -> tuple[DynamicCache, list[HajekState]]:
-    """One batch cache (a row per candidate) and the Hájek state of every layer.
+    """One batch cache (a lane per candidate) and the Hájek state of every layer.
 
-    `selections[c][layer]` is candidate c's Selection (batch 1) or None (keep everything). All rows
+    `selections[c][layer]` is candidate c's Selection (batch 1) or None (keep everything). All lanes
     and layers are padded to one width, because transformers builds one mask for every layer.
     """
     first = full_cache.layers[0].keys
@@ -132,8 +132,8 @@ def gathered_cache(
     cache = DynamicCache()
     states = []
     for layer_idx in range(len(filled[0])):
-        rows = [pad_selection(per_layer[layer_idx], width) for per_layer in filled]
-        index = torch.cat([r.indices for r in rows], dim=0)
+        lanes = [pad_selection(per_layer[layer_idx], width) for per_layer in filled]
+        index = torch.cat([r.indices for r in lanes], dim=0)
         keys = full_cache.layers[layer_idx].keys[:, :, :context_length]
         values = full_cache.layers[layer_idx].values[:, :, :context_length]
         n = index.shape[0]
@@ -142,10 +142,10 @@ def gathered_cache(
         cache.update(k.contiguous(), v.contiguous(), layer_idx)
         states.append(
             HajekState(
-                torch.cat([r.log_pi for r in rows], dim=0),
-                torch.cat([r.valid for r in rows], dim=0),
-                torch.cat([r.counts for r in rows], dim=0),
-                min(r.n_head for r in rows),
+                torch.cat([r.log_pi for r in lanes], dim=0),
+                torch.cat([r.valid for r in lanes], dim=0),
+                torch.cat([r.counts for r in lanes], dim=0),
+                min(r.n_head for r in lanes),
                 context_length,
             )
         )
@@ -169,7 +169,7 @@ def decode_probabilistic(
     given (one slot per candidate), receives them too, as ``decode_candidates`` fills it.
 
     One token a forward, not :mod:`certkv.engine.speculation`'s proposals: the Hájek attention records a
-    certificate per forward, and a row's maximum must be over the one-token forwards its answer takes.
+    certificate per forward, and a lane's maximum must be over the one-token forwards its answer takes.
     """
     if not selections:
         return []
@@ -181,32 +181,32 @@ def decode_probabilistic(
     q = torch.as_tensor(question_ids, device=device).view(1, -1).expand(n, -1)
     positions = torch.arange(context_length, context_length + q.shape[1], device=device).expand(n, -1)
     answers: list[list[int]] = [[] for _ in range(n)]
-    row_logprobs: list[list[float]] = [[] for _ in range(n)]
+    lane_logprobs: list[list[float]] = [[] for _ in range(n)]
     done = [False] * n
     try:
         for module, state in zip(modules, states):
             set_state(module, state)
         with torch.no_grad(), use_hajek_attention(model):
-            # The question first, then every row's last token until all rows are finished; the
-            # batch moves together, so a finished row's later tokens are computed but not kept.
+            # The question first, then every lane's last token until all lanes are finished; the
+            # batch moves together, so a finished lane's later tokens are computed but not kept.
             fed, fed_positions = q, positions
             while not all(done):
                 out = model(input_ids=fed, past_key_values=cache, position_ids=fed_positions, logits_to_keep=1)
                 tokens = out.logits[:, -1].argmax(dim=-1)
                 step_logprobs = chosen_logprobs(out.logits[:, -1], tokens).tolist()
-                for row, token in enumerate(tokens.tolist()):
-                    if not done[row]:
-                        answers[row].append(token)
-                        row_logprobs[row].append(step_logprobs[row])
-                        done[row] = is_finished(answers[row], max_new_tokens, stop_ids)
+                for lane, token in enumerate(tokens.tolist()):
+                    if not done[lane]:
+                        answers[lane].append(token)
+                        lane_logprobs[lane].append(step_logprobs[lane])
+                        done[lane] = is_finished(answers[lane], max_new_tokens, stop_ids)
                 fed, fed_positions = tokens.view(n, 1), fed_positions[:, -1:] + 1
         steps = certificate_steps(model)
     finally:
         clear_states(model)
     if logprobs is not None:
-        logprobs[:] = row_logprobs
-    # A row's answer of T tokens took T calls: the question feed and every token but the last.
+        logprobs[:] = lane_logprobs
+    # A lane's answer of T tokens took T calls: the question feed and every token but the last.
     return [
-        ProbabilisticAnswer(ids, max(steps[row][: len(ids)], default=0.0), float(kept[row]), row_logprobs[row])
-        for row, ids in enumerate(answers)
+        ProbabilisticAnswer(ids, max(steps[lane][: len(ids)], default=0.0), float(kept[lane]), lane_logprobs[lane])
+        for lane, ids in enumerate(answers)
     ]

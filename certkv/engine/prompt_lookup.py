@@ -1,8 +1,8 @@
 """Prompt-lookup proposals for speculative greedy decoding: plain python, no torch.
 
-:class:`certkv.engine.speculation.Proposer` proposes from here to every speculative decoder's rows
+:class:`certkv.engine.speculation.Proposer` proposes from here to every speculative decoder's lanes
 once they leave their draft (or have none); retrieval answers are mostly copied from the context,
-so a proposal is usually accepted whole. :class:`ProposalLength` sizes each row's proposals by
+so a proposal is usually accepted whole. :class:`ProposalLength` sizes each lane's proposals by
 what it accepted before.
 Kept apart from the decoding itself so that it can be tested without the model stack.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class PromptLookup:
     """Prompt-lookup proposals: what followed the latest earlier occurrence of the last n tokens.
 
-    The history searched is the prompt (context and question) followed by the row's own answer
+    The history searched is the prompt (context and question) followed by the lane's own answer
     before its last token, so a degenerate repetition ("7 7 7") is proposed too, not only text
     copied from the context. The prompt's n-grams are indexed once per request; only the short
     answer part is scanned per call.
@@ -30,7 +30,7 @@ class PromptLookup:
                 self.latest[tuple(prompt[start : start + n])] = start
 
     def propose(self, tokens: list[int], budget: int) -> list[int]:
-        """Up to `budget` tokens to try after `tokens` (the row's answer so far); [] for none."""
+        """Up to `budget` tokens to try after `tokens` (the lane's answer so far); [] for none."""
         if budget <= 0 or not tokens:
             return []
         history = self.prompt + tokens[:-1]
@@ -50,11 +50,11 @@ class PromptLookup:
 
 @dataclass
 class ProposalLength:
-    """How many tokens a row's next prompt-lookup proposal may hold, following its acceptance.
+    """How many tokens a lane's next prompt-lookup proposal may hold, following its acceptance.
 
     Every proposed token costs compute in the forward that verifies it, accepted or not (and, in a
-    padded batch, a cache slot each later forward attends over). A row copying its context has its
-    proposals accepted whole; a row writing its own text, or one that has left the draft and finds
+    padded batch, a cache slot each later forward attends over). A lane copying its context has its
+    proposals accepted whole; a lane writing its own text, or one that has left the draft and finds
     only one-token matches, has them rejected at once. So the length doubles after a proposal
     accepted whole and drops to one more than was accepted (at least `least`) after one rejected
     part-way. The proposal tokens change how many forwards an answer takes, never the answer.

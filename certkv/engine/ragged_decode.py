@@ -3,28 +3,34 @@
 ``certkv serve`` decodes every in-flight request in one forward per step (continuous batching).
 Their caches differ in everything: length, which entries were kept, the position the question
 starts at. Padding them to one width would spend on padding the memory that eviction freed, so
-each request keeps its own cache (:class:`RowCache`: per layer one (1, H_kv, capacity, d) buffer,
-filled to its length) and only the projections and MLPs run batched, over the rows' fed tokens
-packed one row after another into one (1, T) sequence (:func:`packed_spans`), so a row fed one
-token costs one token's work beside a row fed sixteen. Attention runs once per row,
-over that row's keys alone (:func:`ragged_attention`, registered with transformers' attention
-interface under :data:`NAME`): the same shapes and the same kernel choice as the one-row decode of
-:func:`certkv.engine.batched_decode.decode_candidates`, so that each row's answer is that of the
+each request keeps its own cache (:class:`LaneCache`: per layer one (1, H_kv, capacity, d) buffer,
+filled to its length) and only the projections and MLPs run batched, over the lanes' fed tokens
+packed one lane after another into one (1, T) sequence (:func:`packed_spans`), so a lane fed one
+token costs one token's work beside a lane fed sixteen. Attention runs once per lane,
+over that lane's keys alone (:func:`ragged_attention`, registered with transformers' attention
+interface under :data:`NAME`): the same shapes and the same kernel choice as the one-lane decode of
+:func:`certkv.engine.batched_decode.decode_candidates`, so that each lane's answer is that of the
 runtime decoding it alone.
 
-Decoding follows ``decode_candidates`` with an empty draft, row by row: a row's first forward feeds
-its question (positions from the row's ``position``), then each step feeds the row's pending token
+Terms. A *lane* is one sequence of a decode batch: one request (or candidate) with its own cache and
+answer, advanced by the batch's forwards (:class:`Lane` here; the padded candidate batch of
+:mod:`certkv.engine.batched_decode` calls its batch positions lanes too). "Row" in certkv means a row
+of a table only (the loss table's, a printed report's), and "record" one request × candidate entry of
+the calibration store (docs/design.md, "Terms").
+
+Decoding follows ``decode_candidates`` with an empty draft, lane by lane: a lane's first forward feeds
+its question (positions from the lane's ``position``), then each step feeds the lane's pending token
 plus a proposal (its draft's next tokens while it follows one, else prompt lookup's, as long as the
-row's acceptance so far warrants; none for a row decoded plainly greedy, as kvpress's pipeline
+lane's acceptance so far warrants; none for a lane decoded plainly greedy, as kvpress's pipeline
 decodes); the tokens its greedy choice confirms stay in its cache, the rest are cropped away. The
 proposals and their acceptance are ``decode_candidates``'s own, written once in
-:mod:`certkv.engine.speculation`. A row stops by the decoders' shared rule, kvpress's
+:mod:`certkv.engine.speculation`. A lane stops by the decoders' shared rule, kvpress's
 (:func:`certkv.model.stopping.is_finished`: after ``max_new_tokens`` tokens, or after a stop token
 but never on the first).
 
 KV held is counted in *token slots*: one slot is one token's keys and values in every layer and KV
 head, so a request of n tokens with the full cache holds n slots, and a cache that keeps a share r
-of every layer holds r·n. :attr:`RowCache.slots` counts the allocated capacity, what a KV budget
+of every layer holds r·n. :attr:`LaneCache.slots` counts the allocated capacity, what a KV budget
 must cover.
 """
 
@@ -58,7 +64,7 @@ NAME = "certkv_ragged"
 logger = logging.getLogger(__name__)
 
 
-class RowLayer:
+class LaneLayer:
     """One layer of one request's cache: `keys` / `values` buffers (1, H_kv, capacity, d), of which
     the first `length` slots are filled."""
 
@@ -67,7 +73,7 @@ class RowLayer:
         self._outgrown = False
 
     @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> RowLayer:
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> LaneLayer:
         """A layer holding `keys` / `values` (1, H_kv, n, d), with `room` more slots allocated."""
         n = keys.shape[2]
         k = keys.new_empty((1, keys.shape[1], n + room, keys.shape[3]))
@@ -90,12 +96,12 @@ class RowLayer:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write (1, H_kv, n, d) new entries after the filled slots. Out of room, the buffers grow,
-        and a warning says so: a row is allocated all it can need (``certkv serve`` reserves that
+        and a warning says so: a lane is allocated all it can need (``certkv serve`` reserves that
         much of its KV budget), so growing means some reservation was too small."""
         end = self.length + keys.shape[2]
         if end > self.capacity:
             if not self._outgrown:  # once per layer: every later forward would say it again
-                logger.warning("a decoding row's layer outgrew its allocation (%d > %d slots): the KV budget "
+                logger.warning("a decoding lane's layer outgrew its allocation (%d > %d slots): the KV budget "
                                "reserved too little for it", end, self.capacity)
                 self._outgrown = True
             self._grow(end + max(keys.shape[2], self.capacity // 4))
@@ -116,7 +122,7 @@ class RowLayer:
 
     def fit(self, capacity: int) -> None:
         """Cut the buffers down to `capacity` slots (never below the filled ones), freeing the rest:
-        a row whose decoding-time press compressed gives back what it can no longer need."""
+        a lane whose decoding-time press compressed gives back what it can no longer need."""
         capacity = max(capacity, self.length)
         if capacity < self.capacity:
             self._keys = self._keys[:, :, :capacity].clone()
@@ -131,15 +137,15 @@ class RowLayer:
         self.length = n
 
 
-class RowCache:
-    """One request's cache, one :class:`RowLayer` per model layer."""
+class LaneCache:
+    """One request's cache, one :class:`LaneLayer` per model layer."""
 
-    def __init__(self, layers: list[RowLayer]) -> None:
+    def __init__(self, layers: list[LaneLayer]) -> None:
         self.layers = layers
 
     @classmethod
-    def adopt(cls, cache: DynamicCache, room: int) -> RowCache:
-        """Take over a one-row transformers cache, leaving `cache` empty.
+    def adopt(cls, cache: DynamicCache, room: int) -> LaneCache:
+        """Take over a one-lane transformers cache, leaving `cache` empty.
 
         A layer that already has `room` free slots (the engine's reserved layers) is used as it
         is; any other is copied into a buffer with that room, one layer at a time, and its tensors
@@ -148,12 +154,12 @@ class RowCache:
         """
         from certkv.engine.batched_decode import ReservedLayer
 
-        layers: list[RowLayer] = []
+        layers: list[LaneLayer] = []
         for layer in cache.layers:
             if isinstance(layer, ReservedLayer) and layer._keys.shape[2] - layer._length >= room:
-                layers.append(RowLayer(layer._keys[:1], layer._values[:1], layer._length))
+                layers.append(LaneLayer(layer._keys[:1], layer._values[:1], layer._length))
             else:
-                layers.append(RowLayer.holding(layer.keys, layer.values, room))
+                layers.append(LaneLayer.holding(layer.keys, layer.values, room))
             layer.keys = layer.values = None
             if isinstance(layer, ReservedLayer):
                 layer._keys = layer._values = None
@@ -172,19 +178,19 @@ class RowCache:
 
 
 @dataclass
-class Row:
+class Lane:
     """One request being decoded.
 
     `question_ids` are fed first, at positions from `position` (kvpress's: the uncompressed
     context length, or the pruned length for presses that continue from it); `lookup_ids` seed
     the prompt-lookup proposals (None: plain greedy, one token per step). `answer` and
-    `logprobs` fill as the row decodes; `done` once it has stopped. `draft`, when given, is
+    `logprobs` fill as the lane decodes; `done` once it has stopped. `draft`, when given, is
     proposed while the answer follows it (calibration's full-cache answer, possibly a list still
-    growing: the full answer's own row in the same batch), prompt lookup after or beyond its end.
-    `compression`: the row's decoding-time press books (None: its cache only grows); a forward
+    growing: the full answer's own lane in the same batch), prompt lookup after or beyond its end.
+    `compression`: the lane's decoding-time press books (None: its cache only grows); a forward
     then feeds no further than the press's next compression event, which follows it."""
 
-    cache: RowCache
+    cache: LaneCache
     question_ids: list[int]
     position: int
     max_new_tokens: int
@@ -198,12 +204,12 @@ class Row:
     draft: list[int] | None = None
     compression: DecodingCompression | None = None
     tag: Any = None
-    """The caller's handle on the row (the scheduler's request)."""
+    """The caller's handle on the lane (the scheduler's request)."""
     _proposer: Proposer = field(default_factory=lambda: Proposer(None))
 
     def __post_init__(self) -> None:
         if not self.question_ids:
-            raise ValueError("a row needs at least one question token to feed")
+            raise ValueError("a lane needs at least one question token to feed")
         if self.lookup_ids is not None:
             self._proposer.lookup = PromptLookup(list(self.lookup_ids) + list(self.question_ids))
 
@@ -214,7 +220,7 @@ class Row:
 
     @property
     def done(self) -> bool:
-        """Whether the row's answer is complete (the decoders' shared rule)."""
+        """Whether the lane's answer is complete (the decoders' shared rule)."""
         return is_finished(self.answer, self.max_new_tokens, self.stop_ids)
 
     def feed(self) -> tuple[list[int], int]:
@@ -237,11 +243,11 @@ class Row:
         return following(self.draft, self.answer)
 
     def most_held(self) -> list[int]:
-        """Per layer, the most entries the cache of a row under a decoding-time press may hold from
+        """Per layer, the most entries the cache of a lane under a decoding-time press may hold from
         now to the answer's end (:meth:`~certkv.engine.decoding_compression.DecodingCompression.most_held`)."""
         books = self.compression
         if books is None:
-            raise ValueError("only a row under a decoding-time press shrinks; this one only grows")
+            raise ValueError("only a lane under a decoding-time press shrinks; this one only grows")
         if not self.answer:
             return [books.first_peak(layer.length, len(self.question_ids), self.max_new_tokens, self.position)
                     for layer in self.cache.layers]
@@ -261,15 +267,15 @@ class Row:
         self._proposer.accepted(confirmed)
 
 
-#: The rows of the forward in progress, where each one's fed tokens sit in the packed sequence, and
-#: the causal masks built so far, by (new tokens, keys): every layer of a row needs the same one
+#: The lanes of the forward in progress, where each one's fed tokens sit in the packed sequence, and
+#: the causal masks built so far, by (new tokens, keys): every layer of a lane needs the same one
 #: (read by the attention).
-_FORWARD: ContextVar[tuple[Sequence[Row], Sequence[slice], dict[tuple[int, int], torch.Tensor]] | None] = ContextVar(
+_FORWARD: ContextVar[tuple[Sequence[Lane], Sequence[slice], dict[tuple[int, int], torch.Tensor]] | None] = ContextVar(
     "certkv_ragged_forward", default=None)
 
 
 def packed_spans(fed: Sequence[int]) -> list[slice]:
-    """Where each row's `fed` tokens sit in a ragged forward's one packed sequence, in row order.
+    """Where each lane's `fed` tokens sit in a ragged forward's one packed sequence, in lane order.
 
     >>> packed_spans([3, 1, 2])
     [slice(0, 3, None), slice(3, 4, None), slice(4, 6, None)]
@@ -278,18 +284,18 @@ def packed_spans(fed: Sequence[int]) -> list[slice]:
     return [slice(end - n, end) for n, end in zip(fed, ends)]
 
 
-class _RowsCache:
-    """What the model sees as its cache during a ragged forward: ``update`` writes each row's new
-    entries into its own :class:`RowCache`; the attention reads the rows back (:func:`ragged_attention`)."""
+class _LanesCache:
+    """What the model sees as its cache during a ragged forward: ``update`` writes each lane's new
+    entries into its own :class:`LaneCache`; the attention reads the lanes back (:func:`ragged_attention`)."""
 
-    def __init__(self, rows: Sequence[Row], spans: Sequence[slice]) -> None:
-        self.rows, self.spans = rows, spans
+    def __init__(self, lanes: Sequence[Lane], spans: Sequence[slice]) -> None:
+        self.lanes, self.spans = lanes, spans
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`key_states` / `value_states` (1, H_kv, T, d), the packed sequence: row b's are at spans[b]."""
-        for row, span in zip(self.rows, self.spans):
-            row.cache.layers[layer_idx].append(key_states[:, :, span], value_states[:, :, span])
+        """`key_states` / `value_states` (1, H_kv, T, d), the packed sequence: lane b's are at spans[b]."""
+        for lane, span in zip(self.lanes, self.spans):
+            lane.cache.layers[layer_idx].append(key_states[:, :, span], value_states[:, :, span])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -300,23 +306,23 @@ def ragged_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface function: each row's queries (query (1, H, T, d), the packed
-    sequence; row b's at spans[b]) over that row's own keys and values, causal within its new
+    """transformers attention-interface function: each lane's queries (query (1, H, T, d), the packed
+    sequence; lane b's at spans[b]) over that lane's own keys and values, causal within its new
     tokens. `key` / `value` (what the cache's ``update`` returned) are ignored. Returns (1, T, H, d)
     and no weights.
 
-    Per row this is :func:`certkv.model.attention.gqa_sdpa_attention` on a one-row batch: grouped
+    Per lane this is :func:`certkv.model.attention.gqa_sdpa_attention` on a one-lane batch: grouped
     matmuls for at most 4 float32 queries on CPU, sdpa otherwise, with an additive mask (none for
     one query on the grouped matmuls, where it would be all zeros)."""
     state = _FORWARD.get()
     if state is None:
         raise RuntimeError(f"the {NAME} attention runs only inside a ragged batch's forward")
-    rows, spans, masks = state
+    lanes, spans, masks = state
     layer_idx = module.layer_idx
     out = query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
     on_cpu = query.device.type == "cpu"
-    for row, span in zip(rows, spans):
-        layer = row.cache.layers[layer_idx]
+    for lane, span in zip(lanes, spans):
+        layer = lane.cache.layers[layer_idx]
         k, v = layer.keys, layer.values
         q = query[:, :, span]
         n, k_len = q.shape[2], k.shape[2]
@@ -347,8 +353,8 @@ def register() -> None:
 
 
 @contextmanager
-def _forward_rows(rows: Sequence[Row], spans: Sequence[slice]) -> Iterator[None]:
-    token = _FORWARD.set((rows, spans, {}))
+def _forward_lanes(lanes: Sequence[Lane], spans: Sequence[slice]) -> Iterator[None]:
+    token = _FORWARD.set((lanes, spans, {}))
     try:
         yield
     finally:
@@ -358,158 +364,158 @@ def _forward_rows(rows: Sequence[Row], spans: Sequence[slice]) -> Iterator[None]
 class RaggedBatch:
     """The requests being decoded together; :meth:`step` advances every one of them by one forward.
 
-    Rows join (:meth:`add`) whenever their cache is ready and leave when done (:meth:`step`
+    Lanes join (:meth:`add`) whenever their cache is ready and leave when done (:meth:`step`
     returns them); nothing else about the batch changes when they do.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        self.rows: list[Row] = []
+        self.lanes: list[Lane] = []
         register()
 
-    def add(self, row: Row) -> None:
-        self.rows.append(row)
+    def add(self, lane: Lane) -> None:
+        self.lanes.append(lane)
 
-    def remove(self, row: Row) -> None:
-        self.rows.remove(row)
+    def remove(self, lane: Lane) -> None:
+        self.lanes.remove(lane)
 
-    def step(self) -> list[Row]:
-        """One batched forward for every row but those waiting for their draft (:meth:`_waiting`);
-        returns the rows that finished (removed from the batch)."""
-        if not self.rows:
+    def step(self) -> list[Lane]:
+        """One batched forward for every lane but those waiting for their draft (:meth:`_waiting`);
+        returns the lanes that finished (removed from the batch)."""
+        if not self.lanes:
             return []
-        growing = {id(row.answer) for row in self.rows}
+        growing = {id(lane.answer) for lane in self.lanes}
         model = self.model
-        rows = [row for row in self.rows if not _waiting(row, growing)] or list(self.rows)
-        feeds = [row.feed() for row in rows]
+        lanes = [lane for lane in self.lanes if not _waiting(lane, growing)] or list(self.lanes)
+        feeds = [lane.feed() for lane in lanes]
         fed = [len(tokens) for tokens, _ in feeds]
         spans = packed_spans(fed)
         inputs, positions = _packed(feeds, model.device)
-        lengths = [[layer.length for layer in row.cache.layers] for row in rows]
-        with (torch.no_grad(), use_attention(model, NAME), _forward_rows(rows, spans), _capturing(model, rows, spans),
-              pipeline_first_layer_keys(model, _key_norm_rows(rows, spans))):
+        lengths = [[layer.length for layer in lane.cache.layers] for lane in lanes]
+        with (torch.no_grad(), use_attention(model, NAME), _forward_lanes(lanes, spans), _capturing(model, lanes, spans),
+              pipeline_first_layer_keys(model, _key_norm_lanes(lanes, spans))):
             hidden = model.model(
                 input_ids=inputs,
                 position_ids=positions,
-                past_key_values=_RowsCache(rows, spans),
+                past_key_values=_LanesCache(lanes, spans),
                 cache_position=torch.arange(inputs.shape[1], device=model.device),
                 use_cache=True,
             ).last_hidden_state
-        # The logits a row needs: after its question's last token on its first forward, after
+        # The logits a lane needs: after its question's last token on its first forward, after
         # every fed token afterwards (the pending token's, then each proposal token's).
-        picks = [j for row, span in zip(rows, spans)
-                 for j in ([span.stop - 1] if not row.answer else range(span.start, span.stop))]
+        picks = [j for lane, span in zip(lanes, spans)
+                 for j in ([span.stop - 1] if not lane.answer else range(span.start, span.stop))]
         with torch.no_grad():
             logits = model.get_output_embeddings()(hidden[0, torch.as_tensor(picks, device=model.device)])
         tokens = logits.argmax(-1)
         chosen = tokens.tolist()
         finished, at, appended = [], 0, []
-        for b, row in enumerate(rows):
-            first = not row.answer
+        for b, lane in enumerate(lanes):
+            first = not lane.answer
             taken = 1 if first else fed[b]
             before = sum(lengths[b]) / len(lengths[b])
-            had = len(row.answer)
-            kept = _accept(row, chosen[at : at + taken], feeds[b][0][1:], lengths[b])
-            appended.append((row, at, len(row.answer) - had))
+            had = len(lane.answer)
+            kept = _accept(lane, chosen[at : at + taken], feeds[b][0][1:], lengths[b])
+            appended.append((lane, at, len(lane.answer) - had))
             at += taken
-            compressed = row.compression is not None and row.compression.confirm(
-                model, row.cache.layers, kept, feeds[b][1], question=first)
-            _note_held(row, before, kept, first, compressed)
-            if compressed and not row.done:
-                row.give_back()
-            if row.done:
-                finished.append(row)
+            compressed = lane.compression is not None and lane.compression.confirm(
+                model, lane.cache.layers, kept, feeds[b][1], question=first)
+            _note_held(lane, before, kept, first, compressed)
+            if compressed and not lane.done:
+                lane.give_back()
+            if lane.done:
+                finished.append(lane)
         _append_logprobs(logits, tokens, appended)
-        for row in finished:
-            self.rows.remove(row)
+        for lane in finished:
+            self.lanes.remove(lane)
         return finished
 
 
-def _append_logprobs(logits: torch.Tensor, tokens: torch.Tensor, appended: Sequence[tuple[Row, int, int]]) -> None:
-    """Each row that wants them gets the log p of the tokens its forward appended to its answer:
-    `appended` holds (row, its first pick in `logits` (P, vocab) and `tokens` (P,), how many it
+def _append_logprobs(logits: torch.Tensor, tokens: torch.Tensor, appended: Sequence[tuple[Lane, int, int]]) -> None:
+    """Each lane that wants them gets the log p of the tokens its forward appended to its answer:
+    `appended` holds (lane, its first pick in `logits` (P, vocab) and `tokens` (P,), how many it
     appended). Only those picks are scored (:func:`chosen_logprobs`, float64 over the vocabulary):
     a rejected proposal token's pick needs its argmax, never its log p."""
-    wanted = [(row, at, n) for row, at, n in appended if row.want_logprobs and n]
+    wanted = [(lane, at, n) for lane, at, n in appended if lane.want_logprobs and n]
     if not wanted:
         return
     index = torch.as_tensor([at + i for _, at, n in wanted for i in range(n)], device=logits.device)
     values = chosen_logprobs(logits[index], tokens[index]).tolist()
     start = 0
-    for row, _, n in wanted:
-        row.logprobs.extend(values[start : start + n])
+    for lane, _, n in wanted:
+        lane.logprobs.extend(values[start : start + n])
         start += n
 
 
-#: A row that follows a draft still being decoded waits until the draft is this many tokens ahead
-#: of it (or reaches the row's next compression event, or its end).
+#: A lane that follows a draft still being decoded waits until the draft is this many tokens ahead
+#: of it (or reaches the lane's next compression event, or its end).
 DRAFT_LEAD = 16
 
 
-def _waiting(row: Row, growing: set[int]) -> bool:
-    """Whether `row` skips this forward: its answer so far is its draft, and that draft is the
-    answer of a row still decoding in the batch (`growing`: ids of those answer lists) that is not
-    yet :data:`DRAFT_LEAD` tokens, the row's next compression event or its end ahead. Fed a token
-    a forward as the draft grows, the row would cost a forward's per-row work for every token;
+def _waiting(lane: Lane, growing: set[int]) -> bool:
+    """Whether `lane` skips this forward: its answer so far is its draft, and that draft is the
+    answer of a lane still decoding in the batch (`growing`: ids of those answer lists) that is not
+    yet :data:`DRAFT_LEAD` tokens, the lane's next compression event or its end ahead. Fed a token
+    a forward as the draft grows, the lane would cost a forward's per-lane work for every token;
     waiting, it is fed the draft a chunk at a time, as when the draft is known (the same tokens:
     the feeding never changes an answer)."""
-    draft = row.followed_draft()
-    if draft is None or not row.answer or id(draft) not in growing:
+    draft = lane.followed_draft()
+    if draft is None or not lane.answer or id(draft) not in growing:
         return False
-    return len(draft) - len(row.answer) < min(DRAFT_LEAD, row.proposal_budget())
+    return len(draft) - len(lane.answer) < min(DRAFT_LEAD, lane.proposal_budget())
 
 
-def _key_norm_rows(rows: Sequence[Row], spans: Sequence[slice]) -> list[tuple[slice, bool]]:
-    """The rows whose decoding press ranks keys by norm: where their tokens sit, and whether they
+def _key_norm_lanes(lanes: Sequence[Lane], spans: Sequence[slice]) -> list[tuple[slice, bool]]:
+    """The lanes whose decoding press ranks keys by norm: where their tokens sit, and whether they
     are their question (:func:`~certkv.engine.first_layer_keys.pipeline_first_layer_keys`)."""
-    return [(span, not row.answer) for row, span in zip(rows, spans)
-            if row.compression is not None and ranks_by_key_norm(row.compression.press)]
+    return [(span, not lane.answer) for lane, span in zip(lanes, spans)
+            if lane.compression is not None and ranks_by_key_norm(lane.compression.press)]
 
 
 def _packed(feeds: Sequence[tuple[list[int], int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's fed tokens and their positions, one row after another: (1, T) input ids and
+    """Every lane's fed tokens and their positions, one lane after another: (1, T) input ids and
     (1, T) position ids. Packed, not padded: the projections and MLPs, most of a forward's work,
-    run over the tokens fed and no padding (rows feed 1 to ``compression_interval`` or more)."""
+    run over the tokens fed and no padding (lanes feed 1 to ``compression_interval`` or more)."""
     ids = [token for tokens, _ in feeds for token in tokens]
     positions = [first + i for tokens, first in feeds for i in range(len(tokens))]
     return (torch.as_tensor(ids, dtype=torch.long, device=device).view(1, -1),
             torch.as_tensor(positions, dtype=torch.long, device=device).view(1, -1))
 
 
-def _accept(row: Row, choices: list[int], proposal: list[int], lengths: list[int]) -> int:
-    """Append to `row` the greedy `choices` its forward confirmed (their log p follow:
+def _accept(lane: Lane, choices: list[int], proposal: list[int], lengths: list[int]) -> int:
+    """Append to `lane` the greedy `choices` its forward confirmed (their log p follow:
     :func:`_append_logprobs`) and crop its cache back to its `lengths` per layer before the forward
     plus the fed tokens that stay: on its first forward one token, afterwards the pending token's
     choice and each proposal token the greedy choice agreed with (:func:`~certkv.engine.speculation.accept`).
     Returns how many fed tokens stay (the whole question on the first forward)."""
-    if len(row.answer) == 0:  # the question's forward: its last position's choice, nothing proposed
-        accept(row.answer, choices, [], row.max_new_tokens, row.stop_ids)
-        return len(row.question_ids)
-    accepted = accept(row.answer, choices, proposal, row.max_new_tokens, row.stop_ids)
-    row.accepted(accepted - 1)  # the pending token's choice, then the confirmed proposal tokens
+    if len(lane.answer) == 0:  # the question's forward: its last position's choice, nothing proposed
+        accept(lane.answer, choices, [], lane.max_new_tokens, lane.stop_ids)
+        return len(lane.question_ids)
+    accepted = accept(lane.answer, choices, proposal, lane.max_new_tokens, lane.stop_ids)
+    lane.accepted(accepted - 1)  # the pending token's choice, then the confirmed proposal tokens
     # The pending token and the confirmed proposal tokens stay; the rest are dropped.
-    row.cache.crop([n + accepted for n in lengths])
+    lane.cache.crop([n + accepted for n in lengths])
     return accepted
 
 
-def _note_held(row: Row, before: float, kept: int, first: bool, compressed: bool) -> None:
-    """Append to ``row.held`` the entries (mean over layers) the cache held after the forward that
+def _note_held(lane: Lane, before: float, kept: int, first: bool, compressed: bool) -> None:
+    """Append to ``lane.held`` the entries (mean over layers) the cache held after the forward that
     chose each token this step settled, as the pipeline's one forward per token leaves them: the
     cache before this step plus the fed tokens up to that token's, or, after a compression event
     (always this step's last token), what the press kept."""
-    after = sum(layer.length for layer in row.cache.layers) / len(row.cache.layers)
+    after = sum(layer.length for layer in lane.cache.layers) / len(lane.cache.layers)
     settled = 1 if first else kept
     for i in range(settled):
         last = i == settled - 1
-        row.held.append(after if last and compressed else before + (kept if first else i + 1))
+        lane.held.append(after if last and compressed else before + (kept if first else i + 1))
 
 
 @contextmanager
-def _capturing(model: PreTrainedModel, rows: Sequence[Row], spans: Sequence[slice]) -> Iterator[None]:
+def _capturing(model: PreTrainedModel, lanes: Sequence[Lane], spans: Sequence[slice]) -> Iterator[None]:
     """Within the block, each attention layer hands its input hidden states (1, T, hidden), the
-    packed sequence, to the rows that compress while decoding (their own spans[b]), as kvpress's
+    packed sequence, to the lanes that compress while decoding (their own spans[b]), as kvpress's
     hook reads them."""
-    compressing = [(span, row.compression) for row, span in zip(rows, spans) if row.compression is not None]
+    compressing = [(span, lane.compression) for lane, span in zip(lanes, spans) if lane.compression is not None]
     if not compressing:
         yield
         return
@@ -527,13 +533,13 @@ def _capturing(model: PreTrainedModel, rows: Sequence[Row], spans: Sequence[slic
             handle.remove()
 
 
-def gather_row(full_cache: DynamicCache, selection: Sequence[torch.Tensor | None], context_length: int, room: int) -> RowCache:
-    """One candidate's kept entries of a full prefill as a :class:`RowCache` with `room` free slots.
+def gather_lane(full_cache: DynamicCache, selection: Sequence[torch.Tensor | None], context_length: int, room: int) -> LaneCache:
+    """One candidate's kept entries of a full prefill as a :class:`LaneCache` with `room` free slots.
 
     `full_cache` holds (1, H_kv, n, d) per layer; `selection[layer]` the kept indices
     (1, H_kv, n_kept) in kvpress's order, or None (the layer keeps its first `context_length`
     entries). The entries and their order are :func:`~certkv.engine.batched_decode.padded_cache`'s
-    for one row. Each full layer is dropped from `full_cache` as soon as it is gathered, so the
+    for one lane. Each full layer is dropped from `full_cache` as soon as it is gathered, so the
     gather never holds more than the full cache and one kept layer; `full_cache` is left empty.
     """
     layers = []
@@ -542,23 +548,23 @@ def gather_row(full_cache: DynamicCache, selection: Sequence[torch.Tensor | None
         layers.append(gather_layer(full.keys, full.values, kept, context_length, room))
         full.keys = full.values = None
     full_cache.layers.clear()
-    return RowCache(layers)
+    return LaneCache(layers)
 
 
 def gather_layer(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | None, context_length: int,
-                 room: int) -> RowLayer:
-    """One layer's kept entries as a :class:`RowLayer` with `room` free slots.
+                 room: int) -> LaneLayer:
+    """One layer's kept entries as a :class:`LaneLayer` with `room` free slots.
 
     `keys` / `values` (1, H_kv, n, d) are a full prefill's layer; `kept` (1, H_kv, n_kept) the
     press's kept indices in kvpress's order, or None (the first `context_length` entries)."""
     keys, values = keys[:, :, :context_length], values[:, :, :context_length]
     if kept is None:
-        return RowLayer.holding(keys, values, room)
-    # gathered straight into the row's buffers: no kept copy beside them (a layer-by-layer pruned
+        return LaneLayer.holding(keys, values, room)
+    # gathered straight into the lane's buffers: no kept copy beside them (a layer-by-layer pruned
     # prefill's peak is the full layer plus its buffers, :func:`~certkv.engine.layer_pruning.pruned_peak_slots`)
     index, n = kept[0].unsqueeze(-1).unsqueeze(0), kept.shape[-1]
     k = keys.new_empty((1, keys.shape[1], n + room, keys.shape[3]))
     v = values.new_empty((1, values.shape[1], n + room, values.shape[3]))
     torch.gather(keys, 2, index.expand(1, keys.shape[1], n, keys.shape[3]), out=k[:, :, :n])
     torch.gather(values, 2, index.expand(1, values.shape[1], n, values.shape[3]), out=v[:, :, :n])
-    return RowLayer(k, v, n)
+    return LaneLayer(k, v, n)

@@ -1,13 +1,13 @@
-"""Greedy speculative decoding, written once: what a row is fed after its pending token
+"""Greedy speculative decoding, written once: what a lane is fed after its pending token
 (:class:`Proposer`) and what of it the model's greedy choices accept (:func:`accept`).
 
 Both speculative decoders use it: the padded candidate batch
 (:func:`certkv.engine.batched_decode.decode_candidates`, which verifies the full answer's draft in
-its first forward and proposes by prompt lookup after) and the ragged rows of calibration and
-``certkv serve`` (:class:`certkv.engine.ragged_decode.RaggedBatch`, whose rows propose the draft
-while they follow it and prompt lookup after). A forward feeds a row its *pending* token t (the
+its first forward and proposes by prompt lookup after) and the ragged lanes of calibration and
+``certkv serve`` (:class:`certkv.engine.ragged_decode.RaggedBatch`, whose lanes propose the draft
+while they follow it and prompt lookup after). A forward feeds a lane its *pending* token t (the
 last of its answer, not yet in its cache) followed by a proposal p_0 … p_{P-1}; the logits after
-each fed position give the model's greedy choices c_0 … c_P. c_0 is the row's next token whatever
+each fed position give the model's greedy choices c_0 … c_P. c_0 is the lane's next token whatever
 was proposed; c_{i+1} is its token after that only if p_i = c_i. So the answer takes c_0 … c_k,
 k the first i with i = P, c_i ≠ p_i or the answer finished
 (:func:`certkv.model.stopping.is_finished`), and the fed tokens t, p_0 … p_{k-1} stay in the
@@ -41,10 +41,10 @@ def accept(
     Parameters
     ----------
     answer : list[int]
-        The row's answer so far (its last token the pending one fed first); extended in place.
+        The lane's answer so far (its last token the pending one fed first); extended in place.
     choices : Sequence[int], shape (1 + P,) or longer
         The model's argmax after each fed position: the pending token's, then each proposal
-        token's. Entries past 1 + P (a padded batch row's padding) are never read.
+        token's. Entries past 1 + P (a padded batch lane's padding) are never read.
     proposal : Sequence[int], shape (P,)
         The tokens fed after the pending one (P = 0: plain greedy, one token).
     max_new_tokens, stop_ids
@@ -60,7 +60,7 @@ def accept(
     -------
     int
         k + 1 in 1 … 1 + P: the choices appended, which is also how many fed tokens stay in the
-        row's cache (the pending one and the k proposal tokens the choices confirmed); the
+        lane's cache (the pending one and the k proposal tokens the choices confirmed); the
         confirmed proposal tokens are k.
 
     Examples
@@ -95,8 +95,8 @@ def following(draft: list[int] | None, answer: list[int]) -> list[int] | None:
 
 @dataclass
 class Proposer:
-    """One row's proposals: a draft's next tokens while the answer follows it, else prompt lookup's
-    (`lookup`; None: none, plain greedy), as long as the row's acceptance of earlier lookup
+    """One lane's proposals: a draft's next tokens while the answer follows it, else prompt lookup's
+    (`lookup`; None: none, plain greedy), as long as the lane's acceptance of earlier lookup
     proposals warrants (`length`, :class:`~certkv.engine.prompt_lookup.ProposalLength`).
 
     Examples
@@ -115,7 +115,7 @@ class Proposer:
 
     def propose(self, answer: list[int], budget: int, draft: list[int] | None = None) -> list[int]:
         """Up to `budget` tokens to feed after `answer`'s pending (last) token: `draft`'s while
-        `answer` follows it and it goes further, else prompt lookup's ([] for a plain row)."""
+        `answer` follows it and it goes further, else prompt lookup's ([] for a plain lane)."""
         self.looked_up = 0
         if budget <= 0:
             return []

@@ -2,14 +2,14 @@
 
 transformers' sdpa path repeats every KV head once per query group whenever an explicit mask is
 given (it only passes ``enable_gqa`` when there is no mask). The candidate batch always has a mask
-(padding, and draft tokens a row did not take), so on CPU that copy dominated decoding. This
+(padding, and draft tokens a lane did not take), so on CPU that copy dominated decoding. This
 function is transformers' sdpa call with ``enable_gqa=True`` always (and an additive mask); it is
 registered under its own name, with the stock sdpa mask builder, only when the engine first needs it.
 
-Candidate rows are padded to the longest kept cache of their batch. Inside
-:func:`attention_row_groups` the attention runs once per group of rows that share their first real
-slot, over the keys from that slot on (rows are right-aligned, see
-``batched_decode.padded_cache``): a 10%-cache row batched with a 90%-cache one no longer pays for
+Candidate lanes are padded to the longest kept cache of their batch. Inside
+:func:`attention_lane_groups` the attention runs once per group of lanes that share their first real
+slot, over the keys from that slot on (lanes are right-aligned, see
+``batched_decode.padded_cache``): a 10%-cache lane batched with a 90%-cache one no longer pays for
 attending over the other's length.
 """
 
@@ -29,21 +29,21 @@ if TYPE_CHECKING:
 
 NAME = "certkv_gqa_sdpa"
 
-#: (first row, end row, first key slot) of each group of batch rows attended together.
-RowGroups = Sequence[tuple[int, int, int]]
+#: (first lane, end lane, first key slot) of each group of batch lanes attended together.
+LaneGroups = Sequence[tuple[int, int, int]]
 
-_ROW_GROUPS: ContextVar[RowGroups | None] = ContextVar("certkv_row_groups", default=None)
+_LANE_GROUPS: ContextVar[LaneGroups | None] = ContextVar("certkv_lane_groups", default=None)
 
 
 @contextmanager
-def attention_row_groups(groups: RowGroups | None) -> Iterator[None]:
-    """Within the block, attention splits the batch into `groups` ((first row, end row, first
-    key slot) triples covering every row in order); None: the whole batch at once."""
-    token = _ROW_GROUPS.set(groups)
+def attention_lane_groups(groups: LaneGroups | None) -> Iterator[None]:
+    """Within the block, attention splits the batch into `groups` ((first lane, end lane, first
+    key slot) triples covering every lane in order); None: the whole batch at once."""
+    token = _LANE_GROUPS.set(groups)
     try:
         yield
     finally:
-        _ROW_GROUPS.reset(token)
+        _LANE_GROUPS.reset(token)
 
 
 def gqa_sdpa_attention(
@@ -57,8 +57,8 @@ def gqa_sdpa_attention(
     q_len, k_len = query.shape[2], key.shape[2]
     gqa = key.shape[1] != query.shape[1]
     # CPU sdpa's flash kernel works in blocks of queries: for a decoding step's one or two query
-    # positions most of each block is wasted (measured: 9.5 ms against 7.9 per layer for 27 rows
-    # of ~1100 keys, 1.8 against 0.8 for 3 rows of 1850). Grouped matmuls do those steps.
+    # positions most of each block is wasted (measured: 9.5 ms against 7.9 per layer for 27 lanes
+    # of ~1100 keys, 1.8 against 0.8 for 3 lanes of 1850). Grouped matmuls do those steps.
     # (float32 only: in half precision sdpa keeps the logits in float32, which decides near-ties.)
     on_cpu = query.device.type == "cpu"
     attend = _grouped_matmul_attention if on_cpu and query.dtype == torch.float32 and q_len <= 4 else _sdpa
@@ -74,17 +74,17 @@ def gqa_sdpa_attention(
         # (measured: 5.7 ms against 8.6 ms for 27 candidates x 25 tokens x 590 keys).
         additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
         attention_mask = additive.masked_fill_(~attention_mask, float("-inf"))
-    # Row groups are measured on CPU only; on an accelerator one call per group may cost more
+    # Lane groups are measured on CPU only; on an accelerator one call per group may cost more
     # kernel launches than the padding it skips.
-    groups = _ROW_GROUPS.get() if on_cpu else None
+    groups = _LANE_GROUPS.get() if on_cpu else None
     if groups is None or attention_mask is None or groups[-1][1] != query.shape[0]:
         out = attend(query, key, value, attention_mask, dropout, scaling, is_causal, gqa)
         return out.transpose(1, 2).contiguous(), None
-    mask_rows = attention_mask.shape[0] != 1
+    mask_lanes = attention_mask.shape[0] != 1
     parts = [
         attend(
             query[a:b], key[a:b, :, slot:], value[a:b, :, slot:],
-            attention_mask[a:b, ..., slot:] if mask_rows else attention_mask[..., slot:], dropout, scaling, False, gqa,
+            attention_mask[a:b, ..., slot:] if mask_lanes else attention_mask[..., slot:], dropout, scaling, False, gqa,
         )
         for a, b, slot in groups
     ]

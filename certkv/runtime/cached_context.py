@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from certkv.engine.decode_reserve import decode_reserve
 from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
-from certkv.runtime.kept_decode import decode_kept, one_row_batch
+from certkv.runtime.kept_decode import decode_kept, one_lane_batch
 from certkv.runtime.steps import Decode
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class CachedContext(AnswerSource):
-    """`enc` answered from its context's kept `entry`; `lean`: the copy is a row ``certkv serve``'s
+    """`enc` answered from its context's kept `entry`; `lean`: the copy is a lane ``certkv serve``'s
     scheduler batches, otherwise it decodes alone as :func:`~certkv.runtime.kept_decode.evicted_decode`
     decodes. The source drops its reference to `entry` once it has copied it (or needs no copy), so
     that evicting the entry frees it (:mod:`certkv.runtime.prefix_cache`)."""
@@ -50,15 +50,15 @@ class CachedContext(AnswerSource):
         return super().full_answer()
 
     def _job(self, entry: PrefixEntry) -> Decode:
-        """The :class:`Decode` of the question over a copy of `entry`: lean, a row the scheduler
-        batches (what :func:`~certkv.engine.ragged_decode.gather_row` would have built); otherwise decoded
-        alone (the one-row batch :func:`~certkv.engine.batched_decode.padded_cache` would have built)."""
+        """The :class:`Decode` of the question over a copy of `entry`: lean, a lane the scheduler
+        batches (what :func:`~certkv.engine.ragged_decode.gather_lane` would have built); otherwise decoded
+        alone (the one-lane batch :func:`~certkv.engine.batched_decode.padded_cache` would have built)."""
         model, stop_ids, enc, max_new = self.path.model, self.path.stop_ids, self.enc, self.max_new
         question, n_ctx = list(enc.question_ids), len(enc.context_ids)
         if self.lean:
-            return Decode(entry.row(len(question) + max_new), question, n_ctx, max_new, stop_ids, solo=None,
+            return Decode(entry.lane(len(question) + max_new), question, n_ctx, max_new, stop_ids, solo=None,
                           lookup_ids=list(enc.context_ids), want_logprobs=True, final=self.final)
-        batch, mask = one_row_batch(entry.keys, entry.values, reserve=decode_reserve(len(question), max_new))
+        batch, mask = one_lane_batch(entry.keys, entry.values, reserve=decode_reserve(len(question), max_new))
         return Decode(None, question, n_ctx, max_new, stop_ids, batchable=False, final=self.final,
                       solo=lambda: decode_kept(model, batch, mask, enc, max_new, stop_ids))
 

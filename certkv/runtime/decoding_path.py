@@ -6,13 +6,13 @@ answer is decoded alone under the press, as calibration decoded it
 (:func:`certkv.engine.decoding_run.run_decoding`): the forwards, and so the tokens, are the
 store's. In ``certkv serve`` a press whose choices survive a batched forward (StreamingLLM's,
 TOVA's, K-norm's given the pipeline's first-layer key bits:
-:func:`~certkv.engine.decoding_rows.batchable_decoding_press`) decodes as a row of the
-batch instead, behind no recompute threshold: the row keeps kvpress's books itself, compresses
-once tokens are confirmed, and gives slots back at each event (:mod:`certkv.engine.decoding_rows`,
+:func:`~certkv.engine.decoding_lanes.batchable_decoding_press`) decodes as a lane of the
+batch instead, behind no recompute threshold: the lane keeps kvpress's books itself, compresses
+once tokens are confirmed, and gives slots back at each event (:mod:`certkv.engine.decoding_lanes`,
 the same tokens and held KV); it reserves its peak, not the whole prefill and answer
-(:func:`~certkv.engine.decoding_rows.row_slots`). Any other decode (certkv's probabilistic
+(:func:`~certkv.engine.decoding_lanes.lane_slots`). Any other decode (certkv's probabilistic
 press, which draws at random every step; a recompute gate) is not batchable (the press's hooks
-would compress every row of a batch): the scheduler runs it alone between batched steps.
+would compress every lane of a batch): the scheduler runs it alone between batched steps.
 
 The gate:
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from certkv.core.kv_cost import kv_cost
-from certkv.engine.decoding_rows import batchable_decoding_press, prefilled_row, row_slots, run_of
+from certkv.engine.decoding_lanes import batchable_decoding_press, lane_slots, prefilled_lane, run_of
 from certkv.engine.decoding_run import DecodingRun, run_decoding
 from certkv.runtime.full_path import prefill_slots
 from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
@@ -71,34 +71,34 @@ class DecodingPath(AnsweringPath):
         self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], seconds: dict[str, float], lean: bool
     ) -> Generator[Step, None, AnswerSource]:
         """Nothing before the decode: the press prefills as it decodes, within the decode's own
-        reservation. `lean` (``certkv serve``'s scheduler) decodes a batchable press as a row of the
-        batch (:meth:`rows`); any other decode is solo."""
+        reservation. `lean` (``certkv serve``'s scheduler) decodes a batchable press as a lane of the
+        batch (:meth:`lanes`); any other decode is solo."""
         yield from ()
-        return PressDecode(self, enc, max_new, rows=lean and self.rows())
+        return PressDecode(self, enc, max_new, lanes=lean and self.lanes())
 
-    def rows(self) -> bool:
-        """Whether a lean run decodes as a row of ``certkv serve``'s batch: a press whose choices
-        survive a batched forward (:func:`~certkv.engine.decoding_rows.batchable_decoding_press`),
+    def lanes(self) -> bool:
+        """Whether a lean run decodes as a lane of ``certkv serve``'s batch: a press whose choices
+        survive a batched forward (:func:`~certkv.engine.decoding_lanes.batchable_decoding_press`),
         behind no recompute threshold (its restart is decided token by token, alone)."""
         no_restart = self.gate.recompute is None and self.gate.certificate_recompute is None
         return no_restart and batchable_decoding_press(self.press, self.model)
 
 
 class PressDecode(AnswerSource):
-    """A request decoded under its decoding-time press, alone (:func:`run_decoding`) or, with `rows`,
-    as a row of the scheduler's batch. Behind no post-decode part the press's tokens are the
+    """A request decoded under its decoding-time press, alone (:func:`run_decoding`) or, with `lanes`,
+    as a lane of the scheduler's batch. Behind no post-decode part the press's tokens are the
     answer's as decoded (``final``: a listener hears each one), and a recompute restart keeps them."""
 
     path: DecodingPath
 
-    def __init__(self, path: DecodingPath, enc: EncodedRequest, max_new: int, rows: bool) -> None:
+    def __init__(self, path: DecodingPath, enc: EncodedRequest, max_new: int, lanes: bool) -> None:
         super().__init__(path, enc, max_new)
-        self.rows = rows
+        self.lanes = lanes
 
     def decode(self) -> Generator[Step, None, EvictedAnswer]:
         """The press's answer, with the KV it held; stopped where a recompute part fired."""
         enc = self.enc
-        run = yield from (self._row_steps() if self.rows else self._solo_steps())
+        run = yield from (self._lane_steps() if self.lanes else self._solo_steps())
         n_ctx = len(enc.context_ids)
         answer = EvictedAnswer(run.token_ids, run.logprobs, run.prefill_kept / n_ctx, run.certificate_max,
                                stopped_at=run.stopped_at)
@@ -125,18 +125,18 @@ class PressDecode(AnswerSource):
         yield job
         return runs[0]
 
-    def _row_steps(self) -> Generator[Step, None, DecodingRun]:
-        """The decode as a row of the scheduler's batch (:func:`~certkv.engine.decoding_rows.prefilled_row`):
-        reserved at its peak (:func:`~certkv.engine.decoding_rows.row_slots`), compressed by the row's
+    def _lane_steps(self) -> Generator[Step, None, DecodingRun]:
+        """The decode as a lane of the scheduler's batch (:func:`~certkv.engine.decoding_lanes.prefilled_lane`):
+        reserved at its peak (:func:`~certkv.engine.decoding_lanes.lane_slots`), compressed by the lane's
         own books as tokens are confirmed, its slots given back at each event; the same tokens and
         held KV as :func:`run_decoding`."""
         path, enc, max_new = self.path, self.enc, self.max_new
-        yield Reserve(row_slots(path.model, path.press, enc, max_new))
-        row, kept = prefilled_row(path.model, path.press, enc, max_new, path.stop_ids)
-        job = Decode(row.cache, list(enc.question_ids), row.position, max_new, path.stop_ids, solo=None,
-                     lookup_ids=list(enc.context_ids), want_logprobs=True, final=self.final, row=row)
+        yield Reserve(lane_slots(path.model, path.press, enc, max_new))
+        lane, kept = prefilled_lane(path.model, path.press, enc, max_new, path.stop_ids)
+        job = Decode(lane.cache, list(enc.question_ids), lane.position, max_new, path.stop_ids, solo=None,
+                     lookup_ids=list(enc.context_ids), want_logprobs=True, final=self.final, lane=lane)
         yield job
-        return run_of(row, kept)
+        return run_of(lane, kept)
 
 
 __all__ = ["DecodingPath", "PressDecode"]

@@ -2,7 +2,7 @@
 
 The single-prefill path decodes the press's answer in-process from the kept entries of the full
 prefill it holds (:func:`evicted_decode`), and a question on a kept compressed context from a copy
-of those entries (:func:`one_row_batch`, :mod:`certkv.runtime.prefix_cache`); both build the one-row
+of those entries (:func:`one_lane_batch`, :mod:`certkv.runtime.prefix_cache`); both build the one-lane
 cache :func:`~certkv.engine.batched_decode.padded_cache` builds for one candidate, with the engine's
 room for the answer (:func:`~certkv.engine.decode_reserve.decode_reserve`), and decode it with
 :func:`decode_kept`, so that both answer as the store's records do.
@@ -44,7 +44,7 @@ def evicted_decode(
     candidate's kept entries per layer (:data:`KeptSelection`).
 
     Returns (token ids, per-token log p, realised kept fraction, certificate maximum or None).
-    Fast path: the kept entries in one row (:func:`~certkv.engine.batched_decode.padded_cache`,
+    Fast path: the kept entries in one lane (:func:`~certkv.engine.batched_decode.padded_cache`,
     with the engine's reserve for the question and answer) decoded by ``decode_candidates``;
     probabilistic press: ``decode_probabilistic`` (Hájek attention, certificate per step).
     """
@@ -62,8 +62,8 @@ def decode_kept(
     model: PreTrainedModel, batch: DynamicCache, mask: torch.Tensor, enc: EncodedRequest, max_new: int,
     stop_ids: set[int],
 ) -> tuple[list[int], list[float] | None]:
-    """(ids, per-token log p) of `enc`'s question decoded alone over `batch`, a one-row cache of kept
-    entries with its (1, n_kept) 0/1 `mask` (:func:`padded_cache`, :func:`one_row_batch`), positions
+    """(ids, per-token log p) of `enc`'s question decoded alone over `batch`, a one-lane cache of kept
+    entries with its (1, n_kept) 0/1 `mask` (:func:`padded_cache`, :func:`one_lane_batch`), positions
     continuing from the uncompressed context length."""
     logprobs: list = [None]
     (ids,) = decode_candidates(
@@ -81,8 +81,8 @@ def decode_kept(
     return ids, logprobs[0]
 
 
-def one_row_batch(keys: list[torch.Tensor], values: list[torch.Tensor], reserve: int) -> tuple[DynamicCache, torch.Tensor]:
-    """Kept entries, (1, H_kv, n_kept, d) per layer, copied into the one-row batch cache that
+def one_lane_batch(keys: list[torch.Tensor], values: list[torch.Tensor], reserve: int) -> tuple[DynamicCache, torch.Tensor]:
+    """Kept entries, (1, H_kv, n_kept, d) per layer, copied into the one-lane batch cache that
     :func:`padded_cache` builds for one candidate (its buffers, `reserve` slots of room, its mask)."""
     from transformers import DynamicCache
 
@@ -97,4 +97,4 @@ def one_row_batch(keys: list[torch.Tensor], values: list[torch.Tensor], reserve:
     return cache, torch.ones((1, keys[0].shape[2]), dtype=torch.long, device=keys[0].device)
 
 
-__all__ = ["KeptSelection", "decode_kept", "evicted_decode", "one_row_batch"]
+__all__ = ["KeptSelection", "decode_kept", "evicted_decode", "one_lane_batch"]

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from kvpress import BasePress
 
     from certkv.core.spec import GateSettings
-    from certkv.engine.ragged_decode import RowCache
+    from certkv.engine.ragged_decode import LaneCache
 
 #: An entry's key (:func:`context_key`): (the runtime's namespace, its stratum's name or "", the
 #: context's token ids as int64 bytes).
@@ -77,19 +77,19 @@ class PrefixEntry:
         """Token slots held (:mod:`certkv.engine.ragged_decode`'s unit: the mean over layers of n_kept)."""
         return sum(k.shape[2] for k in self.keys) / len(self.keys)
 
-    def row(self, room: int) -> RowCache:
-        """A copy of the entry as one request's :class:`~certkv.engine.ragged_decode.RowCache` with
+    def lane(self, room: int) -> LaneCache:
+        """A copy of the entry as one request's :class:`~certkv.engine.ragged_decode.LaneCache` with
         `room` free slots per layer (the question and answer), what a lean gather would have built."""
-        from certkv.engine.ragged_decode import RowCache, RowLayer
+        from certkv.engine.ragged_decode import LaneCache, LaneLayer
 
-        return RowCache([RowLayer.holding(k, v, room) for k, v in zip(self.keys, self.values)])
+        return LaneCache([LaneLayer.holding(k, v, room) for k, v in zip(self.keys, self.values)])
 
 
-def entry_from_row(row: RowCache, context_length: int, agreement_drop: float | None) -> PrefixEntry:
-    """An entry copied from a freshly gathered row (its first ``length`` slots per layer: the kept
+def entry_from_lane(lane: LaneCache, context_length: int, agreement_drop: float | None) -> PrefixEntry:
+    """An entry copied from a freshly gathered lane (its first ``length`` slots per layer: the kept
     entries, before any question token is fed)."""
-    keys = [layer.keys.clone() for layer in row.layers]
-    values = [layer.values.clone() for layer in row.layers]
+    keys = [layer.keys.clone() for layer in lane.layers]
+    values = [layer.values.clone() for layer in lane.layers]
     return PrefixEntry(context_length, keys, values, keys[0].shape[2] / context_length, agreement_drop)
 
 
@@ -280,4 +280,4 @@ def bypass_reason(query_aware: bool, press: BasePress | None, single_prefill: bo
 
 
 __all__ = ["PrefixCache", "PrefixEntry", "PrefixReserve", "PrefixScope", "bypass_reason", "context_key", "entry_from_full",
-           "entry_from_row"]
+           "entry_from_lane"]

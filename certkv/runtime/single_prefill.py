@@ -13,7 +13,7 @@ candidate, with the same engine functions:
    probe (:func:`certkv.signals.lookahead.lookahead_probe`, its mass on the entries the press evicts)
    and a learned score without confidence features. When the gate says so, the answer is decoded
    from that same cache: no second prefill.
-3. **The evicted answer**: the kept entries are gathered into a one-row cache and decoded with
+3. **The evicted answer**: the kept entries are gathered into a one-lane cache and decoded with
    their log-probabilities (:func:`~certkv.engine.batched_decode.decode_candidates`,
    :func:`~certkv.engine.probabilistic_decode.decode_probabilistic`).
 4. **Post-decode gates** (certificate, confidence, learned with confidence features): an escalated
@@ -28,7 +28,7 @@ press's answer and the full answer (:class:`PrefilledContext`; a context kept in
 The path is written as steps (:mod:`certkv.runtime.steps`). In-process (:meth:`SinglePrefillPath.answer`)
 the full cache is held to the end, as calibration holds it. Run *lean* (``certkv serve``'s
 scheduler) the full cache is freed as soon as the kept entries are gathered
-(:func:`~certkv.engine.ragged_decode.gather_row`, the same entries in the same order as
+(:func:`~certkv.engine.ragged_decode.gather_lane`, the same entries in the same order as
 ``padded_cache``), so a decoding request holds only its retained KV; an escalation then prefills
 the context again (same kernels, same full answer). Behind no gate that reads the full cache after
 the prefill, a plain top-k press gathers each layer's kept entries as soon as the layer is
@@ -38,7 +38,7 @@ cache: its Hájek decode is its own, unbatched.
 
 The full-cache answer is always decoded as :func:`certkv.engine.full_cache.decode_full` decodes it,
 which is the store's ``full`` record token for token (calibration decodes it so, or, beside
-decoding rows, as the first row of their batch: the same greedy answer, checked in the tests).
+decoding lanes, as the first lane of their batch: the same greedy answer, checked in the tests).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from certkv.engine.batched_decode import kept_count
 from certkv.engine.engine import is_probabilistic_press
 from certkv.engine.full_cache import prefill_full
 from certkv.engine.layer_pruning import LayerPruner, pruned_peak_slots
-from certkv.engine.ragged_decode import gather_row
+from certkv.engine.ragged_decode import gather_lane
 from certkv.engine.scoring import is_fast_path_press
 from certkv.presses.response_aware import is_response_aware_press, prefill_observers
 from certkv.runtime.cached_context import CachedContext
@@ -62,7 +62,7 @@ from certkv.runtime.full_path import decode_from_full, prefill_slots
 from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
 from certkv.runtime.gating import agreement_settings
 from certkv.runtime.kept_decode import KeptSelection, evicted_decode
-from certkv.runtime.prefix_cache import PrefixEntry, PrefixReserve, PrefixScope, entry_from_full, entry_from_row
+from certkv.runtime.prefix_cache import PrefixEntry, PrefixReserve, PrefixScope, entry_from_full, entry_from_lane
 from certkv.runtime.steps import Decode, Reserve
 from certkv.signals.agreement import AgreementRecorder
 from certkv.signals.lookahead import evicted_mass, lookahead_probe
@@ -207,7 +207,7 @@ class PrefilledContext(AnswerSource):
     def decode(self) -> Generator[Step, None, EvictedAnswer]:
         """The press's answer as one :class:`Decode`: a probabilistic press, or a run that keeps the
         full cache (not lean), decodes alone next to it (:func:`~certkv.runtime.kept_decode.evicted_decode`);
-        otherwise the kept entries are gathered into a row of their own (emptying the full cache) that
+        otherwise the kept entries are gathered into a lane of their own (emptying the full cache) that
         a scheduler can batch with others."""
         enc, max_new, stop_ids, n_ctx = self.enc, self.max_new, self.path.stop_ids, len(self.enc.context_ids)
         probabilistic = is_probabilistic_press(self.path.press)
@@ -223,10 +223,10 @@ class PrefilledContext(AnswerSource):
             return EvictedAnswer(*out[0])
         kept = kept_count(cast("list[torch.Tensor | None]", self.selection), n_ctx) / n_ctx  # not probabilistic
         if self.pruner is not None:  # gathered while prefilling
-            row = self.pruner.row()
+            lane = self.pruner.lane()
         else:
-            row = gather_row(self.cache, self.selection, n_ctx, len(enc.question_ids) + max_new)  # empties the cache
-        job = Decode(row, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=None,
+            lane = gather_lane(self.cache, self.selection, n_ctx, len(enc.question_ids) + max_new)  # empties the cache
+        job = Decode(lane, list(enc.question_ids), n_ctx, max_new, stop_ids, solo=None,
                      lookup_ids=list(enc.context_ids), want_logprobs=True, final=self.final)
         yield job
         assert job.ids is not None  # whoever runs the steps fills the answer in before resuming
@@ -240,10 +240,10 @@ class PrefilledContext(AnswerSource):
 
     def kept_context(self, agreement_drop: float | None) -> PrefixEntry:
         """The compressed context the prefill chose, copied out for the prefix cache (the full cache,
-        or the rows a pruned prefill gathered, left as they are)."""
+        or the lanes a pruned prefill gathered, left as they are)."""
         n_ctx = len(self.enc.context_ids)
         if self.pruner is not None:
-            return entry_from_row(self.pruner.row(), n_ctx, agreement_drop)
+            return entry_from_lane(self.pruner.lane(), n_ctx, agreement_drop)
         keys, values = [layer.keys for layer in self.cache.layers], [layer.values for layer in self.cache.layers]
         return entry_from_full(keys, values, list(self.selection), n_ctx, agreement_drop)
 

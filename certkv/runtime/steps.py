@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
-    from certkv.engine.ragged_decode import Row, RowCache
+    from certkv.engine.ragged_decode import Lane, LaneCache
 
 #: Told, on the runner's thread, (the answer's tokens so far, the count of them a recompute gate kept
 #: when it restarted the answer on the full cache, None before any restart) each time a final
@@ -62,7 +62,7 @@ class Reserve:
 class Decode:
     """One greedy answer to decode over `cache`, which holds only this answer's entries.
 
-    `cache` is a one-row transformers cache or a :class:`~certkv.engine.ragged_decode.RowCache`;
+    `cache` is a one-lane transformers cache or a :class:`~certkv.engine.ragged_decode.LaneCache`;
     `question_ids` are fed first at positions from `position`; `lookup_ids` seed prompt-lookup
     proposals (None: plain greedy, as kvpress's pipeline decodes). `solo` decodes it alone,
     as calibration did, returning (ids, per-token log p or None); a lean path (run by the
@@ -72,14 +72,14 @@ class Decode:
     `final` (module docstring): its tokens are the answer's as decoded; `restarted_at` is set on the
     decode that finishes an answer a recompute gate restarted after its first `restarted_at`
     tokens (its `ids` include them); `listener` is the runner's (None: nobody listens), and a
-    `solo` function that decodes token by token tells it through :meth:`tell`. `row`: the
-    :class:`~certkv.engine.ragged_decode.Row` over `cache` when the path built it (a decoding-time
+    `solo` function that decodes token by token tells it through :meth:`tell`. `lane`: the
+    :class:`~certkv.engine.ragged_decode.Lane` over `cache` when the path built it (a decoding-time
     press's, with the books that compress it as it decodes and give its slots back at each event):
     the scheduler batches it as it is (prompt lookup dropped where the server runs without), and
     the path reads what it held from it.
     """
 
-    cache: DynamicCache | RowCache | None
+    cache: DynamicCache | LaneCache | None
     question_ids: list[int]
     position: int
     max_new_tokens: int
@@ -91,7 +91,7 @@ class Decode:
     final: bool = False
     restarted_at: int | None = None
     listener: TokenListener | None = None
-    row: Row | None = None
+    lane: Lane | None = None
     ids: list[int] | None = None
     logprobs: list[float] | None = None
 

@@ -10,9 +10,9 @@ objects and no model. The policy reads:
   (``resumed``: an escalation's second prefill), its arrival number ``seq``, and whether its
   caller gave up (``cancelled``);
 * the jobs **in flight**, each with the slots it ``held`` now (its reservation, or once it decodes
-  in the batch its row's allocated cache), read afresh at every plan: a job whose holding shrinks
-  lets waiting jobs in at once (the scheduler gives slots back when a row finishes, and when a
-  decoding-time press compresses a row mid-answer);
+  in the batch its lane's allocated cache), read afresh at every plan: a job whose holding shrinks
+  lets waiting jobs in at once (the scheduler gives slots back when a lane finishes, and when a
+  decoding-time press compresses a lane mid-answer);
 * the **budget** in token slots (None: unlimited);
 * the slots the prefix cache's kept compressed contexts hold (``cached``; no request holds a
   reference to one, :mod:`certkv.runtime.prefix_cache`), of which ``wanted`` are contexts a waiting

@@ -194,7 +194,7 @@ class QueueState(BaseModel):
 class KVState(BaseModel):
     """The scheduler's KV in token slots (``budget`` null: unlimited); ``peak`` is sampled after every
     admission and decode step; ``max_batch`` is the most requests one decode step advanced;
-    ``given_back`` the slots rows gave back mid-answer at a decoding-time press's compression events."""
+    ``given_back`` the slots lanes gave back mid-answer at a decoding-time press's compression events."""
 
     budget: int | None
     in_use: float

@@ -217,7 +217,7 @@ class _Routes:
         try:
             async for event in self._decoded(route, req, chat, first, feed, future, deadline):
                 yield event
-        finally:  # the client went away (or the stream ended): a row still decoding stops and frees its KV
+        finally:  # the client went away (or the stream ended): a lane still decoding stops and frees its KV
             if not future.done():
                 future.cancel()
 
@@ -322,7 +322,7 @@ class _Routes:
             in_flight=self.in_flight.count,
             kv=KVState(budget=service.kv_budget, in_use=scheduler.kv_in_use, peak=scheduler.peak_kv,
                        requests_in_flight=scheduler.in_flight(), admissions_waiting=scheduler.waiting(),
-                       decode_steps=scheduler.steps, max_batch=scheduler.peak_rows,
+                       decode_steps=scheduler.steps, max_batch=scheduler.peak_lanes,
                        given_back=scheduler.given_back),
             monitoring="off" if service.monitor is None else "on",
             shadow_rate=0.0 if service.monitor is None else service.monitor.shadow_rate,

@@ -15,24 +15,24 @@ at once, and interleaves them:
   served, then shadows. A job whose reservation alone exceeds the budget fails with
   :class:`BudgetExceeded` (it could never run).
 * **Batched decoding.** A ``Decode`` joins the :class:`~certkv.engine.ragged_decode.RaggedBatch`
-  (its cache taken over as a :class:`~certkv.engine.ragged_decode.RowCache` with room for its
+  (its cache taken over as a :class:`~certkv.engine.ragged_decode.LaneCache` with room for its
   question and answer) and from then on holds exactly that cache's slots; one forward per
-  iteration advances every row, and a finished row's job resumes (its post-decode gate). A row
-  under a decoding-time press (``Row.compression``) gives slots back at each compression event
-  (its buffers cut to what it can still need, :meth:`~certkv.engine.ragged_decode.Row.give_back`),
+  iteration advances every lane, and a finished lane's job resumes (its post-decode gate). A lane
+  under a decoding-time press (``Lane.compression``) gives slots back at each compression event
+  (its buffers cut to what it can still need, :meth:`~certkv.engine.ragged_decode.Lane.give_back`),
   and its job then holds that much less: waiting jobs may be admitted at the next plan. A
   ``Decode`` that cannot batch (certkv's probabilistic press; K-norm's decoding press off the CPU
-  or on a fused key projection: :func:`~certkv.engine.decoding_rows.batchable_decoding_press`) is
+  or on a fused key projection: :func:`~certkv.engine.decoding_lanes.batchable_decoding_press`) is
   decoded alone at once.
 * **Tokens as decoded.** A job submitted with ``on_tokens`` (a
   :data:`~certkv.runtime.steps.TokenListener`) hears, on the worker thread, the answer so far of
-  each of its ``final`` decodes: after every batched step that added tokens to its row, and after
+  each of its ``final`` decodes: after every batched step that added tokens to its lane, and after
   (or, for a solo decode that tells it, during) a solo decode. A decode a post-decode gate may
   still escalate is not final: nothing of it is heard.
 * **Cancelled** requests (past ``--timeout``, or a streamed client gone) leave the batch before the
   next decode step, and their KV is free at once; a solo decode runs to its end.
 * **Shadows** (``shadow=True``) never hold KV a live request waits for: when the first waiting
-  live request does not fit, shadows in flight are preempted (their rows dropped, their KV freed)
+  live request does not fit, shadows in flight are preempted (their lanes dropped, their KV freed)
   and restarted from the beginning later, so a live request waits at most the decode step in
   progress for their memory.
 
@@ -41,7 +41,7 @@ at once, and interleaves them:
   the admission policy evicts kept contexts (least recently used first, those a waiting job will
   copy last) before a job waits for their slots or a shadow is preempted.
 
-KV in use (the reservations of jobs between steps, every row's allocated cache, and the kept
+KV in use (the reservations of jobs between steps, every lane's allocated cache, and the kept
 contexts) is sampled after every admission and every decode step; :attr:`Scheduler.peak_kv` is the largest sample,
 never more than the budget.
 """
@@ -58,7 +58,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from certkv.engine.ragged_decode import RaggedBatch, Row, RowCache
+from certkv.engine.ragged_decode import Lane, LaneCache, RaggedBatch
 from certkv.errors import CertkvError
 from certkv.runtime.prefix_cache import PrefixReserve
 from certkv.runtime.steps import Decode, Reserve
@@ -98,8 +98,8 @@ class _Job:
     on_tokens: TokenListener | None = None
     step: Step | None = None
     held: float = 0.0
-    """Token slots the job holds now: its reservation, or its row's allocated cache."""
-    row: Row | None = None
+    """Token slots the job holds now: its reservation, or its lane's allocated cache."""
+    lane: Lane | None = None
     resumed: bool = False
     """Whether the job already ran a step (a second reservation is admitted first)."""
     seq: int = 0
@@ -125,9 +125,9 @@ class Scheduler:
     budget : int or None
         KV budget in token slots; None: unlimited (jobs are admitted as they come).
     prompt_lookup : bool
-        Whether a row verifies the prompt-lookup proposals its path seeds (several greedy tokens
+        Whether a lane verifies the prompt-lookup proposals its path seeds (several greedy tokens
         per forward where the answer copies its context; answers are the same either way). Off:
-        one token per row per forward, as a generation that copies nothing decodes.
+        one token per lane per forward, as a generation that copies nothing decodes.
     prefix_cache : PrefixCache or None
         The runtime's kept compressed contexts, counted against `budget` (module docstring).
     before_step : callable or None
@@ -159,10 +159,10 @@ class Scheduler:
         self.kv_in_use = 0.0
         self.steps = 0
         """Batched decode steps run."""
-        self.peak_rows = 0
+        self.peak_lanes = 0
         """Most requests one decode step advanced together."""
         self.given_back = 0.0
-        """Token slots rows gave back mid-answer, at their decoding-time press's compression events."""
+        """Token slots lanes gave back mid-answer, at their decoding-time press's compression events."""
         self.before_step = before_step
         self._thread = threading.Thread(target=self._loop, name="certkv-scheduler", daemon=True)
 
@@ -225,7 +225,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._inbox and not self._waiting and not self.batch.rows and not self._stopping:
+                while not self._inbox and not self._waiting and not self.batch.lanes and not self._stopping:
                     self._cv.wait()
                 fresh = list(self._inbox)
                 self._inbox.clear()
@@ -294,11 +294,11 @@ class Scheduler:
 
     def _preempt(self, job: _Job) -> None:
         """Free a shadow's KV and restart it from the beginning (it waits for admission again)."""
-        if job.row is not None:
-            self.batch.remove(job.row)
+        if job.lane is not None:
+            self.batch.remove(job.lane)
         self._holding.discard(job)
         job.steps.close()
-        job.row, job.held, job.resumed = None, 0.0, False
+        job.lane, job.held, job.resumed = None, 0.0, False
         assert job.restart is not None  # shadows are submitted with their restart
         job.steps, job.step = job.restart(), None
         self._advance(job)
@@ -337,71 +337,71 @@ class Scheduler:
                     step.ids, step.logprobs = step.solo()
                     step.tell(step.ids)  # a solo decode that told nothing as it went is heard whole
                     continue
-                row = step.row if step.row is not None else self._row(step)
+                lane = step.lane if step.lane is not None else self._lane(step)
                 if not self.prompt_lookup:
-                    row.plain()
-                row.tag = job
-                job.row, job.held = row, row.cache.slots
+                    lane.plain()
+                lane.tag = job
+                job.lane, job.held = lane, lane.cache.slots
                 self._holding.add(job)
-                self.batch.add(row)
+                self.batch.add(lane)
                 self._sample()
                 return
             raise TypeError(f"an answering path yielded {type(step).__name__}, not Reserve or Decode")
 
     @staticmethod
-    def _row(step: Decode) -> Row:
-        """A batched decode's row: its cache taken over with room for its question and answer."""
+    def _lane(step: Decode) -> Lane:
+        """A batched decode's lane: its cache taken over with room for its question and answer."""
         room = len(step.question_ids) + step.max_new_tokens
         assert step.cache is not None  # a batchable decode carries its cache
-        cache = step.cache if isinstance(step.cache, RowCache) else RowCache.adopt(step.cache, room)
-        return Row(cache, step.question_ids, step.position, step.max_new_tokens, step.stop_ids,
-                   lookup_ids=step.lookup_ids, want_logprobs=step.want_logprobs)
+        cache = step.cache if isinstance(step.cache, LaneCache) else LaneCache.adopt(step.cache, room)
+        return Lane(cache, step.question_ids, step.position, step.max_new_tokens, step.stop_ids,
+                    lookup_ids=step.lookup_ids, want_logprobs=step.want_logprobs)
 
     def _finish(self, job: _Job) -> None:
         self._holding.discard(job)
-        job.held, job.row = 0.0, None
+        job.held, job.lane = 0.0, None
 
     def _decode_step(self) -> None:
-        self._drop_cancelled_rows()
-        if not self.batch.rows:
+        self._drop_cancelled_lanes()
+        if not self.batch.lanes:
             return
         if self.before_step is not None:
             self.before_step()
-        self.peak_rows = max(self.peak_rows, len(self.batch.rows))
-        rows = [(row, len(row.answer)) for row in self.batch.rows]
+        self.peak_lanes = max(self.peak_lanes, len(self.batch.lanes))
+        lanes = [(lane, len(lane.answer)) for lane in self.batch.lanes]
         try:
             finished = self.batch.step()
-        except Exception as exc:  # noqa: BLE001 - a failed forward fails the rows in it, not the server
-            log.exception("certkv serve: a batched decode step failed; its %d request(s) fail", len(self.batch.rows))
-            for row in list(self.batch.rows):
-                _resolve(self._drop(row).future, error=exc)
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails the lanes in it, not the server
+            log.exception("certkv serve: a batched decode step failed; its %d request(s) fail", len(self.batch.lanes))
+            for lane in list(self.batch.lanes):
+                _resolve(self._drop(lane).future, error=exc)
             return
         self.steps += 1
-        for row, _ in rows:  # a decoding-time press's event gave slots back (Row.give_back)
-            if row.compression is not None and row.tag.row is row:
-                self.given_back += row.tag.held - row.cache.slots
-                row.tag.held = row.cache.slots
+        for lane, _ in lanes:  # a decoding-time press's event gave slots back (Lane.give_back)
+            if lane.compression is not None and lane.tag.lane is lane:
+                self.given_back += lane.tag.held - lane.cache.slots
+                lane.tag.held = lane.cache.slots
         self._sample()
-        for row, before in rows:  # the new tokens leave before any finished job resumes
-            if len(row.answer) > before:
-                row.tag.step.tell(row.answer)
-        for row in finished:
-            job = row.tag
+        for lane, before in lanes:  # the new tokens leave before any finished job resumes
+            if len(lane.answer) > before:
+                lane.tag.step.tell(lane.answer)
+        for lane in finished:
+            job = lane.tag
             step = job.step
             assert isinstance(step, Decode)
-            step.ids, step.logprobs = row.answer, (row.logprobs if row.want_logprobs else None)
+            step.ids, step.logprobs = lane.answer, (lane.logprobs if lane.want_logprobs else None)
             self._finish(job)
             self._advance(job)
 
-    def _drop_cancelled_rows(self) -> None:
-        """Rows whose caller gave up (a timeout, a streamed client gone) stop decoding and free their KV."""
-        for row in [r for r in self.batch.rows if r.tag.future.cancelled()]:
-            self._drop(row)
+    def _drop_cancelled_lanes(self) -> None:
+        """Lanes whose caller gave up (a timeout, a streamed client gone) stop decoding and free their KV."""
+        for lane in [r for r in self.batch.lanes if r.tag.future.cancelled()]:
+            self._drop(lane)
 
-    def _drop(self, row: Row) -> _Job:
-        """Take `row` out of the batch for good: its KV freed, its job's steps closed; its job."""
-        self.batch.remove(row)
-        job = row.tag
+    def _drop(self, lane: Lane) -> _Job:
+        """Take `lane` out of the batch for good: its KV freed, its job's steps closed; its job."""
+        self.batch.remove(lane)
+        job = lane.tag
         self._finish(job)
         job.steps.close()
         return job
@@ -409,8 +409,8 @@ class Scheduler:
     def _abandon_shadows(self) -> None:
         left = [j for j in self._waiting + list(self._holding) if j.shadow]
         for job in left:
-            if job.row is not None:
-                self.batch.remove(job.row)
+            if job.lane is not None:
+                self.batch.remove(job.lane)
             job.steps.close()
             if job.on_abandon is not None:
                 job.on_abandon()

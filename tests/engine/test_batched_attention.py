@@ -1,4 +1,4 @@
-"""The candidate batch's attention skips each row's padding and gives the padded batch's outputs."""
+"""The candidate batch's attention skips each lane's padding and gives the padded batch's outputs."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ def _right_aligned_mask(lengths, width, new):
     return (slots >= starts).long()
 
 
-def test_row_groups_split_rows_by_first_real_slot():
-    from certkv.engine.batched_decode import row_groups
+def test_lane_groups_split_lanes_by_first_real_slot():
+    from certkv.engine.batched_decode import lane_groups
 
     mask = _right_aligned_mask([9, 9, 6, 2, 2], 9, 3)
-    assert row_groups(mask) == [(0, 2, 0), (2, 3, 3), (3, 5, 7)]
-    assert row_groups(_right_aligned_mask([9, 9], 9, 2)) is None  # nothing to skip
+    assert lane_groups(mask) == [(0, 2, 0), (2, 3, 3), (3, 5, 7)]
+    assert lane_groups(_right_aligned_mask([9, 9], 9, 2)) is None  # nothing to skip
 
 
 @pytest.mark.parametrize("q_len", [5, 2, 1])  # a verify forward (sdpa); decoding steps (grouped matmuls)
 def test_grouped_attention_equals_attention_over_the_whole_padded_width(q_len):
 
-    from certkv.engine.batched_decode import row_groups
-    from certkv.model.attention import attention_row_groups, gqa_sdpa_attention
+    from certkv.engine.batched_decode import lane_groups
+    from certkv.model.attention import attention_lane_groups, gqa_sdpa_attention
 
     g = torch.Generator().manual_seed(3)
     lengths, width, kv_heads, heads, d = [40, 40, 25, 11, 11, 3], 40, 2, 4, 8
@@ -41,15 +41,15 @@ def test_grouped_attention_equals_attention_over_the_whole_padded_width(q_len):
     ).transpose(1, 2)
     ungrouped, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
     torch.testing.assert_close(ungrouped, whole, atol=1e-6, rtol=1e-5)
-    groups = row_groups(mask2d)
+    groups = lane_groups(mask2d)
     assert groups is not None and len(groups) == 4
-    with attention_row_groups(groups):
+    with attention_lane_groups(groups):
         grouped, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
     torch.testing.assert_close(grouped, whole, atol=1e-6, rtol=1e-5)
     # padding slots really are skipped: garbage there changes nothing
     key[3:, :, :29] = float("nan")
     value[3:, :, :29] = float("nan")
-    with attention_row_groups(groups):
+    with attention_lane_groups(groups):
         poisoned, _ = gqa_sdpa_attention(module, query, key, value, mask4d, scaling=d**-0.5)
     torch.testing.assert_close(poisoned, whole, atol=1e-6, rtol=1e-5)
 

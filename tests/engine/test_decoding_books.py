@@ -1,4 +1,4 @@
-"""kvpress's decoding-press books as certkv keeps them per row (certkv/engine/decoding_compression.py):
+"""kvpress's decoding-press books as certkv keeps them per lane (certkv/engine/decoding_compression.py):
 what the scorer is handed at each compression event — its layer, the buffered hidden states, the
 cache — and when, against kvpress's own hook decoding one token a forward. The scorer here records
 its inputs, so buffer sizes and intervals that StreamingLLM and TOVA would not notice are checked."""
@@ -41,20 +41,20 @@ def request_(embedded_recite):
 
 
 def _both(model, enc, make_press):
-    """The scorer's calls and the run under kvpress's hooks, then as a drafted, chunked row."""
-    from certkv.engine.decoding_rows import decode_rows, prefilled_row
+    """The scorer's calls and the run under kvpress's hooks, then as a drafted, chunked lane."""
+    from certkv.engine.decoding_lanes import decode_lanes, prefilled_lane
     from certkv.engine.decoding_run import run_decoding
     from certkv.model.generation import stop_token_ids
 
     alone_press = make_press()
     alone = run_decoding(model, alone_press, enc, MAX_NEW)
-    row_press = make_press()
-    row, _ = prefilled_row(model, row_press, enc, MAX_NEW, stop_token_ids(model), draft=alone.token_ids)
-    decode_rows(model, [row])
-    return alone_press.base_press.calls, alone, row_press.base_press.calls, row
+    lane_press = make_press()
+    lane, _ = prefilled_lane(model, lane_press, enc, MAX_NEW, stop_token_ids(model), draft=alone.token_ids)
+    decode_lanes(model, [lane])
+    return alone_press.base_press.calls, alone, lane_press.base_press.calls, lane
 
 
-@pytest.mark.parametrize(("interval", "buffer"), [(1, 0), (3, 1), (5, 2)])  # (8, 256): test_decoding_rows
+@pytest.mark.parametrize(("interval", "buffer"), [(1, 0), (3, 1), (5, 2)])  # (8, 256): test_decoding_lanes
 def test_the_scorer_is_handed_what_kvpress_hands_it(embedded_recite, request_, interval, buffer):
     from kvpress import CompressionRatioDecodingPress
 
@@ -65,8 +65,8 @@ def test_the_scorer_is_handed_what_kvpress_hands_it(embedded_recite, request_, i
         return CompressionRatioDecodingPress(scorer(), target_compression_ratio=0.4, compression_interval=interval,
                                              hidden_states_buffer_size=buffer)
 
-    want, alone, got, row = _both(model, request_, make)
-    assert row.answer == alone.token_ids and row.held == pytest.approx(alone.held)
+    want, alone, got, lane = _both(model, request_, make)
+    assert lane.answer == alone.token_ids and lane.held == pytest.approx(alone.held)
     assert len(want) >= 2  # an event that evicted: one call per layer
     assert [c[:2] + c[3:] for c in got] == [c[:2] + c[3:] for c in want]
     assert [c[2] for c in got] == pytest.approx([c[2] for c in want], rel=1e-4, abs=1e-3)
@@ -81,15 +81,15 @@ def test_a_one_token_target_compresses_every_step_until_it_grows(embedded_recite
     seen = len(request_.context_ids) + len(request_.question_ids)
     ratio = 1 - 2 / (seen + 12)  # the target reaches two tokens at the 12th answer token
     scorer = _recording_scorer("TOVAPress")  # StreamingLLM needs more entries than its 4 sinks
-    want, alone, got, row = _both(model, request_, lambda: CompressionRatioDecodingPress(
+    want, alone, got, lane = _both(model, request_, lambda: CompressionRatioDecodingPress(
         scorer(), target_compression_ratio=ratio, compression_interval=8))
-    assert row.answer == alone.token_ids and row.held == pytest.approx(alone.held)
+    assert lane.answer == alone.token_ids and lane.held == pytest.approx(alone.held)
     assert [c[3:] for c in got] == [c[3:] for c in want]
     held = alone.held
     assert held[5] == held[6] == 1 and max(held[15:]) > 2  # compressed at every step, then not
 
 
-def test_only_presses_whose_books_certkv_keeps_decode_as_rows(embedded):
+def test_only_presses_whose_books_certkv_keeps_decode_as_lanes(embedded):
     """A subclass of kvpress's decoding press keeps books of its own in its hook (CAM merges what it
     evicts), so it decodes alone; the prefilling half of the wrapper may be any press."""
     from kvpress import (
@@ -102,7 +102,7 @@ def test_only_presses_whose_books_certkv_keeps_decode_as_rows(embedded):
         TOVAPress,
     )
 
-    from certkv.engine.decoding_rows import batchable_decoding_press
+    from certkv.engine.decoding_lanes import batchable_decoding_press
 
     model, _ = embedded
     assert not batchable_decoding_press(CAMPress(StreamingLLMPress()), model)
@@ -110,21 +110,21 @@ def test_only_presses_whose_books_certkv_keeps_decode_as_rows(embedded):
     assert batchable_decoding_press(tova, model)
     assert batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5), decoding_press=tova), model)
     assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=SnapKVPress(0.5)), model)
-    # a prefill keeping a different share per layer does not fit a row's one allocation
+    # a prefill keeping a different share per layer does not fit a lane's one allocation
     assert not batchable_decoding_press(PrefillDecodingPress(prefilling_press=PyramidKVPress(0.5), decoding_press=tova), model)
 
 
-def test_a_row_layer_that_outgrows_its_allocation_keeps_every_entry_and_says_so(caplog):
+def test_a_lane_layer_that_outgrows_its_allocation_keeps_every_entry_and_says_so(caplog):
     """Growing past the allocation means a KV reservation was too small: the entries are kept
     (nothing lost), and a warning makes the under-reservation visible."""
     import logging
 
     import torch
 
-    from certkv.engine.ragged_decode import RowLayer
+    from certkv.engine.ragged_decode import LaneLayer
 
     keys, values = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
-    layer = RowLayer.holding(keys, values, room=1)
+    layer = LaneLayer.holding(keys, values, room=1)
     more_k, more_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
     with caplog.at_level(logging.WARNING, logger="certkv.engine.ragged_decode"):
         layer.append(more_k, more_v)

@@ -41,10 +41,10 @@ def test_fast_path_matches_kvpress_pipeline(embedded, pipe, monkeypatch):
     real_compact = batched_decode._Decoding.compact
 
     def spying(self):
-        before = list(self.rows)
+        before = list(self.lanes)
         real_compact(self)
-        if self.rows != before:
-            compactions.append((before, list(self.rows)))
+        if self.lanes != before:
+            compactions.append((before, list(self.lanes)))
 
     monkeypatch.setattr(batched_decode._Decoding, "compact", spying)
     model, tokenizer = embedded
@@ -65,7 +65,7 @@ def test_fast_path_matches_kvpress_pipeline(embedded, pipe, monkeypatch):
             assert abs(got.kv_retained_actual * result.context_length - expected_kept) <= 1
     # The comparison must cover answers that differ from the full-KV answer, or it proves little.
     assert len(distinct) > 2 * len(requests)
-    # ... and batches compacted with rows moved within their buffers, not just truncated.
+    # ... and batches compacted with lanes moved within their buffers, not just truncated.
     assert any(after != before[: len(after)] for before, after in compactions), compactions
 
 

@@ -1,4 +1,4 @@
-"""Prompt-lookup proposals: the indexed search equals a plain scan of the whole history; a row's proposal
+"""Prompt-lookup proposals: the indexed search equals a plain scan of the whole history; a lane's proposal
 length follows what it accepted."""
 
 from __future__ import annotations
@@ -54,19 +54,19 @@ def test_a_proposal_grows_while_accepted_whole_and_shrinks_once_rejected():
     assert length.size == 3
 
 
-def test_a_row_learns_only_from_lookup_proposals_it_was_fed():
-    """A row's proposal length learns from what it was fed: a feed with no proposal (no budget
+def test_a_lane_learns_only_from_lookup_proposals_it_was_fed():
+    """A lane's proposal length learns from what it was fed: a feed with no proposal (no budget
     left) teaches it nothing, however long the proposal before it was."""
-    from certkv.engine.ragged_decode import Row, RowCache
+    from certkv.engine.ragged_decode import Lane, LaneCache
 
     prompt = list(range(100, 160))
-    row = Row(RowCache([]), question_ids=[9], position=0, max_new_tokens=40, stop_ids=set(), lookup_ids=prompt)
-    row.answer = [100, 101]
-    tokens, _ = row.feed()
+    lane = Lane(LaneCache([]), question_ids=[9], position=0, max_new_tokens=40, stop_ids=set(), lookup_ids=prompt)
+    lane.answer = [100, 101]
+    tokens, _ = lane.feed()
     assert len(tokens) == 1 + 16  # the pending token and a proposal of the default length
-    row.accepted(16)
-    assert row._proposer.length.size == 32
-    row.max_new_tokens = len(row.answer)  # no budget left: the pending token alone
-    assert row.feed()[0] == [101]
-    row.accepted(0)
-    assert row._proposer.length.size == 32
+    lane.accepted(16)
+    assert lane._proposer.length.size == 32
+    lane.max_new_tokens = len(lane.answer)  # no budget left: the pending token alone
+    assert lane.feed()[0] == [101]
+    lane.accepted(0)
+    assert lane._proposer.length.size == 32

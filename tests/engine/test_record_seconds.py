@@ -1,5 +1,5 @@
 """The seconds each store record carries (certkv/calibration/run.py ``request_records``): a pipeline
-candidate its own run, a gathered candidate decoded as a row its own share, a gathered candidate of
+candidate its own run, a gathered candidate decoded as a lane its own share, a gathered candidate of
 the padded fast path its share of ``candidates_fast`` (split among those alone), the full cache its
 prefill and decode."""
 
@@ -30,6 +30,6 @@ def test_each_record_carries_its_own_seconds_once():
     seconds = {record["policy"]: record["seconds"] for record in request_records(request, result, contract, {})}
     assert seconds["full"] == pytest.approx(0.3)
     assert seconds["tova_decoding@0.50"] == pytest.approx(0.4)
-    assert seconds["snapkv@0.50"] == pytest.approx(0.25)  # its share of the rows, not of candidates_fast
+    assert seconds["snapkv@0.50"] == pytest.approx(0.25)  # its share of the lanes, not of candidates_fast
     assert seconds["snapkv@0.70"] == pytest.approx(0.15 + 0.01)  # half of candidates_fast, plus its own scoring
     assert seconds["snapkv@0.30"] == pytest.approx(0.15)

@@ -37,7 +37,7 @@ def speculative(max_new: int, stops: set[int], propose) -> tuple[list[int], list
     while not is_finished(answer, max_new, stops):
         proposal = propose(answer, max_new - len(answer))
         fed = [answer[-1], *proposal]
-        # the choice after each fed position (the prefix up to it), padded as a batch row would be
+        # the choice after each fed position (the prefix up to it), padded as a batch lane would be
         prefixes = [answer + proposal[:i] for i in range(len(fed))]
         choices = [model(p) for p in prefixes] + [99, 99]
         scored = [logp(p) for p in prefixes] + [9.0, 9.0]

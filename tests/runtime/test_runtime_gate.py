@@ -194,7 +194,7 @@ def test_probabilistic_batches_split_by_memory_give_the_same_answers(embedded, r
         PressCandidate("probabilistic@0.50", ProbabilisticPress(compression_ratio=0.5, seed=3), "probabilistic", 0.5),
         PressCandidate("probabilistic@0.20", ProbabilisticPress(compression_ratio=0.8, seed=3), "probabilistic", 0.2),
     ]
-    engine = Engine(model, tok, candidates, max_batch_bytes=1)  # one row per batch
+    engine = Engine(model, tok, candidates, max_batch_bytes=1)  # one lane per batch
     for request, result in zip(requests[:3], engine_results[:3]):
         alone = engine.run(request.context, request.question)
         for c in alone.candidates:

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-#: Signals recomputed by the batched decode agree with the one-row decode's to this.
+#: Signals recomputed by the batched decode agree with the one-lane decode's to this.
 TOL = 1e-4
 
 
@@ -59,5 +59,5 @@ def assert_scheduler_matches(runtime, requests, *, budget: int | None = None, st
         assert 0 < scheduler.peak_kv <= budget
     assert (scheduler.steps > 0) == batching, scheduler.steps
     if batching and len(requests) > 2:  # submitted together before the start: decoded together
-        assert scheduler.peak_rows >= 2
+        assert scheduler.peak_lanes >= 2
     return scheduler

@@ -2,7 +2,7 @@
 
 The rules are checked one by one on hand-built queues, then as invariants of a simulated server:
 jobs arrive, are admitted by the plan, hold their reservation, decode (a job's held slots may
-shrink, as a row compressed while it decodes would: the policy reads them afresh at every plan),
+shrink, as a lane compressed while it decodes would: the policy reads them afresh at every plan),
 finish; shadows are preempted and come back.
 """
 
@@ -77,16 +77,16 @@ def test_decoding_time_compression_frees_slots_for_a_waiting_job():
     decoding = Job(held=70, seq=0)
     waiting = Job(slots=40, seq=1)
     assert plan([waiting], [decoding], budget=100).admit is None
-    decoding.held = 55  # a compression event: the row's cache now holds fewer slots
+    decoding.held = 55  # a compression event: the lane's cache now holds fewer slots
     assert plan([waiting], [decoding], budget=100).admit is waiting
 
 
-def _decode_time_rows(reserve: float, allocated: float, after_event: float, budget: int, steps: int = 6,
-                      n: int = 8) -> int:
-    """Jobs as a decoding-time row lives under the scheduler: admitted with its peak reservation,
-    holding its row's allocation once prefilled, cut at its first compression event (its second
+def _decode_time_lanes(reserve: float, allocated: float, after_event: float, budget: int, steps: int = 6,
+                       n: int = 8) -> int:
+    """Jobs as a decoding-time lane lives under the scheduler: admitted with its peak reservation,
+    holding its lane's allocation once prefilled, cut at its first compression event (its second
     decode step) to what it can still need, done after `steps` steps; one admission per tick
-    before each batched step. Returns the most rows decoded at once; the budget is never exceeded."""
+    before each batched step. Returns the most lanes decoded at once; the budget is never exceeded."""
     waiting = [Job(slots=reserve, seq=i) for i in range(n)]
     holding: dict[Job, int] = {}  # a job in flight: its decode steps so far
     most = 0
@@ -96,7 +96,7 @@ def _decode_time_rows(reserve: float, allocated: float, after_event: float, budg
             waiting.remove(job)
             job.held = job.slots
             assert sum(j.held for j in holding) + job.held <= budget
-            job.held, holding[job] = allocated, 0  # prefilled: its row's buffers, the prefill's copy gone
+            job.held, holding[job] = allocated, 0  # prefilled: its lane's buffers, the prefill's copy gone
         most = max(most, len(holding))
         for job in list(holding):  # one batched step
             holding[job] += 1
@@ -108,10 +108,10 @@ def _decode_time_rows(reserve: float, allocated: float, after_event: float, budg
     return most
 
 
-def test_decoding_time_rows_giving_slots_back_decode_more_at_once():
-    # a row reserves 50 (its peak and one layer of copying), holds 40 once prefilled, 20 after an event
-    assert _decode_time_rows(50, 40, 40, budget=100) == 2
-    assert _decode_time_rows(50, 40, 20, budget=100) == 3
+def test_decoding_time_lanes_giving_slots_back_decode_more_at_once():
+    # a lane reserves 50 (its peak and one layer of copying), holds 40 once prefilled, 20 after an event
+    assert _decode_time_lanes(50, 40, 40, budget=100) == 2
+    assert _decode_time_lanes(50, 40, 20, budget=100) == 3
 
 
 def test_no_budget_admits_the_first_in_order():

@@ -63,7 +63,7 @@ def test_scheduler_answers_as_the_runtime(embedded, requests, press, kv, gate, p
 @pytest.mark.parametrize("prompt_lookup", [True, False], ids=["lookup", "no_lookup"])
 def test_prompt_lookup_changes_the_forwards_not_the_answers(embedded_recite, prompt_lookup):
     """Recitations copy their context, so prompt lookup confirms many tokens per forward; without
-    it (``certkv serve --no-prompt-lookup``) each row advances one token per forward, so the
+    it (``certkv serve --no-prompt-lookup``) each lane advances one token per forward, so the
     batch runs at least as many forwards as the longest answer has tokens. Same answers both ways."""
     from certkv.requests.request_set import generate_requests
 
@@ -80,7 +80,7 @@ def test_prompt_lookup_changes_the_forwards_not_the_answers(embedded_recite, pro
 
 
 def test_a_cancelled_request_leaves_the_batch_at_the_next_step(embedded_recite):
-    """A caller that gives up (a timeout, a streamed client gone) cancels the future: its row stops
+    """A caller that gives up (a timeout, a streamed client gone) cancels the future: its lane stops
     decoding at the next step instead of running on to the end of a long answer."""
     from certkv.requests.request_set import generate_requests
     from certkv.serve.scheduler import Scheduler
@@ -99,7 +99,7 @@ def test_a_cancelled_request_leaves_the_batch_at_the_next_step(embedded_recite):
                                     on_tokens=give_up_after_three))
     scheduler.start()
     scheduler.shutdown()  # returns once no live job is left
-    assert futures[0].cancelled() and scheduler.in_flight() == 0 and not scheduler.batch.rows
+    assert futures[0].cancelled() and scheduler.in_flight() == 0 and not scheduler.batch.lanes
     assert scheduler.steps == 3 < len(whole.token_ids), scheduler.steps  # a token a step, dropped after the third
 
 
@@ -153,7 +153,7 @@ def test_a_live_request_preempts_a_decoding_shadow(embedded, requests):
 
     runtime = _runtime(embedded, "snapkv", 0.5)
     # the longer request is the live one, and the budget its reservation (and a little): it cannot
-    # fit beside the shadow's row
+    # fit beside the shadow's lane
     shadow_request, live_request = sorted(requests[:4], key=lambda r: len(r.context))[::3]
     live_enc = encode_request(runtime.tokenizer, live_request.context, live_request.question, live_request.answer_prefix)
     budget = runtime.path.reservation(live_enc, runtime.max_new_tokens, pruned=runtime.path.prunes())
@@ -200,11 +200,11 @@ DECODING_KWARGS = {"base_press": "streaming_llm", "compression_interval": 8}
 @pytest.mark.parametrize("prompt_lookup", [True, False], ids=["lookup", "no_lookup"])
 def test_a_decoding_time_point_decodes_in_the_batch_and_gives_slots_back(embedded_recite, prompt_lookup):
     """A batchable decoding-time point (StreamingLLM keeping half of what it has seen, every 8
-    steps): its requests decode as rows of one batch, with the in-process runtime's answers and
-    held KV; each reserves its decode's peak, and the budget lets the third in only once the rows
+    steps): its requests decode as lanes of one batch, with the in-process runtime's answers and
+    held KV; each reserves its decode's peak, and the budget lets the third in only once the lanes
     in flight have given slots back at a compression event (no request has finished by then).
-    Without prompt lookup (``--no-prompt-lookup``) a row feeds one token a forward: the same answers."""
-    from certkv.engine.decoding_rows import row_slots
+    Without prompt lookup (``--no-prompt-lookup``) a lane feeds one token a forward: the same answers."""
+    from certkv.engine.decoding_lanes import lane_slots
     from certkv.model.generation import encode_request
     from certkv.requests.request_set import generate_requests
     from certkv.runtime.full_path import prefill_slots
@@ -215,8 +215,8 @@ def test_a_decoding_time_point_decodes_in_the_batch_and_gives_slots_back(embedde
     recitations = generate_requests("recite", 3, seed=31)
     alone = [runtime.generate(r.context, r.question) for r in recitations]
     encs = [encode_request(runtime.tokenizer, r.context, r.question, r.answer_prefix) for r in recitations]
-    reserved = [row_slots(runtime.model, runtime.press, e, 48) for e in encs]
-    # by hand: a row is allocated n + q + 7 (the question and 7 tokens before the first event)
+    reserved = [lane_slots(runtime.model, runtime.press, e, 48) for e in encs]
+    # by hand: a lane is allocated n + q + 7 (the question and 7 tokens before the first event)
     first = [len(e.context_ids) + len(e.question_ids) + 7 for e in encs]
     # below the full cache's reservation (the whole prefill, question and answer, and one layer)
     assert all(c < r < prefill_slots(runtime.model, e, 48) for c, r, e in zip(first, reserved, encs))
@@ -249,7 +249,7 @@ def test_a_decoding_time_point_decodes_in_the_batch_and_gives_slots_back(embedde
         assert (b.mode, b.reason, b.kv_retained_actual) == ("evicted", None, a.kv_retained_actual)
         assert b.confidence_min == pytest.approx(a.confidence_min, rel=1e-4)
     longest = max(len(a.token_ids) for a in alone)
-    assert scheduler.peak_rows >= 2 and (scheduler.steps < longest if prompt_lookup else scheduler.steps >= longest)
+    assert scheduler.peak_lanes >= 2 and (scheduler.steps < longest if prompt_lookup else scheduler.steps >= longest)
     given_back, finished = admitted[0]
     assert given_back > 0 and finished == 0, admitted
     assert 0 < scheduler.peak_kv <= budget

@@ -1,6 +1,6 @@
 """`certkv serve` deploying decoding-time points on long generations (the embedded-recite model
 reciting its context's records, 30-60 words), through the official `openai` client: behind a
-recompute gate (decoded alone), and ungated on a batchable press (rows of one batch, giving slots
+recompute gate (decoded alone), and ungated on a batchable press (lanes of one batch, giving slots
 back as they compress); every answer and decision is the in-process runtime's."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def held_server(tmp_path_factory):
         "press_kwargs": kwargs, "kv_retained": 0.5, "mean_kv_retained": 0.5,
         "policy": "compression_ratio_decoding@0.50", "base_policy": "compression_ratio_decoding@0.50",
         "max_new_tokens": 140})
-    s = _Server(tmp_path_factory.mktemp("serve_decoding_rows"), point, "--shadow-rate", "0", "--model",
+    s = _Server(tmp_path_factory.mktemp("serve_decoding_lanes"), point, "--shadow-rate", "0", "--model",
                 "embedded-recite", held=True)
     try:
         yield s.wait(), point
@@ -79,8 +79,8 @@ def held_server(tmp_path_factory):
 
 
 def test_a_batchable_decoding_point_answers_concurrent_recitations_together(held_server, embedded_recite):
-    """Held, the server queues three recitations; released, they decode as rows of one batch (the
-    /health counters: more than one row a step, slots given back at compression events) and each
+    """Held, the server queues three recitations; released, they decode as lanes of one batch (the
+    /health counters: more than one lane a step, slots given back at compression events) and each
     answer is the in-process runtime's, which decodes alone under kvpress's hooks."""
     import openai
 
