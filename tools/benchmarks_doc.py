@@ -299,7 +299,7 @@ def _smollm2_timing(t: dict) -> str:
     return (f"Calibration cost (`{t['command']}`, one thread; the first {t['requests']} requests, {t['candidates']} "
             f"decoded candidates): certkv's engine {seconds(t['certkv_seconds'])} a request against kvpress's pipeline "
             f"once per candidate and for the full cache {seconds(t['kvpress_seconds'])}, **{times(t['speedup'])}** "
-            f"faster (target 5×). " + _decoding_rows_cost(t))
+            f"faster (target 5×). " + _drafted_lanes_cost(t))
 
 
 def eviction_spread(data: dict) -> str:
@@ -1369,28 +1369,31 @@ def long_generation(data: dict) -> str:
         f"Calibration cost on {t['requests']} requests, {t['candidates']} candidates, one thread: certkv's engine "
         f"{seconds(t['certkv_seconds'])} a request against kvpress's pipeline once per candidate and for the full "
         f"cache {seconds(t['kvpress_seconds'])}, **{times(t['speedup'])}** faster (target 5×). "
-        + _decoding_rows_cost(t),
+        + _drafted_lanes_cost(t),
     ])
 
 
-def _decoding_rows_cost(t: dict) -> str:
-    """The long-generation timing's split: decoding-time candidates drafted in one batch, and alone."""
+def _drafted_lanes_cost(t: dict) -> str:
+    """The long-generation timing's split: decoding-time candidates drafted in one batch, and alone.
+
+    The results' keys say "rows" (``decoding_rows``, ``rows_speedup``, ...) for the lanes of the drafted
+    batch: kept as the stored results name them."""
     if "rows_speedup" not in t:
         return ("A decoding-time candidate costs its own generation in both; certkv shares the prefill and the "
                 "full answer's draft among the prefill-time candidates only.")
     alone = t["decoding_alone"]
     alone_text = ("No decoding-time candidate decodes alone; " if not alone else
-                  f"The {alone} others (presses whose choices or books certkv cannot keep per row) "
+                  f"The {alone} others (presses whose choices or books certkv cannot keep per lane) "
                   "decode alone, one token a forward, as kvpress does ([why](long-generations.md#calibration-cost)); ")
     prefill = t.get("prefill_rows", 0)
     members = (f"{t['decoding_rows']} decoding-time candidates" if not prefill else
                f"{t['decoding_rows']} decoding-time candidates and the {prefill} prefill-time ones beside them")
-    drafted = ("whose first row is the full answer, drafting the others as it grows (its share of the batch "
+    drafted = ("whose first lane is the full answer, drafting the others as it grows (its share of the batch "
                "apart)" if t.get("full_answer_row") else "drafted by the full answer")
-    return (f"Of those, the {members} decode as rows of one batch {drafted}: "
+    return (f"Of those, the {members} decode as lanes of one batch {drafted}: "
             f"{seconds(t['rows_certkv_seconds'])} a request against {seconds(t['rows_kvpress_seconds'])} for "
             f"kvpress's pipeline on them, **{times(t['rows_speedup'])}**. " + alone_text
-            + "prefill-time candidates decode from the request's one prefill, and every row follows the full answer's "
+            + "prefill-time candidates decode from the request's one prefill, and every lane follows the full answer's "
             "draft while it agrees with it." + _over_floor(t))
 
 
