@@ -92,10 +92,6 @@ def run_temp_root(tmp_path_factory) -> Path:
     return root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
 
 
-# Subprocesses the tests start (the CLI, servers) read the same share of the cores.
-os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads()))
-
-
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded model and tokenizer, loaded once per test session."""
@@ -174,6 +170,11 @@ _LOADED_BEFORE_RUN = pytest.StashKey[set]()
 
 
 def pytest_configure(config):
+    # Subprocesses the tests start (the CLI, servers) take the same share of the cores as the
+    # process that starts them: set in each worker (the controller of `-n N` starts no test's
+    # subprocess, and a value it set would reach the workers as the whole machine's share).
+    if "PYTEST_XDIST_WORKER" in os.environ or not getattr(config.option, "numprocesses", None):
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads()))
     config.addinivalue_line("markers", "model: loads a model or runs the engine (deselect with -m 'not model')")
 
 
