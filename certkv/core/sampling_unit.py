@@ -113,16 +113,11 @@ def _check_share(share: float) -> float:
 
 
 def draw_pilot(
-    request_ids: Sequence[str],
-    share: float,
-    seed: int = 0,
-    min_certification: int = MIN_CERTIFICATION,
-    groups: Sequence[str] | None = None,
+    request_ids: Sequence[str], share: float, seed: int = 0, min_certification: int = MIN_CERTIFICATION
 ) -> PilotSplit:
-    """Draw the pilot: rank `request_ids` by ``sha256(f"{seed}:{request_id}")`` (hex) and take the
-    first ``round(share · R)``; the rest certify. With `groups` (each request's context group, a
-    grouped spec's), whole contexts are drawn instead (:func:`draw_pilot_groups`). A certificate
-    draws through its unit (:meth:`SamplingUnit.draw_pilot`); this is the same draw from bare ids.
+    """Draw a pilot of requests (:meth:`RequestUnit.draw_pilot`): rank `request_ids` by
+    ``sha256(f"{seed}:{request_id}")`` (hex) and take the first ``round(share · R)``; the rest
+    certify. Contexts are drawn whole by :func:`draw_pilot_groups` instead.
 
     Deterministic and independent of any loss or signal. Raises a one-line error when the pilot
     would be empty or leave fewer than `min_certification` certification requests.
@@ -137,13 +132,6 @@ def draw_pilot(
     True
     """
     share = _check_share(share)
-    if groups is not None:
-        return draw_pilot_groups(request_ids, groups, share, seed, min_certification)
-    return _draw_pilot_requests(request_ids, share, seed, min_certification)
-
-
-def _draw_pilot_requests(request_ids: Sequence[str], share: float, seed: int, min_certification: int) -> PilotSplit:
-    """:func:`draw_pilot` by request (`share` already checked)."""
     ids = list(request_ids)
     n = len(ids)
     n_pilot = pilot_size(n, share)
@@ -523,7 +511,7 @@ class RequestUnit(SamplingUnit):
         return [{} for _ in range(counts.k.shape[0])]
 
     def draw_pilot(self, table: LossTable, share: float, seed: int, min_certification: int = MIN_CERTIFICATION) -> PilotSplit:
-        return _draw_pilot_requests(table.request_ids, _check_share(share), seed, min_certification)
+        return draw_pilot(table.request_ids, share, seed, min_certification)
 
     def shortfall(self, table: LossTable, spec: CertificationSpec) -> str | None:
         return None  # its units are the requests, whose count every stratum is held to already

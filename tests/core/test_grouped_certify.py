@@ -19,7 +19,7 @@ from scipy.stats import binom
 from certkv.core.binomial import clopper_pearson_upper
 from certkv.core.certify import certify, guarantee_sentence
 from certkv.core.loss_table import LossTable, read_csv, read_jsonl, records_sha256
-from certkv.core.pilot import draw_pilot
+from certkv.core.pilot import draw_pilot_groups
 from certkv.core.spec import CertificationSpec
 from certkv.errors import CertkvError
 
@@ -167,9 +167,9 @@ def test_the_pilot_takes_whole_contexts_deterministically():
     assert len(pilot_groups) == 50  # round(0.25 · 200) contexts
     assert sum(g in pilot_groups for g in table.groups) == op.pilot.n_pilot  # every question of them
     assert op.n_contexts == 150 and op.n == op.pilot.n_certification
-    again = draw_pilot(table.request_ids[::-1], 0.25, 3, groups=table.groups[::-1])
+    again = draw_pilot_groups(table.request_ids[::-1], table.groups[::-1], 0.25, 3)
     assert set(again.pilot_ids) == set(op.pilot.request_ids)
-    other = draw_pilot(table.request_ids, 0.25, 4, groups=table.groups)
+    other = draw_pilot_groups(table.request_ids, table.groups, 0.25, 4)
     assert set(other.pilot_ids) != set(op.pilot.request_ids)
 
 

@@ -11,6 +11,7 @@ from coming back.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import re
 from pathlib import Path
@@ -181,10 +182,22 @@ def _group_codes(table: LossTable) -> np.ndarray:
     return Groups.of(table.groups).codes
 
 
-def test_pilots_are_drawn_over_the_unit(grouped_table):
+#: (size, sha256 of the comma-joined ids)[:16] of the pilots the code before the sampling unit drew on
+#: `grouped_table` at share 0.25, seed 2: by request ``draw_pilot(ids, 0.25, 2)``, by context
+#: ``draw_pilot(ids, 0.25, 2, min_certification=1, groups=groups)`` (its signature then).
+PINNED_PILOTS = {"request": (180, "e9ee28dc66989142"), "context": (187, "a762a0fe15d69db4")}
+
+
+def _fingerprint(split) -> tuple[int, str]:
+    return len(split.pilot_ids), hashlib.sha256(",".join(split.pilot_ids).encode()).hexdigest()[:16]
+
+
+def test_pilots_are_drawn_over_the_unit_as_before(grouped_table):
     by_request = RequestUnit(independent=True).draw_pilot(grouped_table, 0.25, seed=2)
+    assert _fingerprint(by_request) == PINNED_PILOTS["request"]
     assert _same_split(by_request, draw_pilot(grouped_table.request_ids, 0.25, 2))
     by_context = ContextUnit(GroupingConfig()).draw_pilot(grouped_table, 0.25, seed=2, min_certification=1)
+    assert _fingerprint(by_context) == PINNED_PILOTS["context"]
     assert _same_split(by_context, draw_pilot_groups(grouped_table.request_ids, grouped_table.groups, 0.25, 2, 1))
     pilot_groups = {grouped_table.groups[int(i)] for i in by_context.pilot_columns}
     assert not pilot_groups & {grouped_table.groups[int(i)] for i in by_context.certification_columns}  # whole contexts
