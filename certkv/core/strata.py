@@ -43,7 +43,7 @@ from certkv.core.operating_point import (
 )
 from certkv.core.pilot import pilot_size
 from certkv.core.policy_names import STRATIFIED_POLICY
-from certkv.core.sampling_unit import fewest_betting_contexts, fewest_requests, sampling_unit
+from certkv.core.sampling_unit import fewest_requests, sampling_unit
 from certkv.core.spec import CertificationSpec, delta_of
 from certkv.errors import CertkvError
 
@@ -377,7 +377,6 @@ def _codes(labels, names) -> np.ndarray:
 
 __all__ = [
     "fewest_requests",
-    "fewest_betting_contexts",
     "full_cache_counts",
     "pilot_shortfall",
     "split_strata",
