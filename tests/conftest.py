@@ -177,32 +177,51 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "model: loads a model or runs the engine (deselect with -m 'not model')")
 
 
-#: The test files that take longest (measured with ``--durations``), longest first. pytest-xdist hands
-#: whole files to the workers in collection order (``--dist loadfile --no-loadscope-reorder``), so
-#: these start first and no long file starts last and keeps one worker busy while the others idle. A
-#: stale list costs balance, never a test.
+#: The order files are handed to the workers in (pytest-xdist gives out whole files in collection
+#: order, ``--dist loadfile --no-loadscope-reorder``). Ray's end-to-end tests go first, beside the
+#: folders whose tests run in the worker's own process: Ray's processes slow down several-fold
+#: beside tests that start servers and CLIs (measured: 90 s alone, 150-290 s beside them). Then
+#: the files that start processes, longest first (measured with ``--durations``), so that no long
+#: file starts last and keeps one worker busy while the other idles; the real model's conversion
+#: (test_smollm2 makes it, test_named_models reuses it) is not waited for by two files at once.
+#: A stale order costs balance, never a test.
+RAY_FIRST = "e2e/test_ray.py"
+IN_PROCESS_FOLDERS = frozenset(
+    {"core", "calibration", "report", "workflow", "benchmarks", "repo", "contract", "requests", "engine", "presses", "runtime",
+     "signals"}
+)
 LONGEST_FIRST = (
-    "e2e/test_ray.py",
-    "e2e/test_wheel_demo.py",
-    "signals/test_signals.py",
-    "model/test_named_models.py",
     "model/test_smollm2.py",
-    "serve/test_serve.py",
     "serve/test_replicas.py",
     "e2e/test_calibrate_cli.py",
-    "e2e/test_interrupts.py",
+    "serve/test_serve.py",
     "cli/test_cli_usage_errors.py",
-    "serve/test_openai_fields.py",
     "serve/test_serve_decoding.py",
+    "e2e/test_interrupts.py",
+    "model/test_named_models.py",
+    "cli/test_console_output.py",
+    "e2e/test_wheel_demo.py",
+    "serve/test_openai_fields.py",
 )
+
+
+def _handed_out(path: Path) -> tuple[int, int]:
+    """Where a test file stands in the order above: Ray first, in-process folders, the rest by length."""
+    relative = path.relative_to(TESTS)
+    if relative.as_posix() == RAY_FIRST:
+        return (0, 0)
+    if relative.parts[0] in IN_PROCESS_FOLDERS:
+        return (1, 0)
+    ranks = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    return (2, ranks.get(relative.as_posix(), len(ranks)))
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not _torch_free(item.path):
             item.add_marker(pytest.mark.model)
-    rank = {TESTS / name: place for place, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest keep their order
+    order = {path: _handed_out(path) for path in {item.path for item in items}}
+    items.sort(key=lambda item: order[item.path])  # stable: a file's tests keep their order
 
 
 def _torch_free(path: Path) -> bool:
