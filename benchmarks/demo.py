@@ -25,6 +25,7 @@ benchmarks/demo.py`` measures it with one thread there, and says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -99,9 +100,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-docs", action="store_true",
                    help="do not regenerate docs/benchmarks.md and README.md's blocks from the new results")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="run the demo in this new folder and keep it (its store, operating point and report), "
+                        "instead of a temporary one")
     args = p.parse_args()
+    if args.keep is not None and args.keep.exists():
+        sys.exit(f"--keep {args.keep} exists; name a new folder (the demo would resume its store, not time a run)")
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="certkv-demo-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="certkv-demo-bench-")))
         folder = Path(tmp) / "certkv-demo"
         wall, stdout = run_demo(folder)
         load_after = os.getloadavg()
