@@ -78,11 +78,15 @@ def run_here(capsys, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["certkv", *args], code, out.out, out.err)
 
 
+def _threads(sharing: int) -> int:
+    """The machine's cores shared by `sharing` processes, at least 1 and at most 2 (the embedded
+    model gains nothing from more)."""
+    return max(1, min(2, (os.cpu_count() or 1) // sharing))
+
+
 def torch_threads() -> int:
-    """Threads for torch in one test process: the machine's cores shared among the parallel
-    workers (``pytest -n N``), at most 2 (the embedded model gains nothing from more)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, min(2, (os.cpu_count() or 1) // workers))
+    """Threads for torch in one test process: the cores shared among the parallel workers (``pytest -n N``)."""
+    return _threads(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def run_temp_root(tmp_path_factory) -> Path:
@@ -128,13 +132,10 @@ needs_smollm2 = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
-    """``smollm2-135m`` converted for real, once per test run, into a temporary cache:
-    (folder, seconds the conversion took in this process; 0 where another worker converted it).
+    """``smollm2-135m`` converted for real, once per test run, into a temporary cache: its folder.
     Parallel workers share one conversion: the first to take the lock converts, the others find
     the converted folder. ``CERTKV_CACHE`` points there only while converting; a test that
     resolves or loads the model by name sets it to ``folder.parents[1]`` itself."""
-    import time
-
     import torch
     from filelock import FileLock
 
@@ -147,10 +148,7 @@ def smollm2(tmp_path_factory):
     cache = shared / "certkv-cache"
     with FileLock(str(shared / "certkv-cache.lock")), pytest.MonkeyPatch.context() as mp:
         mp.setenv("CERTKV_CACHE", str(cache))
-        started = time.monotonic()
-        folder = converted_folder("smollm2-135m")
-        seconds = time.monotonic() - started
-    return folder, seconds
+        return converted_folder("smollm2-135m")
 
 
 # -- markers -------------------------------------------------------------------------------------
@@ -173,7 +171,7 @@ def pytest_configure(config):
     # Subprocesses the tests start (the CLI, servers, Ray workers' drivers) take up to 2 threads, not
     # their worker's share: the test that starts one mostly waits on it, leaving its core free
     # (measured: with 1 thread each the suite took 409 s on 2 cores, with 2 about 300 s).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, os.cpu_count() or 1))))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads(1)))
     config.addinivalue_line("markers", "model: loads a model or runs the engine (deselect with -m 'not model')")
 
 
@@ -205,6 +203,9 @@ LONGEST_FIRST = (
 )
 
 
+_LENGTH_RANK = {name: place for place, name in enumerate(LONGEST_FIRST)}
+
+
 def _handed_out(path: Path) -> tuple[int, int]:
     """Where a test file stands in the order above: Ray first, in-process folders, the rest by length."""
     relative = path.relative_to(TESTS)
@@ -212,8 +213,7 @@ def _handed_out(path: Path) -> tuple[int, int]:
         return (0, 0)
     if relative.parts[0] in IN_PROCESS_FOLDERS:
         return (1, 0)
-    ranks = {name: place for place, name in enumerate(LONGEST_FIRST)}
-    return (2, ranks.get(relative.as_posix(), len(ranks)))
+    return (2, _LENGTH_RANK.get(relative.as_posix(), len(_LENGTH_RANK)))
 
 
 def pytest_collection_modifyitems(config, items):

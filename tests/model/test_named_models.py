@@ -179,7 +179,7 @@ def test_a_press_with_per_model_weights_is_refused_on_a_named_model():
 def test_the_converted_folder_is_smollm2(smollm2):
     from transformers import AutoConfig, AutoTokenizer
 
-    folder, _ = smollm2
+    folder = smollm2
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
     assert config.max_position_embeddings == 8192 and (folder / "generation_config.json").is_file()
@@ -217,7 +217,7 @@ def _stamps(root: Path) -> dict[str, tuple[int, int, int]]:
 @real
 def test_a_second_resolve_reuses_the_folder(smollm2, monkeypatch):
     global _touched, _audit_added
-    folder, _ = smollm2
+    folder = smollm2
     cache = folder.parents[1]
     monkeypatch.setenv("CERTKV_CACHE", str(cache))
     gguf = named_models.gguf_file("smollm2-135m")
@@ -248,7 +248,7 @@ def test_a_second_resolve_reuses_the_folder(smollm2, monkeypatch):
 def test_a_gguf_path_with_the_same_content_shares_the_folder(smollm2, monkeypatch, tmp_path):
     from certkv.model.loading import _source, model_fingerprint
 
-    folder, _ = smollm2
+    folder = smollm2
     monkeypatch.setenv("CERTKV_CACHE", str(folder.parents[1]))
     copy = tmp_path / "copy.gguf"
     shutil.copyfile(named_models.gguf_file("smollm2-135m"), copy)
@@ -264,7 +264,7 @@ def test_load_model_answers_a_needle_by_name(smollm2, monkeypatch):
     from certkv.model.generation import full_kv_answer
     from certkv.model.loading import load_model, model_fingerprint
 
-    folder, _ = smollm2
+    folder = smollm2
     monkeypatch.setenv("CERTKV_CACHE", str(folder.parents[1]))
     torch.set_num_threads(torch_threads())
     model, tokenizer = load_model("smollm2-135m", device="cpu")

@@ -42,7 +42,7 @@ def smol(smollm2):
 
     from certkv.model.loading import load_model
 
-    folder, _ = smollm2
+    folder = smollm2
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CERTKV_CACHE", str(folder.parents[1]))
