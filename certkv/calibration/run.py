@@ -29,7 +29,7 @@ from certkv.calibration.task_health import failed_task_warnings
 from certkv.calibration.utility import score
 from certkv.contract.schema import Contract
 from certkv.contract.spec import candidates
-from certkv.core.policy_names import REFERENCE_POLICY
+from certkv.core.policy_names import NO_PRESS, REFERENCE_POLICY
 from certkv.core.signals import RECORDED, request_signals, signal
 from certkv.engine.engine import (
     CandidateAnswer,
@@ -40,6 +40,7 @@ from certkv.engine.engine import (
     needs_attention_weights,
 )
 from certkv.errors import CertkvError
+from certkv.kv_formats.spec import parse_format
 from certkv.model.generation import encode_request
 from certkv.model.loading import load_model, model_fingerprint, resolve_device
 from certkv.presses.registry import build_press
@@ -72,8 +73,10 @@ def build_candidates(contract: Contract) -> list[PressCandidate]:
     """Engine candidates (press objects) for every contract candidate, in contract order."""
     out = []
     for c in candidates(contract):
-        press = build_press(c.press, c.kv_retained, c.press_kwargs)
-        out.append(PressCandidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained))
+        press = None if c.press == NO_PRESS else build_press(c.press, c.kv_retained, c.press_kwargs)
+        kv_format = None if c.kv_format is None else parse_format(dict(c.kv_format))
+        out.append(PressCandidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained,
+                                  kv_format=kv_format))
     return out
 
 
@@ -182,11 +185,14 @@ def request_records(request: Request, result: RequestResult, contract: Contract,
 
 
 def _generation_cost(answer: CandidateAnswer, measure: str) -> dict:
-    """The answer's KV cost (peak and KV-time relative to the full cache's, an ``extra`` key each)
-    and, when the contract compares candidates by one of them, that one as the record's ``memory``."""
+    """The answer's KV cost (peak and KV-time relative to the full cache's, an ``extra`` key each;
+    under ``kv_cost: bytes`` their bytes over a 16-bit full cache's too) and, when the contract
+    compares candidates by one of them, that one as the record's ``memory``."""
     out: dict[str, Any] = {"kv_peak": answer.kv_peak, "kv_time": answer.kv_time}
+    if measure == "bytes":
+        out.update(kv_peak_bytes=answer.kv_peak_bytes, kv_time_bytes=answer.kv_time_bytes)
     if measure != "kv_retained":
-        out["memory"] = answer.kv_peak if measure == "peak" else answer.kv_time
+        out["memory"] = {"peak": answer.kv_peak, "time": answer.kv_time, "bytes": answer.kv_peak_bytes}[measure]
     return out
 
 

@@ -37,13 +37,13 @@ from pydantic_core import PydanticCustomError
 
 from certkv.core.gate_features import DEFAULT_FEATURES
 from certkv.core.policy_names import (
+    NO_PRESS,
     PILOT_GATE_KINDS,
     GateChoice,
     PolicyEntry,
     entry_sequences,
     gate_choices,
     gate_label,
-    policy_name,
 )
 from certkv.core.procedures import Procedure, procedure_of
 from certkv.core.signals import FEATURE_GROUPS
@@ -57,6 +57,7 @@ from certkv.core.spec import (
     gate_needs,
 )
 from certkv.errors import CertkvError
+from certkv.kv_formats.spec import CacheBlock, KvFormat
 from certkv.presses import registry as press_registry
 
 if TYPE_CHECKING:
@@ -70,6 +71,21 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _LATER_KEYS = ("order", "strata", "coverage", "kv_cost")
 #: Optional keys of ``requests:``, omitted the same way while unset.
 _LATER_REQUEST_KEYS = ("group_by", "group_measure", "group_bound")
+
+
+def _certifies(entry: CandidateSequence) -> bool:
+    """Whether the entry's press produces certificates (certkv's probabilistic presses)."""
+    return entry.press is not None and press_registry.produces_certificates(entry.press)
+
+
+def _compresses_while_decoding(entry: CandidateSequence) -> bool:
+    return entry.press is not None and press_registry.compresses_while_decoding(entry.press)
+
+
+def _restartable(entry: CandidateSequence) -> bool:
+    """Whether a recompute gate can restart the entry's generations mid-decode: a decoding-time
+    press's, or any generation with its KV in a format (decoded one token a forward, on its own)."""
+    return entry.cache is not None or _compresses_while_decoding(entry)
 
 
 def _error(message: str) -> PydanticCustomError:
@@ -207,16 +223,21 @@ class CoverageSpec(_Strict):
 
 
 class CandidateSequence(_Strict):
-    """One candidate sequence: a press tried at decreasing retentions, most KV first."""
+    """One candidate sequence, most KV first: a press tried at decreasing retentions, a KV format
+    (``cache:``; a ladder when its ``nbits`` is a list, most bits first), or a press at each
+    retention with its KV stored in a format (tokens × precision)."""
 
-    press: str
-    kv_retained: list[KvRetained] = Field(min_length=1)
+    press: str | None = None
+    kv_retained: list[KvRetained] | None = Field(default=None, min_length=1)
     press_kwargs: dict[str, Any] = Field(default_factory=dict)
+    cache: CacheBlock | None = Field(default=None, description="the KV format (certkv.kv_formats.spec); none: 16 bits")
     label: str | None = Field(default=None, description="used instead of the press in policy names")
 
     @field_validator("press")
     @classmethod
-    def _check_press(cls, value: str) -> str:
+    def _check_press(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         if not press_registry.is_known_press(value):
             raise _error(press_registry.unknown_press_message(value))
         if press_registry.press_info(value).knob is None:
@@ -228,8 +249,8 @@ class CandidateSequence(_Strict):
 
     @field_validator("kv_retained")
     @classmethod
-    def _check_order(cls, values: list[float]) -> list[float]:
-        for prev, cur in zip(values, values[1:]):
+    def _check_order(cls, values: list[float] | None) -> list[float] | None:
+        for prev, cur in zip(values or [], (values or [])[1:]):
             if cur == prev:
                 raise _error(
                     f"kv_retained lists {cur} twice; a sequence is tested in the order written, "
@@ -268,10 +289,57 @@ class CandidateSequence(_Strict):
             raise _error(f"label {value!r} may use letters, digits and _ . : - only (no @ or spaces)")
         return value
 
+    @model_validator(mode="after")
+    def _check_axes(self) -> CandidateSequence:
+        if self.press is None and self.cache is None:
+            raise _error("a policy entry needs a press, a cache (a KV format) or both")
+        if self.press is None:
+            if self.kv_retained is not None or self.press_kwargs:
+                raise _error("an entry without a press keeps every token: kv_retained and press_kwargs need a press")
+            return self
+        if self.kv_retained is None:
+            raise _error(f"press {self.press!r} needs kv_retained (the retentions it is tested at, most KV first)")
+        if self.cache is not None and len(self.formats) > 1 and len(self.kv_retained) > 1:
+            raise _error("a sequence runs over kv_retained or over cache.nbits, not both; write one entry per retention")
+        return self
+
+    @property
+    def formats(self) -> list[KvFormat]:
+        """The entry's KV formats in test order (empty: 16 bits)."""
+        return [] if self.cache is None else self.cache.formats()
+
     @property
     def display_name(self) -> str:
-        """The prefix of this entry's policy names."""
-        return self.label or self.press
+        """The prefix of this entry's policy names (of its first rung's, for a ladder over bits)."""
+        return self.rung_displays()[0]
+
+    def rung_displays(self) -> list[str]:
+        """Each rung's display name: the label, else the press; a KV format adds its name after a
+        ``+`` (alone: its name), and a ladder over bits names each rung's format."""
+        formats = self.formats
+        if not formats:
+            return [self.label or str(self.press)] * len(self.kv_retained or [])
+        if self.label is not None and len(formats) == 1:
+            return [self.label] * len(self.kv_retained or [1.0])
+        base = self.label or self.press
+        names = [fmt.name if base is None else f"{base}+{fmt.name}" for fmt in formats]
+        return names * len(self.kv_retained or [1.0]) if len(formats) == 1 else names
+
+    def policy_entry(self, choices: tuple[GateChoice, ...]) -> PolicyEntry:
+        """This entry as the core names and orders its candidates, tested under `choices`."""
+        formats = self.formats
+        retained = self.kv_retained or [1.0] * len(formats)
+        dumps = [fmt.model_dump() for fmt in formats]
+        return PolicyEntry(
+            display=self.display_name,
+            press=self.press or NO_PRESS,
+            kv_retained=tuple(retained),
+            press_kwargs=dict(self.press_kwargs),
+            label=self.label,
+            choices=choices,
+            kv_formats=tuple(dumps * len(retained) if len(dumps) == 1 else dumps),
+            displays=tuple(self.rung_displays()) if formats else (),
+        )
 
 
 Quantile = Annotated[float, Field(allow_inf_nan=False)]
@@ -470,9 +538,10 @@ class Contract(_Strict):
     strata: StrataSpec | None = None
     coverage: CoverageSpec | None = None
     # What "least KV" means when candidates are compared (certkv.core.kv_cost): the nominal
-    # kv_retained, the generation's peak, or its KV-time. Unset: peak when a policy compresses
-    # while decoding (its nominal share is not comparable with a prefill press's), else kv_retained.
-    kv_cost: Literal["kv_retained", "peak", "time"] | None = None
+    # kv_retained, the generation's peak, its KV-time, or the bytes at its peak over a 16-bit full
+    # cache's. Unset: bytes when an entry has a KV format, else peak when a policy compresses while
+    # decoding (its nominal share is not comparable with a prefill press's), else kv_retained.
+    kv_cost: Literal["kv_retained", "peak", "time", "bytes"] | None = None
     store: str | None = Field(default=None, min_length=1, description="relative to the contract's folder")
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
@@ -505,8 +574,7 @@ class Contract(_Strict):
                     "give them distinct `label`s"
                 )
             kwargs_of.setdefault(display, (i, p.press_kwargs))
-            for kv in p.kv_retained:
-                name = policy_name(display, kv)
+            for _, _, name, _ in p.policy_entry((GateChoice(),)).rungs():
                 if name in seen:
                     raise _error(
                         f"policy {name!r} appears twice (entries {seen[name]} and {i}); every candidate must "
@@ -525,7 +593,7 @@ class Contract(_Strict):
         if model is None or protocol is None:  # reported as their own errors
             return policies
         specs: list[tuple[int, str, str, bool, Mapping[str, Any]]] = [
-            (i, p.press, "", False, p.press_kwargs) for i, p in enumerate(policies)
+            (i, p.press, "", False, p.press_kwargs) for i, p in enumerate(policies) if p.press is not None
         ]
         for i, p in enumerate(policies):
             inner = press_registry.nested_press_specs(p.press_kwargs)
@@ -568,15 +636,14 @@ class Contract(_Strict):
     def _check_gate(cls, gate: Gate | None, info) -> Gate | None:
         policies = info.data.get("policies")  # absent when the policies themselves were invalid
         if gate is not None and gate.recompute is not None and policies is not None:
-            if not any(press_registry.compresses_while_decoding(p.press) for p in policies):
+            if not any(_restartable(p) for p in policies):
                 raise _error(
-                    "gate.recompute restarts a generation that a decoding-time press is compressing, and no "
-                    "policy entry compresses while decoding; add one (e.g. compression_ratio_decoding) or remove "
-                    "gate.recompute"
+                    "gate.recompute restarts a generation that a decoding-time press is compressing or that a KV "
+                    "format stores, and no policy entry does either; add one (e.g. compression_ratio_decoding, or "
+                    "a cache:) or remove gate.recompute"
                 )
         if gate is not None and gate.certificate_recompute is not None and policies is not None:
-            if not any(press_registry.produces_certificates(p.press) and press_registry.compresses_while_decoding(p.press)
-                       for p in policies):
+            if not any(_certifies(p) and _compresses_while_decoding(p) for p in policies):
                 raise _error(
                     "gate.certificate_recompute restarts a generation on its decoding steps' certificates, which "
                     "only certkv's probabilistic_decoding press records, and no policy entry uses it; add one or "
@@ -584,7 +651,7 @@ class Contract(_Strict):
                 )
         if gate is None or not gate.certificate or policies is None:
             return gate
-        if not any(press_registry.produces_certificates(p.press) for p in policies):
+        if not any(_certifies(p) for p in policies):
             raise _error(
                 "certificate bounds need a policy entry whose press produces certificates (certkv's "
                 "`probabilistic`); remove gate.certificate or add a probabilistic entry"
@@ -611,11 +678,14 @@ class Contract(_Strict):
 
     @property
     def cost_measure(self) -> str:
-        """``kv_cost``, or its default: ``peak`` when a policy compresses while decoding, else
-        ``kv_retained`` (what every contract was ordered by before decoding-time presses)."""
+        """``kv_cost``, or its default: ``bytes`` when an entry stores its KV in a format, else
+        ``peak`` when a policy compresses while decoding, else ``kv_retained`` (what every contract
+        was ordered by before decoding-time presses)."""
         if self.kv_cost is not None:
             return self.kv_cost
-        decoding = any(press_registry.compresses_while_decoding(p.press) for p in self.policies)
+        if any(p.cache is not None for p in self.policies):
+            return "bytes"
+        decoding = any(_compresses_while_decoding(p) for p in self.policies)
         return "peak" if decoding else "kv_retained"
 
     @property
@@ -664,15 +734,7 @@ class Contract(_Strict):
         bounds = gate.certificate if gate is not None else []
         pilot = gate.pilot_choices() if gate is not None else []
         return [
-            PolicyEntry(
-                display=p.display_name,
-                press=p.press,
-                kv_retained=tuple(p.kv_retained),
-                press_kwargs=dict(p.press_kwargs),
-                label=p.label,
-                choices=gate_choices(drops, bounds, pilot, certificates=press_registry.produces_certificates(p.press),
-                                     decoding=press_registry.compresses_while_decoding(p.press)),
-            )
+            p.policy_entry(gate_choices(drops, bounds, pilot, certificates=_certifies(p), decoding=_restartable(p)))
             for p in self.policies
         ]
 

@@ -10,12 +10,14 @@ reads: the candidates calibration runs (:func:`candidates`), the gated ones deri
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from certkv.contract.schema import Contract
 from certkv.core import policy_names
 from certkv.core.policy_names import Candidate, entry_sequences
 from certkv.core.spec import CertificationSpec, PilotConfig
+from certkv.kv_formats.spec import parse_format
 
 
 def candidates(contract: Contract) -> list[Candidate]:
@@ -138,12 +140,21 @@ def _grouping(contract: Contract) -> dict[str, Any]:
     return {}
 
 
+def _format_info(kv_format: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A candidate's KV format and its engine counterpart (nothing for a 16-bit candidate, so the
+    spec of a contract without formats is what it always was)."""
+    if kv_format is None:
+        return {}
+    return {"kv_format": dict(kv_format), "engine_setting": parse_format(dict(kv_format)).engine_counterpart()}
+
+
 def _candidate_info(contract: Contract) -> dict[str, dict[str, Any]]:
     """policy → what deploying it needs: base policy and press_kwargs, and for a gated candidate
     its gate settings (the contract's agreement parameters beside the candidate's thresholds; a
     pilot gate's quantile, lookahead length and ``pilot_gate`` choice)."""
     info: dict[str, dict[str, Any]] = {
-        c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs)} for c in candidates(contract)
+        c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs), **_format_info(c.kv_format)}
+        for c in candidates(contract)
     }
     gate = contract.gate
     if gate is None:  # no gate block: no gated candidates
@@ -159,7 +170,8 @@ def _candidate_info(contract: Contract) -> dict[str, dict[str, Any]]:
             "agreement_top_k": gate.agreement_top_k,
             "agreement_split": gate.agreement_split,
         }
-        entry: dict[str, Any] = {"base_policy": g.base_policy, "press_kwargs": dict(g.press_kwargs), "gate": settings}
+        entry: dict[str, Any] = {"base_policy": g.base_policy, "press_kwargs": dict(g.press_kwargs), "gate": settings,
+                                 **_format_info(g.kv_format)}
         if choice.pilot_kind is not None:
             settings["quantile"] = choice.quantile
             settings["lookahead_tokens"] = gate.lookahead_tokens

@@ -469,6 +469,10 @@ def _certified(spec: CertificationSpec, best: CandidateResult, notes: list[str],
         gated_share=best.gated_share,
         mean_kv_retained=best.mean_kv_retained,
         kv_retained_actual=best.kv_retained_actual,
+        peak_kv_bytes=best.peak_kv_bytes,
+        mean_kv_bytes=best.mean_kv_bytes,
+        kv_format=None if info is None or info.kv_format is None else dict(info.kv_format),
+        engine_setting=None if info is None else info.engine_setting,
         fallback=False,
         n=best.n,
         violations=best.violations,
@@ -571,9 +575,9 @@ def full_cache_point(
     sequences: list[SequenceResult] | None = None,
     pilot: PilotInfo | None = None,
 ) -> OperatingPoint:
-    """The full-cache operating point (zero loss by definition), with `reason`: the one
-    constructor of a fallback, whether nothing was certified (:func:`certify_pooled`) or a
-    stratum was too small to certify anything (:func:`certify_stratified`).
+    """The full-cache operating point (zero loss, all of the KV: 1.0 of a 16-bit cache's bytes by
+    definition), with `reason`: the one constructor of a fallback, whether nothing was certified
+    (:func:`certify_pooled`) or a stratum was too small to certify anything (:func:`certify_stratified`).
 
     n : the certification requests it was decided on; per_task : their per-task counts (0 violations).
 
@@ -587,13 +591,13 @@ def full_cache_point(
     >>> op.fallback, op.policy, op.violations, op.risk_upper_bound, op.p_value
     (True, 'full', 0, 0.0, None)
     """
+    bytes_share = 1.0 if spec.kv_cost == "bytes" else None
     return OperatingPoint(
         policy=REFERENCE_POLICY,
         base_policy=REFERENCE_POLICY,
         press=REFERENCE_POLICY,
-        kv_retained=1.0,
-        mean_kv_retained=1.0,
-        kv_retained_actual=1.0,
+        kv_retained=1.0, mean_kv_retained=1.0, kv_retained_actual=1.0,
+        peak_kv_bytes=bytes_share, mean_kv_bytes=bytes_share,
         fallback=True,
         reason=reason,
         n=n,
@@ -604,8 +608,8 @@ def full_cache_point(
         per_task=per_task,
         guarantee=guarantee,
         notes=notes,
-        candidates=[] if candidates is None else candidates,
-        sequences=[] if sequences is None else sequences,
+        candidates=candidates or [],
+        sequences=sequences or [],
         pilot=pilot,
         coverage=coverage,
         max_new_tokens=spec.max_new_tokens,
@@ -634,6 +638,8 @@ def _candidate_result(table, spec, row, i, violated, p, level, certified, mean_m
         kv_retained=float(table.kv_retained[row]),
         mean_kv_retained=float(mean_memory),
         kv_retained_actual=actual,
+        peak_kv_bytes=_mean_of(table.byte_costs.get("kv_peak_bytes"), row),
+        mean_kv_bytes=_mean_of(table.byte_costs.get("kv_time_bytes"), row),
         n=n,
         violations=k,
         empirical_risk=k / n,
@@ -647,6 +653,13 @@ def _candidate_result(table, spec, row, i, violated, p, level, certified, mean_m
         gate=info.gate if info is not None else None,
         gated_share=derived.gated_share if derived is not None else 0.0,
     )
+
+
+def _mean_of(matrix: np.ndarray | None, row: int) -> float | None:
+    """The mean of `matrix`'s row `row` over the requests that recorded it (None: none did)."""
+    if matrix is None or np.isnan(matrix[row]).all():
+        return None
+    return float(np.nanmean(matrix[row]))
 
 
 def _position(spec: CertificationSpec, flat_index: int) -> tuple[int, int]:

@@ -220,6 +220,7 @@ def _expand(table: LossTable, wanted: list[_Wanted]) -> LossTable:
         loss=np.vstack([table.loss, np.where(late, 1.0, np.where(masks, 0.0, table.loss[base_rows]))]),
         memory=np.vstack([table.memory, np.where(masks, 1.0, table.memory[base_rows])]),
         kv_retained_actual=actual,
+        byte_costs={name: np.vstack([costs, np.where(masks, 1.0, costs[base_rows])]) for name, costs in table.byte_costs.items()},
         gated=gated_rows,
         signals=_padded_signals(table, len(wanted)),
     )

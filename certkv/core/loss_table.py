@@ -64,7 +64,10 @@ from certkv.errors import CertkvError
 
 REQUIRED_COLUMNS = ("request_id", "policy", "kv_retained", "loss")
 #: The optional columns: the table's own, then every recorded gate signal (:mod:`certkv.core.signals`).
-OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", *(s.name for s in RECORDED), "stratum", "group")
+#: A generation's KV bytes over a 16-bit full cache's: at its peak, and over its decoding steps.
+BYTE_COSTS = ("kv_peak_bytes", "kv_time_bytes")
+OPTIONAL_COLUMNS = ("task", "press", "kv_retained_actual", "memory", *(s.name for s in RECORDED), "stratum", "group",
+                    *BYTE_COSTS)
 #: Per-(policy, request) float signals, (P, R) each.
 CANDIDATE_SIGNALS = tuple(s.name for s in RECORDED if s.per == "candidate" and s.kind == "scalar")
 
@@ -133,6 +136,7 @@ class LossTable:
     strata: tuple[str | None, ...] | None = None
     signals: Mapping[str, np.ndarray] = field(default_factory=dict)
     groups: tuple[str, ...] | None = None
+    byte_costs: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def __getattr__(self, name: str):
         # A declared signal reads as an attribute (None when the table has none of it).
@@ -188,6 +192,7 @@ class LossTable:
             memory=cut(self.memory),
             kv_retained_actual=cut(self.kv_retained_actual),
             signals={name: cut(values, 0 if BY_NAME[name].per == "request" else 1) for name, values in self.signals.items()},
+            byte_costs={name: cut(values) for name, values in self.byte_costs.items()},
             source=source or self.source,
         )
 
@@ -355,6 +360,9 @@ def records_sha256(table: LossTable) -> str:
             continue
         block = np.ascontiguousarray(matrix[order].T + 0.0, dtype="<f8")
         digest.update(block.tobytes())
+    for name in BYTE_COSTS:  # only where recorded, so a table without them hashes as it always did
+        if name in table.byte_costs:
+            digest.update(name.encode() + np.ascontiguousarray(table.byte_costs[name][order].T + 0.0, dtype="<f8").tobytes())
     # The joint signals, hashed together whenever either has a value.
     joint = [s for s in RECORDED if s.hash_group == "joint"]
     if any(_has_values(table.signals.get(s.name)) for s in joint):
@@ -536,6 +544,7 @@ def _build(columns: dict, source: str, where) -> LossTable:
     strata = _request_tasks(columns["stratum"], at.request_codes, at.universe, source, where, column="stratum")
     groups = _request_groups(columns["group"], at.request_codes, at.universe, source, where)
     loss, kv, memory, actual = _fractions(columns, at, source, where)
+    costs = _byte_costs(columns, at, source, where)
     parsed = {s.name: _parse_signal(s, columns[s.name], at, source, where) for s in RECORDED if columns[s.name] is not None}
 
     policy_map: dict[str, int] = {}
@@ -584,6 +593,7 @@ def _build(columns: dict, source: str, where) -> LossTable:
         strata=strata,
         signals=signals,
         groups=groups,
+        byte_costs={name: dense(values) for name, values in costs.items() if not np.isnan(values).all()},
     )
 
 
@@ -619,6 +629,16 @@ def _fractions(columns: dict, at: _Rows, source: str, where):
         actual = _floats(at.pick(columns["kv_retained_actual"]), "kv_retained_actual", source, at.where, optional=True)
         _check_range(actual, at.rows, "kv_retained_actual", 0.0, 1.0, source, where, low_open=False)
     return loss, kv, memory, actual
+
+
+def _byte_costs(columns: dict, at: _Rows, source: str, where) -> dict[str, np.ndarray]:
+    """The candidate rows' byte shares (:data:`BYTE_COSTS`) where the table has them, checked."""
+    costs = {}
+    for name in BYTE_COSTS:
+        if columns[name] is not None:
+            costs[name] = _floats(at.pick(columns[name]), name, source, at.where, optional=True)
+            _check_range(costs[name], at.rows, name, 0.0, 1.0, source, where, low_open=False)
+    return costs
 
 
 def _parse_signal(s: Signal, values: list, at: _Rows, source: str, where):

@@ -145,6 +145,11 @@ class CandidateResult(BaseModel):
     kv_retained: float
     mean_kv_retained: float
     kv_retained_actual: float | None = None
+    peak_kv_bytes: float | None = None
+    """The mean over requests of the bytes its KV held at its peak over a 16-bit full cache's
+    (gated fallbacks count 1.0; null when the records lack them); ``mean_kv_bytes`` the same over
+    the decoding steps (the bytes' KV-time)."""
+    mean_kv_bytes: float | None = None
     n: int
     violations: int
     empirical_risk: float
@@ -232,6 +237,15 @@ class OperatingPoint(BaseModel):
     before evicting (contract ``protocol.query_aware``); a runtime deploys the same protocol."""
     mean_kv_retained: float
     kv_retained_actual: float | None = None
+    peak_kv_bytes: float | None = None
+    """The chosen candidate's KV bytes over a 16-bit full cache's, at each request's peak and over its
+    decoding steps, the mean over requests (:class:`CandidateResult`); null when not recorded."""
+    mean_kv_bytes: float | None = None
+    kv_format: dict[str, Any] | None = None
+    """The KV format the point stores its keys and values in (certkv.kv_formats.spec; null: 16 bits)."""
+    engine_setting: str | None = None
+    """Where the format has a counterpart in a serving engine, what to set there (an engine's kernels
+    accumulate differently: the certificate speaks for certkv's runtime, not for the engine)."""
     fallback: bool
     reason: str | None = None
     contract: ContractSummary

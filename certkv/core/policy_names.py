@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 #: The full cache: the reference policy of every request, never a candidate.
 REFERENCE_POLICY = "full"
+#: The press column of a candidate that keeps every token and only stores them at a lower precision.
+NO_PRESS = "none"
 #: The top-level policy of a stratified operating point: each stratum deploys its own.
 STRATIFIED_POLICY = "stratified"
 
@@ -224,6 +226,23 @@ class PolicyEntry:
     press_kwargs: Mapping[str, Any] = field(default_factory=dict)
     label: str | None = None
     choices: tuple[GateChoice, ...] = (GateChoice(),)
+    #: Per rung (aligned with `kv_retained`), its KV format's mapping and display name; empty:
+    #: no format (16-bit), every rung named by `display`.
+    kv_formats: tuple[Mapping[str, Any], ...] = ()
+    displays: tuple[str, ...] = ()
+
+    def rungs(self) -> list[tuple[int, float, str, Mapping[str, Any] | None]]:
+        """(position, kv_retained, policy name, KV format or None) of each rung, in test order.
+
+        Examples
+        --------
+        >>> entry = PolicyEntry("hqq", "none", (1.0, 1.0), kv_formats=({"nbits": 8}, {"nbits": 4}), displays=("hqq8", "hqq4"))
+        >>> [name for _, _, name, _ in entry.rungs()]
+        ['hqq8@1.00', 'hqq4@1.00']
+        """
+        displays = self.displays or (self.display,) * len(self.kv_retained)
+        formats: tuple[Mapping[str, Any] | None, ...] = self.kv_formats or (None,) * len(self.kv_retained)
+        return [(k, kv, policy_name(displays[k], kv), formats[k]) for k, kv in enumerate(self.kv_retained)]
 
 
 @dataclass(frozen=True)
@@ -251,6 +270,7 @@ class Candidate:
     position: int = 0
     label: str | None = None
     gate: GateChoice | None = None
+    kv_format: Mapping[str, Any] | None = None
 
     @property
     def is_gated(self) -> bool:
@@ -304,9 +324,9 @@ def candidates(entries: Iterable[PolicyEntry]) -> list[Candidate]:
     ['snapkv@0.80', 'snapkv@0.50']
     """
     return [
-        Candidate(policy_name(e.display, kv), policy_name(e.display, kv), e.press, kv, dict(e.press_kwargs), s, k, e.label)
+        Candidate(name, name, e.press, kv, dict(e.press_kwargs), s, k, e.label, kv_format=fmt)
         for s, e in enumerate(entries)
-        for k, kv in enumerate(e.kv_retained)
+        for k, kv, name, fmt in e.rungs()
     ]
 
 
@@ -321,11 +341,10 @@ def gated_candidates(entries: Iterable[PolicyEntry]) -> list[Candidate]:
     """
     pairs = [(e, choice) for e in entries for choice in e.choices]  # one sequence per pair
     return [
-        Candidate(choice.name(base), base, e.press, kv, dict(e.press_kwargs), s, k, e.label, choice)
+        Candidate(choice.name(base), base, e.press, kv, dict(e.press_kwargs), s, k, e.label, choice, fmt)
         for s, (e, choice) in enumerate(pairs)
         if choice.is_gated
-        for k, kv in enumerate(e.kv_retained)
-        for base in (policy_name(e.display, kv),)
+        for k, kv, base, fmt in e.rungs()
     ]
 
 
@@ -338,4 +357,4 @@ def entry_sequences(entries: Iterable[PolicyEntry]) -> list[list[str]]:
     >>> entry_sequences([entry])
     [['snapkv@0.80', 'snapkv@0.50'], ['snapkv@0.80+drop0.1', 'snapkv@0.50+drop0.1']]
     """
-    return [[choice.name(policy_name(e.display, kv)) for kv in e.kv_retained] for e in entries for choice in e.choices]
+    return [[choice.name(name) for _, _, name, _ in e.rungs()] for e in entries for choice in e.choices]

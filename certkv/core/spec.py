@@ -336,6 +336,8 @@ class CandidateInfo(BaseModel):
     press_kwargs: dict[str, Any] = Field(default_factory=dict)
     gate: GateSettings | None = None
     pilot_gate: GateChoice | None = None
+    kv_format: dict[str, Any] | None = None
+    engine_setting: str | None = None
 
     @field_validator("pilot_gate")
     @classmethod
@@ -383,10 +385,11 @@ class CertificationSpec(BaseModel):
     utility: str | None = Field(
         default=None, description="the contract's utility, recorded so that live answers are scored as calibration scored them"
     )
-    kv_cost: Literal["kv_retained", "peak", "time"] = Field(
+    kv_cost: Literal["kv_retained", "peak", "time", "bytes"] = Field(
         default="kv_retained",
-        description="what the table's memory column measures (the contract's kv_cost): the nominal share, or a "
-        "generation's peak or KV-time relative to the full cache's (certkv.core.kv_cost)",
+        description="what the table's memory column measures (the contract's kv_cost): the nominal share, a "
+        "generation's peak or KV-time relative to the full cache's (certkv.core.kv_cost), or its peak bytes "
+        "relative to a 16-bit full cache's",
     )
     context_margin: float = Field(
         default=0.0,

@@ -53,7 +53,9 @@ class DecodingRun:
     prefills too); ``stopped_at``: where a recompute trigger stopped the run (None: it finished);
     ``certificate_max``: the largest survey-variance certificate of the run's steps under certkv's
     probabilistic decoding press (None under any other press); ``certificates``: under that press,
-    per kept token the certificate of the forward that chose it (empty under any other press).
+    per kept token the certificate of the forward that chose it (empty under any other press);
+    ``held_units``: in a KV format's cache, what it holds after each forward in 16-bit token slots
+    (:func:`certkv.kv_formats.caches.held_units`; empty for a 16-bit cache, where it equals ``held``).
     """
 
     token_ids: list[int]
@@ -63,6 +65,7 @@ class DecodingRun:
     stopped_at: int | None = None
     certificate_max: float | None = None
     certificates: list[float] = field(default_factory=list)
+    held_units: list[float] = field(default_factory=list)
 
 
 def is_decoding_press(press: Any) -> bool:
@@ -179,11 +182,12 @@ class _Watch:
 
 
 def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, watch: _Watch, held,
-            on_token: Callable[[list[int]], None] | None = None) -> None:
+            on_token: Callable[[list[int]], None] | None = None, units: Callable[[Any], float] | None = None) -> None:
     """Greedy decoding into `run` by :func:`greedy_decode` (forward for forward as kvpress's
     pipeline decodes), keeping per token its log p, the entries `held` counts in the cache after
     the forward that chose it and (`watch` reading them) its step's certificate; a token on which
-    `watch` fires ends the run without it (``run.stopped_at``). `max_new_tokens` counts the tokens
+    `watch` fires ends the run without it (``run.stopped_at``); `units`, when given, prices the cache
+    after each kept token into ``run.held_units``. `max_new_tokens` counts the tokens
     `run` already holds. Not speculative (:mod:`certkv.engine.speculation`): under the press's hooks a
     chunk of tokens would be one compression step, not the pipeline's one per token."""
 
@@ -195,6 +199,8 @@ def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run:
         run.token_ids.append(token)
         run.logprobs.append(logprob)
         run.held.append(held(cache))
+        if units is not None:
+            run.held_units.append(units(cache))
         if certificate is not None:
             run.certificates.append(certificate)
         if on_token is not None:

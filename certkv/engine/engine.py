@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvpress import DecodingPress, FastKVzipPress, FinchPress, KeyRerotationPress, ObservedAttentionPress, RestoreKVPress
+from kvpress import DecodingPress, FastKVzipPress, ObservedAttentionPress
 from transformers import DynamicCache
 
 from certkv.core.gate_features import answer_confidence
@@ -31,7 +31,9 @@ from certkv.engine.batched_decode import decode_candidates, kept_count, padded_c
 from certkv.engine.decode_reserve import decode_reserve
 from certkv.engine.decoding_lanes import batchable_decoding_press, decode_lanes, prefilled_lane, run_of
 from certkv.engine.decoding_run import is_decoding_press, run_decoding
+from certkv.engine.format_run import run_in_format
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
+from certkv.engine.positions import continues_from_compressed_length
 from certkv.engine.probabilistic_decode import decode_probabilistic
 from certkv.engine.ragged_decode import Lane, LaneCache, gather_layer
 from certkv.engine.scoring import is_fast_path_press
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from kvpress import BasePress
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from certkv.kv_formats.spec import KvFormat
     from certkv.model.generation import EncodedRequest
 
 
@@ -60,13 +63,15 @@ class PressCandidate:
     """A built press ready to run: the engine's view of a contract candidate.
 
     ``policy`` is the candidate's name (``snapkv@0.50``), ``press`` the press object at that
-    retention, ``press_name`` its registry name, ``kv_retained`` the nominal KV fraction.
+    retention (None: every token kept), ``press_name`` its registry name, ``kv_retained`` the
+    nominal KV fraction, ``kv_format`` the format its KV is stored in (None: the model's dtype).
     """
 
     policy: str
     press: Any
     press_name: str
     kv_retained: float
+    kv_format: KvFormat | None = None
 
 
 @dataclass
@@ -85,7 +90,9 @@ class CandidateAnswer:
     ``Result.seconds["candidates_fast"]``), plus, when it decoded as a lane (``own_seconds``), its
     share of the lanes' batch.
     ``kv_peak`` / ``kv_time``: the generation's KV relative to the full cache's
-    (:mod:`certkv.core.kv_cost`); ``logprobs``: each generated token's log p (None: not known).
+    (:mod:`certkv.core.kv_cost`), ``kv_peak_bytes`` / ``kv_time_bytes`` the same in bytes relative
+    to a 16-bit full cache's (equal to the token shares unless a KV format stores it);
+    ``logprobs``: each generated token's log p (None: not known).
     ``confidence_min_agreeing``: the lowest token probability up to and including the first token
     where the answer departs from the full-KV answer (over all of it when it never does): a
     recompute gate that fires there restarts on the full cache before anything wrong was produced.
@@ -111,6 +118,8 @@ class CandidateAnswer:
     lookahead_mass: float | None = None
     kv_peak: float | None = None
     kv_time: float | None = None
+    kv_peak_bytes: float | None = None
+    kv_time_bytes: float | None = None
     logprobs: list[float] | None = None
     confidence_min_agreeing: float | None = None
     certificates: list[float] | None = None
@@ -216,15 +225,19 @@ class Engine:
         self.lookahead_tokens = lookahead_tokens
         # The contract's protocol: whether the question is prefilled with the context (for_protocol).
         self.query_aware = query_aware
-        self.probabilistic = [c for c in self.candidates if is_probabilistic_press(c.press)]
-        self.fast = [c for c in self.candidates if is_fast_path_press(c.press)]
-        self.response_aware = [c for c in self.candidates if is_response_aware_press(c.press)]
+        # Stored in a KV format: each its own generation (certkv.engine.format_run), a format alone
+        # primed from the request's full prefill.
+        self.formatted = [c for c in self.candidates if c.kv_format is not None]
+        pressed = [c for c in self.candidates if c.kv_format is None]
+        self.probabilistic = [c for c in pressed if is_probabilistic_press(c.press)]
+        self.fast = [c for c in pressed if is_fast_path_press(c.press)]
+        self.response_aware = [c for c in pressed if is_response_aware_press(c.press)]
         # Decoded from kept entries gathered out of the full cache: kvpress's scorers, chosen in the
         # prefill, and the response-aware presses, chosen right after it.
         self.gathered = self.fast + self.response_aware
         # Compress while decoding: lanes of one batch drafted by the full answer where the press's
         # choices survive it (decoding_lanes), else each on its own as kvpress's pipeline does (decoding_run).
-        self.decoding = [c for c in self.candidates if is_decoding_press(c.press)]
+        self.decoding = [c for c in pressed if is_decoding_press(c.press)]
         self.decoding_lanes = [c for c in self.decoding if batchable_decoding_press(c.press, model)]
         # A lane whose press also compresses prefills (a batchable one's prefilling half is a plain
         # kvpress scorer) takes that scorer's kept entries from the request's one full prefill,
@@ -232,7 +245,7 @@ class Engine:
         self.prefilling_scorers = {_prefilling_key(c.policy): c.press.prefilling_press for c in self.decoding_lanes
                                    if getattr(c.press, "prefilling_press", None) is not None}
         self.slow = [
-            c for c in self.candidates
+            c for c in pressed
             if c not in self.gathered and c not in self.decoding and not is_probabilistic_press(c.press)
         ]
 
@@ -332,6 +345,8 @@ class Engine:
         for c in self.decoding:
             if c not in self.decoding_lanes:
                 answers[c.policy] = self._run_decoding(c, enc)
+        for c in self.formatted:
+            answers[c.policy] = self._run_in_format(c, enc, prefilled.cache)
         seconds["candidates_pipeline"] = time.perf_counter() - t3
         _set_generation_costs(full, answers.values(), n_ctx, len(enc.question_ids))
         return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
@@ -475,6 +490,17 @@ class Engine:
         return answer
 
 
+    def _run_in_format(self, c: PressCandidate, enc: EncodedRequest, full) -> CandidateAnswer:
+        """A candidate stored in a KV format: its own generation (:func:`run_in_format`), a format
+        alone primed from the request's full prefill `full` (its context entries)."""
+        assert c.kv_format is not None  # only formatted candidates come here
+        t0 = time.perf_counter()
+        run = run_in_format(self.model, c.kv_format, enc, self.max_new_tokens, c.press, full=full if c.press is None else None)
+        answer = self._decoding_answer(c, enc, run, time.perf_counter() - t0)
+        cost = kv_cost(run.held_units, len(enc.context_ids), len(enc.question_ids))
+        answer.kv_peak_bytes, answer.kv_time_bytes = cost.peak, cost.time
+        return answer
+
     def _decoding_answer(self, c: PressCandidate, enc: EncodedRequest, run, seconds: float) -> CandidateAnswer:
         """A decoding-time candidate's answer from its run: kept fraction of the prefill, confidence, KV cost."""
         n_ctx, n_q = len(enc.context_ids), len(enc.question_ids)
@@ -584,12 +610,14 @@ def _set_generation_costs(full: CandidateAnswer, answers, n_ctx: int, n_question
     """Every answer's KV cost (peak and KV-time) and its confidence up to its first departure from
     the full answer. A decoding-time candidate measured its own cost; any other one compressed
     the prefill only (to ``kv_retained_actual`` of the context) and then grew by a token a step."""
-    full.kv_peak = full.kv_time = 1.0
+    full.kv_peak = full.kv_time = full.kv_peak_bytes = full.kv_time_bytes = 1.0
     for answer in answers:
         if answer.kv_peak is None:
             steps = max(1, len(answer.token_ids))
             cost = kv_cost(prefill_press_held(answer.kv_retained_actual * n_ctx, n_question, steps), n_ctx, n_question)
             answer.kv_peak, answer.kv_time = cost.peak, cost.time
+        if answer.kv_peak_bytes is None:  # 16 bits a value: its bytes' shares are its tokens'
+            answer.kv_peak_bytes, answer.kv_time_bytes = answer.kv_peak, answer.kv_time
         answer.set_agreement_with(full.token_ids)
 
 
@@ -637,12 +665,6 @@ def decoding_window_failure(press: BasePress | None) -> str | None:
 def is_probabilistic_press(press: object) -> bool:
     """certkv's Poisson-sampled press: decoded under the Hájek attention, with certificates."""
     return isinstance(press, ProbabilisticPress)
-
-
-def continues_from_compressed_length(press: BasePress) -> bool:
-    """Presses after which kvpress continues positions from the compressed cache's length (they
-    re-rotate or restore keys), not from the context length."""
-    return isinstance(press, (KeyRerotationPress, RestoreKVPress)) or (isinstance(press, FinchPress) and press.rerotate_keys)
 
 
 def needs_attention_weights(press: BasePress | None) -> bool:

@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from certkv.engine.engine import continues_from_compressed_length, kept_entries
+from certkv.engine.engine import kept_entries
 from certkv.engine.full_cache import context_tensor
+from certkv.engine.positions import continues_from_compressed_length
 from certkv.model.generation import greedy_decode
 from certkv.model.window_queries import capturing_window_queries
 from certkv.runtime.full_path import prefill_slots

@@ -1,0 +1,243 @@
+"""KV formats as a contract writes them: the precision a candidate stores its keys and values at.
+
+A policy entry's ``cache:`` block names one format (or, with ``nbits`` as a list, a ladder of
+them, most bytes first). Torch-free: the contract validates formats, names them and prices them
+without the model stack; :mod:`certkv.kv_formats.caches` builds the cache a format describes.
+
+Backends:
+
+* ``quanto`` / ``hqq``: transformers' ``QuantizedCache`` (KIVI-style: the prefill and every full
+  window of decoded tokens are quantised in groups of ``q_group_size`` along ``axis_key`` /
+  ``axis_value`` with a scale and a zero point each; the last ``residual_length`` tokens stay at
+  full precision). Its backend library must be installed where calibration runs.
+* ``fp8``: each element cast to float8 (``e4m3`` or ``e5m2``) after division by a per-tensor
+  ``scale`` (1.0, what vLLM and SGLang use without calibrated scales).
+* ``int``: symmetric integers of ``nbits`` (2–8), one 16-bit scale per ``q_group_size`` channels
+  of a token and head (per token and head when the group is the head's size: SGLang's int8;
+  llama.cpp's ``q8_0`` / ``q4_0`` are group 32).
+* ``split``: keys and values in two different formats (llama.cpp's ``-ctk q8_0 -ctv q4_0``).
+
+Every format's cost is its bits relative to a **16-bit** cache, whatever dtype the model computes
+in (:meth:`KvFormat.bytes_share`): values, scales, zero points; the full-precision window is
+counted by :mod:`certkv.kv_formats.byte_cost`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+#: Bits of the full-precision cache every share is relative to.
+REFERENCE_BITS = 16
+#: Bits of a scale or zero point (stored at 16 bits by every backend here).
+PARAMETER_BITS = 16
+
+
+def _error(message: str) -> PydanticCustomError:
+    """A validation error shown as written (no "Value error," prefix)."""
+    return PydanticCustomError("certkv", message)
+
+
+class _Format(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    residual_length: int = Field(default=0, ge=0, description="most recent decoded tokens kept at full precision")
+
+    @property
+    def name(self) -> str:  # pragma: no cover - every backend overrides it
+        raise NotImplementedError
+
+    def bytes_share(self, head_dim: int) -> float:  # pragma: no cover - every backend overrides it
+        """Bytes a quantised token takes over a 16-bit one (keys and values together)."""
+        raise NotImplementedError
+
+    def engine_counterpart(self) -> str | None:
+        """What to set in a serving engine for this format, or None when none stores it so."""
+        return None
+
+
+def _grouped_bits(nbits: int, group: int, parameters: int) -> float:
+    """Bits per element of `nbits` integers with `parameters` 16-bit numbers per `group` elements."""
+    return nbits + parameters * PARAMETER_BITS / group
+
+
+class TransformersFormat(_Format):
+    """transformers' ``QuantizedCache`` (module docstring); ``residual_length`` defaults to 32."""
+
+    backend: Literal["quanto", "hqq"]
+    nbits: int
+    q_group_size: int = Field(default=64, ge=1)
+    residual_length: int = Field(default=32, ge=1, description="transformers needs at least one full-precision token")
+    axis_key: int = 0
+    axis_value: int = 0
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> TransformersFormat:
+        bits = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}[self.backend]
+        axes = {"quanto": (0, -1), "hqq": (0, 1)}[self.backend]
+        if self.nbits not in bits:
+            raise _error(f"cache.nbits for backend {self.backend} must be one of {list(bits)}, got {self.nbits}")
+        for key in ("axis_key", "axis_value"):
+            if getattr(self, key) not in axes:
+                raise _error(f"cache.{key} for backend {self.backend} must be one of {list(axes)}, got {getattr(self, key)}")
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}{self.nbits}"
+
+    def bytes_share(self, head_dim: int) -> float:
+        # asymmetric groups: a scale and a zero point per q_group_size elements
+        return _grouped_bits(self.nbits, self.q_group_size, 2) / REFERENCE_BITS
+
+    def engine_counterpart(self) -> str | None:
+        return f"transformers QuantizedCache(backend={self.backend!r}, nbits={self.nbits}, q_group_size={self.q_group_size}, " \
+               f"residual_length={self.residual_length})"
+
+
+class Fp8Format(_Format):
+    """Float8 with one per-tensor scale (module docstring)."""
+
+    backend: Literal["fp8"]
+    dtype: Literal["e4m3", "e5m2"] = "e4m3"
+    scale: float = Field(default=1.0, gt=0.0, description="stored value = element / scale; 1.0: engines' uncalibrated default")
+
+    @property
+    def name(self) -> str:
+        return f"fp8{self.dtype}" + ("" if self.scale == 1.0 else f"s{self.scale:g}")
+
+    def bytes_share(self, head_dim: int) -> float:
+        return 8 / REFERENCE_BITS
+
+    def engine_counterpart(self) -> str | None:
+        scales = "without calibrated scales" if self.scale == 1.0 else f"with k/v scale {self.scale:g}"
+        return (f"vLLM --kv-cache-dtype fp8_{self.dtype} {scales}; SGLang --kv-cache-dtype fp8_{self.dtype}; "
+                f"TensorRT-LLM FP8 KV cache ({'e4m3' if self.dtype == 'e4m3' else 'e5m2: none, TensorRT-LLM stores e4m3'})")
+
+
+class IntFormat(_Format):
+    """Symmetric ``nbits`` integers, a 16-bit scale per ``q_group_size`` channels of a token and
+    head (None: the whole head)."""
+
+    backend: Literal["int"]
+    nbits: int = Field(ge=2, le=8)
+    q_group_size: int | None = Field(default=None, ge=1)
+
+    @property
+    def name(self) -> str:
+        return f"int{self.nbits}" + ("" if self.q_group_size is None else f"g{self.q_group_size}")
+
+    def group(self, head_dim: int) -> int:
+        return head_dim if self.q_group_size is None else self.q_group_size
+
+    def bytes_share(self, head_dim: int) -> float:
+        return _grouped_bits(self.nbits, self.group(head_dim), 1) / REFERENCE_BITS
+
+    def engine_counterpart(self) -> str | None:
+        if self.nbits == 8 and self.q_group_size is None:
+            return "SGLang --kv-cache-dtype int8 (per token and head)"
+        if self.q_group_size == 32 and self.nbits in (8, 4):
+            return f"llama.cpp --cache-type-k q{self.nbits}_0 --cache-type-v q{self.nbits}_0"
+        return None
+
+
+#: A format that stores keys or values (what ``split`` combines).
+SingleFormat = Annotated[TransformersFormat | Fp8Format | IntFormat, Field(discriminator="backend")]
+
+
+class SplitFormat(_Format):
+    """Keys and values at two formats; each keeps its own full-precision window."""
+
+    backend: Literal["split"]
+    keys: SingleFormat
+    values: SingleFormat
+
+    @model_validator(mode="after")
+    def _check_parts(self) -> SplitFormat:
+        if isinstance(self.keys, TransformersFormat) or isinstance(self.values, TransformersFormat):
+            raise _error("cache.keys and cache.values of a split format must be fp8 or int formats "
+                             "(transformers' QuantizedCache quantises keys and values alike)")
+        if self.residual_length:
+            raise _error("a split format's full-precision window is set on cache.keys and cache.values")
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"k{self.keys.name}-v{self.values.name}"
+
+    def bytes_share(self, head_dim: int) -> float:
+        return (self.keys.bytes_share(head_dim) + self.values.bytes_share(head_dim)) / 2
+
+    def engine_counterpart(self) -> str | None:
+        k, v = self.keys, self.values
+        if all(isinstance(p, IntFormat) and p.q_group_size == 32 and p.nbits in (8, 4) for p in (k, v)):
+            return f"llama.cpp --cache-type-k q{k.nbits}_0 --cache-type-v q{v.nbits}_0"  # type: ignore[union-attr]
+        return None
+
+
+#: Any KV format a policy entry may carry.
+KvFormat = Annotated[TransformersFormat | Fp8Format | IntFormat | SplitFormat, Field(discriminator="backend")]
+_ADAPTER: TypeAdapter = TypeAdapter(KvFormat)
+
+
+def parse_format(data: dict[str, Any]) -> KvFormat:
+    """A format from its JSON/YAML mapping (as an operating point or a policy entry stores it)."""
+    return _ADAPTER.validate_python(data)
+
+
+def format_ladder(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The formats a ``cache:`` block lists, most bits first: one per ``nbits`` when it is a list.
+
+    Examples
+    --------
+    >>> [f["nbits"] for f in format_ladder({"backend": "hqq", "nbits": [8, 4]})]
+    [8, 4]
+    >>> format_ladder({"backend": "fp8"})
+    [{'backend': 'fp8'}]
+    """
+    bits = data.get("nbits")
+    if not isinstance(bits, list):
+        return [dict(data)]
+    if not bits or any(not isinstance(b, int) or isinstance(b, bool) for b in bits):
+        raise _error(f"cache.nbits must be an integer or a non-empty list of integers, got {bits}")
+    if any(a <= b for a, b in zip(bits, bits[1:])):
+        raise _error(f"cache.nbits must be strictly decreasing (a ladder is tested most bytes first), got {bits}")
+    return [{**data, "nbits": b} for b in bits]
+
+
+class CacheBlock(BaseModel):
+    """A policy entry's ``cache:`` block: one format or a ladder over ``nbits`` (validated here,
+    expanded by :func:`format_ladder`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    backend: str
+
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        known = ("quanto", "hqq", "fp8", "int", "split")
+        if value not in known:
+            raise _error(f"cache.backend must be one of {', '.join(known)}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _formats(self) -> CacheBlock:
+        for data in format_ladder(self.model_dump()):
+            try:
+                parse_format(data)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"][1:])  # the backend's tag is the first part
+                own = first["type"] == "certkv" or not where
+                raise _error(first["msg"] if own else f"cache.{where}: {first['msg']}") from None
+        return self
+
+    def formats(self) -> list[KvFormat]:
+        return [parse_format(data) for data in format_ladder(self.model_dump())]
+
+
+__all__ = ["CacheBlock", "Fp8Format", "IntFormat", "KvFormat", "SplitFormat", "TransformersFormat", "format_ladder",
+           "parse_format"]
