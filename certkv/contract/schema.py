@@ -57,7 +57,7 @@ from certkv.core.spec import (
     gate_needs,
 )
 from certkv.errors import CertkvError
-from certkv.kv_formats.spec import CacheBlock, KvFormat
+from certkv.kv_formats.spec import CacheBlock, KvFormat, SplitFormat
 from certkv.presses import registry as press_registry
 
 if TYPE_CHECKING:
@@ -80,6 +80,13 @@ def _certifies(entry: CandidateSequence) -> bool:
 
 def _compresses_while_decoding(entry: CandidateSequence) -> bool:
     return entry.press is not None and press_registry.compresses_while_decoding(entry.press)
+
+
+def _window_of(fmt: KvFormat) -> int:
+    """The most recent tokens `fmt` keeps at full precision (keys' or values', the larger)."""
+    if isinstance(fmt, SplitFormat):
+        return max(fmt.keys.residual_length, fmt.values.residual_length)
+    return fmt.residual_length
 
 
 def _restartable(entry: CandidateSequence) -> bool:
@@ -301,6 +308,14 @@ class CandidateSequence(_Strict):
             raise _error(f"press {self.press!r} needs kv_retained (the retentions it is tested at, most KV first)")
         if self.cache is not None and len(self.formats) > 1 and len(self.kv_retained) > 1:
             raise _error("a sequence runs over kv_retained or over cache.nbits, not both; write one entry per retention")
+        if self.cache is not None and press_registry.compresses_while_decoding(self.press):
+            windowed = [f.name for f in self.formats if _window_of(f) > 0]
+            if windowed:
+                raise _error(
+                    f"press {self.press!r} compresses while decoding, and kvpress's decoding presses drop a quantised "
+                    f"cache's full-precision window at every compression (they read only its quantised part); "
+                    f"{windowed[0]} keeps one: use an fp8 or int format with residual_length 0"
+                )
         return self
 
     @property

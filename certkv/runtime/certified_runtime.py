@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from certkv.core.operating_point import OperatingPoint, load_operating_point
+from certkv.core.policy_names import NO_PRESS
 from certkv.core.signals import empty_signals, request_signals
 from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS, GateSettings
 from certkv.engine.decoding_run import is_decoding_press
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
+from certkv.kv_formats.spec import parse_format
 from certkv.model.generation import EncodedRequest, encode_request, for_protocol, stop_token_ids
 from certkv.presses.hajek_state import clear_states
 from certkv.presses.probabilistic_decoding import ProbabilisticDecodingPress
@@ -54,6 +56,7 @@ from certkv.presses.registry import build_press, compression_ratio_for, is_known
 from certkv.presses.response_aware import is_response_aware_press
 from certkv.runtime.decision import Decision
 from certkv.runtime.decoding_path import DecodingPath
+from certkv.runtime.format_path import FormatPath
 from certkv.runtime.full_path import full_answer_steps
 from certkv.runtime.gate_flow import AnsweringPath
 from certkv.runtime.gating import deployable
@@ -68,6 +71,7 @@ if TYPE_CHECKING:
     from kvpress import BasePress
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from certkv.kv_formats.spec import KvFormat
     from certkv.runtime.prefix_cache import PrefixCache
     from certkv.runtime.steps import Step
 
@@ -183,20 +187,24 @@ class CertifiedRuntime:
         self.threshold = self.gate.agreement_drop
         self.bound = self.gate.certificate
         self.press: BasePress | None = None
+        self.kv_format: KvFormat | None = None
+        """The KV format the point stores its cache in (None: the model's dtype)."""
         self.single_prefill = False
         if not operating_point.fallback and not operating_point.is_stratified:
+            self.kv_format = None if operating_point.kv_format is None else self._format(operating_point.kv_format)
             self.press = self._build_press() if press is None else self._checked(press)
-            self.single_prefill = self._on_single_prefill(self.press)
+            self.single_prefill = self.kv_format is None and self._on_single_prefill(self.press)
         self.prefix_cache = prefix_cache
         """The compressed contexts kept across questions (:mod:`certkv.runtime.prefix_cache`; None: off)."""
         self.prefix_bypass = None if operating_point.is_stratified else bypass_reason(
-            self.query_aware, self.press, self.single_prefill, self.gate)
+            self.query_aware, self.press, self.single_prefill, self.gate, self.kv_format is not None)
         """Why this point's requests never use the prefix cache (None: they do; a stratified point: per stratum)."""
         self.prefix: PrefixScope | None = None
         if prefix_cache is not None and self.prefix_bypass is None and not operating_point.is_stratified:
             self.prefix = PrefixScope(prefix_cache)
-        self.path: AnsweringPath | None = None if self.press is None else self._answering_path(model)
-        """The answering path of the certified press (None: fallback or stratified)."""
+        deployed = self.press is not None or self.kv_format is not None
+        self.path: AnsweringPath | None = self._answering_path(model) if deployed else None
+        """The answering path of the certified press or format (None: fallback or stratified)."""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -204,7 +212,9 @@ class CertifiedRuntime:
         """The path the certified press answers through: its single prefill (with the point's prefix
         cache, if any), kvpress's hooks, or a decode under a decoding-time press; a gate a path cannot
         apply is a one-line error."""
-        assert self.press is not None  # only called for a point with a press
+        if self.kv_format is not None:
+            return self._format_path(model, self.kv_format)
+        assert self.press is not None  # only called for a point with a press or a format
         if self.gate.restarts and not is_decoding_press(self.press):
             raise CertkvError(
                 f"the operating point's recompute gate restarts a generation mid-decode, which only a "
@@ -225,6 +235,24 @@ class CertifiedRuntime:
                 )
             return DecodingPath(model, self.press, self.gate, self.stop_ids)
         return PipelinePath(model, self.press, self.gate, self.stop_ids)
+
+    def _format_path(self, model: PreTrainedModel, kv_format: KvFormat) -> FormatPath:
+        """The path of a point whose KV is stored in a format; gates that decide from a full prefill
+        (this path never holds one) are a one-line error."""
+        if self.gate.pre_decode or self.gate.certificate_recompute is not None:
+            raise CertkvError(
+                f"the operating point's {self.gate.kind} gate reads a full prefill or a press's certificates, which "
+                f"{self.policy!r} (its KV stored as {kv_format.name}) never holds; certify a recompute or confidence gate"
+            )
+        return FormatPath(model, self.press, self.gate, self.stop_ids, kv_format)
+
+    @staticmethod
+    def _format(data: dict) -> KvFormat:
+        """The operating point's KV format, checked (an edited point gets one line)."""
+        try:
+            return parse_format(data)
+        except ValidationError as exc:
+            raise CertkvError(format_validation_error(exc, "operating point kv_format")) from None
 
     def _decode_length(self, requested: object) -> int:
         """The calibrated decode length: what was certified is an answer of at most that many tokens."""
@@ -254,8 +282,10 @@ class CertifiedRuntime:
             )
         return requested
 
-    def _build_press(self) -> BasePress:
+    def _build_press(self) -> BasePress | None:
         op = self.operating_point
+        if op.press == NO_PRESS:  # a KV format alone: every token kept
+            return None
         return build_press(op.press, op.kv_retained, op.press_kwargs or {})
 
     def _checked(self, press: BasePress) -> BasePress:

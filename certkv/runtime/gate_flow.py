@@ -52,7 +52,8 @@ class EvictedAnswer:
     kept; `certificate` its largest certificate (certkv's probabilistic presses; None otherwise);
     `stopped_at` the token a recompute gate stopped the decode at (None: it ran to its end), `ids`
     then being the tokens kept before it; `kv_peak` / `kv_time` the KV a decoding-time press held
-    (:mod:`certkv.core.kv_cost`; None where the path does not measure it)."""
+    (:mod:`certkv.core.kv_cost`; None where the path does not measure it), `kv_peak_bytes` /
+    `kv_time_bytes` the bytes a KV format held over a 16-bit full cache's (None: 16 bits)."""
 
     ids: list[int]
     logprobs: list[float] | None
@@ -61,6 +62,8 @@ class EvictedAnswer:
     stopped_at: int | None = None
     kv_peak: float | None = None
     kv_time: float | None = None
+    kv_peak_bytes: float | None = None
+    kv_time_bytes: float | None = None
 
 
 class AnswerSource(ABC):
@@ -145,7 +148,8 @@ def gate_flow(source: AnswerSource, signals: dict[str, Any], seconds: dict[str, 
     reason = post_decode_reason(gate, signals, evicted.logprobs, evicted.certificate)
     if reason is None:
         return PathAnswer(evicted.ids, None, signals, seconds, kept=evicted.kept, kv_peak=evicted.kv_peak,
-                          kv_time=evicted.kv_time, prefix=tag)
+                          kv_time=evicted.kv_time, kv_peak_bytes=evicted.kv_peak_bytes, kv_time_bytes=evicted.kv_time_bytes,
+                          prefix=tag)
     t = time.perf_counter()
     ids = yield from source.full_answer()
     seconds["escalation"] = time.perf_counter() - t

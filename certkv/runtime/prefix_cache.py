@@ -253,15 +253,18 @@ class PrefixReserve(Reserve):
         return 0 if self.found else max(0, self.granted - self.miss)
 
 
-def bypass_reason(query_aware: bool, press: BasePress | None, single_prefill: bool, gate: GateSettings) -> str | None:
+def bypass_reason(query_aware: bool, press: BasePress | None, single_prefill: bool, gate: GateSettings,
+                  formatted: bool = False) -> str | None:
     """Why a point cannot answer from compressed contexts kept across questions (None: it can).
 
-    `press` is None for a fallback point; `single_prefill` whether it runs on the engine's
-    single-prefill path."""
+    `press` is None for a fallback point (or a KV format alone); `single_prefill` whether it runs on
+    the engine's single-prefill path; `formatted` whether its KV is stored in a KV format."""
     from certkv.engine.decoding_run import is_decoding_press
     from certkv.engine.engine import is_probabilistic_press
     from certkv.presses.response_aware import is_response_aware_press
 
+    if formatted:
+        return "its KV is stored in a KV format, which each request prefills and decodes on its own"
     if press is None:
         return "it answers from the full cache (nothing is compressed)"
     if query_aware:

@@ -118,7 +118,8 @@ class PathAnswer:
     :data:`certkv.core.signals.SIGNALS`); `seconds` per phase (``prefill``, ``probe``, ``decode``,
     ``escalation``, ``recompute``); `recomputed_at` the decoding step a recompute gate restarted
     the answer on the full cache at; `kv_peak` / `kv_time` a decoding-time press's measured KV
-    (:mod:`certkv.core.kv_cost`; None where the path did not measure it); `prefix` "hit" when the
+    (:mod:`certkv.core.kv_cost`; None where the path did not measure it), `kv_peak_bytes` /
+    `kv_time_bytes` a KV format's, in bytes over a 16-bit full cache's; `prefix` "hit" when the
     answer was decoded from a kept compressed context, "miss" when the path kept its own for later
     questions (:mod:`certkv.runtime.prefix_cache`), None when no prefix cache was asked."""
 
@@ -131,6 +132,8 @@ class PathAnswer:
     recomputed_at: int | None = None
     kv_peak: float | None = None
     kv_time: float | None = None
+    kv_peak_bytes: float | None = None
+    kv_time_bytes: float | None = None
     prefix: str | None = None
 
     @property
