@@ -7,9 +7,10 @@ they dequantise a layer, compress it and quantise the kept entries back):
 * ``fp8`` / ``int`` / ``split``: :class:`TokenFormatCache`, whose layers quantise each token once,
   when it leaves the full-precision window (:mod:`certkv.kv_formats.token_quantisers`).
 
-Both follow transformers' convention for the prefill: the prefill's attention reads its own keys
-and values at full precision, and the whole prefill is stored quantised; each decoding step reads
-the dequantised cache, its full-precision window and its own new entries.
+Both store the whole prefill quantised, after the prefill's attention read its own keys and values
+at full precision. A decoding step of transformers' layers reads the dequantised cache, the
+full-precision window and its own new entries at full precision; one of certkv's reads every entry
+as stored, its own included (:class:`TokenFormatLayer`).
 
 :func:`held_units` prices what a cache holds in 16-bit token slots (keys and values of one token in
 every KV head at 16 bits = 1), so that :func:`certkv.core.kv_cost.kv_cost` turns the units held
@@ -36,6 +37,12 @@ if TYPE_CHECKING:
 class TokenFormatLayer(QuantizedLayer):
     """One layer of a per-token format: keys and values each in their format, each with its own
     full-precision window of the most recent decoded tokens.
+
+    A decoding step reads every entry as it is stored once the step's own entries are stored: its
+    own key and value quantised too when the window is empty (as vLLM's fp8 cache does: the step's
+    keys and values are written to the cache before its attention reads it), so a token reads the
+    same numbers whether the tokens before it were fed one a forward or in one chunk. The prefill
+    reads its own entries at full precision (as the engines' prefill kernels do) and stores them.
 
     ``axis_key`` / ``axis_value`` name which of the two a tensor is (``"keys"`` / ``"values"``):
     kvpress quantises a compressed layer back with ``layer._quantize(keys, axis=layer.axis_key)``.
@@ -68,18 +75,17 @@ class TokenFormatLayer(QuantizedLayer):
         return self._step("keys", key_states), self._step("values", value_states)
 
     def _step(self, which: str, states: torch.Tensor) -> torch.Tensor:
-        """Append `states` to `which`'s window, quantise what leaves it; every entry the step reads."""
+        """Append `states` to `which`'s window, quantise what leaves it; every entry as now stored."""
         stored: StoredTokens = getattr(self, f"_quantized_{which}")
         window: torch.Tensor = getattr(self, which)
         window = states if window.dim() != 4 else torch.cat([window, states], dim=-2)
-        everything = torch.cat([stored.dequantize(), window], dim=-2)
         leaving = window.shape[-2] - self.formats[which].residual_length
         if leaving > 0:
             stored = stored.cat(self._quantize(window[:, :, :leaving].contiguous(), which))
             window = window[:, :, leaving:]
         setattr(self, f"_quantized_{which}", stored)
         setattr(self, which, window)
-        return everything
+        return torch.cat([stored.dequantize(), window], dim=-2)
 
 
 class TokenFormatCache(QuantizedCache):

@@ -26,6 +26,9 @@ class Scraped(Protocol):
     def kv_budget(self) -> int | None: ...
 
     @property
+    def kv_slot_bytes(self) -> int: ...
+
+    @property
     def scheduler(self) -> Any: ...
 
 
@@ -61,6 +64,12 @@ class Metrics:
         self.kv_in_use = Gauge("certkv_kv_in_use_slots", "KV token slots held by requests in flight", registry=r)
         self.kv_peak = Gauge("certkv_kv_peak_slots", "Largest KV in use sampled so far (after every admission and "
                              "decode step)", registry=r)
+        self.kv_slot_bytes = Gauge("certkv_kv_slot_bytes", "Bytes one token slot takes (keys and values of every layer "
+                                   "in the model's dtype); a KV format's request reserves the bytes it stores, in slots",
+                                   registry=r)
+        self.kv_budget_bytes = Gauge("certkv_kv_budget_bytes", "KV budget in bytes (0: unlimited)", registry=r)
+        self.kv_in_use_bytes = Gauge("certkv_kv_in_use_bytes", "KV bytes held by requests in flight (slots × slot bytes)",
+                                     registry=r)
         self.in_flight = Gauge("certkv_requests_in_flight", "Requests admitted and not finished (live and shadow)",
                                registry=r)
         self.admissions_waiting = Gauge("certkv_admissions_waiting", "Requests waiting for KV to be admitted "
@@ -130,6 +139,9 @@ class Metrics:
         scheduler = service.scheduler
         self.kv_budget.set(service.kv_budget or 0)
         self.kv_in_use.set(scheduler.kv_in_use)
+        self.kv_slot_bytes.set(service.kv_slot_bytes)
+        self.kv_budget_bytes.set((service.kv_budget or 0) * service.kv_slot_bytes)
+        self.kv_in_use_bytes.set(scheduler.kv_in_use * service.kv_slot_bytes)
         self.kv_peak.set(scheduler.peak_kv)
         self.in_flight.set(scheduler.in_flight())
         self.admissions_waiting.set(scheduler.waiting())

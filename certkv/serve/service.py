@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from certkv.errors import CertkvError
 from certkv.runtime.steps import Decode
 from certkv.serve.answer_cut import finish_reason
+from certkv.serve.kv_budget import bytes_per_slot
 from certkv.serve.scheduler import BudgetExceeded, QueueFull, Scheduler, Stopping
 
 __all__ = ["BudgetExceeded", "QueueFull", "Served", "Service", "Stopping"]
@@ -109,6 +110,11 @@ class Service:
     @property
     def kv_budget(self) -> int | None:
         return self.scheduler.budget
+
+    @property
+    def kv_slot_bytes(self) -> int:
+        """Bytes one token slot of the budget takes (the model's dtype; :mod:`certkv.serve.kv_budget`)."""
+        return bytes_per_slot(self.scheduler.model)
 
     def stream_of(self, stratum: str | None) -> str | None:
         """The monitor stream of a request: "all" for a pooled point, its stratum for a stratified one
