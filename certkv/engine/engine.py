@@ -30,8 +30,9 @@ from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, kept_count, padded_cache
 from certkv.engine.decode_reserve import decode_reserve
 from certkv.engine.decoding_lanes import batchable_decoding_press, decode_lanes, prefilled_lane, run_of
-from certkv.engine.decoding_run import is_decoding_press, run_decoding
-from certkv.engine.format_run import run_in_format
+from certkv.engine.decoding_run import DecodingRun, is_decoding_press, run_decoding
+from certkv.engine.format_lanes import format_lane, lane_format, plain_held_units
+from certkv.engine.format_run import head_dim, run_in_format
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.positions import continues_from_compressed_length
 from certkv.engine.probabilistic_decode import decode_probabilistic
@@ -228,6 +229,9 @@ class Engine:
         # Stored in a KV format: each its own generation (certkv.engine.format_run), a format alone
         # primed from the request's full prefill.
         self.formatted = [c for c in self.candidates if c.kv_format is not None]
+        # ... of which certkv's per-token formats alone decode as lanes of one batch drafted by the
+        # full answer (certkv.engine.format_lanes); the others each alone.
+        self.format_lanes = [c for c in self.formatted if lane_format(c.kv_format, c.press)]
         pressed = [c for c in self.candidates if c.kv_format is None]
         self.probabilistic = [c for c in pressed if is_probabilistic_press(c.press)]
         self.fast = [c for c in pressed if is_fast_path_press(c.press)]
@@ -345,8 +349,10 @@ class Engine:
         for c in self.decoding:
             if c not in self.decoding_lanes:
                 answers[c.policy] = self._run_decoding(c, enc)
+        self._format_lanes_answers(prefilled, draft, answers)
         for c in self.formatted:
-            answers[c.policy] = self._run_in_format(c, enc, prefilled.cache)
+            if c not in self.format_lanes:
+                answers[c.policy] = self._run_in_format(c, enc, prefilled.cache)
         seconds["candidates_pipeline"] = time.perf_counter() - t3
         _set_generation_costs(full, answers.values(), n_ctx, len(enc.question_ids))
         return RequestResult(full, [answers[c.policy] for c in self.candidates], n_ctx, seconds, agreement_drop)
@@ -500,6 +506,33 @@ class Engine:
         cost = kv_cost(run.held_units, len(enc.context_ids), len(enc.question_ids))
         answer.kv_peak_bytes, answer.kv_time_bytes = cost.peak, cost.time
         return answer
+
+    def _format_lanes_answers(self, prefilled: _Prefilled, draft: list[int], answers: dict) -> None:
+        """The lane-decoded formats' answers into `answers` (:mod:`certkv.engine.format_lanes`): lanes
+        over the full prefill's context entries, stored in each format, drafted by the full answer,
+        decoded together in batches of at most `max_batch_bytes`; each lane's time is its batch's
+        shared evenly."""
+        enc = prefilled.enc
+        n_ctx, n_q = len(enc.context_ids), len(enc.question_ids)
+        per_lane = _bytes_per_token(prefilled.cache) * (n_ctx + n_q + self.max_new_tokens + 1)
+        size = max(1, self.max_batch_bytes // max(1, per_lane))
+        size_of_head = head_dim(self.model)
+        for i in range(0, len(self.format_lanes), size):
+            group = self.format_lanes[i : i + size]
+            t0 = time.perf_counter()
+            lanes = [format_lane(c.kv_format, prefilled.cache.layers, enc, self.max_new_tokens, self.stop_ids, draft)
+                     for c in group if c.kv_format is not None]
+            decode_lanes(self.model, lanes)
+            share = (time.perf_counter() - t0) / len(lanes)
+            for c, lane in zip(group, lanes):
+                assert c.kv_format is not None  # format lanes have one
+                steps = max(1, len(lane.answer))
+                run = DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=float(n_ctx),
+                                  held=[float(n_ctx + n_q + t) for t in range(steps)],
+                                  held_units=plain_held_units(c.kv_format, size_of_head, n_ctx, n_q, steps))
+                answer = answers[c.policy] = self._decoding_answer(c, enc, run, share)
+                cost = kv_cost(run.held_units, n_ctx, n_q)
+                answer.kv_peak_bytes, answer.kv_time_bytes = cost.peak, cost.time
 
     def _decoding_answer(self, c: PressCandidate, enc: EncodedRequest, run, seconds: float) -> CandidateAnswer:
         """A decoding-time candidate's answer from its run: kept fraction of the prefill, confidence, KV cost."""

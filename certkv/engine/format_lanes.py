@@ -1,0 +1,148 @@
+"""A KV format alone as a ragged lane: certkv's per-token formats decode in the batch, drafted.
+
+A lane's attention reads its layer's ``keys`` / ``values`` after each forward's entries are written
+(:mod:`certkv.engine.ragged_decode`), which is how certkv's per-token formats read their cache
+(:class:`~certkv.kv_formats.caches.TokenFormatLayer`: every entry as stored, the step's own
+included). :class:`FormatLaneLayer` stores the lane's entries in the format (float8, or integers
+and their float16 scales) and dequantises them when the attention reads them, so a lane holds the
+format's bytes and its tokens are :func:`~certkv.engine.format_run.run_in_format`'s: a token reads
+the same numbers fed alone or in a chunk, as long as no full-precision window moves within a
+chunk. So a format with no window follows a draft (calibration's full answer, prompt lookup) and
+confirms many tokens a forward; one with a window decodes a token a forward, still batched.
+transformers' formats (quanto, HQQ) re-quantise their whole cache when the window fills, and a
+press beside a format prunes through kvpress's hooks; both decode alone (:mod:`~certkv.engine.format_run`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from certkv.engine.ragged_decode import Lane, LaneCache, LaneLayer
+from certkv.kv_formats.spec import Fp8Format, IntFormat, KvFormat, SplitFormat
+from certkv.kv_formats.token_quantisers import StoredTokens, token_quantiser
+
+if TYPE_CHECKING:
+    from certkv.model.generation import EncodedRequest
+
+
+def format_parts(fmt: KvFormat) -> tuple[Fp8Format | IntFormat, Fp8Format | IntFormat] | None:
+    """(keys' format, values' format) of a per-token format; None for transformers' formats."""
+    if isinstance(fmt, SplitFormat):
+        return fmt.keys, fmt.values  # type: ignore[return-value]  # SplitFormat refuses transformers' parts
+    if isinstance(fmt, (Fp8Format, IntFormat)):
+        return fmt, fmt
+    return None
+
+
+def lane_format(fmt: KvFormat | None, press: object) -> bool:
+    """Whether a candidate decodes as a format lane: a per-token format alone (no press)."""
+    return fmt is not None and press is None and format_parts(fmt) is not None
+
+
+def drafts_exactly(fmt: KvFormat) -> bool:
+    """Whether a lane in `fmt` may confirm several tokens a forward: no full-precision window moves."""
+    parts = format_parts(fmt)
+    return parts is not None and all(p.residual_length == 0 for p in parts)
+
+
+class FormatLaneLayer(LaneLayer):
+    """One layer of a lane stored in a per-token format: each of keys and values as
+    :class:`StoredTokens` (batch 1, KV heads, tokens, head size) and a full-precision window of the
+    most recent ones (the part's ``residual_length``)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, parts: tuple[Fp8Format | IntFormat, ...]) -> None:
+        self.parts = dict(zip(("keys", "values"), parts))
+        self.stored = {"keys": self._quantise("keys", keys), "values": self._quantise("values", values)}
+        self.window = {which: keys.new_empty((*keys.shape[:2], 0, keys.shape[3])) for which in self.parts}
+        self._outgrown = False
+
+    def _quantise(self, which: str, tensor: torch.Tensor) -> StoredTokens:
+        return token_quantiser(self.parts[which], tensor.shape[-1]).quantize(tensor.contiguous())
+
+    @property
+    def length(self) -> int:  # type: ignore[override]
+        return self.stored["keys"].tokens + self.window["keys"].shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return self.length
+
+    def _read(self, which: str) -> torch.Tensor:
+        return torch.cat([self.stored[which].dequantize(), self.window[which]], dim=2)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._read("keys")
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._read("values")
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store (1, H_kv, n, d) new entries: into the window, whose oldest beyond its length are quantised."""
+        for which, new in (("keys", keys), ("values", values)):
+            window = torch.cat([self.window[which], new], dim=2)
+            leaving = window.shape[2] - self.parts[which].residual_length
+            if leaving > 0:
+                self.stored[which] = self.stored[which].cat(self._quantise(which, window[:, :, :leaving]))
+                window = window[:, :, leaving:]
+            self.window[which] = window
+
+    def crop(self, length: int) -> None:
+        """Drop the entries after `length` (rejected proposals): only a lane with no window follows a
+        draft, so they are all stored ones."""
+        if length >= self.length:
+            return
+        for which in self.parts:
+            if self.window[which].shape[2]:
+                raise ValueError("a lane with a full-precision window decodes a token a forward; it has nothing to crop")
+            self.stored[which] = self.stored[which][:, :, :length]
+
+    def fit(self, capacity: int) -> None:
+        """Nothing to free: a format lane allocates what it stores."""
+
+    def keep(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        raise ValueError("a decoding-time press beside a KV format decodes alone, through kvpress's hooks")
+
+
+def format_lane(fmt: KvFormat, full_layers: list, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],
+                draft: list[int] | None) -> Lane:
+    """A lane for `enc` in `fmt`, its context's entries taken from a full prefill's `full_layers`
+    (keys / values (1, H_kv, ≥ n_ctx, d) each, read and left unchanged), following `draft` (when
+    its format drafts exactly, else a token a forward)."""
+    parts = format_parts(fmt)
+    if parts is None:
+        raise ValueError(f"{fmt.name} is transformers' format; it decodes alone")
+    n_ctx = len(enc.context_ids)
+    cache = LaneCache([FormatLaneLayer(layer.keys[:, :, :n_ctx], layer.values[:, :, :n_ctx], parts) for layer in full_layers])
+    exact = drafts_exactly(fmt)
+    return Lane(cache, list(enc.question_ids), n_ctx, max_new_tokens, stop_ids,
+                lookup_ids=list(enc.context_ids) if exact else None, want_logprobs=True, draft=draft if exact else None)
+
+
+def plain_held_units(fmt: KvFormat, head_dim: int, n_ctx: int, n_question: int, steps: int) -> list[float]:
+    """What a format alone holds after each decoding step, in 16-bit token slots
+    (:func:`~certkv.kv_formats.caches.held_units`): the whole prefill stored, then the question and
+    the answer, the most recent of them in each part's window.
+
+    Examples
+    --------
+    >>> from certkv.kv_formats.spec import parse_format
+    >>> plain_held_units(parse_format({"backend": "fp8"}), 64, 100, 5, 2)  # 105 then 106 tokens at half a slot
+    [52.5, 53.0]
+    """
+    parts = format_parts(fmt) or (fmt, fmt)
+    out = []
+    for t in range(steps):
+        total, decoded = n_ctx + n_question + t, n_question + t
+        units = 0.0
+        for part in parts:
+            window = min(part.residual_length, decoded)
+            units += ((total - window) * part.bytes_share(head_dim) + window) / 2
+        out.append(units)
+    return out
+
+
+__all__ = ["FormatLaneLayer", "drafts_exactly", "format_lane", "format_parts", "lane_format", "plain_held_units"]
