@@ -749,7 +749,8 @@ class Contract(_Strict):
         bounds = gate.certificate if gate is not None else []
         pilot = gate.pilot_choices() if gate is not None else []
         return [
-            p.policy_entry(gate_choices(drops, bounds, pilot, certificates=_certifies(p), decoding=_restartable(p)))
+            p.policy_entry(gate_choices(drops, bounds, pilot, certificates=_certifies(p), decoding=_restartable(p),
+                                        formatted=p.cache is not None))
             for p in self.policies
         ]
 

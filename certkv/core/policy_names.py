@@ -284,12 +284,15 @@ def gate_choices(
     *,
     certificates: bool = False,
     decoding: bool = False,
+    formatted: bool = False,
 ) -> tuple[GateChoice, ...]:
     """Every gate setting an entry is tested under, in sequence order: ungated, each threshold t,
     then (`certificates`: its press produces certificates) each bound b and each pair (t, b),
     thresholds outer, then the `pilot` settings as given, the recompute ones only for an entry
     that compresses while `decoding` (only a decoding-time press's generation can be restarted),
-    the certificate recompute ones only for an entry that does both.
+    the certificate recompute ones only for an entry that does both. An entry whose KV is stored in
+    a format (`formatted`) generates alone from its own prefill: only its confidence and recompute
+    settings, which read its own answer.
 
     Examples
     --------
@@ -305,13 +308,19 @@ def gate_choices(
     ['p@0.50', 'p@0.50+recc0.1']
     >>> len(gate_choices(pilot=by_certificate, decoding=True))  # a decoding press without certificates
     1
+    >>> looks = [GateChoice(pilot_kind="lookahead", quantile=0.3)]
+    >>> [c.name("q@1.00") for c in gate_choices([0.2], pilot=recompute + looks, decoding=True, formatted=True)]
+    ['q@1.00', 'q@1.00+recq0.1']
     """
     choices = [GateChoice()] + [GateChoice(agreement_drop=t) for t in agreement_drop]
     if certificates:
         choices += [GateChoice(certificate=b) for b in certificate]
         choices += [GateChoice(agreement_drop=t, certificate=b) for t in agreement_drop for b in certificate]
     restartable = {"recompute": decoding, "certificate_recompute": decoding and certificates}
-    return (*choices, *(c for c in pilot if restartable.get(str(c.pilot_kind), True)))
+    pilot = [c for c in pilot if restartable.get(str(c.pilot_kind), True)]
+    if formatted:
+        return (GateChoice(), *(c for c in pilot if c.pilot_kind in ("confidence", "recompute")))
+    return (*choices, *pilot)
 
 
 def candidates(entries: Iterable[PolicyEntry]) -> list[Candidate]:

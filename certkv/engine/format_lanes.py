@@ -15,6 +15,7 @@ press beside a format prunes through kvpress's hooks; both decode alone (:mod:`~
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,7 @@ from certkv.kv_formats.spec import Fp8Format, IntFormat, KvFormat, SplitFormat
 from certkv.kv_formats.token_quantisers import StoredTokens, token_quantiser
 
 if TYPE_CHECKING:
+    from certkv.kv_formats.caches import TokenFormatCache
     from certkv.model.generation import EncodedRequest
 
 
@@ -52,11 +54,21 @@ class FormatLaneLayer(LaneLayer):
     :class:`StoredTokens` (batch 1, KV heads, tokens, head size) and a full-precision window of the
     most recent ones (the part's ``residual_length``)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, parts: tuple[Fp8Format | IntFormat, ...]) -> None:
+    def __init__(self, keys: StoredTokens, values: StoredTokens, parts: tuple[Fp8Format | IntFormat, ...],
+                 slot_bytes: float) -> None:
         self.parts = dict(zip(("keys", "values"), parts))
-        self.stored = {"keys": self._quantise("keys", keys), "values": self._quantise("values", values)}
-        self.window = {which: keys.new_empty((*keys.shape[:2], 0, keys.shape[3])) for which in self.parts}
+        self.stored = {"keys": keys, "values": values}
+        self.window = {which: torch.empty((*stored.data.shape[:2], 0, stored.data.shape[3]), dtype=stored.dtype,
+                                          device=stored.data.device) for which, stored in self.stored.items()}
+        self.slot_bytes = slot_bytes
         self._outgrown = False
+
+    @classmethod
+    def quantising(cls, keys: torch.Tensor, values: torch.Tensor, parts: tuple[Fp8Format | IntFormat, ...]) -> FormatLaneLayer:
+        """A layer storing `keys` / `values` (1, H_kv, n, d) in the parts' formats."""
+        stored = [token_quantiser(part, tensor.shape[-1]).quantize(tensor.contiguous()) for part, tensor in
+                  zip(parts, (keys, values))]
+        return cls(stored[0], stored[1], parts, 2 * keys.shape[1] * keys.shape[3] * keys.element_size())
 
     def _quantise(self, which: str, tensor: torch.Tensor) -> StoredTokens:
         return token_quantiser(self.parts[which], tensor.shape[-1]).quantize(tensor.contiguous())
@@ -67,7 +79,10 @@ class FormatLaneLayer(LaneLayer):
 
     @property
     def capacity(self) -> int:
-        return self.length
+        """The token slots of the model's dtype the stored tensors and windows take (what a server's KV
+        budget counts: integers narrower than 8 bits sit in int8 containers)."""
+        stored = sum(s.nbytes for s in self.stored.values()) + sum(w.nbytes for w in self.window.values())
+        return math.ceil(stored / self.slot_bytes)
 
     def _read(self, which: str) -> torch.Tensor:
         return torch.cat([self.stored[which].dequantize(), self.window[which]], dim=2)
@@ -116,9 +131,27 @@ def format_lane(fmt: KvFormat, full_layers: list, enc: EncodedRequest, max_new_t
     if parts is None:
         raise ValueError(f"{fmt.name} is transformers' format; it decodes alone")
     n_ctx = len(enc.context_ids)
-    cache = LaneCache([FormatLaneLayer(layer.keys[:, :, :n_ctx], layer.values[:, :, :n_ctx], parts) for layer in full_layers])
+    cache = LaneCache([FormatLaneLayer.quantising(layer.keys[:, :, :n_ctx], layer.values[:, :, :n_ctx], parts)
+                       for layer in full_layers])
+    return _lane(fmt, cache, enc, max_new_tokens, stop_ids, draft)
+
+
+def stored_lane(fmt: KvFormat, cache: TokenFormatCache, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],
+                slot_bytes: float) -> Lane:
+    """A lane for `enc` over `cache`, the format's cache its context was prefilled into (its stored
+    tensors taken over as they are: nothing is quantised again); `slot_bytes`, one token's keys and
+    values in one layer at the model's dtype."""
+    parts = format_parts(fmt)
+    assert parts is not None  # a TokenFormatCache stores a per-token format
+    layers = [FormatLaneLayer(layer._quantized_keys, layer._quantized_values, parts, slot_bytes) for layer in cache.layers]
+    cache.layers.clear()
+    return _lane(fmt, LaneCache(layers), enc, max_new_tokens, stop_ids, None)
+
+
+def _lane(fmt: KvFormat, cache: LaneCache, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],
+          draft: list[int] | None) -> Lane:
     exact = drafts_exactly(fmt)
-    return Lane(cache, list(enc.question_ids), n_ctx, max_new_tokens, stop_ids,
+    return Lane(cache, list(enc.question_ids), len(enc.context_ids), max_new_tokens, stop_ids,
                 lookup_ids=list(enc.context_ids) if exact else None, want_logprobs=True, draft=draft if exact else None)
 
 
@@ -145,4 +178,5 @@ def plain_held_units(fmt: KvFormat, head_dim: int, n_ctx: int, n_question: int, 
     return out
 
 
-__all__ = ["FormatLaneLayer", "drafts_exactly", "format_lane", "format_parts", "lane_format", "plain_held_units"]
+__all__ = ["FormatLaneLayer", "drafts_exactly", "format_lane", "format_parts", "lane_format", "plain_held_units",
+           "stored_lane"]

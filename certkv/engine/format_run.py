@@ -40,6 +40,14 @@ def head_dim(model: PreTrainedModel) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_slot_bytes(model: PreTrainedModel) -> int:
+    """Bytes one token's keys and values take in one layer at the model's dtype (a server's KV
+    budget counts token slots of every layer: :mod:`certkv.serve.kv_budget`)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * heads * head_dim(model) * next(model.parameters()).element_size()
+
+
 def run_in_format(
     model: PreTrainedModel,
     fmt: KvFormat,
@@ -79,4 +87,4 @@ def run_in_format(
     return run
 
 
-__all__ = ["head_dim", "run_in_format"]
+__all__ = ["head_dim", "layer_slot_bytes", "run_in_format"]

@@ -41,6 +41,11 @@ class StoredTokens:
     def tokens(self) -> int:
         return self.data.shape[-2]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stored tensors take (elements and scales)."""
+        return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
     def cat(self, other: StoredTokens) -> StoredTokens:
         """These tokens followed by `other`'s (same format)."""
         scale = None if self.scale is None or other.scale is None else torch.cat([self.scale, other.scale], dim=-2)

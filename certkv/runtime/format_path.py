@@ -5,7 +5,9 @@ the context prefilled into the format's cache (under the press when it compresse
 question and the answer fed one token a forward (under the press's hooks when it compresses while
 decoding). The cache holds its keys and values at the format's precision (float8, integers and
 their scales, transformers' quantised tensors) and its full-precision window only; it is decoded
-alone, between the scheduler's batched steps, since a batch's lanes are full-precision tensors.
+alone, between the scheduler's batched steps; in ``certkv serve`` one of certkv's per-token formats
+alone decodes as a lane of the batch instead (:mod:`certkv.engine.format_lanes`), behind no
+recompute threshold, holding its stored tensors.
 
 The gate: a recompute part (threshold r) stops the decode at the first token whose probability is
 < r and the gate flow finishes the answer on a fresh full cache; a post-decode part escalates the
@@ -20,9 +22,13 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from certkv.core.kv_cost import kv_cost
 from certkv.engine.decoding_run import DecodingRun
-from certkv.engine.format_run import head_dim, run_in_format
+from certkv.engine.format_lanes import lane_format, plain_held_units, stored_lane
+from certkv.engine.format_run import head_dim, layer_slot_bytes, run_in_format
+from certkv.kv_formats.caches import build_cache
 from certkv.kv_formats.spec import SplitFormat
 from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
 from certkv.runtime.steps import Decode, Reserve, Step
@@ -63,9 +69,16 @@ class FormatPath(AnsweringPath):
     def start(
         self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], seconds: dict[str, float], lean: bool
     ) -> Generator[Step, None, AnswerSource]:
-        """Nothing before the decode: the format's prefill is part of its generation."""
+        """Nothing before the decode: the format's prefill is part of its generation. `lean`
+        (``certkv serve``'s scheduler) decodes a lane format as a lane of the batch (:meth:`lanes`)."""
         yield from ()
-        return FormatDecode(self, enc, max_new)
+        return FormatDecode(self, enc, max_new, lanes=lean and self.lanes())
+
+    def lanes(self) -> bool:
+        """Whether a lean run decodes as a lane of ``certkv serve``'s batch: one of certkv's per-token
+        formats alone (:func:`~certkv.engine.format_lanes.lane_format`), behind no recompute
+        threshold (its restart is decided token by token, alone)."""
+        return self.gate.recompute is None and lane_format(self.kv_format, self.press)
 
 
 class FormatDecode(AnswerSource):
@@ -74,9 +87,42 @@ class FormatDecode(AnswerSource):
 
     path: FormatPath
 
+    def __init__(self, path: FormatPath, enc: EncodedRequest, max_new: int, lanes: bool) -> None:
+        super().__init__(path, enc, max_new)
+        self.lanes = lanes
+
     def decode(self) -> Generator[Step, None, EvictedAnswer]:
         path, enc, max_new = self.path, self.enc, self.max_new
         yield Reserve(format_slots(path.model, path.kv_format, enc, max_new))
+        run = yield from (self._lane_steps() if self.lanes else self._solo_steps())
+        n_ctx, n_q = len(enc.context_ids), len(enc.question_ids)
+        answer = EvictedAnswer(run.token_ids, run.logprobs, run.prefill_kept / n_ctx, stopped_at=run.stopped_at)
+        if run.stopped_at is None:
+            tokens, stored = kv_cost(run.held, n_ctx, n_q), kv_cost(run.held_units, n_ctx, n_q)
+            answer.kv_peak, answer.kv_time = tokens.peak, tokens.time
+            answer.kv_peak_bytes, answer.kv_time_bytes = stored.peak, stored.time
+        return answer
+
+    def _lane_steps(self) -> Generator[Step, None, DecodingRun]:
+        """The context prefilled into the format's cache (stored as each layer computes it), taken
+        over by a lane of the scheduler's batch (:func:`~certkv.engine.format_lanes.stored_lane`)."""
+        path, enc, max_new = self.path, self.enc, self.max_new
+        model = path.model
+        cache = build_cache(path.kv_format, model.config)
+        with torch.no_grad():
+            model.model(input_ids=torch.as_tensor(enc.context_ids, device=model.device).view(1, -1), past_key_values=cache)
+        lane = stored_lane(path.kv_format, cache, enc, max_new, path.stop_ids, layer_slot_bytes(model))  # type: ignore[arg-type]
+        job = Decode(lane.cache, list(enc.question_ids), lane.position, max_new, path.stop_ids, solo=None,
+                     lookup_ids=lane.lookup_ids, want_logprobs=True, final=self.final, lane=lane)
+        yield job
+        n_ctx, n_q, steps = len(enc.context_ids), len(enc.question_ids), max(1, len(lane.answer))
+        return DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=float(n_ctx),
+                           held=[float(n_ctx + n_q + t) for t in range(steps)],
+                           held_units=plain_held_units(path.kv_format, head_dim(model), n_ctx, n_q, steps))
+
+    def _solo_steps(self) -> Generator[Step, None, DecodingRun]:
+        """The decode alone (:func:`run_in_format`), one token a forward."""
+        path, enc, max_new = self.path, self.enc, self.max_new
         runs: list[DecodingRun] = []
 
         def solo() -> tuple[list[int], list[float] | None]:
@@ -88,15 +134,7 @@ class FormatDecode(AnswerSource):
         job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, path.stop_ids, solo=solo,
                      want_logprobs=True, batchable=False, final=self.final)
         yield job
-        run = runs[0]
-        n_ctx = len(enc.context_ids)
-        answer = EvictedAnswer(run.token_ids, run.logprobs, run.prefill_kept / n_ctx, stopped_at=run.stopped_at)
-        if run.stopped_at is None:
-            n_q = len(enc.question_ids)
-            tokens, stored = kv_cost(run.held, n_ctx, n_q), kv_cost(run.held_units, n_ctx, n_q)
-            answer.kv_peak, answer.kv_time = tokens.peak, tokens.time
-            answer.kv_peak_bytes, answer.kv_time_bytes = stored.peak, stored.time
-        return answer
+        return runs[0]
 
 
 __all__ = ["FormatDecode", "FormatPath", "format_slots"]

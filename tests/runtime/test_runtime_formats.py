@@ -104,8 +104,11 @@ def test_runtime_answers_as_the_store(calibrated, recite, policy):
         differ += record["answer"] != full["answer"]
         answers.append(out)
     assert differ, f"{policy} answers every request as the full cache; the comparison proves little"
-    # certkv serve's scheduler, a few requests' KV at a time, answers them all the same (a format decodes alone)
-    assert_scheduler_matches(runtime, requests, budget=budget_for(runtime, requests), alone=answers, batching=False)
+    # certkv serve's scheduler, a few requests' KV at a time, answers them all the same: a per-token
+    # format alone as lanes of its batch, holding its stored tensors; beside a press, alone
+    lanes = runtime.path.lanes()
+    assert lanes == (policy == "int4w8@1.00")
+    assert_scheduler_matches(runtime, requests, budget=budget_for(runtime, requests), alone=answers, batching=lanes)
 
 
 def test_the_cache_is_stored_at_the_formats_precision(recite):
