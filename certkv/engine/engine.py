@@ -229,8 +229,9 @@ class Engine:
         # Stored in a KV format: each its own generation (certkv.engine.format_run), a format alone
         # primed from the request's full prefill.
         self.formatted = [c for c in self.candidates if c.kv_format is not None]
-        # ... of which certkv's per-token formats alone decode as lanes of one batch drafted by the
-        # full answer (certkv.engine.format_lanes); the others each alone.
+        # ... of which certkv's per-token formats, alone or beside a plain scorer (its kept entries
+        # chosen in the full prefill), decode as lanes of one batch drafted by the full answer
+        # (certkv.engine.format_lanes); the others each alone.
         self.format_lanes = [c for c in self.formatted if lane_format(c.kv_format, c.press)]
         pressed = [c for c in self.candidates if c.kv_format is None]
         self.probabilistic = [c for c in pressed if is_probabilistic_press(c.press)]
@@ -363,7 +364,8 @@ class Engine:
         cache, by_candidate, sampled = prefill_full(
             self.model,
             enc.context_ids,
-            {**{c.policy: c.press for c in self.fast}, **self.prefilling_scorers},
+            {**{c.policy: c.press for c in self.fast}, **self.prefilling_scorers,
+             **{c.policy: c.press for c in self.format_lanes if c.press is not None}},
             {c.policy: c.press for c in self.probabilistic},
             self.recorder,
             prefill_observers(c.press for c in self.response_aware),
@@ -520,16 +522,17 @@ class Engine:
         for i in range(0, len(self.format_lanes), size):
             group = self.format_lanes[i : i + size]
             t0 = time.perf_counter()
-            lanes = [format_lane(c.kv_format, prefilled.cache.layers, enc, self.max_new_tokens, self.stop_ids, draft)
-                     for c in group if c.kv_format is not None]
+            selections = [prefilled.by_candidate.get(c.policy) for c in group]
+            lanes = [format_lane(c.kv_format, prefilled.cache.layers, enc, self.max_new_tokens, self.stop_ids, draft, kept)
+                     for c, kept in zip(group, selections) if c.kv_format is not None]
             decode_lanes(self.model, lanes)
             share = (time.perf_counter() - t0) / len(lanes)
-            for c, lane in zip(group, lanes):
+            for c, lane, kept in zip(group, lanes, selections):
                 assert c.kv_format is not None  # format lanes have one
-                steps = max(1, len(lane.answer))
-                run = DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=float(n_ctx),
-                                  held=[float(n_ctx + n_q + t) for t in range(steps)],
-                                  held_units=plain_held_units(c.kv_format, size_of_head, n_ctx, n_q, steps))
+                steps, n_kept = max(1, len(lane.answer)), kept_count(kept or [None], n_ctx)
+                run = DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=float(n_kept),
+                                  held=[float(n_kept + n_q + t) for t in range(steps)],
+                                  held_units=plain_held_units(c.kv_format, size_of_head, n_kept, n_q, steps))
                 answer = answers[c.policy] = self._decoding_answer(c, enc, run, share)
                 cost = kv_cost(run.held_units, n_ctx, n_q)
                 answer.kv_peak_bytes, answer.kv_time_bytes = cost.peak, cost.time

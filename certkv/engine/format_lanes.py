@@ -9,8 +9,11 @@ format's bytes and its tokens are :func:`~certkv.engine.format_run.run_in_format
 the same numbers fed alone or in a chunk, as long as no full-precision window moves within a
 chunk. So a format with no window follows a draft (calibration's full answer, prompt lookup) and
 confirms many tokens a forward; one with a window decodes a token a forward, still batched.
-transformers' formats (quanto, HQQ) re-quantise their whole cache when the window fills, and a
-press beside a format prunes through kvpress's hooks; both decode alone (:mod:`~certkv.engine.format_run`).
+A plain scorer press beside such a format keeps the entries it chose in the request's full prefill
+(as computed, at full precision: the engine's single prefill scores every scorer so), and those are
+stored in the format. transformers' formats (quanto, HQQ) re-quantise their whole cache when the
+window fills, and any other press beside a format prunes through kvpress's hooks (which score the
+dequantised cache); both decode alone (:mod:`~certkv.engine.format_run`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from certkv.engine.ragged_decode import Lane, LaneCache, LaneLayer
+from certkv.engine.ragged_decode import Lane, LaneCache, LaneLayer, gather_layer
+from certkv.engine.scoring import is_fast_path_press
 from certkv.kv_formats.spec import Fp8Format, IntFormat, KvFormat, SplitFormat
 from certkv.kv_formats.token_quantisers import StoredTokens, token_quantiser
 
@@ -39,8 +43,10 @@ def format_parts(fmt: KvFormat) -> tuple[Fp8Format | IntFormat, Fp8Format | IntF
 
 
 def lane_format(fmt: KvFormat | None, press: object) -> bool:
-    """Whether a candidate decodes as a format lane: a per-token format alone (no press)."""
-    return fmt is not None and press is None and format_parts(fmt) is not None
+    """Whether a candidate decodes as a format lane: a per-token format alone (no press) or beside a
+    plain scorer press (:func:`~certkv.engine.scoring.is_fast_path_press`: its kept entries are
+    chosen in the request's full prefill, as computed, and stored in the format)."""
+    return fmt is not None and format_parts(fmt) is not None and (press is None or is_fast_path_press(press))
 
 
 def drafts_exactly(fmt: KvFormat) -> bool:
@@ -123,17 +129,20 @@ class FormatLaneLayer(LaneLayer):
 
 
 def format_lane(fmt: KvFormat, full_layers: list, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],
-                draft: list[int] | None) -> Lane:
+                draft: list[int] | None, selection: list[torch.Tensor | None] | None = None) -> Lane:
     """A lane for `enc` in `fmt`, its context's entries taken from a full prefill's `full_layers`
-    (keys / values (1, H_kv, ≥ n_ctx, d) each, read and left unchanged), following `draft` (when
-    its format drafts exactly, else a token a forward)."""
+    (keys / values (1, H_kv, ≥ n_ctx, d) each, read and left unchanged): every one, or per layer the
+    press's kept indices `selection` ((1, H_kv, n_kept) in kvpress's order; None: the whole layer).
+    It follows `draft` when its format drafts exactly, else decodes a token a forward."""
     parts = format_parts(fmt)
     if parts is None:
         raise ValueError(f"{fmt.name} is transformers' format; it decodes alone")
     n_ctx = len(enc.context_ids)
-    cache = LaneCache([FormatLaneLayer.quantising(layer.keys[:, :, :n_ctx], layer.values[:, :, :n_ctx], parts)
-                       for layer in full_layers])
-    return _lane(fmt, cache, enc, max_new_tokens, stop_ids, draft)
+    layers = []
+    for layer, kept in zip(full_layers, selection or [None] * len(full_layers)):
+        gathered = gather_layer(layer.keys, layer.values, kept, n_ctx, 0)
+        layers.append(FormatLaneLayer.quantising(gathered.keys, gathered.values, parts))
+    return _lane(fmt, LaneCache(layers), enc, max_new_tokens, stop_ids, draft)
 
 
 def stored_lane(fmt: KvFormat, cache: TokenFormatCache, enc: EncodedRequest, max_new_tokens: int, stop_ids: set[int],
@@ -156,9 +165,9 @@ def _lane(fmt: KvFormat, cache: LaneCache, enc: EncodedRequest, max_new_tokens: 
 
 
 def plain_held_units(fmt: KvFormat, head_dim: int, n_ctx: int, n_question: int, steps: int) -> list[float]:
-    """What a format alone holds after each decoding step, in 16-bit token slots
-    (:func:`~certkv.kv_formats.caches.held_units`): the whole prefill stored, then the question and
-    the answer, the most recent of them in each part's window.
+    """What a format lane holds after each decoding step, in 16-bit token slots
+    (:func:`~certkv.kv_formats.caches.held_units`): the `n_ctx` context entries it kept, stored,
+    then the question and the answer, the most recent of them in each part's window.
 
     Examples
     --------

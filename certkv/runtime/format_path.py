@@ -18,6 +18,7 @@ full prefill this path never holds; the runtime refuses them for a format.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,11 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from certkv.core.kv_cost import kv_cost
+from certkv.engine.batched_decode import kept_count
+from certkv.engine.decoding_lanes import decode_lanes
 from certkv.engine.decoding_run import DecodingRun
-from certkv.engine.format_lanes import lane_format, plain_held_units, stored_lane
+from certkv.engine.format_lanes import format_lane, lane_format, plain_held_units, stored_lane
 from certkv.engine.format_run import head_dim, layer_slot_bytes, run_in_format
+from certkv.engine.full_cache import prefill_full
 from certkv.kv_formats.caches import build_cache
 from certkv.kv_formats.spec import SplitFormat
+from certkv.runtime.full_path import prefill_slots
 from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
 from certkv.runtime.steps import Decode, Reserve, Step
 
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from certkv.core.spec import GateSettings
+    from certkv.engine.ragged_decode import Lane
     from certkv.kv_formats.spec import KvFormat
     from certkv.model.generation import EncodedRequest
 
@@ -69,32 +75,50 @@ class FormatPath(AnsweringPath):
     def start(
         self, enc: EncodedRequest, max_new: int, signals: dict[str, Any], seconds: dict[str, float], lean: bool
     ) -> Generator[Step, None, AnswerSource]:
-        """Nothing before the decode: the format's prefill is part of its generation. `lean`
-        (``certkv serve``'s scheduler) decodes a lane format as a lane of the batch (:meth:`lanes`)."""
-        yield from ()
-        return FormatDecode(self, enc, max_new, lanes=lean and self.lanes())
+        """A scorer press beside a per-token format: the full prefill under its scoring hooks, its
+        kept entries gathered into a lane in the format (the full cache dropped), as calibration
+        chose them (:func:`~certkv.engine.format_lanes.format_lane`). Otherwise nothing before the
+        decode: the format's prefill is part of its generation. `lean` (``certkv serve``'s scheduler)
+        decodes a lane format as a lane of the batch (:meth:`lanes`)."""
+        lanes = lean and self.lanes()
+        if self.press is None or not lane_format(self.kv_format, self.press):
+            yield from ()
+            return FormatDecode(self, enc, max_new, lanes=lanes)
+        yield Reserve(prefill_slots(self.model, enc, max_new))
+        t0 = time.perf_counter()
+        cache, kept, _ = prefill_full(self.model, enc.context_ids, {"scored": self.press})
+        lane = format_lane(self.kv_format, cache.layers, enc, max_new, self.stop_ids, None, kept["scored"])
+        cache.layers.clear()
+        seconds["prefill"] = time.perf_counter() - t0
+        return FormatDecode(self, enc, max_new, lanes=lanes, lane=lane, kept=kept_count(kept["scored"], len(enc.context_ids)))
 
     def lanes(self) -> bool:
         """Whether a lean run decodes as a lane of ``certkv serve``'s batch: one of certkv's per-token
-        formats alone (:func:`~certkv.engine.format_lanes.lane_format`), behind no recompute
-        threshold (its restart is decided token by token, alone)."""
+        formats, alone or beside a scorer press (:func:`~certkv.engine.format_lanes.lane_format`),
+        behind no recompute threshold (its restart is decided token by token)."""
         return self.gate.recompute is None and lane_format(self.kv_format, self.press)
 
 
 class FormatDecode(AnswerSource):
-    """A request decoded alone in the path's format, stopped where a recompute part fires; its full
-    answer has a prefill of its own."""
+    """A request decoded in the path's format: as a lane (`lane`: one built from a scored prefill;
+    with `lanes` a lane of the scheduler's batch), or alone; stopped where a recompute part fires.
+    Its full answer has a prefill of its own."""
 
     path: FormatPath
 
-    def __init__(self, path: FormatPath, enc: EncodedRequest, max_new: int, lanes: bool) -> None:
+    def __init__(self, path: FormatPath, enc: EncodedRequest, max_new: int, lanes: bool, lane: Lane | None = None,
+                 kept: int | None = None) -> None:
         super().__init__(path, enc, max_new)
-        self.lanes = lanes
+        self.lanes, self.lane, self.kept = lanes, lane, kept
 
     def decode(self) -> Generator[Step, None, EvictedAnswer]:
         path, enc, max_new = self.path, self.enc, self.max_new
-        yield Reserve(format_slots(path.model, path.kv_format, enc, max_new))
-        run = yield from (self._lane_steps() if self.lanes else self._solo_steps())
+        if self.lane is None:
+            yield Reserve(format_slots(path.model, path.kv_format, enc, max_new))
+        if self.lane is not None:
+            run = yield from self._built_lane_steps(self.lane)
+        else:
+            run = yield from (self._lane_steps() if self.lanes else self._solo_steps())
         n_ctx, n_q = len(enc.context_ids), len(enc.question_ids)
         answer = EvictedAnswer(run.token_ids, run.logprobs, run.prefill_kept / n_ctx, stopped_at=run.stopped_at)
         if run.stopped_at is None:
@@ -102,6 +126,29 @@ class FormatDecode(AnswerSource):
             answer.kv_peak, answer.kv_time = tokens.peak, tokens.time
             answer.kv_peak_bytes, answer.kv_time_bytes = stored.peak, stored.time
         return answer
+
+    def _built_lane_steps(self, lane: Lane) -> Generator[Step, None, DecodingRun]:
+        """The lane a scored prefill built: batched by the scheduler (`lanes`), or decoded alone here,
+        then stopped at its first token under a recompute threshold (the tokens before it are the
+        ones a token-by-token decode would have kept)."""
+        path, enc, max_new = self.path, self.enc, self.max_new
+
+        def solo() -> tuple[list[int], list[float] | None]:
+            decode_lanes(path.model, [lane])
+            return lane.answer, lane.logprobs
+
+        job = Decode(lane.cache, list(enc.question_ids), lane.position, max_new, path.stop_ids,
+                     solo=None if self.lanes else solo, lookup_ids=list(enc.context_ids), want_logprobs=True,
+                     batchable=self.lanes, final=self.final, lane=lane if self.lanes else None)
+        yield job
+        return _stopped(self._run_of(lane, float(self.kept or 0)), path.gate.recompute)
+
+    def _run_of(self, lane: Lane, kept: float) -> DecodingRun:
+        """A decoded format lane as a :class:`DecodingRun`: what it held, token by token."""
+        n_q, steps, model = len(self.enc.question_ids), max(1, len(lane.answer)), self.path.model
+        return DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=kept,
+                           held=[kept + n_q + t for t in range(steps)],
+                           held_units=plain_held_units(self.path.kv_format, head_dim(model), int(kept), n_q, steps))
 
     def _lane_steps(self) -> Generator[Step, None, DecodingRun]:
         """The context prefilled into the format's cache (stored as each layer computes it), taken
@@ -115,10 +162,7 @@ class FormatDecode(AnswerSource):
         job = Decode(lane.cache, list(enc.question_ids), lane.position, max_new, path.stop_ids, solo=None,
                      lookup_ids=lane.lookup_ids, want_logprobs=True, final=self.final, lane=lane)
         yield job
-        n_ctx, n_q, steps = len(enc.context_ids), len(enc.question_ids), max(1, len(lane.answer))
-        return DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=float(n_ctx),
-                           held=[float(n_ctx + n_q + t) for t in range(steps)],
-                           held_units=plain_held_units(path.kv_format, head_dim(model), n_ctx, n_q, steps))
+        return self._run_of(lane, float(len(enc.context_ids)))
 
     def _solo_steps(self) -> Generator[Step, None, DecodingRun]:
         """The decode alone (:func:`run_in_format`), one token a forward."""
@@ -135,6 +179,18 @@ class FormatDecode(AnswerSource):
                      want_logprobs=True, batchable=False, final=self.final)
         yield job
         return runs[0]
+
+
+def _stopped(run: DecodingRun, stop_below: float | None) -> DecodingRun:
+    """`run` cut before its first token whose probability is under `stop_below` (the recompute
+    gate's comparison, :class:`~certkv.engine.decoding_run.DecodingRun`'s ``stopped_at``)."""
+    if stop_below is None or stop_below <= 0:
+        return run
+    cut = next((t for t, lp in enumerate(run.logprobs) if lp < math.log(stop_below)), None)
+    if cut is None:
+        return run
+    return DecodingRun(token_ids=run.token_ids[:cut], logprobs=run.logprobs[:cut], held=run.held[:cut],
+                       prefill_kept=run.prefill_kept, stopped_at=cut, held_units=run.held_units[:cut])
 
 
 __all__ = ["FormatDecode", "FormatPath", "format_slots"]

@@ -1,9 +1,9 @@
 """calibrate → certify → CertifiedRuntime for KV formats: the deployed answers are the store's.
 
 A contract with a format alone (int4 in groups of 16, a full-precision window of 8 tokens), a
-prefill press beside a format, and a decoding-time press beside one is calibrated into a real
-store (transformers' quanto and HQQ formats are checked against kvpress's pipeline in
-tests/kv_formats; importing their libraries costs seconds a process); the runtime of each candidate
+scorer press beside a per-token format (its kept entries chosen in the full prefill), a press
+beside transformers' HQQ format (pruned through kvpress's hooks) and a decoding-time press beside
+fp8 is calibrated into a real store; the runtime of each candidate
 answers every calibration request as its records say, stores its KV at the format's precision,
 and restarts on the full cache where a recompute threshold fires, as certification derived it.
 """
@@ -18,7 +18,9 @@ import yaml
 from scheduler_checks import assert_scheduler_matches, budget_for
 
 N_REQUESTS = 8
-POLICIES = ("int4w8@1.00", "streaming_llm+int4@0.50", "streaming_dec_fp8@0.70")
+POLICIES = ("int4w8@1.00", "snapkv+int8@0.50", "knorm+hqq4@0.70", "streaming_dec_fp8@0.70")
+#: Decoded as lanes of certkv serve's batch: a per-token format alone or beside a scorer press.
+LANES = ("int4w8@1.00", "snapkv+int8@0.50")
 
 
 def _contract(folder: Path) -> Path:
@@ -33,7 +35,8 @@ def _contract(folder: Path) -> Path:
         "confidence": 0.6,
         "policies": [
             {"cache": {"backend": "int", "nbits": 4, "q_group_size": 16, "residual_length": 8}, "label": "int4w8"},
-            {"press": "streaming_llm", "kv_retained": [0.5], "cache": {"backend": "int", "nbits": 4}},
+            {"press": "snapkv", "kv_retained": [0.5], "cache": {"backend": "int", "nbits": 8}},
+            {"press": "knorm", "kv_retained": [0.7], "cache": {"backend": "hqq", "nbits": 4, "residual_length": 8}},
             {"press": "compression_ratio_decoding", "label": "streaming_dec_fp8", "kv_retained": [0.7],
              "press_kwargs": {"base_press": "streaming_llm", "compression_interval": 8},
              "cache": {"backend": "fp8", "dtype": "e5m2"}},
@@ -107,7 +110,7 @@ def test_runtime_answers_as_the_store(calibrated, recite, policy):
     # certkv serve's scheduler, a few requests' KV at a time, answers them all the same: a per-token
     # format alone as lanes of its batch, holding its stored tensors; beside a press, alone
     lanes = runtime.path.lanes()
-    assert lanes == (policy == "int4w8@1.00")
+    assert lanes == (policy in LANES)
     assert_scheduler_matches(runtime, requests, budget=budget_for(runtime, requests), alone=answers, batching=lanes)
 
 
