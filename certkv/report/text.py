@@ -285,15 +285,32 @@ def choice_summary(op: OperatingPoint) -> str:
     if op.gate is not None:
         gate = f", gated ({gate_text(op.gate)}: {fmt_share(op.gated_share)} of calibration requests)"
     return (
-        f"{op.policy} (press {op.press}{gate}): kv_retained {op.kv_retained:g} nominal{actual}, "
+        f"{op.policy} (press {op.press}{_format(op)}{gate}): kv_retained {op.kv_retained:g} nominal{actual}, "
         f"mean memory {op.mean_kv_retained:.3f}{_measure(op)}, so {100 * (1 - op.mean_kv_retained):.1f}% of the KV "
         f"cache saved; {op.violations}/{op.n} violations, risk upper bound {fmt_bound(op.risk_upper_bound)} "
-        f"≤ ε = {op.contract.risk:g}"
+        f"≤ ε = {op.contract.risk:g}{_engine(op)}"
     )
+
+
+def _format(op: OperatingPoint) -> str:
+    """The point's KV format, after its press (nothing for a 16-bit point)."""
+    if op.kv_format is None:
+        return ""
+    parts = ", ".join(f"{k} {v}" for k, v in op.kv_format.items() if k != "backend" and not isinstance(v, dict))
+    return f", KV stored as {op.kv_format['backend']}" + (f" ({parts})" if parts else "")
+
+
+def _engine(op: OperatingPoint) -> str:
+    """Where a serving engine stores the point's format alike (the certificate speaks for certkv's runtime)."""
+    if op.engine_setting is None:
+        return ""
+    return f". In an engine: {op.engine_setting} (its kernels differ: certify the engine itself)"
 
 
 def _measure(op: OperatingPoint) -> str:
     """What the mean memory measures, when it is a generation's cost rather than the nominal share."""
+    if op.contract.kv_cost == "bytes" and op.mean_kv_bytes is not None:
+        return f" (peak KV bytes over a 16-bit cache's; {op.mean_kv_bytes:.3f} over its decoding steps)"
     return {"peak": " (peak KV)", "time": " (KV-time)"}.get(op.contract.kv_cost, "")
 
 
