@@ -186,7 +186,7 @@ def pytest_configure(config):
 RAY_FIRST = "e2e/test_ray.py"
 IN_PROCESS_FOLDERS = frozenset(
     {"core", "calibration", "report", "workflow", "benchmarks", "repo", "contract", "requests", "engine", "presses", "runtime",
-     "signals"}
+     "signals", "kv_formats"}
 )
 LONGEST_FIRST = (
     "model/test_smollm2.py",

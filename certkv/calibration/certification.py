@@ -13,6 +13,7 @@ Torch-free: numpy, scipy and pydantic only.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from certkv.contract.spec import certification_spec
 from certkv.core.certify import certify
 from certkv.core.loss_table import LossTable, read_loss_table, records_sha256
 from certkv.core.operating_point import OperatingPoint
+from certkv.core.sampling_unit import draw_pilot
 from certkv.core.spec import CertificationSpec
 from certkv.errors import CertkvError
 
@@ -42,6 +44,7 @@ class ContractRecords:
     from_store: bool
     skipped: list[dict] = field(default_factory=list)
     incomplete: str | None = None  # "k of n planned requests" when calibration has not finished
+    kv_amax: list[list[float]] | None = None  # the pilot's magnitudes placing fp8 pilot scales (kv_scales)
 
 
 def mark_incomplete(op: OperatingPoint, evidence: ContractRecords) -> OperatingPoint:
@@ -143,7 +146,7 @@ POOLED_COMPARISON_NOTE = (
 
 
 def _contract_spec(contract: Contract, evidence: ContractRecords) -> CertificationSpec:
-    return preview_spec(certification_spec(contract), evidence)
+    return preview_spec(certification_spec(contract, evidence.kv_amax), evidence)
 
 
 def _certify_evidence(contract: Contract, evidence: ContractRecords, spec: CertificationSpec) -> OperatingPoint:
@@ -199,7 +202,8 @@ def _load_store(contract: Contract, store_path: Path, contract_label: str, allow
             )
         records = store.records()
         skipped = store.skipped()
-        planned = store.meta().get("planned_requests")
+        meta = store.meta()
+        planned = meta.get("planned_requests")
     if not records:
         extra = f" ({len(skipped)} requests were skipped)" if skipped else ""
         raise CertkvError(f"calibration store {store_path} has no records yet{extra}; {hint}")
@@ -214,7 +218,28 @@ def _load_store(contract: Contract, store_path: Path, contract_label: str, allow
                 "guarantee), or pass --allow-incomplete for a preview without guarantee"
             )
     table = LossTable.from_records(records, source=f"store {store_path}")
-    return ContractRecords(table, f"store {store_path}", records_sha256(table), store_path, True, skipped, incomplete)
+    kv_amax = _placed_on_pilot(contract, table, meta, store_path)
+    return ContractRecords(table, f"store {store_path}", records_sha256(table), store_path, True, skipped, incomplete,
+                           kv_amax)
+
+
+def _placed_on_pilot(contract: Contract, table: LossTable, meta: dict[str, str], store_path: Path) -> list[list[float]] | None:
+    """The store's fp8 pilot magnitudes (None: none placed), checked to have been placed on requests
+    the certifier's pilot holds, so that no request that placed a scale certifies."""
+    if "kv_pilot_amax" not in meta:
+        return None
+    gate = contract.gate
+    placed_on = set(json.loads(meta.get("kv_pilot_ids", "[]")))
+    pilot = set()
+    if gate is not None and gate.pilot is not None:
+        pilot = set(draw_pilot(table.request_ids, gate.pilot, contract.requests.seed, min_certification=1).pilot_ids)
+    leaked = sorted(placed_on & set(table.request_ids) - pilot)
+    if leaked:
+        raise CertkvError(
+            f"store {store_path}: the fp8 scales were placed on request {leaked[0]!r}, which this pilot leaves to certify "
+            "(skipped requests moved the pilot); recalibrate with `--new-store`"
+        )
+    return json.loads(meta["kv_pilot_amax"])
 
 
 def default_output(contract: Contract, name: str) -> Path:

@@ -424,8 +424,9 @@ class RayExecutor:
         self.options.check()
 
     def run(self, contract: Contract, todo: Sequence[Request], record: Recorder, *, device: str | None,
-            dtype: str | None, quiet: bool, console: Console | None) -> None:
-        """Calibrate `todo` on Ray actors into the run's store (this process: the only writer)."""
+            dtype: str | None, quiet: bool, console: Console | None, kv_amax: list[list[float]] | None = None) -> None:
+        """Calibrate `todo` on Ray actors into the run's store (this process: the only writer);
+        `kv_amax` is always None here (fp8 pilot scales are placed by the local executor)."""
         ray = import_ray()
         started = _connect(ray, self.options)
         reclaim()  # ray.init replaced the SIGTERM handler with sys.exit(15): SIGTERM stops the run as Ctrl-C does

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
+from certkv.calibration.kv_scales import placed_amax
 from certkv.calibration.progress import progress_bar
 from certkv.calibration.store import CalibrationStore
 from certkv.calibration.task_health import failed_task_warnings
@@ -40,7 +41,7 @@ from certkv.engine.engine import (
     needs_attention_weights,
 )
 from certkv.errors import CertkvError
-from certkv.kv_formats.spec import parse_format
+from certkv.kv_formats.spec import needs_pilot_scales, parse_format, with_pilot_scales
 from certkv.model.generation import encode_request
 from certkv.model.loading import load_model, model_fingerprint, resolve_device
 from certkv.presses.registry import build_press
@@ -69,12 +70,15 @@ class CalibrationSummary:
     warnings: list[str] = field(default_factory=list)
 
 
-def build_candidates(contract: Contract) -> list[PressCandidate]:
-    """Engine candidates (press objects) for every contract candidate, in contract order."""
+def build_candidates(contract: Contract, kv_amax: list[list[float]] | None = None) -> list[PressCandidate]:
+    """Engine candidates (press objects, KV formats) for every contract candidate, in contract order;
+    fp8 pilot scales placed from `kv_amax` (:mod:`certkv.calibration.kv_scales`)."""
     out = []
     for c in candidates(contract):
         press = None if c.press == NO_PRESS else build_press(c.press, c.kv_retained, c.press_kwargs)
         kv_format = None if c.kv_format is None else parse_format(dict(c.kv_format))
+        if kv_format is not None and kv_amax is not None and needs_pilot_scales(kv_format):
+            kv_format = with_pilot_scales(kv_format, kv_amax)
         out.append(PressCandidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained,
                                   kv_format=kv_format))
     return out
@@ -265,8 +269,9 @@ class Executor(Protocol):
         """Fail fast, before the store is opened: a missing extra, an impossible option (one line)."""
 
     def run(self, contract: Contract, todo: Sequence[Request], record: Recorder, *, device: str | None,
-            dtype: str | None, quiet: bool, console: Console | None) -> None:
-        """Calibrate `todo`, handing each outcome to `record`; set ``record.summary.seconds``.
+            dtype: str | None, quiet: bool, console: Console | None, kv_amax: list[list[float]] | None = None) -> None:
+        """Calibrate `todo`, handing each outcome to `record`; set ``record.summary.seconds``;
+        `kv_amax`: the pilot's magnitudes that place fp8 pilot scales (:mod:`certkv.calibration.kv_scales`).
 
         `device` is resolved on the local executor, the user's override (or None) on Ray."""
 
@@ -280,9 +285,9 @@ class LocalExecutor:
         return None
 
     def run(self, contract: Contract, todo: Sequence[Request], record: Recorder, *, device: str | None,
-            dtype: str | None, quiet: bool, console: Console | None) -> None:
+            dtype: str | None, quiet: bool, console: Console | None, kv_amax: list[list[float]] | None = None) -> None:
         assert device is not None  # open_run resolves the device on the local executor
-        engine, tokenizer, max_positions = load_engine(contract, device, dtype)
+        engine, tokenizer, max_positions = load_engine(contract, device, dtype, kv_amax)
         t0 = time.perf_counter()
         with progress_bar(quiet, console) as progress:
             task = progress.add_task("calibrating", total=len(todo)) if progress else None
@@ -335,9 +340,10 @@ def calibrate(
         contract, new_store=new_store, limit=limit, device=device, dtype=dtype, executor=executor.name
     )
     try:
+        kv_amax = placed_amax(contract, store, contract.load_requests(), run_device, dtype)
         if todo:
             executor.run(contract, todo, Recorder(store, summary, on_written), device=run_device or device,
-                         dtype=dtype, quiet=quiet, console=console)
+                         dtype=dtype, quiet=quiet, console=console, kv_amax=kv_amax)
     finally:
         store.close()
     summary.warnings = failed_task_warnings(summary.store, contract.model)
@@ -388,10 +394,11 @@ def open_run(
     return store, summary, todo, run_device
 
 
-def load_engine(contract: Contract, device: str, dtype: str | None = None) -> tuple[Engine, PreTrainedTokenizerBase, int | None]:
+def load_engine(contract: Contract, device: str, dtype: str | None = None,
+                kv_amax: list[list[float]] | None = None) -> tuple[Engine, PreTrainedTokenizerBase, int | None]:
     """(engine, tokenizer, max_positions): the model loaded once on `device` (resolved) with every
-    contract candidate, as a local run and each Ray worker use it."""
-    candidates = build_candidates(contract)  # before the model: a press_kwargs typo fails fast
+    contract candidate (fp8 pilot scales from `kv_amax`), as a local run and each Ray worker use it."""
+    candidates = build_candidates(contract, kv_amax)  # before the model: a press_kwargs typo fails fast
     attn = "eager" if any(needs_attention_weights(c.press) for c in candidates) else "sdpa"
     model, tokenizer = load_model(
         contract.model,

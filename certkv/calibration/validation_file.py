@@ -37,7 +37,7 @@ def run_validation(
     """certkv.core.validation.validate on the contract's spec and the loaded records."""
     return validate(
         evidence.table,
-        preview_spec(certification_spec(contract), evidence),
+        preview_spec(certification_spec(contract, evidence.kv_amax), evidence),
         n_splits=splits,
         calibration_fraction=calibration_fraction,
         seed=seed,

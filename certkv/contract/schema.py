@@ -57,7 +57,7 @@ from certkv.core.spec import (
     gate_needs,
 )
 from certkv.errors import CertkvError
-from certkv.kv_formats.spec import CacheBlock, KvFormat, SplitFormat
+from certkv.kv_formats.spec import CacheBlock, KvFormat, SplitFormat, needs_pilot_scales
 from certkv.presses import registry as press_registry
 
 if TYPE_CHECKING:
@@ -639,10 +639,10 @@ class Contract(_Strict):
                     "gate lists no agreement_drop threshold and no certificate bound; remove `gate:` to certify "
                     "ungated candidates only"
                 )
-            if not by_pilot:
+            if not by_pilot and not any(needs_pilot_scales(f) for p in self.policies for f in p.formats):
                 raise _error(
-                    "gate.pilot is used by nothing: list confidence, lookahead or learned quantiles, or set "
-                    "procedure: pilot_ordered, or remove gate.pilot"
+                    "gate.pilot is used by nothing: list confidence, lookahead or learned quantiles, set "
+                    "procedure: pilot_ordered or an fp8 cache.scale: pilot, or remove gate.pilot"
                 )
         return self
 
@@ -672,6 +672,17 @@ class Contract(_Strict):
                 "`probabilistic`); remove gate.certificate or add a probabilistic entry"
             )
         return gate
+
+    @model_validator(mode="after")
+    def _check_pilot_scales(self) -> Contract:
+        """fp8 scales placed on the pilot need a pilot, drawn request by request."""
+        placed = [f.name for p in self.policies for f in p.formats if needs_pilot_scales(f)]
+        if placed and (self.gate is None or self.gate.pilot is None):
+            raise _error(f"{placed[0]} places its fp8 scales on the pilot split; set gate.pilot (e.g. 0.25)")
+        if placed and self.requests.group_by == "context":
+            raise _error(f"{placed[0]} places its fp8 scales on requests of the pilot; contexts are drawn whole "
+                         "under requests.group_by: context, which these scales do not support: give a numeric cache.scale")
+        return self
 
     @model_validator(mode="after")
     def _check_order(self) -> Contract:

@@ -17,7 +17,7 @@ from certkv.contract.schema import Contract
 from certkv.core import policy_names
 from certkv.core.policy_names import Candidate, entry_sequences
 from certkv.core.spec import CertificationSpec, PilotConfig
-from certkv.kv_formats.spec import parse_format
+from certkv.kv_formats.spec import needs_pilot_scales, parse_format, with_pilot_scales
 
 
 def candidates(contract: Contract) -> list[Candidate]:
@@ -78,7 +78,7 @@ def sequences(contract: Contract) -> list[list[str]]:
     return entry_sequences(contract.policy_entries())
 
 
-def certification_spec(contract: Contract) -> CertificationSpec:
+def certification_spec(contract: Contract, kv_amax: list[list[float]] | None = None) -> CertificationSpec:
     """The contract's τ, ε, confidence, procedure and sequences as a CertificationSpec.
 
     The sequences are the contract's policy entries in the order written, each followed by its
@@ -86,7 +86,9 @@ def certification_spec(contract: Contract) -> CertificationSpec:
     re-derived from data. ``candidate_info`` carries what deploying each candidate needs (base
     policy, press_kwargs, gate settings). A pilot gate (confidence, lookahead, learned) carries its
     quantile and ``pilot_gate``; its threshold is placed on the pilot split (``gate.pilot``, drawn
-    by ``requests.seed``) when the records are certified. ``requests.group_by: context`` becomes
+    by ``requests.seed``) when the records are certified; an fp8 format's pilot scales are placed
+    from `kv_amax`, the pilot's key and value magnitudes per layer that calibration bound to the store
+    (:mod:`certkv.calibration.kv_scales`). ``requests.group_by: context`` becomes
     the spec's ``grouping`` (its measure), ``request`` its ``independent_requests``.
 
     Examples
@@ -114,7 +116,7 @@ def certification_spec(contract: Contract) -> CertificationSpec:
             "confidence": contract.confidence,
             "procedure": contract.procedure,
             "sequences": sequences(contract),
-            "candidate_info": _candidate_info(contract),
+            "candidate_info": _candidate_info(contract, kv_amax),
             "max_new_tokens": contract.protocol.max_new_tokens,
             "query_aware": contract.protocol.query_aware,
             "pilot": pilot,
@@ -140,20 +142,24 @@ def _grouping(contract: Contract) -> dict[str, Any]:
     return {}
 
 
-def _format_info(kv_format: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A candidate's KV format and its engine counterpart (nothing for a 16-bit candidate, so the
-    spec of a contract without formats is what it always was)."""
+def _format_info(kv_format: Mapping[str, Any] | None, kv_amax: list[list[float]] | None) -> dict[str, Any]:
+    """A candidate's KV format, its fp8 pilot scales placed from `kv_amax` (the store's), and its
+    engine counterpart (nothing for a 16-bit candidate, so the spec of a contract without formats
+    is what it always was)."""
     if kv_format is None:
         return {}
-    return {"kv_format": dict(kv_format), "engine_setting": parse_format(dict(kv_format)).engine_counterpart()}
+    fmt = parse_format(dict(kv_format))
+    if kv_amax is not None and needs_pilot_scales(fmt):
+        fmt = with_pilot_scales(fmt, kv_amax)
+    return {"kv_format": fmt.model_dump(), "engine_setting": fmt.engine_counterpart()}
 
 
-def _candidate_info(contract: Contract) -> dict[str, dict[str, Any]]:
+def _candidate_info(contract: Contract, kv_amax: list[list[float]] | None = None) -> dict[str, dict[str, Any]]:
     """policy → what deploying it needs: base policy and press_kwargs, and for a gated candidate
     its gate settings (the contract's agreement parameters beside the candidate's thresholds; a
     pilot gate's quantile, lookahead length and ``pilot_gate`` choice)."""
     info: dict[str, dict[str, Any]] = {
-        c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs), **_format_info(c.kv_format)}
+        c.policy: {"base_policy": c.policy, "press_kwargs": dict(c.press_kwargs), **_format_info(c.kv_format, kv_amax)}
         for c in candidates(contract)
     }
     gate = contract.gate
@@ -171,7 +177,7 @@ def _candidate_info(contract: Contract) -> dict[str, dict[str, Any]]:
             "agreement_split": gate.agreement_split,
         }
         entry: dict[str, Any] = {"base_policy": g.base_policy, "press_kwargs": dict(g.press_kwargs), "gate": settings,
-                                 **_format_info(g.kv_format)}
+                                 **_format_info(g.kv_format, kv_amax)}
         if choice.pilot_kind is not None:
             settings["quantile"] = choice.quantile
             settings["lookahead_tokens"] = gate.lookahead_tokens

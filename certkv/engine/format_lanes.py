@@ -61,8 +61,9 @@ class FormatLaneLayer(LaneLayer):
     most recent ones (the part's ``residual_length``)."""
 
     def __init__(self, keys: StoredTokens, values: StoredTokens, parts: tuple[Fp8Format | IntFormat, ...],
-                 slot_bytes: float) -> None:
+                 slot_bytes: float, index: int) -> None:
         self.parts = dict(zip(("keys", "values"), parts))
+        self.index = index  # the model layer's (an fp8 scale may be the layer's own)
         self.stored = {"keys": keys, "values": values}
         self.window = {which: torch.empty((*stored.data.shape[:2], 0, stored.data.shape[3]), dtype=stored.dtype,
                                           device=stored.data.device) for which, stored in self.stored.items()}
@@ -70,14 +71,15 @@ class FormatLaneLayer(LaneLayer):
         self._outgrown = False
 
     @classmethod
-    def quantising(cls, keys: torch.Tensor, values: torch.Tensor, parts: tuple[Fp8Format | IntFormat, ...]) -> FormatLaneLayer:
-        """A layer storing `keys` / `values` (1, H_kv, n, d) in the parts' formats."""
-        stored = [token_quantiser(part, tensor.shape[-1]).quantize(tensor.contiguous()) for part, tensor in
-                  zip(parts, (keys, values))]
-        return cls(stored[0], stored[1], parts, 2 * keys.shape[1] * keys.shape[3] * keys.element_size())
+    def quantising(cls, keys: torch.Tensor, values: torch.Tensor, parts: tuple[Fp8Format | IntFormat, ...],
+                   index: int) -> FormatLaneLayer:
+        """Model layer `index`'s `keys` / `values` (1, H_kv, n, d), stored in the parts' formats."""
+        stored = [token_quantiser(part, tensor.shape[-1], index, which).quantize(tensor.contiguous())
+                  for part, tensor, which in zip(parts, (keys, values), ("keys", "values"))]
+        return cls(stored[0], stored[1], parts, 2 * keys.shape[1] * keys.shape[3] * keys.element_size(), index)
 
     def _quantise(self, which: str, tensor: torch.Tensor) -> StoredTokens:
-        return token_quantiser(self.parts[which], tensor.shape[-1]).quantize(tensor.contiguous())
+        return token_quantiser(self.parts[which], tensor.shape[-1], self.index, which).quantize(tensor.contiguous())
 
     @property
     def length(self) -> int:  # type: ignore[override]
@@ -139,9 +141,9 @@ def format_lane(fmt: KvFormat, full_layers: list, enc: EncodedRequest, max_new_t
         raise ValueError(f"{fmt.name} is transformers' format; it decodes alone")
     n_ctx = len(enc.context_ids)
     layers = []
-    for layer, kept in zip(full_layers, selection or [None] * len(full_layers)):
+    for index, (layer, kept) in enumerate(zip(full_layers, selection or [None] * len(full_layers))):
         gathered = gather_layer(layer.keys, layer.values, kept, n_ctx, 0)
-        layers.append(FormatLaneLayer.quantising(gathered.keys, gathered.values, parts))
+        layers.append(FormatLaneLayer.quantising(gathered.keys, gathered.values, parts, index))
     return _lane(fmt, LaneCache(layers), enc, max_new_tokens, stop_ids, draft)
 
 
@@ -152,7 +154,8 @@ def stored_lane(fmt: KvFormat, cache: TokenFormatCache, enc: EncodedRequest, max
     values in one layer at the model's dtype."""
     parts = format_parts(fmt)
     assert parts is not None  # a TokenFormatCache stores a per-token format
-    layers = [FormatLaneLayer(layer._quantized_keys, layer._quantized_values, parts, slot_bytes) for layer in cache.layers]
+    layers = [FormatLaneLayer(layer._quantized_keys, layer._quantized_values, parts, slot_bytes, i)
+              for i, layer in enumerate(cache.layers)]
     cache.layers.clear()
     return _lane(fmt, LaneCache(layers), enc, max_new_tokens, stop_ids, None)
 

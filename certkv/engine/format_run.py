@@ -1,7 +1,9 @@
 """One generation with its KV cache stored in a KV format, alone or beside a press.
 
 The cache is the format's (:func:`certkv.kv_formats.caches.build_cache`, a ``QuantizedCache``),
-and the generation is kvpress's pipeline given that cache: the context prefilled (under the press
+and the generation is kvpress's pipeline given that cache (the runtime's and calibration's decode
+for transformers' formats and for any press but a plain scorer; a scorer beside one of certkv's
+per-token formats chooses on the full prefill instead: :mod:`certkv.engine.format_lanes`): the context prefilled (under the press
 when it compresses prefills: kvpress dequantises each layer, prunes it and quantises the kept
 entries back), the question fed after it, one token a forward (a chunk fed at once would move
 transformers' full-precision window at other steps), under the press's hooks when it compresses

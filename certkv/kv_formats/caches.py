@@ -51,15 +51,16 @@ class TokenFormatLayer(QuantizedLayer):
     decoded token, as transformers leaves them).
     """
 
-    def __init__(self, key_format: Fp8Format | IntFormat, value_format: Fp8Format | IntFormat) -> None:
+    def __init__(self, key_format: Fp8Format | IntFormat, value_format: Fp8Format | IntFormat, index: int = 0) -> None:
         DynamicLayer.__init__(self)
         self.formats = {"keys": key_format, "values": value_format}
+        self.index = index  # the model layer's (an fp8 scale may be the layer's own)
         self.axis_key, self.axis_value = "keys", "values"
         self.residual_length = max(key_format.residual_length, value_format.residual_length)
         self.cumulative_length = 0
 
     def _quantize(self, tensor: torch.Tensor, axis) -> StoredTokens:
-        return token_quantiser(self.formats[axis], tensor.shape[-1]).quantize(tensor)
+        return token_quantiser(self.formats[axis], tensor.shape[-1], self.index, axis).quantize(tensor)
 
     def _dequantize(self, q_tensor: StoredTokens) -> torch.Tensor:
         return q_tensor.dequantize()
@@ -94,7 +95,7 @@ class TokenFormatCache(QuantizedCache):
     def __init__(self, fmt: Fp8Format | IntFormat | SplitFormat, config: PretrainedConfig) -> None:
         keys, values = (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt, fmt)
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        Cache.__init__(self, layers=[TokenFormatLayer(keys, values) for _ in range(layers)])  # type: ignore[arg-type]
+        Cache.__init__(self, layers=[TokenFormatLayer(keys, values, i) for i in range(layers)])  # type: ignore[arg-type]
 
 
 def build_cache(fmt: KvFormat, config: PretrainedConfig) -> QuantizedCache:

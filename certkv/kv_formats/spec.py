@@ -18,8 +18,8 @@ Backends:
 * ``split``: keys and values in two different formats (llama.cpp's ``-ctk q8_0 -ctv q4_0``).
 
 Every format's cost is its bits relative to a **16-bit** cache, whatever dtype the model computes
-in (:meth:`KvFormat.bytes_share`): values, scales, zero points; the full-precision window is
-counted by :mod:`certkv.kv_formats.byte_cost`.
+in (``bytes_share``): values, scales, zero points; the full-precision window is counted by
+:func:`certkv.kv_formats.caches.held_units`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from pydantic_core import PydanticCustomError
 REFERENCE_BITS = 16
 #: Bits of a scale or zero point (stored at 16 bits by every backend here).
 PARAMETER_BITS = 16
+#: The largest finite value of each float8 format (torch's float8_e4m3fn and float8_e5m2).
+FP8_LARGEST = {"e4m3": 448.0, "e5m2": 57344.0}
 
 
 def _error(message: str) -> PydanticCustomError:
@@ -98,21 +100,56 @@ class TransformersFormat(_Format):
 
 
 class Fp8Format(_Format):
-    """Float8 with one per-tensor scale (module docstring)."""
+    """Float8 with one scale per tensor: ``scale`` for every layer's keys and values (1.0, the
+    engines' uncalibrated default), or ``pilot``: per layer, the keys' and the values' largest
+    magnitude on the contract's pilot requests over the format's largest value (what vLLM's
+    calibrated ``k_scale`` / ``v_scale`` are), placed before calibration and written into
+    ``layer_scales`` ((key, value) per layer) by :mod:`certkv.calibration.kv_scales`."""
 
     backend: Literal["fp8"]
     dtype: Literal["e4m3", "e5m2"] = "e4m3"
-    scale: float = Field(default=1.0, gt=0.0, description="stored value = element / scale; 1.0: engines' uncalibrated default")
+    scale: float | Literal["pilot"] = Field(
+        default=1.0, description="stored value = element / scale; 1.0: engines' uncalibrated default; pilot: placed per layer")
+    layer_scales: list[list[float]] | None = Field(default=None, description="the pilot's [key, value] scales per layer")
+
+    @field_validator("scale")
+    @classmethod
+    def _positive(cls, value: float | str) -> float | str:
+        if not isinstance(value, str) and not value > 0:
+            raise _error(f"cache.scale must be a positive number or pilot, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _placed(self) -> Fp8Format:
+        if self.layer_scales is not None and self.scale != "pilot":
+            raise _error("cache.layer_scales are placed on the pilot: set cache.scale to pilot, not the scales")
+        if self.layer_scales is not None and any(len(pair) != 2 or min(pair) <= 0 for pair in self.layer_scales):
+            raise _error("cache.layer_scales must hold a positive [key, value] pair per layer")
+        return self
 
     @property
     def name(self) -> str:
+        if self.scale == "pilot":
+            return f"fp8{self.dtype}p"
         return f"fp8{self.dtype}" + ("" if self.scale == 1.0 else f"s{self.scale:g}")
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """(keys' scale, values' scale) of `layer`; a pilot scale must have been placed."""
+        if self.scale != "pilot":
+            return float(self.scale), float(self.scale)
+        if self.layer_scales is None:
+            raise ValueError("the fp8 scales are placed on the pilot before calibration; this format has none yet")
+        key, value = self.layer_scales[layer]
+        return key, value
 
     def bytes_share(self, head_dim: int) -> float:
         return 8 / REFERENCE_BITS
 
     def engine_counterpart(self) -> str | None:
-        scales = "without calibrated scales" if self.scale == 1.0 else f"with k/v scale {self.scale:g}"
+        if self.scale == "pilot":
+            scales = "with per-layer k/v scales calibrated on your traffic (those of this point: layer_scales)"
+        else:
+            scales = "without calibrated scales" if self.scale == 1.0 else f"with k/v scale {self.scale:g}"
         return (f"vLLM --kv-cache-dtype fp8_{self.dtype} {scales}; SGLang --kv-cache-dtype fp8_{self.dtype}; "
                 f"TensorRT-LLM FP8 KV cache ({'e4m3' if self.dtype == 'e4m3' else 'e5m2: none, TensorRT-LLM stores e4m3'})")
 
@@ -182,6 +219,33 @@ KvFormat = Annotated[TransformersFormat | Fp8Format | IntFormat | SplitFormat, F
 _ADAPTER: TypeAdapter = TypeAdapter(KvFormat)
 
 
+def needs_pilot_scales(fmt: KvFormat) -> bool:
+    """Whether `fmt` (or a part of it) has fp8 scales still to be placed on the pilot."""
+    parts = (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt,)
+    return any(isinstance(p, Fp8Format) and p.scale == "pilot" and p.layer_scales is None for p in parts)
+
+
+def with_pilot_scales(fmt: KvFormat, amax: list[list[float]]) -> KvFormat:
+    """`fmt` with every pilot-scaled fp8 part's ``layer_scales`` placed: per layer, the pilot's
+    largest key and value magnitudes `amax` ([key, value] per layer) over the part's largest value.
+
+    Examples
+    --------
+    >>> placed = with_pilot_scales(parse_format({"backend": "fp8", "scale": "pilot"}), [[44.8, 4.48]])
+    >>> placed.scales(0)
+    (0.1, 0.01)
+    """
+    def placed(part):
+        if isinstance(part, Fp8Format) and part.scale == "pilot":
+            largest = FP8_LARGEST[part.dtype]
+            pairs = [[(k / largest) or 1.0, (v / largest) or 1.0] for k, v in amax]
+            return part.model_copy(update={"layer_scales": pairs})
+        return part
+    if isinstance(fmt, SplitFormat):
+        return fmt.model_copy(update={"keys": placed(fmt.keys), "values": placed(fmt.values)})
+    return placed(fmt)
+
+
 def parse_format(data: dict[str, Any]) -> KvFormat:
     """A format from its JSON/YAML mapping (as an operating point or a policy entry stores it)."""
     return _ADAPTER.validate_python(data)
@@ -230,7 +294,8 @@ class CacheBlock(BaseModel):
                 parse_format(data)
             except ValidationError as exc:
                 first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"][1:])  # the backend's tag is the first part
+                tags = {"quanto", "hqq", "fp8", "int", "split"}  # a union's branch names, not keys
+                where = ".".join(str(p) for p in first["loc"] if p not in tags)
                 own = first["type"] == "certkv" or not where
                 raise _error(first["msg"] if own else f"cache.{where}: {first['msg']}") from None
         return self
@@ -240,4 +305,4 @@ class CacheBlock(BaseModel):
 
 
 __all__ = ["CacheBlock", "Fp8Format", "IntFormat", "KvFormat", "SplitFormat", "TransformersFormat", "format_ladder",
-           "parse_format"]
+           "needs_pilot_scales", "parse_format", "with_pilot_scales"]

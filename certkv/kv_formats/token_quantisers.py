@@ -62,9 +62,9 @@ class Fp8Quantiser:
     """Float8 after division by a per-tensor scale, saturating at the format's largest value (as
     the engines' conversion kernels do)."""
 
-    def __init__(self, fmt: Fp8Format) -> None:
+    def __init__(self, fmt: Fp8Format, scale: float) -> None:
         self.stored_dtype = _FP8[fmt.dtype]
-        self.scale = fmt.scale
+        self.scale = scale
         self.largest = torch.finfo(self.stored_dtype).max
 
     def quantize(self, x: torch.Tensor) -> StoredTokens:
@@ -103,9 +103,12 @@ class IntQuantiser:
 
 
 
-def token_quantiser(fmt: Fp8Format | IntFormat, head_dim: int) -> TokenQuantiser:
-    """The quantiser of a per-token format."""
-    return Fp8Quantiser(fmt) if isinstance(fmt, Fp8Format) else IntQuantiser(fmt, head_dim)
+def token_quantiser(fmt: Fp8Format | IntFormat, head_dim: int, layer: int = 0, which: str = "keys") -> TokenQuantiser:
+    """The quantiser of a per-token format for `which` ("keys" or "values") of layer `layer` (an
+    fp8 format's scale may differ per layer and between the two)."""
+    if isinstance(fmt, Fp8Format):
+        return Fp8Quantiser(fmt, fmt.scales(layer)[which == "values"])
+    return IntQuantiser(fmt, head_dim)
 
 
 __all__ = ["Fp8Quantiser", "IntQuantiser", "StoredTokens", "TokenQuantiser", "token_quantiser"]

@@ -48,7 +48,7 @@ from certkv.engine.decoding_run import is_decoding_press
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
-from certkv.kv_formats.spec import parse_format
+from certkv.kv_formats.spec import needs_pilot_scales, parse_format
 from certkv.model.generation import EncodedRequest, encode_request, for_protocol, stop_token_ids
 from certkv.presses.hajek_state import clear_states
 from certkv.presses.probabilistic_decoding import ProbabilisticDecodingPress
@@ -250,9 +250,13 @@ class CertifiedRuntime:
     def _format(data: dict) -> KvFormat:
         """The operating point's KV format, checked (an edited point gets one line)."""
         try:
-            return parse_format(data)
+            fmt = parse_format(data)
         except ValidationError as exc:
             raise CertkvError(format_validation_error(exc, "operating point kv_format")) from None
+        if needs_pilot_scales(fmt):
+            raise CertkvError(f"the operating point's {fmt.name} format has no fp8 scales: they are placed on the pilot "
+                              "when the contract is calibrated and written by `certkv certify` from its store")
+        return fmt
 
     def _decode_length(self, requested: object) -> int:
         """The calibrated decode length: what was certified is an answer of at most that many tokens."""
