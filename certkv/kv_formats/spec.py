@@ -173,6 +173,8 @@ class IntFormat(_Format):
         return _grouped_bits(self.nbits, self.group(head_dim), 1) / REFERENCE_BITS
 
     def engine_counterpart(self) -> str | None:
+        if self.residual_length:  # no engine keeps a full-precision window of an int cache
+            return None
         if self.nbits == 8 and self.q_group_size is None:
             return "SGLang --kv-cache-dtype int8 (per token and head)"
         if self.q_group_size == 32 and self.nbits in (8, 4):
@@ -209,7 +211,8 @@ class SplitFormat(_Format):
 
     def engine_counterpart(self) -> str | None:
         k, v = self.keys, self.values
-        if all(isinstance(p, IntFormat) and p.q_group_size == 32 and p.nbits in (8, 4) for p in (k, v)):
+        if all(isinstance(p, IntFormat) and p.q_group_size == 32 and p.nbits in (8, 4) and not p.residual_length
+               for p in (k, v)):
             return f"llama.cpp --cache-type-k q{k.nbits}_0 --cache-type-v q{v.nbits}_0"  # type: ignore[union-attr]
         return None
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from scheduler_checks import assert_scheduler_matches, budget_for
 
-N_REQUESTS = 8
+N_REQUESTS = 6
 POLICIES = ("int4w8@1.00", "snapkv+int8@0.50", "knorm+hqq4@0.70", "streaming_dec_fp8@0.70")
 #: Decoded as lanes of certkv serve's batch: a per-token format alone or beside a scorer press.
 LANES = ("int4w8@1.00", "snapkv+int8@0.50")
@@ -28,7 +28,7 @@ def _contract(folder: Path) -> Path:
         "name": "runtime_formats",
         "model": "embedded-recite",
         "requests": {"source": "builtin:recite", "limit": N_REQUESTS, "seed": 77},
-        "protocol": {"max_new_tokens": 40, "device": "cpu"},
+        "protocol": {"max_new_tokens": 28, "device": "cpu"},
         "utility": "prefix_agreement",
         "tolerance": 0.0,
         "risk": 0.6,  # lenient: the point is deployment, not power
