@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from certkv.core.policy_names import parse_policy_name
 from certkv.core.procedures import FIXED_ORDER, procedure_of  # FIXED_ORDER: stop at the first failure
+from certkv.kv_formats.spec import parse_format
 
 if TYPE_CHECKING:
     from certkv.calibration.certification import ContractRecords
@@ -267,6 +268,10 @@ def gate_text(gate: GateSettings) -> str:
         parts.append(f"lookahead evicted mass > {gate.lookahead:.4g}")
     if gate.learned is not None and gate.learned_threshold is not None:
         parts.append(f"learned score > {gate.learned_threshold:.4g} ({len(gate.learned.features)} features)")
+    if gate.recompute is not None:
+        parts.append(f"a token's probability < {gate.recompute:.4g} (restart mid-answer)")
+    if gate.certificate_recompute is not None:
+        parts.append(f"a step's certificate > {gate.certificate_recompute:.4g} (restart mid-answer)")
     placed = ""
     if getattr(gate, "quantile", None) is not None:
         placed = f", placed at pilot quantile {gate.quantile:g}"
@@ -296,8 +301,7 @@ def _format(op: OperatingPoint) -> str:
     """The point's KV format, after its press (nothing for a 16-bit point)."""
     if op.kv_format is None:
         return ""
-    parts = ", ".join(f"{k} {v}" for k, v in op.kv_format.items() if k != "backend" and not isinstance(v, dict))
-    return f", KV stored as {op.kv_format['backend']}" + (f" ({parts})" if parts else "")
+    return f", KV stored as {parse_format(op.kv_format).name}"
 
 
 def _engine(op: OperatingPoint) -> str:
