@@ -43,7 +43,7 @@ def pilot_ids(contract: Contract, requests: list[Request]) -> list[str]:
     gate = contract.gate
     if gate is None or gate.pilot is None:
         raise CertkvError("cache.scale: pilot places fp8 scales on the pilot split; set gate.pilot (e.g. 0.25)")
-    return draw_pilot([r.id for r in requests], gate.pilot, contract.requests.seed, min_certification=1).pilot_ids
+    return list(draw_pilot([r.id for r in requests], gate.pilot, contract.requests.seed, min_certification=1).pilot_ids)
 
 
 def pilot_amax(model, tokenizer, contract: Contract, requests: list[Request]) -> list[list[float]]:

@@ -729,7 +729,7 @@ class Contract(_Strict):
 
         One rule on top: an optional feature the contract does not use leaves no trace. The
         top-level blocks :data:`_LATER_KEYS` (``order``, ``strata``, ``coverage``, ``kv_cost``) are left out
-        while unset, and so are the gate's features :data:`_LATER_GATE_KEYS` (the pilot and its
+        while unset, a policy entry's ``cache`` too, and so are the gate's features :data:`_LATER_GATE_KEYS` (the pilot and its
         gates while unset, ``lookahead_tokens`` at its default; :meth:`Gate.hashed_dump`). Every
         other key is always written, ``gate`` too (null when unset). So using a feature changes
         the hash, and a contract that uses none hashes the same whether or not certkv offers it;
@@ -742,6 +742,9 @@ class Contract(_Strict):
         for key in _LATER_REQUEST_KEYS:
             if data["requests"].get(key) is None:
                 data["requests"].pop(key)
+        for policy in data["policies"]:  # an entry without a KV format hashes as before formats
+            if policy.get("cache") is None:
+                policy.pop("cache", None)
         if self.gate is not None:
             data["gate"] = self.gate.hashed_dump(data["gate"])
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

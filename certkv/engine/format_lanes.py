@@ -140,7 +140,7 @@ def format_lane(fmt: KvFormat, full_layers: list, enc: EncodedRequest, max_new_t
     if parts is None:
         raise ValueError(f"{fmt.name} is transformers' format; it decodes alone")
     n_ctx = len(enc.context_ids)
-    layers = []
+    layers: list[LaneLayer] = []
     for index, (layer, kept) in enumerate(zip(full_layers, selection or [None] * len(full_layers))):
         gathered = gather_layer(layer.keys, layer.values, kept, n_ctx, 0)
         layers.append(FormatLaneLayer.quantising(gathered.keys, gathered.values, parts, index))
@@ -154,8 +154,8 @@ def stored_lane(fmt: KvFormat, cache: TokenFormatCache, enc: EncodedRequest, max
     values in one layer at the model's dtype."""
     parts = format_parts(fmt)
     assert parts is not None  # a TokenFormatCache stores a per-token format
-    layers = [FormatLaneLayer(layer._quantized_keys, layer._quantized_values, parts, slot_bytes, i)
-              for i, layer in enumerate(cache.layers)]
+    layers: list[LaneLayer] = [FormatLaneLayer(layer._quantized_keys, layer._quantized_values, parts, slot_bytes, i)
+                               for i, layer in enumerate(cache.layers)]
     cache.layers.clear()
     return _lane(fmt, LaneCache(layers), enc, max_new_tokens, stop_ids, None)
 

@@ -39,7 +39,7 @@ prefills as it decodes) and supplies the press's answer, stopped where a recompu
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -112,18 +112,10 @@ class PressDecode(AnswerSource):
         the whole prefill, question and answer."""
         path, enc, max_new = self.path, self.enc, self.max_new
         yield Reserve(prefill_slots(path.model, enc, max_new))
-        runs: list[DecodingRun] = []
-
-        def solo() -> tuple[list[int], list[float] | None]:
-            run = run_decoding(path.model, path.press, enc, max_new, stop_below=path.gate.recompute, on_token=job.tell,
-                               stop_above=path.gate.certificate_recompute)
-            runs.append(run)
-            return run.token_ids, run.logprobs
-
-        job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, path.stop_ids, solo=solo,
-                     want_logprobs=True, batchable=False, final=self.final)
-        yield job
-        return runs[0]
+        return (yield from solo_run_steps(
+            lambda tell: run_decoding(path.model, path.press, enc, max_new, stop_below=path.gate.recompute, on_token=tell,
+                                      stop_above=path.gate.certificate_recompute),
+            enc, max_new, path.stop_ids, self.final))
 
     def _lane_steps(self) -> Generator[Step, None, DecodingRun]:
         """The decode as a lane of the scheduler's batch (:func:`~certkv.engine.decoding_lanes.prefilled_lane`):
@@ -139,4 +131,21 @@ class PressDecode(AnswerSource):
         return run_of(lane, kept)
 
 
-__all__ = ["DecodingPath", "PressDecode"]
+def solo_run_steps(run: Callable[[Callable[[list[int]], None]], DecodingRun], enc: EncodedRequest, max_new: int,
+                   stop_ids: set[int], final: bool) -> Generator[Step, None, DecodingRun]:
+    """A generation decoded alone between the scheduler's batched steps: one unbatchable
+    :class:`Decode` whose solo decoder is `run` (given the listener to tell each kept token); its
+    :class:`~certkv.engine.decoding_run.DecodingRun`."""
+    runs: list[DecodingRun] = []
+
+    def solo() -> tuple[list[int], list[float] | None]:
+        runs.append(run(job.tell))
+        return runs[0].token_ids, runs[0].logprobs
+
+    job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, stop_ids, solo=solo,
+                 want_logprobs=True, batchable=False, final=final)
+    yield job
+    return runs[0]
+
+
+__all__ = ["DecodingPath", "PressDecode", "solo_run_steps"]

@@ -34,6 +34,7 @@ from certkv.engine.format_run import head_dim, layer_slot_bytes, run_in_format
 from certkv.engine.full_cache import prefill_full
 from certkv.kv_formats.caches import build_cache
 from certkv.kv_formats.spec import SplitFormat
+from certkv.runtime.decoding_path import solo_run_steps
 from certkv.runtime.full_path import prefill_slots
 from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
 from certkv.runtime.steps import Decode, Reserve, Step
@@ -67,7 +68,7 @@ class FormatPath(AnsweringPath):
     """Answer requests with the KV in `kv_format` (and `press`, None: every token kept), behind `gate`."""
 
     model: PreTrainedModel
-    press: BasePress | None  # type: ignore[assignment]
+    press: BasePress | None
     gate: GateSettings
     stop_ids: set[int]
     kv_format: KvFormat
@@ -158,7 +159,7 @@ class FormatDecode(AnswerSource):
         cache = build_cache(path.kv_format, model.config)
         with torch.no_grad():
             model.model(input_ids=torch.as_tensor(enc.context_ids, device=model.device).view(1, -1), past_key_values=cache)
-        lane = stored_lane(path.kv_format, cache, enc, max_new, path.stop_ids, layer_slot_bytes(model))  # type: ignore[arg-type]
+        lane = stored_lane(path.kv_format, cache, enc, max_new, path.stop_ids, layer_slot_bytes(model))
         job = Decode(lane.cache, list(enc.question_ids), lane.position, max_new, path.stop_ids, solo=None,
                      lookup_ids=lane.lookup_ids, want_logprobs=True, final=self.final, lane=lane)
         yield job
@@ -167,18 +168,10 @@ class FormatDecode(AnswerSource):
     def _solo_steps(self) -> Generator[Step, None, DecodingRun]:
         """The decode alone (:func:`run_in_format`), one token a forward."""
         path, enc, max_new = self.path, self.enc, self.max_new
-        runs: list[DecodingRun] = []
-
-        def solo() -> tuple[list[int], list[float] | None]:
-            run = run_in_format(path.model, path.kv_format, enc, max_new, path.press, stop_below=path.gate.recompute,
-                                on_token=job.tell)
-            runs.append(run)
-            return run.token_ids, run.logprobs
-
-        job = Decode(None, list(enc.question_ids), len(enc.context_ids), max_new, path.stop_ids, solo=solo,
-                     want_logprobs=True, batchable=False, final=self.final)
-        yield job
-        return runs[0]
+        return (yield from solo_run_steps(
+            lambda tell: run_in_format(path.model, path.kv_format, enc, max_new, path.press, stop_below=path.gate.recompute,
+                                       on_token=tell),
+            enc, max_new, path.stop_ids, self.final))
 
 
 def _stopped(run: DecodingRun, stop_below: float | None) -> DecodingRun:
