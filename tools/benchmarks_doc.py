@@ -1333,12 +1333,12 @@ def press_alternatives(data: dict) -> str:
 
 
 def long_generation(data: dict) -> str:
-    """Long generations on the embedded model: per-policy breakage under two utilities, KV costs,
-    the recompute gate and the calibration cost against kvpress's pipeline."""
+    """Long generations on the embedded model: per-policy breakage under two utilities, KV costs in
+    tokens and bytes, the tokens × precision table and its figure, the certified point and its
+    held-out check, the recompute gate and the calibration cost against kvpress's pipeline."""
     rows = [[f"`{p['policy']}`", f"{p['violations']}/{p['n']}", f"{p['task_violations']}/{p['n']}",
-             num(p["kv_peak"]), num(p["kv_time"])] for p in data["policies"]]
-    chosen = data["chosen"]
-    what = "the full cache (nothing certified)" if chosen["fallback"] else f"`{chosen['policy']}`"
+             num(p["kv_peak"]), num(p["kv_time"]), num(p.get("kv_peak_bytes")), num(p.get("kv_time_bytes"))]
+            for p in data["policies"]]
     gates = []
     for g in data["recompute"]:
         pilot, cert = g["pilot"], g["certification"]
@@ -1346,31 +1346,229 @@ def long_generation(data: dict) -> str:
                       num(cert["auc"]), pct(cert["restarted"]), pct(cert["restarted_late"]),
                       "yes" if g["certified"] else "no", num(g["mean_memory"])])
     t = data["timing"]
+    seed = f" (seed {data['seed']})" if "seed" in data else ""
     return "\n\n".join([
         "## Long generations on the embedded model",
         command(f"certkv calibrate {data['contract']}\ncertkv certify {data['contract']}\n"
                 "python benchmarks/long_generation.py"),
-        f"`{data['contract']}`: utility `{data['utility']}` at τ = {data['tolerance']:g}, ε = {data['risk']:g}, "
+        f"`{data['contract']}`{seed}: utility `{data['utility']}` at τ = {data['tolerance']:g}, ε = {data['risk']:g}, "
         f"confidence {data['confidence']:g}, answers of up to {data['max_new_tokens']} tokens (the full cache's: "
-        f"{data['answer_tokens']:.1f} words on average), candidates compared by their `{data['kv_cost']}` KV. "
+        f"{data['answer_tokens']:.1f} words on average), candidates compared by their {cost_words(data['kv_cost'])} "
+        f"(`kv_cost: {data['kv_cost']}`). "
         "Per policy over every calibrated request: violations under the contract's label-free utility and under "
         "the task's own utility (exact match of the recited list with the reference), and the mean peak and "
-        "KV-time relative to the full cache ([long generations](long-generations.md)).",
-        table(["policy", "violations (contract)", "violations (task)", "peak KV", "KV-time"], rows),
-        f"Certified: {what}, mean {data['kv_cost']} KV **{num(chosen['mean_kv_retained'])}**, "
-        f"{chosen['violations']}/{chosen['n']} violations on the certification requests, risk upper bound "
-        f"{num(chosen['risk_upper_bound'])}.",
+        "KV-time relative to the full cache, in tokens and in bytes over a 16-bit full cache (the two are equal "
+        "for a 16-bit candidate; a KV format keeps every token, so its token shares are 1) "
+        "([long generations](long-generations.md), [KV formats](kv-formats.md)).",
+        table(["policy", "violations (contract)", "violations (task)", "peak KV", "KV-time", "peak bytes",
+               "KV-time bytes"], rows),
+        *_tokens_precision(data),
+        *_long_certified(data),
         "The recompute gate per base policy and pre-registered quantile: its threshold (placed on the pilot), the "
         "AUC of the lowest token probability for the requests the base breaks and the share restarted, on the "
         "pilot and on the certification split, the share restarted after the first departure from the full "
-        "answer (counted as violated), whether it certified, and its mean KV with restarts counted as full.",
+        f"answer (counted as violated), whether it certified, and its mean {cost_words(data['kv_cost'])} with "
+        "restarts counted as full.",
         table(["candidate", "threshold", "AUC pilot", "restarted pilot", "AUC cert.", "restarted cert.",
-               "restarted late", "certified", "mean KV"], gates),
+               "restarted late", "certified", f"mean {cost_words(data['kv_cost'])}"], gates),
         f"Calibration cost on {t['requests']} requests, {t['candidates']} candidates, one thread: certkv's engine "
         f"{seconds(t['certkv_seconds'])} a request against kvpress's pipeline once per candidate and for the full "
         f"cache {seconds(t['kvpress_seconds'])}, **{times(t['speedup'])}** faster (target 5×). "
-        + _drafted_lanes_cost(t),
+        + _drafted_lanes_cost(t) + _timing_machine(t),
+        *_formats_cost(t),
     ])
+
+
+def cost_words(kv_cost: str) -> str:
+    """A contract's ``kv_cost`` in words: what "least KV" compares."""
+    return {"bytes": "peak bytes", "peak": "peak KV", "time": "KV-time", "kv_retained": "KV retained"}.get(kv_cost, kv_cost)
+
+
+def format_short(fmt: dict, part: bool = False) -> str:
+    """A KV format in a few words, for the README: 6-bit keys, 4-bit values."""
+    backend = fmt["backend"]
+    if backend == "split":
+        return f"{format_short(fmt['keys'], True)} keys, {format_short(fmt['values'], True)} values"
+    if backend == "int":
+        return f"{fmt['nbits']}-bit" + ("" if part else " integers")
+    if backend == "fp8":
+        return f"fp8 {fmt.get('dtype', 'e4m3')}"
+    return f"{backend.upper() if backend == 'hqq' else backend} {fmt['nbits']}-bit"
+
+
+def format_words(fmt: dict | None, part: bool = False) -> str:
+    """A KV format (as an operating point stores it) in words: 8-bit integer keys and 4-bit integer values
+    (`part`: the keys' or values' half of a split, an adjective)."""
+    if fmt is None:
+        return "16 bits"
+    backend = fmt["backend"]
+    if backend == "split":
+        return f"{format_words(fmt['keys'], True)} keys and {format_words(fmt['values'], True)} values"
+    if backend == "int":
+        return f"{fmt['nbits']}-bit integer" + ("" if part else "s")
+    if backend == "fp8":
+        return f"fp8 {fmt.get('dtype', 'e4m3')}"
+    return f"{backend.upper() if backend == 'hqq' else backend} {fmt['nbits']}-bit"
+
+
+def _status(c: dict) -> str:
+    return {"certified": "**certified**", "not certified": "no", "not tested": "not tested"}[c["status"]]
+
+
+def _kv_kind(c: dict) -> str:
+    """What a tokens × precision candidate compresses: tokens, precision or both."""
+    if c["format"] is None:
+        return "tokens"
+    return "precision" if c["press"] == "none" else "tokens × precision"
+
+
+def _listed(cands: list[dict], bytes_too: bool = True) -> str:
+    """Candidates in prose: `name` (k/n, peak bytes b), ..."""
+    return ", ".join(f"`{c['policy']}` ({c['violations']}/{c['n']}" + (f", peak bytes {num(c['peak_kv_bytes'], 2)})"
+                                                                        if bytes_too else ")") for c in cands) or "none"
+
+
+def _tokens_precision(data: dict) -> list[str]:
+    """The tokens × precision table per task, what it shows, and the bytes-versus-tokens figure."""
+    if "tokens_precision" not in data:
+        return []
+    parts = []
+    for task, cands in data["tokens_precision"].items():
+        rows = [[f"`{c['policy']}`", c["format"] or "16-bit", num(c["kv_peak"]), num(c["peak_kv_bytes"]),
+                 num(c["mean_kv_bytes"]), f"{c['violations']}/{c['n']}", num(c["risk_upper_bound"]), _status(c)]
+                for c in cands]
+        n = cands[0]["pooled_n"]
+        parts += [
+            f"**Tokens × precision, task {task}.** Every ungated candidate on the {n} certification requests (the "
+            "operating point's entries): what it keeps (its token peak share, the mean over those requests) and at "
+            "what precision (its KV format), its peak and KV-time bytes over a 16-bit full cache, its violations, "
+            "the certificate's risk upper bound and whether it certified. Each policy entry is a sequence tested "
+            "most bytes first; a sequence stops at its first candidate that fails, so the ones after it are not "
+            "tested (their counts are shown for context, not as certificates).",
+            table(["candidate", "format", "token peak", "peak bytes", "KV-time bytes", "violations", "bound",
+                   "certified"], rows),
+        ]
+        words = []
+        for kind, what in (("tokens", "Evicting tokens at 16 bits"), ("precision", "Storing every token at a lower "
+                                                                          "precision"),
+                           ("tokens × precision", "Evicting tokens stored at a lower precision")):
+            mine = [c for c in cands if _kv_kind(c) == kind]
+            if not mine:
+                continue
+            passed = [c for c in mine if c["certified"]]
+            best = min(mine, key=lambda c: (c["violations"] / c["n"], c["peak_kv_bytes"]))
+            if passed:
+                cheapest = min(passed, key=lambda c: c["peak_kv_bytes"])
+                failed = sorted((c for c in mine if not c["certified"] and c["status"] == "not certified"
+                                 and c["peak_kv_bytes"] < cheapest["peak_kv_bytes"]), key=lambda c: -c["peak_kv_bytes"])
+                words.append(f"{what}: {len(passed)} of {len(mine)} {'certify' if len(passed) > 1 else 'certifies'}, "
+                             f"{_listed(passed)}, the cheapest at peak bytes **{num(cheapest['peak_kv_bytes'], 2)}**" + (
+                                 f"; the cheaper ones tested do not, their bound above ε: {_listed(failed)}."
+                                 if failed else "."))
+            else:
+                fmt = "" if best["format"] is None else f" ({best['format']})"
+                words.append(f"{what}: none of {len(mine)} certifies; of them `{best['policy']}`{fmt} breaks the fewest, "
+                             f"{best['violations']} of {best['n']} requests "
+                             f"({pct(best['violations'] / best['n'])} against ε = {pct(data['risk'], 0)}) at a token "
+                             f"peak share of {num(best['kv_peak'], 2)} and peak bytes {num(best['peak_kv_bytes'], 2)}.")
+        parts.append(" ".join(words) + " A KV format keeps every token, so its token peak share is 1 and its bytes "
+                     "are its bits per entry (with its scales, and a transformers cache's full-precision window) over "
+                     "16; a 16-bit eviction candidate lies on the diagonal of the figure below, where bytes equal "
+                     "tokens. Gated candidates are not in this table (the recompute gate's table below); the certified "
+                     "point is the cheapest certified candidate, gated or not, and the figure marks it.")
+        break  # the figure and the prose are the first task's (this contract has one)
+    if data.get("figure"):
+        fig = data["figure"].removeprefix("docs/")
+        parts.append(f"![Peak bytes against token peak share, per candidate]({fig})")
+    return parts
+
+
+def _long_certified(data: dict) -> list[str]:
+    """The certified point with its bytes, and its held-out check."""
+    c = data["chosen"]
+    if c["fallback"]:
+        out = [f"Certified: the full cache (nothing certified), {c['violations']}/{c['n']} violations on the "
+               f"certification requests, risk upper bound {num(c['risk_upper_bound'])}."]
+    else:
+        gate = "" if c.get("recompute") is None else (
+            f"; behind the recompute gate at threshold {num(c['recompute'])} (the pilot's {pct(c['quantile'], 0)} "
+            f"quantile), restarting {pct(c['gated_share'])} of the certification requests on the full cache (their "
+            "bytes count 1)")
+        engine = (f"in a serving engine, {c['engine_setting']}" if c.get("engine_setting") else
+                  "no serving engine stores keys and values this way, so the certificate is for certkv's runtime "
+                  "and `certkv serve`")
+        row = [f"`{c['policy']}`", f"{c['violations']}/{c['n']}", num(c["risk_upper_bound"]),
+               f"**{num(c.get('peak_kv_bytes'))}**", num(c.get("mean_kv_bytes")), num(c.get("kv_peak")),
+               c.get("format") or "16-bit", c.get("engine_setting") or "—"]
+        out = [
+            "The certified point: its violations on the certification requests, the risk upper bound, its mean "
+            "peak and KV-time bytes over a 16-bit full cache and its token peak share on those requests, its KV "
+            "format and the engine setting the operating point names.",
+            table(["policy", "violations", "bound", "peak bytes", "KV-time bytes", "token peak", "format",
+                   "engine setting"], [row]),
+            f"`{c['policy']}` stores its KV as {format_words(c.get('kv_format'))}{gate}: "
+            f"{pct(1 - c['peak_kv_bytes'], 0) if c.get('peak_kv_bytes') is not None else '—'} of a 16-bit cache's "
+            f"bytes saved at the peak; {engine}.",
+        ]
+    h = data.get("heldout")
+    if h is None:
+        return out
+    if h["skipped"]:
+        return out + [f"Held out: the certified point is the full cache, so no held-out check was run (seed {h['seed']})."]
+    verdict = "within" if h["within_risk"] else "**above**"
+    gated = "" if h["policy"] == data["chosen"]["base_policy"] else (
+        f"; the gate restarted {pct(h['gated_share'])} of them, at the operating point's own threshold (none "
+        "placed again); "
+        f"without the gate {h['base_violations']}/{h['n']}")
+    skipped = f" ({h['skipped_requests']} skipped)" if h.get("skipped_requests") else ""
+    return out + [
+        f"**Held out:** `{h['policy']}` on {h['n']} fresh requests of seed {h['seed']}{skipped}, which the contract's "
+        "calibration never drew (a copy of the contract with that seed, the same limit and this policy alone, "
+        "calibrated by `python benchmarks/long_generation.py` under `--heldout-work`): "
+        f"**{h['violations']}/{h['n']}** violations ({pct(h['rate'])}), {verdict} ε = {pct(h['risk'], 0)}{gated}; "
+        f"mean peak bytes {num(h['peak_kv_bytes'])}. One draw of {h['n']} requests: "
+        + ("a rate below ε here is what the certificate predicts, not a second certificate." if h["within_risk"] else
+           "a rate above ε here says the certificate failed on this draw, which it allows with probability at most δ, "
+           "or that these requests are not drawn as the calibration's were.")
+    ]
+
+
+def _timing_machine(t: dict) -> str:
+    """The timing's threads and load, when recorded."""
+    if "load_average_1m_before" not in t:
+        return ""
+    threads = t.get("omp_num_threads")
+    busy = t["load_average_1m_before"] > 1.0
+    return (f" Timed with OMP_NUM_THREADS={threads or 'unset'}, load average {t['load_average_1m_before']:.1f} "
+            f"over the minute before and {t['load_average_1m_after']:.1f} at the end" + (
+                ": other work shared the cores, which slows both sides; engine and pipeline alternate request by "
+                "request, so the ratios suffer less than the times." if busy else "."))
+
+
+def _formats_cost(t: dict) -> list[str]:
+    """The KV-format candidates' calibration cost, per candidate, against the pipeline given their cache."""
+    if not t.get("formats"):
+        return []
+    rows = [[f"`{f['policy']}`", "lane of one batch" if f["lane"] else "alone, a token a forward",
+             seconds(f["certkv_seconds"]), seconds(f["kvpress_seconds"]),
+             times(f["kvpress_seconds"] / max(f["certkv_seconds"], 1e-9))] for f in t["per_format"]]
+    alone = [f"`{f['policy']}`" for f in t["per_format"] if not f["lane"]]
+    return [
+        f"Of those, the {t['formats']} KV-format candidates: certkv's engine {seconds(t['formats_certkv_seconds'])} a "
+        f"request for all of them against {seconds(t['formats_kvpress_seconds'])} for kvpress's pipeline given each "
+        f"format's cache (`cache=build_cache(format, config)`, with its press where it has one), "
+        f"**{times(t['formats_speedup'])}**. {t['format_lanes']} of them (certkv's per-token formats) decode as "
+        "lanes of one batch drafted by the full answer, from the request's one prefill (each lane's time below is "
+        "its batch's, shared evenly); "
+        + (f"the others ({', '.join(alone)}: transformers' caches, a decoding-time press beside a format) decode "
+           "alone, a token a forward, as the pipeline does. " if alone else "")
+        + "The "
+        "pipeline's answer-trimming step after each answer is skipped for every candidate: kvpress 0.5.5 fails "
+        "there for HQQ caches and for quantised caches whose window the last step emptied, after the answer is "
+        "produced ([KV formats](kv-formats.md#how-it-decodes-and-what-the-reference-says)).",
+        table(["format candidate", "certkv decodes it", "certkv per request", "pipeline per request",
+               "pipeline ÷ certkv"], rows),
+    ]
 
 
 def _drafted_lanes_cost(t: dict) -> str:
@@ -1408,9 +1606,11 @@ def _over_floor(t: dict) -> str:
     what = ("the full answer's prefill, and one batch of its decode beside every candidate verifying its own answer"
             if t.get("full_answer_row") else
             "the full answer's prefill and decode plus every candidate verifying its own answer")
+    less = (", less the KV-format candidates (which the floor does not model; their cost is below)"
+            if t.get("floor_without_formats") else "")
     return (f" The exact floor of this drafting, {what} as a row fed that answer as its draft (its question, then "
-            f"each forward up to its next compression event), is {seconds(t['floor_seconds'])} a request: certkv's engine takes "
-            f"**{times(t['over_floor'])}** of it (target ≤ {LONG_FLOOR_TARGET}×).")
+            f"each forward up to its next compression event), is {seconds(t['floor_seconds'])} a request: certkv's "
+            f"engine{less} takes **{times(t['over_floor'])}** of it (target ≤ {LONG_FLOOR_TARGET}×).")
 
 
 def streaming(data: dict) -> str:
@@ -1699,26 +1899,36 @@ def readme_smollm2_ruler(data: dict) -> str:
 
 
 def readme_long_generations(embedded: dict, smollm2: dict) -> str:
-    """What the two long-generation contracts certify, and what their best candidate breaks."""
-    best = min(embedded["policies"], key=lambda p: p["violations"])
+    """What the two long-generation contracts certify (the embedded one's point with its bytes and
+    held-out check), or, where only the full cache certifies, what their best eviction candidate breaks."""
+    formats = {c["policy"]: c["format"] for cands in embedded.get("tokens_precision", {}).values() for c in cands}
+    best = min((p for p in embedded["policies"] if formats.get(p["policy"]) is None), key=lambda p: p["violations"])
     tasks = {}
     for c in smollm2["candidates"].values():
         cells = c["tasks"].values()
         tasks[id(c)] = (sum(x["task_broken"] for x in cells), sum(x["n"] for x in cells))
     broken, n = min(tasks.values(), key=lambda bn: bn[0] / bn[1])
-    full_embedded = embedded["chosen"]["fallback"]
+    chosen = embedded["chosen"]
+    full_embedded = chosen["fallback"]
     full_smollm2 = all(e["fallback"] for e in smollm2["certified"]["task_utility"]["strata"].values())
     smollm2_breaks = (f"one SmolLM2-135M recitation in {one_in(broken / n)}" if broken
                       else "no SmolLM2-135M recitation")
-    breaks = (f"the best candidate breaks {best['violations']} of {best['n']} embedded recitations, and "
+    evicting = "the best candidate" if not formats else "the best eviction candidate"
+    breaks = (f"{evicting} breaks {best['violations']} of {best['n']} embedded recitations, and "
               + smollm2_breaks)
     if full_embedded and full_smollm2:
-        head = f"On both long contracts only the full cache certifies: {breaks}"
-    else:
-        ours = "only the full cache" if full_embedded else f"`{embedded['chosen']['policy']}`"
-        theirs = "only the full cache" if full_smollm2 else "a compressed point per task"
-        head = f"The embedded long contract certifies {ours}, the SmolLM2-135M one {theirs}; uncertified, {breaks}"
-    return f"{head} ([why](docs/long-generations.md))."
+        return f"On both long contracts only the full cache certifies: {breaks} ([why](docs/long-generations.md))."
+    if full_embedded:
+        return (f"The embedded long contract certifies only the full cache, the SmolLM2-135M one a compressed point per "
+                f"task; uncertified, {breaks} ([why](docs/long-generations.md)).")
+    alone = chosen.get("kv_format") and chosen.get("press") == "none"  # a format alone: named by its format
+    what = format_short(chosen["kv_format"]) if alone else f"`{chosen['policy']}`"
+    gated = ", gated" if chosen.get("recompute") is not None else ""
+    held = embedded.get("heldout") or {}
+    held_text = "" if held.get("skipped", True) else f", {held['violations']}/{held['n']} broken held out"
+    theirs = "only the full cache" if full_smollm2 else "a point per task"
+    return (f"The embedded long contract certifies {what}{gated} ({num(chosen['peak_kv_bytes'], 2)} of 16-bit KV bytes"
+            f"{held_text}); SmolLM2-135M's {theirs} ([why](docs/long-generations.md)).")
 
 
 def readme_grouped_coverage(data: dict) -> str:
