@@ -13,6 +13,7 @@ that every request they were placed on is in its pilot.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import TYPE_CHECKING
 
@@ -37,25 +38,38 @@ def needs_scales(contract: Contract) -> bool:
     return any(c.kv_format is not None and needs_pilot_scales(parse_format(dict(c.kv_format))) for c in candidates(contract))
 
 
+#: The share of the pilot's ranks the scales are placed on: certification draws its pilot from the
+#: requests calibration did not skip, a little smaller when some were, and the pilot's first ranks are
+#: in it unless more than a tenth of it is skipped (certification checks, :mod:`certkv.calibration.certification`).
+PLACEMENT_SHARE = 0.9
+
+
 def pilot_ids(contract: Contract, requests: list[Request]) -> list[str]:
-    """The pilot's request ids as certification will draw them (``gate.pilot`` of the ids, by the
-    contract's seed), from every request the contract plans."""
+    """The requests the scales are placed on: the first :data:`PLACEMENT_SHARE` of the pilot as
+    certification draws it (``gate.pilot`` of the ids ranked by the contract's seed), from every
+    request the contract plans."""
     gate = contract.gate
     if gate is None or gate.pilot is None:
         raise CertkvError("cache.scale: pilot places fp8 scales on the pilot split; set gate.pilot (e.g. 0.25)")
-    return list(draw_pilot([r.id for r in requests], gate.pilot, contract.requests.seed, min_certification=1).pilot_ids)
+    seed = contract.requests.seed
+    pilot = draw_pilot([r.id for r in requests], gate.pilot, seed, min_certification=1).pilot_ids
+    ranked = sorted(pilot, key=lambda rid: (hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest(), rid))  # draw_pilot's rank
+    return ranked[: max(1, int(PLACEMENT_SHARE * len(ranked)))]
 
 
 def pilot_amax(model, tokenizer, contract: Contract, requests: list[Request]) -> list[list[float]]:
     """Per layer, [largest |key|, largest |value|] over the pilot requests' full prefills."""
     chosen = set(pilot_ids(contract, requests))
+    longest = getattr(model.config, "max_position_embeddings", None)
     amax: list[list[float]] | None = None
     with torch.no_grad():
         for request in requests:
-            if request.id not in chosen:
+            if request.id not in chosen or not request.context.strip():
                 continue
             enc = for_protocol(encode_request(tokenizer, request.context, request.question, request.answer_prefix),
                                contract.protocol.query_aware)
+            if longest is not None and len(enc.context_ids) + len(enc.question_ids) + contract.protocol.max_new_tokens > longest:
+                continue  # calibration skips it too (longer than the model's positions)
             cache = DynamicCache()
             model.model(input_ids=torch.as_tensor(enc.context_ids, device=model.device).view(1, -1), past_key_values=cache)
             seen = [[float(layer.keys.abs().max()), float(layer.values.abs().max())] for layer in cache.layers]
@@ -66,17 +80,17 @@ def pilot_amax(model, tokenizer, contract: Contract, requests: list[Request]) ->
 
 
 def placed_amax(contract: Contract, store: CalibrationStore, requests: list[Request], device: str | None,
-                dtype: str | None) -> list[list[float]] | None:
+                dtype: str | None, executor: str) -> list[list[float]] | None:
     """The pilot's per-layer amax the contract's fp8 pilot scales divide (None: it has none), placed
-    now and bound to `store`, or read back from it on a resumed run."""
+    now and bound to `store`, or read back from it on a resumed run; the local `executor` only."""
     if not needs_scales(contract):
         return None
+    if executor != "local" or device is None:
+        raise CertkvError("fp8 scales placed on the pilot are computed and used by the local executor; "
+                          "calibrate this contract without --executor ray")
     meta = store.meta()
     if "kv_pilot_amax" in meta:
         return json.loads(meta["kv_pilot_amax"])
-    if device is None:
-        raise CertkvError("fp8 scales placed on the pilot are computed by the local executor before calibration; "
-                          "calibrate this contract without --executor ray")
     model, tokenizer = load_model(contract.model, device=device, dtype=dtype or contract.protocol.dtype)
     amax = pilot_amax(model, tokenizer, contract, requests)
     store.bind({"kv_pilot_amax": json.dumps(amax), "kv_pilot_ids": json.dumps(sorted(pilot_ids(contract, requests)))})

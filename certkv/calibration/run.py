@@ -340,7 +340,7 @@ def calibrate(
         contract, new_store=new_store, limit=limit, device=device, dtype=dtype, executor=executor.name
     )
     try:
-        kv_amax = placed_amax(contract, store, contract.load_requests(), run_device, dtype)
+        kv_amax = placed_amax(contract, store, contract.load_requests(), run_device, dtype, executor.name)
         if todo:
             executor.run(contract, todo, Recorder(store, summary, on_written), device=run_device or device,
                          dtype=dtype, quiet=quiet, console=console, kv_amax=kv_amax)

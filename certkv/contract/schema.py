@@ -308,6 +308,8 @@ class CandidateSequence(_Strict):
             raise _error(f"press {self.press!r} needs kv_retained (the retentions it is tested at, most KV first)")
         if self.cache is not None and len(self.formats) > 1 and len(self.kv_retained) > 1:
             raise _error("a sequence runs over kv_retained or over cache.nbits, not both; write one entry per retention")
+        if self.cache is not None and (reason := press_registry.format_refusal(self.press)):
+            raise _error(f"press {self.press!r} {reason}; it cannot store its KV in a format (remove cache:)")
         if self.cache is not None and press_registry.compresses_while_decoding(self.press):
             windowed = [f.name for f in self.formats if _window_of(f) > 0]
             if windowed:
@@ -343,7 +345,9 @@ class CandidateSequence(_Strict):
     def policy_entry(self, choices: tuple[GateChoice, ...]) -> PolicyEntry:
         """This entry as the core names and orders its candidates, tested under `choices`."""
         formats = self.formats
-        retained = self.kv_retained or [1.0] * len(formats)
+        retained = self.kv_retained or [1.0]
+        if len(formats) > 1:  # a ladder over bits: its one retention at every rung
+            retained = retained * len(formats)
         dumps = [fmt.model_dump() for fmt in formats]
         return PolicyEntry(
             display=self.display_name,
@@ -679,6 +683,9 @@ class Contract(_Strict):
         placed = [f.name for p in self.policies for f in p.formats if needs_pilot_scales(f)]
         if placed and (self.gate is None or self.gate.pilot is None):
             raise _error(f"{placed[0]} places its fp8 scales on the pilot split; set gate.pilot (e.g. 0.25)")
+        if placed and self.strata is not None:
+            raise _error(f"{placed[0]} places its fp8 scales on one pilot of the whole mix, and strata draw a pilot per "
+                         "stratum: give a numeric cache.scale, or remove strata")
         if placed and self.requests.group_by == "context":
             raise _error(f"{placed[0]} places its fp8 scales on requests of the pilot; contexts are drawn whole "
                          "under requests.group_by: context, which these scales do not support: give a numeric cache.scale")

@@ -110,9 +110,9 @@ def run_decoding(
             with press(model) if compresses_prefill(press) else nullcontext(), capturing_window_queries(model):
                 model.model(input_ids=context, past_key_values=cache)
             run = DecodingRun(token_ids=[], prefill_kept=held(cache))
-            watch = _Watch(stop_below, stop_above, _StepCertificates(press, model) if probabilistic else None)
+            watch = StopWatch(stop_below, stop_above, _StepCertificates(press, model) if probabilistic else None)
             with press(model):
-                _decode(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, watch, held, on_token)
+                decode_into(model, cache, enc.question_ids, context.shape[1], max_new_tokens, run, watch, held, on_token)
                 if probabilistic:
                     run.certificate_max = press.certificate_max(model)
     finally:
@@ -137,7 +137,7 @@ def finish_on_full_cache(model: PreTrainedModel, enc: EncodedRequest, prefix: li
     run = DecodingRun(token_ids=list(prefix), prefill_kept=float(context.shape[1]))
     with torch.no_grad():
         model.model(input_ids=context, past_key_values=cache)
-        _decode(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, _Watch(),
+        decode_into(model, cache, [*enc.question_ids, *prefix], context.shape[1], max_new_tokens, run, StopWatch(),
                 _entries_held, on_token)
     return run
 
@@ -164,7 +164,7 @@ class _StepCertificates:
 
 
 @dataclass
-class _Watch:
+class StopWatch:
     """What a decode checks per chosen token: its probability against `stop_below`, and the
     certificate `certificate` reads against `stop_above` (None: that part off; `certificate`
     also records the certificates when no bound is set)."""
@@ -181,7 +181,7 @@ class _Watch:
             fires("certificate_recompute", certificate, self.stop_above))
 
 
-def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, watch: _Watch, held,
+def decode_into(model, cache, question_ids, position: int, max_new_tokens: int, run: DecodingRun, watch: StopWatch, held,
             on_token: Callable[[list[int]], None] | None = None, units: Callable[[Any], float] | None = None) -> None:
     """Greedy decoding into `run` by :func:`greedy_decode` (forward for forward as kvpress's
     pipeline decodes), keeping per token its log p, the entries `held` counts in the cache after
@@ -210,4 +210,5 @@ def _decode(model, cache, question_ids, position: int, max_new_tokens: int, run:
     greedy_decode(model, cache, question_ids, position, max_new_tokens - len(run.token_ids), keep=keep)
 
 
-__all__ = ["DecodingRun", "compresses_prefill", "finish_on_full_cache", "is_decoding_press", "run_decoding"]
+__all__ = ["DecodingRun", "StopWatch", "compresses_prefill", "decode_into", "finish_on_full_cache", "is_decoding_press",
+           "run_decoding"]

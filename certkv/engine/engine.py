@@ -30,8 +30,8 @@ from certkv.core.spec import DEFAULT_MAX_NEW_TOKENS
 from certkv.engine.batched_decode import decode_candidates, kept_count, padded_cache
 from certkv.engine.decode_reserve import decode_reserve
 from certkv.engine.decoding_lanes import batchable_decoding_press, decode_lanes, prefilled_lane, run_of
-from certkv.engine.decoding_run import DecodingRun, is_decoding_press, run_decoding
-from certkv.engine.format_lanes import format_lane, lane_format, plain_held_units
+from certkv.engine.decoding_run import is_decoding_press, run_decoding
+from certkv.engine.format_lanes import format_lane, lane_format, lane_run
 from certkv.engine.format_run import head_dim, run_in_format
 from certkv.engine.full_cache import context_tensor, decode_full, prefill_full
 from certkv.engine.positions import continues_from_compressed_length
@@ -523,16 +523,15 @@ class Engine:
             group = self.format_lanes[i : i + size]
             t0 = time.perf_counter()
             selections = [prefilled.by_candidate.get(c.policy) for c in group]
-            lanes = [format_lane(c.kv_format, prefilled.cache.layers, enc, self.max_new_tokens, self.stop_ids, draft, kept)
-                     for c, kept in zip(group, selections) if c.kv_format is not None]
+            formats = [c.kv_format for c in group]
+            assert all(formats)  # format lanes have one
+            lanes = [format_lane(fmt, prefilled.cache.layers, enc, self.max_new_tokens, self.stop_ids, draft, kept)
+                     for fmt, kept in zip(formats, selections) if fmt is not None]
             decode_lanes(self.model, lanes)
             share = (time.perf_counter() - t0) / len(lanes)
             for c, lane, kept in zip(group, lanes, selections):
                 assert c.kv_format is not None  # format lanes have one
-                steps, n_kept = max(1, len(lane.answer)), kept_count(kept or [None], n_ctx)
-                run = DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=float(n_kept),
-                                  held=[float(n_kept + n_q + t) for t in range(steps)],
-                                  held_units=plain_held_units(c.kv_format, size_of_head, n_kept, n_q, steps))
+                run = lane_run(lane, c.kv_format, size_of_head, kept_count(kept or [None], n_ctx))
                 answer = answers[c.policy] = self._decoding_answer(c, enc, run, share)
                 cost = kv_cost(run.held_units, n_ctx, n_q)
                 answer.kv_peak_bytes, answer.kv_time_bytes = cost.peak, cost.time

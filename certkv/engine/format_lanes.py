@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from certkv.engine.decoding_run import DecodingRun
 from certkv.engine.ragged_decode import Lane, LaneCache, LaneLayer, gather_layer
 from certkv.engine.scoring import is_fast_path_press
 from certkv.kv_formats.spec import Fp8Format, IntFormat, KvFormat, SplitFormat
@@ -61,22 +62,25 @@ class FormatLaneLayer(LaneLayer):
     most recent ones (the part's ``residual_length``)."""
 
     def __init__(self, keys: StoredTokens, values: StoredTokens, parts: tuple[Fp8Format | IntFormat, ...],
-                 slot_bytes: float, index: int) -> None:
+                 slot_bytes: float, index: int, room: int = 0) -> None:
         self.parts = dict(zip(("keys", "values"), parts))
         self.index = index  # the model layer's (an fp8 scale may be the layer's own)
         self.stored = {"keys": keys, "values": values}
         self.window = {which: torch.empty((*stored.data.shape[:2], 0, stored.data.shape[3]), dtype=stored.dtype,
                                           device=stored.data.device) for which, stored in self.stored.items()}
         self.slot_bytes = slot_bytes
-        self._outgrown = False
+        # What it will store for the question and answer still to come (its :attr:`capacity` counts it).
+        self.room = room
+        self._token_bytes = sum(s.nbytes / max(1, s.tokens) for s in self.stored.values())
 
     @classmethod
     def quantising(cls, keys: torch.Tensor, values: torch.Tensor, parts: tuple[Fp8Format | IntFormat, ...],
-                   index: int) -> FormatLaneLayer:
-        """Model layer `index`'s `keys` / `values` (1, H_kv, n, d), stored in the parts' formats."""
+                   index: int, room: int) -> FormatLaneLayer:
+        """Model layer `index`'s `keys` / `values` (1, H_kv, n, d), stored in the parts' formats, with
+        `room` tokens to come."""
         stored = [token_quantiser(part, tensor.shape[-1], index, which).quantize(tensor.contiguous())
                   for part, tensor, which in zip(parts, (keys, values), ("keys", "values"))]
-        return cls(stored[0], stored[1], parts, 2 * keys.shape[1] * keys.shape[3] * keys.element_size(), index)
+        return cls(stored[0], stored[1], parts, 2 * keys.shape[1] * keys.shape[3] * keys.element_size(), index, room)
 
     def _quantise(self, which: str, tensor: torch.Tensor) -> StoredTokens:
         return token_quantiser(self.parts[which], tensor.shape[-1], self.index, which).quantize(tensor.contiguous())
@@ -87,10 +91,11 @@ class FormatLaneLayer(LaneLayer):
 
     @property
     def capacity(self) -> int:
-        """The token slots of the model's dtype the stored tensors and windows take (what a server's KV
-        budget counts: integers narrower than 8 bits sit in int8 containers)."""
-        stored = sum(s.nbytes for s in self.stored.values()) + sum(w.nbytes for w in self.window.values())
-        return math.ceil(stored / self.slot_bytes)
+        """The token slots of the model's dtype the stored tensors and windows take, and what the
+        tokens still to come will (what a server's KV budget counts: integers narrower than 8 bits sit
+        in int8 containers)."""
+        held = sum(s.nbytes for s in self.stored.values()) + sum(w.nbytes for w in self.window.values())
+        return math.ceil((held + max(0, self.room) * self._token_bytes) / self.slot_bytes)
 
     def _read(self, which: str) -> torch.Tensor:
         return torch.cat([self.stored[which].dequantize(), self.window[which]], dim=2)
@@ -105,6 +110,7 @@ class FormatLaneLayer(LaneLayer):
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store (1, H_kv, n, d) new entries: into the window, whose oldest beyond its length are quantised."""
+        self.room -= keys.shape[2]
         for which, new in (("keys", keys), ("values", values)):
             window = torch.cat([self.window[which], new], dim=2)
             leaving = window.shape[2] - self.parts[which].residual_length
@@ -118,6 +124,7 @@ class FormatLaneLayer(LaneLayer):
         draft, so they are all stored ones."""
         if length >= self.length:
             return
+        self.room += self.length - length  # rejected proposals: their room is still to come
         for which in self.parts:
             if self.window[which].shape[2]:
                 raise ValueError("a lane with a full-precision window decodes a token a forward; it has nothing to crop")
@@ -143,7 +150,8 @@ def format_lane(fmt: KvFormat, full_layers: list, enc: EncodedRequest, max_new_t
     layers: list[LaneLayer] = []
     for index, (layer, kept) in enumerate(zip(full_layers, selection or [None] * len(full_layers))):
         gathered = gather_layer(layer.keys, layer.values, kept, n_ctx, 0)
-        layers.append(FormatLaneLayer.quantising(gathered.keys, gathered.values, parts, index))
+        layers.append(FormatLaneLayer.quantising(gathered.keys, gathered.values, parts, index,
+                                                 len(enc.question_ids) + max_new_tokens))
     return _lane(fmt, LaneCache(layers), enc, max_new_tokens, stop_ids, draft)
 
 
@@ -154,7 +162,8 @@ def stored_lane(fmt: KvFormat, cache: TokenFormatCache, enc: EncodedRequest, max
     values in one layer at the model's dtype."""
     parts = format_parts(fmt)
     assert parts is not None  # a TokenFormatCache stores a per-token format
-    layers: list[LaneLayer] = [FormatLaneLayer(layer._quantized_keys, layer._quantized_values, parts, slot_bytes, i)
+    room = len(enc.question_ids) + max_new_tokens
+    layers: list[LaneLayer] = [FormatLaneLayer(layer._quantized_keys, layer._quantized_values, parts, slot_bytes, i, room)
                                for i, layer in enumerate(cache.layers)]
     cache.layers.clear()
     return _lane(fmt, LaneCache(layers), enc, max_new_tokens, stop_ids, None)
@@ -165,6 +174,16 @@ def _lane(fmt: KvFormat, cache: LaneCache, enc: EncodedRequest, max_new_tokens: 
     exact = drafts_exactly(fmt)
     return Lane(cache, list(enc.question_ids), len(enc.context_ids), max_new_tokens, stop_ids,
                 lookup_ids=list(enc.context_ids) if exact else None, want_logprobs=True, draft=draft if exact else None)
+
+
+def lane_run(lane: Lane, fmt: KvFormat, head_dim: int, kept: int) -> DecodingRun:
+    """A decoded format lane as the :class:`~certkv.engine.decoding_run.DecodingRun` the solo decode
+    gives: its answer, and after each token the entries held (its `kept` context entries, the
+    question and the answer so far) and their bytes (:func:`plain_held_units`)."""
+    n_q, steps = len(lane.question_ids), max(1, len(lane.answer))
+    return DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=float(kept),
+                       held=[float(kept + n_q + t) for t in range(steps)],
+                       held_units=plain_held_units(fmt, head_dim, kept, n_q, steps))
 
 
 def plain_held_units(fmt: KvFormat, head_dim: int, n_ctx: int, n_question: int, steps: int) -> list[float]:
@@ -178,7 +197,9 @@ def plain_held_units(fmt: KvFormat, head_dim: int, n_ctx: int, n_question: int, 
     >>> plain_held_units(parse_format({"backend": "fp8"}), 64, 100, 5, 2)  # 105 then 106 tokens at half a slot
     [52.5, 53.0]
     """
-    parts = format_parts(fmt) or (fmt, fmt)
+    parts = format_parts(fmt)
+    if parts is None:
+        raise ValueError(f"{fmt.name} re-quantises its cache as its window fills: price it from the cache (held_units)")
     out = []
     for t in range(steps):
         total, decoded = n_ctx + n_question + t, n_question + t
@@ -190,5 +211,5 @@ def plain_held_units(fmt: KvFormat, head_dim: int, n_ctx: int, n_question: int, 
     return out
 
 
-__all__ = ["FormatLaneLayer", "drafts_exactly", "format_lane", "format_parts", "lane_format", "plain_held_units",
-           "stored_lane"]
+__all__ = ["FormatLaneLayer", "drafts_exactly", "format_lane", "format_parts", "lane_format", "lane_run",
+           "plain_held_units", "stored_lane"]

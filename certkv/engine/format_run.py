@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from certkv.engine.decoding_run import DecodingRun, _decode, _Watch, compresses_prefill, is_decoding_press
+from certkv.engine.decoding_run import DecodingRun, StopWatch, compresses_prefill, decode_into, is_decoding_press
 from certkv.engine.positions import continues_from_compressed_length
 from certkv.kv_formats.caches import build_cache, held_tokens, held_units, prime
 from certkv.model.window_queries import capturing_window_queries
@@ -84,8 +84,8 @@ def run_in_format(
         position = cache.get_seq_length() if press is not None and continues_from_compressed_length(press) else n_ctx
         size = head_dim(model)
         with press(model) if press is not None and is_decoding_press(press) else nullcontext():
-            _decode(model, cache, enc.question_ids, position, max_new_tokens, run, _Watch(stop_below), held_tokens, on_token,
-                    units=lambda c: held_units(c, fmt, size))
+            decode_into(model, cache, enc.question_ids, position, max_new_tokens, run, StopWatch(stop_below), held_tokens,
+                        on_token, units=lambda c: held_units(c, fmt, size))
     return run
 
 

@@ -24,6 +24,7 @@ in (``bytes_share``): values, scales, zero points; the full-precision window is 
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -115,8 +116,8 @@ class Fp8Format(_Format):
     @field_validator("scale")
     @classmethod
     def _positive(cls, value: float | str) -> float | str:
-        if not isinstance(value, str) and not value > 0:
-            raise _error(f"cache.scale must be a positive number or pilot, got {value}")
+        if not isinstance(value, str) and not (value > 0 and math.isfinite(value)):
+            raise _error(f"cache.scale must be a positive finite number or pilot, got {value}")
         return value
 
     @model_validator(mode="after")
@@ -222,6 +223,24 @@ KvFormat = Annotated[TransformersFormat | Fp8Format | IntFormat | SplitFormat, F
 _ADAPTER: TypeAdapter = TypeAdapter(KvFormat)
 
 
+def stored_share(fmt: KvFormat, head_dim: int) -> float:
+    """Bytes a stored token takes over a 16-bit one, as this implementation holds it: transformers'
+    backends pack their integers; certkv's integer formats keep each in an int8 container (so below
+    8 bits they take more than :meth:`bytes_share`, which prices the format itself).
+
+    Examples
+    --------
+    >>> int4 = parse_format({"backend": "int", "nbits": 4})
+    >>> stored_share(int4, 64), int4.bytes_share(64)
+    (0.515625, 0.265625)
+    """
+    if isinstance(fmt, SplitFormat):
+        return (stored_share(fmt.keys, head_dim) + stored_share(fmt.values, head_dim)) / 2
+    if isinstance(fmt, IntFormat):
+        return fmt.model_copy(update={"nbits": 8}).bytes_share(head_dim)
+    return fmt.bytes_share(head_dim)
+
+
 def needs_pilot_scales(fmt: KvFormat) -> bool:
     """Whether `fmt` (or a part of it) has fp8 scales still to be placed on the pilot."""
     parts = (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt,)
@@ -234,9 +253,9 @@ def with_pilot_scales(fmt: KvFormat, amax: list[list[float]]) -> KvFormat:
 
     Examples
     --------
-    >>> placed = with_pilot_scales(parse_format({"backend": "fp8", "scale": "pilot"}), [[44.8, 4.48]])
+    >>> placed = with_pilot_scales(parse_format({"backend": "fp8", "scale": "pilot"}), [[224.0, 4.48]])
     >>> placed.scales(0)
-    (0.1, 0.01)
+    (0.5, 0.01)
     """
     def placed(part):
         if isinstance(part, Fp8Format) and part.scale == "pilot":
@@ -293,6 +312,7 @@ class CacheBlock(BaseModel):
     @model_validator(mode="after")
     def _formats(self) -> CacheBlock:
         for data in format_ladder(self.model_dump()):
+            _check_cheaper(data)
             try:
                 parse_format(data)
             except ValidationError as exc:
@@ -307,5 +327,17 @@ class CacheBlock(BaseModel):
         return [parse_format(data) for data in format_ladder(self.model_dump())]
 
 
+def _check_cheaper(data: dict[str, Any]) -> None:
+    """A format must store fewer bytes than a 16-bit cache (its scales included), whatever the head
+    size (checked at 128, the largest common one: a per-head scale costs less there than anywhere)."""
+    try:
+        fmt = parse_format(data)
+    except ValidationError:
+        return  # reported, in one line, by the caller
+    if fmt.bytes_share(128) >= 1:
+        raise _error(f"cache {fmt.name} stores {fmt.bytes_share(128):.3g} of a 16-bit cache's bytes, not less; "
+                     "use fewer bits or a larger q_group_size")
+
+
 __all__ = ["CacheBlock", "Fp8Format", "IntFormat", "KvFormat", "SplitFormat", "TransformersFormat", "format_ladder",
-           "needs_pilot_scales", "parse_format", "with_pilot_scales"]
+           "needs_pilot_scales", "parse_format", "stored_share", "with_pilot_scales"]

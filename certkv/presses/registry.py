@@ -262,6 +262,22 @@ def _kvpress_class(spec: str) -> str | None:
 _DECODING_TIME = frozenset({"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"})
 #: certkv's presses that do (the same runner).
 _CERTKV_DECODING_TIME = frozenset({"certkv.presses.probabilistic_decoding:ProbabilisticDecodingPress"})
+#: certkv presses that decode from a cache of their own making, which a KV format cannot store: the
+#: probabilistic ones (their Hájek attention reads their sample's weights) and the response-aware ones
+#: (they choose after the prefill, over the full cache the engine holds).
+_OWN_CACHE = {
+    "certkv.presses.probabilistic:ProbabilisticPress": "decodes its sample under its own Hájek attention",
+    "certkv.presses.probabilistic_decoding:ProbabilisticDecodingPress": "decodes its sample under its own Hájek attention",
+    "certkv.presses.deferkv:DeferKVPress": "chooses its entries after the prefill, over the full cache",
+    "certkv.presses.lorekv:LOREKVPress": "chooses its entries after the prefill, over the full cache",
+    "certkv.presses.behavior_preserving:BehaviorPreservingPress": "chooses its entries after the prefill, over the full cache",
+}
+
+
+def format_refusal(spec: str) -> str | None:
+    """Why the press `spec` cannot keep its entries in a KV format (None: it can)."""
+    target = press_info(spec).target if is_known_press(spec) else spec
+    return _OWN_CACHE.get(target) if isinstance(target, str) else None
 
 
 def compresses_while_decoding(spec: str) -> bool:

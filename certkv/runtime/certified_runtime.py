@@ -48,7 +48,7 @@ from certkv.engine.decoding_run import is_decoding_press
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
-from certkv.kv_formats.spec import needs_pilot_scales, parse_format
+from certkv.kv_formats.spec import Fp8Format, SplitFormat, needs_pilot_scales, parse_format
 from certkv.model.generation import EncodedRequest, encode_request, for_protocol, stop_token_ids
 from certkv.presses.hajek_state import clear_states
 from certkv.presses.probabilistic_decoding import ProbabilisticDecodingPress
@@ -74,6 +74,11 @@ if TYPE_CHECKING:
     from certkv.kv_formats.spec import KvFormat
     from certkv.runtime.prefix_cache import PrefixCache
     from certkv.runtime.steps import Step
+
+
+def _parts(fmt: KvFormat) -> tuple:
+    """A format's keys' and values' formats (itself twice unless it is a split)."""
+    return (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt, fmt)
 
 
 def _check_request_types(context: object, question: object, stratum: object, answer_prefix: object) -> None:
@@ -239,15 +244,15 @@ class CertifiedRuntime:
     def _format_path(self, model: PreTrainedModel, kv_format: KvFormat) -> FormatPath:
         """The path of a point whose KV is stored in a format; gates that decide from a full prefill
         (this path never holds one) are a one-line error."""
-        if self.gate.pre_decode or self.gate.certificate_recompute is not None:
+        gate = self.gate
+        if gate.pre_decode or gate.certificate_recompute is not None or gate.certificate is not None or gate.learned is not None:
             raise CertkvError(
                 f"the operating point's {self.gate.kind} gate reads a full prefill or a press's certificates, which "
                 f"{self.policy!r} (its KV stored as {kv_format.name}) never holds; certify a recompute or confidence gate"
             )
         return FormatPath(model, self.press, self.gate, self.stop_ids, kv_format)
 
-    @staticmethod
-    def _format(data: dict) -> KvFormat:
+    def _format(self, data: dict) -> KvFormat:
         """The operating point's KV format, checked (an edited point gets one line)."""
         try:
             fmt = parse_format(data)
@@ -256,6 +261,11 @@ class CertifiedRuntime:
         if needs_pilot_scales(fmt):
             raise CertkvError(f"the operating point's {fmt.name} format has no fp8 scales: they are placed on the pilot "
                               "when the contract is calibrated and written by `certkv certify` from its store")
+        layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
+        scales = [p.layer_scales for p in _parts(fmt) if isinstance(p, Fp8Format) and p.layer_scales is not None]
+        if any(len(s) != layers for s in scales):
+            raise CertkvError(f"the operating point's {fmt.name} format has fp8 scales for another model's layers "
+                              f"(this one has {layers}); certify the point for this model")
         return fmt
 
     def _decode_length(self, requested: object) -> int:

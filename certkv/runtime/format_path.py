@@ -29,11 +29,11 @@ from certkv.core.kv_cost import kv_cost
 from certkv.engine.batched_decode import kept_count
 from certkv.engine.decoding_lanes import decode_lanes
 from certkv.engine.decoding_run import DecodingRun
-from certkv.engine.format_lanes import format_lane, lane_format, plain_held_units, stored_lane
+from certkv.engine.format_lanes import format_lane, lane_format, lane_run, stored_lane
 from certkv.engine.format_run import head_dim, layer_slot_bytes, run_in_format
 from certkv.engine.full_cache import prefill_full
 from certkv.kv_formats.caches import build_cache
-from certkv.kv_formats.spec import SplitFormat
+from certkv.kv_formats.spec import SplitFormat, stored_share
 from certkv.runtime.decoding_path import solo_run_steps
 from certkv.runtime.full_path import prefill_slots
 from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
@@ -51,16 +51,19 @@ if TYPE_CHECKING:
 
 def format_slots(model: PreTrainedModel, fmt: KvFormat, enc: EncodedRequest, max_new_tokens: int) -> int:
     """Token slots of the model's dtype a request in `fmt` may hold (what the scheduler reserves):
-    every token of its prompt and answer at the format's bytes, its full-precision window (the
-    format's, plus the question, which is fed in one forward) at the model's, and one layer of the
-    prefill at the model's (each layer computes its keys and values before it stores them)."""
+    every token of its prompt and answer at the bytes the format's tensors take
+    (:func:`~certkv.kv_formats.spec.stored_share`: integers narrower than 8 bits sit in int8
+    containers), its full-precision window (the format's, plus the question, which is fed in one
+    forward) at the model's, and two copies of one layer at the model's (a step dequantises a layer's
+    keys and values and concatenates its new entries to them before its attention reads them)."""
+    config = model.config.get_text_config(decoder=True)
     element_bits = 8 * next(model.parameters()).element_size()
-    share = fmt.bytes_share(head_dim(model)) * 16 / element_bits
+    share = stored_share(fmt, head_dim(model)) * 16 / element_bits
     parts = (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt,)
     window = max(p.residual_length for p in parts) + len(enc.question_ids)
     tokens = len(enc.context_ids) + len(enc.question_ids) + max_new_tokens
-    prefill_layer = len(enc.context_ids) / model.config.num_hidden_layers
-    return math.ceil(tokens * share + min(window, tokens) * max(0.0, 1 - share) + prefill_layer)
+    transient = 2 * tokens / config.num_hidden_layers
+    return math.ceil(tokens * share + min(window, tokens) * max(0.0, 1 - share) + transient)
 
 
 @dataclass
@@ -142,14 +145,7 @@ class FormatDecode(AnswerSource):
                      solo=None if self.lanes else solo, lookup_ids=list(enc.context_ids), want_logprobs=True,
                      batchable=self.lanes, final=self.final, lane=lane if self.lanes else None)
         yield job
-        return _stopped(self._run_of(lane, float(self.kept or 0)), path.gate.recompute)
-
-    def _run_of(self, lane: Lane, kept: float) -> DecodingRun:
-        """A decoded format lane as a :class:`DecodingRun`: what it held, token by token."""
-        n_q, steps, model = len(self.enc.question_ids), max(1, len(lane.answer)), self.path.model
-        return DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=kept,
-                           held=[kept + n_q + t for t in range(steps)],
-                           held_units=plain_held_units(self.path.kv_format, head_dim(model), int(kept), n_q, steps))
+        return _stopped(lane_run(lane, path.kv_format, head_dim(path.model), self.kept or 0), path.gate.recompute)
 
     def _lane_steps(self) -> Generator[Step, None, DecodingRun]:
         """The context prefilled into the format's cache (stored as each layer computes it), taken
@@ -163,7 +159,7 @@ class FormatDecode(AnswerSource):
         job = Decode(lane.cache, list(enc.question_ids), lane.position, max_new, path.stop_ids, solo=None,
                      lookup_ids=lane.lookup_ids, want_logprobs=True, final=self.final, lane=lane)
         yield job
-        return self._run_of(lane, float(len(enc.context_ids)))
+        return lane_run(lane, path.kv_format, head_dim(model), len(enc.context_ids))
 
     def _solo_steps(self) -> Generator[Step, None, DecodingRun]:
         """The decode alone (:func:`run_in_format`), one token a forward."""
