@@ -54,6 +54,9 @@ def stratum_figures(entry: dict) -> dict:
         "empirical_risk": entry["empirical_risk"],
         "risk_upper_bound": entry["risk_upper_bound"],
         "mean_kv_retained": entry["mean_kv_retained"],
+        "peak_kv_bytes": entry.get("peak_kv_bytes"),
+        "mean_kv_bytes": entry.get("mean_kv_bytes"),
+        "kv_format": entry.get("kv_format"),
     }
 
 
@@ -120,11 +123,13 @@ def main() -> None:
     # the demo's last paragraph (wrapped to the console's width): the deployed point and the pooled comparison
     deployed = re.search(r"^deployed: (.*?)\nthe demo contract is", stdout, re.DOTALL | re.MULTILINE)
     deployed_line = " ".join(("deployed: " + deployed.group(1)).split()) if deployed else None
+    from certkv.report.text import memory_words
+
     checks = []
     if abs(op.mean_kv_retained - point["mean_kv_retained"]) > 1e-9:
         checks.append("certifying the demo's store again gave another operating point than the demo wrote")
     if pooled is not None and (deployed_line is None
-                               or f"mean KV retained {pooled.mean_kv_retained:.3f}" not in deployed_line):
+                               or f"{memory_words(pooled)} {pooled.mean_kv_retained:.3f}" not in deployed_line):
         checks.append(f"the pooled comparison certified here is not the one the demo printed: {deployed_line}")
 
     strata = point["strata"]["entries"] if point.get("strata") else {}
@@ -147,6 +152,7 @@ def main() -> None:
             "utility": point["contract"]["utility"],
             "procedure": point["contract"]["procedure"],
             "strata_by": point["strata"]["by"] if point.get("strata") else None,
+            "kv_cost": point["contract"].get("kv_cost", "kv_retained"),
         },
         "deployed": {
             "policy": point["policy"],
@@ -154,6 +160,7 @@ def main() -> None:
             "n": point["n"],
             "mean_kv_retained": point["mean_kv_retained"],
             "kv_saved": 1.0 - point["mean_kv_retained"],
+            "peak_kv_bytes": point.get("peak_kv_bytes"),
             "line": deployed_line,
         },
         "strata": {task: stratum_figures(entry) for task, entry in strata.items()},
@@ -161,6 +168,7 @@ def main() -> None:
             "policy": pooled.policy,
             "fallback": pooled.fallback,
             "mean_kv_retained": pooled.mean_kv_retained,
+            "peak_kv_bytes": pooled.peak_kv_bytes,
             "violations": pooled.violations,
             "n": pooled.n,
             "risk_upper_bound": pooled.risk_upper_bound,

@@ -133,7 +133,7 @@ def print_strata_table(op: OperatingPoint, console: Console) -> None:
         add_row(table, r["name"], str(r["n"]), r["policy"], gated, str(r["violations"]), text.fmt_bound(r["bound"]),
                 f"{r['mean_kv']:.3f}", r["reason"] or "—", style="red" if r["fallback"] else None)
     print_table(console, table, title=text.strata_header(op))
-    say(console, f"pooled mean KV retained {op.mean_kv_retained:.3f} over the {op.n} certification requests "
+    say(console, f"pooled {text.memory_words(op)} {op.mean_kv_retained:.3f} over the {op.n} certification requests "
                  "(each stratum weighted by its n); gated: share of the stratum's requests its gate sends to the "
                  "full cache; k: violations; bound: the stratum's risk upper bound.")
 

@@ -413,12 +413,18 @@ def deployed_text(op: OperatingPoint, pooled: OperatingPoint | None = None) -> s
         what = f"stratified per {op.strata.by} ({len(op.strata.entries)} strata{every})"
     else:
         what = "the full cache (fallback)" if op.fallback else op.policy
-    line = f"deployed: the contract's operating point, {what}, mean KV retained {op.mean_kv_retained:.3f}"
+    line = f"deployed: the contract's operating point, {what}, {memory_words(op)} {op.mean_kv_retained:.3f}"
     if pooled is not None:
         policy = "full cache (fallback)" if pooled.fallback else pooled.policy
         line += (f"; pooled comparison (strata removed, not deployed): {policy}, "
-                 f"mean KV retained {pooled.mean_kv_retained:.3f}")
+                 f"{memory_words(pooled)} {pooled.mean_kv_retained:.3f}")
     return line
+
+
+def memory_words(op: OperatingPoint) -> str:
+    """What a point's mean memory is, in words: KV retained, or, under ``kv_cost: bytes``, its KV
+    bytes at the peak over a 16-bit cache's."""
+    return "mean KV bytes (of a 16-bit cache's)" if op.contract.kv_cost == "bytes" else "mean KV retained"
 
 
 def coverage_text(op: OperatingPoint) -> str | None:
