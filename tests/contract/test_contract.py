@@ -286,7 +286,9 @@ def test_demo_contract_validates():
     assert (c.tolerance, c.risk, c.confidence, c.procedure) == (0.0, 0.05, 0.95, "fixed_sequence")
     fine = [round(0.9 - 0.05 * i, 2) for i in range(17)]  # 0.9, 0.85, ..., 0.1
     grid = fine[::2]
-    assert [(p.press, p.kv_retained) for p in c.policies] == [("criticalkv", fine), ("probabilistic", grid)]
+    assert [(p.press, p.kv_retained) for p in c.policies] == [("criticalkv", fine), ("probabilistic", grid),
+                                                              ("criticalkv", fine)]
+    assert [p.formats[0].name if p.cache else None for p in c.policies] == [None, None, "kint8-vint4"]
     assert c.policies[0].press_kwargs == {"press": "snapkv"}
     assert c.protocol.query_aware  # the presses see the question (chosen on the certified press league)
     gate = c.gate
@@ -294,7 +296,8 @@ def test_demo_contract_validates():
     assert [g.quantiles for g in (gate.confidence, gate.lookahead, gate.learned)] == [
         [0.1, 0.2, 0.3], [0.3, 0.4, 0.5], [0.3, 0.4, 0.5]]
     assert gate.needs_lookahead and not gate.needs_agreement  # calibration records the probe, not the drop
-    assert len(sequences(c)) == 2 * (1 + 3 + 3 + 3)  # per entry: ungated, then one per pilot-gate quantile
+    # per 16-bit entry: ungated, then one per pilot-gate quantile; the format entry: ungated and its confidence ones
+    assert len(sequences(c)) == 2 * (1 + 3 + 3 + 3) + (1 + 3)
     # relative to the contract's folder: `certkv demo` copies both files and the store follows the copy
     assert c.resolved_store_path() == DEMO_DIR / "runs" / "demo"
     assert c.resolved_requests_path() == DEMO_REQUESTS
@@ -535,7 +538,7 @@ def test_decoding_time_presses_and_the_recompute_gate(tmp_path):
         "compression_ratio_decoding@0.60", "compression_ratio_decoding@0.60+recq0.1", "snapkv@0.50"]
     assert contract.cost_measure == "peak" and "kv_cost" not in json.loads(contract.canonical_json())
     assert parse_contract({**base, "policies": [decoding], "kv_cost": "time"}, "t").cost_measure == "time"
-    with pytest.raises(CertkvError, match="no policy entry compresses while decoding"):
+    with pytest.raises(CertkvError, match="no policy entry does either"):
         parse_contract({**base, "policies": [{"press": "snapkv", "kv_retained": [0.5]}]}, "test")
     with pytest.raises(CertkvError, match="has no setting that kv_retained maps to"):
         parse_contract({**base, "policies": [{"press": "decoding", "kv_retained": [0.5]}]}, "test")
