@@ -35,12 +35,26 @@ holds its KV for few forwards (a decoding-time lane at most up to its next event
 point therefore runs a second time with ``--no-prompt-lookup`` (one token per request per forward,
 as a generation that copies nothing decodes), where memory binds.
 
+Two points store every token at a lower precision (KV formats, docs/kv-formats.md), each decoding
+as a lane of the batch that holds its stored tensors (int8 containers and float16 scales,
+:mod:`certkv.engine.format_lanes`) and reserving those bytes in the budget's token slots of the
+model's dtype (:func:`certkv.runtime.format_path.format_slots`):
+
+* ``int8``: integers per token and head, ``{backend: int, nbits: 8}`` alone (``int8@1.00``);
+* ``certified``: the point ``certkv certify contracts/embedded_long.yaml`` chose
+  (``--certified``, default ``runs/embedded_long/operating_point.json``), served as certified, gate
+  included; where that file is missing or its point is the full cache, keys at 8 and values at 4
+  bits alone (``kint8-vint4@1.00``) stand in, and the result says so (``certified_source``).
+
 Every answer is compared with the in-process runtime's (:meth:`CertifiedRuntime.generate`, one
 request at a time), which also gives each request's peak KV under the decoding-time press
-(:mod:`certkv.core.kv_cost`) for its target. Targets (issue 41): half ÷ full throughput ≥ 1.6;
-decoding ÷ full ≥ 0.8 × (full peak KV ÷ its peak KV); no 5xx; answers equal the in-process ones.
-The ``_no_lookup`` ratios compare the points' runs without prompt lookup.
-Writes ``benchmarks/results/capacity_long.json``.
+(:mod:`certkv.core.kv_cost`) and, for a format point, its peak bytes over a 16-bit full cache's
+(``kv_peak_bytes``; a format alone holds a constant share, its ``bytes_share``) for their targets.
+Targets (issue 41): half ÷ full throughput ≥ 1.6; decoding ÷ full ≥ 0.8 × (full peak KV ÷ its peak
+KV); (issue 53) a format point ÷ full ≥ 0.8 ÷ its peak KV bytes, int8 also ≥ 1.5; no 5xx; answers
+equal the in-process ones. The ``_no_lookup`` ratios compare the points' runs without prompt lookup.
+Each server's /metrics at the end gives its peak KV in bytes (``certkv_kv_peak_slots`` ×
+``certkv_kv_slot_bytes``). Writes ``benchmarks/results/capacity_long.json``.
 """
 
 from __future__ import annotations
@@ -63,6 +77,14 @@ MODEL = "embedded-recite"
 MAX_NEW = 140
 CONTEXT = (192, 256)
 DECODING_KWARGS = {"base_press": "streaming_llm", "compression_interval": 8}
+#: The KV format points: int8 alone, and what stands in for the certified point when there is none.
+INT8 = {"backend": "int", "nbits": 8}
+SPLIT_K8V4 = {"backend": "split", "keys": {"backend": "int", "nbits": 8}, "values": {"backend": "int", "nbits": 4}}
+CERTIFIED = REPO / "runs" / "embedded_long" / "operating_point.json"
+#: Issue 53's floor for int8 alone, beside 0.8 ÷ its peak KV bytes.
+INT8_FLOOR = 1.5
+#: The embedded-recite model's head size (a format's bytes share depends on it).
+HEAD_DIM = 32
 
 
 #: Every server: no shadows and no monitor (the points are fixed, measured for their memory).
@@ -71,26 +93,66 @@ NO_MONITOR = ("--shadow-rate", "0")
 NO_LOOKUP = "--no-prompt-lookup"
 
 
-def points(interval: int = DECODING_KWARGS["compression_interval"]) -> dict:
-    """The full cache, a half-KV prefill point and a decoding-time point compressing every `interval` steps."""
+def format_point(kv_format: dict, *, query_aware: bool = False, max_new_tokens: int = MAX_NEW):
+    """A KV format alone, every token kept (press ``none``, ``kv_retained`` 1.0), ungated, outside any
+    certificate, as :func:`capacity.fixed_point` builds the others; its bytes are the format's share."""
+    from certkv.core.operating_point import OperatingPoint
+    from certkv.core.policy_names import NO_PRESS
+    from certkv.kv_formats.spec import parse_format
+
+    fmt = parse_format(kv_format)
+    base = fixed_point(1.0, query_aware=query_aware, max_new_tokens=max_new_tokens)
+    policy, share = f"{fmt.name}@1.00", fmt.bytes_share(HEAD_DIM)
+    return OperatingPoint(**{**base.model_dump(), "policy": policy, "base_policy": policy, "press": NO_PRESS,
+                             "fallback": False, "reason": None, "kv_format": fmt.model_dump(),
+                             "peak_kv_bytes": share, "mean_kv_bytes": share})
+
+
+def certified_point(path: Path) -> tuple:
+    """(the point certified on contracts/embedded_long.yaml, where it came from): the file at `path`,
+    or keys at 8 and values at 4 bits alone where it is missing or certifies the full cache."""
+    from certkv.core.operating_point import load_operating_point
+
+    if not path.is_file():
+        return format_point(SPLIT_K8V4), f"stand-in: {path.name} not found, keys at 8 and values at 4 bits alone"
+    op = load_operating_point(path)
+    if op.fallback:
+        return format_point(SPLIT_K8V4), (f"stand-in: {path.name} certifies the full cache ({op.reason}), "
+                                           "keys at 8 and values at 4 bits alone")
+    return op, f"certified: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}"
+
+
+def points(interval: int = DECODING_KWARGS["compression_interval"], certified=None) -> dict:
+    """The full cache, a half-KV prefill point, a decoding-time point compressing every `interval` steps,
+    int8 alone and `certified` (the certified point, or its stand-in; None: left out)."""
     common = {"query_aware": False, "max_new_tokens": MAX_NEW}
-    return {
+    ops = {
         "full": fixed_point(1.0, **common),
         "half": fixed_point(0.5, press="streaming_llm", **common),
         "decoding": fixed_point(0.5, press="compression_ratio_decoding",
                                 press_kwargs={**DECODING_KWARGS, "compression_interval": interval},
                                 label="streaming_decoding", **common),
+        "int8": format_point(INT8, **common),
     }
+    if certified is not None:
+        ops["certified"] = certified
+    return ops
 
 
 def in_process(ops: dict, requests) -> dict:
     """Per point, the in-process runtime's answers; for the decoding-time point also each request's
-    peak KV and the full cache's at its last step (token slots)."""
+    peak KV and the full cache's at its last step (token slots); for a KV format point each request's
+    peak bytes over a 16-bit full cache's (the runtime's ``kv_peak_bytes``; a full-cache answer, or
+    none measured, counts 1.0, as certify counts a gate's) and the slots the server reserves for it
+    beside the full cache's (:func:`~certkv.runtime.format_path.format_slots`, ``prefill_slots``)."""
     import torch
 
+    from certkv.kv_formats.spec import stored_share
     from certkv.model.generation import encode_request
     from certkv.model.loading import load_model
     from certkv.runtime.certified_runtime import CertifiedRuntime
+    from certkv.runtime.format_path import format_slots
+    from certkv.runtime.full_path import prefill_slots
 
     torch.set_num_threads(1)
     model, tok = load_model(MODEL, device="cpu")
@@ -100,6 +162,20 @@ def in_process(ops: dict, requests) -> dict:
         t0 = time.perf_counter()
         answers = {r.id: runtime.generate(r.context, r.question, r.task).answer for r in requests}
         out[name] = {"answers": answers, "seconds": time.perf_counter() - t0}
+        if runtime.kv_format is not None:
+            peaks, reserved, full_reserved = [], [], []
+            for r in requests:
+                enc = encode_request(tok, r.context, r.question, r.answer_prefix)
+                answered = runtime.path.answer(enc, MAX_NEW, {})
+                peaks.append(1.0 if answered.reason is not None or answered.kv_peak_bytes is None
+                             else answered.kv_peak_bytes)
+                reserved.append(format_slots(model, runtime.kv_format, enc, MAX_NEW))
+                full_reserved.append(prefill_slots(model, enc, MAX_NEW))
+            out[name].update(kv_peak_bytes=peaks, reserved_slots=reserved, full_reserved_slots=full_reserved,
+                             bytes_share=runtime.kv_format.bytes_share(HEAD_DIM),
+                             stored_share=stored_share(runtime.kv_format, HEAD_DIM),
+                             model_layers=model.config.num_hidden_layers,
+                             model_bits=8 * next(model.parameters()).element_size())
         if name == "decoding":
             peaks, fulls = [], []
             for r in requests:
@@ -112,17 +188,67 @@ def in_process(ops: dict, requests) -> dict:
     return out
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every process on the machine has used so far (Linux /proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class MetricServer(Server):
+    """A :class:`capacity.Server` that also reads its /metrics' KV gauges before it stops, and records
+    per pass the CPU the rest of the machine used meanwhile (neither this server nor the client)."""
+
+    GAUGES = ("certkv_kv_slot_bytes", "certkv_kv_peak_slots", "certkv_kv_budget_bytes", "certkv_kv_budget_slots")
+
+    def measure(self, requests, concurrency: int) -> None:
+        busy0 = machine_busy_seconds()
+        super().measure(requests, concurrency)
+        rep = self.repeats[-1]
+        others = machine_busy_seconds() - busy0 - rep["server_cpu"] - rep["client_cpu"]
+        rep["others_cpu_per_wall_s"] = max(0.0, others) / rep["seconds"]
+
+    def stop(self) -> dict | None:
+        import httpx
+
+        try:
+            text = httpx.get(self.base + "/metrics", timeout=10).text
+            gauges = {name: float(value) for name, value in
+                      (line.split()[:2] for line in text.splitlines() if line and not line.startswith("#"))
+                      if name in self.GAUGES}
+        except httpx.HTTPError:
+            gauges = {}
+        kv = super().stop()
+        return None if kv is None else {**kv, "metrics": gauges}
+
+
 def run_servers(paths: dict, budget: int, requests, args, work: Path) -> tuple[dict, dict]:
     """Every point under `budget`, with and without prompt lookup, and the full cache unlimited;
-    (servers, their final /health KV)."""
+    (servers, their final /health KV and /metrics KV gauges)."""
     configs = {(name, "budget"): (path, budget, NO_MONITOR) for name, path in paths.items()}
-    for name in ("full", "half", "decoding"):
+    for name in paths:
         configs[name, "budget_no_lookup"] = (paths[name], budget, (*NO_MONITOR, NO_LOOKUP))
     configs["full", "unlimited"] = (paths["full"], None, NO_MONITOR)
     starts = {config: (lambda name=config[0], path=path, slots=slots, extra=extra:
-                       Server(name, path, slots, args.concurrency, work, model=MODEL, extra=extra))
+                       MetricServer(name, path, slots, args.concurrency, work, model=MODEL, extra=extra))
               for config, (path, slots, extra) in configs.items()}
     return measure_round_robin(starts, requests, args, work)
+
+
+def format_ratios(runs: dict, alone: dict, name: str) -> dict:
+    """A KV format point's throughput over the full cache's, with and without prompt lookup, beside its
+    target: 0.8 ÷ its mean peak KV bytes over a 16-bit full cache's (int8 alone: also ≥ 1.5)."""
+    point = alone[name]
+    peak = sum(point["kv_peak_bytes"]) / len(point["kv_peak_bytes"])
+    floor = INT8_FLOOR if name == "int8" else None
+    target = max(0.8 / peak, floor or 0.0)
+    reserved = sum(point["full_reserved_slots"]) / sum(point["reserved_slots"])
+    out = {}
+    for suffix, key in (("", "budget"), ("_no_lookup", "budget_no_lookup")):
+        full = runs["full"]["runs"][key]["throughput_rps"]
+        out[name + suffix] = {"over_full": runs[name]["runs"][key]["throughput_rps"] / full, "peak_kv_bytes": peak,
+                              "bytes_share": point["bytes_share"], "target_bytes": 0.8 / peak, "floor": floor,
+                              "target": target, "full_reserved_over_its_reserved": reserved}
+    return out
 
 
 def summarise(ops, servers, health, alone) -> tuple[dict, dict]:
@@ -134,7 +260,15 @@ def summarise(ops, servers, health, alone) -> tuple[dict, dict]:
         summary["answers_equal_in_process"] = served is not None and all(expected[i] == a for i, a in served.items())
         summary["answers_differing"] = None if served is None else sum(expected[i] != a for i, a in served.items())
         summary["server_5xx"] = sum(n for s, n in summary["status"].items() if s.startswith("5"))
-        runs.setdefault(name, {"policy": ops[name].policy, "runs": {}})["runs"][key] = summary
+        gauges = health[name, key].get("metrics", {})
+        summary["kv_slot_bytes"] = gauges.get("certkv_kv_slot_bytes")
+        summary["kv_peak_bytes"] = (gauges["certkv_kv_peak_slots"] * gauges["certkv_kv_slot_bytes"]
+                                    if "certkv_kv_peak_slots" in gauges and "certkv_kv_slot_bytes" in gauges else None)
+        summary["kv_budget_bytes"] = gauges.get("certkv_kv_budget_bytes")
+        summary["others_cpu_per_wall_s_each"] = [rep.get("others_cpu_per_wall_s") for rep in server.repeats]
+        entry = runs.setdefault(name, {"policy": ops[name].policy, "kv_format": ops[name].kv_format,
+                                       "gate": None if ops[name].gate is None else ops[name].gate.kind, "runs": {}})
+        entry["runs"][key] = summary
     full = runs["full"]["runs"]["budget"]["throughput_rps"]
     dec = alone["decoding"]
     peak_ratio = sum(dec["full_peak_slots"]) / sum(dec["kv_peak_slots"])
@@ -148,6 +282,9 @@ def summarise(ops, servers, health, alone) -> tuple[dict, dict]:
         "decoding_no_lookup": {"over_full": runs["decoding"]["runs"]["budget_no_lookup"]["throughput_rps"] / plain,
                                "full_peak_over_its_peak": peak_ratio, "target": 0.8 * peak_ratio},
     }
+    for name in runs:
+        if "kv_peak_bytes" in alone[name]:
+            ratios.update(format_ratios(runs, alone, name))
     return runs, ratios
 
 
@@ -163,13 +300,18 @@ def main() -> None:
     parser.add_argument("--decoding-interval", type=int, default=DECODING_KWARGS["compression_interval"],
                         help="the decoding-time point's compression interval: a chunk of prompt-lookup tokens never "
                              "runs past a compression event")
+    parser.add_argument("--certified", type=Path, default=CERTIFIED,
+                        help="the operating point certified on contracts/embedded_long.yaml (missing, or the full "
+                             "cache: keys at 8 and values at 4 bits alone stand in)")
     args = parser.parse_args()
 
     from certkv.requests.request_set import generate_requests
 
     t_start = time.perf_counter()
+    load_before = os.getloadavg()[0]
     requests = generate_requests({"recite": 1.0}, n=args.requests, seed=args.seed, context_length=CONTEXT)
-    ops = points(args.decoding_interval)
+    certified, certified_source = certified_point(args.certified)
+    ops = points(args.decoding_interval, certified)
     work = Path(tempfile.mkdtemp(prefix="capacity_long_"))
     paths = {name: op.write_json(work / f"{name}.json") for name, op in ops.items()}
     largest = largest_reservation(requests, MAX_NEW, MODEL)
@@ -181,21 +323,35 @@ def main() -> None:
         "benchmark": "capacity_long",
         "command": "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                    "load_average_1m_before": round(load_before, 2),
+                    "load_average_1m_after": round(os.getloadavg()[0], 2)},
         "traffic": {"model": MODEL, "task": "builtin:recite", "seed": args.seed, "context_length": list(CONTEXT),
                     "max_new_tokens": MAX_NEW, "requests": len(requests), "concurrency": args.concurrency,
                     "repeats": args.repeats},
         "budget": {"largest_full_reservation": largest, "share": args.budget_share, "slots": budget},
         "decoding_press_kwargs": ops["decoding"].press_kwargs, "server_flags": list(NO_MONITOR),
+        "certified_source": certified_source,
+        "certified_point": {"policy": certified.policy, "kv_format": certified.kv_format, "press": certified.press,
+                            "kv_retained": certified.kv_retained, "peak_kv_bytes": certified.peak_kv_bytes,
+                            "gate": None if certified.gate is None else certified.gate.model_dump(),
+                            "engine_setting": certified.engine_setting},
         "in_process_seconds": {name: a["seconds"] for name, a in alone.items()},
+        "format_kv": {name: {"bytes_share": a["bytes_share"], "stored_share": a["stored_share"],
+                             "model_layers": a["model_layers"], "model_bits": a["model_bits"],
+                             "mean_kv_peak_bytes": sum(a["kv_peak_bytes"])
+                             / len(a["kv_peak_bytes"]), "mean_reserved_slots": sum(a["reserved_slots"]) / len(requests),
+                             "mean_full_reserved_slots": sum(a["full_reserved_slots"]) / len(requests)}
+                      for name, a in alone.items() if "kv_peak_bytes" in a},
         "points": runs, "ratios": ratios, "wall_seconds": time.perf_counter() - t_start,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     for name, point in runs.items():
         for key, r in point["runs"].items():
-            print(f"{name:<9}{key:<10}{r['throughput_rps']:>7.2f} req/s  p50 {r['latency_p50_s']:.2f} s  "
-                  f"p99 {r['latency_p99_s']:.2f} s  peak {r['kv_peak']:.0f}  batch {r['max_batch']}  "
+            print(f"{name:<10}{key:<17}{r['throughput_rps']:>7.2f} req/s  p50 {r['latency_p50_s']:.2f} s  "
+                  f"p99 {r['latency_p99_s']:.2f} s  peak {r['kv_peak']:.0f} ({r['kv_peak_bytes'] or 0:,.0f} B)  "
+                  f"batch {r['max_batch']}  "
                   f"given back {r['given_back']:.0f}  5xx {r['server_5xx']}  equal {r['answers_equal_in_process']}")
     for name, ratio in ratios.items():
         print(f"{name} / full: {ratio['over_full']:.2f}x (target >= {ratio['target']:.2f}x)")

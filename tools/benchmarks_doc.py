@@ -1178,6 +1178,86 @@ def decoding_reading(data: dict, runs: dict) -> str:
         "and the slots it gives back let waiting requests in mid-answer.")
 
 
+#: The long-generation capacity benchmark's KV format points (docs/kv-formats.md), in its results.
+FORMAT_POINTS = ("int8", "certified")
+
+
+def format_target(r: dict) -> str:
+    """A KV format point's throughput target: 0.8 ÷ its peak KV bytes (and a floor, int8's 1.5×)."""
+    shown = f"0.8 ÷ {num(r['peak_kv_bytes'], 3)} = {times(r['target_bytes'])}"
+    return shown + (f", and ≥ {times(r['floor'])}" if r.get("floor") else "")
+
+
+def small_bits(kv_format: dict | None) -> list[int]:
+    """The integer widths under 8 bits a per-token format stores (each in an int8 container)."""
+    if not kv_format:
+        return []
+    parts = [kv_format["keys"], kv_format["values"]] if kv_format["backend"] == "split" else [kv_format]
+    return sorted({p["nbits"] for p in parts if p["backend"] == "int" and p["nbits"] < 8})
+
+
+def capacity_long_formats(data: dict, runs: dict) -> str:
+    """The KV format points' table (what each holds, in-process and in the server) and reading."""
+    kv, ratios, cert = data["format_kv"], data["ratios"], data["certified_point"]
+    rows = []
+    for name in (n for n in FORMAT_POINTS if n in kv):
+        k, with_lookup, without = kv[name], runs[name, "budget"], runs[name, "budget_no_lookup"]
+        rows.append([name, f"`{data['points'][name]['policy']}`", num(k["bytes_share"], 3), num(k["mean_kv_peak_bytes"], 3),
+                     f"{k['mean_reserved_slots']:,.0f} of {k['mean_full_reserved_slots']:,.0f}",
+                     f"{with_lookup['kv_peak']:,.0f} / {without['kv_peak']:,.0f}",
+                     f"{with_lookup['kv_peak_bytes'] / 1024:,.0f} / {without['kv_peak_bytes'] / 1024:,.0f}",
+                     f"{with_lookup['max_batch']} / {without['max_batch']}"])
+    full, plain = runs["full", "budget"], runs["full", "budget_no_lookup"]
+    i8, i8_plain = runs["int8", "budget"], runs["int8", "budget_no_lookup"]
+    r8, r8_plain = ratios["int8"], ratios["int8_no_lookup"]
+
+    def met(r: dict) -> str:
+        return "reached" if r["over_full"] >= r["target"] else "not reached"
+
+    reading = (
+        f"The format points hold every token at a lower precision. In the server a format alone decodes as a lane of "
+        f"the batch that stores its tensors (int8 containers and float16 scales; a slot of the budget is one token's "
+        f"keys and values in every layer in the model's {full['kv_slot_bytes']:,.0f} bytes, float32 here, where "
+        "`peak_kv_bytes` counts against a 16-bit cache) and reserves its stored bytes, its question and one layer of "
+        "its prefill at full precision: a request reserves the slots in the table's column, against the full cache's. "
+        f"int8 alone serves {num(i8['throughput_rps'], 2)} req/s with prompt lookup against the full cache's "
+        f"{num(full['throughput_rps'], 2)} ({times(r8['over_full'])}, target {times(r8['target'])}: {met(r8)}) and "
+        f"{num(i8_plain['throughput_rps'], 2)} against {num(plain['throughput_rps'], 2)} without "
+        f"({times(r8_plain['over_full'])}: {met(r8_plain)}), decoding up to {i8_plain['max_batch']} requests at once "
+        f"against the full cache's {plain['max_batch']}. Its lanes draft as the full cache's do (no full-precision "
+        f"window: {num(i8['tokens_per_decode_step'], 1)} tokens a forward with lookup against "
+        f"{num(full['tokens_per_decode_step'], 1)}), but every forward dequantises each lane's whole cache, every layer's "
+        "keys and values, before it attends, so a forward of a batch of int8 lanes costs more processor than one of "
+        "full-cache rows; where the processor binds (with lookup, and here on a shared machine without it too) "
+        "the memory it saves buys less than its bytes. ")
+    if "certified" in kv:
+        c, c_plain = runs["certified", "budget"], runs["certified", "budget_no_lookup"]
+        rc, rc_plain = ratios["certified"], ratios["certified_no_lookup"]
+        gate = cert.get("gate") or {}
+        source = data["certified_source"]
+        reading += (
+            (f"The certified point, `{cert['policy']}` ({source.split(': ', 1)[1]})" if source.startswith("certified")
+             else f"No certified point was there ({source}); `{cert['policy']}` stands in") +
+            f", serves {num(c['throughput_rps'], 2)} req/s with lookup ({times(rc['over_full'])}) and "
+            f"{num(c_plain['throughput_rps'], 2)} without ({times(rc_plain['over_full'])}), against a target of "
+            f"{times(rc['target'])}: {met(rc)} with lookup, {met(rc_plain)} without. ")
+        if gate.get("recompute") is not None:
+            reading += (
+                f"Its recompute gate (threshold {num(gate['recompute'], 3)}) restarts an answer on the full cache at its "
+                "first token under it, decided token by token, so its answers do not decode as lanes of the batch: each "
+                "decodes alone, one token a forward, between the batched steps, and a budget that admits "
+                f"{c_plain['max_batch']} of them at once cannot batch their forwards. ")
+        bits = small_bits(cert.get("kv_format"))
+        if bits:
+            reading += (
+                f"Its {' and '.join(map(str, bits))}-bit integers count {', '.join(map(str, bits))} bits in "
+                f"`peak_kv_bytes` ({num(kv['certified']['mean_kv_peak_bytes'], 3)}), but the server stores them in int8 "
+                "containers, int8's bytes: the target asks for a saving the stored tensors do not make. ")
+    return "\n\n".join([table(["point", "policy", "bytes share (16-bit)", "peak KV bytes in-process",
+                                 "reserved slots, mean (of the full cache's)", "peak slots, lookup / none",
+                                 "peak KiB, lookup / none", "max batch, lookup / none"], rows), reading.strip()])
+
+
 def capacity_long(data: dict) -> str:
     traffic, budget, ratios = data["traffic"], data["budget"], data["ratios"]
     runs = {(name, key): r for name, p in data["points"].items() for key, r in p["runs"].items()}
@@ -1191,9 +1271,17 @@ def capacity_long(data: dict) -> str:
             for (name, key), r in runs.items()]
     ratio_names = {"half": "half ÷ full", "half_no_lookup": "half ÷ full, both without lookup",
                    "decoding": "decoding ÷ full", "decoding_no_lookup": "decoding ÷ full, both without lookup"}
-    ratio_rows = [[ratio_names.get(name, name), times(r["over_full"]), times(r["target"]),
+    ratio_names.update({f"{name}{suffix}": f"{name} ÷ full{label}" for name in FORMAT_POINTS
+                        for suffix, label in (("", ""), ("_no_lookup", ", both without lookup"))})
+    ratio_rows = [[ratio_names.get(name, name), times(r["over_full"]),
+                   format_target(r) if "peak_kv_bytes" in r else times(r["target"]),
                    "yes" if r["over_full"] >= r["target"] else "no"] for name, r in ratios.items()]
     n = traffic["requests"]
+    machine = data["machine"]
+    shared = ("" if machine.get("load_average_1m_before") is None else
+              f" The machine was shared with other work: its 1-minute load average was "
+              f"{num(machine['load_average_1m_before'], 1)} when the run started and "
+              f"{num(machine['load_average_1m_after'], 1)} when it ended, on {machine['cpus']} cores.")
     return "\n\n".join([
         "## Capacity on long generations",
         command(data["command"]),
@@ -1207,14 +1295,17 @@ def capacity_long(data: dict) -> str:
         "cache; StreamingLLM keeping half of the prefill, ungated (pruned layer by layer under the server); kvpress's "
         "CompressionRatioDecodingPress over StreamingLLM keeping half of the tokens seen every 8 steps, "
         "**uncertified**: the embedded long-generation contract certified nothing at ε = 0.05 under its strict prefix "
-        "agreement (see [long generations](long-generations.md)), so it is served as a fixed point, for its memory. "
+        "agreement (see [long generations](long-generations.md)), so it is served as a fixed point, for its memory; "
+        "and two [KV formats](kv-formats.md) keeping every token: int8 alone (`int8@1.00`), and the point certified on "
+        f"`contracts/embedded_long.yaml` ({data['certified_source']}), served as certified. "
         "The servers run without shadows or monitor: a monitor would rightly send the breaking evicted points to the "
         "full cache mid-run, and the run would then measure the full cache under their names. Every answer is "
-        "compared with the in-process runtime's.",
+        "compared with the in-process runtime's." + shared,
         table(["point", "policy", "budget (slots)", "req/s", "latency p50 / p99", "peak KV", "max batch",
                "server cores", "5xx", "answers = in-process"], rows),
         table(["ratio", "measured", "target", "reached"], ratio_rows),
         capacity_long_reading(data, runs),
+        capacity_long_formats(data, runs),
     ])
 
 
@@ -1714,11 +1805,25 @@ def demo_machine(data: dict) -> str:
 
 
 def demo_point(entry: dict) -> str:
-    """A stratum's certified point in prose: CriticalKV at 0.45, or the full cache."""
+    """A stratum's certified point in prose: CriticalKV at 0.45 (with its KV format), or the full cache."""
     if entry["fallback"]:
         return "the full cache (nothing certified)"
     gated = f" behind its gate (`{entry['policy']}`)" if entry["gate"] else ""
-    return f"{press_name(entry['press'])} at {entry['kv_retained']:.2f}{gated}"
+    fmt = entry.get("kv_format")
+    stored = "" if not fmt else f" × {format_compact(fmt)}"
+    return f"{press_name(entry['press'])} at {entry['kv_retained']:.2f}{stored}{gated}"
+
+
+def format_compact(fmt: dict) -> str:
+    """A KV format in a few characters: K8/V4 for integer keys and values, else in words."""
+    if fmt["backend"] == "split" and fmt["keys"]["backend"] == fmt["values"]["backend"] == "int":
+        return f"K{fmt['keys']['nbits']}/V{fmt['values']['nbits']}"
+    return format_words(fmt)
+
+
+def memory_label(contract: dict) -> str:
+    """What the demo's mean memory measures: KV retained, or bytes over a 16-bit cache's."""
+    return "mean KV bytes" if contract.get("kv_cost") == "bytes" else "mean KV retained"
 
 
 def demo(data: dict) -> str:
@@ -1745,9 +1850,11 @@ def demo(data: dict) -> str:
         f"confidence {c['confidence']:g}, `{c['procedure']}`, certified per {c['strata_by']}. The README's demo "
         "figures are these.",
         "Certified point per task (violations on the task's certification requests, Clopper–Pearson upper bound, "
-        "mean KV retained), and the same records certified with the strata removed (a comparison the demo prints, "
+        f"{memory_label(c)}), and the same records certified with the strata removed (a comparison the demo prints, "
         "never deployed):",
         table(["task", "certified", "violations k/n", "bound", "mean KV"], rows),
+        f"Deployed, weighted by requests: {memory_label(c)} **{num(dep['mean_kv_retained'])}**, "
+        f"{pct(dep['kv_saved'])} of the KV cache's bytes saved." if c.get("kv_cost") == "bytes" else
         f"Deployed, weighted by requests: mean KV retained **{num(dep['mean_kv_retained'])}**, "
         f"{pct(dep['kv_saved'])} of the KV cache saved.",
         f"Validation: {val['pooled']['n_splits']} random splits of each task's certification requests; per method, "
@@ -1850,6 +1957,13 @@ def readme_demo(demo: dict) -> str:
     ungated = ", ungated" if all(not e["gate"] for e in strata.values()) else ""
     pooled_text = "" if pooled is None else (
         f", where one pooled certificate for the mix gives {num(pooled['mean_kv_retained'])}")
+    memory = memory_label(c)
+    saved = "of the KV cache's bytes saved" if c.get("kv_cost") == "bytes" else "of the KV cache saved"
+    chosen_on = ("CriticalKV, the press that certified the least KV there, on a ladder in 0.05 steps, the same with "
+                 "its kept entries stored as 8-bit keys and 4-bit values (K8/V4), and certkv's probabilistic press"
+                 if c.get("kv_cost") == "bytes" else
+                 "CriticalKV, the press that certified the least KV there, on a ladder in 0.05 steps, beside certkv's "
+                 "probabilistic press")
     val = demo["validation"]["strata"]
     ours = {t: v["certkv"]["exceed_fraction"] for t, v in val.items()}
     if len(set(ours.values())) == 1:
@@ -1861,12 +1975,12 @@ def readme_demo(demo: dict) -> str:
     tau = "any utility" if c["tolerance"] == 0 else f"more than τ = {c['tolerance']:g} utility"
     minutes = max(1, round(demo["wall_s"] / 60))
     return (
-        f"**The demo certifies {what}: {pct(dep['kv_saved'])} of the KV cache saved.** The contract asks that at "
+        f"**The demo certifies {what}: {pct(dep['kv_saved'])} {saved}.** The contract asks that at "
         f"most ε = {pct(c['risk'], 0)} of each task's requests lose {tau} (τ = {c['tolerance']:g}, "
-        f"{c['utility'].replace('_', ' ')}) with confidence {c['confidence']:g}. Its presses were chosen on the "
+        f"{c['utility'].replace('_', ' ')}) with confidence {c['confidence']:g}. Its candidates were chosen on the "
         "[certified press league](docs/benchmarks.md#certified-press-league), fresh requests of another seed: "
-        "CriticalKV, the press that certified the least KV there, on a ladder in 0.05 steps, beside certkv's "
-        f"probabilistic press. {', '.join(points)}{ungated}: mean KV retained {num(dep['mean_kv_retained'])}"
+        f"{chosen_on}. {', '.join(points)}{ungated}: {memory} {num(dep['mean_kv_retained'])}"
+        f"{' of a 16-bit cache' if c.get('kv_cost') == 'bytes' else ''}"
         f"{pooled_text}. In the validation certkv's "
         f"choice is over ε on a test half {ours_text}; empirical thresholding's in {theirs}. It runs in about "
         f"{minutes} minute{'s' if minutes != 1 else ''} on {demo_machine(demo)}: {duration(demo['wall_s'])} "
