@@ -1182,6 +1182,20 @@ def decoding_reading(data: dict, runs: dict) -> str:
 FORMAT_POINTS = ("int8", "certified")
 
 
+def certified_from(data: dict) -> str:
+    """Where the long-generation capacity benchmark's certified point came from, in words."""
+    source, policy = data["certified_source"], data["certified_point"]["policy"]
+    if source.startswith("certified: "):
+        return f"`{policy}` read from `{source.removeprefix('certified: ')}` and served as certified, gate included"
+    return f"which was not there ({source.removeprefix('stand-in: ')}): `{policy}` stands in"
+
+
+def five_xx(r: dict) -> str:
+    """A run's 5xx, and those of the passes it discarded (the machine was busy), apart."""
+    apart = r.get("server_5xx_discarded", 0)
+    return str(r["server_5xx"]) + (f" (+{apart} in a discarded pass)" if apart else "")
+
+
 def format_target(r: dict) -> str:
     """A KV format point's throughput target: 0.8 ÷ its peak KV bytes (and a floor, int8's 1.5×)."""
     shown = f"0.8 ÷ {num(r['peak_kv_bytes'], 3)} = {times(r['target_bytes'])}"
@@ -1198,11 +1212,14 @@ def small_bits(kv_format: dict | None) -> list[int]:
 
 def capacity_long_formats(data: dict, runs: dict) -> str:
     """The KV format points' table (what each holds, in-process and in the server) and reading."""
+    import statistics
+
     kv, ratios, cert = data["format_kv"], data["ratios"], data["certified_point"]
     rows = []
     for name in (n for n in FORMAT_POINTS if n in kv):
         k, with_lookup, without = kv[name], runs[name, "budget"], runs[name, "budget_no_lookup"]
-        rows.append([name, f"`{data['points'][name]['policy']}`", num(k["bytes_share"], 3), num(k["mean_kv_peak_bytes"], 3),
+        rows.append([name, f"`{data['points'][name]['policy']}`", num(k["bytes_share"], 3), num(k["stored_share"], 3),
+                     num(k["mean_kv_peak_bytes"], 3),
                      f"{k['mean_reserved_slots']:,.0f} of {k['mean_full_reserved_slots']:,.0f}",
                      f"{with_lookup['kv_peak']:,.0f} / {without['kv_peak']:,.0f}",
                      f"{with_lookup['kv_peak_bytes'] / 1024:,.0f} / {without['kv_peak_bytes'] / 1024:,.0f}",
@@ -1210,26 +1227,50 @@ def capacity_long_formats(data: dict, runs: dict) -> str:
     full, plain = runs["full", "budget"], runs["full", "budget_no_lookup"]
     i8, i8_plain = runs["int8", "budget"], runs["int8", "budget_no_lookup"]
     r8, r8_plain = ratios["int8"], ratios["int8_no_lookup"]
+    k8 = kv["int8"]
+    layers, bits = k8["model_layers"], k8["model_bits"]
+    slot_share = k8["stored_share"] * 16 / bits
 
     def met(r: dict) -> str:
         return "reached" if r["over_full"] >= r["target"] else "not reached"
 
+    def per_pass(r: dict) -> tuple[float, float, float]:
+        """(tokens a batched decode step decoded, its wall seconds, seconds per token): medians over passes."""
+        passes = [(t, w) for t, w in zip(r["tokens_per_step_each"], r["step_seconds_each"]) if t and w]
+        return (statistics.median(t for t, _ in passes), statistics.median(w for _, w in passes),
+                statistics.median(w / t for t, w in passes))
+
+    transient = ("as many slots as its whole cache in the model's dtype" if layers == 2 else
+                 f"{pct(2 / layers, 0)} of its whole cache in the model's dtype")
     reading = (
-        f"The format points hold every token at a lower precision. In the server a format alone decodes as a lane of "
-        f"the batch that stores its tensors (int8 containers and float16 scales; a slot of the budget is one token's "
-        f"keys and values in every layer in the model's {full['kv_slot_bytes']:,.0f} bytes, float32 here, where "
-        "`peak_kv_bytes` counts against a 16-bit cache) and reserves its stored bytes, its question and one layer of "
-        "its prefill at full precision: a request reserves the slots in the table's column, against the full cache's. "
+        "The format points keep every token, at a lower precision. `peak_kv_bytes` prices a format's bits against a "
+        f"16-bit cache (int8 {num(k8['bytes_share'], 3)}); the server stores integers in int8 containers with float16 "
+        f"scales and counts its budget in token slots of the model's dtype ({full['kv_slot_bytes']:,.0f} bytes: one "
+        f"token's keys and values in every layer at {bits} bits), so a stored token takes {num(slot_share, 3)} of a "
+        "slot. A request reserves its tokens at that, its question at full precision, and two full-precision copies "
+        "of one layer (a step dequantises a layer's keys and values and concatenates its new entries before it "
+        f"attends): on this model of {layers} layers those copies are {transient}, so a request reserves "
+        f"{k8['mean_reserved_slots']:,.0f} slots on average against the full cache's "
+        f"{k8['mean_full_reserved_slots']:,.0f} "
+        f"({times(k8['mean_full_reserved_slots'] / k8['mean_reserved_slots'])} as many requests fit, not the "
+        f"{times(1 / k8['bytes_share'])} its bytes promise); once it decodes, a lane holds its stored tensors only. "
         f"int8 alone serves {num(i8['throughput_rps'], 2)} req/s with prompt lookup against the full cache's "
         f"{num(full['throughput_rps'], 2)} ({times(r8['over_full'])}, target {times(r8['target'])}: {met(r8)}) and "
         f"{num(i8_plain['throughput_rps'], 2)} against {num(plain['throughput_rps'], 2)} without "
-        f"({times(r8_plain['over_full'])}: {met(r8_plain)}), decoding up to {i8_plain['max_batch']} requests at once "
-        f"against the full cache's {plain['max_batch']}. Its lanes draft as the full cache's do (no full-precision "
-        f"window: {num(i8['tokens_per_decode_step'], 1)} tokens a forward with lookup against "
-        f"{num(full['tokens_per_decode_step'], 1)}), but every forward dequantises each lane's whole cache, every layer's "
-        "keys and values, before it attends, so a forward of a batch of int8 lanes costs more processor than one of "
-        "full-cache rows; where the processor binds (with lookup, and here on a shared machine without it too) "
-        "the memory it saves buys less than its bytes. ")
+        f"({times(r8_plain['over_full'])}: {met(r8_plain)}). ")
+    (t8, w8, u8), (tf, wf, uf) = per_pass(i8_plain), per_pass(plain)
+    (lt8, lw8, lu8), (ltf, lwf, luf) = per_pass(i8), per_pass(full)
+    reading += (
+        f"Without lookup memory lets it decode up to {i8_plain['max_batch']} requests at once against the full cache's "
+        f"{plain['max_batch']}, and a batched step decoded {num(t8, 1)} tokens against {num(tf, 1)}, but took "
+        f"{seconds(w8)} against {seconds(wf)}: {seconds(u8)} a token against {seconds(uf)} (medians over passes, a "
+        "pass's wall over its steps). On this processor a forward's cost grows with the tokens it decodes and attends "
+        "over, so a larger batch buys little: the full cache's server already used "
+        f"{num(plain['server_cpu_per_wall_s'], 2)} of the machine's {data['machine']['cpus']} cores, the processor "
+        "binds before memory does. And every step dequantises each lane's whole cache, every layer's keys and "
+        f"values, before it attends: with lookup, where a step confirms {num(lt8, 1)} tokens of int8 lanes against "
+        f"the full cache's {num(ltf, 1)}, a step took {seconds(lw8)} against {seconds(lwf)}, {seconds(lu8)} a token "
+        f"against {seconds(luf)}. ")
     if "certified" in kv:
         c, c_plain = runs["certified", "budget"], runs["certified", "budget_no_lookup"]
         rc, rc_plain = ratios["certified"], ratios["certified_no_lookup"]
@@ -1240,22 +1281,26 @@ def capacity_long_formats(data: dict, runs: dict) -> str:
              else f"No certified point was there ({source}); `{cert['policy']}` stands in") +
             f", serves {num(c['throughput_rps'], 2)} req/s with lookup ({times(rc['over_full'])}) and "
             f"{num(c_plain['throughput_rps'], 2)} without ({times(rc_plain['over_full'])}), against a target of "
-            f"{times(rc['target'])}: {met(rc)} with lookup, {met(rc_plain)} without. ")
+            f"0.8 ÷ {num(rc['peak_kv_bytes'], 3)} = {times(rc['target'])}: {met(rc)} with lookup, {met(rc_plain)} "
+            "without. ")
         if gate.get("recompute") is not None:
             reading += (
                 f"Its recompute gate (threshold {num(gate['recompute'], 3)}) restarts an answer on the full cache at its "
                 "first token under it, decided token by token, so its answers do not decode as lanes of the batch: each "
-                "decodes alone, one token a forward, between the batched steps, and a budget that admits "
-                f"{c_plain['max_batch']} of them at once cannot batch their forwards. ")
-        bits = small_bits(cert.get("kv_format"))
-        if bits:
+                "decodes alone, one token a forward, between the batched steps (max batch "
+                f"{c_plain['max_batch']}), whatever the budget admits. ")
+        small = small_bits(cert.get("kv_format"))
+        if small:
             reading += (
-                f"Its {' and '.join(map(str, bits))}-bit integers count {', '.join(map(str, bits))} bits in "
-                f"`peak_kv_bytes` ({num(kv['certified']['mean_kv_peak_bytes'], 3)}), but the server stores them in int8 "
-                "containers, int8's bytes: the target asks for a saving the stored tensors do not make. ")
-    return "\n\n".join([table(["point", "policy", "bytes share (16-bit)", "peak KV bytes in-process",
-                                 "reserved slots, mean (of the full cache's)", "peak slots, lookup / none",
-                                 "peak KiB, lookup / none", "max batch, lookup / none"], rows), reading.strip()])
+                f"And its {' and '.join(f'{b}-bit' for b in small)} integers count as such in `peak_kv_bytes` "
+                f"({num(kv['certified']['bytes_share'], 3)} of 16 bits for the format, "
+                f"{num(kv['certified']['mean_kv_peak_bytes'], 3)} with the gate's full-cache answers), but the server "
+                f"stores them in int8 containers, {num(kv['certified']['stored_share'], 3)}, as int8's: the target asks "
+                "for a saving the stored tensors do not make. ")
+    return "\n\n".join([table(["point", "policy", "bytes share (16-bit)", "stored share (16-bit)",
+                                 "peak KV bytes in-process", "reserved slots, mean (of the full cache's)",
+                                 "peak slots, lookup / none", "peak KiB, lookup / none", "max batch, lookup / none"],
+                                rows), reading.strip()])
 
 
 def capacity_long(data: dict) -> str:
@@ -1265,7 +1310,8 @@ def capacity_long(data: dict) -> str:
               "unlimited": "unlimited"}
     rows = [[name, f"`{data['points'][name]['policy']}`", labels[key],
              num(r["throughput_rps"], 2), f"{seconds(r['latency_p50_s'])} / {seconds(r['latency_p99_s'])}",
-             f"{r['kv_peak']:,.0f}", str(r["max_batch"]), num(r["server_cpu_per_wall_s"], 2), str(r["server_5xx"]),
+             f"{r['kv_peak']:,.0f}", str(r["max_batch"]), num(r["server_cpu_per_wall_s"], 2),
+             ", ".join(num(x, 2) for x in r.get("others_cpu_per_wall_s_each", [])) or "—", five_xx(r),
              "yes" if r["answers_equal_in_process"] else "no (passes differ)" if r["answers_differing"] is None
              else f"no ({r['answers_differing']} differ)"]
             for (name, key), r in runs.items()]
@@ -1278,10 +1324,13 @@ def capacity_long(data: dict) -> str:
                    "yes" if r["over_full"] >= r["target"] else "no"] for name, r in ratios.items()]
     n = traffic["requests"]
     machine = data["machine"]
+    discarded = sum(len(r.get("discarded_passes", [])) for r in runs.values())
     shared = ("" if machine.get("load_average_1m_before") is None else
-              f" The machine was shared with other work: its 1-minute load average was "
-              f"{num(machine['load_average_1m_before'], 1)} when the run started and "
-              f"{num(machine['load_average_1m_after'], 1)} when it ended, on {machine['cpus']} cores.")
+              f" The machine was shared with other work (1-minute load average {num(machine['load_average_1m_before'], 1)} "
+              f"when the run started, {num(machine['load_average_1m_after'], 1)} when it ended, on {machine['cpus']} "
+              "cores): each pass waited for the rest of the machine to use under 0.3 of a core, the cores it used "
+              "during the pass are in the table, and a pass during which it used over half a core ran once more "
+              f"({discarded} such pass{'' if discarded == 1 else 'es'} discarded, their 5xx shown apart).")
     return "\n\n".join([
         "## Capacity on long generations",
         command(data["command"]),
@@ -1297,12 +1346,12 @@ def capacity_long(data: dict) -> str:
         "**uncertified**: the embedded long-generation contract certified nothing at ε = 0.05 under its strict prefix "
         "agreement (see [long generations](long-generations.md)), so it is served as a fixed point, for its memory; "
         "and two [KV formats](kv-formats.md) keeping every token: int8 alone (`int8@1.00`), and the point certified on "
-        f"`contracts/embedded_long.yaml` ({data['certified_source']}), served as certified. "
+        f"`contracts/embedded_long.yaml`, {certified_from(data)}. "
         "The servers run without shadows or monitor: a monitor would rightly send the breaking evicted points to the "
         "full cache mid-run, and the run would then measure the full cache under their names. Every answer is "
         "compared with the in-process runtime's." + shared,
         table(["point", "policy", "budget (slots)", "req/s", "latency p50 / p99", "peak KV", "max batch",
-               "server cores", "5xx", "answers = in-process"], rows),
+               "server cores", "other work's cores, per pass", "5xx", "answers = in-process"], rows),
         table(["ratio", "measured", "target", "reached"], ratio_rows),
         capacity_long_reading(data, runs),
         capacity_long_formats(data, runs),
