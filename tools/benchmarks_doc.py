@@ -1524,28 +1524,27 @@ def cost_words(kv_cost: str) -> str:
     return {"bytes": "peak bytes", "peak": "peak KV", "time": "KV-time", "kv_retained": "KV retained"}.get(kv_cost, kv_cost)
 
 
-def format_short(fmt: dict, part: bool = False) -> str:
+def format_short(fmt: dict) -> str:
     """A KV format in a few words, for the README: 6-bit keys, 4-bit values."""
-    backend = fmt["backend"]
-    if backend == "split":
-        return f"{format_short(fmt['keys'], True)} keys, {format_short(fmt['values'], True)} values"
-    if backend == "int":
-        return f"{fmt['nbits']}-bit" + ("" if part else " integers")
-    if backend == "fp8":
-        return f"fp8 {fmt.get('dtype', 'e4m3')}"
-    return f"{backend.upper() if backend == 'hqq' else backend} {fmt['nbits']}-bit"
+    return _format_text(fmt, short=True)
 
 
-def format_words(fmt: dict | None, part: bool = False) -> str:
-    """A KV format (as an operating point stores it) in words: 8-bit integer keys and 4-bit integer values
-    (`part`: the keys' or values' half of a split, an adjective)."""
-    if fmt is None:
-        return "16 bits"
+def format_words(fmt: dict | None) -> str:
+    """A KV format (as an operating point stores it) in words: 8-bit integer keys and 4-bit integer values."""
+    return "16 bits" if fmt is None else _format_text(fmt, short=False)
+
+
+def _format_text(fmt: dict, short: bool, part: bool = False) -> str:
+    """:func:`format_short` (`short`) or :func:`format_words`; `part`: the keys' or values' half of a
+    split, an adjective."""
     backend = fmt["backend"]
     if backend == "split":
-        return f"{format_words(fmt['keys'], True)} keys and {format_words(fmt['values'], True)} values"
+        keys, values = _format_text(fmt["keys"], short, True), _format_text(fmt["values"], short, True)
+        return f"{keys} keys, {values} values" if short else f"{keys} keys and {values} values"
     if backend == "int":
-        return f"{fmt['nbits']}-bit integer" + ("" if part else "s")
+        if not part:
+            return f"{fmt['nbits']}-bit integers"
+        return f"{fmt['nbits']}-bit" + ("" if short else " integer")
     if backend == "fp8":
         return f"fp8 {fmt.get('dtype', 'e4m3')}"
     return f"{backend.upper() if backend == 'hqq' else backend} {fmt['nbits']}-bit"
