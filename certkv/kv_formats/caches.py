@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, QuantizedCache, QuantizedLayer
 
-from certkv.kv_formats.spec import KvFormat, SplitFormat, TransformersFormat
+from certkv.kv_formats.spec import KvFormat, SplitFormat, TransformersFormat, key_value_formats
 from certkv.kv_formats.token_quantisers import StoredTokens, token_quantiser
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class TokenFormatCache(QuantizedCache):
     """A cache of :class:`TokenFormatLayer`, one per model layer (a ``QuantizedCache`` for kvpress)."""
 
     def __init__(self, fmt: Fp8Format | IntFormat | SplitFormat, config: PretrainedConfig) -> None:
-        keys, values = (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt, fmt)
+        keys, values = key_value_formats(fmt)
         layers = config.get_text_config(decoder=True).num_hidden_layers
         Cache.__init__(self, layers=[TokenFormatLayer(keys, values, i) for i in range(layers)])  # type: ignore[arg-type]
 
@@ -122,7 +122,7 @@ def _window(tensor: torch.Tensor) -> int:
 def held_units(cache: QuantizedCache, fmt: KvFormat, head_dim: int) -> float:
     """What `cache` holds, in 16-bit token slots (module docstring), the mean over its layers:
     each quantised token at its format's share, each token of a full-precision window at 1."""
-    parts = (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt, fmt)
+    parts = key_value_formats(fmt)
     total = 0.0
     for layer in cache.layers:
         for which, part in zip(("keys", "values"), parts):

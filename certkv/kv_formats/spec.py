@@ -223,6 +223,11 @@ KvFormat = Annotated[TransformersFormat | Fp8Format | IntFormat | SplitFormat, F
 _ADAPTER: TypeAdapter = TypeAdapter(KvFormat)
 
 
+def key_value_formats(fmt: KvFormat) -> tuple[KvFormat, KvFormat]:
+    """(the keys' format, the values' format): a split's two parts, any other format twice."""
+    return (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt, fmt)
+
+
 def stored_share(fmt: KvFormat, head_dim: int) -> float:
     """Bytes a stored token takes over a 16-bit one, as this implementation holds it: transformers'
     backends pack their integers; certkv's integer formats keep each in an int8 container (so below
@@ -243,7 +248,7 @@ def stored_share(fmt: KvFormat, head_dim: int) -> float:
 
 def needs_pilot_scales(fmt: KvFormat) -> bool:
     """Whether `fmt` (or a part of it) has fp8 scales still to be placed on the pilot."""
-    parts = (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt,)
+    parts = key_value_formats(fmt)
     return any(isinstance(p, Fp8Format) and p.scale == "pilot" and p.layer_scales is None for p in parts)
 
 
@@ -340,4 +345,4 @@ def _check_cheaper(data: dict[str, Any]) -> None:
 
 
 __all__ = ["CacheBlock", "Fp8Format", "IntFormat", "KvFormat", "SplitFormat", "TransformersFormat", "format_ladder",
-           "needs_pilot_scales", "parse_format", "stored_share", "with_pilot_scales"]
+           "key_value_formats", "needs_pilot_scales", "parse_format", "stored_share", "with_pilot_scales"]

@@ -48,7 +48,7 @@ from certkv.engine.decoding_run import is_decoding_press
 from certkv.engine.engine import is_probabilistic_press, press_precondition_failure
 from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError, format_validation_error
-from certkv.kv_formats.spec import Fp8Format, SplitFormat, needs_pilot_scales, parse_format
+from certkv.kv_formats.spec import Fp8Format, key_value_formats, needs_pilot_scales, parse_format
 from certkv.model.generation import EncodedRequest, encode_request, for_protocol, stop_token_ids
 from certkv.presses.hajek_state import clear_states
 from certkv.presses.probabilistic_decoding import ProbabilisticDecodingPress
@@ -74,11 +74,6 @@ if TYPE_CHECKING:
     from certkv.kv_formats.spec import KvFormat
     from certkv.runtime.prefix_cache import PrefixCache
     from certkv.runtime.steps import Step
-
-
-def _parts(fmt: KvFormat) -> tuple:
-    """A format's keys' and values' formats (itself twice unless it is a split)."""
-    return (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt, fmt)
 
 
 def _check_request_types(context: object, question: object, stratum: object, answer_prefix: object) -> None:
@@ -262,7 +257,7 @@ class CertifiedRuntime:
             raise CertkvError(f"the operating point's {fmt.name} format has no fp8 scales: they are placed on the pilot "
                               "when the contract is calibrated and written by `certkv certify` from its store")
         layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
-        scales = [p.layer_scales for p in _parts(fmt) if isinstance(p, Fp8Format) and p.layer_scales is not None]
+        scales = [p.layer_scales for p in key_value_formats(fmt) if isinstance(p, Fp8Format) and p.layer_scales is not None]
         if any(len(s) != layers for s in scales):
             raise CertkvError(f"the operating point's {fmt.name} format has fp8 scales for another model's layers "
                               f"(this one has {layers}); certify the point for this model")

@@ -33,7 +33,7 @@ from certkv.engine.format_lanes import format_lane, lane_format, lane_run, store
 from certkv.engine.format_run import head_dim, layer_slot_bytes, run_in_format
 from certkv.engine.full_cache import prefill_full
 from certkv.kv_formats.caches import build_cache
-from certkv.kv_formats.spec import SplitFormat, stored_share
+from certkv.kv_formats.spec import key_value_formats, stored_share
 from certkv.runtime.decoding_path import solo_run_steps
 from certkv.runtime.full_path import prefill_slots
 from certkv.runtime.gate_flow import AnsweringPath, AnswerSource, EvictedAnswer
@@ -59,7 +59,7 @@ def format_slots(model: PreTrainedModel, fmt: KvFormat, enc: EncodedRequest, max
     config = model.config.get_text_config(decoder=True)
     element_bits = 8 * next(model.parameters()).element_size()
     share = stored_share(fmt, head_dim(model)) * 16 / element_bits
-    parts = (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt,)
+    parts = key_value_formats(fmt)
     window = max(p.residual_length for p in parts) + len(enc.question_ids)
     tokens = len(enc.context_ids) + len(enc.question_ids) + max_new_tokens
     transient = 2 * tokens / config.num_hidden_layers
