@@ -1538,6 +1538,10 @@ def _format_text(fmt: dict, short: bool, part: bool = False) -> str:
     """:func:`format_short` (`short`) or :func:`format_words`; `part`: the keys' or values' half of a
     split, an adjective."""
     backend = fmt["backend"]
+    if backend == "tiered":
+        rest = _format_text(fmt["quantised"], short)
+        return f"{fmt['full']:g} at 16 bits, the rest {rest}" if short else \
+            f"the {fmt['full']:g} of the context its press scores highest at 16 bits, the rest of what it keeps as {rest}"
     if backend == "split":
         keys, values = _format_text(fmt["keys"], short, True), _format_text(fmt["values"], short, True)
         return f"{keys} keys, {values} values" if short else f"{keys} keys and {values} values"

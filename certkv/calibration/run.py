@@ -40,8 +40,9 @@ from certkv.engine.engine import (
     RequestResult,
     needs_attention_weights,
 )
+from certkv.engine.scoring import is_fast_path_press
 from certkv.errors import CertkvError
-from certkv.kv_formats.spec import needs_pilot_scales, parse_format, with_pilot_scales
+from certkv.kv_formats.spec import TieredFormat, needs_pilot_scales, parse_format, with_pilot_scales
 from certkv.model.generation import encode_request
 from certkv.model.loading import load_model, model_fingerprint, resolve_device
 from certkv.presses.registry import build_press
@@ -79,6 +80,9 @@ def build_candidates(contract: Contract, kv_amax: list[list[float]] | None = Non
         kv_format = None if c.kv_format is None else parse_format(dict(c.kv_format))
         if kv_format is not None and kv_amax is not None and needs_pilot_scales(kv_format):
             kv_format = with_pilot_scales(kv_format, kv_amax)
+        if isinstance(kv_format, TieredFormat) and not is_fast_path_press(press):
+            raise CertkvError(f"policy {c.policy}: a tiered cache ranks tokens by a plain scorer press's top-k (snapkv, "
+                              f"knorm, tova, criticalkv, ...), and {c.press} is not one: choose a scorer press")
         out.append(PressCandidate(policy=c.policy, press=press, press_name=c.press, kv_retained=c.kv_retained,
                                   kv_format=kv_format))
     return out

@@ -57,7 +57,7 @@ from certkv.core.spec import (
     gate_needs,
 )
 from certkv.errors import CertkvError
-from certkv.kv_formats.spec import CacheBlock, KvFormat, SplitFormat, needs_pilot_scales
+from certkv.kv_formats.spec import CacheBlock, KvFormat, TieredFormat, key_value_formats, needs_pilot_scales
 from certkv.presses import registry as press_registry
 
 if TYPE_CHECKING:
@@ -84,9 +84,7 @@ def _compresses_while_decoding(entry: CandidateSequence) -> bool:
 
 def _window_of(fmt: KvFormat) -> int:
     """The most recent tokens `fmt` keeps at full precision (keys' or values', the larger)."""
-    if isinstance(fmt, SplitFormat):
-        return max(fmt.keys.residual_length, fmt.values.residual_length)
-    return fmt.residual_length
+    return max(part.residual_length for part in key_value_formats(fmt))
 
 
 def _restartable(entry: CandidateSequence) -> bool:
@@ -303,9 +301,13 @@ class CandidateSequence(_Strict):
         if self.press is None:
             if self.kv_retained is not None or self.press_kwargs:
                 raise _error("an entry without a press keeps every token: kv_retained and press_kwargs need a press")
+            if any(isinstance(f, TieredFormat) for f in self.formats):
+                raise _error("a tiered cache ranks the context's tokens by a press's scores: put it beside a scorer press "
+                             "(snapkv, knorm, ...) with kv_retained")
             return self
         if self.kv_retained is None:
             raise _error(f"press {self.press!r} needs kv_retained (the retentions it is tested at, most KV first)")
+        self._check_tiers()
         if self.cache is not None and len(self.formats) > 1 and len(self.kv_retained) > 1:
             raise _error("a sequence runs over kv_retained or over cache.nbits, not both; write one entry per retention")
         if self.cache is not None and (reason := press_registry.format_refusal(self.press)):
@@ -319,6 +321,19 @@ class CandidateSequence(_Strict):
                     f"{windowed[0]} keeps one: use an fp8 or int format with residual_length 0"
                 )
         return self
+
+    def _check_tiers(self) -> None:
+        """A tiered cache's full-precision tier is part of what a prefill-time press keeps."""
+        tiered = [f for f in self.formats if isinstance(f, TieredFormat)]
+        if not tiered:
+            return
+        assert self.press is not None and self.kv_retained is not None  # checked before
+        if press_registry.compresses_while_decoding(self.press):
+            raise _error(f"press {self.press!r} compresses while decoding; a tiered cache ranks the context once, "
+                         "at prefill: put it beside a prefill-time scorer press")
+        if tiered[0].full >= min(self.kv_retained):
+            raise _error(f"cache.full {tiered[0].full:g} must be below every kv_retained ({min(self.kv_retained):g}): "
+                         "the full-precision tier is part of the tokens the press keeps")
 
     @property
     def formats(self) -> list[KvFormat]:

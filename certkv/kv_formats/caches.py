@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, QuantizedCache, QuantizedLayer
 
-from certkv.kv_formats.spec import KvFormat, SplitFormat, TransformersFormat, key_value_formats
+from certkv.kv_formats.spec import KvFormat, SplitFormat, TieredFormat, TransformersFormat, key_value_formats
 from certkv.kv_formats.token_quantisers import StoredTokens, token_quantiser
 
 if TYPE_CHECKING:
@@ -100,6 +100,9 @@ class TokenFormatCache(QuantizedCache):
 
 def build_cache(fmt: KvFormat, config: PretrainedConfig) -> QuantizedCache:
     """An empty cache storing keys and values in `fmt`, for a model of `config`."""
+    if isinstance(fmt, TieredFormat):
+        raise ValueError(f"{fmt.name} keeps its tiers beside a scorer press's choice: it decodes as a format lane "
+                         "(certkv.engine.format_lanes), not in a cache of its own")
     if isinstance(fmt, TransformersFormat):
         return QuantizedCache(fmt.backend, config, nbits=fmt.nbits, axis_key=fmt.axis_key, axis_value=fmt.axis_value,
                               q_group_size=fmt.q_group_size, residual_length=fmt.residual_length)

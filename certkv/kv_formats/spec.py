@@ -16,6 +16,9 @@ Backends:
   of a token and head (per token and head when the group is the head's size: SGLang's int8;
   llama.cpp's ``q8_0`` / ``q4_0`` are group 32).
 * ``split``: keys and values in two different formats (llama.cpp's ``-ctk q8_0 -ctv q4_0``).
+* ``tiered``: three tiers of the context's tokens beside a scorer press (QEvict-style): the
+  ``full`` share of the context the press scores highest at 16 bits, the rest of what the press
+  keeps in the ``quantised`` format (still read by attention, so recoverable), the others evicted.
 
 Every format's cost is its bits relative to a **16-bit** cache, whatever dtype the model computes
 in (``bytes_share``): values, scales, zero points; the full-precision window is counted by
@@ -218,14 +221,53 @@ class SplitFormat(_Format):
         return None
 
 
+#: A format certkv quantises token by token (what ``tiered`` stores its middle tier in).
+TokenFormat = Annotated[Fp8Format | IntFormat | SplitFormat, Field(discriminator="backend")]
+
+
+class TieredFormat(_Format):
+    """Three tiers beside a scorer press: per layer and KV head, the ``full`` share of the context's
+    tokens with the press's highest scores kept at 16 bits, the rest of the tokens the press keeps
+    (its ``kv_retained``) stored in ``quantised``, the others evicted. The question and the answer
+    are stored in ``quantised`` too (its window, if it has one, at full precision)."""
+
+    backend: Literal["tiered"]
+    full: float = Field(gt=0, lt=1, description="share of the context kept at 16 bits: the press's highest-scored")
+    quantised: TokenFormat
+
+    @model_validator(mode="after")
+    def _check_window(self) -> TieredFormat:
+        if self.residual_length:
+            raise _error("a tiered format's full-precision window is set on cache.quantised")
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"tier{self.full:g}-{self.quantised.name}"
+
+    def bytes_share(self, head_dim: int) -> float:
+        """The quantised tier's share (the full tier's tokens are priced at 1 where they are held)."""
+        return self.quantised.bytes_share(head_dim)
+
+
 #: Any KV format a policy entry may carry.
-KvFormat = Annotated[TransformersFormat | Fp8Format | IntFormat | SplitFormat, Field(discriminator="backend")]
+KvFormat = Annotated[TransformersFormat | Fp8Format | IntFormat | SplitFormat | TieredFormat, Field(discriminator="backend")]
 _ADAPTER: TypeAdapter = TypeAdapter(KvFormat)
+#: The backends a ``cache:`` block may name.
+BACKENDS = ("quanto", "hqq", "fp8", "int", "split", "tiered")
 
 
 def key_value_formats(fmt: KvFormat) -> tuple[KvFormat, KvFormat]:
-    """(the keys' format, the values' format): a split's two parts, any other format twice."""
+    """(the keys' format, the values' format): a split's two parts, a tiered format's quantised
+    tier's, any other format twice."""
+    if isinstance(fmt, TieredFormat):
+        return key_value_formats(fmt.quantised)
     return (fmt.keys, fmt.values) if isinstance(fmt, SplitFormat) else (fmt, fmt)
+
+
+def full_share(fmt: KvFormat | None) -> float:
+    """The share of the context a format keeps at 16 bits beside its press (0 but for ``tiered``)."""
+    return fmt.full if isinstance(fmt, TieredFormat) else 0.0
 
 
 def stored_share(fmt: KvFormat, head_dim: int) -> float:
@@ -239,6 +281,8 @@ def stored_share(fmt: KvFormat, head_dim: int) -> float:
     >>> stored_share(int4, 64), int4.bytes_share(64)
     (0.515625, 0.265625)
     """
+    if isinstance(fmt, TieredFormat):
+        return stored_share(fmt.quantised, head_dim)
     if isinstance(fmt, SplitFormat):
         return (stored_share(fmt.keys, head_dim) + stored_share(fmt.values, head_dim)) / 2
     if isinstance(fmt, IntFormat):
@@ -268,6 +312,8 @@ def with_pilot_scales(fmt: KvFormat, amax: list[list[float]]) -> KvFormat:
             pairs = [[(k / largest) or 1.0, (v / largest) or 1.0] for k, v in amax]
             return part.model_copy(update={"layer_scales": pairs})
         return part
+    if isinstance(fmt, TieredFormat):
+        return fmt.model_copy(update={"quantised": with_pilot_scales(fmt.quantised, amax)})
     if isinstance(fmt, SplitFormat):
         return fmt.model_copy(update={"keys": placed(fmt.keys), "values": placed(fmt.values)})
     return placed(fmt)
@@ -309,9 +355,8 @@ class CacheBlock(BaseModel):
     @field_validator("backend")
     @classmethod
     def _known(cls, value: str) -> str:
-        known = ("quanto", "hqq", "fp8", "int", "split")
-        if value not in known:
-            raise _error(f"cache.backend must be one of {', '.join(known)}, got {value!r}")
+        if value not in BACKENDS:
+            raise _error(f"cache.backend must be one of {', '.join(BACKENDS)}, got {value!r}")
         return value
 
     @model_validator(mode="after")
@@ -322,7 +367,7 @@ class CacheBlock(BaseModel):
                 parse_format(data)
             except ValidationError as exc:
                 first = exc.errors()[0]
-                tags = {"quanto", "hqq", "fp8", "int", "split"}  # a union's branch names, not keys
+                tags = set(BACKENDS)  # a union's branch names, not keys
                 where = ".".join(str(p) for p in first["loc"] if p not in tags)
                 own = first["type"] == "certkv" or not where
                 raise _error(first["msg"] if own else f"cache.{where}: {first['msg']}") from None
@@ -344,5 +389,6 @@ def _check_cheaper(data: dict[str, Any]) -> None:
                      "use fewer bits or a larger q_group_size")
 
 
-__all__ = ["CacheBlock", "Fp8Format", "IntFormat", "KvFormat", "SplitFormat", "TransformersFormat", "format_ladder",
-           "key_value_formats", "needs_pilot_scales", "parse_format", "stored_share", "with_pilot_scales"]
+__all__ = ["BACKENDS", "CacheBlock", "Fp8Format", "IntFormat", "KvFormat", "SplitFormat", "TieredFormat", "TokenFormat",
+           "TransformersFormat", "format_ladder", "full_share", "key_value_formats", "needs_pilot_scales", "parse_format",
+           "stored_share", "with_pilot_scales"]

@@ -112,7 +112,7 @@ def test_format_ladder_and_defaults():
     ("policy", "expected"),
     [
         ("{cache: {backend: quanto, nbits: 3}}", "cache.nbits for backend quanto must be one of [2, 4], got 3"),
-        ("{cache: {backend: zstd, nbits: 4}}", "cache.backend must be one of quanto, hqq, fp8, int, split, got 'zstd'"),
+        ("{cache: {backend: zstd, nbits: 4}}", "cache.backend must be one of quanto, hqq, fp8, int, split, tiered, got 'zstd'"),
         ("{cache: {backend: int, nbits: [4, 8]}}", "cache.nbits must be strictly decreasing"),
         ("{press: snapkv, kv_retained: [0.7, 0.5], cache: {backend: int, nbits: [8, 4]}}",
          "a sequence runs over kv_retained or over cache.nbits, not both"),
@@ -122,9 +122,21 @@ def test_format_ladder_and_defaults():
         ("{cache: {backend: int, nbits: 4, bits: 4}}", "cache.bits: Extra inputs are not permitted"),
         ("{cache: {backend: int, nbits: 9}}", "cache.nbits: Input should be less than or equal to 8"),
         ("{cache: {backend: fp8, dtype: e3m4}}", "cache.dtype: Input should be 'e4m3' or 'e5m2'"),
+        ("{cache: {backend: tiered, full: 0.1, quantised: {backend: int, nbits: 4}}}",
+         "a tiered cache ranks the context's tokens by a press's scores: put it beside a scorer press"),
+        ("{press: snapkv, kv_retained: [0.5, 0.2], cache: {backend: tiered, full: 0.2, quantised: {backend: int, nbits: 4}}}",
+         "cache.full 0.2 must be below every kv_retained (0.2)"),
+        ("{press: compression_ratio_decoding, kv_retained: [0.5], press_kwargs: {base_press: tova}, "
+         "cache: {backend: tiered, full: 0.1, quantised: {backend: fp8}}}",
+         "a tiered cache ranks the context once, at prefill: put it beside a prefill-time scorer press"),
+        ("{press: snapkv, kv_retained: [0.5], cache: {backend: tiered, full: 0.1, quantised: {backend: hqq, nbits: 4}}}",
+         "cache.quantised: Input tag 'hqq' found using 'backend' does not match any of the expected tags"),
+        ("{press: snapkv, kv_retained: [0.5], cache: {backend: tiered, full: 0, quantised: {backend: fp8}}}",
+         "cache.full: Input should be greater than 0"),
     ],
     ids=["quanto_nbits", "unknown_backend", "increasing_ladder", "ladder_and_retentions", "retention_without_press",
-         "split_with_quanto", "unknown_key", "int_nbits", "fp8_dtype"],
+         "split_with_quanto", "unknown_key", "int_nbits", "fp8_dtype", "tiered_without_press", "tiered_full_above_kept",
+         "tiered_decoding_press", "tiered_transformers_tier", "tiered_no_full_tier"],
 )
 def test_each_bad_cache_block_is_one_line(policy, expected):
     assert expected in error_of(policy)

@@ -347,3 +347,92 @@ def test_generation_in_a_format_is_dequantise_then_attend(name, embedded, float6
         moved = max(moved, float((unquantised - want).abs().max()))
     assert same >= len(requests) - 1, same
     assert moved > 100 * LOGIT_TOL, moved  # the format changed the logits: agreeing above proves something
+
+
+# -- (d) three tiers: full precision, quantised, evicted ---------------------------------------------
+
+TIERED = {"backend": "tiered", "full": 0.2, "quantised": {"backend": "int", "nbits": 4, "q_group_size": 16}}
+
+
+def _tiered_reference_cache(model, kept: list, n_full: int):
+    """A float64 cache holding, per layer and KV head, the press's kept entries `kept[layer]`
+    ((1, H_kv, n_kept), highest score first): the first `n_full` as computed, the others and every
+    later entry as their reference quantise→dequantise; the prefill reads itself unquantised."""
+    import torch
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    part = TIERED["quantised"]
+
+    class Layer(DynamicLayer):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.index = index
+
+        def update(self, keys, values, cache_kwargs=None):
+            if not self.is_initialized:
+                self.lazy_initialization(keys, values)
+                index = kept[self.index][0].unsqueeze(-1).unsqueeze(0).expand(1, -1, -1, keys.shape[-1])
+                tiers = []
+                for x in (keys, values):
+                    chosen = torch.gather(x, 2, index)
+                    tiers.append(torch.cat([chosen[:, :, :n_full], ref_qdq(part, chosen[:, :, n_full:])], dim=2))
+                self.keys, self.values = tiers
+                return keys, values
+            self.keys = torch.cat([self.keys, ref_qdq(part, keys)], dim=-2)
+            self.values = torch.cat([self.values, ref_qdq(part, values)], dim=-2)
+            return self.keys, self.values
+
+    return Cache(layers=[Layer(i) for i in range(model.config.num_hidden_layers)])
+
+
+def test_tiered_lane_keeps_the_highest_scored_at_full_precision(embedded, float64_model):
+    """SnapKV × a tiered format (the 0.2 of the context SnapKV scores highest at full precision, the
+    rest it keeps as 4-bit integers, the others evicted), decoded as the engine's lane: its tokens
+    and log p equal a float64 dequantise-then-attend run over those tiers, and its bytes are the
+    tiers' counted by hand (the same press with every kept entry quantised is cheaper)."""
+    import torch
+
+    from certkv.core.kv_cost import kv_cost
+    from certkv.engine.engine import Engine, PressCandidate
+    from certkv.engine.full_cache import prefill_full
+    from certkv.kv_formats.spec import parse_format
+    from certkv.model.generation import encode_request
+    from certkv.presses.registry import build_press
+    from certkv.requests.request_set import generate_requests
+
+    model, tokenizer = embedded
+    press = build_press("snapkv", 0.6, {})
+    candidates = [PressCandidate("tiered", press, "snapkv", 0.6, kv_format=parse_format(TIERED)),
+                  PressCandidate("int4", press, "snapkv", 0.6, kv_format=parse_format(TIERED["quantised"]))]
+    engine = Engine(model, tokenizer, candidates, max_new_tokens=N_NEW)
+    share = (4 + 16 / 16) / 16
+    same = 0
+    requests = generate_requests("all", 4, seed=11, context_length="200-320")
+    for req in requests:
+        enc = encode_request(tokenizer, req.context, req.question)
+        tiered, all_quantised = engine.run(req.context, req.question).candidates
+        n_ctx, n_q = len(enc.context_ids), len(enc.question_ids)
+        _, kept, _ = prefill_full(model, enc.context_ids, {"snapkv": press})
+        n_kept, n_full = kept["snapkv"][0].shape[-1], int(0.2 * n_ctx)
+        assert n_kept == int(0.6 * n_ctx) and 0 < n_full < n_kept
+        steps = len(tiered.token_ids)
+        units = [n_full + (n_kept + n_q + t - n_full) * share for t in range(steps)]
+        cost = kv_cost(units, n_ctx, n_q)
+        assert (tiered.kv_peak_bytes, tiered.kv_time_bytes) == pytest.approx((cost.peak, cost.time), rel=1e-12)
+        assert all_quantised.kv_peak_bytes < tiered.kv_peak_bytes < tiered.kv_peak
+        cache = _tiered_reference_cache(float64_model, kept["snapkv"], n_full)
+        with torch.no_grad():
+            float64_model.model(input_ids=torch.tensor([enc.context_ids]), past_key_values=cache)
+            out = float64_model(input_ids=torch.tensor([enc.question_ids]), past_key_values=cache,
+                                position_ids=torch.arange(n_ctx, n_ctx + n_q).unsqueeze(0))
+            rows = [out.logits[0, -1]]
+            for i, token in enumerate(tiered.token_ids[:-1]):
+                out = float64_model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                                    position_ids=torch.tensor([[n_ctx + n_q + i]]))
+                rows.append(out.logits[0, -1])
+        want = torch.stack(rows)
+        if want.argmax(dim=-1).tolist() == tiered.token_ids:
+            same += 1
+            chosen = torch.log_softmax(want, dim=-1)[torch.arange(steps), tiered.token_ids]
+            assert torch.allclose(torch.tensor(tiered.logprobs, dtype=torch.float64), chosen, atol=LOGIT_TOL), req.id
+    assert same >= len(requests) - 1, same

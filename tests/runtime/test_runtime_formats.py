@@ -1,7 +1,8 @@
 """calibrate → certify → CertifiedRuntime for KV formats: the deployed answers are the store's.
 
 A contract with a format alone (int4 in groups of 16, a full-precision window of 8 tokens), a
-scorer press beside a per-token format (its kept entries chosen in the full prefill), a press
+scorer press beside a per-token format in three tiers (its kept entries chosen in the full prefill,
+the highest-scored of them at 16 bits, the others as int8), a press
 beside transformers' HQQ format (pruned through kvpress's hooks) and a decoding-time press beside
 fp8 is calibrated into a real store; the runtime of each candidate
 answers every calibration request as its records say, stores its KV at the format's precision,
@@ -18,9 +19,9 @@ import yaml
 from scheduler_checks import assert_scheduler_matches, budget_for
 
 N_REQUESTS = 6
-POLICIES = ("int4w8@1.00", "snapkv+int8@0.50", "knorm+hqq4@0.70", "streaming_dec_fp8@0.70")
+POLICIES = ("int4w8@1.00", "snapkv+tier0.1-int8@0.50", "knorm+hqq4@0.70", "streaming_dec_fp8@0.70")
 #: Decoded as lanes of certkv serve's batch: a per-token format alone or beside a scorer press.
-LANES = ("int4w8@1.00", "snapkv+int8@0.50")
+LANES = ("int4w8@1.00", "snapkv+tier0.1-int8@0.50")
 
 
 def _contract(folder: Path) -> Path:
@@ -35,7 +36,9 @@ def _contract(folder: Path) -> Path:
         "confidence": 0.6,
         "policies": [
             {"cache": {"backend": "int", "nbits": 4, "q_group_size": 16, "residual_length": 8}, "label": "int4w8"},
-            {"press": "snapkv", "kv_retained": [0.5], "cache": {"backend": "int", "nbits": 8}},
+            # three tiers: the 0.1 of the context SnapKV scores highest at 16 bits, the rest it keeps as int8
+            {"press": "snapkv", "kv_retained": [0.5], "cache": {"backend": "tiered", "full": 0.1,
+                                                                 "quantised": {"backend": "int", "nbits": 8}}},
             {"press": "knorm", "kv_retained": [0.7], "cache": {"backend": "hqq", "nbits": 4, "residual_length": 8}},
             {"press": "compression_ratio_decoding", "label": "streaming_dec_fp8", "kv_retained": [0.7],
              "press_kwargs": {"base_press": "streaming_llm", "compression_interval": 8},
