@@ -181,3 +181,31 @@ def test_engine_counterparts():
     assert parse_format({"backend": "int", "nbits": 4, "q_group_size": 64}).engine_counterpart() is None
     assert parse_format({"backend": "split", "keys": {"backend": "int", "nbits": 8, "q_group_size": 32},
                          "values": {"backend": "fp8"}}).engine_counterpart() is None
+
+
+def test_a_tiered_format_beside_a_press_that_is_no_plain_scorer_is_refused_when_presses_are_built():
+    """PyramidKV keeps a different count per layer with a compress() of its own: its kept entries
+    have no top-k order to tier; calibration says so in one line before anything runs."""
+    from certkv.calibration.run import build_candidates
+
+    tiered = "cache: {backend: tiered, full: 0.1, quantised: {backend: int, nbits: 4}}"
+    ok = contract_of(f"policies:\n  - {{press: snapkv, kv_retained: [0.5], {tiered}}}\n")
+    assert [c.policy for c in build_candidates(ok)] == ["snapkv+tier0.1-int4@0.50"]
+    with pytest.raises(CertkvError) as info:
+        build_candidates(contract_of(f"policies:\n  - {{press: pyramidkv, kv_retained: [0.5], {tiered}}}\n",
+                                     "protocol: {query_aware: true}\n"))
+    assert "\n" not in str(info.value) and "pyramidkv is not one: choose a scorer press" in str(info.value)
+
+
+def test_tiered_format_name_price_and_parts():
+    from certkv.kv_formats.spec import full_share, key_value_formats, stored_share, with_pilot_scales
+
+    tiered = parse_format({"backend": "tiered", "full": 0.25, "quantised": {
+        "backend": "split", "keys": {"backend": "int", "nbits": 8}, "values": {"backend": "fp8", "scale": "pilot"}}})
+    assert tiered.name == "tier0.25-kint8-vfp8e4m3p" and full_share(tiered) == 0.25
+    assert full_share(parse_format({"backend": "fp8"})) == 0.0
+    assert tiered.bytes_share(64) == ((8 + 16 / 64) / 16 + 8 / 16) / 2 == stored_share(tiered, 64)
+    assert key_value_formats(tiered) == (tiered.quantised.keys, tiered.quantised.values)
+    assert tiered.engine_counterpart() is None  # no engine stores tiers
+    placed = with_pilot_scales(tiered, [[448.0, 224.0]])
+    assert placed.quantised.values.scales(0) == (1.0, 0.5)
