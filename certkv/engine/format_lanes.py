@@ -76,14 +76,14 @@ class FormatLaneLayer(LaneLayer):
         self.index = index  # the model layer's (an fp8 scale may be the layer's own)
         self.stored = {"keys": keys, "values": values}
         self.exact = exact if exact is not None else {
-            which: stored.data.new_empty((*stored.data.shape[:2], 0, stored.data.shape[3]), dtype=stored.dtype)
+            which: stored.data.new_empty((*stored.shape[:2], 0, stored.shape[3]), dtype=stored.dtype)
             for which, stored in self.stored.items()}
-        self.window = {which: torch.empty((*stored.data.shape[:2], 0, stored.data.shape[3]), dtype=stored.dtype,
+        self.window = {which: torch.empty((*stored.shape[:2], 0, stored.shape[3]), dtype=stored.dtype,
                                           device=stored.data.device) for which, stored in self.stored.items()}
         self.slot_bytes = slot_bytes
         # What it will store for the question and answer still to come (its :attr:`capacity` counts it).
         self.room = room
-        heads, size = keys.data.shape[1], keys.data.shape[3]
+        heads, size = keys.shape[1], keys.shape[3]
         self._token_bytes = sum(stored_share(part, size) * heads * size * 2 for part in parts)  # 2 bytes: 16 bits
 
     @classmethod
@@ -114,8 +114,8 @@ class FormatLaneLayer(LaneLayer):
     @property
     def capacity(self) -> int:
         """The token slots of the model's dtype the stored tensors and windows take, and what the
-        tokens still to come will (what a server's KV budget counts: integers narrower than 8 bits sit
-        in int8 containers)."""
+        tokens still to come will (what a server's KV budget counts: integers of 5 to 7 bits sit in
+        int8 containers, narrower ones two to a byte)."""
         held = sum(s.nbytes for s in self.stored.values()) + sum(t.nbytes for t in (*self.window.values(), *self.exact.values()))
         return math.ceil((held + max(0, self.room) * self._token_bytes) / self.slot_bytes)
 

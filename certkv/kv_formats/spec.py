@@ -272,21 +272,23 @@ def full_share(fmt: KvFormat | None) -> float:
 
 def stored_share(fmt: KvFormat, head_dim: int) -> float:
     """Bytes a stored token takes over a 16-bit one, as this implementation holds it: transformers'
-    backends pack their integers; certkv's integer formats keep each in an int8 container (so below
-    8 bits they take more than :meth:`bytes_share`, which prices the format itself).
+    backends pack their integers; certkv's integer formats store those of at most 4 bits two to a
+    byte and wider ones in an int8 each (so 5 to 7 bits take more than :meth:`bytes_share`, which
+    prices the format itself, and 2 or 3 bits take 4).
 
     Examples
     --------
-    >>> int4 = parse_format({"backend": "int", "nbits": 4})
-    >>> stored_share(int4, 64), int4.bytes_share(64)
-    (0.515625, 0.265625)
+    >>> int4, int6 = parse_format({"backend": "int", "nbits": 4}), parse_format({"backend": "int", "nbits": 6})
+    >>> stored_share(int4, 64), int4.bytes_share(64), stored_share(int6, 64), int6.bytes_share(64)
+    (0.265625, 0.265625, 0.515625, 0.390625)
     """
     if isinstance(fmt, TieredFormat):
         return stored_share(fmt.quantised, head_dim)
     if isinstance(fmt, SplitFormat):
         return (stored_share(fmt.keys, head_dim) + stored_share(fmt.values, head_dim)) / 2
     if isinstance(fmt, IntFormat):
-        return fmt.model_copy(update={"nbits": 8}).bytes_share(head_dim)
+        container = 4 if fmt.nbits <= 4 and head_dim % 2 == 0 else 8  # token_quantisers.NIBBLE_BITS (that module needs torch)
+        return fmt.model_copy(update={"nbits": container}).bytes_share(head_dim)
     return fmt.bytes_share(head_dim)
 
 

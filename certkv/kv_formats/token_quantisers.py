@@ -3,8 +3,9 @@
 Each token's keys (or values) are quantised on their own, so a token stored at step t holds the
 same numbers whatever is stored after it: a cache of these formats may append tokens one at a time
 or a chunk at once and dequantise to the same tensors. Tensors are ``(batch, kv_heads, tokens,
-head_dim)``; a :class:`StoredTokens` keeps what the format stores (float8 elements; int8
-containers of ``nbits`` integers and float16 scales) and dequantises to the model's dtype.
+head_dim)``; a :class:`StoredTokens` keeps what the format stores (float8 elements; integers of
+at most 4 bits two to a byte, wider ones in an int8 each; float16 scales) and dequantises to the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class StoredTokens:
         return self.data.shape[-2]
 
     @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(batch, heads, tokens, head_dim) of the tokens as the model reads them (packed integers
+        hold two channels a byte)."""
+        b, h, t, d = self.data.shape
+        return b, h, t, d * 2 if getattr(self.quantiser, "packed", False) else d
+
+    @property
     def nbytes(self) -> int:
         """Bytes the stored tensors take (elements and scales)."""
         return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
@@ -77,13 +85,16 @@ class Fp8Quantiser:
 
 class IntQuantiser:
     """Symmetric ``nbits`` integers in ``[-(2^(b-1) - 1), 2^(b-1) - 1]``, one float16 scale (the
-    group's largest magnitude over the largest integer) per group of channels of a token and head."""
+    group's largest magnitude over the largest integer) per group of channels of a token and head.
+    Integers of at most 4 bits are stored two to a byte (:func:`pack_nibbles`): ``data`` is then
+    uint8 (batch, heads, tokens, head_dim / 2); wider ones one to an int8."""
 
     def __init__(self, fmt: IntFormat, head_dim: int) -> None:
         self.group = fmt.group(head_dim)
         if head_dim % self.group:
             raise ValueError(f"cache.q_group_size {self.group} does not divide the model's head size {head_dim}")
         self.largest = 2 ** (fmt.nbits - 1) - 1
+        self.packed = fmt.nbits <= NIBBLE_BITS and head_dim % 2 == 0
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:-1], x.shape[-1] // self.group, self.group)
@@ -92,13 +103,42 @@ class IntQuantiser:
         grouped = self._grouped(x.float())
         scale = (grouped.abs().amax(dim=-1) / self.largest).to(torch.float16)
         divisor = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
-        q = torch.round(grouped / divisor).clamp(-self.largest, self.largest).to(torch.int8)
-        return StoredTokens(q.reshape(x.shape), scale, x.dtype, self)
+        q = torch.round(grouped / divisor).clamp(-self.largest, self.largest).to(torch.int8).reshape(x.shape)
+        return StoredTokens(pack_nibbles(q) if self.packed else q, scale, x.dtype, self)
+
+    def integers(self, stored: StoredTokens) -> torch.Tensor:
+        """The stored integers, int8 (batch, heads, tokens, head_dim), unpacked."""
+        return unpack_nibbles(stored.data) if self.packed else stored.data
 
     def dequantize(self, stored: StoredTokens) -> torch.Tensor:
         assert stored.scale is not None  # an integer format always stores its scales
-        grouped = self._grouped(stored.data.float()) * stored.scale.float().unsqueeze(-1)
-        return grouped.reshape(stored.data.shape).to(stored.dtype)
+        q = self.integers(stored)
+        grouped = self._grouped(q.float()) * stored.scale.float().unsqueeze(-1)
+        return grouped.reshape(q.shape).to(stored.dtype)
+
+
+#: The widest integers stored two to a byte.
+NIBBLE_BITS = 4
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Integers in [-8, 7], int8 (..., 2m), as uint8 (..., m): channel 2i in the low nibble, 2i + 1
+    in the high one, each offset by 8.
+
+    Examples
+    --------
+    >>> unpack_nibbles(pack_nibbles(torch.tensor([[-7, 7, 0, -1]], dtype=torch.int8))).tolist()
+    [[-7, 7, 0, -1]]
+    """
+    biased = (q.to(torch.int16) + 8).to(torch.uint8)
+    return biased[..., 0::2] | (biased[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_nibbles` undone: uint8 (..., m) to int8 (..., 2m)."""
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 
@@ -111,4 +151,5 @@ def token_quantiser(fmt: Fp8Format | IntFormat, head_dim: int, layer: int = 0, w
     return IntQuantiser(fmt, head_dim)
 
 
-__all__ = ["Fp8Quantiser", "IntQuantiser", "StoredTokens", "TokenQuantiser", "token_quantiser"]
+__all__ = ["NIBBLE_BITS", "Fp8Quantiser", "IntQuantiser", "StoredTokens", "TokenQuantiser", "pack_nibbles", "token_quantiser",
+           "unpack_nibbles"]

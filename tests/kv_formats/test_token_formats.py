@@ -122,7 +122,12 @@ def test_int_quantiser_equals_symmetric_groups(nbits, group):
     stored = token_quantiser(parse_format(fmt), 64).quantize(x)
     size = group or 64
     largest = 2 ** (nbits - 1) - 1
-    assert stored.data.dtype == torch.int8 and int(stored.data.abs().max()) == largest
+    # at most 4 bits: two to a byte (a uint8 of head_dim / 2), else an int8 each
+    packed = nbits <= 4
+    assert stored.data.dtype == (torch.uint8 if packed else torch.int8)
+    assert stored.data.shape == (1, 2, 50, 32 if packed else 64) and stored.shape == (1, 2, 50, 64)
+    assert stored.nbytes == stored.data.numel() + 2 * stored.scale.numel()
+    assert int(stored.quantiser.integers(stored).abs().max()) == largest
     assert stored.scale.dtype == torch.float16 and stored.scale.shape == (1, 2, 50, 64 // size)
     got = stored.dequantize()
     assert got.dtype == torch.float32

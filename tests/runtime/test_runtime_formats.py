@@ -118,7 +118,7 @@ def test_runtime_answers_as_the_store(calibrated, recite, policy):
 
 
 def test_the_cache_is_stored_at_the_formats_precision(recite):
-    """What the deployed path holds: float8 elements for fp8, int8 containers and float16 scales for int4."""
+    """What the deployed path holds: float8 elements for fp8, int4 two to a byte and float16 scales."""
     import torch
     from transformers import DynamicCache
 
@@ -133,7 +133,8 @@ def test_the_cache_is_stored_at_the_formats_precision(recite):
     full = DynamicCache()
     with torch.no_grad():
         model.model(input_ids=torch.tensor([enc.context_ids]), past_key_values=full)
-    for data, dtype in (({"backend": "fp8", "dtype": "e4m3"}, torch.float8_e4m3fn), ({"backend": "int", "nbits": 4}, torch.int8)):
+    fp8, int4 = {"backend": "fp8", "dtype": "e4m3"}, {"backend": "int", "nbits": 4}
+    for data, dtype in ((fp8, torch.float8_e4m3fn), (int4, torch.uint8)):
         cache = prime(build_cache(parse_format(data), model.config), full)
         stored = cache.layers[0]._quantized_keys
         assert stored.data.dtype == dtype and stored.tokens == len(enc.context_ids)
