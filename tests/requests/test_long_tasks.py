@@ -117,10 +117,10 @@ def test_the_shipped_contract_draws_long_answers_from_these_tasks():
 
     c = load_contract(REPO / "contracts" / "smollm2_long.yaml")
     assert set(parse_mix(c.requests.source.removeprefix("builtin:"))) == {"recite_steps", "recite_diary"}
-    assert c.requests.limit >= 600 and c.protocol.max_new_tokens >= 128 and c.cost_measure == "peak"
+    assert c.requests.limit >= 400 and c.protocol.max_new_tokens >= 128 and c.cost_measure == "bytes"
     assert c.gate is not None and c.gate.recompute is not None and c.gate.pilot
-    decoding = {"compression_ratio_decoding", "prefill_decoding"}
-    presses = {p.press for p in c.policies}
-    assert decoding <= presses and presses - decoding, "decoding-time and prefill-time candidates"
+    formats = [p for p in c.policies if p.cache is not None]
+    assert formats and any(p.press is None for p in formats) and any(p.press is not None for p in formats), \
+        "precision alone and tokens x precision candidates"
     requests = load_requests(c.requests.source, limit=4, seed=c.requests.seed, context_length=c.requests.context_length)
     assert all(r.answers[0] in r.context for r in requests)
