@@ -266,8 +266,9 @@ def print_validation(result: ValidationResult, console: Console) -> None:
     if result.strata:
         title = f"all {len(result.strata)} {result.by} strata together, {title}"
     print_validation_table(result, console, title)
-    say(console, "test risk > ε: share (count) of splits whose test half exceeds ε; mean KV: mean KV retained "
-                 "of the chosen policy; fallback: share of splits that chose the full cache"
+    say(console, f"test risk > ε: share (count) of splits whose test half exceeds ε; mean KV: "
+                 f"{text.cost_words(result.contract.kv_cost)} of the chosen policy; fallback: share of splits that chose "
+                 "the full cache"
                  + (" (strata together: share of test requests a fallback answered)." if result.strata else "."))
     if result.strata:
         for name, sub in result.strata.items():

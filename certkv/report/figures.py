@@ -20,6 +20,7 @@ from certkv.report.text import (
     METHOD_LABELS,
     candidate_status,
     contract_delta,
+    cost_words,
     hidden_count,
     sequence_name,
     shown_candidates,
@@ -246,7 +247,8 @@ def plot_validation(result: ValidationResult, title: str | None = None) -> Figur
         m = result.methods[method]
         labels.append(
             f"{METHOD_LABELS.get(method, method)}: {100 * m.exceed_fraction:.1f}% of splits exceed ε "
-            f"(95% CI {100 * m.exceed_ci_low:.1f}–{100 * m.exceed_ci_high:.1f}%), mean KV retained {m.mean_kv_retained:.2f}"
+            f"(95% CI {100 * m.exceed_ci_low:.1f}–{100 * m.exceed_ci_high:.1f}%), {cost_words(result.contract.kv_cost)} "
+            f"{m.mean_kv_retained:.2f}"
         )
     # Side-by-side bars per bin (overlapping translucent bars mix into a third colour).
     ax.hist([result.methods[m].test_risks for m in names], bins=edges, color=[colors.get(m, "#4575b4") for m in names],

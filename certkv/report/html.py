@@ -199,6 +199,7 @@ def page_context(contract: Contract, records: ContractRecords, op: OperatingPoin
         "validation_rows": _validation_rows(validation),
         "validation_strata": _validation_strata(validation),
         "notes": text.all_notes(contract, records, op, notes),
+        "memory": text.memory_words(op),
     }
 
 

@@ -421,10 +421,19 @@ def deployed_text(op: OperatingPoint, pooled: OperatingPoint | None = None) -> s
     return line
 
 
+#: What a contract's ``kv_cost`` averages over the certification requests, in words.
+COST_WORDS = {"kv_retained": "mean KV retained", "peak": "mean peak KV", "time": "mean KV-time",
+              "bytes": "mean KV bytes (of a 16-bit cache's)"}
+
+
+def cost_words(kv_cost: str) -> str:
+    """What a point's mean memory (``mean_kv_retained``, the contract's ``kv_cost`` averaged) is, in words."""
+    return COST_WORDS.get(kv_cost, "mean KV retained")
+
+
 def memory_words(op: OperatingPoint) -> str:
-    """What a point's mean memory is, in words: KV retained, or, under ``kv_cost: bytes``, its KV
-    bytes at the peak over a 16-bit cache's."""
-    return "mean KV bytes (of a 16-bit cache's)" if op.contract.kv_cost == "bytes" else "mean KV retained"
+    """What a point's mean memory is, in words (:func:`cost_words` of its contract's ``kv_cost``)."""
+    return cost_words(op.contract.kv_cost)
 
 
 def coverage_text(op: OperatingPoint) -> str | None:
@@ -503,7 +512,7 @@ def validation_line(result: ValidationResult, method: str) -> str:
     return (
         f"{METHOD_LABELS.get(method, method)}: test risk > ε in {fmt_share(m.exceed_fraction)} of "
         f"{result.n_splits} splits (95% CI {100 * m.exceed_ci_low:.1f}–{100 * m.exceed_ci_high:.1f}%), "
-        f"mean KV retained {m.mean_kv_retained:.3f}, fallback in {fmt_share(m.fallback_share)} of splits"
+        f"{cost_words(result.contract.kv_cost)} {m.mean_kv_retained:.3f}, fallback in {fmt_share(m.fallback_share)} of splits"
     )
 
 

@@ -131,3 +131,22 @@ def test_the_page_is_rendered_from_an_autoescaping_template(tmp_path):
     assert "a &lt;note&gt; &amp; more" in page
     for name in FIGURES:
         assert f'src="data:image/png;base64,{base64.b64encode(name.encode()).decode()}"' in page
+
+
+@pytest.mark.parametrize(("kv_cost", "words"), [("kv_retained", "mean KV retained"), ("peak", "mean peak KV"),
+                                                 ("time", "mean KV-time"), ("bytes", "mean KV bytes (of a 16-bit cache's)")])
+def test_validation_says_what_its_mean_memory_averages(kv_cost, words):
+    """A bytes contract's validation averages peak bytes, not KV retained: the line says so."""
+    import numpy as np
+
+    from certkv.core.loss_table import LossTable
+    from certkv.core.spec import CertificationSpec
+    from certkv.core.validation import validate
+    from certkv.report.text import validation_line
+
+    rng = np.random.default_rng(0)
+    rows = [{"request_id": f"r{i}", "policy": p, "kv_retained": kv, "loss": float(rng.random() < rate), "memory": kv}
+            for i in range(60) for p, kv, rate in (("full", 1.0, 0.0), ("a@0.50", 0.5, 0.02))]
+    spec = CertificationSpec(tolerance=0.0, risk=0.2, confidence=0.8, sequences=[["a@0.50"]], kv_cost=kv_cost)
+    line = validation_line(validate(LossTable.from_records(rows), spec, n_splits=20), "certkv")
+    assert f", {words} " in line and ("KV retained" in line) == (kv_cost == "kv_retained"), line
