@@ -223,13 +223,14 @@ def _lane(fmt: KvFormat, cache: LaneCache, enc: EncodedRequest, max_new_tokens: 
 def lane_run(lane: Lane, fmt: KvFormat, head_dim: int, kept: int) -> DecodingRun:
     """A decoded format lane as the :class:`~certkv.engine.decoding_run.DecodingRun` the solo decode
     gives: its answer, and after each token the entries held (its `kept` context entries, the
-    question and the answer so far) and their bytes (:func:`plain_held_units`)."""
+    question and the answer so far) and their bytes (:func:`plain_held_units`); where it stopped
+    below its recompute threshold, if it did."""
     n_q, steps = len(lane.question_ids), max(1, len(lane.answer))
     first = lane.cache.layers[0]
     n_full = first.exact_tokens if isinstance(first, FormatLaneLayer) else 0
     return DecodingRun(token_ids=list(lane.answer), logprobs=list(lane.logprobs), prefill_kept=float(kept),
                        held=[float(kept + n_q + t) for t in range(steps)],
-                       held_units=plain_held_units(fmt, head_dim, kept, n_q, steps, n_full))
+                       held_units=plain_held_units(fmt, head_dim, kept, n_q, steps, n_full), stopped_at=lane.stopped_at)
 
 
 def plain_held_units(fmt: KvFormat, head_dim: int, n_ctx: int, n_question: int, steps: int,

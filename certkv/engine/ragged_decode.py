@@ -37,6 +37,7 @@ must cover.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -188,7 +189,11 @@ class Lane:
     proposed while the answer follows it (calibration's full-cache answer, possibly a list still
     growing: the full answer's own lane in the same batch), prompt lookup after or beyond its end.
     `compression`: the lane's decoding-time press books (None: its cache only grows); a forward
-    then feeds no further than the press's next compression event, which follows it."""
+    then feeds no further than the press's next compression event, which follows it.
+    `stop_below`: the recompute gate's threshold r (None: off; needs `want_logprobs`): the lane
+    stops at its first token of probability < r, without it (``stopped_at``, its index), as the
+    token-by-token decode does (:class:`~certkv.engine.decoding_run.StopWatch`), whatever else the
+    same forward confirmed after it."""
 
     cache: LaneCache
     question_ids: list[int]
@@ -205,11 +210,15 @@ class Lane:
     compression: DecodingCompression | None = None
     tag: Any = None
     """The caller's handle on the lane (the scheduler's request)."""
+    stop_below: float | None = None
+    stopped_at: int | None = None
     _proposer: Proposer = field(default_factory=lambda: Proposer(None))
 
     def __post_init__(self) -> None:
         if not self.question_ids:
             raise ValueError("a lane needs at least one question token to feed")
+        if self.stop_below is not None and not self.want_logprobs:
+            raise ValueError("a lane that stops below a probability needs its tokens' log p (want_logprobs)")
         if self.lookup_ids is not None:
             self._proposer.lookup = PromptLookup(list(self.lookup_ids) + list(self.question_ids))
 
@@ -220,8 +229,19 @@ class Lane:
 
     @property
     def done(self) -> bool:
-        """Whether the lane's answer is complete (the decoders' shared rule)."""
-        return is_finished(self.answer, self.max_new_tokens, self.stop_ids)
+        """Whether the lane's answer is complete (the decoders' shared rule), or stopped below its threshold."""
+        return self.stopped_at is not None or is_finished(self.answer, self.max_new_tokens, self.stop_ids)
+
+    def cut_below(self) -> None:
+        """Stop at the first token whose probability is under ``stop_below`` (recorded in
+        ``stopped_at``), dropping it and what followed it (answer, log p, held entries)."""
+        if self.stop_below is None or self.stop_below <= 0 or self.stopped_at is not None:
+            return
+        floor = math.log(self.stop_below)
+        cut = next((t for t, lp in enumerate(self.logprobs) if lp < floor), None)
+        if cut is not None:
+            del self.answer[cut:], self.logprobs[cut:], self.held[cut:]
+            self.stopped_at = cut
 
     def feed(self) -> tuple[list[int], int]:
         """The tokens to feed next and the position of the first."""
@@ -423,11 +443,12 @@ class RaggedBatch:
             _note_held(lane, before, kept, first, compressed)
             if compressed and not lane.done:
                 lane.give_back()
+        _append_logprobs(logits, tokens, appended)
+        for lane in lanes:
+            lane.cut_below()
             if lane.done:
                 finished.append(lane)
-        _append_logprobs(logits, tokens, appended)
-        for lane in finished:
-            self.lanes.remove(lane)
+                self.lanes.remove(lane)
         return finished
 
 

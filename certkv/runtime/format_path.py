@@ -6,8 +6,8 @@ question and the answer fed one token a forward (under the press's hooks when it
 decoding). The cache holds its keys and values at the format's precision (float8, integers and
 their scales, transformers' quantised tensors) and its full-precision window only; it is decoded
 alone, between the scheduler's batched steps; in ``certkv serve`` one of certkv's per-token formats
-alone decodes as a lane of the batch instead (:mod:`certkv.engine.format_lanes`), behind no
-recompute threshold, holding its stored tensors.
+alone or beside a scorer press decodes as a lane of the batch instead (:mod:`certkv.engine.format_lanes`),
+holding its stored tensors, and stops itself at a recompute threshold.
 
 The gate: a recompute part (threshold r) stops the decode at the first token whose probability is
 < r and the gate flow finishes the answer on a fresh full cache; a post-decode part escalates the
@@ -92,15 +92,16 @@ class FormatPath(AnsweringPath):
         t0 = time.perf_counter()
         cache, kept, _ = prefill_full(self.model, enc.context_ids, {"scored": self.press})
         lane = format_lane(self.kv_format, cache.layers, enc, max_new, self.stop_ids, None, kept["scored"])
+        lane.stop_below = self.gate.recompute
         cache.layers.clear()
         seconds["prefill"] = time.perf_counter() - t0
         return FormatDecode(self, enc, max_new, lanes=lanes, lane=lane, kept=kept_count(kept["scored"], len(enc.context_ids)))
 
     def lanes(self) -> bool:
         """Whether a lean run decodes as a lane of ``certkv serve``'s batch: one of certkv's per-token
-        formats, alone or beside a scorer press (:func:`~certkv.engine.format_lanes.lane_format`),
-        behind no recompute threshold (its restart is decided token by token)."""
-        return self.gate.recompute is None and lane_format(self.kv_format, self.press)
+        formats, alone or beside a scorer press (:func:`~certkv.engine.format_lanes.lane_format`); a
+        recompute threshold stops the lane itself, at the token the token-by-token decode stops at."""
+        return lane_format(self.kv_format, self.press)
 
 
 class FormatDecode(AnswerSource):
@@ -132,9 +133,9 @@ class FormatDecode(AnswerSource):
         return answer
 
     def _built_lane_steps(self, lane: Lane) -> Generator[Step, None, DecodingRun]:
-        """The lane a scored prefill built: batched by the scheduler (`lanes`), or decoded alone here,
-        then stopped at its first token under a recompute threshold (the tokens before it are the
-        ones a token-by-token decode would have kept)."""
+        """The lane a scored prefill built: batched by the scheduler (`lanes`), or decoded alone here;
+        stopped at its first token under a recompute threshold (the tokens before it are the ones a
+        token-by-token decode would have kept)."""
         path, enc, max_new = self.path, self.enc, self.max_new
 
         def solo() -> tuple[list[int], list[float] | None]:
@@ -145,7 +146,7 @@ class FormatDecode(AnswerSource):
                      solo=None if self.lanes else solo, lookup_ids=list(enc.context_ids), want_logprobs=True,
                      batchable=self.lanes, final=self.final, lane=lane if self.lanes else None)
         yield job
-        return _stopped(lane_run(lane, path.kv_format, head_dim(path.model), self.kept or 0), path.gate.recompute)
+        return lane_run(lane, path.kv_format, head_dim(path.model), self.kept or 0)
 
     def _lane_steps(self) -> Generator[Step, None, DecodingRun]:
         """The context prefilled into the format's cache (stored as each layer computes it), taken
@@ -156,6 +157,7 @@ class FormatDecode(AnswerSource):
         with torch.no_grad():
             model.model(input_ids=torch.as_tensor(enc.context_ids, device=model.device).view(1, -1), past_key_values=cache)
         lane = stored_lane(path.kv_format, cache, enc, max_new, path.stop_ids, layer_slot_bytes(model))
+        lane.stop_below = path.gate.recompute
         job = Decode(lane.cache, list(enc.question_ids), lane.position, max_new, path.stop_ids, solo=None,
                      lookup_ids=lane.lookup_ids, want_logprobs=True, final=self.final, lane=lane)
         yield job
@@ -168,18 +170,6 @@ class FormatDecode(AnswerSource):
             lambda tell: run_in_format(path.model, path.kv_format, enc, max_new, path.press, stop_below=path.gate.recompute,
                                        on_token=tell),
             enc, max_new, path.stop_ids, self.final))
-
-
-def _stopped(run: DecodingRun, stop_below: float | None) -> DecodingRun:
-    """`run` cut before its first token whose probability is under `stop_below` (the recompute
-    gate's comparison, :class:`~certkv.engine.decoding_run.DecodingRun`'s ``stopped_at``)."""
-    if stop_below is None or stop_below <= 0:
-        return run
-    cut = next((t for t, lp in enumerate(run.logprobs) if lp < math.log(stop_below)), None)
-    if cut is None:
-        return run
-    return DecodingRun(token_ids=run.token_ids[:cut], logprobs=run.logprobs[:cut], held=run.held[:cut],
-                       prefill_kept=run.prefill_kept, stopped_at=cut, held_units=run.held_units[:cut])
 
 
 __all__ = ["FormatDecode", "FormatPath", "format_slots"]

@@ -146,7 +146,8 @@ def test_the_cache_is_stored_at_the_formats_precision(recite):
 def test_recompute_on_a_format_restarts_where_certification_counted(calibrated, recite):
     """A recompute threshold between two recorded token probabilities: the requests whose lowest
     probability is under it restart on the full cache and answer as the full cache (their prefix
-    agreed) or as certification's late restart; the others answer as the format's record."""
+    agreed) or as certification's late restart; the others answer as the format's record; and
+    certkv serve's scheduler, batching the format's lanes, answers all of them the same."""
     from certkv.core.spec import GateSettings
     from certkv.requests.request_set import generate_requests
     from certkv.runtime.certified_runtime import CertifiedRuntime
@@ -157,10 +158,12 @@ def test_recompute_on_a_format_restarts_where_certification_counted(calibrated, 
     lows = sorted(records[(r.id, policy)]["confidence_min"] for r in generate_requests("recite", N_REQUESTS, seed=77))
     threshold = math.sqrt(lows[len(lows) // 2 - 1] * lows[len(lows) // 2])  # between two recorded values
     runtime = CertifiedRuntime(model, tok, _point(contract, policy, GateSettings(recompute=threshold)))
-    restarted = 0
-    for request in generate_requests("recite", N_REQUESTS, seed=77):
+    restarted, answers = 0, []
+    requests = generate_requests("recite", N_REQUESTS, seed=77)
+    for request in requests:
         record, full = records[(request.id, policy)], records[(request.id, "full")]
         out = runtime.generate(request.context, request.question)
+        answers.append(out)
         fires = record["confidence_min"] < threshold
         assert (out.decision.reason == "recompute") == fires, request.id
         if not fires:
@@ -169,3 +172,7 @@ def test_recompute_on_a_format_restarts_where_certification_counted(calibrated, 
             assert out.answer == full["answer"]
         restarted += fires
     assert 0 < restarted < N_REQUESTS
+    # certkv serve's scheduler decodes the gated format as lanes of its batch, each stopping itself at
+    # the first token under the threshold: the same restarts and answers as the token-by-token decode
+    assert runtime.path.lanes()
+    assert_scheduler_matches(runtime, requests, budget=budget_for(runtime, requests), alone=answers)
