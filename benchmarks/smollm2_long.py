@@ -1,20 +1,22 @@
-"""What decoding-time eviction breaks in SmolLM2-135M-Instruct's long answers, and what certifies.
+"""What compressing SmolLM2-135M-Instruct's KV cache breaks in its long answers, and what certifies.
 
 Reads the store of ``contracts/smollm2_long.yaml`` (SmolLM2-135M-Instruct reciting a recipe's steps
-or a diary from a context of a few hundred tokens, 128 new tokens; decoding-time, prefill-and-
-decoding and prefill-time presses) and writes, torch-free:
+or a diary from a context of a few hundred tokens, 128 new tokens; KV formats, alone and beside a
+press in three tiers) or of its earlier version (``--contract``: eviction by decoding-time,
+prefill-and-decoding and prefill-time presses, certified per task) and writes, torch-free:
 
 1. per task: the full cache's own task quality (ROUGE-L against the recited text, on the
    calibrated requests) and its seconds per request (every candidate, one worker);
 2. per candidate and task: the requests it breaks under the contract's task utility (loss above
    τ), under the strict label-free ``prefix_agreement`` (any word changed before the full
    output's end, τ = 0), its mean ROUGE-L against the full output, and the KV it held: peak and
-   KV-time, each over the full cache's;
-3. the certified point per task under the task utility and under the strict utility (the same
-   records, each candidate's loss rescored; the strict contract is a comparison, never deployed);
-4. per task and utility, each recompute-gated candidate of the certificate: its signal's AUC for
-   the requests its base breaks and the shares it restarts, on the pilot and certification split,
-   and its mean KV beside the best ungated certified point's.
+   KV-time, each over the full cache's, and under ``kv_cost: bytes`` their bytes over a 16-bit cache's;
+3. the certified point per task (a contract with strata by task) or for all tasks (``all``: a
+   pooled contract) under the task utility and under the strict utility (the same records, each
+   candidate's loss rescored; the strict contract is a comparison, never deployed);
+4. per certificate and utility, each recompute-gated candidate: its signal's AUC for the requests
+   its base breaks and the shares it restarts, on the pilot and certification split, and its mean
+   KV beside the best ungated certified point's.
 
 An unfinished store gives a preview (``--allow-incomplete``): the JSON says how many of the
 contract's requests it holds, and the certificates of a preview promise nothing. Calibrate first,
@@ -40,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 CONTRACT = REPO / "contracts" / "smollm2_long.yaml"
 STRICT_UTILITY = "prefix_agreement"
+#: The certificate of a contract without strata, in the per-task tables' place.
+POOLED = "all"
 
 
 def _mean(values: list[float]) -> float | None:
@@ -76,10 +80,13 @@ def per_candidate(rows: list[dict], tolerance: float) -> dict:
         t["rouge_l_full"].append(rouge_l_full(r["answer"], reference))
         t["kv_peak"].append(r.get("kv_peak", r["kv_retained"]))
         t["kv_time"].append(r.get("kv_time", r["kv_retained"]))
+        for key in ("kv_peak_bytes", "kv_time_bytes"):
+            if r.get(key) is not None:
+                t[key].append(r[key])
     for c in cells.values():
         c["tasks"] = {
             task: {"n": len(t["task_broken"]), "task_broken": sum(t["task_broken"]), "strict_broken": sum(t["strict_broken"]),
-                   **{k: _mean(t[k]) for k in ("rouge_l_full", "kv_peak", "kv_time")}}
+                   **{k: _mean(t[k]) for k in ("rouge_l_full", "kv_peak", "kv_time", "kv_peak_bytes", "kv_time_bytes")}}
             for task, t in sorted(c["tasks"].items())
         }
     return cells
@@ -103,9 +110,10 @@ def write_records(rows: list[dict], path: Path) -> None:
 
 
 def certified(contract, records_file: Path | None, allow_incomplete: bool, rows: list[dict]) -> dict:
-    """The certified point per task (the contract's strata) and pooled (a comparison), with each
-    task's recompute gates (:func:`recompute_per_task`); what refused to certify instead (a loss
-    table read from a file is never a preview: too few requests for the pilot is an error there)."""
+    """The certified point per task (the contract's strata; :data:`POOLED` for a contract without
+    them) and pooled (a comparison), with each certificate's recompute gates
+    (:func:`recompute_per_task`); what refused to certify instead (a loss table read from a file is
+    never a preview: too few requests for the pilot is an error there)."""
     from smollm2_ruler import entry_summary
 
     from certkv.calibration.certification import certify_contract_with_comparison
@@ -115,7 +123,7 @@ def certified(contract, records_file: Path | None, allow_incomplete: bool, rows:
         evidence, op, pooled = certify_contract_with_comparison(contract, records_file, allow_incomplete=allow_incomplete)
     except CertkvError as exc:
         return {"strata": {}, "pooled": None, "incomplete": allow_incomplete, "error": str(exc), "recompute": {}}
-    entries = op.strata.entries if op.strata else {}
+    entries = op.strata.entries if op.strata else {POOLED: op}
     return {
         "strata": {name: entry_summary(e) for name, e in entries.items()},
         "pooled": entry_summary(pooled) if pooled is not None else None,
@@ -137,7 +145,8 @@ def recompute_per_task(contract, rows: list[dict], entries: dict[str, dict]) -> 
         if not entry.get("candidates"):
             continue
         ungated = [c["mean_kv_retained"] for c in entry["candidates"] if c["certified"] and not (c.get("gate") or {})]
-        gates = recompute_gate(contract, [r for r in rows if r["task"] == task], entry)  # the strata are by task
+        mine = rows if task == POOLED else [r for r in rows if r["task"] == task]  # the strata are by task
+        gates = recompute_gate(contract, mine, entry)
         if any(g["certification"]["n"] != entry["n"] for g in gates):
             raise RuntimeError(f"task {task}: the records' certification split is not the certificate's {entry['n']} requests")
         out[task] = {"best_ungated_kv": min(ungated, default=1.0), "gates": gates}
@@ -153,6 +162,12 @@ def calibration_timing(contract, n: int, previous: Path) -> dict | None:
 
         return {**timing(contract, n), "command": f"python benchmarks/smollm2_long.py --timing-requests {n}"}
     return json.loads(previous.read_text()).get("timing") if previous.exists() else None
+
+
+def _shown_path(path: Path) -> str:
+    """The contract's path as the results file shows it: from the repository's root, or its name."""
+    resolved = path.resolve()
+    return resolved.relative_to(REPO).as_posix() if resolved.is_relative_to(REPO) else path.name
 
 
 def main() -> None:
@@ -178,7 +193,8 @@ def main() -> None:
         certificates = {"task_utility": certified(contract, None, args.allow_incomplete, rows),
                         "strict_utility": certified(strict, strict_file, args.allow_incomplete, rescored)}
     out = {
-        "contract": "contracts/smollm2_long.yaml",
+        "contract": _shown_path(Path(args.contract)),
+        "contract_sha256": contract.sha256(),
         "model": contract.model,
         "requests": len({r["request_id"] for r in rows}),
         "requests_planned": contract.requests.limit,

@@ -217,56 +217,93 @@ def _long_point(e: dict | None) -> list[str]:
 
 
 def smollm2_long(data: dict) -> str:
-    """SmolLM2's long answers under decoding-time eviction: what each policy breaks, what certifies."""
+    """SmolLM2's long answers under a compressed KV cache: what each policy breaks, what certifies
+    (the eviction version of the contract certified per task, the KV-format one pooled, by bytes)."""
     done = data["requests"] >= data["requests_planned"]
     tasks = sorted(data["full_cache"])
+    byte_cost = data["kv_cost"] == "bytes"
     full_rows = [[t, str(f["n"]), num(f["utility"]), str(f["below_half"]), seconds(f["seconds_per_request"])]
                  for t, f in data["full_cache"].items()]
-    crow = []
-    for policy, c in data["candidates"].items():
-        cells = [c["tasks"].get(t) for t in tasks]
-        crow.append([f"`{policy}`", " / ".join(num(x and x["kv_peak"], 2) for x in cells),
-                     " / ".join(num(x and x["kv_time"], 2) for x in cells),
-                     *[f"{x['task_broken']}/{x['n']}" if x else "—" for x in cells],
-                     *[f"{x['strict_broken']}/{x['n']}" if x else "—" for x in cells],
-                     " / ".join(num(x and x["rouge_l_full"], 2) for x in cells)])
     cert = data["certified"]
+    units = sorted(set(cert["task_utility"]["strata"]) | set(cert["strict_utility"]["strata"])) or tasks
     prow = [[t, *_long_point(cert["task_utility"]["strata"].get(t)), *_long_point(cert["strict_utility"]["strata"].get(t))]
-            for t in tasks]
+            for t in units]
     status = (f"The store holds all {data['requests']} requests." if done else
               f"**In progress:** the store holds {data['requests']} of the contract's {data['requests_planned']} requests "
               "(the calibration resumes where it stopped). Every figure below is a preview of those requests, and the "
               "certificates promise nothing until the store is complete.")
     u, s = data["utility"], data["strict_utility"]
+    pooled = units == ["all"]
+    contract = data["contract"]
+    source = f"`{contract}`" if " at " not in contract else "`{}` at {}".format(*contract.split(" at "))
     return "\n\n".join([
-        "## SmolLM2-135M long generations" + ("" if done else " (in progress)"),
-        command("nohup certkv calibrate contracts/smollm2_long.yaml > calibrate.log &\n"
-                "python benchmarks/smollm2_long.py" + ("" if done else " --allow-incomplete")),
-        f"`contracts/smollm2_long.yaml`: {data['requests_planned']} requests ({data['source']}, {data['context_length']} "
+        "## SmolLM2-135M long generations" + (" in KV formats" if byte_cost else "") + ("" if done else " (in progress)"),
+        command(_smollm2_long_command(contract, done)),
+        f"{source}: {data['requests_planned']} requests ({data['source']}, {data['context_length']} "
         f"counted tokens, seed {data['seed']}), {'query-aware' if data['query_aware'] else 'question-agnostic'}, "
         f"{data['max_new_tokens']} new tokens; utility `{u}` against the recited text, τ = {data['tolerance']}, "
         f"ε = {data['risk']}, δ = {data['delta']}; a recompute gate placed on a pilot of {pct(data['pilot'], 0)} of the "
-        f"requests; candidates compared by their {data['kv_cost']} KV; certified per task. {status}",
+        f"requests; candidates compared by their {_cost_name(data['kv_cost'])}; certified "
+        f"{'over both tasks together' if pooled else 'per task'}. {status}",
         "The full cache's own quality on the calibrated requests (mean ROUGE-L against the recited text, the requests "
         "under 0.5) and the engine's seconds per request, every candidate decoding its own answer, as the calibration "
         "recorded them (one thread a worker, on a machine shared with other work, by every engine version that wrote "
-        "the store; the engine's cost now is the timing at the end of this section):",
+        "the store):",
         table(["task", "requests", f"full-cache {u}", "under 0.5", "seconds per request"], full_rows),
-        f"Per candidate (per task: {' / '.join(tasks)}): the KV it held over the full cache's, at its peak and on "
-        f"average over the decoding steps; the requests it breaks under `{u}` (its score more than τ below the full "
-        f"cache's) and under the strict `{s}` (any word of the full output changed or lost); its mean ROUGE-L against "
-        "the full output. A decoding-time press keeps the whole prompt until its first compression, so its peak is "
-        "the prompt and the first tokens decoded, whatever it keeps later.",
-        table(["candidate", "peak KV", "KV-time", *[f"breaks `{u}`, {t}" for t in tasks],
-               *[f"breaks `{s}`, {t}" for t in tasks], "ROUGE-L vs full"], crow),
-        f"Certified point per task under `{u}` (τ = {data['tolerance']}) and under `{s}` (τ = 0, the same records "
-        "rescored; a comparison, never deployed); mean KV counts the full cache of the requests a gate restarts:",
-        table(["task", f"`{u}`: point", "k/n", "bound", "mean KV", f"`{s}`: point", "k/n", "bound", "mean KV"], prow),
+        _smollm2_candidates_text(tasks, u, s, byte_cost),
+        table(_smollm2_candidate_header(tasks, u, s, byte_cost), _smollm2_candidate_rows(data, tasks, byte_cost)),
+        f"Certified point {'for both tasks' if pooled else 'per task'} under `{u}` (τ = {data['tolerance']}) and under "
+        f"`{s}` (τ = 0, the same records rescored; a comparison, never deployed); mean KV"
+        f"{' bytes' if byte_cost else ''} counts the full cache of the requests a gate restarts:",
+        table(["certificate", f"`{u}`: point", "k/n", "bound", "mean KV", f"`{s}`: point", "k/n", "bound", "mean KV"], prow),
         *[f"Not certified under `{name}`: {c['error']}" for name, c in ((u, cert["task_utility"]), (s, cert["strict_utility"]))
           if c.get("error")],
         *_smollm2_recompute(cert, u, s),
         *([_smollm2_timing(data["timing"])] if data.get("timing") else []),
     ])
+
+
+def _cost_name(kv_cost: str) -> str:
+    return {"bytes": "KV bytes at the peak over a 16-bit cache's", "peak": "peak KV", "time": "KV-time"}.get(kv_cost, kv_cost)
+
+
+def _smollm2_long_command(contract: str, done: bool) -> str:
+    """How to remake a SmolLM2 long results file: the contract as committed, or an earlier version of it."""
+    preview = "" if done else " --allow-incomplete"
+    if " at " not in contract:
+        return f"nohup certkv calibrate {contract} > calibrate.log &\npython benchmarks/smollm2_long.py{preview}"
+    path, commit = contract.split(" at ")
+    return (f"git show {commit}:{path} > smollm2_long_eviction.yaml   # its store: runs/smollm2_long then\n"
+            "nohup certkv calibrate smollm2_long_eviction.yaml > calibrate.log &\n"
+            "python benchmarks/smollm2_long.py --contract smollm2_long_eviction.yaml "
+            f"--out benchmarks/results/smollm2_long_eviction.json{preview}")
+
+
+def _smollm2_candidates_text(tasks: list[str], u: str, s: str, byte_cost: bool) -> str:
+    return (f"Per candidate (per task: {' / '.join(tasks)}): the KV it held over the full cache's, at its peak and on "
+            "average over the decoding steps" + (", in tokens and in bytes over a 16-bit cache's" if byte_cost else "") +
+            f"; the requests it breaks under `{u}` (its score more than τ below the full cache's) and under the strict "
+            f"`{s}` (any word of the full output changed or lost); its mean ROUGE-L against the full output." +
+            ("" if byte_cost else " A decoding-time press keeps the whole prompt until its first compression, so its peak "
+             "is the prompt and the first tokens decoded, whatever it keeps later."))
+
+
+def _smollm2_candidate_header(tasks: list[str], u: str, s: str, byte_cost: bool) -> list[str]:
+    kv = ["peak KV", "KV-time", *(["peak bytes", "mean bytes"] if byte_cost else [])]
+    return ["candidate", *kv, *[f"breaks `{u}`, {t}" for t in tasks], *[f"breaks `{s}`, {t}" for t in tasks],
+            "ROUGE-L vs full"]
+
+
+def _smollm2_candidate_rows(data: dict, tasks: list[str], byte_cost: bool) -> list[list[str]]:
+    keys = ("kv_peak", "kv_time", *(("kv_peak_bytes", "kv_time_bytes") if byte_cost else ()))
+    rows = []
+    for policy, c in data["candidates"].items():
+        cells = [c["tasks"].get(t) for t in tasks]
+        rows.append([f"`{policy}`", *[" / ".join(num(x and x.get(k), 2) for x in cells) for k in keys],
+                     *[f"{x['task_broken']}/{x['n']}" if x else "—" for x in cells],
+                     *[f"{x['strict_broken']}/{x['n']}" if x else "—" for x in cells],
+                     " / ".join(num(x and x["rouge_l_full"], 2) for x in cells)])
+    return rows
 
 
 def _smollm2_recompute(cert: dict, u: str, s: str) -> list[str]:
@@ -1929,6 +1966,7 @@ SECTIONS = {
     "embedded_accuracy": embedded_accuracy,
     "smollm2_135m_accuracy": smollm2_accuracy,
     "smollm2_ruler": smollm2_ruler,
+    "smollm2_long_eviction": smollm2_long,
     "smollm2_long": smollm2_long,
     "eviction_spread": eviction_spread,
     "calibration_speed": calibration_speed,
@@ -2064,9 +2102,24 @@ def readme_smollm2_ruler(data: dict) -> str:
     )
 
 
-def readme_long_generations(embedded: dict, smollm2: dict) -> str:
-    """What the two long-generation contracts certify (the embedded one's point with its bytes and
-    held-out check), or, where only the full cache certifies, what their best eviction candidate breaks."""
+def readme_long_generations(embedded: dict, smollm2: dict, formats: dict) -> str:
+    """What the long-generation contracts certify (the embedded one's point with its bytes and
+    held-out check), or, where only the full cache certifies, what their best eviction candidate
+    breaks; SmolLM2's KV-format contract's point, or how far its calibration is."""
+    text = _readme_long_eviction(embedded, smollm2)
+    done = formats["requests"] >= formats["requests_planned"]
+    if not done:
+        state = f"its KV-format contract is calibrating ({formats['requests']} of {formats['requests_planned']} requests)"
+    else:
+        point = formats["certified"]["task_utility"]["strata"].get("all") or {"fallback": True}
+        state = ("its KV formats certify only the full cache too" if point["fallback"] else
+                 f"in KV formats it certifies `{point['policy']}` ({num(point['mean_kv_retained'], 2)} of 16-bit KV bytes)")
+    return text.replace(" ([why](docs/long-generations.md)).", f"; {state} ([why](docs/long-generations.md)).")
+
+
+def _readme_long_eviction(embedded: dict, smollm2: dict) -> str:
+    """What the embedded long contract and SmolLM2's eviction contract certify (the README sentence
+    before SmolLM2's KV formats are added to it)."""
     formats = {c["policy"]: c["format"] for cands in embedded.get("tokens_precision", {}).values() for c in cands}
     best = min((p for p in embedded["policies"] if formats.get(p["policy"]) is None), key=lambda p: p["violations"])
     tasks = {}
@@ -2092,7 +2145,7 @@ def readme_long_generations(embedded: dict, smollm2: dict) -> str:
     gated = ", gated" if chosen.get("recompute") is not None else ""
     held = embedded.get("heldout") or {}
     held_text = "" if held.get("skipped", True) else f", {held['violations']}/{held['n']} broken held out"
-    theirs = "only the full cache" if full_smollm2 else "a point per task"
+    theirs = "eviction certifies only the full cache" if full_smollm2 else "eviction certifies a point per task"
     return (f"The embedded long contract certifies {what}{gated} ({num(chosen['peak_kv_bytes'], 2)} of 16-bit KV bytes"
             f"{held_text}); SmolLM2-135M's {theirs} ([why](docs/long-generations.md)).")
 
@@ -2134,7 +2187,7 @@ def readme_prefix_cache(data: dict) -> str:
 README_BLOCKS = {
     "demo": (("demo",), readme_demo),
     "smollm2_ruler": (("smollm2_ruler",), readme_smollm2_ruler),
-    "long_generations": (("long_generation", "smollm2_long"), readme_long_generations),
+    "long_generations": (("long_generation", "smollm2_long_eviction", "smollm2_long"), readme_long_generations),
     "grouped_coverage": (("grouped_coverage",), readme_grouped_coverage),
     "prefix_cache": (("prefix_cache",), readme_prefix_cache),
 }
