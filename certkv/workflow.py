@@ -12,10 +12,11 @@ way::
     workflow.calibrate(contract)
     point = workflow.certify(contract).operating_point
 
-``calibrate`` is the calibration run itself (:func:`certkv.calibration.run.calibrate`, on a local
-or a Ray executor; its summary carries a warning per task that measures nothing), resolved on first
-use: importing this module never imports the model stack, and the report's figures are imported by
-:func:`report` only, so ``certkv certify`` stays torch-free.
+``calibrate`` runs the calibration (:func:`certkv.calibration.driver.run_calibration`) on a local,
+Ray or endpoint executor (its summary carries a warning per task that measures nothing); the
+executors are imported when a run needs one: importing this module never imports the model stack,
+an endpoint contract calibrates without it, and the report's figures are imported by :func:`report`
+only, so ``certkv certify`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from certkv._lazy import lazy_getattr
 from certkv.calibration.certification import (
     ContractRecords,
     certify_contract_with_comparison,
@@ -40,11 +40,27 @@ from certkv.core.validation import ValidationResult
 from certkv.errors import CertkvError
 
 if TYPE_CHECKING:
-    from certkv.calibration.run import calibrate as calibrate
-else:
-    # The first step is the calibration run itself (certkv.calibration.run.calibrate), named here
-    # lazily: importing the workflow must not import the model stack (`certkv certify` is torch-free).
-    __getattr__ = lazy_getattr("certkv.workflow", {"calibrate": ("certkv.calibration.run", "calibrate")})
+    from certkv.calibration.driver import CalibrationSummary, Executor
+
+
+def calibrate(contract: Contract, *, executor: Executor | None = None, **options: Any) -> CalibrationSummary:
+    """Calibrate `contract` into its store (:func:`certkv.calibration.driver.run_calibration`, whose
+    `options` these are: new_store, limit, quiet, device, dtype, console, on_written) on `executor`,
+    by default the one the contract needs: an endpoint contract's
+    (:class:`certkv.calibration.endpoints.EndpointExecutor`, torch-free), else the model in this
+    process (:class:`certkv.calibration.run.LocalExecutor`). Safe to interrupt and rerun."""
+    from certkv.calibration.driver import run_calibration
+
+    if executor is None and contract.endpoint is not None:
+        from certkv.calibration.endpoints import EndpointExecutor
+
+        executor = EndpointExecutor(contract)
+    elif executor is None:
+        from certkv.calibration.run import LocalExecutor
+
+        executor = LocalExecutor()
+    return run_calibration(contract, executor=executor, **options)
+
 
 #: The operating point's file name in the store folder (``certkv certify``'s default output).
 OPERATING_POINT_FILE = "operating_point.json"

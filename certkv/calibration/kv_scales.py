@@ -91,7 +91,7 @@ def placed_amax(contract: Contract, store: CalibrationStore, requests: list[Requ
     meta = store.meta()
     if "kv_pilot_amax" in meta:
         return json.loads(meta["kv_pilot_amax"])
-    model, tokenizer = load_model(contract.model, device=device, dtype=dtype or contract.protocol.dtype)
+    model, tokenizer = load_model(contract.local_model, device=device, dtype=dtype or contract.protocol.dtype)
     amax = pilot_amax(model, tokenizer, contract, requests)
     store.bind({"kv_pilot_amax": json.dumps(amax), "kv_pilot_ids": json.dumps(sorted(pilot_ids(contract, requests)))})
     return amax

@@ -136,7 +136,7 @@ class CalibrationWorker:
         self.facts: dict[str, Any] = {"pid": os.getpid(), "worker": index}
         try:
             run_device = resolve_device(device or contract.protocol.device)
-            self.facts.update(model_fingerprint=model_fingerprint(contract.model), device_type=run_device.split(":")[0])
+            self.facts.update(model_fingerprint=model_fingerprint(contract.local_model), device_type=run_device.split(":")[0])
             self.engine, self.tokenizer, self.max_positions = load_engine(contract, run_device, dtype)
         except CertkvError as exc:
             self.error = str(exc)

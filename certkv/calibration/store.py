@@ -88,7 +88,7 @@ CREATE TABLE IF NOT EXISTS records (
     loss REAL NOT NULL,
     answer TEXT NOT NULL,
     {signal_columns}
-    path TEXT CHECK (path IS NULL OR path IN ('fast', 'pipeline')),
+    path TEXT CHECK (path IS NULL OR path IN ('fast', 'pipeline', 'endpoint')),
     seconds REAL,
     extra TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (request_id, policy)
@@ -353,8 +353,8 @@ class CalibrationStore:
                 raise CertkvError(f"request {request_id!r}, policy {rec['policy']!r}: {c} {rec[c]} is outside [0, 1]")
         if abs(rec["loss"] - (rec["utility_full"] - rec["utility"])) > LOSS_TOLERANCE:
             raise CertkvError(f"request {request_id!r}, policy {rec['policy']!r}: loss {rec['loss']} != utility_full − utility")
-        if rec["path"] not in (None, "fast", "pipeline"):
-            raise CertkvError(f"request {request_id!r}: path must be 'fast' or 'pipeline', got {rec['path']!r}")
+        if rec["path"] not in (None, "fast", "pipeline", "endpoint"):
+            raise CertkvError(f"request {request_id!r}: path must be 'fast', 'pipeline' or 'endpoint', got {rec['path']!r}")
         extra = {k: v for k, v in record.items() if k not in COLUMNS and k != "extra"}
         extra.update(record.get("extra") or {})
         try:

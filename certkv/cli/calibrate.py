@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,7 +11,7 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from certkv.calibration.run import CalibrationSummary
+    from certkv.calibration.driver import CalibrationSummary, Executor
     from certkv.contract.schema import Contract
 
 
@@ -31,37 +32,99 @@ def calibrate(
                                                  help="Ray: GPUs per replica (1: one replica per GPU)"),
     threads_per_worker: int | None = typer.Option(None, "--threads-per-worker",
                                                   help="Ray: CPUs and torch threads per replica (default 1)"),
+    concurrency: int | None = typer.Option(None, "--concurrency",
+                                           help="endpoints: requests in flight (default 4)"),
+    retries: int | None = typer.Option(None, "--retries",
+                                       help="endpoints: further tries after a connection error, 429 or 5xx (default 8)"),
+    probe_every: int | None = typer.Option(None, "--probe-every",
+                                           help="endpoints: answered requests between two probes of the full endpoint "
+                                                "(default 50)"),
 ) -> None:
     """Run the full cache and every candidate policy on the calibration requests; resumable.
 
     With --executor ray, Ray actors each load the model once and run the requests this process
     hands them; this process alone writes the store, one transaction per request, as a local run.
+    An endpoint contract (model: {endpoint: URL, name: NAME}) sends every request to its servers
+    instead, without loading a model (docs/engines.md).
     """
     from rich.console import Console
 
-    from certkv.calibration.run import Executor, LocalExecutor
     from certkv.contract.loading import load_contract
     from certkv.errors import CertkvError
     from certkv.workflow import calibrate as run_calibration
 
     console = Console(stderr=True)
-    ray_given = {"--address": address, "--workers": workers, "--gpus-per-worker": gpus_per_worker,
-                 "--threads-per-worker": threads_per_worker}
-    runner: Executor = LocalExecutor()
-    if executor == "ray":
-        from certkv.calibration.ray_executor import RayExecutor, RayOptions
-
-        runner = RayExecutor(RayOptions(address=address, workers=workers, gpus_per_worker=gpus_per_worker or 0.0,
-                                        threads_per_worker=threads_per_worker or 1))
-    elif executor != "local":
+    ray = RayGiven(address, workers, gpus_per_worker, threads_per_worker)
+    if executor not in ("local", "ray"):
         raise CertkvError(f"--executor must be local or ray, got {executor!r}")
-    elif any(v is not None for v in ray_given.values()):
-        given = [k for k, v in ray_given.items() if v is not None]
+    if executor == "local" and ray.given():
+        given = ray.given()
         raise CertkvError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --executor ray")
     contract = load_contract(contract_path)
+    endpoint_given = {"--concurrency": concurrency, "--retries": retries, "--probe-every": probe_every}
+    if contract.endpoint is not None:
+        runner = _endpoint_executor(contract, executor, concurrency, retries, probe_every)
+    elif any(v is not None for v in endpoint_given.values()):
+        given = [k for k, v in endpoint_given.items() if v is not None]
+        raise CertkvError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to endpoint contracts "
+                          "(model: {endpoint: URL, name: NAME}) only")
+    else:
+        runner = ray.executor() if executor == "ray" else _local_executor()
     summary = run_calibration(contract, executor=runner, new_store=new_store, limit=limit, quiet=quiet, device=device,
-                             dtype=dtype, console=console)
+                              dtype=dtype, console=console)
     show_calibration(contract, summary, quiet, console)
+
+
+@dataclass(frozen=True)
+class RayGiven:
+    """The Ray options as given on the command line (None: not given)."""
+
+    address: str | None
+    workers: int | None
+    gpus_per_worker: float | None
+    threads_per_worker: int | None
+
+    def given(self) -> list[str]:
+        """The options given, as the user typed them."""
+        names = {"address": "--address", "workers": "--workers", "gpus_per_worker": "--gpus-per-worker",
+                 "threads_per_worker": "--threads-per-worker"}
+        return [flag for key, flag in names.items() if getattr(self, key) is not None]
+
+    def executor(self) -> Executor:
+        """The Ray executor of these options (Ray imported when it runs)."""
+        from certkv.calibration.ray_executor import RayExecutor, RayOptions
+
+        return RayExecutor(RayOptions(address=self.address, workers=self.workers,
+                                      gpus_per_worker=self.gpus_per_worker or 0.0,
+                                      threads_per_worker=self.threads_per_worker or 1))
+
+
+def _local_executor() -> Executor:
+    """The model in this process (the calibration run's model side, imported only here)."""
+    from certkv.calibration.run import LocalExecutor
+
+    return LocalExecutor()
+
+
+def _endpoint_executor(contract: Contract, executor: str, concurrency: int | None, retries: int | None,
+                       probe_every: int | None) -> Executor:
+    """The executor of an endpoint contract, its options from the command line; each retry told on
+    stderr (a server that is down is waited for, and the user sees why the run pauses)."""
+    from certkv.calibration.endpoints import EndpointExecutor, EndpointOptions
+    from certkv.errors import CertkvError
+
+    if executor != "local":
+        raise CertkvError("an endpoint contract sends its requests to its servers; --executor ray loads a model: "
+                          "remove --executor")
+    defaults = EndpointOptions()
+    options = EndpointOptions(concurrency=defaults.concurrency if concurrency is None else concurrency,
+                              retries=defaults.retries if retries is None else retries,
+                              probe_every=defaults.probe_every if probe_every is None else probe_every)
+
+    def on_retry(url: str, why: str, attempt: int, tries: int, wait_s: float) -> None:
+        typer.echo(f"certkv: endpoint {url}: {why}; try {attempt} of {tries} failed, retrying in {wait_s:g} s", err=True)
+
+    return EndpointExecutor(contract, options, on_retry=on_retry)
 
 
 def show_calibration(contract: Contract, summary: CalibrationSummary, quiet: bool, console: Console) -> None:

@@ -32,11 +32,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from certkv.core.gate_features import DEFAULT_FEATURES
 from certkv.core.policy_names import (
+    ENDPOINT_PRESS,
     NO_PRESS,
     PILOT_GATE_KINDS,
     GateChoice,
@@ -192,6 +193,8 @@ class Protocol(_Strict):
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1)
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    #: An endpoint contract's route: chat completions (default) or completions (docs/engines.md).
+    route: Literal["chat", "completions"] | None = None
 
     @field_validator("device")
     @classmethod
@@ -202,6 +205,60 @@ class Protocol(_Strict):
 
 
 KvRetained = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+_URL_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Endpoint(_Strict):
+    """What an OpenAI-compatible server is reached by: its base URL (up to ``/v1``), the model
+    name it serves, and the environment variable that holds its API key (the key itself never
+    sits in the contract, which is hashed and copied into every store)."""
+
+    name: str = Field(min_length=1, description="the model name the server serves (its /v1/models id)")
+    api_key_env: str | None = Field(default=None, description="environment variable holding the API key")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _check_env(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_RE.match(value):
+            raise _error(f"api_key_env {value!r} must name an environment variable (letters, digits, _), not hold a key")
+        return value
+
+    @staticmethod
+    def _checked_url(value: str) -> str:
+        if not _URL_RE.match(value):
+            raise _error(f"endpoint URL {value!r} must be http(s)://host[:port]/path, e.g. http://127.0.0.1:8001/v1")
+        return value.rstrip("/")
+
+
+class ModelEndpoint(_Endpoint):
+    """``model: {endpoint: URL, name: NAME}``: the full cache is a deployment behind an
+    OpenAI-compatible server (certkv.calibration.endpoints); calibration sends it every request."""
+
+    endpoint: str = Field(min_length=1, description="base URL, e.g. http://127.0.0.1:8001/v1")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        return cls._checked_url(value)
+
+    @property
+    def url(self) -> str:
+        return self.endpoint
+
+
+class PolicyEndpoint(_Endpoint):
+    """A candidate's ``endpoint: {url: URL, name: NAME}``: a compressed deployment behind an
+    OpenAI-compatible server."""
+
+    url: str = Field(min_length=1, description="base URL, e.g. http://127.0.0.1:8002/v1")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        return cls._checked_url(value)
 
 
 class StrataSpec(_Strict):
@@ -237,6 +294,8 @@ class CandidateSequence(_Strict):
     press_kwargs: dict[str, Any] = Field(default_factory=dict)
     cache: CacheBlock | None = Field(default=None, description="the KV format (certkv.kv_formats.spec); none: 16 bits")
     label: str | None = Field(default=None, description="used instead of the press in policy names")
+    endpoint: PolicyEndpoint | None = Field(default=None, description="an OpenAI-compatible server (docs/engines.md)")
+    memory: float | None = Field(default=None, description="an endpoint's declared KV share, in (0, 1]")
 
     @field_validator("press")
     @classmethod
@@ -295,7 +354,30 @@ class CandidateSequence(_Strict):
         return value
 
     @model_validator(mode="after")
+    def _check_endpoint(self) -> CandidateSequence:
+        """An endpoint entry names its deployment (label) and the KV share it declares (memory);
+        what runs inside it is the server's, so press, cache and kv_retained are refused."""
+        if self.endpoint is None:
+            if self.memory is not None:
+                raise _error("memory is an endpoint entry's declared KV share; an in-process entry's is its kv_retained "
+                             "(remove memory, or add endpoint:)")
+            return self
+        given = [k for k in ("press", "kv_retained", "cache") if getattr(self, k) is not None] + (
+            ["press_kwargs"] if self.press_kwargs else [])
+        if given:
+            raise _error(f"an endpoint entry runs on its server, which certkv cannot configure: remove {given[0]} "
+                         "(declare the deployment's KV share as memory)")
+        if self.label is None:
+            raise _error("an endpoint entry needs a label (it names the candidate: <label>@<memory>)")
+        if self.memory is None or not (0.0 < self.memory <= 1.0):
+            raise _error(f"an endpoint entry needs memory in (0, 1], the KV share its deployment uses (declared: "
+                         f"certkv cannot see inside the server), got {self.memory!r}")
+        return self
+
+    @model_validator(mode="after")
     def _check_axes(self) -> CandidateSequence:
+        if self.endpoint is not None:
+            return self
         if self.press is None and self.cache is None:
             raise _error("a policy entry needs a press, a cache (a KV format) or both")
         if self.press is None:
@@ -349,6 +431,8 @@ class CandidateSequence(_Strict):
         """Each rung's display name: the label, else the press; a KV format adds its name after a
         ``+`` (alone: its name), and a ladder over bits names each rung's format."""
         formats = self.formats
+        if self.endpoint is not None:
+            return [str(self.label)]
         if not formats:
             return [self.label or str(self.press)] * len(self.kv_retained or [])
         if self.label is not None and len(formats) == 1:
@@ -360,6 +444,9 @@ class CandidateSequence(_Strict):
     def policy_entry(self, choices: tuple[GateChoice, ...]) -> PolicyEntry:
         """This entry as the core names and orders its candidates, tested under `choices`."""
         formats = self.formats
+        if self.endpoint is not None:
+            return PolicyEntry(display=str(self.label), press=ENDPOINT_PRESS, kv_retained=(float(self.memory or 1.0),),
+                               label=self.label, choices=choices)
         retained = self.kv_retained or [1.0]
         if len(formats) > 1:  # a ladder over bits: its one retention at every rung
             retained = retained * len(formats)
@@ -553,7 +640,7 @@ class Contract(_Strict):
     """A validated contract. Build it with :func:`load_contract` so relative paths resolve."""
 
     name: str
-    model: str = Field(default="embedded", min_length=1)
+    model: Annotated[str, Field(min_length=1)] | ModelEndpoint = "embedded"
     requests: RequestsSpec
     protocol: Protocol = Field(default_factory=Protocol)
     utility: Literal[
@@ -585,6 +672,22 @@ class Contract(_Strict):
     def _check_name(cls, value: str) -> str:
         if not _NAME_RE.match(value):
             raise _error(f"name {value!r} may use letters, digits and _ . - only (it names the store folder)")
+        return value
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _one_kind_of_model(cls, value: Any) -> Any:
+        """A model name, or a mapping read as an endpoint: one message for whichever was meant."""
+        if isinstance(value, dict):
+            try:
+                return ModelEndpoint.model_validate(value)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise _error(f"{where + ': ' if where else ''}{first['msg']}") from None
+        if not isinstance(value, str | ModelEndpoint) or value == "":
+            raise _error("model must be a model name (embedded, a folder, a Hugging Face id) or an endpoint "
+                         "{endpoint: URL, name: NAME}")
         return value
 
     @field_validator("tolerance", "risk", "confidence")
@@ -624,7 +727,7 @@ class Contract(_Strict):
         (:func:`press_registry.refusal_reason`); `model` and `protocol` are validated before."""
         model = info.data.get("model")
         protocol = info.data.get("protocol")
-        if model is None or protocol is None:  # reported as their own errors
+        if not isinstance(model, str) or protocol is None:  # reported as their own errors; an endpoint runs no press
             return policies
         specs: list[tuple[int, str, str, bool, Mapping[str, Any]]] = [
             (i, p.press, "", False, p.press_kwargs) for i, p in enumerate(policies) if p.press is not None
@@ -640,6 +743,48 @@ class Contract(_Strict):
             if reason is not None:
                 raise _error(f"entry {i}: {where}{reason}")
         return policies
+
+    @model_validator(mode="after")
+    def _check_endpoints(self) -> Contract:
+        """An endpoint contract measures servers end to end: every entry is an endpoint, and only
+        what the answers show can be used (docs/engines.md); an in-process contract has none."""
+        endpoint = self.endpoint
+        for i, p in enumerate(self.policies):
+            if endpoint is None and p.endpoint is not None:
+                raise _error(f"entry {i} is an endpoint, but model runs in-process: candidates are compared with the "
+                             "full cache of the same kind; give model: {endpoint: URL, name: NAME} or drop the endpoint")
+            if endpoint is not None and p.endpoint is None:
+                raise _error(f"entry {i} runs in-process, but model is an endpoint: candidates are compared with the "
+                             "full cache of the same kind; give this entry endpoint:, label: and memory:")
+        if endpoint is None:
+            if self.protocol.route is not None:
+                raise _error("protocol.route applies to endpoint contracts only; remove it")
+            return self
+        default = Protocol()
+        changed = [k for k in ("query_aware", "device", "dtype") if getattr(self.protocol, k) != getattr(default, k)]
+        if changed:
+            raise _error(f"protocol.{changed[0]} configures certkv's own engine, and an endpoint runs its own; remove it")
+        if self.kv_cost not in (None, "kv_retained"):
+            raise _error(f"kv_cost {self.kv_cost} is measured inside certkv's engine; an endpoint's cost is its declared "
+                         "memory (remove kv_cost)")
+        refused = self._gates_refused_for_endpoints()
+        if refused is not None:
+            raise _error(f"gate.{refused} reads the model's attention or cache, which an endpoint does not expose; "
+                         "endpoints take the confidence gate (gate.pilot with confidence quantiles) only")
+        return self
+
+    def _gates_refused_for_endpoints(self) -> str | None:
+        """The first gate setting an endpoint cannot feed: one that needs attention, the cache, a
+        restart mid-answer or the model's tokenizer (only the answer's log-probabilities come back)."""
+        gate = self.gate
+        if gate is None:
+            return None
+        for key in ("agreement_drop", "certificate", "lookahead", "recompute", "certificate_recompute"):
+            if getattr(gate, key):
+                return key
+        if gate.learned is not None and any(f != "confidence" for f in gate.learned.features):
+            return f"learned feature {next(f for f in gate.learned.features if f != 'confidence')}"
+        return None
 
     @model_validator(mode="after")
     def _check_pilot(self) -> Contract:
@@ -737,6 +882,23 @@ class Contract(_Strict):
         return "peak" if decoding else "kv_retained"
 
     @property
+    def endpoint(self) -> ModelEndpoint | None:
+        """The full cache's endpoint (None: certkv loads `model` in-process)."""
+        return self.model if isinstance(self.model, ModelEndpoint) else None
+
+    @property
+    def local_model(self) -> str:
+        """The in-process model's name (embedded, a folder, a Hugging Face id); an endpoint contract has none."""
+        if not isinstance(self.model, str):
+            raise CertkvError(f"contract {self.name} calibrates endpoints; it loads no model in-process")
+        return self.model
+
+    @property
+    def route(self) -> str:
+        """An endpoint contract's route: ``chat`` unless ``protocol.route`` says ``completions``."""
+        return self.protocol.route or "chat"
+
+    @property
     def base_dir(self) -> Path:
         """The folder relative paths resolve against (the contract file's folder)."""
         return self._base_dir
@@ -764,9 +926,12 @@ class Contract(_Strict):
         for key in _LATER_REQUEST_KEYS:
             if data["requests"].get(key) is None:
                 data["requests"].pop(key)
-        for policy in data["policies"]:  # an entry without a KV format hashes as before formats
-            if policy.get("cache") is None:
-                policy.pop("cache", None)
+        for policy in data["policies"]:  # an entry without a KV format (or an endpoint) hashes as before them
+            for key in ("cache", "endpoint", "memory"):
+                if policy.get(key) is None:
+                    policy.pop(key, None)
+        if data["protocol"].get("route") is None:
+            data["protocol"].pop("route", None)
         if self.gate is not None:
             data["gate"] = self.gate.hashed_dump(data["gate"])
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

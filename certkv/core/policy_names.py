@@ -35,6 +35,9 @@ from typing import Any, Literal
 REFERENCE_POLICY = "full"
 #: The press column of a candidate that keeps every token and only stores them at a lower precision.
 NO_PRESS = "none"
+#: The press column of a candidate served by an OpenAI-compatible endpoint: what it keeps is the
+#: server's own (its declared memory is the candidate's kv_retained).
+ENDPOINT_PRESS = "endpoint"
 #: The top-level policy of a stratified operating point: each stratum deploys its own.
 STRATIFIED_POLICY = "stratified"
 
