@@ -291,9 +291,10 @@ class EndpointExecutor:
             dtype: str | None, quiet: bool, console: Console | None, kv_amax: list[list[float]] | None = None) -> None:
         """Bind the endpoints' identities and the probe's answer, then calibrate `todo` (module docstring)."""
         full, cands = self.endpoints()
-        bind_identities(record.store, full, cands)
+        found = {REFERENCE_POLICY: full.identity(), **{policy: e.identity() for policy, _, e in cands}}
         probe = Probe(full, contract, record.store)
-        probe.check()
+        probe.check()  # first: a full endpoint restarted as another deployment is said to be a moved reference
+        bind_identities(record.store, found)
         t0 = time.perf_counter()
         with progress_bar(quiet, console) as progress, ThreadPoolExecutor(self.options.concurrency) as pool:
             task = progress.add_task("calibrating", total=len(todo)) if progress else None
@@ -335,10 +336,9 @@ class EndpointExecutor:
         return request.id, endpoint_records(request, answer, answers, self.contract), None
 
 
-def bind_identities(store: CalibrationStore, full: Endpoint, cands: Sequence[tuple[str, float, Endpoint]]) -> None:
-    """Each endpoint's identity (:meth:`Endpoint.identity`) bound to the store under ``endpoints``; a
-    resumed run against a server whose identity changed is refused, naming it."""
-    found = {REFERENCE_POLICY: full.identity(), **{policy: e.identity() for policy, _, e in cands}}
+def bind_identities(store: CalibrationStore, found: dict[str, dict]) -> None:
+    """Each endpoint's identity (:meth:`Endpoint.identity`, by policy) bound to the store under
+    ``endpoints``; a resumed run against a server whose identity changed is refused, naming it."""
     stored = store.meta().get("endpoints")
     if stored is not None:
         for policy, identity in json.loads(stored).items():
