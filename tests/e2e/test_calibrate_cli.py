@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_cli, run_main
+from conftest import REPO, run_main
 
-N_REQUESTS = 16
+#: Room for the three kills below (four requests stored by then) and a resumed rest; every test here
+#: calibrates some of them, the SIGKILL test all of them twice.
+N_REQUESTS = 8
 
 CONTRACT = {
     "name": "killtest",
@@ -111,13 +113,24 @@ KILLED_CHILD = textwrap.dedent(
 KILLS = [("after", 2), ("inside", 2), ("before", 2)]
 
 
-def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
-    # Every run on one thread, as the killed ones (_env): a matmul's float rounding depends on the
-    # thread count, and the recorded log-probabilities are compared to the last bit.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def _calibrate_on_one_thread(contract: Path, capsys) -> None:
+    """`certkv calibrate CONTRACT --quiet` in this process, on one thread as the killed children
+    (_env): a matmul's float rounding depends on the thread count, and the recorded
+    log-probabilities are compared to the last bit. Only the killed runs need processes of their own."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = run_main("calibrate", str(contract), "--quiet")
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, capsys.readouterr().err
+
+
+def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path, capsys):
     reference = _setup(tmp_path / "reference")
-    res = run_cli("calibrate", str(reference), "--quiet")
-    assert res.returncode == 0, res.stderr
+    _calibrate_on_one_thread(reference, capsys)
     expected, expected_skipped = _records(tmp_path / "reference")
     assert len({r["request_id"] for r in expected}) == N_REQUESTS and len(expected) == N_REQUESTS * 5
 
@@ -135,12 +148,11 @@ def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path, mon
         assert stored == before + nth - (when != "after"), (when, nth, before, stored)
         if 0 < stored + skipped < N_REQUESTS:
             mid_run_kills += 1
-    final = run_cli("calibrate", str(killed), "--quiet")
-    assert final.returncode == 0, final.stderr
+    _calibrate_on_one_thread(killed, capsys)
     got, got_skipped = _records(tmp_path / "killed")
     assert mid_run_kills >= 3, "the kills must land while calibration is writing requests"
     assert all(r["agreement_drop"] is not None for r in got)
-    if got != expected:  # name the first difference: a diff of 5×16 records is unreadable
+    if got != expected:  # name the first difference: a diff of 5×8 records is unreadable
         diff = next((g, e) for g, e in zip(got, expected) if g != e)
         raise AssertionError(f"resumed records differ: {diff}")
     assert got_skipped == expected_skipped
