@@ -1,6 +1,6 @@
 """`certkv demo` from an installed wheel, run from a folder that is neither the checkout nor the venv.
 
-Slow (a wheel build, a venv, a 30-request demo: about a minute) but run by default; it belongs to
+Slow (a wheel build, a venv, a 10-request demo: about half a minute) but run by default; it belongs to
 the `model` selection (``pytest -m "not model"`` leaves it out). The venv borrows the dependencies
 of the environment that runs pytest (a venv of its own, or the machine's Python), so nothing is
 downloaded: see :func:`_borrow_site_packages`. The wheel is installed into the venv itself, ahead of
@@ -23,6 +23,9 @@ from conftest import REPO
 #: What the wheel is built from: the package and the project files setuptools reads.
 _SOURCES = ("certkv", "pyproject.toml", "README.md")
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "runs", "certkv-demo")
+#: The demo's requests: a few run every step (calibrate, certify, validate, report) from the wheel, as
+#: thirty would; each one more is the whole demo ladder's candidates on the embedded model.
+DEMO_REQUESTS = 10
 
 
 def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
@@ -110,7 +113,7 @@ def test_demo_runs_from_the_installed_wheel_in_any_folder(wheel_venv, tmp_path):
     before = _snapshot(package)
     work = tmp_path / "elsewhere"
     work.mkdir()
-    res = subprocess.run([str(venv / "bin" / "certkv"), "demo", "--limit", "30", "--quiet"], cwd=work,
+    res = subprocess.run([str(venv / "bin" / "certkv"), "demo", "--limit", str(DEMO_REQUESTS), "--quiet"], cwd=work,
                          env={**_env(), "COLUMNS": "80"}, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     run = work / "certkv-demo"
