@@ -109,7 +109,9 @@ def test_query_aware_snapkv_on_ruler_equals_kvpress_and_loses_the_value_s_last_d
     candidate = PressCandidate("snapkv@0.90", build_press("snapkv", 0.9), "snapkv", 0.9)
     engine = Engine(model, tokenizer, [candidate], max_new_tokens=8, query_aware=True)
     truncated = 0
-    for req in generate_requests("ruler_single_needle", 4, seed=99, context_length=512):
+    # Two requests: the second is one SnapKV cuts to its value's first digits (the finding), and each
+    # request more is a 512-token prefill by the engine and the pipeline on a 30-layer model.
+    for req in generate_requests("ruler_single_needle", 2, seed=99, context_length=512):
         enc = for_protocol(encode_request(tokenizer, req.context, req.question, req.answer_prefix), True)
         inputs = {"context_ids": torch.tensor([enc.context_ids]), "questions_ids": [torch.tensor([enc.question_ids])]}
         result = engine.run(req.context, req.question, req.answer_prefix)
