@@ -16,19 +16,36 @@ from certkv.requests.request_set import generate_requests
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def servers(tmp_path_factory):
+    """Both servers of the module, started together (each start is mostly an interpreter loading
+    torch and the model: two in parallel take little longer than one) and stopped at its end."""
     from certkv.core.spec import GateSettings
 
     # StreamingLLM compressing every 8 steps to 80% of the tokens seen, restarting below p = 0.3
     kwargs = {"base_press": "streaming_llm", "compression_interval": 8}
-    point = _point(GateSettings(recompute=0.3)).model_copy(update={
+    gated = _point(GateSettings(recompute=0.3)).model_copy(update={
         "press_kwargs": kwargs, "kv_retained": 0.8, "policy": "compression_ratio_decoding@0.80+recq",
         "base_policy": "compression_ratio_decoding@0.80", "max_new_tokens": 140})
-    s = _Server(tmp_path_factory.mktemp("serve_decoding"), point, "--shadow-rate", "0.5", "--model", "embedded-recite")
+    # StreamingLLM keeping half of the tokens seen, every 8 steps, ungated: batchable
+    batchable = _point(None).model_copy(update={
+        "press_kwargs": kwargs, "kv_retained": 0.5, "mean_kv_retained": 0.5,
+        "policy": "compression_ratio_decoding@0.50", "base_policy": "compression_ratio_decoding@0.50",
+        "max_new_tokens": 140})
+    started = []
     try:
-        yield s.wait(), point
+        started.append(_Server(tmp_path_factory.mktemp("serve_decoding"), gated, "--shadow-rate", "0.5", "--model",
+                               "embedded-recite"))
+        started.append(_Server(tmp_path_factory.mktemp("serve_decoding_lanes"), batchable, "--shadow-rate", "0",
+                               "--model", "embedded-recite", held=True))
+        yield {"gated": (started[0].wait(), gated), "held": (started[1].wait(), batchable)}
     finally:
-        s.stop()
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["gated"]
 
 
 def test_decoding_point_served_as_in_process(server, embedded_recite):
@@ -63,19 +80,8 @@ def test_decoding_point_served_as_in_process(server, embedded_recite):
 
 
 @pytest.fixture(scope="module")
-def held_server(tmp_path_factory):
-    # StreamingLLM keeping half of the tokens seen, every 8 steps, ungated: batchable
-    kwargs = {"base_press": "streaming_llm", "compression_interval": 8}
-    point = _point(None).model_copy(update={
-        "press_kwargs": kwargs, "kv_retained": 0.5, "mean_kv_retained": 0.5,
-        "policy": "compression_ratio_decoding@0.50", "base_policy": "compression_ratio_decoding@0.50",
-        "max_new_tokens": 140})
-    s = _Server(tmp_path_factory.mktemp("serve_decoding_lanes"), point, "--shadow-rate", "0", "--model",
-                "embedded-recite", held=True)
-    try:
-        yield s.wait(), point
-    finally:
-        s.stop()
+def held_server(servers):
+    return servers["held"]
 
 
 def test_a_batchable_decoding_point_answers_concurrent_recitations_together(held_server, embedded_recite):
