@@ -173,15 +173,23 @@ def api_key(env: str | None, url: str) -> str | None:
 def request_body(request: Request, route: str, name: str, max_new_tokens: int, certkv_upstream: bool) -> dict:
     """The body sent for `request`: greedy, at most `max_new_tokens`, log-probabilities asked for; a
     certkv serve upstream gets the request's fields as they are (see the module docstring)."""
+    return upstream_body(request.context, request.question, request.answer_prefix, route, name, max_new_tokens,
+                         certkv_upstream)
+
+
+def upstream_body(context: str, question: str, answer_prefix: str, route: str, name: str, max_new_tokens: int,
+                  certkv_upstream: bool) -> dict:
+    """:func:`request_body` from the texts themselves: what calibration sends for a request, and
+    what ``certkv gateway`` sends for a live one, so the deployment is asked as it was measured."""
     body: dict[str, Any] = {"model": name, "temperature": 0, "max_tokens": max_new_tokens,
                             "logprobs": True if route == "chat" else 0}
     if certkv_upstream:
-        body.update(context=request.context, question=request.question)
-        if request.answer_prefix:
-            body["answer_prefix"] = request.answer_prefix
+        body.update(context=context, question=question)
+        if answer_prefix:
+            body["answer_prefix"] = answer_prefix
         text = ""
     else:
-        text = request.context + request.question
+        text = context + question
     if route == "chat":
         body["messages"] = [{"role": "user", "content": text}] if text else []
     else:

@@ -22,6 +22,7 @@ from certkv.cli import calibrate as _calibrate
 from certkv.cli import certify as _certify
 from certkv.cli import demo as _demo
 from certkv.cli import export as _export
+from certkv.cli import gateway as _gateway
 from certkv.cli import generate as _generate
 from certkv.cli import report as _report
 from certkv.cli import serve as _serve
@@ -75,6 +76,7 @@ _command("validate", _validate.validate)
 _command("report", _report.report)
 _command("export", _export.export)
 _command("serve", _serve.serve, own_signals=True)
+_command("gateway", _gateway.gateway, own_signals=True)
 
 
 def _click_exceptions() -> tuple[tuple[type[Any], ...], tuple[type[Any], ...]]:

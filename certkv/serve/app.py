@@ -22,6 +22,7 @@ from certkv.serve.responses import ErrorResponse
 from certkv.serve.routes import build_router, json_response
 
 if TYPE_CHECKING:
+    from certkv.serve.metrics import AnswerMetrics
     from certkv.serve.service import Service
 
 log = logging.getLogger("certkv.serve")
@@ -48,9 +49,7 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
     behind the body-limit and API-key middleware (an ASGI app)."""
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from fastapi import FastAPI
 
     metrics = service.metrics
     in_flight = InFlight()
@@ -62,6 +61,19 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
         await asyncio.get_running_loop().run_in_executor(None, service.shutdown, drain_seconds)
 
     app = FastAPI(title="certkv serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app, metrics, "certkv serve")
+    app.include_router(build_router(service, model_id=model_id, operating_point_path=operating_point_path,
+                                    timeout=timeout, shadow_store_path=shadow_store_path, in_flight=in_flight))
+    return Limits(app, api_key, max_body_bytes, metrics, in_flight)
+
+
+def install_error_handlers(app, metrics: AnswerMetrics, server: str) -> None:
+    """OpenAI-shaped errors on `app`, each counted in `metrics`: 422 for a schema error (one line
+    naming the field), the status of an HTTP error, 500 for a crash (logged; the server stays up).
+    ``certkv serve`` and ``certkv gateway`` (`server`, the name in the log) answer alike."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -77,11 +89,7 @@ def create_app(service: Service, *, model_id: str, operating_point_path: str | N
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
-        log.exception("certkv serve: %s failed", request.url.path)
+        log.exception("%s: %s failed", server, request.url.path)
         metrics.errors.labels(route_label(request.url.path), "500").inc()
         return json_response(500, ErrorResponse.of(f"internal error: {type(exc).__name__}: {exc}", "server_error",
                                                    None, "internal_error"))
-
-    app.include_router(build_router(service, model_id=model_id, operating_point_path=operating_point_path,
-                                    timeout=timeout, shadow_store_path=shadow_store_path, in_flight=in_flight))
-    return Limits(app, api_key, max_body_bytes, metrics, in_flight)

@@ -32,8 +32,10 @@ class Scraped(Protocol):
     def scheduler(self) -> Any: ...
 
 
-class Metrics:
-    """The service's counters, gauges and histograms; monitor gauges are refreshed at each scrape."""
+class AnswerMetrics:
+    """The metrics of any server that answers for an operating point, ``certkv serve`` or ``certkv
+    gateway``: answers by decision reason, errors, latency, time to first token, shadows and the live
+    monitor's gauges (refreshed at each scrape by :meth:`refresh_monitor`)."""
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -54,11 +56,53 @@ class Metrics:
                                      "to the first chunk with text", ["route"], registry=r)
         self.queue_wait = Histogram("certkv_queue_wait_seconds", "Time a live request waited for the worker",
                                     registry=r)
-        self.queue_depth = Gauge("certkv_queue_depth", "Live requests waiting for the worker", registry=r)
-        self.shadow_pending = Gauge("certkv_shadow_pending", "Shadow jobs waiting for the worker", registry=r)
         self.shadow_samples = Counter("certkv_shadow_samples", "Shadows run to completion", ["stream"], registry=r)
         self.shadow_abandoned = Counter("certkv_shadow_abandoned", "Shadows that could not be scored (failed "
                                         "or abandoned at shutdown)", ["stream"], registry=r)
+        self.m_enabled = Gauge("certkv_monitor_enabled", "1 when a live monitor watches the deployed risk; 0 "
+                               "under --shadow-rate 0 (no shadows: nothing watches it)", registry=r)
+        labels = ["stream"]
+        self.m_requests = Gauge("certkv_monitor_requests", "Requests recorded by the monitor", labels, registry=r)
+        self.m_violations = Gauge("certkv_monitor_violations", "Observed shadow violations (loss > tau)", labels,
+                                  registry=r)
+        self.m_bound = Gauge("certkv_monitor_risk_upper_bound", "Anytime-valid upper bound of the deployed "
+                             "violation rate", labels, registry=r)
+        self.m_evalue = Gauge("certkv_monitor_e_value", "The monitor's test martingale", labels, registry=r)
+        self.m_tripped = Gauge("certkv_monitor_tripped", "1 once the stream's monitor tripped (full cache "
+                               "until restart)", labels, registry=r)
+
+    def observe_answer(self, route: str, decision: Decision, seconds: float, waited: float) -> None:
+        """Count one answered request; `decision` is its runtime Decision (reason, gate kind, retention)."""
+        reason = decision.reason or "evicted"
+        self.requests.labels(route, reason).inc()
+        if reason in GATE_REASONS:
+            self.gate_fallbacks.labels(decision.gate_kind or reason).inc()
+        self.kv_retained.observe(decision.kv_retained_actual)
+        self.latency.labels(route).observe(seconds)
+        self.queue_wait.observe(waited)
+
+    def refresh_monitor(self, monitor: RiskMonitor | None, snapshot: dict[str, dict[str, Any]]) -> None:
+        """The monitor gauges from `snapshot` (:meth:`RiskMonitor.snapshot`; `monitor` None: off)."""
+        self.m_enabled.set(0.0 if monitor is None else 1.0)
+        for stream, s in snapshot.items():
+            self.m_requests.labels(stream).set(s["requests"])
+            self.m_violations.labels(stream).set(s["violations"])
+            self.m_bound.labels(stream).set(s["upper_bound"])
+            self.m_evalue.labels(stream).set(s["e_value"])
+            self.m_tripped.labels(stream).set(1.0 if s["tripped"] else 0.0)
+
+
+class Metrics(AnswerMetrics):
+    """The service's counters, gauges and histograms: :class:`AnswerMetrics` and the scheduler's
+    queue, KV budget and prefix cache; monitor gauges are refreshed at each scrape."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge
+
+        super().__init__()
+        r = self.registry
+        self.queue_depth = Gauge("certkv_queue_depth", "Live requests waiting for the worker", registry=r)
+        self.shadow_pending = Gauge("certkv_shadow_pending", "Shadow jobs waiting for the worker", registry=r)
         self.kv_budget = Gauge("certkv_kv_budget_slots", "KV budget in token slots (--kv-budget; 0: unlimited)",
                                registry=r)
         self.kv_in_use = Gauge("certkv_kv_in_use_slots", "KV token slots held by requests in flight", registry=r)
@@ -77,17 +121,6 @@ class Metrics:
         self.decode_steps = Counter("certkv_decode_steps", "Batched decode steps run", registry=r)
         self._steps_seen = 0
         self._prefix_metrics(r)
-        self.m_enabled = Gauge("certkv_monitor_enabled", "1 when a live monitor watches the deployed risk; 0 "
-                               "under --shadow-rate 0 (no shadows: nothing watches it)", registry=r)
-        labels = ["stream"]
-        self.m_requests = Gauge("certkv_monitor_requests", "Requests recorded by the monitor", labels, registry=r)
-        self.m_violations = Gauge("certkv_monitor_violations", "Observed shadow violations (loss > tau)", labels,
-                                  registry=r)
-        self.m_bound = Gauge("certkv_monitor_risk_upper_bound", "Anytime-valid upper bound of the deployed "
-                             "violation rate", labels, registry=r)
-        self.m_evalue = Gauge("certkv_monitor_e_value", "The monitor's test martingale", labels, registry=r)
-        self.m_tripped = Gauge("certkv_monitor_tripped", "1 once the stream's monitor tripped (full cache "
-                               "until restart)", labels, registry=r)
 
     def _prefix_metrics(self, r: Any) -> None:
         """The prefix cache's (``--prefix-cache-mib``): counters synced from its own at each scrape."""
@@ -120,16 +153,6 @@ class Metrics:
         self.prefix_slots.set(cache.slots)
         self.prefix_budget.set(cache.capacity_bytes)
 
-    def observe_answer(self, route: str, decision: Decision, seconds: float, waited: float) -> None:
-        """Count one answered request; `decision` is its runtime Decision (reason, gate kind, retention)."""
-        reason = decision.reason or "evicted"
-        self.requests.labels(route, reason).inc()
-        if reason in GATE_REASONS:
-            self.gate_fallbacks.labels(decision.gate_kind or reason).inc()
-        self.kv_retained.observe(decision.kv_retained_actual)
-        self.latency.labels(route).observe(seconds)
-        self.queue_wait.observe(waited)
-
     def render(self, service: Scraped) -> tuple[bytes, str]:
         """The Prometheus exposition of every metric, the queue and monitor gauges refreshed first."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -149,11 +172,5 @@ class Metrics:
         self.decode_steps.inc(steps - self._steps_seen)
         self._steps_seen = steps
         self._refresh_prefix(getattr(scheduler, "prefix_cache", None))
-        self.m_enabled.set(0.0 if service.monitor is None else 1.0)
-        for stream, s in service.monitor_snapshot().items():
-            self.m_requests.labels(stream).set(s["requests"])
-            self.m_violations.labels(stream).set(s["violations"])
-            self.m_bound.labels(stream).set(s["upper_bound"])
-            self.m_evalue.labels(stream).set(s["e_value"])
-            self.m_tripped.labels(stream).set(1.0 if s["tripped"] else 0.0)
+        self.refresh_monitor(service.monitor, service.monitor_snapshot())
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

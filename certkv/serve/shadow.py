@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from certkv.core.binomial import VIOLATION_EPS, violation_mask
 from certkv.core.policy_names import REFERENCE_POLICY
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from certkv.core.monitor import RiskMonitor
     from certkv.core.operating_point import OperatingPoint
     from certkv.runtime.certified_runtime import CertifiedRuntime, RuntimeAnswer
+    from certkv.runtime.decision import Decision
     from certkv.runtime.steps import Step
     from certkv.serve.shadow_store import ShadowStore
 
@@ -55,7 +56,18 @@ AGREEMENT = "agreement"
 #: :mod:`certkv.core.signals` (the request signals go on both records, or the full record, as calibration).
 SIGNALS = tuple(s.name for s in DECLARED if s.per == "candidate")
 
-__all__ = ["AGREEMENT", "SIGNALS", "VIOLATION_EPS", "ShadowJob", "ShadowRunner", "shadow_records"]
+__all__ = ["AGREEMENT", "SIGNALS", "VIOLATION_EPS", "ServedAnswer", "ShadowJob", "ShadowRunner", "shadow_loss",
+           "shadow_records"]
+
+
+class ServedAnswer(Protocol):
+    """What a shadow reads of a served answer: the runtime's :class:`RuntimeAnswer`, or the answer
+    ``certkv gateway`` got from an endpoint (:mod:`certkv.gateway`), which has no token ids."""
+
+    answer: str
+    decision: Decision
+    seconds: dict[str, float]
+    context_tokens: int
 
 
 @dataclass
@@ -70,7 +82,7 @@ class ShadowJob:
     question: str
     answers: list[str] | None
     """Reference answers when the request carried them, else None (agreement utility)."""
-    served: RuntimeAnswer
+    served: ServedAnswer
     """What the service answered: the (evicted) answer and its Decision."""
     ticket: int
     """The :class:`~certkv.core.monitor.RiskMonitor` ticket."""
@@ -144,8 +156,6 @@ class ShadowRunner:
                                                 forced=("shadow", None), lean=True))
 
     def _score(self, job: ShadowJob, full: RuntimeAnswer | None = None) -> dict[str, Any]:
-        from certkv.calibration.utility import LABEL_FREE, score
-
         top = self.runtime.operating_point
         entry, runtime = self._entry(job.stratum)
         if entry.fallback:
@@ -162,16 +172,8 @@ class ShadowRunner:
                     job.context, job.question, job.stratum, reason="shadow", answer_prefix=job.answer_prefix
                 )
             full_answer, seconds = full.answer, full.seconds
-        answers = [str(a) for a in job.answers] if job.answers else None
-        utility_name = entry.contract.utility
-        if utility_name is None or (answers is None and utility_name not in LABEL_FREE):
-            utility_name = AGREEMENT  # a label-free utility (prefix_agreement, ...) needs no references
-        refs = answers or ()
-        utility_full = score(utility_name, full_answer, refs, full_answer)
-        utility = score(utility_name, served.answer, refs, full_answer)
-        loss = utility_full - utility
-        tau = entry.contract.tolerance
-        violated = bool(violation_mask([loss], tau)[0])
+        utility_name, utility_full, utility, violated = shadow_loss(entry, job.answers, served.answer, full_answer)
+        loss, tau = utility_full - utility, entry.contract.tolerance
         records = shadow_records(job, entry, full_answer=full_answer, utility_name=utility_name,
                            utility_full=utility_full, utility=utility, context_tokens=context_tokens,
                            seconds=seconds, strata_by=top.strata.by if top.strata is not None else None)
@@ -186,8 +188,24 @@ class ShadowRunner:
         }
 
 
+def shadow_loss(entry: OperatingPoint, answers: list[str] | None, served: str, full: str) -> tuple[str, float, float, bool]:
+    """(utility name, utility of `full`, utility of `served`, violated) of one shadow: the contract's
+    utility (``entry.contract.utility``) when the request carried reference `answers` or the utility
+    needs none, else ``agreement`` with `full`; violated is ``loss > τ`` under calibration's rule.
+    ``certkv serve``'s shadows and ``certkv gateway``'s score with this one definition."""
+    from certkv.calibration.utility import LABEL_FREE, score
+
+    refs = [str(a) for a in answers] if answers else None
+    utility_name = entry.contract.utility
+    if utility_name is None or (refs is None and utility_name not in LABEL_FREE):
+        utility_name = AGREEMENT  # a label-free utility (prefix_agreement, ...) needs no references
+    utility_full = score(utility_name, full, refs or (), full)
+    utility = score(utility_name, served, refs or (), full)
+    return utility_name, utility_full, utility, bool(violation_mask([utility_full - utility], entry.contract.tolerance)[0])
+
+
 def shadow_records(job: ShadowJob, entry: OperatingPoint, *, full_answer: str, utility_name: str, utility_full: float,
-                   utility: float, context_tokens: int, seconds: dict, strata_by: str | None = None
+                   utility: float, context_tokens: int | None, seconds: dict, strata_by: str | None = None
                    ) -> list[dict[str, Any]]:
     """The record pair of one shadow (rule: :mod:`certkv.serve.shadow_store`): the ``full`` record
     and the base policy's record carrying the served answer, its memory and the Decision's signals.
