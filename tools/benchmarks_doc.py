@@ -1855,6 +1855,145 @@ def streaming(data: dict) -> str:
     ])
 
 
+# ----------------------------------------------------------------------------- the gateway
+
+
+def _p50_p99(x: dict) -> str:
+    """'p50 / p99 (n)' of a benchmark's spread, or — when it has no sample."""
+    if not x["n"]:
+        return "— (0)"
+    return f"{seconds(x['p50_s'])} / {seconds(x['p99_s'])} ({x['n']})"
+
+
+def _signed(x: float) -> str:
+    return ("−" if x < 0 else "") + seconds(abs(x))
+
+
+def _load(machine: dict) -> str:
+    before, after = machine["loadavg_before"], machine["loadavg_after"]
+    return (f"{machine['cpus']} cores, load average (1/5/15 min) {'/'.join(num(v, 1) for v in before)} before the run "
+            f"and {'/'.join(num(v, 1) for v in after)} after")
+
+
+def _gateway_latency(lat: dict) -> list[str]:
+    added = lat["added_kept"]
+    verdict = ("met" if lat["met"] else "not met") if added["n"] else "not measured (no kept answer)"
+    rows = [["straight to the candidate", _p50_p99(lat["direct"])],
+            ["through the gateway, kept answers", _p50_p99(lat["through_kept"])],
+            ["through the gateway, escalated answers", _p50_p99(lat["through_escalated"])],
+            ["**added by the gateway** (through − direct, per request), kept", _p50_p99(added)],
+            ["through − direct, escalated (adds the full endpoint's answer)", _p50_p99(lat["added_escalated"])]]
+    return [
+        f"**Added latency** (non-streamed, one request at a time, plain HTTP on keep-alive connections): "
+        f"{lat['requests']} requests, each sent straight to the candidate upstream with the body the gateway sends it "
+        "and through the gateway, the two alternating which goes first; "
+        f"the gate kept {lat['kept']} and escalated {lat['escalated']}.",
+        table(["arm", "p50 / p99 (requests)"], rows),
+        (f"The target, at most {seconds(lat['target_p50_s'])} added at the p50 on the embedded upstreams, is "
+         f"**{verdict}**" + (f" ({seconds(added['p50_s'])})." if added["n"] else ".")),
+    ]
+
+
+def _gateway_ttft(ft: dict) -> list[str]:
+    kept, cost, whole = ft["through_ttft_kept"], ft["ttft_cost_kept"], ft["through_ttft_minus_direct_total_kept"]
+    rows = [["straight to the candidate: first token", _p50_p99(ft["direct_ttft"])],
+            ["straight to the candidate: whole answer", _p50_p99(ft["direct_total"])],
+            ["through the gateway, kept: first token", _p50_p99(kept)],
+            ["through the gateway, escalated: first token", _p50_p99(ft["through_ttft_escalated"])],
+            ["**the hold's cost**: first token through − direct, kept", _p50_p99(cost)]]
+    reading = ""
+    if cost["n"]:
+        direct, total = ft["direct_ttft"]["p50_s"], ft["direct_total"]["p50_s"]
+        reading = (f"On kept answers the first token through the gateway comes {_signed(cost['p50_s'])} after the "
+                   f"direct stream's first token and {_signed(whole['p50_s'])} after the direct stream's last (p50s of "
+                   "per-request differences). The hold's price is the candidate's whole answer instead of its first "
+                   f"token: straight from the candidate the first token takes {seconds(direct)} and the whole answer "
+                   f"{seconds(total)} (p50s), the gap the hold can add, which grows with the time the candidate takes "
+                   "per token and the answer's length. An escalated answer's first token "
+                   "comes after the candidate's whole answer and the full endpoint's first token.")
+    return [
+        f"**Time to first token, streamed**: the same {ft['requests']} requests streamed straight from the candidate "
+        f"and through the gateway, alternating; the gate kept {ft['kept']} and escalated {ft['escalated']}. The gateway "
+        "holds a candidate answer until its post-answer gate decides, then sends it "
+        "([engines](engines.md#deploying-the-point-certkv-gateway)).",
+        table(["arm", "p50 / p99 (requests)"], rows) + ("\n\n" + reading.strip() if reading else ""),
+    ]
+
+
+def _decisions(reasons: dict) -> str:
+    """A results file's decision counts, the gate's kept answers (reason None) named as such."""
+    return ", ".join(f"{'kept' if k == 'None' else k} {v}" for k, v in reasons.items())
+
+
+def _why_down(f: dict) -> str:
+    """The failures behind the `candidate_down` answers, as the gateway's decisions named them (newer results)."""
+    why = f["all"].get("down_why")
+    if why is None:
+        return " (or whose candidate call exceeded `--candidate-timeout`, which the gateway counts as down too)"
+    said = ", ".join(f"{k} {v}" for k, v in why.items())
+    timed_out = why.get("timed out", 0)
+    return (f" (the failures the decisions name, all requests: {said}; "
+            + (f"{timed_out} candidate calls exceeded `--candidate-timeout` under the load, which the gateway counts "
+               "as down too)" if timed_out else "none timed out)"))
+
+
+def _gateway_fault(f: dict, retry: float) -> list[str]:
+    h, back = f["health"], f["after_restart"]
+    statuses = ", ".join(f"{k} {v}" for k, v in f["all"]["statuses"].items())
+    health = ", ".join(f"`{k}` {v}" for k, v in h["statuses"].items())
+    rows = [["statuses", statuses],
+            ["5xx or no answer (target 0)", f"**{f['all']['five_xx']}**, and {back['five_xx']} after the restart"],
+            ["answered by the full endpoint because the candidate was down", str(f["candidate_down_answers"])],
+            ["decisions (all requests)", _decisions(f["all"]["reasons"])],
+            ["decisions of the requests sent before / after the kill", f"{_decisions(f['before_kill']['reasons'])} / "
+             f"{_decisions(f['after_kill']['reasons'])}"],
+            ["latency p50 / p99 (all; after the kill)", f"{_p50_p99(f['all']['latency'])}; "
+             f"{_p50_p99(f['after_kill']['latency'])}"],
+            ["candidate killed / restarted one answering", f"{num(f['kill_s'], 1)} s / {num(f['restarted_healthy_s'], 1)} s "
+             f"into the load (outage {num(f['outage_s'], 1)} s); the load ended at {num(f['load_end_s'], 1)} s"],
+            ["/health during the outage", f"{health} (of {h['samples']} samples every 0.25 s)"],
+            ["/health's first `candidate_down` after the kill", "—" if h["first_candidate_down_after_kill_s"] is None
+             else f"{num(h['first_candidate_down_after_kill_s'], 2)} s: {h['error']}"],
+            ["/health `ok` again after the restarted candidate answered", "—" if h["ok_after_restart_s"] is None
+             else f"{num(h['ok_after_restart_s'], 2)} s"],
+            [f"{back['requests']} requests after the restart", _decisions(back["reasons"])]]
+    return [
+        f"**Load with a fault**: {f['requests']} requests at concurrency {f['concurrency']} through the gateway; when "
+        f"request {f['kill_at_request']} is sent the candidate upstream is SIGKILLed and a new one started on its port "
+        f"(`--candidate-retry {retry:g}`). Then {back['requests']} requests more once /health says `ok` again.",
+        table(["measure", "value"], rows),
+        f"The target, no 5xx, is **{'met' if f['met'] else 'not met'}**. Requests in flight on the killed candidate "
+        "and those sent while it was down were answered by the full endpoint (`candidate_down`)"
+        + ("; the `candidate_down` answers of requests sent before the kill were those in flight on the candidate "
+           "when it was killed" + _why_down(f) if f["before_kill"]["reasons"].get("candidate_down") else "")
+        + ("; once the restarted candidate answered, the gate kept its answers again." if back["reasons"].get("None")
+           else "; after the restart the gate kept none of the candidate's answers."),
+    ]
+
+
+def gateway(data: dict) -> str:
+    point = data["point"]
+    return "\n\n".join([
+        "## Gateway: added latency, time to first token, a dead candidate",
+        command(data["command"]),
+        f"`certkv gateway` in front of two `certkv serve` upstreams of the `{data['model']}` model (the full cache and "
+        f"the candidate), all real processes on loopback with the client on the same machine: the endpoint contract "
+        f"calibrated and certified through them (`{point['certified']}`) and deployed behind a confidence gate placed "
+        f"by hand at {point['gate_confidence']:g} (`{point['deployed']}`), shadow rate {data['shadow_rate']:g}"
+        + (f", `--candidate-timeout {data['candidate_timeout_s']:g}` (above its default: under this load an answer "
+           f"can take seconds, and a live candidate timed out would count as a dead one), `--timeout {data['timeout_s']:g}`"
+           if "candidate_timeout_s" in data else "")
+        + (f"; the upstreams run with `OMP_NUM_THREADS={data['upstream_threads']}` (`--upstream-threads`: with torch's "
+           "default, a thread per core, every upstream answer ran far slower on these shared cores, its threads "
+           "waiting on each other)" if data.get("upstream_threads") else "") + ". "
+        f"The machine is shared with other work: {_load(data['machine'])}; every latency below includes that "
+        "contention, which is why each comparison alternates its two arms request by request.",
+        *_gateway_latency(data["latency"]),
+        *_gateway_ttft(data["first_token"]),
+        *_gateway_fault(data["fault"], data["candidate_retry_s"]),
+    ])
+
+
 # ----------------------------------------------------------------------------- the demo
 
 #: How the README and this page name a press in prose.
@@ -1986,6 +2125,7 @@ SECTIONS = {
     "capacity_long": capacity_long,
     "prefix_cache": prefix_cache,
     "streaming": streaming,
+    "gateway": gateway,
     "press_league": press_league,
     "press_alternatives": press_alternatives,
     "long_generation": long_generation,
