@@ -1,6 +1,7 @@
 """Endpoint calibration against real `certkv serve` upstreams, as a user runs it.
 
-Two servers are the upstreams for the module: the embedded model's full cache (a fallback point)
+Two servers are the upstreams for the module (started by benchmarks/endpoint_servers.py, which the
+gateway benchmark shares): the embedded model's full cache (a fallback point)
 and its snapkv@0.50 point. Calibrating the endpoint contract through them gives the records and the
 certificate of the same contract calibrated in-process (the same answers, utilities and losses per
 request), without importing torch; a run killed between writes resumes to the same records; a
@@ -18,6 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_main
+from endpoint_servers import TERMS, Upstream
+from endpoint_servers import endpoint_contract as _endpoint_contract
+from endpoint_servers import full_point as _full_point
 from test_serve import _free_port, _operating_point
 
 from certkv.calibration.store import CalibrationStore
@@ -25,8 +29,6 @@ from certkv.requests.request_set import generate_requests, write_jsonl
 
 #: The requests: six demo draws (single-needle and multi-key), the first the probe.
 N_REQUESTS = 6
-TERMS = {"requests": {"source": "requests.jsonl"}, "utility": "exact_match", "tolerance": 0.0, "risk": 0.5,
-         "confidence": 0.6}
 
 #: `certkv calibrate ARGS` in a fresh interpreter that fails if it imported the model stack.
 WITHOUT_TORCH = """
@@ -64,59 +66,6 @@ main()
 """
 
 
-def _full_point():
-    from certkv.core.certify import full_cache_point
-    from certkv.core.coverage import Coverage
-    from certkv.core.spec import CertificationSpec
-
-    spec = CertificationSpec(tolerance=0.0, risk=0.5, confidence=0.6, sequences=[["p@0.50"]], max_new_tokens=8)
-    return full_cache_point(spec, n=1, reason="the reference", guarantee="test", notes=[], per_task={},
-                            coverage=Coverage(), contract_sha256=None, records_sha256="test")
-
-
-class Upstream:
-    """`certkv serve POINT` on `port` (a free one by default), no shadows."""
-
-    def __init__(self, folder: Path, op, port: int | None = None):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.log = open(folder / "server.log", "w+")  # noqa: SIM115
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "certkv.cli.app", "serve", str(op.write_json(folder / "operating_point.json")),
-             "--port", str(self.port), "--shadow-rate", "0"], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait(self) -> Upstream:
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError("server did not start: " + self.output())
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("endpoints")
@@ -132,15 +81,6 @@ def upstreams(folder):
     finally:
         full.stop()
         snap.stop()
-
-
-def _endpoint_contract(folder: Path, name: str, full_url: str, snap_url: str) -> Path:
-    data = {"name": name, **TERMS, "model": {"endpoint": full_url, "name": "embedded"},
-            "protocol": {"max_new_tokens": 8, "route": "chat"},
-            "policies": [{"endpoint": {"url": snap_url, "name": "embedded"}, "label": "snapkv", "memory": 0.5}]}
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def _records(folder: Path, name: str) -> dict:

@@ -1,7 +1,8 @@
 """`certkv gateway` end to end: a real gateway process in front of two real `certkv serve` upstreams.
 
 The upstreams are the embedded model's full cache and its snapkv@0.50 point, as in
-tests/e2e/test_endpoint_calibration.py; the endpoint contract is calibrated through them and
+tests/e2e/test_endpoint_calibration.py (the processes of benchmarks/endpoint_servers.py, which
+benchmarks/gateway.py starts too); the endpoint contract is calibrated through them and
 certified (`certkv certify`), and the point's confidence gate is placed by hand at 0.5 (a pilot
 needs 100 certification requests, more than a test can afford; the store's confidence separates
 this model's right answers, ~0.99, from its wrong ones, ~0.2). Through the official `openai`
@@ -14,17 +15,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 from conftest import REPO, run_main
-from test_endpoint_calibration import Upstream, _endpoint_contract, _full_point
-from test_serve import _free_port, _operating_point
+from endpoint_servers import Gateway, Upstream
+from endpoint_servers import endpoint_contract as _endpoint_contract
+from endpoint_servers import full_point as _full_point
+from test_serve import _operating_point
 
 from certkv.requests.request_set import generate_requests, write_jsonl
 
@@ -33,31 +34,6 @@ N_REQUESTS = 8
 NO_TORCH = ("import sys, certkv.cli.gateway, certkv.gateway.app, certkv.gateway.setup; "
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'kvpress')); "
             "assert not heavy, heavy")
-
-
-class Gateway:
-    """`certkv gateway POINT` on a free port, every kept answer shadowed."""
-
-    def __init__(self, folder: Path, point: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(folder / "gateway.log", "w+")  # noqa: SIM115
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
-        self.proc = subprocess.Popen([sys.executable, "-m", "certkv.cli.app", "gateway", str(point), "--port", str(self.port),
-                                      "--shadow-rate", "1", "--candidate-timeout", "30", "--timeout", "30"],
-                                     cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait(self) -> Gateway:
-        Upstream.wait(self)  # type: ignore[arg-type]  # the same loop: /health answers 200
-        return self
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +56,12 @@ def deployed(tmp_path_factory):
         assert (op.policy, op.press, op.fallback) == ("snapkv@0.50", "endpoint", False)
         gated = op.model_copy(update={"policy": "snapkv@0.50+confq0.5", "gate": GateSettings(confidence=0.5, quantile=0.5)})
         point = gated.write_json(folder / "runs" / "gw" / "gated.json")
-        gateway = Gateway(folder, point).wait()
+        gateway = Gateway(folder, point, "--shadow-rate", "1", "--candidate-timeout", "30", "--timeout", "30").wait()
         yield folder, requests, full, snap, gateway, gated
     finally:
         for server in (gateway, full, snap):
             if server is not None:
-                Upstream.stop(server)  # type: ignore[arg-type]
+                server.stop()
 
 
 def _in_process(gated, requests):
