@@ -101,8 +101,8 @@ class Endpoint:
                 return self._once(path, body)
             except _Transient as exc:
                 if attempt == tries:
-                    raise CertkvError(f"endpoint {self.url}{path}: {exc} (gave up after {tries} tries; --retries "
-                                      "sets how many)") from None
+                    raise EndpointUnreachable(f"endpoint {self.url}{path}: {exc} (gave up after {tries} tries; --retries "
+                                              "sets how many)") from None
                 wait_s = min(self.options.backoff * 2 ** (attempt - 1), self.options.max_backoff)
                 if self.on_retry is not None:
                     self.on_retry(self.url, str(exc), attempt, tries, wait_s)
@@ -143,6 +143,11 @@ class Endpoint:
 
 class _Transient(Exception):
     """A failure worth another try (:data:`RETRY_STATUSES`, a connection that failed)."""
+
+
+class EndpointUnreachable(CertkvError):
+    """A server that still failed in a transient way after the last try (down, overloaded): a
+    caller that can live without it (the gateway at start) tells it from a wrong answer."""
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

@@ -50,6 +50,30 @@ def point_contract(op_path: Path, op: OperatingPoint, contract_path: Path | None
     return contract, identities
 
 
+def check_identities(contract: Contract, identities: dict, deployed: set[str]) -> None:
+    """Each server the gateway sends to (the full endpoint and the `deployed` candidates' policies)
+    that answers now must be the one calibration measured: its ``/v1/models`` answer (without its
+    creation times) equal to the identity the store bound. One line naming the server otherwise; a
+    server that does not answer yet is left to the gateway's down handling (it is asked once, not
+    retried, so a down candidate does not hold the start up)."""
+    from certkv.calibration.endpoints import EndpointExecutor, EndpointOptions, EndpointUnreachable
+
+    full, cands = EndpointExecutor(contract, EndpointOptions(retries=0, timeout=10.0)).endpoints()
+    servers = {"full": full, **{policy: e for policy, _, e in cands if policy in deployed}}
+    for policy, endpoint in servers.items():
+        bound = identities.get(policy)
+        if bound is None:
+            continue
+        try:
+            found = endpoint.identity()
+        except EndpointUnreachable:  # not answering now: the gateway's own down handling applies
+            continue
+        if found != bound:
+            raise CertkvError(f"endpoint {endpoint.url} ({policy}) is not the server the point was certified against: its "
+                              f"/v1/models answer is {json.dumps(found['models'])}, calibration's was "
+                              f"{json.dumps(bound['models'])}; deploy the calibrated server or calibrate again")
+
+
 def upstreams(op: OperatingPoint, contract: Contract, identities: dict, *, timeout: float, candidate_timeout: float,
               retry_after: float) -> tuple[Upstream, dict[str, Upstream]]:
     """The full endpoint and every candidate the point deploys (by base policy), each a
@@ -64,11 +88,12 @@ def upstreams(op: OperatingPoint, contract: Contract, identities: dict, *, timeo
             return None
         return any(m.get("id") == identity["name"] and m.get("owned_by") == "certkv" for m in identity["models"])
 
+    entries = list(op.strata.entries.values()) if op.strata is not None else [op]
+    check_identities(contract, identities, {e.base_policy for e in entries if not e.fallback})
     full_spec, cands = EndpointExecutor(contract).endpoints()
     full = Upstream(full_spec.url, full_spec.name, full_spec.api_key, timeout=timeout, retry_after=retry_after,
                     certkv=certkv_of("full"))
     named = {policy: e for policy, _, e in cands}
-    entries = list(op.strata.entries.values()) if op.strata is not None else [op]
     out: dict[str, Upstream] = {}
     for entry in entries:
         if entry.fallback:

@@ -99,6 +99,28 @@ def test_the_gateway_answers_and_escalates_as_the_in_process_runtime(deployed):
     assert subprocess.run([sys.executable, "-c", NO_TORCH], cwd=REPO, capture_output=True).returncode == 0
 
 
+def test_a_server_that_is_not_the_calibrated_one_stops_the_gateway_in_one_line(deployed):
+    """The store binds each server's /v1/models answer: a gateway whose candidate now answers
+    otherwise (here the bound answer is edited to another owner, as if another deployment held the
+    port) refuses to start, in one line naming the server, before it serves anything."""
+    import shutil
+    import sqlite3
+
+    folder, _, _, snap, _, _ = deployed
+    moved = folder / "runs" / "moved"
+    shutil.copytree(folder / "runs" / "gw", moved, ignore=shutil.ignore_patterns("gateway-shadow*"))
+    with sqlite3.connect(moved / "records.sqlite") as db:
+        (value,) = db.execute("SELECT value FROM meta WHERE key = 'endpoints'").fetchone()
+        identities = json.loads(value)
+        identities["snapkv@0.50"]["models"][0]["owned_by"] = "another-deployment"
+        db.execute("UPDATE meta SET value = ? WHERE key = 'endpoints'", (json.dumps(identities, sort_keys=True),))
+    res = subprocess.run([sys.executable, "-m", "certkv.cli.app", "gateway", str(moved / "gated.json"), "--port", "1"],
+                         capture_output=True, text=True, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stderr[-2000:])
+    assert "is not the server the point was certified against" in lines[0] and snap.url in lines[0], lines[0]
+
+
 def test_a_killed_candidate_gives_no_5xx_and_shows_in_health(deployed):
     """Requests in flight while the candidate is SIGKILLed and restarted on its port: every one is
     answered (200), those while it was down by the full endpoint (reason candidate_down)."""
