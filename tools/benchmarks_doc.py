@@ -1240,11 +1240,12 @@ def format_target(r: dict) -> str:
 
 
 def small_bits(kv_format: dict | None) -> list[int]:
-    """The integer widths under 8 bits a per-token format stores (each in an int8 container)."""
+    """The integer widths of 5 to 7 bits a per-token format stores, each in an int8 container (4 bits
+    and fewer are stored two to a byte)."""
     if not kv_format:
         return []
     parts = [kv_format["keys"], kv_format["values"]] if kv_format["backend"] == "split" else [kv_format]
-    return sorted({p["nbits"] for p in parts if p["backend"] == "int" and p["nbits"] < 8})
+    return sorted({p["nbits"] for p in parts if p["backend"] == "int" and 4 < p["nbits"] < 8})
 
 
 def capacity_long_formats(data: dict, runs: dict) -> str:
@@ -1323,17 +1324,16 @@ def capacity_long_formats(data: dict, runs: dict) -> str:
         if gate.get("recompute") is not None:
             reading += (
                 f"Its recompute gate (threshold {num(gate['recompute'], 3)}) restarts an answer on the full cache at its "
-                "first token under it, decided token by token, so its answers do not decode as lanes of the batch: each "
-                "decodes alone, one token a forward, between the batched steps (max batch "
-                f"{c_plain['max_batch']}), whatever the budget admits. ")
+                "first token under it: each answer decodes as a lane of the batch that stops itself at that token "
+                f"(max batch {c_plain['max_batch']} without lookup), and the restarts prefill the full cache. ")
         small = small_bits(cert.get("kv_format"))
         if small:
             reading += (
                 f"And its {' and '.join(f'{b}-bit' for b in small)} integers count as such in `peak_kv_bytes` "
                 f"({num(kv['certified']['bytes_share'], 3)} of 16 bits for the format, "
                 f"{num(kv['certified']['mean_kv_peak_bytes'], 3)} with the gate's full-cache answers), but the server "
-                f"stores them in int8 containers, {num(kv['certified']['stored_share'], 3)}, as int8's: the target asks "
-                "for a saving the stored tensors do not make. ")
+                f"stores them in int8 containers (its 4-bit ones two to a byte), {num(kv['certified']['stored_share'], 3)}: "
+                "the target asks for a saving the stored tensors do not fully make. ")
     return "\n\n".join([table(["point", "policy", "bytes share (16-bit)", "stored share (16-bit)",
                                  "peak KV bytes in-process", "reserved slots, mean (of the full cache's)",
                                  "peak slots, lookup / none", "peak KiB, lookup / none", "max batch, lookup / none"],
