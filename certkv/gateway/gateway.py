@@ -39,6 +39,7 @@ from certkv.runtime.decision import Decision
 from certkv.runtime.gating import post_decode_reason
 from certkv.serve.answer_cut import Cut, cut_answer
 from certkv.serve.shadow import ShadowJob, shadow_loss, shadow_records
+from certkv.serve.shared_monitor import log_first_trip
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -288,14 +289,8 @@ class Gateway:
             log.error("certkv gateway: shadow %s not written to the store (%s); its verdict stands", job.request_id, exc)
 
     def _check_trip(self, stream: str) -> None:
-        monitor = self.monitor
-        assert monitor is not None  # only shadows, which need a monitor, check it
-        if stream in self._tripped_logged or not monitor.tripped(stream):
-            return
-        self._tripped_logged.add(stream)
-        s = monitor.snapshot()[stream]
-        log.warning("certkv gateway: monitor TRIPPED on stream %r after %s requests (e-value %.3g >= 1/delta); its "
-                    "requests are answered from the full endpoint until restart", stream, s["tripped_after"], s["e_value"])
+        assert self.monitor is not None  # only shadows, which need a monitor, check it
+        log_first_trip(self.monitor, stream, self._tripped_logged, log, "certkv gateway", "full endpoint")
 
     async def close(self, drain_seconds: float) -> None:
         """Wait up to `drain_seconds` for the shadows in flight (the rest are cancelled and

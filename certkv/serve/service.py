@@ -26,6 +26,7 @@ from certkv.runtime.steps import Decode
 from certkv.serve.answer_cut import finish_reason
 from certkv.serve.kv_budget import bytes_per_slot
 from certkv.serve.scheduler import BudgetExceeded, QueueFull, Scheduler, Stopping
+from certkv.serve.shared_monitor import log_first_trip
 
 __all__ = ["BudgetExceeded", "QueueFull", "Served", "Service", "Stopping"]
 
@@ -231,15 +232,8 @@ class Service:
         self.metrics.shadow_abandoned.labels(job.stream).inc()
 
     def _check_trip(self, stream: str) -> None:
-        monitor = self.monitor
-        assert monitor is not None  # only shadows, which need a monitor, check it
-        if stream in self._tripped_logged or not monitor.tripped(stream):
-            return
-        self._tripped_logged.add(stream)
-        s = monitor.snapshot()[stream]
-        log.warning("certkv serve: monitor TRIPPED on stream %r after %s requests (e-value %.3g >= 1/delta, "
-                    "violation-rate bound %.3g > risk %.3g); its requests are answered from the full cache until "
-                    "restart", stream, s["tripped_after"], s["e_value"], s["upper_bound"], monitor.risk)
+        assert self.monitor is not None  # only shadows, which need a monitor, check it
+        log_first_trip(self.monitor, stream, self._tripped_logged, log, "certkv serve", "full cache")
 
     # -- shutdown -----------------------------------------------------------------------------
 

@@ -37,6 +37,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("certkv.serve.monitor")
 
+def log_first_trip(monitor: Any, stream: str, logged: set[str], logger: logging.Logger, server: str, fallback: str) -> None:
+    """Warn once per `stream` (remembered in `logged`) that `monitor` (a
+    :class:`~certkv.core.monitor.RiskMonitor` or a replica's
+    :class:`~certkv.serve.monitor_client.SharedMonitorClient`) tripped on it: after how many
+    requests, its e-value and bound, and that `server` now answers the stream from `fallback` until
+    restart (``certkv serve``: the full cache; ``certkv gateway``: the full endpoint)."""
+    if stream in logged or not monitor.tripped(stream):
+        return
+    logged.add(stream)
+    s = monitor.snapshot()[stream]
+    logger.warning("%s: monitor TRIPPED on stream %r after %s requests (e-value %.3g >= 1/delta, violation-rate bound "
+                   "%.3g > risk %.3g); its requests are answered from the %s until restart", server, stream,
+                   s["tripped_after"], s["e_value"], s["upper_bound"], monitor.risk, fallback)
+
+
 #: The shared monitor actor's name (in :data:`NAMESPACE`), one per operating point: the name ends with
 #: the first 12 hex digits of the operating point's hash.
 ACTOR_PREFIX = "certkv-monitor-"
@@ -219,4 +234,4 @@ def monitor_actor(op: OperatingPoint, store_path: Path, shadow_rate: float, *, n
 
 
 __all__ = ["ACTOR_PREFIX", "NAMESPACE", "SharedMonitor", "monitor_actor", "monitor_actor_name", "monitor_streams",
-           "new_risk_monitor"]
+           "log_first_trip", "new_risk_monitor"]
