@@ -76,7 +76,7 @@ def _build(op, op_path: Path, contract_path: Path | None, *, shadow_rate: float,
     monitor = new_risk_monitor(op, shadow_rate, seed=seed) if shadow_rate > 0 else None
     store_path = shadow_store or op_path.parent / "gateway-shadow"
     store = ShadowStore(store_path, op) if monitor is not None and (op.is_stratified or not op.fallback) else None
-    gw = Gateway(op, full, candidates, contract.route, monitor, store, AnswerMetrics())
+    gw = Gateway(op, full, candidates, contract.route, monitor, store, AnswerMetrics(), contract.asks_logprobs)
     app = create_gateway_app(gw, model_id=full.name, operating_point_path=str(op_path), api_key=api_key,
                              max_body_bytes=max_body_bytes, drain_seconds=drain_seconds,
                              shadow_store_path=None if store is None else str(store_path))

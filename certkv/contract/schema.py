@@ -195,6 +195,9 @@ class Protocol(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     #: An endpoint contract's route: chat completions (default) or completions (docs/engines.md).
     route: Literal["chat", "completions"] | None = None
+    #: Whether an endpoint contract asks its servers for the answer's log-probabilities (unset: yes);
+    #: false for a server that refuses them or pays for them, which leaves no confidence gate.
+    logprobs: bool | None = None
 
     @field_validator("device")
     @classmethod
@@ -757,8 +760,9 @@ class Contract(_Strict):
                 raise _error(f"entry {i} runs in-process, but model is an endpoint: candidates are compared with the "
                              "full cache of the same kind; give this entry endpoint:, label: and memory:")
         if endpoint is None:
-            if self.protocol.route is not None:
-                raise _error("protocol.route applies to endpoint contracts only; remove it")
+            for key in ("route", "logprobs"):
+                if getattr(self.protocol, key) is not None:
+                    raise _error(f"protocol.{key} applies to endpoint contracts only; remove it")
             return self
         default = Protocol()
         changed = [k for k in ("query_aware", "device", "dtype") if getattr(self.protocol, k) != getattr(default, k)]
@@ -771,6 +775,9 @@ class Contract(_Strict):
         if refused is not None:
             raise _error(f"gate.{refused} reads the model's attention or cache, which an endpoint does not expose; "
                          "endpoints take the confidence gate (gate.pilot with confidence quantiles) only")
+        if not self.asks_logprobs and self.gate is not None and self.gate.has_pilot_gates:
+            raise _error("the confidence gate reads the answer's log-probabilities, which protocol.logprobs: false "
+                         "does not ask for; remove the gate or protocol.logprobs")
         return self
 
     def _gates_refused_for_endpoints(self) -> str | None:
@@ -894,6 +901,11 @@ class Contract(_Strict):
         return self.model
 
     @property
+    def asks_logprobs(self) -> bool:
+        """Whether endpoints are asked for log-probabilities (``protocol.logprobs`` unless false)."""
+        return self.protocol.logprobs is not False
+
+    @property
     def route(self) -> str:
         """An endpoint contract's route: ``chat`` unless ``protocol.route`` says ``completions``."""
         return self.protocol.route or "chat"
@@ -930,8 +942,9 @@ class Contract(_Strict):
             for key in ("cache", "endpoint", "memory"):
                 if policy.get(key) is None:
                     policy.pop(key, None)
-        if data["protocol"].get("route") is None:
-            data["protocol"].pop("route", None)
+        for key in ("route", "logprobs"):
+            if data["protocol"].get(key) is None:
+                data["protocol"].pop(key, None)
         if self.gate is not None:
             data["gate"] = self.gate.hashed_dump(data["gate"])
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -110,12 +110,14 @@ class _ShadowedAnswer:
 
 class Gateway:
     """The decisions of ``certkv gateway`` for operating point `op` (module docstring): the full
-    endpoint, the candidates by base policy, the contract's `route`, the monitor (None: off) and
-    the shadow store (None: nothing shadowed)."""
+    endpoint, the candidates by base policy, the contract's `route`, the monitor (None: off), the
+    shadow store (None: nothing shadowed) and whether upstreams are asked for log-probabilities
+    (the contract's ``protocol.logprobs``)."""
 
     def __init__(self, op: OperatingPoint, full: Upstream, candidates: dict[str, Upstream], route: str,
-                 monitor: RiskMonitor | None, store: ShadowStore | None, metrics: AnswerMetrics) -> None:
-        self.op, self.full, self.candidates, self.route = op, full, candidates, route
+                 monitor: RiskMonitor | None, store: ShadowStore | None, metrics: AnswerMetrics,
+                 logprobs: bool = True) -> None:
+        self.op, self.full, self.candidates, self.route, self.logprobs = op, full, candidates, route, logprobs
         self.monitor, self.store, self.metrics = monitor, store, metrics
         self.path = "/chat/completions" if route == "chat" else "/completions"
         self.certified_tokens = int(op.max_new_tokens or (op.coverage.max_new_tokens if op.coverage else 0) or 0)
@@ -170,7 +172,7 @@ class Gateway:
     def body(self, upstream: Upstream, ask: Ask, max_tokens: int) -> dict:
         """What `upstream` is sent for `ask` (calibration's body, :func:`upstream_body`)."""
         return upstream_body(ask.context, ask.question, ask.answer_prefix, self.route, upstream.name, max_tokens,
-                             bool(upstream.certkv))
+                             bool(upstream.certkv), self.logprobs)
 
     def full_body(self, ask: Ask) -> dict:
         """The full endpoint's body: the request's own limit (else the certified length) and stop
@@ -180,6 +182,7 @@ class Gateway:
             body["stop"] = ask.stops
         if not ask.logprobs:
             body.pop("logprobs", None)
+            body.pop("top_logprobs", None)
         return body
 
     # -- answering --------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def test_contracts_without_endpoints_hash_as_before():
     trace in the canonical JSON of a contract that does not use them."""
     contract = parse_contract({**TERMS, "policies": [{"press": "snapkv", "kv_retained": [0.5]}]})
     text = contract.canonical_json()
-    assert all(key not in text for key in ('"endpoint"', '"memory"', '"route"'))
+    assert all(key not in text for key in ('"endpoint"', '"memory"', '"route"', '"logprobs"'))
 
 
 @pytest.mark.parametrize(("changes", "fragment"), [
@@ -59,6 +59,8 @@ def test_contracts_without_endpoints_hash_as_before():
     ({"gate": {"pilot": 0.25, "learned": {"quantiles": [0.1]}}}, "gate.learned feature lookahead reads"),
     ({"protocol": {"query_aware": True}}, "protocol.query_aware configures certkv's own engine"),
     ({"kv_cost": "bytes"}, "kv_cost bytes is measured inside certkv's engine"),
+    ({"protocol": {"logprobs": False}, "gate": {"pilot": 0.25, "confidence": {"quantiles": [0.1]}}},
+     "the confidence gate reads the answer's log-probabilities, which protocol.logprobs: false does not ask for"),
     ({"model": {**FULL, "endpoint": "localhost:8001"}}, "must be http(s)://host"),
     ({"model": {**FULL, "api_key_env": "sk-live key"}}, "must name an environment variable"),
 ])
@@ -72,8 +74,9 @@ def test_in_process_entries_refuse_endpoint_keys():
     for entry, fragment in (({"press": "snapkv", "kv_retained": [0.5], "memory": 0.5}, "memory is an endpoint entry's"),):
         with pytest.raises(CertkvError, match=fragment):
             parse_contract({**TERMS, "policies": [entry]})
-    with pytest.raises(CertkvError, match="protocol.route applies to endpoint contracts only"):
-        parse_contract({**TERMS, "protocol": {"route": "chat"}, "policies": [{"press": "snapkv", "kv_retained": [0.5]}]})
+    for key, value in (("route", "chat"), ("logprobs", False)):
+        with pytest.raises(CertkvError, match=f"protocol.{key} applies to endpoint contracts only"):
+            parse_contract({**TERMS, "protocol": {key: value}, "policies": [{"press": "snapkv", "kv_retained": [0.5]}]})
 
 
 def test_the_confidence_gate_is_allowed_for_endpoints():
@@ -90,13 +93,22 @@ def test_what_is_sent():
                       answer_prefix="It is")
     chat = request_body(request, "chat", "m", 8, certkv_upstream=False)
     assert chat == {"model": "m", "temperature": 0, "max_tokens": 8, "logprobs": True,
-                    "messages": [{"role": "user", "content": "The number is 7. Question: which?"}]}
+                    "top_logprobs": 0, "messages": [{"role": "user", "content": "The number is 7. Question: which?"}]}
     completion = request_body(request, "completions", "m", 8, certkv_upstream=False)
     assert completion["prompt"] == "The number is 7. Question: which?" and completion["logprobs"] == 0
     upstream = request_body(request, "chat", "m", 8, certkv_upstream=True)
     assert upstream["messages"] == [] and (upstream["context"], upstream["question"], upstream["answer_prefix"]) == (
         request.context, request.question, "It is")
     assert request_body(request, "completions", "m", 8, certkv_upstream=True)["prompt"] == ""
+    for route in ("chat", "completions"):  # protocol.logprobs: false asks for none
+        body = request_body(request, route, "m", 8, certkv_upstream=False, logprobs=False)
+        assert "logprobs" not in body and "top_logprobs" not in body
+
+
+def test_logprobs_false_is_hashed_and_asked_for_nothing():
+    plain, without = endpoint_contract(), endpoint_contract(protocol={"route": "chat", "logprobs": False})
+    assert plain.asks_logprobs and not without.asks_logprobs
+    assert '"logprobs"' not in plain.canonical_json() and plain.sha256() != without.sha256()
 
 
 def test_what_is_read_back():
