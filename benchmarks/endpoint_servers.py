@@ -68,15 +68,19 @@ def endpoint_contract(folder: Path, name: str, full_url: str, snap_url: str) -> 
 
 
 class Process:
-    """A certkv server process logging to `folder`/`log_name`; :meth:`wait` until /health answers 200."""
+    """A server process (``python -m MODULE ARGS --port PORT``, certkv's CLI by default) logging to
+    `folder`/`log_name`; :meth:`wait` until its :attr:`ready_path` answers 200."""
 
-    def __init__(self, folder: Path, log_name: str, args: list[str], port: int) -> None:
+    #: The route that answers 200 once the server is up.
+    ready_path = "/health"
+
+    def __init__(self, folder: Path, log_name: str, args: list[str], port: int, module: str = "certkv.cli.app") -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         self.log = open(folder / log_name, "w+")  # noqa: SIM115 - closed with the process
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-        self.proc = subprocess.Popen([sys.executable, "-m", "certkv.cli.app", *args, "--port", str(port)], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args, "--port", str(port)], cwd=REPO,
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 180.0):
@@ -86,7 +90,7 @@ class Process:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.output()
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base + self.ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 time.sleep(0.2)
