@@ -1,6 +1,6 @@
 """Real ``certkv serve`` upstreams of the embedded model and a ``certkv gateway`` in front of them.
 
-What the endpoint tests (tests/e2e/test_endpoint_calibration.py, tests/e2e/test_gateway.py) and the
+What the endpoint and gateway tests (tests/e2e/test_endpoints.py) and the
 gateway benchmark (benchmarks/gateway.py) both start: a full-cache point and a snapkv point of the
 embedded model, each a ``certkv serve`` process on a port of its own, an endpoint contract naming
 them, and the gateway process. Kept here, beside the benchmarks (on pytest's ``pythonpath``), so a

@@ -1,7 +1,7 @@
 """What ``certkv gateway`` costs and how it rides out a dead candidate (issue 54, items 4 and 6).
 
 Starts two real ``certkv serve`` upstreams of the embedded model (the full cache and snapkv@0.50,
-as tests/e2e/test_gateway.py does, from :mod:`endpoint_servers`), calibrates the endpoint contract
+as tests/e2e/test_endpoints.py does, from :mod:`endpoint_servers`), calibrates the endpoint contract
 through them (``certkv calibrate``, ``certkv certify``: the gateway deploys what a user's run
 certifies), places the point's confidence gate by hand (``--gate``, default 0.5: a pilot needs more
 requests than a benchmark's setup should; at 0.5 the gate keeps most answers and escalates some),

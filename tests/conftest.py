@@ -189,8 +189,7 @@ IN_PROCESS_FOLDERS = frozenset(
      "signals", "kv_formats"}
 )
 LONGEST_FIRST = (
-    "e2e/test_endpoint_calibration.py",
-    "e2e/test_gateway.py",
+    "e2e/test_endpoints.py",
     "model/test_smollm2.py",
     "serve/test_replicas.py",
     "e2e/test_calibrate_cli.py",

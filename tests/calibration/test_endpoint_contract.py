@@ -1,7 +1,7 @@
 """Endpoint contracts without a server: the syntax, its one-line refusals, the names and the hash,
 what is sent and read back, and the refusals a run gives before any request (an unset API key, an
 unreachable endpoint). Torch-free; the runs against real `certkv serve` upstreams are
-tests/e2e/test_endpoint_calibration.py."""
+tests/e2e/test_endpoints.py."""
 
 from __future__ import annotations
 

@@ -153,7 +153,8 @@ def test_hash_of_contracts_without_the_new_keys_is_unchanged():
     for policy in old["policies"]:  # policy entries had no KV format, nor endpoints, then
         for key in ("cache", "endpoint", "memory"):
             policy.pop(key)
-    old["protocol"].pop("route")  # nor endpoint routes
+    for key in ("route", "logprobs"):  # nor endpoint routes and log-probability requests
+        old["protocol"].pop(key)
     old["gate"] = {k: old["gate"][k] for k in gate}
     expected = hashlib.sha256(json.dumps(old, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
                               .encode()).hexdigest()
