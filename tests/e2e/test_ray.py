@@ -1,6 +1,6 @@
 """`certkv calibrate --executor ray` on a local Ray cluster started here (``ray.init(num_cpus=2)``).
 
-The records of a Ray run equal a local run's (timings aside), with two workers, with workers
+The records of a Ray run equal a local run's (timings aside), with its workers, with workers
 killed mid-run (Ray restarts them and their requests run again: none lost, none duplicated) and
 after the driver itself is killed and rerun; with a worker Ray cannot place (the others do the run)
 and with workers killed for good (the others take their requests; none left: one line). A worker
@@ -119,21 +119,6 @@ def _ray_calibrate(contract_path: Path, on_written=None, **options):
 
 
 @ray_test
-def test_two_workers_write_the_local_runs_records(cluster, local_records, tmp_path):
-    summary = _ray_calibrate(_setup(tmp_path), workers=2)
-    assert summary.executor == "ray" and summary.workers == 2
-    assert summary.calibrated == N_REQUESTS and not summary.skipped
-    _assert_same(_records(tmp_path), local_records)
-    from certkv.calibration.store import CalibrationStore
-
-    with CalibrationStore.read(tmp_path / "store") as store:
-        meta = store.meta()
-    from certkv.model.loading import model_fingerprint
-
-    assert meta["model_fingerprint"] == model_fingerprint("embedded") and meta["device_type"] == "cpu"
-
-
-@ray_test
 def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_records, tmp_path):
     """Two kills while requests are in flight, each right after a given write (the run's
     `on_written` hook): one through Ray (ray.kill, restart allowed), one a SIGKILL of the worker's
@@ -190,13 +175,22 @@ def _fails_if_hung(seconds: int, what: str):
 
 
 @ray_test
-def test_a_worker_ray_cannot_place_does_not_hold_the_run_up(cluster, local_records, tmp_path):
+def test_workers_write_the_local_runs_records_and_one_ray_cannot_place_holds_nothing_up(cluster, local_records,
+                                                                                       tmp_path):
     """Three workers of one CPU each on the two CPUs of the cluster: the third stays pending for as
-    long as the other two live, so the run must be done by the workers that have loaded."""
+    long as the other two live, so the run must be done by the workers that have loaded; their
+    records are the local run's, and the store binds the model and device they reported."""
+    from certkv.calibration.store import CalibrationStore
+    from certkv.model.loading import model_fingerprint
+
     with _fails_if_hung(seconds=600, what="a run with a worker Ray cannot place"):
         summary = _ray_calibrate(_setup(tmp_path), workers=3, threads_per_worker=1)
-    assert summary.workers == 3 and summary.calibrated == N_REQUESTS
+    assert summary.executor == "ray" and summary.workers == 3
+    assert summary.calibrated == N_REQUESTS and not summary.skipped
     _assert_same(_records(tmp_path), local_records)
+    with CalibrationStore.read(tmp_path / "store") as store:
+        meta = store.meta()
+    assert meta["model_fingerprint"] == model_fingerprint("embedded") and meta["device_type"] == "cpu"
 
 
 def _kill_for_good(ray, after: int, how_many: int, done: list):
@@ -250,7 +244,7 @@ import os, sys
 import certkv.calibration.run as run
 from certkv.cli.app import main
 
-contract, signum, after = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+contract, signum, after, address = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 code = run.record_request.__code__
 writes = 0
 
@@ -263,17 +257,18 @@ def on_return(frame, event, arg):
     return on_return
 
 sys.settrace(lambda frame, event, arg: on_return if frame.f_code is code else None)
-sys.argv = ["certkv", "calibrate", contract, "--quiet", "--executor", "ray", "--workers", "1"]
+sys.argv = ["certkv", "calibrate", contract, "--quiet", "--executor", "ray", "--workers", "1", "--address", address]
 main()
 """
 
 
-def _stop_driver(contract: Path, signum: int) -> tuple[int, str]:
-    """Run :data:`STOPPED_DRIVER` on `contract` in its own process (and its own local Ray
-    instance), stopped by `signum` right after its STOP_AFTER-th write; its exit code and stderr."""
+def _stop_driver(contract: Path, signum: int, address: str) -> tuple[int, str]:
+    """Run :data:`STOPPED_DRIVER` on `contract` in its own process, a driver of the Ray cluster at
+    `address` (``certkv calibrate --address``), stopped by `signum` right after its STOP_AFTER-th
+    write; its exit code and stderr."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(
-        [sys.executable, "-c", STOPPED_DRIVER, str(contract), str(int(signum)), str(STOP_AFTER)],
+        [sys.executable, "-c", STOPPED_DRIVER, str(contract), str(int(signum)), str(STOP_AFTER), address],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )
     try:
@@ -283,17 +278,31 @@ def _stop_driver(contract: Path, signum: int) -> tuple[int, str]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its Ray instance outlived it
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it started that outlived it
         except ProcessLookupError:
             pass
     return proc.returncode, err.decode()
+
+
+def _wait_until_no_worker(ray, seconds: float = 120.0) -> None:
+    """Return once the cluster lists no certkv worker; fail after `seconds` (a deadline for a
+    failure: Ray ends a gone driver's actors within moments)."""
+    import time
+
+    from certkv.calibration.ray_executor import WORKER_NAME
+
+    deadline = time.monotonic() + seconds
+    while any(n.startswith(WORKER_NAME) for n in ray.util.list_named_actors()):
+        assert time.monotonic() < deadline, "the stopped driver's workers outlived it"
+        time.sleep(0.2)
 
 
 @ray_test
 def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records, tmp_path):
     """The driver stopped mid-run, right after its second write (:data:`STOPPED_DRIVER`), by
     SIGTERM, which it must turn into exit 143 and certkv's one line (Ray's own SIGTERM handler would
-    exit 15), with its workers and its Ray instance stopped; the rerun resumes where it stopped and
+    exit 15), with its workers ended (it is a driver of the module's cluster, ``--address``, and Ray
+    ends the actors of a driver that is gone); the rerun resumes where it stopped and
     completes the store to the local run's records. (Ctrl-C reaches the same interrupt path as on a
     local run, tests/cli/test_cli_usage_errors.py; a killed driver leaves the store as a killed
     local run does: the driver alone writes, one transaction per request, and SIGKILL at every
@@ -302,7 +311,7 @@ def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records
 
     contract = _setup(tmp_path)
     for stops, signum in enumerate((signal.SIGTERM,), start=1):
-        code, err = _stop_driver(contract, signum)
+        code, err = _stop_driver(contract, signum, cluster.get_runtime_context().gcs_address)
         assert code == 128 + signum, (signum, code, err[-2000:])
         assert "Traceback" not in err, err[-2000:]
         lines = [line for line in err.splitlines() if line.strip()]
@@ -312,18 +321,21 @@ def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records
         # nothing is written after a stop, and each run resumed after the last one's writes
         assert partial == stops * STOP_AFTER, f"{partial} stored after stop {stops} ({signum!r}; {err[-500:]})"
     assert partial < N_REQUESTS, "the stops must land mid-run"
+    _wait_until_no_worker(cluster)
     summary = _ray_calibrate(contract, workers=2)
     assert summary.already_done == partial and summary.calibrated == N_REQUESTS - partial
     _assert_same(_records(tmp_path), local_records)
 
 
 @ray_test
-@pytest.mark.parametrize("fact, value", [("model_fingerprint", "embedded#0000000000000000"), ("device_type", "cuda")])
-def test_a_worker_whose_model_or_device_differs_from_the_store_is_refused(cluster, tmp_path, fact, value):
+def test_a_worker_whose_model_differs_from_the_store_is_refused(cluster, tmp_path):
+    """The store binds the model fingerprint and the device type (one check for both, the first
+    test shows both bound): a worker that reports another model is refused."""
     from certkv.calibration.store import CalibrationStore
     from certkv.contract.loading import load_contract
     from certkv.errors import CertkvError
 
+    fact, value = "model_fingerprint", "embedded#0000000000000000"
     contract = _setup(tmp_path)
     with CalibrationStore.open(tmp_path / "store", load_contract(contract)) as store:
         store.bind({fact: value})
