@@ -5,7 +5,7 @@ kv_format=...)``) from the request's one full prefill, and a press × format can
 prefill of its own under the press; kvpress's pipeline is handed ``cache=build_cache(fmt, config)``
 (and ``press=``). Their answers must be equal token for token: quanto 4-bit (group 64, window 32),
 quanto 2-bit (group 32, window 4), HQQ 4-bit, and StreamingLLM at 0.5 × quanto 4-bit, on the
-embedded model and, for quanto 4-bit, on SmolLM2.
+embedded model (quanto 4-bit on SmolLM2: tests/model/test_smollm2.py, beside its one load of it).
 
 kvpress 0.5.5's pipeline fails *after* it has produced the answer, in
 ``_remove_answer_from_cache`` (which only trims the answer's entries off the cache so that a
@@ -21,7 +21,6 @@ group: 0.28125 at 4 bits and 64, 0.1875 at 2 bits and 32), a full-precision one 
 from __future__ import annotations
 
 import pytest
-from conftest import needs_smollm2, torch_threads
 
 MAX_NEW = 12
 QUANTO4 = {"backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 32}
@@ -175,42 +174,3 @@ def test_kvpress_cleanup_still_fails(embedded, pipe, monkeypatch):
         got = Engine(model, tokenizer, [cand], max_new_tokens=2).run(req.context, req.question).candidates[0]
         cache = build_cache(cand.kv_format, model.config)
         assert pipe(req.context, question=req.question, cache=cache, max_new_tokens=2)["answer"] == got.answer
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2):
-    """SmolLM2-135M and its tokenizer (as tests/model/test_smollm2.py loads them)."""
-    import torch
-
-    from certkv.model.loading import load_model
-
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CERTKV_CACHE", str(smollm2.parents[1]))
-        torch.set_num_threads(torch_threads())
-        try:
-            yield load_model("smollm2-135m", device="cpu")
-        finally:
-            torch.set_num_threads(threads)
-
-
-@needs_smollm2
-@pytest.mark.model
-def test_quanto4_equals_the_pipeline_on_smollm2(smol, no_cleanup):
-    import kvpress  # noqa: F401  (registers the pipeline)
-    from transformers import pipeline
-
-    from certkv.engine.engine import Engine
-    from certkv.kv_formats.caches import build_cache
-    from certkv.requests.request_set import generate_requests
-
-    model, tokenizer = smol
-    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    cand = _formatted("quanto4@1.00", QUANTO4)
-    engine = Engine(model, tokenizer, [cand], max_new_tokens=8)
-    for req in generate_requests("demo", 2, seed=7, context_length="100-160"):
-        got = engine.run(req.context, req.question).candidates[0]
-        want = pipe(req.context, question=req.question, cache=build_cache(cand.kv_format, model.config), max_new_tokens=8)
-        assert got.answer == want["answer"], req.id
-        assert len(got.token_ids) == 8 or got.token_ids[-1] in engine.stop_ids
-        assert 0 < got.kv_peak_bytes < 1

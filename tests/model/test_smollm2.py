@@ -6,7 +6,7 @@ What the embedded model's tests prove, checked again on a real model and its rea
 * the engine answers exactly as kvpress's own pipeline (its chat-template preprocessing, its
   prefill hooks, its decode), token for token, on 10 requests for SnapKV, StreamingLLM and K-norm,
   question-agnostic, greedy, and on 2 natural-English requests whose answer prefix opens the
-  model's turn (kvpress's ``answer_prefix``);
+  model's turn (kvpress's ``answer_prefix``); and a KV format (quanto 4-bit) given to both;
 * calibrate → certify → CertifiedRuntime: for a gated operating point the runtime's answer and
   decision on every calibration request are the store's records (a certified agreement-drop gate,
   which decides before the decode, and a confidence gate, which escalates after it).
@@ -88,6 +88,33 @@ def test_engine_equals_kvpress_pipeline_token_for_token(smol):
             want = pipe(req.context, question=req.question, answer_prefix=req.answer_prefix, press=cand.press,
                         max_new_tokens=MAX_NEW_TOKENS)["answer"]
             assert got.answer == want, (req.id, cand.policy)
+
+
+def test_quanto4_equals_the_pipeline_on_smollm2(smol, monkeypatch):
+    """A precision-only candidate in transformers' QuantizedCache (quanto 4-bit, group 64, window
+    32) answers as kvpress's pipeline given the same cache (tests/kv_formats/test_reference_exactness.py
+    on the embedded model, and why kvpress's post-answer cleanup is skipped there and here)."""
+    import kvpress  # noqa: F401  (registers the pipeline)
+    from kvpress.pipeline import KVPressTextGenerationPipeline
+    from transformers import pipeline
+
+    from certkv.engine.engine import Engine, PressCandidate
+    from certkv.kv_formats.caches import build_cache
+    from certkv.kv_formats.spec import parse_format
+    from certkv.requests.request_set import generate_requests
+
+    monkeypatch.setattr(KVPressTextGenerationPipeline, "_remove_answer_from_cache", lambda self, cache, lengths: None)
+    model, tokenizer = smol
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    cand = PressCandidate("quanto4@1.00", None, "none", 1.0, kv_format=parse_format(
+        {"backend": "quanto", "nbits": 4, "q_group_size": 64, "residual_length": 32}))
+    engine = Engine(model, tokenizer, [cand], max_new_tokens=8)
+    for req in generate_requests("demo", 2, seed=7, context_length="100-160"):
+        got = engine.run(req.context, req.question).candidates[0]
+        want = pipe(req.context, question=req.question, cache=build_cache(cand.kv_format, model.config), max_new_tokens=8)
+        assert got.answer == want["answer"], req.id
+        assert len(got.token_ids) == 8 or got.token_ids[-1] in engine.stop_ids
+        assert 0 < got.kv_peak_bytes < 1
 
 
 def test_query_aware_snapkv_on_ruler_equals_kvpress_and_loses_the_value_s_last_digits(smol):
