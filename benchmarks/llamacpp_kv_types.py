@@ -62,6 +62,21 @@ def calibrate(path: Path) -> float:
     return time.perf_counter() - t0
 
 
+def run_servers_and_calibrate(paths: list[Path], ports: dict[str, int]) -> dict[str, float]:
+    """Start every server of `ports`, calibrate each contract of `paths` through them, stop them;
+    each contract's wall seconds."""
+    if (missing := llamacpp_missing()) is not None:
+        raise SystemExit(f"llama.cpp's server cannot run: {missing}")
+    servers = [LlamaCppServer(REPO / "runs" / "llamacpp_servers", label, port) for label, port in ports.items()]
+    try:
+        for server in servers:
+            server.wait()
+        return {p.name: calibrate(p) for p in paths}
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def summarise(path: Path, allow_incomplete: bool) -> dict:
     """The per-type table of one calibrated contract and its certificate."""
     contract = load_contract(path)
@@ -78,7 +93,8 @@ def summarise(path: Path, allow_incomplete: bool) -> dict:
     for policy, recs in by_policy.items():
         if policy != REFERENCE_POLICY:
             types[policy] = _candidate_row(recs, full, contract.tolerance, bounds.get(policy))
-    return {"contract": str(path.relative_to(REPO)), "requests": len(full), "expected": contract.requests.limit,
+    shown = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
+    return {"contract": shown, "requests": len(full), "expected": contract.requests.limit,
             "utility": contract.utility, "tolerance": contract.tolerance, "risk": contract.risk,
             "confidence": contract.confidence, "certified": op.policy, "fallback": op.fallback, "types": types}
 
@@ -113,6 +129,7 @@ def main() -> None:
     parser.add_argument("--contract", type=Path, action="append", help="default: both llama.cpp contracts")
     parser.add_argument("--print-servers", action="store_true", help="print the servers' commands and stop")
     parser.add_argument("--allow-incomplete", action="store_true", help="summarise stores that are not finished (a preview)")
+    parser.add_argument("--summarise-only", action="store_true", help="start no server: summarise the stores as they are")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     paths = [p.resolve() for p in (args.contract or CONTRACTS)]
@@ -120,19 +137,10 @@ def main() -> None:
     if args.print_servers:
         print("\n".join(command_line(label, port) for label, port in ports.items()))
         return
-    if (missing := llamacpp_missing()) is not None:
-        raise SystemExit(f"llama.cpp's server cannot run: {missing}")
-    servers = [LlamaCppServer(REPO / "runs" / "llamacpp_servers", label, port) for label, port in ports.items()]
-    try:
-        for server in servers:
-            server.wait()
-        seconds = {p.name: calibrate(p) for p in paths}
-    finally:
-        for server in servers:
-            server.stop()
+    seconds = {} if args.summarise_only else run_servers_and_calibrate(paths, ports)
     results = {"servers": {label: command_line(label, port, shown=True) for label, port in ports.items()},
-               "contracts": {p.stem: {**summarise(p, args.allow_incomplete), "wall_seconds_this_run": seconds[p.name]}
-                             for p in paths}}
+               "contracts": {p.stem: {**summarise(p, args.allow_incomplete),
+                                      "wall_seconds_this_run": seconds.get(p.name)} for p in paths}}
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 
