@@ -212,11 +212,13 @@ def upstream_body(context: str, question: str, answer_prefix: str, route: str, n
 @dataclass(frozen=True)
 class Answer:
     """One endpoint's answer: its text, the chosen tokens' log-probabilities (None: the server
-    gave none) and the seconds the call took."""
+    gave none), the seconds the call took and the prompt's tokens as the server counted them
+    (``usage.prompt_tokens``; None: it did not say)."""
 
     text: str
     logprobs: list[float] | None
     seconds: float
+    prompt_tokens: int | None = None
 
     def signals(self) -> dict[str, float]:
         """``confidence_min`` and ``logprob_mean`` (:func:`certkv.core.gate_features.answer_confidence`)
@@ -250,8 +252,16 @@ def ask(endpoint: Endpoint, request: Request, route: str, max_new_tokens: int, w
     t0 = time.perf_counter()
     path = "/chat/completions" if route == "chat" else "/completions"
     body = request_body(request, route, endpoint.name, max_new_tokens, endpoint.certkv, with_logprobs)
-    text, logprobs = read_answer(endpoint.call(path, body), route, endpoint.url)
-    return Answer(text, logprobs, time.perf_counter() - t0)
+    got = endpoint.call(path, body)
+    text, logprobs = read_answer(got, route, endpoint.url)
+    return Answer(text, logprobs, time.perf_counter() - t0, prompt_tokens(got))
+
+
+def prompt_tokens(answer: dict) -> int | None:
+    """The prompt's tokens an OpenAI (chat) completion reports in ``usage`` (None when it does not)."""
+    usage = answer.get("usage")
+    value = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def skip_reason(request: Request, contract: Contract) -> str | None:
@@ -267,10 +277,13 @@ def endpoint_records(request: Request, full: Answer, answers: Sequence[tuple[str
                      contract: Contract) -> list[dict]:
     """Store records for one request, as a local run writes them: the full endpoint's first, then
     each candidate's (policy, declared memory, answer), ``path`` ``endpoint``, its seconds and the
-    confidence its log-probabilities give."""
+    confidence its log-probabilities give. The full row's ``context_tokens`` is the prompt's length
+    as the full endpoint counted it (its ``usage.prompt_tokens``, template and question included):
+    the certificate's context range, which ``certkv gateway`` checks against the candidate's count."""
     utility_full = score(contract.utility, full.text, request.answers, full.text)
+    length = {} if full.prompt_tokens is None else {"context_tokens": full.prompt_tokens}
     records = [{**record_head(request, REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, utility_full, utility_full, full.text),
-                "path": None, "seconds": full.seconds, **full.signals()}]
+                "path": None, "seconds": full.seconds, **length, **full.signals()}]
     for policy, memory, answer in answers:
         utility = score(contract.utility, answer.text, request.answers, full.text)
         records.append({**record_head(request, policy, ENDPOINT_PRESS, memory, memory, utility, utility_full, answer.text),

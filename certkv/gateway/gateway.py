@@ -141,8 +141,8 @@ class Gateway:
         """Where a request with `stratum` and token `limit` goes first (module docstring)."""
         entry, stream = self.op.entry_for(stratum), self.stream_of(stratum)
         coverage = self.op.coverage
-        # context lengths are in the calibrated model's tokens, which a gateway cannot count: an endpoint
-        # point records none (calibration has no tokenizer), and a point that does is checked by strata only
+        # context lengths cannot be counted before the candidate answers (the gateway has no tokenizer):
+        # its usage.prompt_tokens is checked after (outside_context); here, the strata only
         why = None if coverage is None else coverage.model_copy(update={"context_tokens": None}).uncovered(stratum, 0)
         if entry is None or why is not None:
             return Plan(entry, stream, "uncovered", why or f"stratum {stratum!r} is not one the operating point certified")
@@ -204,12 +204,25 @@ class Gateway:
         decision.learned_score = signals.get("learned_score")
         if reason is None and got.token_texts is None and ask.limit is not None:
             reason, decision.detail = "uncovered", "the candidate returned no tokens to cut its answer at max_tokens"
+        if reason is None and (outside := self.outside_context(got.prompt_tokens)) is not None:
+            reason, decision.detail = "uncovered", outside
         if reason is not None:
             decision.reason, decision.escalated = reason, reason != "uncovered"
             return None
         decision.mode, decision.reason = "evicted", None
         decision.kv_retained = decision.kv_retained_actual = entry.kv_retained
         return got
+
+    def outside_context(self, prompt_tokens: int) -> str | None:
+        """Why a prompt of `prompt_tokens` (the candidate's count, 0: it gave none) is outside the
+        certified context range, or None. An endpoint point's range is the prompts' lengths as the
+        full endpoint counted them in calibration, and the gateway can count none before asking:
+        the candidate's ``usage`` tells it after, and an answer to a longer or shorter prompt than
+        any calibrated one is escalated as uncovered."""
+        coverage = self.op.coverage  # the strata were checked before asking (plan)
+        if coverage is None or coverage.context_tokens is None or prompt_tokens <= 0:
+            return None
+        return coverage.model_copy(update={"strata": None, "stratum_required": False}).uncovered(None, prompt_tokens)
 
     async def from_full(self, ask: Ask, decision: Decision) -> UpstreamAnswer:
         """The full endpoint's answer; :class:`FullDown` (one line, with the reason it was needed) when it fails."""

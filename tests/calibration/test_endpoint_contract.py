@@ -10,7 +10,7 @@ import socket
 import pytest
 from conftest import run_here
 
-from certkv.calibration.endpoints import EndpointOptions, read_answer, request_body
+from certkv.calibration.endpoints import EndpointOptions, prompt_tokens, read_answer, request_body
 from certkv.contract.loading import parse_contract
 from certkv.contract.spec import candidates, sequences
 from certkv.errors import CertkvError
@@ -119,6 +119,10 @@ def test_what_is_read_back():
     assert read_answer({"choices": [{"text": "42", "logprobs": None}]}, "completions", "u") == ("42", None)
     with pytest.raises(CertkvError, match="endpoint u answered without a chat completion's choices"):
         read_answer({"error": "x"}, "chat", "u")
+    # the prompt's length as the server counted it: the certificate's context range for a gateway
+    assert prompt_tokens({**chat, "usage": {"prompt_tokens": 312, "completion_tokens": 2}}) == 312
+    for usage in (None, {}, {"prompt_tokens": 0}, {"prompt_tokens": "312"}, {"prompt_tokens": True}):
+        assert prompt_tokens({**chat, "usage": usage}) is None
 
 
 def test_options_are_checked():

@@ -248,7 +248,10 @@ def _in_process(gated, requests):
     from certkv.model.loading import load_model
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    local = gated.model_copy(update={"press": "snapkv", "contract_sha256": None})
+    # the point's context range counts prompts as the upstream does (template and question in); the
+    # runtime counts the context alone, so the range is left to the gateway (tested below)
+    coverage = gated.coverage.model_copy(update={"context_tokens": None})
+    local = gated.model_copy(update={"press": "snapkv", "contract_sha256": None, "coverage": coverage})
     runtime = CertifiedRuntime(*load_model("embedded", device="cpu"), local)
     out = {}
     for r in requests:
@@ -276,6 +279,25 @@ def test_the_gateway_answers_and_escalates_as_the_in_process_runtime(deployed):
     health = gateway.health()
     assert health["status"] == "ok" and health["monitor"]["all"]["requests"] == 2 * N_GATEWAY
     assert subprocess.run([sys.executable, "-c", NO_TORCH], cwd=REPO, capture_output=True).returncode == 0
+
+
+def test_a_prompt_longer_than_any_calibrated_one_is_answered_by_the_full_endpoint(deployed):
+    """An endpoint point's context range is the calibrated prompts' lengths as the full endpoint
+    counted them (its usage.prompt_tokens); the gateway reads the candidate's count after it answers
+    and escalates a prompt outside the range as uncovered: the full endpoint's answer, not the
+    candidate's."""
+    _, requests, full, _, gateway, gated = deployed
+    low, high = gated.coverage.context_tokens
+    assert 0 < low <= high
+    r = requests[0]
+    body = {"context": r.context * 3, "question": r.question, "max_tokens": 8}
+    got = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=120).json()
+    decision = got["certkv"]["decision"]
+    assert (decision["reason"], decision["mode"]) == ("uncovered", "full"), decision
+    assert decision["detail"].startswith(f"context of {got['usage']['prompt_tokens']} tokens is outside the calibrated "
+                                         f"{low}-{high} tokens"), decision["detail"]
+    direct = httpx.post(full.url + "/chat/completions", json=body, timeout=120).json()
+    assert got["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
 
 
 def test_a_server_that_is_not_the_calibrated_one_stops_the_gateway_in_one_line(deployed):
