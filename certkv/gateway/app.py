@@ -28,8 +28,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel
-
 from certkv.gateway.gateway import Ask, FullDown, Gateway, Plan, Served
 from certkv.gateway.upstream import UpstreamAnswer, UpstreamDown, UpstreamRefused, UpstreamState
 from certkv.serve.answer_cut import Cut, chat_logprobs, completion_logprobs, cut_answer
@@ -44,12 +42,12 @@ from certkv.serve.responses import (
     CompletionResponse,
     ErrorResponse,
     ModelCard,
-    ModelList,
+    MonitoredHealth,
     PointSummary,
     ShadowCounts,
     Usage,
 )
-from certkv.serve.routes import json_response
+from certkv.serve.routes import add_openai_routes, json_response
 from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, SplitError
 from certkv.serve.streaming import Chunks, sse_events
 
@@ -64,24 +62,15 @@ log = logging.getLogger("certkv.gateway")
 _NO_LENGTH_LIMIT = 1 << 30
 
 
-class GatewayHealth(BaseModel):
+class GatewayHealth(MonitoredHealth):
     """GET /health of ``certkv gateway``: ``status`` ``ok``; ``candidate_down`` (a candidate's last call
     failed: its requests are answered by the full endpoint); ``full_down`` (requests that need the
-    full endpoint get 503); ``tripped`` (a monitor stream tripped). ``candidates`` by policy."""
+    full endpoint get 503); ``tripped`` (a monitor stream tripped). The upstreams' state (``full``,
+    ``candidates`` by policy) beside :class:`~certkv.serve.responses.MonitoredHealth`'s fields."""
 
     status: Literal["ok", "candidate_down", "full_down", "tripped"]
-    model: str
-    operating_point: PointSummary
     full: UpstreamState
     candidates: dict[str, UpstreamState]
-    in_flight: int
-    monitoring: Literal["on", "off"]
-    shadow_rate: float
-    shadow_store: str | None
-    shadows: ShadowCounts
-    monitor: dict[str, dict[str, Any]]
-    tripped: list[str]
-    uptime_s: float
 
 
 class GatewayRoutes:
@@ -279,7 +268,6 @@ def create_gateway_app(gateway: Gateway, *, model_id: str, operating_point_path:
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
-    from fastapi.responses import Response
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     in_flight = InFlight()
@@ -293,30 +281,11 @@ def create_gateway_app(gateway: Gateway, *, model_id: str, operating_point_path:
     app = FastAPI(title="certkv gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, gateway.metrics, "certkv gateway")
 
-    @app.post("/v1/completions", response_model=CompletionResponse)
-    async def completions(req: CompletionRequest):
-        return await routes.answer("/v1/completions", req, chat=False)
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-    async def chat_completions(req: ChatCompletionRequest):
-        return await routes.answer("/v1/chat/completions", req, chat=True)
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_id, created=int(routes.started_at),
-                                         certkv={"policy": gateway.op.policy, "kind": "gateway"})])
-
-    @app.get("/v1/operating-point")
-    async def operating_point():
-        return gateway.op.to_dict()
-
-    @app.get("/health")
-    async def health() -> GatewayHealth:
-        return routes.health()
-
-    @app.get("/metrics")
-    async def prometheus():
+    def metrics() -> tuple[bytes, str]:
         gateway.metrics.refresh_monitor(gateway.monitor, {} if gateway.monitor is None else gateway.monitor.snapshot())
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return generate_latest(gateway.metrics.registry), CONTENT_TYPE_LATEST
 
+    add_openai_routes(app, routes.answer, model_card=lambda: ModelCard(
+        id=model_id, created=int(routes.started_at), certkv={"policy": gateway.op.policy, "kind": "gateway"}),
+        operating_point=gateway.op.to_dict, health=routes.health, metrics=metrics)
     return Limits(app, api_key, max_body_bytes, gateway.metrics, in_flight)

@@ -211,17 +211,17 @@ class ShadowCounts(BaseModel):
     abandoned: int
 
 
-class HealthResponse(BaseModel):
-    """GET /health: ``status`` is ``ok``, ``tripped`` (a monitor stream tripped) or ``stopping``;
-    ``in_flight`` counts HTTP requests received and not yet answered; ``monitoring`` is ``off``
-    under ``--shadow-rate 0`` (no shadows, no monitor: nothing watches the deployed risk)."""
+class MonitoredHealth(BaseModel):
+    """What GET /health of ``certkv serve`` and of ``certkv gateway`` share: the model and point
+    deployed, ``in_flight`` (HTTP requests received and not yet answered), the live monitor
+    (``monitoring`` is ``off`` under ``--shadow-rate 0``: no shadows, no monitor, nothing watches
+    the deployed risk), its shadows, streams and tripped streams, and the uptime. Each server
+    narrows ``status`` and adds its own state."""
 
-    status: Literal["ok", "tripped", "stopping"]
+    status: str
     model: str
     operating_point: PointSummary
-    queue: QueueState
     in_flight: int
-    kv: KVState
     monitoring: Literal["on", "off"]
     shadow_rate: float
     shadow_store: str | None
@@ -229,3 +229,12 @@ class HealthResponse(BaseModel):
     monitor: dict[str, dict[str, Any]]
     tripped: list[str]
     uptime_s: float
+
+
+class HealthResponse(MonitoredHealth):
+    """GET /health of ``certkv serve``: ``status`` is ``ok``, ``tripped`` (a monitor stream
+    tripped) or ``stopping``; its queue and KV budget beside :class:`MonitoredHealth`'s fields."""
+
+    status: Literal["ok", "tripped", "stopping"]
+    queue: QueueState
+    kv: KVState

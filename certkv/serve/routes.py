@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from certkv.errors import CertkvError
 from certkv.serve.answer_cut import (
@@ -53,7 +53,7 @@ from certkv.serve.schemas import ChatCompletionRequest, CompletionRequest, Split
 from certkv.serve.streaming import Chunks, Item, PieceStream, StopHold, TokenFeed, sse_events, token_pieces
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Awaitable, Callable
     from concurrent.futures import Future
 
     from fastapi import APIRouter
@@ -335,35 +335,46 @@ def build_router(service: Service, *, model_id: str, operating_point_path: str |
                  shadow_store_path: str | None, in_flight: InFlight) -> APIRouter:
     """The routes around `service` (see the module docstring); what they share is one :class:`_Routes`."""
     from fastapi import APIRouter
-    from fastapi.responses import Response
 
     routes = _Routes(service, model_id, operating_point_path, timeout, shadow_store_path, in_flight, time.time())
     router = APIRouter()
     op = service.runtime.operating_point
+    add_openai_routes(router, routes.answer, model_card=lambda: ModelCard(
+        id=model_id, created=int(routes.started_at), certkv={"policy": op.policy}), operating_point=op.to_dict,
+        health=routes.health, metrics=lambda: service.metrics.render(service))
+    return router
+
+
+def add_openai_routes(router, answer: Callable[..., Awaitable[Any]], *, model_card: Callable[[], ModelCard],
+                      operating_point: Callable[[], dict], health: Callable[[], BaseModel],
+                      metrics: Callable[[], tuple[bytes, str]]) -> None:
+    """Add the routes ``certkv serve`` and ``certkv gateway`` both answer to `router` (an
+    ``APIRouter`` or the app): the two completions routes through ``answer(route, request,
+    chat=...)``, ``/v1/models`` with the one `model_card`, the point, ``/health`` and the
+    Prometheus text ``metrics`` gives as (body, content type)."""
+    from fastapi.responses import Response
 
     @router.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest):
-        return await routes.answer("/v1/completions", req, chat=False)
+        return await answer("/v1/completions", req, chat=False)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(req: ChatCompletionRequest):
-        return await routes.answer("/v1/chat/completions", req, chat=True)
+        return await answer("/v1/chat/completions", req, chat=True)
 
     @router.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_id, created=int(routes.started_at), certkv={"policy": op.policy})])
+        return ModelList(data=[model_card()])
 
     @router.get("/v1/operating-point")
-    async def operating_point():
-        return op.to_dict()
+    async def operating_point_route():
+        return operating_point()
 
     @router.get("/health")
-    async def health() -> HealthResponse:
-        return routes.health()
+    async def health_route():
+        return health()
 
     @router.get("/metrics")
     async def prometheus():
-        body, ctype = service.metrics.render(service)
+        body, ctype = metrics()
         return Response(body, media_type=ctype)
-
-    return router
