@@ -69,19 +69,22 @@ def endpoint_contract(folder: Path, name: str, full_url: str, snap_url: str) -> 
 
 class Process:
     """A server process (``python -m MODULE ARGS --port PORT``, certkv's CLI by default) logging to
-    `folder`/`log_name`; :meth:`wait` until its :attr:`ready_path` answers 200."""
+    `folder`/`log_name`; :meth:`wait` until its :attr:`ready_path` answers 200. `command` replaces
+    ``python -m MODULE`` (a launcher), `env` adds to the environment, `pass_fds` are inherited."""
 
     #: The route that answers 200 once the server is up.
     ready_path = "/health"
 
-    def __init__(self, folder: Path, log_name: str, args: list[str], port: int, module: str = "certkv.cli.app") -> None:
+    def __init__(self, folder: Path, log_name: str, args: list[str], port: int, module: str = "certkv.cli.app", *,
+                 command: list[str] | None = None, env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         self.log = open(folder / log_name, "w+")  # noqa: SIM115 - closed with the process
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args, "--port", str(port)], cwd=REPO,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", **(env or {}))
+        self.proc = subprocess.Popen([*(command or [sys.executable, "-m", module]), *args, "--port", str(port)],
+                                     cwd=REPO, env=environment, stdout=self.log, stderr=subprocess.STDOUT,
+                                     pass_fds=pass_fds)
 
     def wait(self, timeout: float = 180.0):
         import httpx

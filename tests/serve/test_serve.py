@@ -15,13 +15,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 from conftest import REPO, run_main
+from endpoint_servers import Process
 
 from certkv.requests.request_set import generate_requests
 
@@ -68,25 +68,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Server:
-    """`certkv serve` in its own process; `held`: its scheduler takes no job until :meth:`release`
-    (started by :data:`LAUNCHER` with ``--hold-fd``: a pipe the server reads to its end)."""
+class _Server(Process):
+    """`certkv serve` in its own process (:class:`endpoint_servers.Process`, the API key in its
+    environment); `held`: its scheduler takes no job until :meth:`release` (started by
+    :data:`LAUNCHER` with `hook`, ``--hold-fd`` by default: a pipe the server reads to its end)."""
 
-    def __init__(self, folder, op, *args, held=False):
+    def __init__(self, folder, op, *args, held=False, hook="--hold-fd"):
         folder.mkdir(parents=True, exist_ok=True)
         self.op_path = op.write_json(folder / "operating_point.json")
         self.store = folder / "shadow"
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(folder / "server.log", "w+")  # noqa: SIM115
-        env = dict(os.environ, HF_HUB_OFFLINE="1", CERTKV_TEST_KEY=KEY, PYTHONWARNINGS="ignore")
+        env = {"CERTKV_TEST_KEY": KEY}
         hold, self._hold = (os.pipe() if held else (None, None))
-        command = [sys.executable, "-m", "certkv.cli.app"]
-        if hold is not None:
-            command = launcher(env, "--hold-fd", hold)
-        self.proc = subprocess.Popen(
-            [*command, "serve", str(self.op_path), "--port", str(self.port), "--shadow-store", str(self.store), *args],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=() if hold is None else (hold,))
+        command = None if hold is None else launcher(env, hook, hold)
+        super().__init__(folder, "server.log", ["serve", str(self.op_path), "--shadow-store", str(self.store), *args],
+                         _free_port(), command=command, env=env, pass_fds=() if hold is None else (hold,))
+        self.url = self.base
         if hold is not None:
             os.close(hold)  # the server's copy alone is left: it reads until ours closes
 
@@ -96,30 +92,9 @@ class _Server:
             os.close(self._hold)
             self._hold = None
 
-    def wait(self, headers=None):
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError("server did not start: " + self.output())
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
     def stop(self):
         self.release()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        super().stop()
         return self.proc.returncode
 
 

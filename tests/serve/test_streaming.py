@@ -13,13 +13,11 @@ chunk could not arrive before the test lets the decode go on).
 from __future__ import annotations
 
 import os
-import subprocess
 
 import httpx
 import pytest
-from conftest import REPO
 from test_runtime_decoding import _point as _decoding_point
-from test_serve import _free_port, _operating_point, _Server, launcher
+from test_serve import _operating_point, _Server
 
 from certkv.requests.request_set import generate_requests
 
@@ -191,27 +189,12 @@ class _SteppedServer(_Server):
     `step` is the pipe's write end; closing it lets the scheduler step freely."""
 
     def __init__(self, folder, op):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.op_path, self.store, self._hold = op.write_json(folder / "operating_point.json"), folder / "shadow", None
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(folder / "server.log", "w+")  # noqa: SIM115
-        read, self.step = os.pipe()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-        self.proc = subprocess.Popen(
-            [*launcher(env, "--step-fd", read), "serve", str(self.op_path), "--port", str(self.port),
-             "--shadow-store", str(self.store), "--timeout", "60"], cwd=REPO, env=env, stdout=self.log,
-            stderr=subprocess.STDOUT, pass_fds=(read,))
-        os.close(read)  # the server's copy alone is left
+        super().__init__(folder, op, "--timeout", "60", held=True, hook="--step-fd")
+        self.step = self._hold
 
     def free(self):
-        if self.step is not None:
-            os.close(self.step)
-            self.step = None
-
-    def stop(self):
-        self.free()
-        return super().stop()
+        self.release()
+        self.step = None
 
 
 @pytest.fixture(scope="module", autouse=True)
