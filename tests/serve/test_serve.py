@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 from conftest import REPO, run_main
-from endpoint_servers import Process
+from endpoint_servers import Process, snapkv_point
 
 from certkv.requests.request_set import generate_requests
 
@@ -33,16 +33,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _operating_point(kv, risk, confidence=0.9):
-    from certkv.core.operating_point import ContractSummary, OperatingPoint
-
-    policy = f"snapkv@{kv:.2f}"
-    return OperatingPoint(
-        policy=policy, base_policy=policy, press="snapkv", kv_retained=kv, mean_kv_retained=kv, fallback=False,
-        contract=ContractSummary(tolerance=0.0, risk=risk, confidence=confidence, procedure="fixed_sequence",
-                                 utility="agreement"),
-        n=4, violations=0, empirical_risk=0.0, risk_upper_bound=risk, p_value=0.01, candidates=[], sequences=[],
-        guarantee="test", created="now", certkv_version="test", gate=None, max_new_tokens=8,
-    )
+    """SnapKV keeping `kv`, ungated, 8 new tokens (:func:`endpoint_servers.snapkv_point`)."""
+    return snapkv_point(kv, risk, confidence)
 
 
 def _stratified(kv, risk):
