@@ -45,7 +45,8 @@ def deployments(contract_paths: list[Path]) -> dict[str, int]:
     ports: dict[str, int] = {}
     for path in contract_paths:
         contract = load_contract(path)
-        assert contract.endpoint is not None, f"{path} is not an endpoint contract"
+        if contract.endpoint is None:
+            raise SystemExit(f"{path.name} is not an endpoint contract (model: {{endpoint: URL, name: NAME}})")
         named = [("full", contract.endpoint.endpoint)] + [(p.label, p.endpoint.url) for p in contract.policies]
         for label, url in named:
             port = urlparse(url).port
@@ -85,6 +86,8 @@ def summarise(path: Path, allow_incomplete: bool) -> dict:
     with CalibrationStore.read(contract.resolved_store_path()) as store:
         rows = list(store.records())
     full = {r["request_id"]: r for r in rows if r["policy"] == REFERENCE_POLICY}
+    if not full:
+        raise SystemExit(f"{path.name}: its store holds no request yet; calibrate first")
     by_policy: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         by_policy[r["policy"]].append(r)
@@ -94,7 +97,7 @@ def summarise(path: Path, allow_incomplete: bool) -> dict:
         if policy != REFERENCE_POLICY:
             types[policy] = _candidate_row(recs, full, contract.tolerance, bounds.get(policy))
     shown = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
-    return {"contract": shown, "requests": len(full), "expected": contract.requests.limit,
+    return {"contract": shown, "requests": len(full), "expected": contract.requests.limit or len(full),
             "utility": contract.utility, "tolerance": contract.tolerance, "risk": contract.risk,
             "confidence": contract.confidence, "certified": op.policy, "fallback": op.fallback, "types": types}
 

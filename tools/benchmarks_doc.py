@@ -2031,7 +2031,7 @@ def _llamacpp_contract(name: str, c: dict) -> list[str]:
     full = c["types"]["f16"]
     done = c["requests"] >= c["expected"]
     status = (f"all {c['requests']} requests" if done else
-              f"**a preview**: {c['requests']} of its {c['expected']} requests calibrated so far; it promises nothing")
+              f"**a preview**: {c['requests']} of its {c['expected']} requests calibrated so far")
     tasks = ", ".join(f"{task_name(t, ' ')} {num(u, 2)}" for t, u in full["utility_per_task"].items())
     rows = [[LLAMACPP_TYPES["f16"], "1.00", "—", "—", "—", "—", sig3(full["seconds"])]]
     for policy, t in c["types"].items():
@@ -2041,7 +2041,8 @@ def _llamacpp_contract(name: str, c: dict) -> list[str]:
         rows.append([LLAMACPP_TYPES[policy.split("@")[0]], f"{t['memory']:.2f}", f"{t['broken']}/{t['n']} ({per_task})",
                      pct(t["identical"], 0), "—" if t["bound"] is None else pct(t["bound"]),
                      "yes" if t["certified"] else "no", sig3(t["seconds"])])
-    verdict = ("only the f16 cache certifies" if c["fallback"] else f"certified: `{c['certified']}`")
+    verdict = ("no verdict: a preview's certificate promises nothing" if not done else
+               "only the f16 cache certifies" if c["fallback"] else f"certified: `{c['certified']}`")
     return [
         f"### `{c['contract']}`",
         f"{status}; utility `{c['utility']}`, τ = {c['tolerance']:g}, ε = {c['risk']:g}, 1 − δ = {c['confidence']:g}: "

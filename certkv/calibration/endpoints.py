@@ -278,8 +278,9 @@ def endpoint_records(request: Request, full: Answer, answers: Sequence[tuple[str
     """Store records for one request, as a local run writes them: the full endpoint's first, then
     each candidate's (policy, declared memory, answer), ``path`` ``endpoint``, its seconds and the
     confidence its log-probabilities give. The full row's ``context_tokens`` is the prompt's length
-    as the full endpoint counted it (its ``usage.prompt_tokens``, template and question included):
-    the certificate's context range, which ``certkv gateway`` checks against the candidate's count."""
+    as the full endpoint counts it (its ``usage.prompt_tokens``: a chat server counts its template
+    too, ``certkv serve`` the context and question): the certificate's context range, which
+    ``certkv gateway`` checks against the candidate's count."""
     utility_full = score(contract.utility, full.text, request.answers, full.text)
     length = {} if full.prompt_tokens is None else {"context_tokens": full.prompt_tokens}
     records = [{**record_head(request, REFERENCE_POLICY, REFERENCE_POLICY, 1.0, 1.0, utility_full, utility_full, full.text),

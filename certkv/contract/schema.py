@@ -942,8 +942,8 @@ class Contract(_Strict):
             for key in ("cache", "endpoint", "memory"):
                 if policy.get(key) is None:
                     policy.pop(key, None)
-        for key in ("route", "logprobs"):
-            if data["protocol"].get(key) is None:
+        for key, unset in (("route", (None,)), ("logprobs", (None, True))):  # logprobs: true is the default
+            if data["protocol"].get(key) in unset:
                 data["protocol"].pop(key, None)
         if self.gate is not None:
             data["gate"] = self.gate.hashed_dump(data["gate"])

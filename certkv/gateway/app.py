@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from certkv.gateway.gateway import Ask, FullDown, Gateway, Plan, Served
 from certkv.gateway.upstream import UpstreamAnswer, UpstreamDown, UpstreamRefused, UpstreamState
-from certkv.serve.answer_cut import Cut, chat_logprobs, completion_logprobs, cut_answer
+from certkv.serve.answer_cut import Cut, chat_logprobs, completion_logprobs
 from certkv.serve.app import install_error_handlers
 from certkv.serve.middleware import InFlight, Limits
 from certkv.serve.responses import (
@@ -167,7 +167,7 @@ class GatewayRoutes:
         chunks = Chunks.new(self.model_id, chat)
         headers = {"Cache-Control": "no-cache"}
         if got is not None:
-            cut = cut_answer(got.text, got.token_texts or [got.text], got.finish_reason, limit=ask.limit, stops=ask.stops)
+            cut = gw.cut(got, ask)
             served = gw.settle(ask, plan, decision, got, cut, asyncio.get_running_loop().time() - t0)
             self.observe(route, served)
             self.first_token(route, t0)

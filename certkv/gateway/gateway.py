@@ -5,14 +5,18 @@ point chose the full cache (reason ``fallback``), when it is outside the certifi
 (``uncovered``: a stratum the point does not know, or a token limit above the calibrated decode
 length, which the full endpoint then decodes), when its monitor stream tripped (``monitor``) or
 when the candidate is down (``candidate_down``). Otherwise the certified candidate is asked for
-the whole certified answer (the calibrated ``max_new_tokens``, greedy, log-probabilities), as
-calibration asked it (:func:`certkv.calibration.endpoints.upstream_body`); the gate then decides
-on its log-probabilities with the runtime's own rule (:func:`certkv.runtime.gating.post_decode_reason`),
-and a gate that fires escalates the request to the full endpoint (``confidence`` or ``learned``,
-``escalated``). A candidate that fails or exceeds its timeout is marked down and the request
-answered from the full endpoint (``candidate_down``, with the failure in ``detail``). A kept
-answer is cut at the request's token limit and stop strings after the gate decided, as
-``certkv serve`` cuts its certified answer (:func:`certkv.serve.answer_cut.cut_answer`).
+the whole certified answer (the calibrated ``max_new_tokens``, greedy, log-probabilities unless the
+contract's ``protocol.logprobs`` is false), as calibration asked it
+(:func:`certkv.calibration.endpoints.upstream_body`). An answer to a prompt whose length (the
+candidate's ``usage.prompt_tokens``) is outside the certified context range goes to the full
+endpoint (``uncovered``); otherwise the gate decides on its log-probabilities with the runtime's
+own rule (:func:`certkv.runtime.gating.post_decode_reason`), and a gate that fires escalates the
+request to the full endpoint (``confidence`` or ``learned``, ``escalated``). A candidate that
+fails or exceeds its timeout is marked down and the request answered from the full endpoint
+(``candidate_down``, with the failure in ``detail``). A kept answer is cut at the request's token
+limit and stop strings after the gate decided, as ``certkv serve`` cuts its certified answer
+(:func:`certkv.serve.answer_cut.cut_answer`); one that came without its tokens (no
+log-probabilities) is kept only when nothing needs cutting, else it is ``uncovered``.
 
 Every answer of a monitored stream is recorded by the :class:`~certkv.core.monitor.RiskMonitor`;
 a kept candidate answer is shadowed with the monitor's coin: the full endpoint answers it too
@@ -37,7 +41,7 @@ from certkv.calibration.endpoints import upstream_body
 from certkv.gateway.upstream import Upstream, UpstreamAnswer, UpstreamDown
 from certkv.runtime.decision import Decision
 from certkv.runtime.gating import post_decode_reason
-from certkv.serve.answer_cut import Cut, cut_answer
+from certkv.serve.answer_cut import Cut, cut_answer, first_stop
 from certkv.serve.shadow import ShadowJob, shadow_loss, shadow_records
 from certkv.serve.shared_monitor import log_first_trip
 
@@ -199,13 +203,16 @@ class Gateway:
             decision.reason, decision.detail = "candidate_down", f"candidate {exc}"
             return None
         signals: dict[str, Any] = {}
-        reason = None if entry.gate is None else post_decode_reason(entry.gate, signals, got.logprobs)
+        reason = None
+        if (outside := self.outside_context(entry, got.prompt_tokens)) is not None:
+            reason, decision.detail = "uncovered", outside  # before the gate: outside the certificate, it has no say
+        elif entry.gate is not None:
+            reason = post_decode_reason(entry.gate, signals, got.logprobs)
         decision.confidence_min, decision.logprob_mean = signals.get("confidence_min"), signals.get("logprob_mean")
         decision.learned_score = signals.get("learned_score")
-        if reason is None and got.token_texts is None and ask.limit is not None:
-            reason, decision.detail = "uncovered", "the candidate returned no tokens to cut its answer at max_tokens"
-        if reason is None and (outside := self.outside_context(got.prompt_tokens)) is not None:
-            reason, decision.detail = "uncovered", outside
+        if reason is None and got.token_texts is None and not self.whole_without_tokens(got, ask):
+            reason, decision.detail = "uncovered", ("the candidate returned no tokens to cut its answer at max_tokens "
+                                                    "or a stop string")
         if reason is not None:
             decision.reason, decision.escalated = reason, reason != "uncovered"
             return None
@@ -213,13 +220,29 @@ class Gateway:
         decision.kv_retained = decision.kv_retained_actual = entry.kv_retained
         return got
 
-    def outside_context(self, prompt_tokens: int) -> str | None:
+    @staticmethod
+    def whole_without_tokens(got: UpstreamAnswer, ask: Ask) -> bool:
+        """Whether an answer that came without its tokens (no log-probabilities asked for, or none
+        given) is returned whole: it is no longer than the request's ``max_tokens`` (as the
+        candidate's usage counts it) and holds none of its stop strings, so nothing needs cutting."""
+        short = ask.limit is None or 0 < got.completion_tokens <= ask.limit
+        return short and first_stop(got.text, ask.stops) is None
+
+    def cut(self, got: UpstreamAnswer, ask: Ask) -> Cut:
+        """The kept candidate answer `got` cut at `ask`'s token limit and stop strings (whole when it
+        came without its tokens: :meth:`whole_without_tokens` kept it)."""
+        if got.token_texts is None:
+            return Cut(got.text, got.completion_tokens, got.finish_reason)
+        return cut_answer(got.text, got.token_texts, got.finish_reason, limit=ask.limit, stops=ask.stops)
+
+    def outside_context(self, entry: OperatingPoint, prompt_tokens: int) -> str | None:
         """Why a prompt of `prompt_tokens` (the candidate's count, 0: it gave none) is outside the
-        certified context range, or None. An endpoint point's range is the prompts' lengths as the
-        full endpoint counted them in calibration, and the gateway can count none before asking:
-        the candidate's ``usage`` tells it after, and an answer to a longer or shorter prompt than
-        any calibrated one is escalated as uncovered."""
-        coverage = self.op.coverage  # the strata were checked before asking (plan)
+        context range `entry` (the point, or its stratum's entry) was certified on, or None. An
+        endpoint point's range is the prompts' lengths as the full endpoint counted them in
+        calibration, and the gateway can count none before asking: the candidate's ``usage`` tells
+        it after, and an answer to a longer or shorter prompt than any calibrated one is escalated
+        as uncovered. Both servers must count alike (the same model and tokenizer)."""
+        coverage = entry.coverage or self.op.coverage  # the stratum itself was checked before asking (plan)
         if coverage is None or coverage.context_tokens is None or prompt_tokens <= 0:
             return None
         return coverage.model_copy(update={"strata": None, "stratum_required": False}).uncovered(None, prompt_tokens)
@@ -246,7 +269,7 @@ class Gateway:
         decision = self.decision(plan, ask.stratum)
         got = await self.from_candidate(plan, ask, decision) if plan.reason is None else None
         if got is not None:
-            cut = cut_answer(got.text, got.token_texts or [got.text], got.finish_reason, limit=ask.limit, stops=ask.stops)
+            cut = self.cut(got, ask)
         else:
             got = await self.from_full(ask, decision)
             cut = Cut(got.text, got.completion_tokens, got.finish_reason)

@@ -105,10 +105,12 @@ def test_what_is_sent():
         assert "logprobs" not in body and "top_logprobs" not in body
 
 
-def test_logprobs_false_is_hashed_and_asked_for_nothing():
-    plain, without = endpoint_contract(), endpoint_contract(protocol={"route": "chat", "logprobs": False})
-    assert plain.asks_logprobs and not without.asks_logprobs
-    assert '"logprobs"' not in plain.canonical_json() and plain.sha256() != without.sha256()
+def test_logprobs_false_changes_the_hash_and_true_the_default_does_not():
+    plain = endpoint_contract()
+    without, written = (endpoint_contract(protocol={"max_new_tokens": 32, "route": "chat", "logprobs": value})
+                        for value in (False, True))
+    assert plain.asks_logprobs and written.asks_logprobs and not without.asks_logprobs
+    assert '"logprobs"' not in plain.canonical_json() and plain.sha256() == written.sha256() != without.sha256()
 
 
 def test_what_is_read_back():

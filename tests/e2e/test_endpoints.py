@@ -248,7 +248,7 @@ def _in_process(gated, requests):
     from certkv.model.loading import load_model
     from certkv.runtime.certified_runtime import CertifiedRuntime
 
-    # the point's context range counts prompts as the upstream does (template and question in); the
+    # the point's context range counts prompts as the upstream does (context and question); the
     # runtime counts the context alone, so the range is left to the gateway (tested below)
     coverage = gated.coverage.model_copy(update={"context_tokens": None})
     local = gated.model_copy(update={"press": "snapkv", "contract_sha256": None, "coverage": coverage})

@@ -75,6 +75,8 @@ def test_kv_types_calibrate_and_certify_through_the_servers(servers):
         records, meta = list(store.records()), store.meta()
     assert sorted(r["policy"] for r in records) == ["full"] * N_REQUESTS + ["q4_0@0.28"] * N_REQUESTS
     assert all(r["answer"].strip() for r in records)
+    # the prompt's length as llama.cpp counted it (its usage): the certificate's context range
+    assert all(r["context_tokens"] > 0 for r in records if r["policy"] == "full")
     assert full.url in meta["endpoints"] and q4.url in meta["endpoints"] and MODEL_NAME in meta["endpoints"]
     op = certify(load_contract(contract), output=folder / "op.json").operating_point
     [candidate] = op.candidates

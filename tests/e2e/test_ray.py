@@ -291,8 +291,11 @@ def _wait_until_no_worker(ray, seconds: float = 120.0) -> None:
 
     from certkv.calibration.ray_executor import WORKER_NAME
 
+    def workers() -> list[str]:  # the driver ran as a job of its own, in a namespace of its own
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(WORKER_NAME)]
+
     deadline = time.monotonic() + seconds
-    while any(n.startswith(WORKER_NAME) for n in ray.util.list_named_actors()):
+    while workers():
         assert time.monotonic() < deadline, "the stopped driver's workers outlived it"
         time.sleep(0.2)
 
@@ -345,6 +348,25 @@ def test_a_worker_whose_model_differs_from_the_store_is_refused(cluster, tmp_pat
     assert "\n" not in message and "refused" in message and fact in message and value in message
     with CalibrationStore.read(tmp_path / "store") as store:
         assert store.count() == 0 and not store.skipped(), "a refused worker's rows must not be written"
+
+
+@pytest.mark.parametrize("fact", ["model_fingerprint", "device_type"])
+def test_each_fact_a_worker_reports_is_held_to_the_store(tmp_path, fact):
+    """The refusal above, for each fact, without Ray: a fresh store binds what the first worker
+    reports, a worker that reports the same passes, one that differs in either fact is refused."""
+    from certkv.calibration.ray_executor import WORKER_FACTS, _check_facts
+    from certkv.calibration.store import CalibrationStore
+    from certkv.contract.loading import load_contract
+    from certkv.errors import CertkvError
+
+    first = {"model_fingerprint": "embedded#0123456789abcdef", "device_type": "cpu"}
+    with CalibrationStore.open(tmp_path / "store", load_contract(_setup(tmp_path))) as store:
+        bound: dict = {}
+        _check_facts(store, bound, first, "worker 0")
+        assert bound == first and {k: store.meta()[k] for k in WORKER_FACTS} == first
+        _check_facts(store, bound, dict(first), "worker 1")
+        with pytest.raises(CertkvError, match=f"worker 2 has {fact} 'other', store .* records '{first[fact]}'"):
+            _check_facts(store, bound, {**first, fact: "other"}, "worker 2")
 
 
 def test_without_the_extra_executor_ray_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
