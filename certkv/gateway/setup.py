@@ -91,8 +91,11 @@ def upstreams(op: OperatingPoint, contract: Contract, identities: dict, *, timeo
     entries = list(op.strata.entries.values()) if op.strata is not None else [op]
     check_identities(contract, identities, {e.base_policy for e in entries if not e.fallback})
     full_spec, cands = EndpointExecutor(contract).endpoints()
+    def bound(policy: str) -> list | None:
+        return (identities.get(policy) or {}).get("models")
+
     full = Upstream(full_spec.url, full_spec.name, full_spec.api_key, timeout=timeout, retry_after=retry_after,
-                    certkv=certkv_of("full"))
+                    certkv=certkv_of("full"), bound_models=bound("full"))
     named = {policy: e for policy, _, e in cands}
     out: dict[str, Upstream] = {}
     for entry in entries:
@@ -103,5 +106,6 @@ def upstreams(op: OperatingPoint, contract: Contract, identities: dict, *, timeo
             raise CertkvError(f"the operating point deploys {entry.base_policy}, which contract {contract.name} does not "
                               f"name (its candidates: {', '.join(named) or 'none'})")
         out[entry.base_policy] = Upstream(spec.url, spec.name, spec.api_key, timeout=candidate_timeout,
-                                          retry_after=retry_after, certkv=certkv_of(entry.base_policy))
+                                          retry_after=retry_after, certkv=certkv_of(entry.base_policy),
+                                          bound_models=bound(entry.base_policy))
     return full, out

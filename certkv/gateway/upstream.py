@@ -9,6 +9,12 @@ with one line saying why; the upstream is then marked down with that reason and 
 costs the requests after it nothing (its requests go straight to the full endpoint); the first
 request after that tries it again, and a success marks it up. /health reports the state
 (:meth:`Upstream.state`).
+
+Identity. The gateway checks at its start that each server answering then is the one calibration
+measured (:func:`certkv.gateway.setup.check_identities`). A server that was down may come back as
+another deployment on the same port, so an upstream given its bound identity (the ``/v1/models``
+answer without creation times) asks again after every failure, before its next call: a server
+that answers otherwise stays down, its error saying so, and is asked again ``retry_after`` later.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ class Upstream:
     the seconds a call may take and how long a failure keeps it out of use (module docstring)."""
 
     def __init__(self, url: str, name: str, api_key: str | None, *, timeout: float, retry_after: float,
-                 certkv: bool | None = None) -> None:
+                 certkv: bool | None = None, bound_models: list[dict[str, Any]] | None = None) -> None:
         import httpx
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -78,6 +84,8 @@ class Upstream:
         self.client = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits)
         self.url, self.name, self.timeout, self.retry_after = url, name, timeout, retry_after
         self.certkv = certkv  # a certkv serve (sent context and question as fields); None: not asked yet
+        self.bound_models = bound_models  # the /v1/models answer calibration bound (None: none bound)
+        self._recheck = False  # the start checked it; set by every failure (module docstring)
         self.down_since: float | None = None
         self.error: str | None = None
         self.failures = self.answered = 0
@@ -98,6 +106,7 @@ class Upstream:
         if self.down_since is None:
             self.down_since = time.time()
         self._retry_at = time.monotonic() + self.retry_after
+        self._recheck = self.bound_models is not None
         return UpstreamDown(f"{self.url}: {why}")
 
     def _answered(self) -> None:
@@ -106,11 +115,16 @@ class Upstream:
 
     async def identify(self) -> bool:
         """Whether the server is a ``certkv serve`` (its ``/v1/models`` card of `name` is owned by
-        certkv), asked once; raises :class:`UpstreamDown` when it cannot tell."""
-        if self.certkv is None:
-            models = await self._send("GET", "/models", None)
-            cards = [m for m in models.get("data", []) if isinstance(m, dict) and m.get("id") == self.name]
-            self.certkv = any(m.get("owned_by") == "certkv" for m in cards)
+        certkv), asked once and again after a failure when an identity is bound (module docstring);
+        raises :class:`UpstreamDown` when it cannot tell, or when the server is not the bound one."""
+        if self.certkv is None or self._recheck:
+            answer = await self._send("GET", "/models", None)
+            models = [{k: v for k, v in m.items() if k != "created"} for m in answer.get("data", []) if isinstance(m, dict)]
+            if self.bound_models is not None and models != self.bound_models:
+                raise self._failed(f"its /v1/models answer {json.dumps(models)} is not the one calibration bound "
+                                   f"({json.dumps(self.bound_models)}): another deployment on this port")
+            self._recheck = False
+            self.certkv = any(m.get("id") == self.name and m.get("owned_by") == "certkv" for m in models)
         return self.certkv
 
     async def complete(self, path: str, body: dict) -> UpstreamAnswer:

@@ -323,8 +323,11 @@ def test_a_server_that_is_not_the_calibrated_one_stops_the_gateway_in_one_line(d
 
 
 def test_a_killed_candidate_gives_no_5xx_and_shows_in_health(deployed):
-    """Requests in flight while the candidate is SIGKILLed and restarted on its port: every one is
-    answered (200), those while it was down by the full endpoint (reason candidate_down)."""
+    """Requests in flight while the candidate is SIGKILLed, another deployment (snapkv@0.10) takes
+    its port, and the calibrated one comes back: every one is answered (200). While it is down and
+    while the other deployment holds its port (its /v1/models answer is not the bound one) they are
+    answered by the full endpoint (reason candidate_down); /health says why; once the calibrated
+    server is back, its answers are kept again."""
     folder, requests, _, snap, gateway, _ = deployed
     body = [{"context": r.context, "question": r.question, "max_tokens": 4} for r in requests]
 
@@ -338,12 +341,18 @@ def test_a_killed_candidate_gives_no_5xx_and_shows_in_health(deployed):
         snap.proc.wait()
         during = list(pool.map(one, range(16)))
         health = gateway.health()
+        impostor = Upstream(folder / "impostor", _operating_point(0.1, 0.5), snap.port).wait()
+        while_impostor = list(pool.map(one, range(16)))
+        impostor_health = gateway.health()
+        impostor.stop()
         restarted = Upstream(folder / "snap2", _operating_point(0.5, 0.5), snap.port).wait()
         snap.proc = restarted.proc
         after = list(pool.map(one, range(16)))
-    assert all(status == 200 for status, _ in first + during + after), first + during + after
-    assert {reason for _, reason in during} == {"candidate_down"}
+    assert all(status == 200 for status, _ in first + during + while_impostor + after), first + during + after
+    assert {reason for _, reason in during + while_impostor} == {"candidate_down"}
     assert health["status"] == "candidate_down" and "unreachable" in health["candidates"]["snapkv@0.50"]["error"]
+    error = impostor_health["candidates"]["snapkv@0.50"]["error"]
+    assert "is not the one calibration bound" in error and "snapkv@0.10" in error, error
     assert None in {reason for _, reason in after} and gateway.health()["status"] == "ok"
 
 
