@@ -55,15 +55,16 @@ def deployments(contract_paths: list[Path]) -> dict[str, int]:
     return ports
 
 
-def calibrate(path: Path) -> float:
-    """``certkv calibrate`` on `path` (two requests in flight, one per core); its wall seconds."""
+def calibrate(path: Path, probe_every: int) -> float:
+    """``certkv calibrate`` on `path` (two requests in flight, one per core; answers written after
+    each probe, every `probe_every` requests); its wall seconds."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "certkv.cli.app", "calibrate", str(path), "--concurrency", "2"], cwd=REPO,
-                   check=True)
+    subprocess.run([sys.executable, "-m", "certkv.cli.app", "calibrate", str(path), "--concurrency", "2",
+                    "--probe-every", str(probe_every)], cwd=REPO, check=True)
     return time.perf_counter() - t0
 
 
-def run_servers_and_calibrate(paths: list[Path], ports: dict[str, int]) -> dict[str, float]:
+def run_servers_and_calibrate(paths: list[Path], ports: dict[str, int], probe_every: int) -> dict[str, float]:
     """Start every server of `ports`, calibrate each contract of `paths` through them, stop them;
     each contract's wall seconds."""
     if (missing := llamacpp_missing()) is not None:
@@ -72,7 +73,7 @@ def run_servers_and_calibrate(paths: list[Path], ports: dict[str, int]) -> dict[
     try:
         for server in servers:
             server.wait()
-        return {p.name: calibrate(p) for p in paths}
+        return {p.name: calibrate(p, probe_every) for p in paths}
     finally:
         for server in servers:
             server.stop()
@@ -133,6 +134,8 @@ def main() -> None:
     parser.add_argument("--print-servers", action="store_true", help="print the servers' commands and stop")
     parser.add_argument("--allow-incomplete", action="store_true", help="summarise stores that are not finished (a preview)")
     parser.add_argument("--summarise-only", action="store_true", help="start no server: summarise the stores as they are")
+    parser.add_argument("--probe-every", type=int, default=10,
+                        help="requests between probes (answers are written after each: what a stop can lose)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     paths = [p.resolve() for p in (args.contract or CONTRACTS)]
@@ -140,7 +143,7 @@ def main() -> None:
     if args.print_servers:
         print("\n".join(command_line(label, port) for label, port in ports.items()))
         return
-    seconds = {} if args.summarise_only else run_servers_and_calibrate(paths, ports)
+    seconds = {} if args.summarise_only else run_servers_and_calibrate(paths, ports, args.probe_every)
     results = {"servers": {label: command_line(label, port, shown=True) for label, port in ports.items()},
                "contracts": {p.stem: {**summarise(p, args.allow_incomplete),
                                       "wall_seconds_this_run": seconds.get(p.name)} for p in paths}}
