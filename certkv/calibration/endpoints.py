@@ -130,15 +130,27 @@ class Endpoint:
             raise CertkvError(f"endpoint {self.url}{path} did not answer JSON: {exc}") from None
 
     def identity(self) -> dict[str, Any]:
-        """The ``/v1/models`` answer without its creation times (a restart changes them, not the
-        deployment); refused in one line when the server does not serve this endpoint's model."""
-        answer = self.call("/models")
-        models = [{k: v for k, v in m.items() if k != "created"} for m in answer.get("data", []) if isinstance(m, dict)]
+        """The server's identity (:func:`models_identity` of its ``/v1/models`` answer); refused in
+        one line when the server does not serve this endpoint's model."""
+        models = models_identity(self.call("/models"))
         ids = [m.get("id") for m in models]
         if self.name not in ids:
             raise CertkvError(f"endpoint {self.url} serves {ids}, not {self.name!r}; fix the contract's name")
-        self.certkv = any(m.get("id") == self.name and m.get("owned_by") == "certkv" for m in models)
+        self.certkv = serves_certkv(models, self.name)
         return {"url": self.url, "name": self.name, "models": models}
+
+
+def models_identity(answer: dict) -> list[dict[str, Any]]:
+    """A server's identity from its ``/v1/models`` `answer`: the model cards without their creation
+    times (a restart changes them, not the deployment). What calibration binds to a store and what
+    ``certkv gateway`` compares with it, at its start and after a server failed."""
+    return [{k: v for k, v in m.items() if k != "created"} for m in answer.get("data", []) if isinstance(m, dict)]
+
+
+def serves_certkv(models: list[dict[str, Any]], name: str) -> bool:
+    """Whether the card of model `name` among `models` (:func:`models_identity`) is a ``certkv serve``'s
+    (``owned_by: certkv``): such a server is sent a request's context and question as fields."""
+    return any(m.get("id") == name and m.get("owned_by") == "certkv" for m in models)
 
 
 class _Transient(Exception):

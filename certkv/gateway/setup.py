@@ -79,14 +79,12 @@ def upstreams(op: OperatingPoint, contract: Contract, identities: dict, *, timeo
     """The full endpoint and every candidate the point deploys (by base policy), each a
     :class:`~certkv.gateway.upstream.Upstream`; one line when the point deploys a candidate the
     contract does not name."""
-    from certkv.calibration.endpoints import EndpointExecutor
+    from certkv.calibration.endpoints import EndpointExecutor, serves_certkv
     from certkv.gateway.upstream import Upstream
 
     def certkv_of(policy: str) -> bool | None:
         identity = identities.get(policy)
-        if not identity:
-            return None
-        return any(m.get("id") == identity["name"] and m.get("owned_by") == "certkv" for m in identity["models"])
+        return serves_certkv(identity["models"], identity["name"]) if identity else None
 
     entries = list(op.strata.entries.values()) if op.strata is not None else [op]
     check_identities(contract, identities, {e.base_policy for e in entries if not e.fallback})

@@ -28,6 +28,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from certkv.calibration.endpoints import models_identity, serves_certkv
+
 #: Statuses that say the server, not the request, is in trouble: the upstream counts as down.
 DOWN_STATUSES = frozenset({429, 500, 502, 503, 504})
 
@@ -118,13 +120,12 @@ class Upstream:
         certkv), asked once and again after a failure when an identity is bound (module docstring);
         raises :class:`UpstreamDown` when it cannot tell, or when the server is not the bound one."""
         if self.certkv is None or self._recheck:
-            answer = await self._send("GET", "/models", None)
-            models = [{k: v for k, v in m.items() if k != "created"} for m in answer.get("data", []) if isinstance(m, dict)]
+            models = models_identity(await self._send("GET", "/models", None))
             if self.bound_models is not None and models != self.bound_models:
                 raise self._failed(f"its /v1/models answer {json.dumps(models)} is not the one calibration bound "
                                    f"({json.dumps(self.bound_models)}): another deployment on this port")
             self._recheck = False
-            self.certkv = any(m.get("id") == self.name and m.get("owned_by") == "certkv" for m in models)
+            self.certkv = serves_certkv(models, self.name)
         return self.certkv
 
     async def complete(self, path: str, body: dict) -> UpstreamAnswer:
