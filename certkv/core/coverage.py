@@ -63,6 +63,12 @@ class Coverage(BaseModel):
         context_tokens : int
             The request's context length in the calibrated model's tokens.
         """
+        return self.uncovered_stratum(stratum) or self.uncovered_context(context_tokens)
+
+    def uncovered_stratum(self, stratum: str | None) -> str | None:
+        """Why a request of `stratum` (None: it names none) is outside the calibrated strata, or None.
+        Half of :meth:`uncovered`, for a caller that learns the context length only later (``certkv
+        gateway`` reads it from the candidate's answer)."""
         if stratum is None:
             if self.stratum_required:
                 return (
@@ -71,6 +77,11 @@ class Coverage(BaseModel):
                 )
         elif self.strata is not None and stratum not in self.strata:
             return f"{self.by} {stratum!r} was not calibrated; calibrated: {_listed(self.strata)}"
+        return None
+
+    def uncovered_context(self, context_tokens: int) -> str | None:
+        """Why a context of `context_tokens` tokens is outside the served range (:meth:`context_range`),
+        or None; the other half of :meth:`uncovered`."""
         served = self.context_range()
         if served is not None and not served[0] <= context_tokens <= served[1]:
             low, high = self.context_tokens or served

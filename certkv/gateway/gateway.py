@@ -147,7 +147,7 @@ class Gateway:
         coverage = self.op.coverage
         # context lengths cannot be counted before the candidate answers (the gateway has no tokenizer):
         # its usage.prompt_tokens is checked after (outside_context); here, the strata only
-        why = None if coverage is None else coverage.model_copy(update={"context_tokens": None}).uncovered(stratum, 0)
+        why = None if coverage is None else coverage.uncovered_stratum(stratum)
         if entry is None or why is not None:
             return Plan(entry, stream, "uncovered", why or f"stratum {stratum!r} is not one the operating point certified")
         if limit is not None and limit > self.certified_tokens:
@@ -243,9 +243,7 @@ class Gateway:
         it after, and an answer to a longer or shorter prompt than any calibrated one is escalated
         as uncovered. Both servers must count alike (the same model and tokenizer)."""
         coverage = entry.coverage or self.op.coverage  # the stratum itself was checked before asking (plan)
-        if coverage is None or coverage.context_tokens is None or prompt_tokens <= 0:
-            return None
-        return coverage.model_copy(update={"strata": None, "stratum_required": False}).uncovered(None, prompt_tokens)
+        return None if coverage is None or prompt_tokens <= 0 else coverage.uncovered_context(prompt_tokens)
 
     async def from_full(self, ask: Ask, decision: Decision) -> UpstreamAnswer:
         """The full endpoint's answer; :class:`FullDown` (one line, with the reason it was needed) when it fails."""
