@@ -173,20 +173,18 @@ class Gateway:
                             gate.confidence if gate.confidence is not None else gate.learned_threshold),
                         detail=plan.detail)
 
-    def body(self, upstream: Upstream, ask: Ask, max_tokens: int) -> dict:
-        """What `upstream` is sent for `ask` (calibration's body, :func:`upstream_body`)."""
+    def body(self, upstream: Upstream, ask: Ask, max_tokens: int, logprobs: bool = True) -> dict:
+        """What `upstream` is sent for `ask` (calibration's body, :func:`upstream_body`); log-probabilities
+        asked for when `logprobs` and the contract's ``protocol.logprobs`` both allow them."""
         return upstream_body(ask.context, ask.question, ask.answer_prefix, self.route, upstream.name, max_tokens,
-                             bool(upstream.certkv), self.logprobs)
+                             bool(upstream.certkv), self.logprobs and logprobs)
 
     def full_body(self, ask: Ask) -> dict:
         """The full endpoint's body: the request's own limit (else the certified length) and stop
         strings, log-probabilities only when asked (it is not gated, so nothing else needs them)."""
-        body = self.body(self.full, ask, ask.limit or self.certified_tokens)
+        body = self.body(self.full, ask, ask.limit or self.certified_tokens, logprobs=ask.logprobs)
         if ask.stops:
             body["stop"] = ask.stops
-        if not ask.logprobs:
-            body.pop("logprobs", None)
-            body.pop("top_logprobs", None)
         return body
 
     # -- answering --------------------------------------------------------------------------
