@@ -34,13 +34,13 @@ import concurrent.futures
 import json
 import os
 import platform
-import socket
 import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
 import numpy as np
+from endpoint_servers import free_port  # benchmarks/endpoint_servers.py
 from monitor_simulation import bernoulli_violations, simulate_streams  # benchmarks/monitor_simulation.py
 
 RESULTS = Path(__file__).parent / "results"
@@ -135,12 +135,6 @@ def monitor_part() -> dict:
 # ----------------------------------------------------------------------------- Ray Serve
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _point(folder: Path, risk: float) -> Path:
     from certkv.core.operating_point import ContractSummary, OperatingPoint
 
@@ -159,7 +153,7 @@ def _deploy(folder: Path, replicas: int, shadow_rate: float) -> str:
 
     from certkv.serve.replicas import ReplicaOptions, replica_app
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     options = ReplicaOptions(operating_point=str(_point(folder, 0.5)), shadow_rate=shadow_rate, device="cpu",
                              shadow_store=str(folder / "shadow"))

@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,18 +44,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from endpoint_servers import free_port  # benchmarks/endpoint_servers.py; capacity and streaming import it from here
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_REQUESTS = REPO / "certkv" / "demo" / "demo.jsonl"
 DEMO_POINT = Path("certkv-demo/runs/demo/operating_point.json")  # what `certkv demo` writes
 RESULT = REPO / "benchmarks" / "results" / "serve_load.json"
 MALFORMED_KINDS = ("bad_json", "missing_field", "wrong_type", "oversized", "no_context")
 MAX_BODY = 64 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_requests(n: int, seed: int) -> list[dict]:

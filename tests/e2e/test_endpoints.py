@@ -32,10 +32,10 @@ import httpx
 import pytest
 import yaml
 from conftest import REPO, run_main
-from endpoint_servers import TERMS, Gateway, Upstream
+from endpoint_servers import TERMS, Gateway, Upstream, free_port
 from endpoint_servers import endpoint_contract as _endpoint_contract
 from endpoint_servers import full_point as _full_point
-from test_serve import _free_port, _operating_point
+from test_serve import _operating_point
 
 from certkv.calibration.store import CalibrationStore
 from certkv.requests.request_set import generate_requests, write_jsonl
@@ -170,7 +170,7 @@ def test_a_late_full_upstream_is_waited_for_and_a_moved_one_stops_the_run(folder
     its retry budget. Restarted as another point (snapkv@0.10) at the same URL, its answer to the
     probe moves, and the resumed run stops with one line, writing nothing more."""
     _, snap = upstreams
-    port = _free_port()
+    port = free_port()
     path = _endpoint_contract(folder, "late", f"http://127.0.0.1:{port}/v1", snap.url)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     run = subprocess.Popen([sys.executable, "-m", "certkv.cli.app", "calibrate", str(path), "--quiet", "--limit", "2",

@@ -12,22 +12,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import socket
 import time
 
 import httpx
 import pytest
+from endpoint_servers import free_port
 from test_shared_monitor import _point
 
 from certkv.requests.request_set import generate_requests
 
 pytestmark = pytest.mark.ray
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +43,7 @@ def deployment(tmp_path_factory):
         del os.environ["HF_HUB_OFFLINE"]
     else:
         os.environ["HF_HUB_OFFLINE"] = offline
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         options = ReplicaOptions(operating_point=str(op_path), shadow_rate=1.0, seed=3, device="cpu",

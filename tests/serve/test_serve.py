@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 from conftest import REPO, run_main
-from endpoint_servers import Process, snapkv_point
+from endpoint_servers import Process, free_port, snapkv_point
 
 from certkv.requests.request_set import generate_requests
 
@@ -54,12 +54,6 @@ def launcher(env: dict, hook: str, fd: int) -> list[str]:
     return [sys.executable, str(LAUNCHER), hook, str(fd)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server(Process):
     """`certkv serve` in its own process (:class:`endpoint_servers.Process`, the API key in its
     environment); `held`: its scheduler takes no job until :meth:`release` (started by
@@ -73,7 +67,7 @@ class _Server(Process):
         hold, self._hold = (os.pipe() if held else (None, None))
         command = None if hold is None else launcher(env, hook, hold)
         super().__init__(folder, "server.log", ["serve", str(self.op_path), "--shadow-store", str(self.store), *args],
-                         _free_port(), command=command, env=env, pass_fds=() if hold is None else (hold,))
+                         free_port(), command=command, env=env, pass_fds=() if hold is None else (hold,))
         self.url = self.base
         if hold is not None:
             os.close(hold)  # the server's copy alone is left: it reads until ours closes
@@ -403,7 +397,7 @@ def test_bad_cli_input_is_one_line_and_exit_2(tmp_path, capsys):
                          ([str(op), "--shadow-rate", "1.5"], "--shadow-rate"),
                          ([str(op), "--shadow-rate", "-0.1"], "--shadow-rate"),
                          ([str(op), "--api-key-env", "CERTKV_UNSET_VAR_X"], "CERTKV_UNSET_VAR_X"),
-                         ([str(op), "--model", "no-such/model-xyz", "--port", str(_free_port())], "")):
+                         ([str(op), "--model", "no-such/model-xyz", "--port", str(free_port())], "")):
         code = run_main("serve", *args)
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.strip()]

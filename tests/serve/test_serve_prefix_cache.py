@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 from conftest import run_here
-from test_serve import _free_port, _operating_point
+from endpoint_servers import free_port
+from test_serve import _operating_point
 
 
 def test_a_point_that_cannot_reuse_a_context_is_refused_in_one_line(tmp_path, capsys):
     path = _operating_point(0.5, 0.5).model_copy(update={"query_aware": True}).write_json(tmp_path / "op.json")
-    port = str(_free_port())
+    port = str(free_port())
     result = run_here(capsys, "serve", str(path), "--port", port, "--prefix-cache-mib", "4")
     assert result.returncode == 2
     assert "--prefix-cache-mib" in result.stderr and "query-aware" in result.stderr
