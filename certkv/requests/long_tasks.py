@@ -228,15 +228,19 @@ DIARY_HEADER = "Read the following text carefully. Somewhere in it is a page of 
 def recite_diary(rng: random.Random, context_length: int) -> NaturalSample:
     """A diary of 4 to 6 days (the story's events and colour, one line a day) as one paragraph at a
     random depth of the essay; the question asks for every entry, in order, as written; the answer
-    is the entries themselves (a copy of prose, where ``recite_steps`` copies a numbered list)."""
+    is the entries themselves (a copy of prose, where ``recite_steps`` copies a numbered list).
+    4 to 6 days are drawn and the last ones dropped while the diary overruns `context_length` (6
+    long entries do not fit the shortest contexts), so every length the tasks allow gets a diary."""
     name, events, colour = story_events(rng, rng.randint(4, 6))
-    entries = [f"{DAYS[i]}: {events[i]} {colour[i]}" for i in range(len(events))]
     question = f"\n\nQuestion: Write out every entry of the diary of {name}, in order, exactly as written."
     budget = context_length - LONG_RESERVED_TOKENS - count_model_tokens(question)
-    answer = "\n".join(entries)
-    diary = f"The diary of {name}:\n{answer}"
-    used = count_model_tokens(DIARY_HEADER) + 2 + count_model_tokens(diary) + 2
-    if used > budget:
+    for n_days in range(len(events), 3, -1):
+        answer = "\n".join(f"{DAYS[i]}: {events[i]} {colour[i]}" for i in range(n_days))
+        diary = f"The diary of {name}:\n{answer}"
+        used = count_model_tokens(DIARY_HEADER) + 2 + count_model_tokens(diary) + 2
+        if used <= budget:
+            break
+    else:
         raise ValueError(f"context length {context_length} leaves no room for the diary")
     paragraphs = _essay(rng, budget - used)
     paragraphs.insert(rng.randint(0, len(paragraphs)), [diary])

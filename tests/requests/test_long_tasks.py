@@ -101,6 +101,16 @@ def test_recite_diary_answer_is_the_diary_of_the_context(length):
         assert all(e.count(". ") == 1 and e.endswith(".") for e in entries), "an event and a sentence of colour"
 
 
+@pytest.mark.parametrize("task", sorted(LONG_TASKS))
+def test_the_shortest_allowed_length_gives_every_seed_a_sample(task):
+    """At the tasks' shortest context, 6 long diary entries overran the budget (3 % of seeds at 640:
+    seed 4049 drew one, and its calibration stopped); the last days are dropped instead."""
+    low, _ = CONTEXT_RANGES[task]
+    for seed in range(150):
+        ((_, answer),) = LONG_TASKS[task](random.Random(seed), low).qa
+        assert answer
+
+
 def test_too_short_a_length_is_an_error_naming_it():
     with pytest.raises(ValueError, match="context length 300"):
         lt.recite_steps(random.Random(0), 300)
