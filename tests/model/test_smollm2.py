@@ -28,7 +28,7 @@ pytestmark = needs_smollm2
 MAX_NEW_TOKENS = 12
 PRESSES = ("snapkv", "streaming_llm", "knorm")
 KV = 0.5
-N_CALIBRATION = 6
+N_CALIBRATION = 4
 DROPS = [-1.0, 0.0, *(round(0.01 * i, 2) for i in range(1, 21))]
 #: Signals the runtime recomputes agree with the records to this (one-row vs batched decode).
 SIGNAL_TOL = 1e-4
@@ -68,7 +68,7 @@ def test_engine_equals_kvpress_pipeline_token_for_token(smol):
     engine = Engine(model, tokenizer, candidates, max_new_tokens=MAX_NEW_TOKENS)
     assert engine.fast == candidates and not engine.slow
     changed = dict.fromkeys(PRESSES, 0)
-    for req in generate_requests("demo", 3, seed=7, context_length="100-160"):
+    for req in generate_requests("demo", 2, seed=7, context_length="100-160"):
         result = engine.run(req.context, req.question)
         for cand, got in zip(candidates, result.candidates):
             want = pipe(req.context, question=req.question, press=cand.press, max_new_tokens=MAX_NEW_TOKENS)["answer"]
