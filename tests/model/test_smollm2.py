@@ -4,9 +4,10 @@ heads, a chat template), converted once per session from the GGUF that llm-smoll
 What the embedded model's tests prove, checked again on a real model and its real tokenizer:
 
 * the engine answers exactly as kvpress's own pipeline (its chat-template preprocessing, its
-  prefill hooks, its decode), token for token, on 10 requests for SnapKV, StreamingLLM and K-norm,
-  question-agnostic, greedy, and on 2 natural-English requests whose answer prefix opens the
-  model's turn (kvpress's ``answer_prefix``); and a KV format (quanto 4-bit) given to both;
+  prefill hooks, its decode), token for token, on 2 demo requests for SnapKV, StreamingLLM and
+  K-norm, question-agnostic, greedy, and on a RULER request whose answer prefix opens the model's
+  turn (kvpress's ``answer_prefix``); SnapKV query-aware on 2 RULER requests; and a KV format
+  (quanto 4-bit) given to both;
 * calibrate → certify → CertifiedRuntime: for a gated operating point the runtime's answer and
   decision on every calibration request are the store's records (a certified agreement-drop gate,
   which decides before the decode, and a confidence gate, which escalates after it).
