@@ -1,6 +1,6 @@
 """`certkv demo` from an installed wheel, run from a folder that is neither the checkout nor the venv.
 
-Slow (a wheel build, a venv, a 10-request demo: about half a minute) but run by default; it belongs to
+Slow (a wheel build, a venv, a 6-request demo: about half a minute) but run by default; it belongs to
 the `model` selection (``pytest -m "not model"`` leaves it out). The venv borrows the dependencies
 of the environment that runs pytest (a venv of its own, or the machine's Python), so nothing is
 downloaded: see :func:`_borrow_site_packages`. The wheel is installed into the venv itself, ahead of
@@ -25,7 +25,7 @@ _SOURCES = ("certkv", "pyproject.toml", "README.md")
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "runs", "certkv-demo")
 #: The demo's requests: a few run every step (calibrate, certify, validate, report) from the wheel, as
 #: thirty would; each one more is the whole demo ladder's candidates on the embedded model.
-DEMO_REQUESTS = 10
+DEMO_REQUESTS = 6
 
 
 def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
