@@ -119,14 +119,16 @@ def _ray_calibrate(contract_path: Path, on_written=None, **options):
 
 
 @ray_test
-def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_records, tmp_path):
-    """Two kills while requests are in flight, each right after a given write (the run's
-    `on_written` hook): one through Ray (ray.kill, restart allowed), one a SIGKILL of the worker's
-    process. Ray restarts each and runs its requests again."""
+def test_killed_workers_are_restarted_or_leave_their_requests_nothing_lost_or_duplicated(cluster, local_records,
+                                                                                        tmp_path):
+    """Three kills while requests are in flight, each right after a given write (the run's
+    `on_written` hook): one through Ray (ray.kill, restart allowed) and one a SIGKILL of the
+    worker's process, which Ray restarts and whose requests run again; then the first worker killed
+    for good (ray.kill, no restart), whose requests the other takes."""
     from certkv.calibration.ray_executor import WORKER_NAME
 
     ray = cluster
-    kills = {3: "ray.kill", 9: "SIGKILL"}  # after this many writes
+    kills = {3: "ray.kill", 6: "SIGKILL", 9: "for good"}  # after this many writes
     done = []
 
     def kill_after_write(summary, request_id):
@@ -135,18 +137,17 @@ def test_killed_workers_are_restarted_nothing_lost_or_duplicated(cluster, local_
             return
         names = sorted(n for n in ray.util.list_named_actors() if n.startswith(WORKER_NAME))
         actor = ray.get_actor(names[len(done) % len(names)])
-        if how == "ray.kill":
-            ray.kill(actor, no_restart=False)
-        else:
+        if how == "SIGKILL":
             os.kill(ray.get(actor.ping.remote()), signal.SIGKILL)
+        else:
+            ray.kill(actor, no_restart=how == "for good")
         done.append(how)
 
     summary = _ray_calibrate(_setup(tmp_path), on_written=kill_after_write, workers=2)
-    assert done == ["ray.kill", "SIGKILL"], "both kills must land mid-run"
+    assert done == ["ray.kill", "SIGKILL", "for good"], "every kill must land mid-run"
     assert summary.calibrated == N_REQUESTS
     assert summary.worker_restarts >= 1, "a killed worker came back (a new pid answered)"
     _assert_same(_records(tmp_path), local_records)
-
 
 
 class _Hung(Exception):
@@ -207,15 +208,6 @@ def _kill_for_good(ray, after: int, how_many: int, done: list):
             done.append(name)
 
     return hook
-
-
-@ray_test
-def test_a_worker_killed_for_good_leaves_its_requests_to_the_others(cluster, local_records, tmp_path):
-    done: list[str] = []
-    summary = _ray_calibrate(_setup(tmp_path), on_written=_kill_for_good(cluster, 3, 1, done), workers=2)
-    assert len(done) == 1, "the kill must land mid-run"
-    assert summary.calibrated == N_REQUESTS
-    _assert_same(_records(tmp_path), local_records)
 
 
 @ray_test
