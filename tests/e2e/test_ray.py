@@ -317,7 +317,7 @@ def test_stopped_driver_resumes_to_the_local_runs_records(cluster, local_records
         assert partial == stops * STOP_AFTER, f"{partial} stored after stop {stops} ({signum!r}; {err[-500:]})"
     assert partial < N_REQUESTS, "the stops must land mid-run"
     _wait_until_no_worker(cluster)
-    summary = _ray_calibrate(contract, workers=2)
+    summary = _ray_calibrate(contract, workers=1)  # one worker: the resume is what is checked
     assert summary.already_done == partial and summary.calibrated == N_REQUESTS - partial
     _assert_same(_records(tmp_path), local_records)
 
