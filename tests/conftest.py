@@ -174,7 +174,8 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads(1)))
     # Those threads sleep when they run out of work instead of spinning for it (OpenMP's default
     # spins a while first): with more threads than cores, spinning takes the cores other processes
-    # are waiting for (measured on 2 cores: the suite's summed test time 724 s spinning, 675 s not).
+    # are waiting for (measured on 2 cores, one run each: the suite's summed test time 724 s spinning,
+    # 675 s not).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     config.addinivalue_line("markers", "model: loads a model or runs the engine (deselect with -m 'not model')")
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import REPO, run_here
 
-#: Enough for every kill below to land mid-run (the last after the 9th write, with requests still
+#: Enough for every kill below to land mid-run (the last after the 8th write, with requests still
 #: to hand out); each request more is compute on every Ray run of the module, and none checks more.
 N_REQUESTS = 12
 #: Timing columns differ between runs; everything a certificate reads must not.
@@ -128,7 +128,7 @@ def test_killed_workers_are_restarted_or_leave_their_requests_nothing_lost_or_du
     from certkv.calibration.ray_executor import WORKER_NAME
 
     ray = cluster
-    kills = {3: "ray.kill", 6: "SIGKILL", 9: "for good"}  # after this many writes
+    kills = {2: "ray.kill", 5: "SIGKILL", 8: "for good"}  # after this many writes: 4 left for the survivor
     done = []
 
     def kill_after_write(summary, request_id):
