@@ -237,13 +237,15 @@ def smollm2_long(data: dict) -> str:
     contract = data["contract"]
     source = f"`{contract}`" if " at " not in contract else "`{}` at {}".format(*contract.split(" at "))
     return "\n\n".join([
-        "## SmolLM2-135M long generations" + (" in KV formats" if byte_cost else "") + ("" if done else " (in progress)"),
+        "## SmolLM2-135M long generations" + _SMOLLM2_LONG_TITLES.get(contract, " in KV formats" if byte_cost else "")
+        + ("" if done else " (in progress)"),
         command(_smollm2_long_command(contract, done)),
         f"{source}: {data['requests_planned']} requests ({data['source']}, {data['context_length']} "
         f"counted tokens, seed {data['seed']}), {'query-aware' if data['query_aware'] else 'question-agnostic'}, "
         f"{data['max_new_tokens']} new tokens; utility `{u}` against the recited text, τ = {data['tolerance']}, "
-        f"ε = {data['risk']}, δ = {data['delta']}; a recompute gate placed on a pilot of {pct(data['pilot'], 0)} of the "
-        f"requests; candidates compared by their {_cost_name(data['kv_cost'])}; certified "
+        f"ε = {data['risk']}, δ = {data['delta']}; " + (f"a recompute gate placed on a pilot of {pct(data['pilot'], 0)} of the "
+        "requests" if data["pilot"] else "no pilot and no gate: every request certifies") +
+        f"; candidates compared by their {_cost_name(data['kv_cost'])}; certified "
         f"{'over both tasks together' if pooled else 'per task'}. {status}",
         "The full cache's own quality on the calibrated requests (mean ROUGE-L against the recited text, the requests "
         "under 0.5) and the engine's seconds per request, every candidate decoding its own answer, as the calibration "
@@ -263,6 +265,10 @@ def smollm2_long(data: dict) -> str:
     ])
 
 
+#: Section titles of the SmolLM2 long contracts after the first two (keyed by their contract file).
+_SMOLLM2_LONG_TITLES = {"contracts/smollm2_long_int7.yaml": " in 7 bits, on 1,000 requests"}
+
+
 def _cost_name(kv_cost: str) -> str:
     return {"bytes": "KV bytes at the peak over a 16-bit cache's", "peak": "peak KV", "time": "KV-time"}.get(kv_cost, kv_cost)
 
@@ -270,8 +276,11 @@ def _cost_name(kv_cost: str) -> str:
 def _smollm2_long_command(contract: str, done: bool) -> str:
     """How to remake a SmolLM2 long results file: the contract as committed, or an earlier version of it."""
     preview = "" if done else " --allow-incomplete"
-    if " at " not in contract:
+    if contract == "contracts/smollm2_long.yaml":
         return f"nohup certkv calibrate {contract} > calibrate.log &\npython benchmarks/smollm2_long.py{preview}"
+    if " at " not in contract:
+        return (f"nohup certkv calibrate {contract} > calibrate.log &\npython benchmarks/smollm2_long.py --contract {contract} "
+                f"--out benchmarks/results/{Path(contract).stem}.json{preview}")
     path, commit = contract.split(" at ")
     return (f"git show {commit}:{path} > smollm2_long_eviction.yaml   # its store: runs/smollm2_long then\n"
             "nohup certkv calibrate smollm2_long_eviction.yaml > calibrate.log &\n"
@@ -2165,6 +2174,7 @@ SECTIONS = {
     "smollm2_ruler": smollm2_ruler,
     "smollm2_long_eviction": smollm2_long,
     "smollm2_long": smollm2_long,
+    "smollm2_long_int7": smollm2_long,
     "eviction_spread": eviction_spread,
     "calibration_speed": calibration_speed,
     "gate_grid_pilot": gate_grid_pilot,
