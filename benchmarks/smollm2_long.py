@@ -64,6 +64,22 @@ def full_cache(rows: list[dict]) -> dict:
     return out
 
 
+def out_of_reach(candidates: dict, planned: int, risk: float, delta: float) -> dict:
+    """The candidates an unfinished store already rules out: more requests broken (task utility,
+    all tasks) than a certificate on all `planned` requests allows even with the whole of δ spent on
+    that candidate (the largest k with ``P(Binomial(planned, ε) <= k) <= δ``), so no remaining
+    request can change the verdict. Only for a contract without a pilot, where every request certifies."""
+    from certkv.core.binomial import binomial_p_value
+
+    most = max((k for k in range(planned + 1) if binomial_p_value(k, planned, risk) <= delta), default=-1)
+    out = {}
+    for policy, cand in candidates.items():
+        broken = sum(t["task_broken"] for t in cand["tasks"].values())
+        if broken > most:
+            out[policy] = {"broken": broken, "requests": sum(t["n"] for t in cand["tasks"].values()), "most_allowed": most}
+    return out
+
+
 def per_candidate(rows: list[dict], tolerance: float) -> dict:
     """Per ungated candidate and task: breaks under the task utility and the strict one, ROUGE-L
     against the full output, peak KV and KV-time (means over the requests)."""
@@ -186,6 +202,7 @@ def main() -> None:
     contract = load_contract(Path(args.contract))
     with CalibrationStore.read(contract.resolved_store_path()) as store:
         rows = list(store.records())
+    candidates = per_candidate(rows, contract.tolerance)
     strict = contract.model_copy(update={"utility": STRICT_UTILITY, "tolerance": 0.0})
     with tempfile.TemporaryDirectory() as tmp:
         strict_file, rescored = Path(tmp) / "strict.jsonl", strict_rows(rows)
@@ -211,8 +228,10 @@ def main() -> None:
         "pilot": contract.gate.pilot if contract.gate else None,
         "kv_cost": contract.cost_measure,
         "full_cache": full_cache(rows),
-        "candidates": per_candidate(rows, contract.tolerance),
+        "candidates": candidates,
         "certified": certificates,
+        "out_of_reach": out_of_reach(candidates, contract.requests.limit, contract.risk, round(1 - contract.confidence, 10))
+        if contract.gate is None or not contract.gate.pilot else {},
         "benchmark_seconds": time.perf_counter() - t0,
         "timing": calibration_timing(contract, args.timing_requests, Path(args.out)),
     }

@@ -228,7 +228,8 @@ def smollm2_long(data: dict) -> str:
     units = sorted(set(cert["task_utility"]["strata"]) | set(cert["strict_utility"]["strata"])) or tasks
     prow = [[t, *_long_point(cert["task_utility"]["strata"].get(t)), *_long_point(cert["strict_utility"]["strata"].get(t))]
             for t in units]
-    status = (f"The store holds all {data['requests']} requests." if done else
+    decided = not done and set(data.get("out_of_reach") or {}) == set(data["candidates"])
+    status = (f"The store holds all {data['requests']} requests." if done else _decided_status(data) if decided else
               f"**In progress:** the store holds {data['requests']} of the contract's {data['requests_planned']} requests "
               "(the calibration resumes where it stopped). Every figure below is a preview of those requests, and the "
               "certificates promise nothing until the store is complete.")
@@ -238,7 +239,7 @@ def smollm2_long(data: dict) -> str:
     source = f"`{contract}`" if " at " not in contract else "`{}` at {}".format(*contract.split(" at "))
     return "\n\n".join([
         "## SmolLM2-135M long generations" + _SMOLLM2_LONG_TITLES.get(contract, " in KV formats" if byte_cost else "")
-        + ("" if done else " (in progress)"),
+        + ("" if done else " (stopped: decided)" if decided else " (in progress)"),
         command(_smollm2_long_command(contract, done)),
         f"{source}: {data['requests_planned']} requests ({data['source']}, {data['context_length']} "
         f"counted tokens, seed {data['seed']}), {'query-aware' if data['query_aware'] else 'question-agnostic'}, "
@@ -263,6 +264,17 @@ def smollm2_long(data: dict) -> str:
         *_smollm2_recompute(cert, u, s),
         *([_smollm2_timing(data["timing"])] if data.get("timing") else []),
     ])
+
+
+def _decided_status(data: dict) -> str:
+    """Why an unfinished store's calibration was stopped: every candidate already broke more requests than
+    a certificate on all of them allows (``out_of_reach``, benchmarks/smollm2_long.py)."""
+    gone = "; ".join(f"`{p}` breaks {o['broken']} of {o['requests']}, more than the {o['most_allowed']} a certificate "
+                     f"on all {data['requests_planned']} allows even with the whole of δ spent on it"
+                     for p, o in sorted(data["out_of_reach"].items()))
+    return (f"**Stopped, decided:** the store holds {data['requests']} of the contract's {data['requests_planned']} "
+            f"requests, and its calibration was stopped there: {gone}, so no remaining request could change the "
+            "verdict (only the full cache certifies). Every figure below is of those requests.")
 
 
 #: Section titles of the SmolLM2 long contracts after the first two (keyed by their contract file).

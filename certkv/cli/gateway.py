@@ -28,6 +28,10 @@ def gateway(
     shadow_store: Path | None = typer.Option(None, "--shadow-store", help="folder of the shadow store (default: "
                                              "gateway-shadow/ next to the operating point)"),
     seed: int = typer.Option(0, "--seed", help="seed of the shadow coin"),
+    shadow_concurrency: int = typer.Option(2, "--shadow-concurrency", help="shadows in flight to the full endpoint at "
+                                           "once; the rest wait, so escalated requests find it free"),
+    shadow_queue: int = typer.Option(1024, "--shadow-queue", help="shadows that may wait for a slot; more are "
+                                     "abandoned (counted by the monitor as violations)"),
     max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", help="largest request body; more get 413"),
     drain_seconds: float = typer.Option(30.0, "--drain-seconds", help="on SIGTERM, seconds to finish shadows in flight"),
     access_log: bool = typer.Option(False, "--access-log/--no-access-log", help="log one line per HTTP request"),
@@ -42,12 +46,15 @@ def gateway(
     for flag, value in (("--candidate-timeout", candidate_timeout), ("--candidate-retry", candidate_retry)):
         if not value > 0:
             raise CertkvError(f"{flag} must be positive seconds, got {value:g}")
+    for flag, count, least in (("--shadow-concurrency", shadow_concurrency, 1), ("--shadow-queue", shadow_queue, 0)):
+        if count < least:
+            raise CertkvError(f"{flag} must be at least {least}, got {count}")
     api_key = _api_key(api_key_env)
     op = load_operating_point(operating_point)
     app, model_id, note = _build(op, operating_point, contract, shadow_rate=shadow_rate, seed=seed, timeout=timeout,
                                  candidate_timeout=candidate_timeout, candidate_retry=candidate_retry,
                                  shadow_store=shadow_store, api_key=api_key, max_body_bytes=max_body_bytes,
-                                 drain_seconds=drain_seconds)
+                                 drain_seconds=drain_seconds, shadows=(shadow_concurrency, shadow_queue))
     sock = _bound_socket(host, port)
     try:
         _run(app, sock, timeout + candidate_timeout + drain_seconds, access_log, f"{note}, as model {model_id}")
@@ -57,8 +64,9 @@ def gateway(
 
 def _build(op, op_path: Path, contract_path: Path | None, *, shadow_rate: float, seed: int, timeout: float,
            candidate_timeout: float, candidate_retry: float, shadow_store: Path | None, api_key: str | None,
-           max_body_bytes: int, drain_seconds: float):
-    """(the ASGI app, the model id it answers as, a line saying what it deploys) for `op`."""
+           max_body_bytes: int, drain_seconds: float, shadows: tuple[int, int]):
+    """(the ASGI app, the model id it answers as, a line saying what it deploys) for `op`; `shadows`:
+    (in flight at once, waiting) to the full endpoint."""
     from certkv.gateway.app import create_gateway_app
     from certkv.gateway.gateway import Gateway
     from certkv.gateway.setup import point_contract, upstreams
@@ -76,13 +84,15 @@ def _build(op, op_path: Path, contract_path: Path | None, *, shadow_rate: float,
     monitor = new_risk_monitor(op, shadow_rate, seed=seed) if shadow_rate > 0 else None
     store_path = shadow_store or op_path.parent / "gateway-shadow"
     store = ShadowStore(store_path, op) if monitor is not None and (op.is_stratified or not op.fallback) else None
-    gw = Gateway(op, full, candidates, contract.route, monitor, store, AnswerMetrics(), contract.asks_logprobs)
+    gw = Gateway(op, full, candidates, contract.route, monitor, store, AnswerMetrics(), contract.asks_logprobs,
+                 shadow_concurrency=shadows[0], shadow_queue=shadows[1])
     app = create_gateway_app(gw, model_id=full.name, operating_point_path=str(op_path), api_key=api_key,
                              max_body_bytes=max_body_bytes, drain_seconds=drain_seconds,
                              shadow_store_path=None if store is None else str(store_path))
-    shadows = f"shadow rate {shadow_rate:g}, store {store_path}" if store is not None else "no shadows"
+    said = (f"shadow rate {shadow_rate:g} ({shadows[0]} in flight at most), store {store_path}" if store is not None
+            else "no shadows")
     where = ", ".join(f"{p} at {u.url}" for p, u in candidates.items()) or "no candidate"
-    return app, full.name, f"{op.policy}: {where}, full cache at {full.url}, {shadows}"
+    return app, full.name, f"{op.policy}: {where}, full cache at {full.url}, {said}"
 
 
 def _run(app, sock, graceful_seconds: float, access_log: bool, note: str) -> None:

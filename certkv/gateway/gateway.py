@@ -22,9 +22,13 @@ Every answer of a monitored stream is recorded by the :class:`~certkv.core.monit
 a kept candidate answer is shadowed with the monitor's coin: the full endpoint answers it too
 (after the client has its answer), the loss is scored as ``certkv serve`` scores it
 (:func:`certkv.serve.shadow.shadow_loss`), the verdict goes to the monitor and the record pair to
-the shadow store. A shadow whose full answer fails is abandoned (counted conservatively). The
-gateway is one process (asyncio; its work is forwarding), so one monitor sees every request and
-``--replicas`` has nothing to share: scale the upstreams instead.
+the shadow store. Shadows yield to live requests, as ``certkv serve``'s one shadow worker does: at
+most ``shadow_concurrency`` are in flight to the full endpoint and at most ``shadow_queue`` wait in
+the gateway for a slot, so a burst of kept answers cannot fill the full endpoint's queue ahead of
+the requests escalated to it (which would then get its 503). A shadow that finds the wait full, or
+whose full answer fails, is abandoned (counted conservatively). The gateway is one process
+(asyncio; its work is forwarding), so one monitor sees every request and ``--replicas`` has
+nothing to share: scale the upstreams instead.
 """
 
 from __future__ import annotations
@@ -116,17 +120,19 @@ class Gateway:
     """The decisions of ``certkv gateway`` for operating point `op` (module docstring): the full
     endpoint, the candidates by base policy, the contract's `route`, the monitor (None: off), the
     shadow store (None: nothing shadowed) and whether upstreams are asked for log-probabilities
-    (the contract's ``protocol.logprobs``)."""
+    (the contract's ``protocol.logprobs``); shadows in flight at once and waiting (module docstring)."""
 
     def __init__(self, op: OperatingPoint, full: Upstream, candidates: dict[str, Upstream], route: str,
                  monitor: RiskMonitor | None, store: ShadowStore | None, metrics: AnswerMetrics,
-                 logprobs: bool = True) -> None:
+                 logprobs: bool = True, *, shadow_concurrency: int = 2, shadow_queue: int = 1024) -> None:
         self.op, self.full, self.candidates, self.route, self.logprobs = op, full, candidates, route, logprobs
         self.monitor, self.store, self.metrics = monitor, store, metrics
         self.path = "/chat/completions" if route == "chat" else "/completions"
         self.certified_tokens = int(op.max_new_tokens or (op.coverage.max_new_tokens if op.coverage else 0) or 0)
         self._ids = itertools.count(1)
         self._shadows: set[asyncio.Task[None]] = set()
+        self._shadow_slots = asyncio.Semaphore(shadow_concurrency)
+        self.shadow_limit = shadow_concurrency + shadow_queue  # in flight and waiting
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="certkv-shadow-store")
         self._tripped_logged: set[str] = set()
         self.shadows_done = self.abandoned = 0
@@ -293,6 +299,9 @@ class Gateway:
     # -- shadows ----------------------------------------------------------------------------
 
     def _spawn(self, job: ShadowJob, entry: OperatingPoint, ask: Ask) -> None:
+        if len(self._shadows) >= self.shadow_limit:
+            self._abandon(job, f"{len(self._shadows)} shadows are in flight or waiting already")
+            return
         task = asyncio.get_running_loop().create_task(self._shadow(job, entry, ask))
         self._shadows.add(task)
         task.add_done_callback(self._shadows.discard)
@@ -302,14 +311,12 @@ class Gateway:
         monitor, then the record pair to the store (module docstring)."""
         assert self.monitor is not None and self.store is not None  # only a monitored point with a store shadows
         try:
-            await self.full.identify()
-            full = await self.full.complete(self.path, self.body(self.full, ask, self.certified_tokens))
+            async with self._shadow_slots:
+                await self.full.identify()
+                full = await self.full.complete(self.path, self.body(self.full, ask, self.certified_tokens))
             name, utility_full, utility, violated = shadow_loss(entry, job.answers, job.served.answer, full.text)
         except Exception as exc:  # noqa: BLE001 - a failed shadow is abandoned, counted, and never stops the others
-            self.monitor.abandon(job.ticket)
-            self.abandoned += 1
-            self.metrics.shadow_abandoned.labels(job.stream).inc()
-            log.error("certkv gateway: shadow of %s abandoned (%s)", job.request_id, " ".join(str(exc).split()))
+            self._abandon(job, str(exc))
             return
         self.monitor.complete(job.ticket, violated)
         self.shadows_done += 1
@@ -322,6 +329,15 @@ class Gateway:
             await asyncio.get_running_loop().run_in_executor(self._writer, self.store.write, list[Mapping[str, Any]](records))
         except Exception as exc:  # noqa: BLE001 - the verdict stands; the store is the audit trail
             log.error("certkv gateway: shadow %s not written to the store (%s); its verdict stands", job.request_id, exc)
+
+    def _abandon(self, job: ShadowJob, why: str) -> None:
+        """Count `job` as abandoned: the monitor takes it as a violation (conservative)."""
+        assert self.monitor is not None  # only shadows, which need a monitor, are abandoned
+        self.monitor.abandon(job.ticket)
+        self.abandoned += 1
+        self.metrics.shadow_abandoned.labels(job.stream).inc()
+        log.error("certkv gateway: shadow of %s abandoned (%s)", job.request_id, " ".join(why.split()))
+        self._check_trip(job.stream)
 
     def _check_trip(self, stream: str) -> None:
         assert self.monitor is not None  # only shadows, which need a monitor, check it

@@ -61,3 +61,17 @@ def test_recompute_table_renders_each_task_and_utility():
     assert len(lines) == 2 and "| `rouge_l` | a | `p@0.50+recq0.1` | 0.050 |" in lines[1]
     assert lines[1].rstrip().endswith("| yes | 0.620 | 0.700 |")
     assert benchmarks_doc._smollm2_recompute({"task_utility": {}, "strict_utility": {}}, "rouge_l", "x") == []
+
+
+def test_a_store_out_of_reach_is_the_binomial_quantile_against_all_planned_requests():
+    """A candidate is ruled out early exactly when its breaks so far exceed the largest k whose
+    exact binomial p-value on all planned requests is at most δ (scipy's quantile gives the same k)."""
+    from scipy.stats import binom
+
+    most = int(binom.ppf(0.05, 1000, 0.05))
+    most -= binom.cdf(most, 1000, 0.05) > 0.05  # ppf gives the smallest k with cdf >= δ; the test needs cdf <= δ
+    cands = {name: {"tasks": {"a": {"n": 300, "task_broken": k - 5}, "b": {"n": 228, "task_broken": 5}}}
+             for name, k in (("over", most + 1), ("at", most))}
+    assert smollm2_long.out_of_reach(cands, 1000, 0.05, 0.05) == {
+        "over": {"broken": most + 1, "requests": 528, "most_allowed": most}}
+    assert most == 38

@@ -5,6 +5,7 @@ returned whole. The gateway against real upstreams is tests/e2e/test_endpoints.p
 from __future__ import annotations
 
 import pytest
+from conftest import run_here
 from endpoint_servers import snapkv_point
 
 from certkv.core.coverage import Coverage
@@ -62,3 +63,14 @@ def test_an_answer_without_its_tokens_is_kept_only_when_nothing_needs_cutting(ga
     assert (cut.text, cut.tokens, cut.finish_reason, cut.info) == ("The value is 42.", 6, "stop", None)
     with_tokens = gateway.cut(_answer("The value is 42.", 150, 5, ["The", " value", " is", " 42", "."]), _ask(limit=2))
     assert (with_tokens.text, with_tokens.tokens, with_tokens.finish_reason) == ("The value", 2, "length")
+
+
+@pytest.mark.parametrize("flag, value, fragment", [
+    ("--shadow-concurrency", "0", "--shadow-concurrency must be at least 1, got 0"),
+    ("--shadow-queue", "-1", "--shadow-queue must be at least 0, got -1"),
+    ("--candidate-timeout", "0", "--candidate-timeout must be positive seconds, got 0"),
+])
+def test_gateway_limits_out_of_range_are_one_line(flag, value, fragment, tmp_path, capsys):
+    """Checked before the point is read or a port bound: one line naming the flag, exit 2."""
+    result = run_here(capsys, "gateway", str(tmp_path / "operating_point.json"), flag, value)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"certkv: error: {fragment}"], result.stderr
