@@ -289,7 +289,7 @@ def _exclusive(lock: Path) -> Iterator[None]:
 
 def _convert_into(path: Path, sha: str, target: Path, label: str) -> None:
     """Convert `path` into a temporary folder beside `target`, mark it complete, rename it in."""
-    print(f"certkv: converting {label} to a Hugging Face folder, once (about 30 s on CPU): {target}", file=sys.stderr)
+    print(f"certkv: converting {label} to a Hugging Face folder, once (about 15 s on CPU): {target}", file=sys.stderr)
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
@@ -326,21 +326,56 @@ def _write_folder(path: Path, out: Path) -> None:
     bar_was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        with _parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            flags = _gguf_flags(path)
         model.save_pretrained(str(out))
         model.generation_config.save_pretrained(str(out))
-        _clean_tokenizer(tokenizer, model.config, _gguf_flags(path)).save_pretrained(str(out))
+        _clean_tokenizer(tokenizer, model.config, flags).save_pretrained(str(out))
     finally:
         if bar_was_enabled:
             hf_logging.enable_progress_bar()
 
 
+@contextmanager
+def _parsed_once() -> Iterator[None]:
+    """Within the block, each GGUF file is parsed once and gguf's tensor-name maps are built once.
+
+    transformers' GGUF loader (5.2) opens a new ``gguf.GGUFReader`` for the tokenizer, the config
+    and the weights, and each parses the whole metadata (about 4.5 s on one core for SmolLM2's
+    49,152-token vocabulary and merges); mapping tensor names builds ``gguf.get_tensor_name_map``
+    once per module of the model (about 400 times, 6 s). Both are looked up on the ``gguf`` module
+    when called, so for the conversion alone the module's two names point at a reader shared per
+    path and a cached map (the file is only read, so one reader serves every call); they are put
+    back when the block ends, whatever happens. A transformers that no longer calls them is merely
+    not sped up. Conversion: about 27 s -> 9 s on two cores.
+    """
+    import functools
+
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[str, Any] = {}
+
+    def shared_reader(path: Any, mode: str = "r") -> Any:
+        key = f"{os.path.realpath(path)}\0{mode}"
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _gguf_flags(path: Path) -> dict[str, bool]:
     """The GGUF's own ``add_bos_token`` / ``add_eos_token`` settings, where it states them."""
-    from gguf import GGUFReader
+    import gguf
 
-    reader = GGUFReader(str(path))
+    reader = gguf.GGUFReader(str(path))
     flags: dict[str, bool] = {}
     for name in ("add_bos_token", "add_eos_token"):
         field = reader.fields.get(f"tokenizer.ggml.{name}")

@@ -161,6 +161,31 @@ def test_a_missing_gguf_package_says_pip_install_gguf(cache, monkeypatch, tmp_pa
     assert _one_line(exc) == "reading m.gguf needs the gguf package, which is not installed; install it with `pip install gguf`"
 
 
+def test_a_conversion_parses_each_file_once_and_puts_gguf_back(tmp_path):
+    """Within ``_parsed_once`` a GGUF path opens one shared reader and the tensor-name map is built
+    once; after the block, even one left by an exception, the ``gguf`` module is as it was."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="midway"), named_models._parsed_once():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first and first.fields["general.architecture"].contents() == "llama"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        raise RuntimeError("midway")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))
+
+
 def test_a_press_with_per_model_weights_is_refused_on_a_named_model():
     from certkv.presses.registry import refusal_reason
 
