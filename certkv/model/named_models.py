@@ -32,6 +32,7 @@ Any path ending in ``.gguf`` goes through the same conversion. Nothing here runs
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -353,8 +354,7 @@ def _parsed_once() -> Iterator[None]:
     """
     import functools
 
-    import gguf
-
+    gguf: Any = importlib.import_module("gguf")  # its two names are reassigned: typed loosely
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[str, Any] = {}
 
