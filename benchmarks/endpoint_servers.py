@@ -15,7 +15,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -24,6 +26,12 @@ REPO = Path(__file__).resolve().parents[1]
 #: The endpoint contract's terms (the tests' small risk budget: a handful of requests certify a point).
 TERMS = {"requests": {"source": "requests.jsonl"}, "utility": "exact_match", "tolerance": 0.0, "risk": 0.5,
          "confidence": 0.6}
+
+
+#: Where the tests start ``certkv serve`` instead of a fresh interpreter (their forked servers,
+#: tests/e2e/forked_processes.py): ``FORK(argv, cwd, env, log)`` gives a Popen-like handle, or None
+#: to start it as usual. Unset here: the benchmarks start every process fresh.
+FORK: Callable[[list[str], Path, dict[str, str], Path], Any] | None = None
 
 
 def free_port() -> int:
@@ -82,9 +90,11 @@ class Process:
         self.base = f"http://127.0.0.1:{port}"
         self.log = open(folder / log_name, "w+")  # noqa: SIM115 - closed with the process
         environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", **(env or {}))
-        self.proc = subprocess.Popen([*(command or [sys.executable, "-m", module]), *args, "--port", str(port)],
-                                     cwd=REPO, env=environment, stdout=self.log, stderr=subprocess.STDOUT,
-                                     pass_fds=pass_fds)
+        argv = [*args, "--port", str(port)]
+        forkable = command is None and not pass_fds and module == "certkv.cli.app" and args[0] == "serve"
+        forked = FORK(argv, REPO, environment, folder / log_name) if FORK is not None and forkable else None
+        self.proc = forked or subprocess.Popen([*(command or [sys.executable, "-m", module]), *argv], cwd=REPO,
+                                               env=environment, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=pass_fds)
 
     def wait(self, timeout: float = 180.0):
         import httpx

@@ -5,7 +5,9 @@ tests/repo for the repository's own checks (docs, lint, types, import layers) an
 whole runs in their own processes (killed, interrupted, on Ray, from a wheel). Test file names are
 unique across the folders (no ``__init__.py``: pytest imports each by its name), and every folder
 is on ``sys.path``, so a test file imports a helper from another (``from test_serve import _Server``)
-whichever folders a run selects.
+whichever folders a run selects. The ``certkv serve`` servers and the killed calibration children
+are forks of one interpreter per worker that has imported the model stack already
+(tests/e2e/forked_processes.py; ``CERTKV_TEST_NO_FORK=1`` starts each fresh instead).
 """
 
 from __future__ import annotations
@@ -263,3 +265,18 @@ def embedded_recite():
 
     torch.set_num_threads(torch_threads())
     return load_model("embedded-recite", device="cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_processes():
+    """The model-loading processes the tests start are forks of one pre-imported interpreter per
+    worker (tests/e2e/forked_processes.py), started on first use and stopped at the end."""
+    import endpoint_servers
+    import forked_processes as zygote
+
+    endpoint_servers.FORK = zygote.forked
+    try:
+        yield
+    finally:
+        endpoint_servers.FORK = None
+        zygote.close()

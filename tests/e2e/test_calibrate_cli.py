@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO, run_main
+from forked_processes import run_script
 
 #: Room for the three kills below (four requests stored by then) and a resumed rest; every test here
 #: calibrates some of them, the SIGKILL test all of them twice.
@@ -140,8 +139,7 @@ def test_sigkill_at_any_point_then_resume_equals_uninterrupted_run(tmp_path, cap
     mid_run_kills = 0
     for when, nth in KILLS:
         before, _ = _stored_requests(tmp_path / "killed")
-        proc = subprocess.run([sys.executable, str(script), when, str(nth), str(killed)], cwd=REPO, env=_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+        proc = run_script(script, [when, str(nth), str(killed)], cwd=REPO, env=_env(), timeout=600)
         assert proc.returncode == -signal.SIGKILL, (when, nth, proc.returncode, proc.stderr[-2000:])
         stored, skipped = _stored_requests(tmp_path / "killed")
         # the request killed before or inside its transaction is not stored; the one killed after is

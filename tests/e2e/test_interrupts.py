@@ -16,13 +16,12 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import yaml
 from conftest import REPO
+from forked_processes import run_script
 
 from certkv import interrupts
 from certkv.calibration.database import connect, transaction
@@ -230,8 +229,8 @@ def test_interrupted_at_seeded_instants_every_run_stops_cleanly_and_resumes_to_t
     script.write_text(CHILD)
     # One thread: a matmul's rounding depends on the thread count, and records compare to the bit.
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    res = subprocess.run([sys.executable, str(script), str(tmp_path), str(SEED), str(INSTANTS_OVER_THE_RUN),
-                          str(INSTANTS_IN_WRITES)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    res = run_script(script, [str(tmp_path), str(SEED), str(INSTANTS_OVER_THE_RUN), str(INSTANTS_IN_WRITES)], cwd=REPO,
+                     env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     *runs, totals = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     for run in runs:
