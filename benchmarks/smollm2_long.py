@@ -80,6 +80,16 @@ def out_of_reach(candidates: dict, planned: int, risk: float, delta: float) -> d
     return out
 
 
+def _out_of_reach(contract, candidates: dict) -> dict:
+    """:func:`out_of_reach` where its count is the certificate's: no gate (a gated candidate breaks
+    fewer than its base), no strata (each stratum has its own limit), requests as the sampling unit
+    and a planned number of them; else nothing is ruled out early."""
+    plain = contract.gate is None and contract.strata is None and contract.requests.group_by != "context"
+    if not (plain and contract.requests.limit and candidates):
+        return {}
+    return out_of_reach(candidates, contract.requests.limit, contract.risk, round(1 - contract.confidence, 10))
+
+
 def per_candidate(rows: list[dict], tolerance: float) -> dict:
     """Per ungated candidate and task: breaks under the task utility and the strict one, ROUGE-L
     against the full output, peak KV and KV-time (means over the requests)."""
@@ -230,8 +240,7 @@ def main() -> None:
         "full_cache": full_cache(rows),
         "candidates": candidates,
         "certified": certificates,
-        "out_of_reach": out_of_reach(candidates, contract.requests.limit, contract.risk, round(1 - contract.confidence, 10))
-        if contract.gate is None or not contract.gate.pilot else {},
+        "out_of_reach": _out_of_reach(contract, candidates),
         "benchmark_seconds": time.perf_counter() - t0,
         "timing": calibration_timing(contract, args.timing_requests, Path(args.out)),
     }

@@ -274,6 +274,7 @@ def forked_processes():
     import endpoint_servers
     import forked_processes as zygote
 
+    zygote.prepare()
     endpoint_servers.FORK = zygote.forked
     try:
         yield

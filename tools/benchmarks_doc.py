@@ -228,7 +228,7 @@ def smollm2_long(data: dict) -> str:
     units = sorted(set(cert["task_utility"]["strata"]) | set(cert["strict_utility"]["strata"])) or tasks
     prow = [[t, *_long_point(cert["task_utility"]["strata"].get(t)), *_long_point(cert["strict_utility"]["strata"].get(t))]
             for t in units]
-    decided = not done and set(data.get("out_of_reach") or {}) == set(data["candidates"])
+    decided = not done and bool(data["candidates"]) and set(data.get("out_of_reach") or {}) == set(data["candidates"])
     status = (f"The store holds all {data['requests']} requests." if done else _decided_status(data) if decided else
               f"**In progress:** the store holds {data['requests']} of the contract's {data['requests_planned']} requests "
               "(the calibration resumes where it stopped). Every figure below is a preview of those requests, and the "

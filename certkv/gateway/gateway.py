@@ -132,7 +132,8 @@ class Gateway:
         self._ids = itertools.count(1)
         self._shadows: set[asyncio.Task[None]] = set()
         self._shadow_slots = asyncio.Semaphore(shadow_concurrency)
-        self.shadow_limit = shadow_concurrency + shadow_queue  # in flight and waiting
+        # in flight and waiting; a shadow past its full answer, writing its records, still counts
+        self.shadow_limit = shadow_concurrency + shadow_queue
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="certkv-shadow-store")
         self._tripped_logged: set[str] = set()
         self.shadows_done = self.abandoned = 0
@@ -315,6 +316,9 @@ class Gateway:
                 await self.full.identify()
                 full = await self.full.complete(self.path, self.body(self.full, ask, self.certified_tokens))
             name, utility_full, utility, violated = shadow_loss(entry, job.answers, job.served.answer, full.text)
+        except asyncio.CancelledError:  # shutdown's drain ran out: abandoned and counted, then cancelled
+            self._abandon(job, "cancelled at shutdown")
+            raise
         except Exception as exc:  # noqa: BLE001 - a failed shadow is abandoned, counted, and never stops the others
             self._abandon(job, str(exc))
             return

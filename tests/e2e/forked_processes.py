@@ -12,9 +12,11 @@ process, signalled, killed and restarted as the tests do to any. Only the import
 what importing costs or leaves behind is tested where it matters (the wheel's demo, the console
 script's usage errors, the torch-free checks, a copied package's signal), which never use this.
 
-The zygote is their parent, so it reaps them and reports each exit status on its stdout;
-:class:`ForkedProcess` is the tests' ``Popen``-like handle. ``CERTKV_TEST_NO_FORK=1`` turns it off
-(every process then starts as a fresh interpreter).
+The zygote (tests/e2e/zygote_main.py) is their parent, so it reaps them and reports each exit
+status on its stdout; :class:`ForkedProcess` is the tests' ``Popen``-like handle. Should the
+zygote end early, every process it forked and not yet reported is taken as ended (code -1), so a
+test fails instead of waiting forever. ``CERTKV_TEST_NO_FORK=1`` turns it off (every process then
+starts as a fresh interpreter).
 """
 
 from __future__ import annotations
@@ -28,97 +30,13 @@ import tempfile
 import threading
 from pathlib import Path
 
-#: The zygote: imports, then forks one process per request line until its stdin closes.
-ZYGOTE = r"""
-import json, os, runpy, select, signal, sys, traceback
-import torch, transformers, kvpress  # noqa: F401  (what every server imports first)
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-import certkv.cli.app, certkv.cli.serve, certkv.serve.app, certkv.model.loading  # noqa: F401
-import certkv.runtime.certified_runtime, uvicorn, fastapi, prometheus_client  # noqa: F401
-
-wake_r, wake_w = os.pipe()
-os.set_blocking(wake_w, False)
-signal.signal(signal.SIGCHLD, lambda *_: None)
-signal.set_wakeup_fd(wake_w)
-out = os.fdopen(os.dup(1), "w", buffering=1)
-children = set()
-
-
-def reap():
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
-
-
-def run(job):
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for fd in (wake_r, wake_w, out.fileno()):
-        os.close(fd)
-    os.chdir(job["cwd"])
-    os.environ.clear()
-    os.environ.update(job["env"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
-        out_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        os.dup2(out_fd, fd)
-        os.close(out_fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    if "OMP_NUM_THREADS" in job["env"]:  # what a fresh interpreter's torch would read at its start
-        torch.set_num_threads(int(job["env"]["OMP_NUM_THREADS"]))
-    sys.argv = job["argv"]
-    code = 0
-    try:
-        if job["script"]:
-            sys.path[0] = os.path.dirname(os.path.abspath(job["script"]))
-            runpy.run_path(job["script"], run_name="__main__")
-        else:
-            certkv.cli.app.main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-out.write('{"ready": true}\n')
-pending = b""
-while True:
-    ready, _, _ = select.select([0, wake_r], [], [])
-    if wake_r in ready:
-        os.read(wake_r, 4096)
-    reap()
-    if 0 not in ready:
-        continue
-    chunk = os.read(0, 65536)
-    if not chunk:
-        break
-    pending += chunk
-    while b"\n" in pending:
-        line, pending = pending.split(b"\n", 1)
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            run(job)
-        children.add(pid)
-        out.write(json.dumps({"pid": pid}) + "\n")
-"""
+ZYGOTE_MAIN = Path(__file__).resolve().parent / "zygote_main.py"
+#: A zygote that ended early leaves the processes it did not report with this code.
+LOST = -1
 
 
 class ForkedProcess:
-    """What the tests use of ``subprocess.Popen`` for a server the zygote forked: its ``pid``,
+    """What the tests use of ``subprocess.Popen`` for a process the zygote forked: its ``pid``,
     ``returncode`` (None while it runs; ``-N`` for signal N, as Popen), ``poll``, ``wait``,
     ``send_signal``, ``terminate`` and ``kill``."""
 
@@ -135,7 +53,7 @@ class ForkedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired(f"forked server {self.pid}", timeout or 0)
+            raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout or 0)
         assert self.returncode is not None
         return self.returncode
 
@@ -154,34 +72,48 @@ class ForkedProcess:
 
 
 class Zygote:
-    """The zygote of this test process, started on first use (module docstring)."""
+    """The zygote of this test process (module docstring), started with environment `env`."""
 
-    def __init__(self) -> None:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     cwd=Path(__file__).resolve().parents[2], env=env, text=True, bufsize=1)
+    def __init__(self, env: dict[str, str]) -> None:
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed with the zygote
+        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE_MAIN)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, cwd=ZYGOTE_MAIN.parents[2], env=env, text=True, bufsize=1)
         assert self.proc.stdout is not None and self.proc.stdin is not None
         line = self.proc.stdout.readline()
-        assert json.loads(line or "{}").get("ready"), f"the server zygote did not start (exit {self.proc.wait()})"
-        self._lock = threading.Lock()
-        self._started: dict[int, ForkedProcess] = {}
-        self._pid_given = threading.Condition(self._lock)
+        if not line.startswith('{"ready"'):
+            self._stderr.seek(0)
+            raise AssertionError(f"the zygote did not start (exit {self.proc.wait()}): {self._stderr.read()[-3000:]}")
+        self._spawning = threading.Lock()  # one job at a time: pids come back in the jobs' order
+        self._lock = threading.Condition()
         self._given: list[int] = []
+        self._started: dict[int, ForkedProcess] = {}
         self._early: dict[int, int] = {}  # exits reported before their handle was made
-        threading.Thread(target=self._read, name="server-zygote", daemon=True).start()
+        self._ended = False
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            msg = json.loads(line)
+        try:
+            for line in self.proc.stdout:
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                with self._lock:
+                    if "pid" in msg:
+                        self._given.append(msg["pid"])
+                        self._lock.notify_all()
+                    elif msg.get("exit") in self._started:
+                        self._started.pop(msg["exit"])._exit(msg["code"])
+                    elif "exit" in msg:
+                        self._early[msg["exit"]] = msg["code"]
+        finally:
             with self._lock:
-                if "pid" in msg:
-                    self._given.append(msg["pid"])
-                    self._pid_given.notify_all()
-                elif msg["exit"] in self._started:
-                    self._started.pop(msg["exit"])._exit(msg["code"])
-                else:
-                    self._early[msg["exit"]] = msg["code"]
+                self._ended = True
+                for handle in self._started.values():
+                    handle._exit(LOST)
+                self._started.clear()
+                self._lock.notify_all()
 
     def spawn(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: Path, stderr: Path,
               script: Path | None = None) -> ForkedProcess:
@@ -190,25 +122,36 @@ class Zygote:
         assert self.proc.stdin is not None
         job = {"argv": [str(script) if script else "certkv", *argv], "script": str(script) if script else None,
                "cwd": str(cwd), "env": env, "stdout": str(stdout), "stderr": str(stderr)}
-        with self._lock:
+        with self._spawning:
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
-            if not self._pid_given.wait_for(lambda: self._given, timeout=60):
-                raise AssertionError("the zygote forked nothing within 60 s")
-            handle = ForkedProcess(self._given.pop(0))
-            if handle.pid in self._early:
-                handle._exit(self._early.pop(handle.pid))
-            else:
-                self._started[handle.pid] = handle
+            with self._lock:
+                if not self._lock.wait_for(lambda: self._given or self._ended, timeout=60) or not self._given:
+                    raise AssertionError("the zygote forked nothing (it ended, or took over 60 s)")
+                handle = ForkedProcess(self._given.pop(0))
+                if handle.pid in self._early:
+                    handle._exit(self._early.pop(handle.pid))
+                else:
+                    self._started[handle.pid] = handle
         return handle
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()
         self.proc.wait(60)
+        self.proc.stdout.close()
+        self._stderr.close()
 
 
 _zygote: Zygote | None = None
+_environment: dict[str, str] | None = None
+
+
+def prepare() -> None:
+    """Fix the zygote's environment now (the session's start), not at its first use, when a test
+    may have changed ``os.environ``: what the imports read once is read from this."""
+    global _environment
+    _environment = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
 
 
 def _the_zygote() -> Zygote | None:
@@ -216,7 +159,7 @@ def _the_zygote() -> Zygote | None:
     if os.environ.get("CERTKV_TEST_NO_FORK"):
         return None
     if _zygote is None:
-        _zygote = Zygote()
+        _zygote = Zygote(_environment or dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore"))
     return _zygote
 
 
@@ -248,7 +191,7 @@ def run_script(script: Path, args: list[str], *, cwd: Path, env: dict[str, str],
 
 
 def close() -> None:
-    """Stop this test process's zygote (its servers were stopped by their tests)."""
+    """Stop this test process's zygote (its processes were stopped by their tests)."""
     global _zygote
     if _zygote is not None:
         _zygote.close()
