@@ -36,7 +36,7 @@ point therefore runs a second time with ``--no-prompt-lookup`` (one token per re
 as a generation that copies nothing decodes), where memory binds.
 
 Two points store every token at a lower precision (KV formats, docs/kv-formats.md), each decoding
-as a lane of the batch that holds its stored tensors (int8 containers and float16 scales,
+as a lane of the batch that holds its stored tensors (packed integers and float16 scales,
 :mod:`certkv.engine.format_lanes`) and reserving those bytes in the budget's token slots of the
 model's dtype (:func:`certkv.runtime.format_path.format_slots`):
 

@@ -1261,8 +1261,8 @@ def format_target(r: dict) -> str:
 
 
 def small_bits(kv_format: dict | None) -> list[int]:
-    """The integer widths of 5 to 7 bits a per-token format stores, each in an int8 container (4 bits
-    and fewer are stored two to a byte)."""
+    """The integer widths of 5 to 7 bits of a per-token format (stored packed since 2026-12-08; a
+    results file measured before then held them in int8 containers, which its stored share shows)."""
     if not kv_format:
         return []
     parts = [kv_format["keys"], kv_format["values"]] if kv_format["backend"] == "split" else [kv_format]
@@ -1303,7 +1303,7 @@ def capacity_long_formats(data: dict, runs: dict) -> str:
                  f"{pct(2 / layers, 0)} of its whole cache in the model's dtype")
     reading = (
         "The format points keep every token, at a lower precision. `peak_kv_bytes` prices a format's bits against a "
-        f"16-bit cache (int8 {num(k8['bytes_share'], 3)}); the server stores integers in int8 containers with float16 "
+        f"16-bit cache (int8 {num(k8['bytes_share'], 3)}); the server stores 8-bit integers as int8s with float16 "
         f"scales and counts its budget in token slots of the model's dtype ({full['kv_slot_bytes']:,.0f} bytes: one "
         f"token's keys and values in every layer at {bits} bits), so a stored token takes {num(slot_share, 3)} of a "
         "slot. A request reserves its tokens at that, its question at full precision, and two full-precision copies "
@@ -1348,7 +1348,13 @@ def capacity_long_formats(data: dict, runs: dict) -> str:
                 "first token under it: each answer decodes as a lane of the batch that stops itself at that token "
                 f"(max batch {c_plain['max_batch']} without lookup), and the restarts prefill the full cache. ")
         small = small_bits(cert.get("kv_format"))
-        if small:
+        if small and kv["certified"]["stored_share"] <= kv["certified"]["bytes_share"] + 1e-9:
+            reading += (
+                f"Its {' and '.join(f'{b}-bit' for b in small)} integers are stored packed, eight to as many bytes as "
+                f"bits, so the server holds the format's price, {num(kv['certified']['stored_share'], 3)} of a 16-bit "
+                f"cache ({num(kv['certified']['mean_kv_peak_bytes'], 3)} in `peak_kv_bytes` with the gate's full-cache "
+                "answers). ")
+        elif small:
             reading += (
                 f"And its {' and '.join(f'{b}-bit' for b in small)} integers count as such in `peak_kv_bytes` "
                 f"({num(kv['certified']['bytes_share'], 3)} of 16 bits for the format, "

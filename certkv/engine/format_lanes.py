@@ -114,8 +114,8 @@ class FormatLaneLayer(LaneLayer):
     @property
     def capacity(self) -> int:
         """The token slots of the model's dtype the stored tensors and windows take, and what the
-        tokens still to come will (what a server's KV budget counts: integers of 5 to 7 bits sit in
-        int8 containers, narrower ones two to a byte)."""
+        tokens still to come will (what a server's KV budget counts: integers of b < 8 bits packed
+        eight to b bytes where the head size allows, :func:`~certkv.kv_formats.spec.stored_share`)."""
         held = sum(s.nbytes for s in self.stored.values()) + sum(t.nbytes for t in (*self.window.values(), *self.exact.values()))
         return math.ceil((held + max(0, self.room) * self._token_bytes) / self.slot_bytes)
 

@@ -272,22 +272,25 @@ def full_share(fmt: KvFormat | None) -> float:
 
 def stored_share(fmt: KvFormat, head_dim: int) -> float:
     """Bytes a stored token takes over a 16-bit one, as this implementation holds it: transformers'
-    backends pack their integers; certkv's integer formats store those of at most 4 bits two to a
-    byte and wider ones in an int8 each (so 5 to 7 bits take more than :meth:`bytes_share`, which
-    prices the format itself, and 2 or 3 bits take 4).
+    backends pack their integers, and so do certkv's integer formats, eight channels of b bits in
+    b bytes where the head size is a multiple of 8 (what :meth:`bytes_share` prices). For other
+    head sizes, integers of at most 4 bits take 4 (two to a byte, head size even) and wider ones 8
+    (an int8 each): more than the format's price
+    (:func:`certkv.kv_formats.token_quantisers.stored_bits`).
 
     Examples
     --------
     >>> int4, int6 = parse_format({"backend": "int", "nbits": 4}), parse_format({"backend": "int", "nbits": 6})
-    >>> stored_share(int4, 64), int4.bytes_share(64), stored_share(int6, 64), int6.bytes_share(64)
-    (0.265625, 0.265625, 0.515625, 0.390625)
+    >>> stored_share(int6, 64), int6.bytes_share(64), stored_share(int4, 64), stored_share(int6, 60)
+    (0.390625, 0.390625, 0.265625, 0.5166666666666667)
     """
     if isinstance(fmt, TieredFormat):
         return stored_share(fmt.quantised, head_dim)
     if isinstance(fmt, SplitFormat):
         return (stored_share(fmt.keys, head_dim) + stored_share(fmt.values, head_dim)) / 2
     if isinstance(fmt, IntFormat):
-        container = 4 if fmt.nbits <= 4 and head_dim % 2 == 0 else 8  # token_quantisers.NIBBLE_BITS (that module needs torch)
+        # token_quantisers.stored_bits (that module needs torch)
+        container = fmt.nbits if fmt.nbits < 8 and head_dim % 8 == 0 else 4 if fmt.nbits <= 4 and head_dim % 2 == 0 else 8
         return fmt.model_copy(update={"nbits": container}).bytes_share(head_dim)
     return fmt.bytes_share(head_dim)
 

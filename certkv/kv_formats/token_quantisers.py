@@ -4,8 +4,8 @@ Each token's keys (or values) are quantised on their own, so a token stored at s
 same numbers whatever is stored after it: a cache of these formats may append tokens one at a time
 or a chunk at once and dequantise to the same tensors. Tensors are ``(batch, kv_heads, tokens,
 head_dim)``; a :class:`StoredTokens` keeps what the format stores (float8 elements; integers of
-at most 4 bits two to a byte, wider ones in an int8 each; float16 scales) and dequantises to the
-model's dtype.
+b < 8 bits packed eight to b bytes, 8-bit ones an int8 each; float16 scales) and dequantises to
+the model's dtype.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ class StoredTokens:
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """(batch, heads, tokens, head_dim) of the tokens as the model reads them (packed integers
-        hold two channels a byte)."""
+        hold 8 / bits channels a byte)."""
         b, h, t, d = self.data.shape
-        return b, h, t, d * 2 if getattr(self.quantiser, "packed", False) else d
+        return b, h, t, d * 8 // getattr(self.quantiser, "stored_bits", 8)
 
     @property
     def nbytes(self) -> int:
@@ -86,15 +86,21 @@ class Fp8Quantiser:
 class IntQuantiser:
     """Symmetric ``nbits`` integers in ``[-(2^(b-1) - 1), 2^(b-1) - 1]``, one float16 scale (the
     group's largest magnitude over the largest integer) per group of channels of a token and head.
-    Integers of at most 4 bits are stored two to a byte (:func:`pack_nibbles`): ``data`` is then
-    uint8 (batch, heads, tokens, head_dim / 2); wider ones one to an int8."""
+    Integers of b < 8 bits are stored packed (:func:`pack_bits`, eight channels in b bytes where
+    the head size is a multiple of 8, else :func:`pack_nibbles` for b <= 4, two to a byte, else an
+    int8 each): ``data`` is then uint8 (batch, heads, tokens, head_dim * stored_bits / 8); 8-bit
+    ones are int8 (batch, heads, tokens, head_dim)."""
 
     def __init__(self, fmt: IntFormat, head_dim: int) -> None:
         self.group = fmt.group(head_dim)
         if head_dim % self.group:
             raise ValueError(f"cache.q_group_size {self.group} does not divide the model's head size {head_dim}")
         self.largest = 2 ** (fmt.nbits - 1) - 1
-        self.packed = fmt.nbits <= NIBBLE_BITS and head_dim % 2 == 0
+        self.nbits = fmt.nbits
+        #: Bits a stored channel takes (:func:`stored_bits`); below 8 the integers are packed,
+        #: eight in nbits bytes where the head size allows it (else two to a byte).
+        self.stored_bits = stored_bits(fmt.nbits, head_dim)
+        self._in_words = fmt.nbits < 8 and head_dim % 8 == 0
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:-1], x.shape[-1] // self.group, self.group)
@@ -104,11 +110,18 @@ class IntQuantiser:
         scale = (grouped.abs().amax(dim=-1) / self.largest).to(torch.float16)
         divisor = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
         q = torch.round(grouped / divisor).clamp(-self.largest, self.largest).to(torch.int8).reshape(x.shape)
-        return StoredTokens(pack_nibbles(q) if self.packed else q, scale, x.dtype, self)
+        return StoredTokens(self._pack(q), scale, x.dtype, self)
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        if self.stored_bits == 8:
+            return q
+        return pack_bits(q, self.nbits) if self._in_words else pack_nibbles(q)
 
     def integers(self, stored: StoredTokens) -> torch.Tensor:
         """The stored integers, int8 (batch, heads, tokens, head_dim), unpacked."""
-        return unpack_nibbles(stored.data) if self.packed else stored.data
+        if self.stored_bits == 8:
+            return stored.data
+        return unpack_bits(stored.data, self.nbits) if self._in_words else unpack_nibbles(stored.data)
 
     def dequantize(self, stored: StoredTokens) -> torch.Tensor:
         assert stored.scale is not None  # an integer format always stores its scales
@@ -117,8 +130,49 @@ class IntQuantiser:
         return grouped.reshape(q.shape).to(stored.dtype)
 
 
-#: The widest integers stored two to a byte.
+#: The widest integers stored two to a byte where the head size does not allow eight in b bytes.
 NIBBLE_BITS = 4
+
+
+def stored_bits(nbits: int, head_dim: int) -> int:
+    """Bits a stored channel of an ``nbits`` integer format takes for heads of `head_dim`
+    channels: ``nbits`` where eight channels pack into ``nbits`` bytes (``head_dim`` a multiple of
+    8), else 4 for ``nbits`` <= 4 and an even head size (two to a byte), else 8 (an int8 each).
+    :func:`certkv.kv_formats.spec.stored_share` counts the same (that module is torch-free)."""
+    if nbits < 8 and head_dim % 8 == 0:
+        return nbits
+    return NIBBLE_BITS if nbits <= NIBBLE_BITS and head_dim % 2 == 0 else 8
+
+
+def pack_bits(q: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Integers in [-2^(b-1), 2^(b-1) - 1], int8 (..., 8m), as uint8 (..., b m): each eight
+    channels, offset by 2^(b-1), fill the low 8 b bits of a 64-bit word, channel i at bits
+    b i to b i + b - 1, and the word's low b bytes are stored, least significant first. For b = 4
+    that is :func:`pack_nibbles`'s layout.
+
+    Examples
+    --------
+    >>> q = torch.tensor([[-31, 31, 0, -1, 5, -7, 17, 30]], dtype=torch.int8)
+    >>> pack_bits(q, 6).shape, bool((unpack_bits(pack_bits(q, 6), 6) == q).all())
+    (torch.Size([1, 6]), True)
+    >>> bool((pack_bits(q[:, :8].clamp(-8, 7), 4) == pack_nibbles(q[:, :8].clamp(-8, 7))).all())
+    True
+    """
+    words = (q.to(torch.int64) + (1 << (nbits - 1))).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
+    shifts = torch.arange(8, device=q.device, dtype=torch.int64) * nbits
+    word = (words << shifts).sum(dim=-1, keepdim=True)  # disjoint bits: the sum is their OR
+    byte_shifts = torch.arange(nbits, device=q.device, dtype=torch.int64) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(*q.shape[:-1], q.shape[-1] * nbits // 8)
+
+
+def unpack_bits(packed: torch.Tensor, nbits: int) -> torch.Tensor:
+    """:func:`pack_bits` undone: uint8 (..., b m) to int8 (..., 8m)."""
+    grouped = packed.to(torch.int64).reshape(*packed.shape[:-1], packed.shape[-1] // nbits, nbits)
+    byte_shifts = torch.arange(nbits, device=packed.device, dtype=torch.int64) * 8
+    word = (grouped << byte_shifts).sum(dim=-1, keepdim=True)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * nbits
+    values = ((word >> shifts) & ((1 << nbits) - 1)) - (1 << (nbits - 1))
+    return values.to(torch.int8).reshape(*packed.shape[:-1], packed.shape[-1] * 8 // nbits)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -151,5 +205,5 @@ def token_quantiser(fmt: Fp8Format | IntFormat, head_dim: int, layer: int = 0, w
     return IntQuantiser(fmt, head_dim)
 
 
-__all__ = ["NIBBLE_BITS", "Fp8Quantiser", "IntQuantiser", "StoredTokens", "TokenQuantiser", "pack_nibbles", "token_quantiser",
-           "unpack_nibbles"]
+__all__ = ["NIBBLE_BITS", "Fp8Quantiser", "IntQuantiser", "StoredTokens", "TokenQuantiser", "pack_bits", "pack_nibbles",
+           "stored_bits", "token_quantiser", "unpack_bits", "unpack_nibbles"]

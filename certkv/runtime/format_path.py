@@ -52,8 +52,8 @@ if TYPE_CHECKING:
 def format_slots(model: PreTrainedModel, fmt: KvFormat, enc: EncodedRequest, max_new_tokens: int) -> int:
     """Token slots of the model's dtype a request in `fmt` may hold (what the scheduler reserves):
     every token of its prompt and answer at the bytes the format's tensors take
-    (:func:`~certkv.kv_formats.spec.stored_share`: integers of 5 to 7 bits sit in int8 containers,
-    narrower ones two to a byte), its full-precision window (the format's, plus the question, which is fed in one
+    (:func:`~certkv.kv_formats.spec.stored_share`: integers of b < 8 bits packed eight to b bytes
+    where the head size is a multiple of 8), its full-precision window (the format's, plus the question, which is fed in one
     forward) at the model's, and two copies of one layer at the model's (a step dequantises a layer's
     keys and values and concatenates its new entries to them before its attention reads them)."""
     config = model.config.get_text_config(decoder=True)

@@ -107,7 +107,7 @@ def test_fp8_quantiser_equals_the_grid_rounding(dtype, scale):
     assert 0 < rel.max() <= {"e4m3": 2**-4, "e5m2": 2**-3}[dtype] + 1e-7
 
 
-@pytest.mark.parametrize(("nbits", "group"), [(8, None), (8, 32), (4, 16), (2, 8)])
+@pytest.mark.parametrize(("nbits", "group"), [(8, None), (8, 32), (7, None), (6, 32), (5, 16), (4, 16), (3, 8), (2, 8)])
 def test_int_quantiser_equals_symmetric_groups(nbits, group):
     import torch
 
@@ -122,11 +122,15 @@ def test_int_quantiser_equals_symmetric_groups(nbits, group):
     stored = token_quantiser(parse_format(fmt), 64).quantize(x)
     size = group or 64
     largest = 2 ** (nbits - 1) - 1
-    # at most 4 bits: two to a byte (a uint8 of head_dim / 2), else an int8 each
-    packed = nbits <= 4
+    # below 8 bits packed, eight channels in nbits bytes (a uint8 of head_dim * nbits / 8); 8 bits an int8 each
+    packed = nbits < 8
     assert stored.data.dtype == (torch.uint8 if packed else torch.int8)
-    assert stored.data.shape == (1, 2, 50, 32 if packed else 64) and stored.shape == (1, 2, 50, 64)
+    assert stored.data.shape == (1, 2, 50, 64 * nbits // 8) and stored.shape == (1, 2, 50, 64)
     assert stored.nbytes == stored.data.numel() + 2 * stored.scale.numel()
+    from certkv.kv_formats.spec import stored_share
+
+    # the bytes stored are the bytes the format is priced at, over a 16-bit token
+    assert stored.nbytes / (2 * x.numel()) == stored_share(parse_format(fmt), 64) == parse_format(fmt).bytes_share(64)
     assert int(stored.quantiser.integers(stored).abs().max()) == largest
     assert stored.scale.dtype == torch.float16 and stored.scale.shape == (1, 2, 50, 64 // size)
     got = stored.dequantize()
@@ -135,6 +139,35 @@ def test_int_quantiser_equals_symmetric_groups(nbits, group):
     assert torch.equal(got[0, 1, 7], torch.zeros(64)) and not torch.isnan(got).any()
     assert torch.equal(got[0, 0, 9, :16], torch.zeros(16))
     assert (got != x).float().mean() > 0.5  # it quantised
+
+
+@pytest.mark.parametrize("nbits", [2, 3, 4, 5, 6, 7])
+def test_packed_integers_round_trip_and_head_sizes_that_do_not_pack_fall_back(nbits):
+    """Every integer of the range survives packing, channel by channel, for each width; 4 bits pack
+    as nibbles do; a head size that is not a multiple of 8 stores two to a byte (at most 4 bits,
+    even size) or an int8 each, and is priced so by stored_share."""
+    import torch
+
+    from certkv.kv_formats.spec import parse_format, stored_share
+    from certkv.kv_formats.token_quantisers import pack_bits, pack_nibbles, stored_bits, token_quantiser, unpack_bits
+
+    low, high = -(2 ** (nbits - 1)), 2 ** (nbits - 1) - 1
+    q = torch.arange(low, high + 1, dtype=torch.int8).repeat(8)[: 8 * (2 ** nbits // 8 + 1)]
+    q = torch.cat([q, q.flip(0)])[None, :]
+    q = q[:, : q.shape[1] // 8 * 8]
+    packed = pack_bits(q, nbits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == q.shape[-1] * nbits // 8
+    assert torch.equal(unpack_bits(packed, nbits), q)
+    if nbits == 4:
+        assert torch.equal(packed, pack_nibbles(q))
+    for head, bits in ((64, nbits), (6, 4 if nbits <= 4 else 8), (5, 8)):
+        assert stored_bits(nbits, head) == bits
+        fmt = parse_format({"backend": "int", "nbits": nbits, "q_group_size": head})
+        x = torch.randn(1, 1, 3, head, generator=torch.Generator().manual_seed(head))
+        stored = token_quantiser(fmt, head).quantize(x)
+        assert stored.shape == (1, 1, 3, head) and stored.data.shape[-1] * 8 == head * bits
+        assert stored.nbytes / (2 * x.numel()) == pytest.approx(stored_share(fmt, head))
+        assert torch.equal(stored.dequantize().double(), ref_int(x, nbits, head))
 
 
 def test_quantisers_dequantise_to_the_input_dtype_and_refuse_a_ragged_group():
