@@ -1353,7 +1353,8 @@ def capacity_long_formats(data: dict, runs: dict) -> str:
                 f"Its {' and '.join(f'{b}-bit' for b in small)} integers are stored packed, eight to as many bytes as "
                 f"bits, so the server holds the format's price, {num(kv['certified']['stored_share'], 3)} of a 16-bit "
                 f"cache ({num(kv['certified']['mean_kv_peak_bytes'], 3)} in `peak_kv_bytes` with the gate's full-cache "
-                "answers). ")
+                "answers), and every step unpacks them before it dequantises: processor time that int8s do not cost, "
+                "on a machine the processor binds. ")
         elif small:
             reading += (
                 f"And its {' and '.join(f'{b}-bit' for b in small)} integers count as such in `peak_kv_bytes` "
