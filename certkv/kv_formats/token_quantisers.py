@@ -4,8 +4,9 @@ Each token's keys (or values) are quantised on their own, so a token stored at s
 same numbers whatever is stored after it: a cache of these formats may append tokens one at a time
 or a chunk at once and dequantise to the same tensors. Tensors are ``(batch, kv_heads, tokens,
 head_dim)``; a :class:`StoredTokens` keeps what the format stores (float8 elements; integers of
-b < 8 bits packed eight to b bytes, 8-bit ones an int8 each; float16 scales) and dequantises to
-the model's dtype.
+b < 8 bits packed into whole bytes where the head size is a multiple of 8, else two to a byte up
+to 4 bits and an int8 each above; 8-bit ones an int8 each; float16 scales) and dequantises to the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ _FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 @dataclass
 class StoredTokens:
-    """Quantised tokens: ``data`` (batch, heads, tokens, head_dim) in the stored dtype, ``scale``
+    """Quantised tokens: ``data`` (batch, heads, tokens, head_dim * stored bits / 8) in the stored
+    dtype (:attr:`shape` gives the head size the model reads), ``scale``
     (batch, heads, tokens, groups) float16 for integer formats (None for fp8), ``dtype`` the
     dtype they dequantise to, ``quantiser`` the format that wrote them."""
 
@@ -87,10 +89,11 @@ class Fp8Quantiser:
 class IntQuantiser:
     """Symmetric ``nbits`` integers in ``[-(2^(b-1) - 1), 2^(b-1) - 1]``, one float16 scale (the
     group's largest magnitude over the largest integer) per group of channels of a token and head.
-    Integers of b < 8 bits are stored packed (:func:`pack_bits`, eight channels in b bytes where
-    the head size is a multiple of 8, else :func:`pack_nibbles` for b <= 4, two to a byte, else an
-    int8 each): ``data`` is then uint8 (batch, heads, tokens, head_dim * stored_bits / 8); 8-bit
-    ones are int8 (batch, heads, tokens, head_dim)."""
+    Integers of b < 8 bits are stored packed where they can be (:func:`stored_bits`): with
+    :func:`pack_bits` into whole bytes where the head size is a multiple of 8 (4 bits with
+    :func:`pack_nibbles`, the same layout), else with :func:`pack_nibbles` for b <= 4 and an even
+    head size; packed ``data`` is uint8 (batch, heads, tokens, head_dim * stored_bits / 8). The
+    rest, 8-bit integers included, are int8 (batch, heads, tokens, head_dim)."""
 
     def __init__(self, fmt: IntFormat, head_dim: int) -> None:
         self.group = fmt.group(head_dim)
@@ -98,8 +101,8 @@ class IntQuantiser:
             raise ValueError(f"cache.q_group_size {self.group} does not divide the model's head size {head_dim}")
         self.largest = 2 ** (fmt.nbits - 1) - 1
         self.nbits = fmt.nbits
-        #: Bits a stored channel takes (:func:`stored_bits`); below 8 the integers are packed,
-        #: eight in nbits bytes where the head size allows it (else two to a byte).
+        #: Bits a stored channel takes (:func:`stored_bits`); below 8 the integers are packed, into
+        #: whole bytes where the head size is a multiple of 8, else two to a byte (b <= 4, even size).
         self.stored_bits = stored_bits(fmt.nbits, head_dim)
         # 4 bits pack as nibbles either way (the same layout), and unpack faster so
         self._in_words = fmt.nbits < 8 and fmt.nbits != NIBBLE_BITS and head_dim % 8 == 0
@@ -170,7 +173,7 @@ def pack_bits(q: torch.Tensor, nbits: int) -> torch.Tensor:
     """
     per_word, nbytes, dtype = _words(nbits)
     words = (q.to(dtype) + (1 << (nbits - 1))).reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)
-    word = (words << (torch.arange(per_word, device=q.device, dtype=dtype) * nbits)).sum(dim=-1, keepdim=True)
+    word = (words << (torch.arange(per_word, device=q.device, dtype=dtype) * nbits)).sum(dim=-1, keepdim=True, dtype=dtype)
     byte_shifts = torch.arange(nbytes, device=q.device, dtype=dtype) * 8
     return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(*q.shape[:-1], q.shape[-1] * nbits // 8)
 
