@@ -270,13 +270,32 @@ def full_share(fmt: KvFormat | None) -> float:
     return fmt.full if isinstance(fmt, TieredFormat) else 0.0
 
 
+#: The widest integers stored two to a byte where the head size does not allow packing them into whole bytes.
+NIBBLE_BITS = 4
+
+
+def stored_bits(nbits: int, head_dim: int) -> int:
+    """Bits a stored channel of an ``nbits`` integer format takes for heads of `head_dim` channels
+    (:mod:`certkv.kv_formats.token_quantisers` stores them so): ``nbits`` where the channels pack
+    into whole bytes (``head_dim`` a multiple of 8), else 4 for ``nbits`` <= 4 and an even head size
+    (two to a byte), else 8 (an int8 each).
+
+    Examples
+    --------
+    >>> stored_bits(6, 64), stored_bits(3, 6), stored_bits(6, 60), stored_bits(8, 64)
+    (6, 4, 8, 8)
+    """
+    if nbits < 8 and head_dim % 8 == 0:
+        return nbits
+    return NIBBLE_BITS if nbits <= NIBBLE_BITS and head_dim % 2 == 0 else 8
+
+
 def stored_share(fmt: KvFormat, head_dim: int) -> float:
     """Bytes a stored token takes over a 16-bit one, as this implementation holds it: transformers'
     backends pack their integers, and so do certkv's integer formats, eight channels of b bits in
     b bytes where the head size is a multiple of 8 (what :meth:`bytes_share` prices). For other
     head sizes, integers of at most 4 bits take 4 (two to a byte, head size even) and wider ones 8
-    (an int8 each): more than the format's price
-    (:func:`certkv.kv_formats.token_quantisers.stored_bits`).
+    (an int8 each): more than the format's price (:func:`stored_bits`).
 
     Examples
     --------
@@ -289,9 +308,7 @@ def stored_share(fmt: KvFormat, head_dim: int) -> float:
     if isinstance(fmt, SplitFormat):
         return (stored_share(fmt.keys, head_dim) + stored_share(fmt.values, head_dim)) / 2
     if isinstance(fmt, IntFormat):
-        # token_quantisers.stored_bits (that module needs torch)
-        container = fmt.nbits if fmt.nbits < 8 and head_dim % 8 == 0 else 4 if fmt.nbits <= 4 and head_dim % 2 == 0 else 8
-        return fmt.model_copy(update={"nbits": container}).bytes_share(head_dim)
+        return fmt.model_copy(update={"nbits": stored_bits(fmt.nbits, head_dim)}).bytes_share(head_dim)
     return fmt.bytes_share(head_dim)
 
 
@@ -394,6 +411,6 @@ def _check_cheaper(data: dict[str, Any]) -> None:
                      "use fewer bits or a larger q_group_size")
 
 
-__all__ = ["BACKENDS", "CacheBlock", "Fp8Format", "IntFormat", "KvFormat", "SplitFormat", "TieredFormat", "TokenFormat",
-           "TransformersFormat", "format_ladder", "full_share", "key_value_formats", "needs_pilot_scales", "parse_format",
-           "stored_share", "with_pilot_scales"]
+__all__ = ["BACKENDS", "NIBBLE_BITS", "CacheBlock", "Fp8Format", "IntFormat", "KvFormat", "SplitFormat", "TieredFormat",
+           "TokenFormat", "TransformersFormat", "format_ladder", "full_share", "key_value_formats", "needs_pilot_scales",
+           "parse_format", "stored_bits", "stored_share", "with_pilot_scales"]

@@ -11,13 +11,15 @@ model's dtype.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 
-from certkv.kv_formats.spec import Fp8Format, IntFormat
+from certkv.kv_formats.spec import NIBBLE_BITS, Fp8Format, IntFormat, stored_bits
 
 #: What a stored token knows how to dequantise with.
 TokenQuantiser = Union["Fp8Quantiser", "IntQuantiser"]
@@ -89,7 +91,7 @@ class Fp8Quantiser:
 class IntQuantiser:
     """Symmetric ``nbits`` integers in ``[-(2^(b-1) - 1), 2^(b-1) - 1]``, one float16 scale (the
     group's largest magnitude over the largest integer) per group of channels of a token and head.
-    Integers of b < 8 bits are stored packed where they can be (:func:`stored_bits`): with
+    Integers of b < 8 bits are stored packed where they can be (:func:`~certkv.kv_formats.spec.stored_bits`): with
     :func:`pack_bits` into whole bytes where the head size is a multiple of 8 (4 bits with
     :func:`pack_nibbles`, the same layout), else with :func:`pack_nibbles` for b <= 4 and an even
     head size; packed ``data`` is uint8 (batch, heads, tokens, head_dim * stored_bits / 8). The
@@ -100,12 +102,11 @@ class IntQuantiser:
         if head_dim % self.group:
             raise ValueError(f"cache.q_group_size {self.group} does not divide the model's head size {head_dim}")
         self.largest = 2 ** (fmt.nbits - 1) - 1
-        self.nbits = fmt.nbits
-        #: Bits a stored channel takes (:func:`stored_bits`); below 8 the integers are packed, into
-        #: whole bytes where the head size is a multiple of 8, else two to a byte (b <= 4, even size).
+        #: Bits a stored channel takes (:func:`~certkv.kv_formats.spec.stored_bits`); below 8 the
+        #: integers are packed, into whole bytes where the head size is a multiple of 8, else two to
+        #: a byte (b <= 4, even size).
         self.stored_bits = stored_bits(fmt.nbits, head_dim)
-        # 4 bits pack as nibbles either way (the same layout), and unpack faster so
-        self._in_words = fmt.nbits < 8 and fmt.nbits != NIBBLE_BITS and head_dim % 8 == 0
+        self._pack, self._unpack = _codec(fmt.nbits, self.stored_bits)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:-1], x.shape[-1] // self.group, self.group)
@@ -117,16 +118,9 @@ class IntQuantiser:
         q = torch.round(grouped / divisor).clamp(-self.largest, self.largest).to(torch.int8).reshape(x.shape)
         return StoredTokens(self._pack(q), scale, x.dtype, self)
 
-    def _pack(self, q: torch.Tensor) -> torch.Tensor:
-        if self.stored_bits == 8:
-            return q
-        return pack_bits(q, self.nbits) if self._in_words else pack_nibbles(q)
-
     def integers(self, stored: StoredTokens) -> torch.Tensor:
         """The stored integers, int8 (batch, heads, tokens, head_dim), unpacked."""
-        if self.stored_bits == 8:
-            return stored.data
-        return unpack_bits(stored.data, self.nbits) if self._in_words else unpack_nibbles(stored.data)
+        return self._unpack(stored.data)
 
     def dequantize(self, stored: StoredTokens) -> torch.Tensor:
         assert stored.scale is not None  # an integer format always stores its scales
@@ -135,18 +129,14 @@ class IntQuantiser:
         return grouped.reshape(q.shape).to(stored.dtype)
 
 
-#: The widest integers stored two to a byte where the head size does not allow eight in b bytes.
-NIBBLE_BITS = 4
-
-
-def stored_bits(nbits: int, head_dim: int) -> int:
-    """Bits a stored channel of an ``nbits`` integer format takes for heads of `head_dim`
-    channels: ``nbits`` where eight channels pack into ``nbits`` bytes (``head_dim`` a multiple of
-    8), else 4 for ``nbits`` <= 4 and an even head size (two to a byte), else 8 (an int8 each).
-    :func:`certkv.kv_formats.spec.stored_share` counts the same (that module is torch-free)."""
-    if nbits < 8 and head_dim % 8 == 0:
-        return nbits
-    return NIBBLE_BITS if nbits <= NIBBLE_BITS and head_dim % 2 == 0 else 8
+def _codec(nbits: int, stored: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """(pack, unpack) of ``nbits`` integers stored in ``stored`` bits a channel: none at 8, nibbles
+    at 4 (for 4 bits the same layout as :func:`pack_bits`, and faster to unpack), else whole bytes."""
+    if stored == 8:
+        return (lambda q: q), (lambda data: data)
+    if stored == NIBBLE_BITS:
+        return pack_nibbles, unpack_nibbles
+    return functools.partial(pack_bits, nbits=nbits), functools.partial(unpack_bits, nbits=nbits)
 
 
 def _words(nbits: int) -> tuple[int, int, torch.dtype]:
@@ -222,5 +212,5 @@ def token_quantiser(fmt: Fp8Format | IntFormat, head_dim: int, layer: int = 0, w
     return IntQuantiser(fmt, head_dim)
 
 
-__all__ = ["NIBBLE_BITS", "Fp8Quantiser", "IntQuantiser", "StoredTokens", "TokenQuantiser", "pack_bits", "pack_nibbles",
-           "stored_bits", "token_quantiser", "unpack_bits", "unpack_nibbles"]
+__all__ = ["Fp8Quantiser", "IntQuantiser", "StoredTokens", "TokenQuantiser", "pack_bits", "pack_nibbles", "token_quantiser",
+           "unpack_bits", "unpack_nibbles"]

@@ -148,8 +148,8 @@ def test_packed_integers_round_trip_and_head_sizes_that_do_not_pack_fall_back(nb
     even size) or an int8 each, and is priced so by stored_share."""
     import torch
 
-    from certkv.kv_formats.spec import parse_format, stored_share
-    from certkv.kv_formats.token_quantisers import pack_bits, pack_nibbles, stored_bits, token_quantiser, unpack_bits
+    from certkv.kv_formats.spec import parse_format, stored_bits, stored_share
+    from certkv.kv_formats.token_quantisers import pack_bits, pack_nibbles, token_quantiser, unpack_bits
 
     low, high = -(2 ** (nbits - 1)), 2 ** (nbits - 1) - 1
     q = torch.arange(low, high + 1, dtype=torch.int8).repeat(8)[: 8 * (2 ** nbits // 8 + 1)]
