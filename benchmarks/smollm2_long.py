@@ -69,9 +69,12 @@ def out_of_reach(candidates: dict, planned: int, risk: float, delta: float) -> d
     all tasks) than a certificate on all `planned` requests allows even with the whole of δ spent on
     that candidate (the largest k with ``P(Binomial(planned, ε) <= k) <= δ``), so no remaining
     request can change the verdict. Only for a contract without a pilot, where every request certifies."""
-    from certkv.core.binomial import binomial_p_value
+    import numpy as np
 
-    most = max((k for k in range(planned + 1) if binomial_p_value(k, planned, risk) <= delta), default=-1)
+    from certkv.core.binomial import binomial_p_value_table
+
+    allowed = np.flatnonzero(binomial_p_value_table(planned, risk) <= delta)
+    most = int(allowed[-1]) if allowed.size else -1
     out = {}
     for policy, cand in candidates.items():
         broken = sum(t["task_broken"] for t in cand["tasks"].values())
