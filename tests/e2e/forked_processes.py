@@ -159,7 +159,10 @@ def _the_zygote() -> Zygote | None:
     if os.environ.get("CERTKV_TEST_NO_FORK"):
         return None
     if _zygote is None:
-        _zygote = Zygote(_environment or dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore"))
+        if _environment is None:
+            prepare()
+        assert _environment is not None
+        _zygote = Zygote(_environment)
     return _zygote
 
 
